@@ -1,0 +1,38 @@
+# The README's two commands: `make demo` (kproxy on the embedded lab) and `make test` (everything CI runs).
+# Both begin with `setup`, which is idempotent.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+KPROXY := $(VENV)/bin/kproxy
+MODE   ?= iptables
+
+.PHONY: setup test lint unit integration conformance demo bench clean-lab
+
+setup:
+	@bash scripts/setup.sh
+
+lint: setup
+	$(VENV)/bin/ruff check kproxy backends tests
+	$(VENV)/bin/ruff format --check kproxy backends tests
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+test: lint
+	$(PY) -m pytest
+
+unit: setup
+	$(PY) -m pytest tests/unit
+
+integration: setup
+	$(PY) -m pytest tests/integration
+
+conformance: setup
+	$(KPROXY) conformance --mode $(MODE)
+
+demo: setup
+	bash scripts/demo.sh $(MODE)
+
+bench: setup
+	$(KPROXY) bench sync --mode $(MODE) --services 10000 --endpoints 10 --repeat 5 --format json
+
+clean-lab: setup
+	$(KPROXY) lab down

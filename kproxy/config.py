@@ -1,0 +1,247 @@
+"""One frozen configuration object, built from a KubeProxyConfiguration YAML file and command-line flags.
+
+Flag names and YAML field names are upstream kube-proxy's where they exist, so a DaemonSet written for
+kube-proxy carries over. Precedence: defaults < ``--config`` file < flags given explicitly on the command line.
+Backend-specific options (``--nftables-...``, ``--bpf-...``) are declared by the backends themselves and land in
+``ProxyConfig.backend_options`` untouched.
+
+Who uses it: ``cli`` builds it, the daemon and every backend read it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from kproxy.model import IPFamily
+
+DEFAULT_HEALTHZ = "0.0.0.0:10256"
+DEFAULT_METRICS = "127.0.0.1:10249"
+FULL_SYNC_PERIOD = 3600.0  # upstream proxyutil.FullSyncPeriod: the runner's max interval
+DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+
+
+def parse_duration(value: str | int | float) -> float:
+    """Parse a Go duration (``1h0m0s``, ``30s``, ``500ms``) or a number of seconds into seconds."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    pos, total = 0, 0.0
+    scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    for m in _DURATION.finditer(text):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * scale[m.group(2)]
+        pos = m.end()
+    if pos != len(text) or not text:
+        raise ConfigError(f"invalid duration {value!r}")
+    return total
+
+
+def parse_hostport(value: str, what: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT`` into a (host, port) pair; an empty host means all addresses."""
+    text = value.strip()
+    if text.startswith("["):
+        host, _, port = text[1:].partition("]:")
+    else:
+        host, _, port = text.rpartition(":")
+    try:
+        num = int(port)
+    except ValueError:
+        raise ConfigError(f"{what}: {value!r} is not HOST:PORT") from None
+    if not 0 <= num <= 65535:
+        raise ConfigError(f"{what}: port {num} out of range")
+    if host:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ConfigError(f"{what}: {host!r} is not an IP address") from None
+    return host, num
+
+
+def _cidrs(values: list[str] | tuple[str, ...], what: str, keywords: tuple[str, ...] = ()) -> tuple[str, ...]:
+    out = []
+    for raw in values:
+        for item in str(raw).split(","):
+            item = item.strip()
+            if not item:
+                continue
+            if item in keywords:
+                out.append(item)
+                continue
+            try:
+                out.append(str(ipaddress.ip_network(item, strict=False)))
+            except ValueError:
+                raise ConfigError(f"{what}: {item!r} is not a CIDR") from None
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Everything kproxy's core and backends are told at start-up."""
+
+    mode: str = "iptables"
+    hostname_override: str = ""
+    cluster_cidrs: tuple[str, ...] = ()
+    detect_local_mode: str = "ClusterCIDR"
+    nodeport_addresses: tuple[str, ...] = ()  # CIDRs, or ("primary",); empty = every local address
+    masquerade_all: bool = False
+    masquerade_bit: int = 14
+    min_sync_period: float = 1.0
+    sync_period: float = 30.0
+    full_sync_period: float = FULL_SYNC_PERIOD
+    healthz_bind_address: str = DEFAULT_HEALTHZ
+    metrics_bind_address: str = DEFAULT_METRICS
+    kubeconfig: str = ""
+    master: str = ""
+    manifests: str = ""  # a folder of YAML manifests: the files source instead of an API server
+    service_proxy_name: str = ""  # services labelled service-proxy-name=<this> are ours; empty: none are
+    ip_families: tuple[IPFamily, ...] = (IPFamily.V4, IPFamily.V6)
+    backend_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def node_name(self) -> str:
+        """Upstream: ``--hostname-override`` lower-cased, else the host name; must equal the Node's name."""
+        return (self.hostname_override or socket.gethostname()).strip().lower()
+
+    @property
+    def masquerade_mark(self) -> str:
+        """The packet mark for masquerading, formatted as upstream formats it (``0x004000`` for bit 14)."""
+        return f"{1 << self.masquerade_bit:#08x}"
+
+    @property
+    def health_timeout(self) -> float:
+        """Upstream: healthz fails when an update stays queued longer than twice the sync period."""
+        return 2 * self.sync_period
+
+    def cluster_cidrs_for(self, family: IPFamily) -> tuple[str, ...]:
+        return tuple(c for c in self.cluster_cidrs if IPFamily.of(c) == family)
+
+    def validate(self) -> ProxyConfig:
+        if self.detect_local_mode not in DETECT_LOCAL_MODES:
+            raise ConfigError(f"detectLocalMode: {self.detect_local_mode!r} not one of {DETECT_LOCAL_MODES}")
+        if not 0 <= self.masquerade_bit <= 31:
+            raise ConfigError(f"masqueradeBit: {self.masquerade_bit} not in 0..31")
+        if self.min_sync_period < 0 or self.sync_period <= 0:
+            raise ConfigError("minSyncPeriod must be >= 0 and syncPeriod > 0")
+        if self.full_sync_period < self.min_sync_period:
+            raise ConfigError("the full sync period must not be shorter than minSyncPeriod")
+        parse_hostport(self.healthz_bind_address, "healthzBindAddress")
+        parse_hostport(self.metrics_bind_address, "metricsBindAddress")
+        if len(self.cluster_cidrs) > 2 or len({IPFamily.of(c) for c in self.cluster_cidrs}) < len(self.cluster_cidrs):
+            raise ConfigError("clusterCIDR: at most one CIDR per IP family")
+        return self
+
+    def with_(self, **changes: Any) -> ProxyConfig:
+        return replace(self, **changes).validate()
+
+
+# KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1) field -> ProxyConfig field and converter.
+def _yaml_fields(doc: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ipt = doc.get("iptables") or {}
+    simple = {
+        "mode": ("mode", str),
+        "hostnameOverride": ("hostname_override", str),
+        "detectLocalMode": ("detect_local_mode", str),
+        "healthzBindAddress": ("healthz_bind_address", str),
+        "metricsBindAddress": ("metrics_bind_address", str),
+    }
+    for key, (name, conv) in simple.items():
+        if doc.get(key) not in (None, ""):
+            out[name] = conv(doc[key])
+    if doc.get("clusterCIDR"):
+        out["cluster_cidrs"] = _cidrs([doc["clusterCIDR"]], "clusterCIDR")
+    if doc.get("nodePortAddresses"):
+        out["nodeport_addresses"] = _cidrs(list(doc["nodePortAddresses"]), "nodePortAddresses", ("primary",))
+    masq_all = doc.get("iptables", {}).get("masqueradeAll") if ipt else None
+    if masq_all is not None:
+        out["masquerade_all"] = bool(masq_all)
+    if ipt.get("masqueradeBit") is not None:
+        out["masquerade_bit"] = int(ipt["masqueradeBit"])
+    for src in (ipt, doc):  # newer configs have top-level syncPeriod/minSyncPeriod; they win
+        if src.get("syncPeriod") is not None:
+            out["sync_period"] = parse_duration(src["syncPeriod"])
+        if src.get("minSyncPeriod") is not None:
+            out["min_sync_period"] = parse_duration(src["minSyncPeriod"])
+    kubeconfig = (doc.get("clientConnection") or {}).get("kubeconfig")
+    if kubeconfig:
+        out["kubeconfig"] = str(kubeconfig)
+    return out
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a KubeProxyConfiguration YAML file into ProxyConfig field values; ConfigError on anything odd."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--config {path}: not a mapping")
+    kind = doc.get("kind")
+    if kind != "KubeProxyConfiguration":
+        raise ConfigError(f"--config {path}: kind is {kind!r}, expected KubeProxyConfiguration")
+    api = str(doc.get("apiVersion", ""))
+    if not api.startswith("kubeproxy.config.k8s.io/"):
+        raise ConfigError(f"--config {path}: apiVersion {api!r} is not kubeproxy.config.k8s.io/*")
+    try:
+        return _yaml_fields(doc)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
+
+
+def build_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> ProxyConfig:
+    """Merge defaults, file values and explicitly given flags (flags win), and validate."""
+    names = {f.name for f in fields(ProxyConfig)}
+    merged: dict[str, Any] = {}
+    for src in (file_values, flag_values):
+        for key, value in src.items():
+            if key not in names:
+                raise ConfigError(f"unknown configuration field {key!r}")
+            merged[key] = value
+    if "cluster_cidrs" in merged:
+        merged["cluster_cidrs"] = _cidrs(list(merged["cluster_cidrs"]), "--cluster-cidr")
+    if "nodeport_addresses" in merged:
+        merged["nodeport_addresses"] = _cidrs(list(merged["nodeport_addresses"]), "--nodeport-addresses", ("primary",))
+    if "backend_options" in merged:
+        merged["backend_options"] = MappingProxyType(dict(merged["backend_options"]))
+    return ProxyConfig(**merged).validate()
+
+
+def to_kube_proxy_configuration(cfg: ProxyConfig) -> dict[str, Any]:
+    """The effective configuration in KubeProxyConfiguration shape, for ``/configz``."""
+    return {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "mode": cfg.mode,
+        "hostnameOverride": cfg.hostname_override,
+        "clusterCIDR": ",".join(cfg.cluster_cidrs),
+        "detectLocalMode": cfg.detect_local_mode,
+        "nodePortAddresses": list(cfg.nodeport_addresses),
+        "healthzBindAddress": cfg.healthz_bind_address,
+        "metricsBindAddress": cfg.metrics_bind_address,
+        "syncPeriod": f"{cfg.sync_period:g}s",
+        "minSyncPeriod": f"{cfg.min_sync_period:g}s",
+        "iptables": {"masqueradeAll": cfg.masquerade_all, "masqueradeBit": cfg.masquerade_bit},
+        "clientConnection": {"kubeconfig": cfg.kubeconfig},
+        "backendOptions": {k: v for k, v in cfg.backend_options.items() if isinstance(v, (str, int, float, bool))},
+    }

@@ -1,0 +1,287 @@
+"""The node-local data model every part of kproxy speaks.
+
+Sources produce Kubernetes objects (plain JSON-shaped dicts); the cache (``kproxy.cache``) turns them into the
+frozen values below; backends receive only these values and never read a Kubernetes object. Everything here is
+immutable, slotted and hashable so that snapshots can be shared between threads without copying and compared
+cheaply to find what changed.
+
+Who uses it: the cache and topology (to build), the runner and daemon (to pass along), every backend (to render),
+the servers (to report), the lab and conformance suite (to describe expectations).
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+
+class IPFamily(str, enum.Enum):
+    """An IP family, spelled as Kubernetes spells it (``spec.ipFamilies``, ``addressType``)."""
+
+    V4 = "IPv4"
+    V6 = "IPv6"
+
+    @classmethod
+    def of(cls, ip: str) -> IPFamily:
+        """The family of an address or CIDR string; raises ValueError on garbage."""
+        text = ip.split("/", 1)[0]
+        return cls.V6 if ipaddress.ip_address(text).version == 6 else cls.V4
+
+    @property
+    def label(self) -> str:
+        """The ``ip_family`` label value upstream's metrics use."""
+        return self.value
+
+
+class Protocol(str, enum.Enum):
+    """An L4 protocol as it appears in ``ServicePort.protocol``."""
+
+    TCP = "TCP"
+    UDP = "UDP"
+    SCTP = "SCTP"
+
+    @property
+    def lowercase(self) -> str:
+        return self.value.lower()
+
+
+class Verdict(str, enum.Enum):
+    """What a backend does with new traffic to one class of a service's addresses.
+
+    Decided once, in the cache (``topology.py``), so every backend behaves the same:
+    FORWARD when there are endpoints to send to; REJECT (TCP RST / ICMP port-unreachable, the client fails fast)
+    when the service has no usable endpoints anywhere; DROP when the traffic policy is Local and this node has no
+    local endpoint while others do (a load balancer's health check then fails and it retries elsewhere).
+    """
+
+    FORWARD = "forward"
+    REJECT = "reject"
+    DROP = "drop"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class NamespacedName:
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ServicePortName:
+    """One port of one Service: upstream's ``ServicePortName`` (namespace/name:portName plus protocol).
+
+    ``str()`` is upstream's ``String()`` (``ns/name:port``, ``:port`` omitted when the port is unnamed); backends
+    that reproduce upstream's chain-name hashing feed ``str(spn) + protocol.lowercase`` to it.
+    """
+
+    namespace: str
+    name: str
+    port: str
+    protocol: Protocol
+
+    @property
+    def service(self) -> NamespacedName:
+        return NamespacedName(self.namespace, self.name)
+
+    def __str__(self) -> str:
+        base = f"{self.namespace}/{self.name}"
+        return f"{base}:{self.port}" if self.port else base
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One backend address of a service port, as merged from its EndpointSlices.
+
+    ``is_local`` is decided by the cache (endpoint's ``nodeName`` equals this node's name).
+    """
+
+    ip: str
+    port: int
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    node_name: str | None = None
+    zone: str | None = None
+    is_local: bool = False
+    zone_hints: frozenset[str] = frozenset()
+    node_hints: frozenset[str] = frozenset()
+
+    @property
+    def family(self) -> IPFamily:
+        return IPFamily.V6 if ":" in self.ip else IPFamily.V4
+
+    def __str__(self) -> str:
+        return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
+
+
+DEFAULT_AFFINITY_TIMEOUT = 10800  # seconds; upstream's default for sessionAffinityConfig.clientIP.timeoutSeconds
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePort:
+    """The node-local truth for one service port in one IP family: addresses, policies and chosen endpoints.
+
+    A dual-stack Service yields two of these (one per family) with the same ``name``. Endpoints are already
+    chosen for this node (``topology.categorize_endpoints``): a backend forwards internal traffic (ClusterIP) to
+    ``internal_endpoints`` and external traffic (NodePort, externalIPs, load-balancer IPs) to
+    ``external_endpoints``, and applies ``internal_verdict`` / ``external_verdict`` when those are empty.
+    ``cluster_endpoints`` stays available for upstream's short-circuit: traffic from a local pod or from the node
+    itself to an external address of an externalTrafficPolicy=Local service uses the cluster set.
+    """
+
+    name: ServicePortName
+    family: IPFamily
+    cluster_ip: str
+    port: int
+    node_port: int = 0
+    external_ips: tuple[str, ...] = ()
+    load_balancer_ips: tuple[str, ...] = ()
+    load_balancer_source_ranges: tuple[str, ...] = ()
+    affinity_timeout: int = 0  # seconds of ClientIP affinity; 0 = none
+    external_policy_local: bool = False
+    internal_policy_local: bool = False
+    health_check_node_port: int = 0
+    cluster_endpoints: tuple[Endpoint, ...] = ()
+    local_endpoints: tuple[Endpoint, ...] = ()
+    has_any_endpoints: bool = False
+
+    @property
+    def protocol(self) -> Protocol:
+        return self.name.protocol
+
+    @property
+    def has_external_addresses(self) -> bool:
+        return bool(self.node_port or self.external_ips or self.load_balancer_ips)
+
+    @property
+    def internal_endpoints(self) -> tuple[Endpoint, ...]:
+        return self.local_endpoints if self.internal_policy_local else self.cluster_endpoints
+
+    @property
+    def external_endpoints(self) -> tuple[Endpoint, ...]:
+        return self.local_endpoints if self.external_policy_local else self.cluster_endpoints
+
+    @property
+    def internal_verdict(self) -> Verdict:
+        if self.internal_endpoints:
+            return Verdict.FORWARD
+        return Verdict.DROP if self.has_any_endpoints else Verdict.REJECT
+
+    @property
+    def external_verdict(self) -> Verdict:
+        if self.external_endpoints:
+            return Verdict.FORWARD
+        return Verdict.DROP if self.has_any_endpoints else Verdict.REJECT
+
+    @property
+    def all_endpoints(self) -> tuple[Endpoint, ...]:
+        """Every endpoint some traffic to this port may reach from this node (upstream's allReachable), in order."""
+        seen: dict[str, Endpoint] = {}
+        for ep in self.internal_endpoints + self.external_endpoints + self.cluster_endpoints:
+            seen.setdefault(str(ep), ep)
+        return tuple(seen.values())
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """ClusterIP, externalIPs and load-balancer IPs (node ports are addressed by the node's own IPs)."""
+        return (self.cluster_ip, *self.external_ips, *self.load_balancer_ips)
+
+
+def _empty_labels() -> Mapping[str, str]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What kproxy needs to know about its own Node object."""
+
+    name: str
+    labels: Mapping[str, str] = field(default_factory=_empty_labels)
+    zone: str | None = None
+    pod_cidrs: tuple[str, ...] = ()
+    addresses: tuple[str, ...] = ()  # status.addresses of type InternalIP / ExternalIP
+    eligible: bool = True  # False while the Node is being deleted or tainted ToBeDeletedByClusterAutoscaler
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.labels.items())), self.zone, self.pod_cidrs, self.eligible))
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyState:
+    """A consistent snapshot of everything this node must program, per IP family.
+
+    ``services[family][spn]`` is the ServicePort for that family; a family with no services maps to an empty
+    mapping. ``generation`` grows with every change the cache absorbed.
+    """
+
+    services: Mapping[IPFamily, Mapping[ServicePortName, ServicePort]]
+    node: NodeInfo
+    generation: int = 0
+
+    def family(self, family: IPFamily) -> Mapping[ServicePortName, ServicePort]:
+        return self.services.get(family, MappingProxyType({}))
+
+    def __iter__(self) -> Iterator[ServicePort]:
+        for fam in (IPFamily.V4, IPFamily.V6):
+            yield from self.family(fam).values()
+
+    def __len__(self) -> int:
+        return sum(len(m) for m in self.services.values())
+
+    def get(self, spn: ServicePortName, family: IPFamily) -> ServicePort | None:
+        return self.family(family).get(spn)
+
+
+@dataclass(frozen=True, slots=True)
+class Changes:
+    """What must be rewritten since the last *successful* sync.
+
+    ``services`` names every service port that was added, changed or removed (in any family); a backend
+    rewrites exactly those and may leave everything else alone, unless ``full`` asks for a complete rewrite
+    (first sync, after a failure, after a node label change, periodically). ``trigger_times`` holds the
+    wall-clock times (seconds since the epoch) of the object changes folded into this sync, for
+    ``kubeproxy_network_programming_duration_seconds``.
+    """
+
+    full: bool
+    services: frozenset[ServicePortName] = frozenset()
+    generation: int = 0
+    trigger_times: tuple[float, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.full and not self.services
+
+
+@dataclass(frozen=True, slots=True)
+class SyncResult:
+    """What a backend reports after ``sync``.
+
+    ``failed`` lists service ports whose rules the kernel refused: they were skipped, everything else was
+    applied, and they stay dirty so the next sync retries them. ``error`` set with ``ok`` False means nothing
+    (or not everything) was applied and the whole change must be retried, as a full sync. ``counts`` carries
+    backend figures for metrics and ``/rules`` (for iptables: ``rules_total/nat``, ``rules_last/filter`` ...).
+    ``need_full_sync`` asks for a full resync soon (for example, the canary chain vanished).
+    """
+
+    ok: bool = True
+    full: bool = False
+    error: str | None = None
+    failed: Mapping[ServicePortName, str] = field(default_factory=lambda: MappingProxyType({}))
+    counts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    need_full_sync: bool = False
+
+
+def parse_ip(text: str) -> str:
+    """Canonical text of an IP address (``::ffff:0:1`` style compression for v6); ValueError on garbage."""
+    return str(ipaddress.ip_address(text))
+
+
+def parse_cidr(text: str) -> str:
+    """Canonical text of a CIDR (host bits must be zero); ValueError on garbage."""
+    return str(ipaddress.ip_network(text, strict=True))
