@@ -274,6 +274,7 @@ class SyncResult:
     error: str | None = None
     failed: Mapping[ServicePortName, str] = field(default_factory=lambda: MappingProxyType({}))
     counts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    timings: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))  # seconds: render, apply..
     need_full_sync: bool = False
 
 

@@ -78,6 +78,8 @@ class Proxier:
     mode: ClassVar[str] = ""
     #: Conformance scenarios that are physically impossible for this mode: scenario id -> reason.
     not_applicable: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    #: Whether this mode's datapath NATs through conntrack, so stale UDP entries must be reconciled after syncs.
+    uses_conntrack_nat: ClassVar[bool] = True
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
