@@ -1,0 +1,5 @@
+import sys
+
+from kproxy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,300 @@
+"""The ``kproxy`` command: ``run``, ``cleanup``, ``show``, and the tools (``apiserver``, ``lab``, ``conformance``,
+``bench``, ``compare``) whose sub-commands each tool package registers itself.
+
+Flag names follow upstream kube-proxy where one exists (``--cluster-cidr``, ``--hostname-override``,
+``--nodeport-addresses``, ``--masquerade-all``, ``--min-sync-period``, ``--sync-period``, ``--healthz-bind-address``,
+``--metrics-bind-address``, ``--kubeconfig``, ``--master``, ``--config``, ``--cleanup``, ``--proxy-mode``), so a
+kube-proxy DaemonSet's arguments carry over. Backends declare their own flags (``Proxier.add_arguments``); the
+mode list in ``--help`` comes from the one mode table in ``kproxy.proxier``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from kproxy import __version__
+from kproxy.bench.cli import register as register_bench
+from kproxy.config import ConfigError, ProxyConfig, build_config, load_config_file, parse_duration, parse_hostport
+from kproxy.conformance.cli import register as register_conformance
+from kproxy.lab.apiserver import register as register_apiserver
+from kproxy.lab.cli import register as register_lab
+from kproxy.proxier import MODE_NAMES, MODES, BackendError, Proxier, availability, backend_class, installed_backends
+
+log = logging.getLogger("kproxy")
+
+# flag dest -> ProxyConfig field, for the flags that configure the core (defaults are suppressed so that only
+# flags given on the command line override the --config file).
+_CONFIG_FLAGS = {
+    "mode": "mode",
+    "hostname_override": "hostname_override",
+    "cluster_cidr": "cluster_cidrs",
+    "detect_local_mode": "detect_local_mode",
+    "nodeport_addresses": "nodeport_addresses",
+    "masquerade_all": "masquerade_all",
+    "iptables_masquerade_bit": "masquerade_bit",
+    "min_sync_period": "min_sync_period",
+    "sync_period": "sync_period",
+    "healthz_bind_address": "healthz_bind_address",
+    "metrics_bind_address": "metrics_bind_address",
+    "kubeconfig": "kubeconfig",
+    "master": "master",
+    "manifests": "manifests",
+    "service_proxy_name": "service_proxy_name",
+}
+
+
+def _modes_help() -> str:
+    return "; ".join(f"{m.name}: {m.summary}" for m in MODES)
+
+
+def _add_run_parser(sub: argparse._SubParsersAction) -> None:
+    S = argparse.SUPPRESS
+    p = sub.add_parser(
+        "run",
+        help="run the proxy on this node",
+        description="Run the service proxy. Modes, in order: " + _modes_help(),
+    )
+    p.add_argument("--mode", "--proxy-mode", dest="mode", default=S, help=f"one of {', '.join(MODE_NAMES)}")
+    p.add_argument("--config", default=None, help="a KubeProxyConfiguration YAML file; flags given override it")
+    p.add_argument("--kubeconfig", default=S, help="kubeconfig file (default: in-cluster service account)")
+    p.add_argument("--master", default=S, help="API server address, overrides the kubeconfig's")
+    p.add_argument("--manifests", default=S, help="read Services/EndpointSlices/Node from this folder instead")
+    p.add_argument("--hostname-override", default=S, help="this node's Node name (default: the host name)")
+    p.add_argument("--cluster-cidr", action="append", default=S, help="pod CIDR(s) of the cluster, comma-separated")
+    p.add_argument("--detect-local-mode", default=S, choices=("ClusterCIDR", "NodeCIDR"))
+    p.add_argument("--nodeport-addresses", action="append", default=S,
+                   help="CIDRs (or 'primary') whose local addresses accept NodePorts; default all")
+    p.add_argument("--masquerade-all", action="store_true", default=S, help="SNAT all traffic to service IPs")
+    p.add_argument("--iptables-masquerade-bit", type=int, default=S, help="fwmark bit for masquerading (14)")
+    p.add_argument("--min-sync-period", type=parse_duration, default=S, help="min interval between syncs (1s)")
+    p.add_argument("--sync-period", type=parse_duration, default=S,
+                   help="retry interval after a failed sync and periodic resync (30s)")
+    p.add_argument("--healthz-bind-address", default=S, help="HOST:PORT of /healthz and /livez (0.0.0.0:10256)")
+    p.add_argument("--metrics-bind-address", default=S, help="HOST:PORT of /metrics (127.0.0.1:10249)")
+    p.add_argument("--service-proxy-name", default=S,
+                   help="serve services labelled service.kubernetes.io/service-proxy-name=<this>")
+    p.add_argument("--cleanup", action="store_true", help="remove every mode's rules and exit (as upstream)")
+    p.add_argument("--no-cleanup-other-modes", action="store_true",
+                   help="do not remove other modes' leftovers at start-up")
+    backend_flags: dict[str, list[str]] = {}
+    for mode, cls in installed_backends().items():
+        group = p.add_argument_group(f"{mode} mode")
+        before = len(group._group_actions)
+        cls.add_arguments(group)
+        backend_flags[mode] = [a.dest for a in group._group_actions[before:]]
+    p.set_defaults(func=cmd_run, backend_flags=backend_flags)
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    file_values = load_config_file(args.config) if args.config else {}
+    flags: dict[str, Any] = {}
+    for dest, field_name in _CONFIG_FLAGS.items():
+        if hasattr(args, dest):
+            flags[field_name] = getattr(args, dest)
+    mode = flags.get("mode", file_values.get("mode", ProxyConfig.mode))
+    options = {dest: getattr(args, dest) for dest in args.backend_flags.get(mode, []) if hasattr(args, dest)}
+    flags["backend_options"] = options
+    return build_config(file_values, flags)
+
+
+def _cleanup_other_modes(config: ProxyConfig) -> None:
+    for mode, cls in installed_backends().items():
+        if mode == config.mode or not cls.available():
+            continue
+        try:
+            cls(config).cleanup()
+            log.info("removed leftovers of mode %s (if any)", mode)
+        except Exception as exc:  # another mode's cleanup failing must not stop this one from starting
+            log.warning("could not remove leftovers of mode %s: %s", mode, exc)
+
+
+def _make_source_factory(config: ProxyConfig) -> Any:
+    from pathlib import Path
+
+    if config.manifests:
+        from kproxy.sources.files import FilesSource
+
+        return lambda sink: FilesSource(sink, Path(config.manifests), config.node_name)
+    from kproxy.sources.kube import KubeSource, make_api_client
+
+    client = make_api_client(config.kubeconfig, config.master)
+    return lambda sink: KubeSource(sink, client, config.node_name, service_proxy_name=config.service_proxy_name)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"kproxy: {exc}", file=sys.stderr)
+        return 2
+    if args.cleanup:
+        return _cleanup(list(installed_backends()), config)
+    avail = availability(config.mode)
+    if not avail:
+        print(f"kproxy: mode {config.mode!r} cannot run here: {avail.reason}", file=sys.stderr)
+        return 1
+    cls = backend_class(config.mode)
+    if not args.no_cleanup_other_modes:
+        _cleanup_other_modes(config)
+    from kproxy.daemon import Daemon
+
+    try:
+        factory = _make_source_factory(config)
+        daemon = Daemon(config, cls(config), factory)
+    except Exception as exc:
+        print(f"kproxy: cannot start: {exc}", file=sys.stderr)
+        return 1
+
+    def _stop(signum: int, _frame: Any) -> None:
+        log.info("received %s: stopping (kernel state is left in place)", signal.Signals(signum).name)
+        daemon.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        daemon.start()
+    except OSError as exc:
+        print(f"kproxy: cannot start: {exc}", file=sys.stderr)
+        daemon.stop()
+        return 1
+    while not daemon.wait(1.0):
+        pass
+    return 0
+
+
+def _cleanup(modes: Sequence[str], config: ProxyConfig) -> int:
+    rc = 0
+    for mode in modes:
+        try:
+            cls: type[Proxier] = backend_class(mode)
+        except BackendError as exc:
+            print(f"kproxy cleanup: {exc}", file=sys.stderr)
+            rc = 1
+            continue
+        avail = cls.available()
+        if not avail:
+            print(f"kproxy cleanup: skipping {mode}: {avail.reason}", file=sys.stderr)
+            continue
+        try:
+            cls(config.with_(mode=mode)).cleanup()
+            print(f"kproxy cleanup: removed everything of mode {mode}")
+        except Exception as exc:
+            print(f"kproxy cleanup: {mode}: {exc}", file=sys.stderr)
+            rc = 1
+    return rc
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    modes = list(installed_backends()) if args.mode == "all" else [args.mode]
+    return _cleanup(modes, ProxyConfig())
+
+
+def _fetch_json(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback URL built from a flag
+        return json.loads(resp.read().decode())
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    host, port = parse_hostport(args.metrics_bind_address, "--metrics-bind-address")
+    host = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+    hostpart = f"[{host}]" if ":" in host else host
+    url = f"http://{hostpart}:{port}/rules"
+    if args.service:
+        url += "?service=" + urllib.request.quote(args.service, safe="")
+    try:
+        data = _fetch_json(url)
+    except (OSError, urllib.error.URLError, ValueError) as exc:
+        print(f"kproxy show: cannot read {url}: {exc} (is `kproxy run` running on this node?)", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return 0
+    print(render_show_table(data))
+    return 0
+
+
+def render_show_table(data: dict[str, Any]) -> str:
+    """A human summary of ``/rules``: one block per service port and family."""
+    lines = [f"mode {data.get('mode')}  node {data.get('node')}  ready {data.get('ready')}"]
+    sync = data.get("sync") or {}
+    lines.append(f"syncs {sync.get('syncs')}  failures {sync.get('failures')}  last error {sync.get('lastError')}")
+    for key, why in sorted((sync.get("failedServices") or {}).items()):
+        lines.append(f"  REFUSED BY KERNEL {key}: {why}")
+    for key, why in sorted((data.get("rejectedObjects") or {}).items()):
+        lines.append(f"  REJECTED {key}: {why}")
+    backend = data.get("backend") or {}
+    services = backend.get("services") or {}
+    for name in sorted(services):
+        lines.append(name)
+        per_family = services[name]
+        for fam in sorted(per_family):
+            info = per_family[fam]
+            if isinstance(info, dict):
+                summary = ", ".join(f"{k}={v}" for k, v in info.items() if not isinstance(v, (list, dict)))
+                lines.append(f"  {fam}: {summary}")
+                for k, v in info.items():
+                    if isinstance(v, list):
+                        lines.append(f"    {k}:")
+                        lines.extend(f"      {item}" for item in v)
+            else:
+                lines.append(f"  {fam}: {info}")
+    return "\n".join(lines)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    print("kproxy compare: not implemented yet (it comes with the compare issue, after the other backends)",
+          file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kproxy",
+        description="A Kubernetes service proxy: one cache, one contract, modes " + ", ".join(MODE_NAMES) + ".",
+    )
+    parser.add_argument("--version", action="version", version=f"kproxy {__version__}")
+    parser.add_argument("-v", "--v", dest="verbosity", type=int, default=0, help="log verbosity (0-4), as klog's --v")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_run_parser(sub)
+    c = sub.add_parser("cleanup", help="remove every rule, map and chain a mode wrote, then exit")
+    c.add_argument("--mode", default="all", choices=(*MODE_NAMES, "all"))
+    c.set_defaults(func=cmd_cleanup)
+    s = sub.add_parser("show", help="how each service is programmed on this node (reads the running kproxy)")
+    s.add_argument("--service", default=None, help="ns/name[:port][/PROTO]")
+    s.add_argument("--format", choices=("table", "json"), default="table")
+    s.add_argument("--metrics-bind-address", default="127.0.0.1:10249")
+    s.set_defaults(func=cmd_show)
+    register_apiserver(sub)
+    register_lab(sub)
+    register_conformance(sub)
+    register_bench(sub)
+    cmp_ = sub.add_parser("compare", help="compare every available backend (later issue)")
+    cmp_.set_defaults(func=cmd_compare)
+    return parser
+
+
+def setup_logging(verbosity: int) -> None:
+    level = logging.DEBUG if verbosity >= 4 else logging.INFO if verbosity >= 0 else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname).1s %(name)s] %(message)s", stream=sys.stderr)
+    for noisy in ("urllib3", "kubernetes", "pyroute2"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.verbosity)
+    rc: int = args.func(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""``kproxy run``: wires one source, the shared cache, the runner, one backend and the servers together.
+
+This is the only place that knows all the parts; each part knows only the layer below it. The flow, as upstream's
+ProxyServer plus the shared-runner refactor (reference/upstream-kube-proxy.md §1.2, §8):
+
+    source threads --objects--> ServiceCache --on_change--> runner.run()        (health: update queued)
+    runner thread: snapshot -> backend.sync(state, changes) -> commit | retry    (health: updated; metrics)
+                   -> service health servers, conntrack reconciler
+
+Threads, in one place: the sources' list/watch threads only write into the cache; one runner thread calls the
+backend; the HTTP servers answer from their own threads and read only thread-safe objects (health, metrics, the
+backend's ``describe``). SIGTERM stops everything *without* touching kernel state, so established connections
+survive a restart or an upgrade.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kproxy.cache import ServiceCache
+from kproxy.config import ProxyConfig, to_kube_proxy_configuration
+from kproxy.conntrack import ConntrackReconciler, reconcile_needed
+from kproxy.metrics import Metrics
+from kproxy.model import Changes, IPFamily, NamespacedName, ProxyState, ServicePortName, SyncResult
+from kproxy.proxier import Proxier
+from kproxy.runner import BoundedFrequencyRunner
+from kproxy.server.health import ProxyHealth
+from kproxy.server.http import HealthzServer, MetricsServer
+from kproxy.server.service_health import ServiceHealthServer
+
+log = logging.getLogger(__name__)
+
+
+class Source(Protocol):
+    def start(self) -> Any: ...
+    def stop(self) -> Any: ...
+
+
+SourceFactory = Callable[[ServiceCache], Source]
+
+
+def health_check_ports(state: ProxyState) -> dict[NamespacedName, int]:
+    """healthCheckNodePort per service (eTP=Local load balancers), for the service health servers."""
+    out: dict[NamespacedName, int] = {}
+    for sp in state:
+        if sp.health_check_node_port:
+            out[sp.name.service] = sp.health_check_node_port
+    return out
+
+
+def local_ready_endpoints(state: ProxyState) -> dict[NamespacedName, int]:
+    """Upstream's LocalReadyEndpoints: unique local *ready* endpoint IPs per service (terminating excluded)."""
+    ips: dict[NamespacedName, set[str]] = {}
+    for sp in state:
+        if not sp.health_check_node_port:
+            continue
+        bucket = ips.setdefault(sp.name.service, set())
+        bucket.update(ep.ip for ep in sp.local_endpoints if ep.ready)
+    return {svc: len(s) for svc, s in ips.items()}
+
+
+@dataclass
+class SyncStatus:
+    """What the last syncs did, for ``/rules`` and logs."""
+
+    syncs: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    last_full: float = 0.0
+    last_success: float = 0.0
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+class Daemon:
+    """One running proxy: construct, ``start()``, then ``stop()`` (from a signal handler or a test)."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        backend: Proxier,
+        source_factory: SourceFactory,
+        *,
+        metrics: Metrics | None = None,
+        reconciler: ConntrackReconciler | None = None,
+        event_sink: Callable[[str, str, NamespacedName | None], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.metrics = metrics or Metrics()
+        self.families = tuple(config.ip_families)
+        self.health = ProxyHealth(self.families, config.health_timeout)
+        self.cache = ServiceCache(
+            config.node_name,
+            service_proxy_name=config.service_proxy_name,
+            ip_families=self.families,
+            on_change=self._on_change,
+        )
+        self.runner = BoundedFrequencyRunner(
+            "sync-runner",
+            self._sync,
+            min_interval=config.min_sync_period,
+            retry_interval=config.sync_period,
+            max_interval=config.sync_period,
+        )
+        self.healthz = HealthzServer(config.healthz_bind_address, self.health, self.metrics)
+        self.metrics_server = MetricsServer(
+            config.metrics_bind_address,
+            self.metrics,
+            backend.mode,
+            configz=lambda: to_kube_proxy_configuration(self.config),
+            rules=self.rules,
+        )
+        self.service_health = ServiceHealthServer(
+            self._nodeport_addresses(), self.health, on_listen_error=self._listen_error
+        )
+        self.reconciler = reconciler if reconciler is not None else ConntrackReconciler()
+        self.source = source_factory(self.cache)
+        self.status = SyncStatus()
+        self._event_sink = event_sink
+        self._need_full = True
+        self._last_full_at = 0.0
+        self._state: ProxyState | None = None
+        self._ready_logged = False
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.healthz.start()
+        self.metrics_server.start()
+        self.runner.start()
+        self.source.start()
+        log.info("kproxy started: mode=%s node=%s", self.backend.mode, self.config.node_name)
+
+    def stop(self) -> None:
+        """Stop threads and servers; kernel state stays as it is (never flushed on exit)."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.source.stop()
+        self.runner.stop()
+        self.service_health.close()
+        self.healthz.close()
+        self.metrics_server.close()
+        self.backend.close()
+        log.info("kproxy stopped; rules left in place")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+    # -- cache -> runner -------------------------------------------------------------------------------------
+    def _on_change(self) -> None:
+        now = time.time()
+        for fam in self.families:
+            self.health.queued_update(fam)
+            self.metrics.sync_proxy_rules_last_queued_timestamp_seconds.labels(fam.value).set(now)
+        self.health.set_node_eligible(self.cache.node_info().eligible)
+        self.runner.run()
+
+    def _nodeport_addresses(self) -> list[str]:
+        return [c.split("/")[0] for c in self.config.nodeport_addresses if c != "primary" and c.endswith(("/32", "/128"))]
+
+    def _listen_error(self, svc: NamespacedName, port: int, why: str) -> None:
+        msg = f"failed to start healthcheck {svc} on port {port}: {why}"
+        log.warning(msg)
+        if self._event_sink is not None:
+            self._event_sink("FailedToStartServiceHealthcheck", msg, svc)
+
+    # -- the sync --------------------------------------------------------------------------------------------
+    def _sync(self) -> bool:
+        """One run of the runner. True on success; False asks for a retry (the change stays dirty)."""
+        if not self.cache.ready:
+            if not self._ready_logged:
+                log.info("not syncing until Services and EndpointSlices have been received")
+                self._ready_logged = True
+            return True
+        with self._lock:
+            now = time.monotonic()
+            full = self._need_full or (now - self._last_full_at) >= self.config.full_sync_period
+            state, changes = self.cache.snapshot(full=full)
+            start = time.perf_counter()
+            try:
+                result = self.backend.sync(state, changes)
+            except Exception as exc:  # a backend bug must not kill the runner; retry as a full sync
+                log.exception("sync failed with an exception")
+                result = SyncResult(ok=False, full=changes.full, error=f"{type(exc).__name__}: {exc}")
+            elapsed = time.perf_counter() - start
+            self.status.syncs += 1
+            return self._after_sync(state, changes, result, elapsed)
+
+    def _after_sync(self, state: ProxyState, changes: Changes, result: SyncResult, elapsed: float) -> bool:
+        m = self.metrics
+        if not result.ok:
+            self._need_full = True
+            self.status.failures += 1
+            self.status.last_error = result.error
+            log.error("sync failed (%s sync, %d changed services): %s", "full" if changes.full else "partial",
+                      len(changes.services), result.error)
+            for fam in self.families:
+                if self.backend.mode == "iptables":
+                    (m.sync_proxy_rules_iptables_restore_failures_total if changes.full
+                     else m.sync_proxy_rules_iptables_partial_restore_failures_total).labels(fam.value).inc()
+                elif self.backend.mode == "nftables":
+                    m.sync_proxy_rules_nftables_sync_failures_total.labels(fam.value).inc()
+            return False
+
+        failed: dict[ServicePortName, str] = dict(result.failed)
+        self.cache.commit(changes, failed=failed.keys())
+        self._state = state
+        now_wall = time.time()
+        if changes.full or result.full:
+            self._last_full_at = time.monotonic()
+            self.status.last_full = now_wall
+        self._need_full = result.need_full_sync
+        self.status.last_success = now_wall
+        self.status.last_error = None
+        self.status.failed = {f"{spn}/{spn.protocol.value}": why for spn, why in failed.items()}
+        if failed:
+            log.warning("the kernel refused %d service(s); they were skipped and will be retried: %s",
+                        len(failed), "; ".join(f"{k}: {v}" for k, v in self.status.failed.items()))
+
+        for fam in self.families:
+            self.health.updated(fam)
+            m.sync_proxy_rules_duration_seconds.labels(fam.value).observe(elapsed)
+            (m.sync_full_proxy_rules_duration_seconds if changes.full
+             else m.sync_partial_proxy_rules_duration_seconds).labels(fam.value).observe(elapsed)
+            m.sync_proxy_rules_last_timestamp_seconds.labels(fam.value).set(now_wall)
+            for trigger in changes.trigger_times:
+                if now_wall >= trigger:
+                    m.network_programming_duration_seconds.labels(fam.value).observe(now_wall - trigger)
+            internal = external = 0
+            for sp in state.family(fam).values():
+                if sp.internal_policy_local and not sp.local_endpoints and sp.has_any_endpoints:
+                    internal += 1
+                if sp.external_policy_local and not sp.local_endpoints and sp.has_any_endpoints:
+                    external += 1
+            m.sync_proxy_rules_no_local_endpoints_total.labels(fam.value, "internal").set(internal)
+            m.sync_proxy_rules_no_local_endpoints_total.labels(fam.value, "external").set(external)
+        self._record_counts(result)
+        stats = self.cache.stats()
+        m.sync_proxy_rules_service_changes_pending.set(stats.get("service_changes_pending", 0))
+        m.sync_proxy_rules_endpoint_changes_pending.set(stats.get("endpoint_changes_pending", 0))
+
+        self.service_health.sync_services(health_check_ports(state))
+        self.service_health.sync_endpoints(local_ready_endpoints(state))
+
+        if self.backend.uses_conntrack_nat and reconcile_needed(changes, state):
+            self._reconcile_conntrack(state)
+        # Services the kernel refused stay dirty: ask the runner to come back after the retry interval.
+        return not failed
+
+    def _record_counts(self, result: SyncResult) -> None:
+        """Backend figures named "<family>/<table>/<total|last>" feed the iptables rule-count gauges."""
+        for key, value in result.counts.items():
+            parts = key.split("/")
+            if len(parts) != 3 or parts[0] not in ("IPv4", "IPv6"):
+                continue
+            fam, table, kind = parts
+            if kind == "total":
+                self.metrics.sync_proxy_rules_iptables_total.labels(fam, table).set(value)
+            elif kind == "last":
+                self.metrics.sync_proxy_rules_iptables_last.labels(fam, table).set(value)
+
+    def _reconcile_conntrack(self, state: ProxyState) -> None:
+        node_ips = list(state.node.addresses)
+        start = time.perf_counter()
+        try:
+            deleted = self.reconciler.reconcile(state, node_ips)
+        except Exception:  # conntrack trouble must not fail the sync: rules are already in place
+            log.exception("conntrack reconciliation failed")
+            return
+        elapsed = time.perf_counter() - start
+        for fam in self.families:
+            self.metrics.conntrack_reconciler_sync_duration_seconds.labels(fam.value).observe(elapsed)
+            if deleted.get(fam):
+                self.metrics.conntrack_reconciler_deleted_entries_total.labels(fam.value).inc(deleted[fam])
+                log.info("conntrack: deleted %d stale %s UDP entries", deleted[fam], fam.value)
+
+    # -- introspection ---------------------------------------------------------------------------------------
+    def rules(self, service: str | None = None) -> dict[str, Any]:
+        """``/rules``: how each service is programmed (the backend's view) plus the cache's rejections."""
+        key = parse_service_key(service) if service else None
+        try:
+            described = self.backend.describe(key)
+        except Exception as exc:
+            described = {"error": f"describe failed: {exc}"}
+        return {
+            "mode": self.backend.mode,
+            "node": self.config.node_name,
+            "ready": self.cache.ready,
+            "sync": {
+                "syncs": self.status.syncs,
+                "failures": self.status.failures,
+                "lastError": self.status.last_error,
+                "lastSuccess": self.status.last_success,
+                "lastFull": self.status.last_full,
+                "failedServices": self.status.failed,
+            },
+            "rejectedObjects": self.cache.errors(),
+            "backend": described,
+        }
+
+
+def parse_service_key(text: str) -> ServicePortName | None:
+    """``ns/name[:port][/PROTO]`` -> ServicePortName (port name "" and TCP when omitted); None when malformed."""
+    from kproxy.model import Protocol
+
+    proto = Protocol.TCP
+    body = text
+    if body.count("/") == 2:
+        body, _, p = body.rpartition("/")
+        try:
+            proto = Protocol(p.upper())
+        except ValueError:
+            return None
+    ns, _, rest = body.partition("/")
+    name, _, port = rest.partition(":")
+    if not ns or not name:
+        return None
+    return ServicePortName(ns, name, port, proto)
+
+
+def families_label(families: tuple[IPFamily, ...]) -> str:
+    return ",".join(f.value for f in families)
