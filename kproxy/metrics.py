@@ -1,0 +1,332 @@
+"""Upstream kube-proxy's Prometheus metrics, on a registry of kproxy's own.
+
+Names, types, label names and buckets are upstream's (``pkg/proxy/metrics/metrics.go``, v1.34 metric reference),
+so dashboards, alerts and runbooks written for kube-proxy read kproxy unchanged. Every metric is registered for
+every mode: an iptables-only counter simply stays at zero under nftables, which is simpler for dashboards than
+series that come and go with ``--mode`` and costs nothing. A few kproxy-only metrics live under the ``kproxy_``
+prefix and are documented where they are defined.
+
+The registry is not prometheus-client's global one, so tests (and several kproxy instances in one process, as the
+lab runs them) never share counters. It hides prometheus-client's ``*_created`` series, which upstream does not
+expose. Counters are declared without the ``_total`` suffix because prometheus-client appends it on exposition;
+the exposed names equal upstream's exactly.
+
+Who uses it: the daemon (sync durations, timestamps, pending changes, network-programming latency), backends
+through the daemon (``SyncResult.counts``), the conntrack reconciler, the HTTP servers (healthz/livez counters,
+``/metrics``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+
+from kproxy.model import IPFamily
+
+PREFIX = "kubeproxy_"
+
+
+def exponential_buckets(start: float, factor: float, count: int) -> tuple[float, ...]:
+    """Go's ``prometheus.ExponentialBuckets``."""
+    return tuple(start * factor**i for i in range(count))
+
+
+def linear_buckets(start: float, width: float, count: int) -> tuple[float, ...]:
+    """Go's ``prometheus.LinearBuckets``."""
+    return tuple(start + width * i for i in range(count))
+
+
+SYNC_BUCKETS = exponential_buckets(0.001, 2, 15)  # 1 ms .. 16.384 s
+# Upstream's merge() starts from a one-element zero slice, so the histogram really has a 0 bucket first.
+NETWORK_PROGRAMMING_BUCKETS = (
+    (0.0,)
+    + linear_buckets(0.25, 0.25, 2)  # 0.25 s, 0.5 s
+    + linear_buckets(1, 1, 59)  # 1 .. 59 s
+    + linear_buckets(60, 5, 12)  # 60 .. 115 s
+    + linear_buckets(120, 30, 7)  # 2 .. 5 min
+)
+
+
+class _Registry(CollectorRegistry):
+    """A registry whose exposition leaves out prometheus-client's ``*_created`` samples (upstream has none)."""
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in super().collect():
+            samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            if len(samples) == len(metric.samples):
+                yield metric
+                continue
+            copy = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            copy.samples = samples
+            yield copy
+
+
+class Metrics:
+    """Every metric kproxy exports, one attribute per upstream metric, plus helpers the daemon calls.
+
+    ``families``: the IP families this node proxies; their per-family counters are created at zero so that
+    ``rate()`` and ``increase()`` work from the first scrape.
+    """
+
+    def __init__(self, families: Sequence[IPFamily] = ()) -> None:
+        self.registry: CollectorRegistry = _Registry()
+        r = self.registry
+        fam = ["ip_family"]
+
+        # Sync durations and timestamps.
+        self.sync_proxy_rules_duration_seconds = Histogram(
+            PREFIX + "sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds",
+            fam,
+            buckets=SYNC_BUCKETS,
+            registry=r,
+        )
+        self.sync_full_proxy_rules_duration_seconds = Histogram(
+            PREFIX + "sync_full_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for full resyncs",
+            fam,
+            buckets=SYNC_BUCKETS,
+            registry=r,
+        )
+        self.sync_partial_proxy_rules_duration_seconds = Histogram(
+            PREFIX + "sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs",
+            fam,
+            buckets=SYNC_BUCKETS,
+            registry=r,
+        )
+        self.sync_proxy_rules_last_timestamp_seconds = Gauge(
+            PREFIX + "sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            fam,
+            registry=r,
+        )
+        self.sync_proxy_rules_last_queued_timestamp_seconds = Gauge(
+            PREFIX + "sync_proxy_rules_last_queued_timestamp_seconds",
+            "The last time a sync of proxy rules was queued",
+            fam,
+            registry=r,
+        )
+        self.network_programming_duration_seconds = Histogram(
+            PREFIX + "network_programming_duration_seconds",
+            "In Cluster Network Programming Latency in seconds",
+            fam,
+            buckets=NETWORK_PROGRAMMING_BUCKETS,
+            registry=r,
+        )
+
+        # Change tracking (no ip_family label upstream).
+        self.sync_proxy_rules_endpoint_changes_pending = Gauge(
+            PREFIX + "sync_proxy_rules_endpoint_changes_pending", "Pending proxy rules Endpoint changes", registry=r
+        )
+        self.sync_proxy_rules_endpoint_changes_total = Counter(
+            PREFIX + "sync_proxy_rules_endpoint_changes", "Cumulative proxy rules Endpoint changes", registry=r
+        )
+        self.sync_proxy_rules_service_changes_pending = Gauge(
+            PREFIX + "sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes", registry=r
+        )
+        self.sync_proxy_rules_service_changes_total = Counter(
+            PREFIX + "sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes", registry=r
+        )
+
+        # Backend figures.
+        self.sync_proxy_rules_iptables_total = Gauge(
+            PREFIX + "sync_proxy_rules_iptables_total",
+            "Total number of iptables rules owned by kube-proxy",
+            ["ip_family", "table"],
+            registry=r,
+        )
+        self.sync_proxy_rules_iptables_last = Gauge(
+            PREFIX + "sync_proxy_rules_iptables_last",
+            "Number of iptables rules written by kube-proxy in last sync",
+            ["ip_family", "table"],
+            registry=r,
+        )
+        self.sync_proxy_rules_iptables_restore_failures_total = Counter(
+            PREFIX + "sync_proxy_rules_iptables_restore_failures",
+            "Cumulative proxy iptables restore failures",
+            fam,
+            registry=r,
+        )
+        self.sync_proxy_rules_iptables_partial_restore_failures_total = Counter(
+            PREFIX + "sync_proxy_rules_iptables_partial_restore_failures",
+            "Cumulative proxy iptables partial restore failures",
+            fam,
+            registry=r,
+        )
+        self.sync_proxy_rules_nftables_sync_failures_total = Counter(
+            PREFIX + "sync_proxy_rules_nftables_sync_failures",
+            "Cumulative proxy nftables sync failures",
+            fam,
+            registry=r,
+        )
+        self.sync_proxy_rules_nftables_cleanup_failures_total = Counter(
+            PREFIX + "sync_proxy_rules_nftables_cleanup_failures",
+            "Cumulative proxy nftables cleanup failures",
+            fam,
+            registry=r,
+        )
+        self.sync_proxy_rules_no_local_endpoints_total = Gauge(
+            PREFIX + "sync_proxy_rules_no_local_endpoints_total",
+            "Number of services with a Local traffic policy and no endpoints",
+            ["ip_family", "traffic_policy"],
+            registry=r,
+        )
+
+        # Health endpoints.
+        self.proxy_healthz_total = Counter(
+            PREFIX + "proxy_healthz", "Cumulative proxy healthz HTTP status", ["code"], registry=r
+        )
+        self.proxy_livez_total = Counter(
+            PREFIX + "proxy_livez", "Cumulative proxy livez HTTP status", ["code"], registry=r
+        )
+
+        # Conntrack reconciler.
+        self.conntrack_reconciler_deleted_entries_total = Counter(
+            PREFIX + "conntrack_reconciler_deleted_entries",
+            "Cumulative conntrack flows deleted by conntrack reconciler",
+            fam,
+            registry=r,
+        )
+        self.conntrack_reconciler_sync_duration_seconds = Histogram(
+            PREFIX + "conntrack_reconciler_sync_duration_seconds",
+            "ReconcileConntrackFlowsLatency latency in seconds",
+            fam,
+            buckets=SYNC_BUCKETS,
+            registry=r,
+        )
+
+        # kproxy's own: what upstream cannot tell you.
+        self.kproxy_sync_failed_services = Gauge(
+            "kproxy_sync_failed_services",
+            "Service ports whose rules the kernel refused in the last sync (kept dirty and retried)",
+            registry=r,
+        )
+        self.kproxy_invalid_objects = Gauge(
+            "kproxy_invalid_objects",
+            "Kubernetes objects ignored because they failed validation, by kind",
+            ["kind"],
+            registry=r,
+        )
+        self.kproxy_syncs_total = Counter(
+            "kproxy_syncs",
+            "Backend syncs by IP family and result (success or failure)",
+            ["ip_family", "result"],
+            registry=r,
+        )
+        self.kproxy_sync_phase_duration_seconds = Histogram(
+            "kproxy_sync_phase_duration_seconds",
+            "Seconds spent in one phase of a sync (the backend's SyncResult.timings: render, apply, ...)",
+            ["ip_family", "phase"],
+            buckets=SYNC_BUCKETS,
+            registry=r,
+        )
+
+        for family in families:
+            label = family.label
+            for counter in (
+                self.sync_proxy_rules_iptables_restore_failures_total,
+                self.sync_proxy_rules_iptables_partial_restore_failures_total,
+                self.sync_proxy_rules_nftables_sync_failures_total,
+                self.sync_proxy_rules_nftables_cleanup_failures_total,
+                self.conntrack_reconciler_deleted_entries_total,
+            ):
+                counter.labels(label)
+            for policy in ("internal", "external"):
+                self.sync_proxy_rules_no_local_endpoints_total.labels(label, policy).set(0)
+
+    # ---- helpers the daemon calls -------------------------------------------------------------------------
+
+    def observe_sync(self, family: IPFamily, seconds: float, full: bool, ok: bool = True) -> None:
+        """One backend sync of one family took ``seconds`` (observed whatever the outcome, as upstream does)."""
+        label = family.label
+        self.sync_proxy_rules_duration_seconds.labels(label).observe(seconds)
+        which = self.sync_full_proxy_rules_duration_seconds if full else self.sync_partial_proxy_rules_duration_seconds
+        which.labels(label).observe(seconds)
+        self.kproxy_syncs_total.labels(label, "success" if ok else "failure").inc()
+
+    def observe_phases(self, family: IPFamily, timings: Iterable[tuple[str, float]]) -> None:
+        """A backend's ``SyncResult.timings`` items (phase name, seconds)."""
+        for phase, seconds in timings:
+            self.kproxy_sync_phase_duration_seconds.labels(family.label, phase).observe(seconds)
+
+    def set_last_synced(self, family: IPFamily, when: float | None = None) -> None:
+        """Rules of ``family`` were successfully synced at ``when`` (seconds since the epoch; default now)."""
+        self.sync_proxy_rules_last_timestamp_seconds.labels(family.label).set(time.time() if when is None else when)
+
+    def set_last_queued(self, family: IPFamily, when: float | None = None) -> None:
+        """A sync of ``family`` was queued at ``when`` (seconds since the epoch; default now)."""
+        value = time.time() if when is None else when
+        self.sync_proxy_rules_last_queued_timestamp_seconds.labels(family.label).set(value)
+
+    def add_changes(self, services: int = 0, endpoints: int = 0) -> None:
+        """The cache absorbed this many Service / EndpointSlice changes."""
+        if services:
+            self.sync_proxy_rules_service_changes_total.inc(services)
+        if endpoints:
+            self.sync_proxy_rules_endpoint_changes_total.inc(endpoints)
+
+    def set_pending(self, services: int, endpoints: int) -> None:
+        """Service / endpoint changes received but not yet synced."""
+        self.sync_proxy_rules_service_changes_pending.set(services)
+        self.sync_proxy_rules_endpoint_changes_pending.set(endpoints)
+
+    def observe_network_programming(
+        self, family: IPFamily, trigger_times: Iterable[float], now: float | None = None
+    ) -> None:
+        """Latency from each object change (``Changes.trigger_times``, epoch seconds) to its successful sync.
+
+        Negative values (clock skew between the node and the control plane) are dropped, as upstream's guard does.
+        """
+        done = time.time() if now is None else now
+        hist = self.network_programming_duration_seconds.labels(family.label)
+        for t in trigger_times:
+            if done >= t:
+                hist.observe(done - t)
+
+    def set_no_local_endpoints(self, family: IPFamily, internal: int, external: int) -> None:
+        """Services with a Local traffic policy and no local endpoints, per policy (upstream's labels)."""
+        self.sync_proxy_rules_no_local_endpoints_total.labels(family.label, "internal").set(internal)
+        self.sync_proxy_rules_no_local_endpoints_total.labels(family.label, "external").set(external)
+
+    def set_iptables_rules(self, family: IPFamily, table: str, total: int, last: int) -> None:
+        """Rules owned in ``table`` and rules written to it by the last sync."""
+        self.sync_proxy_rules_iptables_total.labels(family.label, table).set(total)
+        self.sync_proxy_rules_iptables_last.labels(family.label, table).set(last)
+
+    def observe_counts(self, family: IPFamily, counts: Mapping[str, int]) -> None:
+        """Backend figures from ``SyncResult.counts``: ``rules_total/<table>`` and ``rules_last/<table>`` feed the
+        iptables rule gauges (other keys are ignored here)."""
+        for key, value in counts.items():
+            kind, _, table = key.partition("/")
+            if not table:
+                continue
+            if kind == "rules_total":
+                self.sync_proxy_rules_iptables_total.labels(family.label, table).set(value)
+            elif kind == "rules_last":
+                self.sync_proxy_rules_iptables_last.labels(family.label, table).set(value)
+
+    def observe_conntrack(self, family: IPFamily, seconds: float, deleted: int) -> None:
+        """One conntrack reconcile of ``family``: its duration and the flows it deleted."""
+        self.conntrack_reconciler_sync_duration_seconds.labels(family.label).observe(seconds)
+        if deleted:
+            self.conntrack_reconciler_deleted_entries_total.labels(family.label).inc(deleted)
+
+    def count_healthz(self, code: int) -> None:
+        self.proxy_healthz_total.labels(str(code)).inc()
+
+    def count_livez(self, code: int) -> None:
+        self.proxy_livez_total.labels(str(code)).inc()
+
+    def set_sync_failed_services(self, count: int) -> None:
+        self.kproxy_sync_failed_services.set(count)
+
+    def set_invalid_objects(self, kind: str, count: int) -> None:
+        self.kproxy_invalid_objects.labels(kind).set(count)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """The current value of one exposed sample (for tests and ``kproxy show``); None if absent."""
+        return self.registry.get_sample_value(name, labels or {})

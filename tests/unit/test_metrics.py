@@ -1,0 +1,159 @@
+"""Metric names, types, labels and buckets in the text exposition equal upstream kube-proxy's."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from prometheus_client import generate_latest
+
+from kproxy.metrics import NETWORK_PROGRAMMING_BUCKETS, SYNC_BUCKETS, Metrics
+from kproxy.model import IPFamily
+
+# Upstream's v1.34 metric reference for kube-proxy: exposed name -> (TYPE, label names).
+UPSTREAM = {
+    "kubeproxy_sync_proxy_rules_duration_seconds": ("histogram", {"ip_family"}),
+    "kubeproxy_sync_full_proxy_rules_duration_seconds": ("histogram", {"ip_family"}),
+    "kubeproxy_sync_partial_proxy_rules_duration_seconds": ("histogram", {"ip_family"}),
+    "kubeproxy_sync_proxy_rules_last_timestamp_seconds": ("gauge", {"ip_family"}),
+    "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds": ("gauge", {"ip_family"}),
+    "kubeproxy_network_programming_duration_seconds": ("histogram", {"ip_family"}),
+    "kubeproxy_sync_proxy_rules_endpoint_changes_pending": ("gauge", set()),
+    "kubeproxy_sync_proxy_rules_endpoint_changes_total": ("counter", set()),
+    "kubeproxy_sync_proxy_rules_service_changes_pending": ("gauge", set()),
+    "kubeproxy_sync_proxy_rules_service_changes_total": ("counter", set()),
+    "kubeproxy_sync_proxy_rules_iptables_total": ("gauge", {"ip_family", "table"}),
+    "kubeproxy_sync_proxy_rules_iptables_last": ("gauge", {"ip_family", "table"}),
+    "kubeproxy_sync_proxy_rules_iptables_restore_failures_total": ("counter", {"ip_family"}),
+    "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total": ("counter", {"ip_family"}),
+    "kubeproxy_sync_proxy_rules_nftables_sync_failures_total": ("counter", {"ip_family"}),
+    "kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total": ("counter", {"ip_family"}),
+    "kubeproxy_sync_proxy_rules_no_local_endpoints_total": ("gauge", {"ip_family", "traffic_policy"}),
+    "kubeproxy_proxy_healthz_total": ("counter", {"code"}),
+    "kubeproxy_proxy_livez_total": ("counter", {"code"}),
+    "kubeproxy_conntrack_reconciler_deleted_entries_total": ("counter", {"ip_family"}),
+    "kubeproxy_conntrack_reconciler_sync_duration_seconds": ("histogram", {"ip_family"}),
+}
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+
+
+def exposition(m: Metrics) -> str:
+    return generate_latest(m.registry).decode()
+
+
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        assert match, line
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        out.append((match.group(1), labels, float(match.group(3))))
+    return out
+
+
+def touch_everything(m: Metrics) -> None:
+    v4 = IPFamily.V4
+    m.observe_sync(v4, 0.02, full=True)
+    m.observe_sync(v4, 0.01, full=False)
+    m.set_last_synced(v4, 1700000000.0)
+    m.set_last_queued(v4, 1699999999.0)
+    m.observe_network_programming(v4, [1699999998.0], now=1700000000.0)
+    m.add_changes(services=2, endpoints=3)
+    m.set_pending(services=1, endpoints=4)
+    m.set_iptables_rules(v4, "nat", total=120, last=30)
+    m.sync_proxy_rules_iptables_restore_failures_total.labels(v4.label).inc()
+    m.sync_proxy_rules_iptables_partial_restore_failures_total.labels(v4.label).inc()
+    m.sync_proxy_rules_nftables_sync_failures_total.labels(v4.label).inc()
+    m.sync_proxy_rules_nftables_cleanup_failures_total.labels(v4.label).inc()
+    m.set_no_local_endpoints(v4, internal=1, external=2)
+    m.count_healthz(200)
+    m.count_livez(503)
+    m.observe_conntrack(v4, 0.003, deleted=5)
+
+
+def test_every_upstream_metric_is_exposed_with_its_type() -> None:
+    text = exposition(Metrics())
+    for name, (kind, _) in UPSTREAM.items():
+        assert f"# TYPE {name} {kind}\n" in text, name
+        assert f"# HELP {name} " in text, name
+
+
+def test_labels_match_upstream() -> None:
+    m = Metrics()
+    touch_everything(m)
+    seen: dict[str, set[str]] = {}
+    for name, labels, _ in samples(exposition(m)):
+        base = re.sub(r"_(bucket|sum|count)$", "", name) if name not in UPSTREAM else name
+        if base in UPSTREAM:
+            seen.setdefault(base, set()).update(set(labels) - {"le"})
+    for name, (_, labels) in UPSTREAM.items():
+        assert seen.get(name) == labels, name
+
+
+def test_no_created_series_and_nothing_unexpected_under_kubeproxy_prefix() -> None:
+    m = Metrics([IPFamily.V4, IPFamily.V6])
+    touch_everything(m)
+    text = exposition(m)
+    assert "_created" not in text
+    families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE kubeproxy_")}
+    assert families == set(UPSTREAM)
+
+
+def test_buckets_are_upstreams() -> None:
+    assert SYNC_BUCKETS[0] == 0.001 and len(SYNC_BUCKETS) == 15 and SYNC_BUCKETS[-1] == pytest.approx(16.384)
+    assert NETWORK_PROGRAMMING_BUCKETS[:4] == (0.0, 0.25, 0.5, 1.0)
+    assert NETWORK_PROGRAMMING_BUCKETS[61:63] == (59.0, 60.0)
+    assert NETWORK_PROGRAMMING_BUCKETS[-8:] == (115.0, 120.0, 150.0, 180.0, 210.0, 240.0, 270.0, 300.0)
+    assert len(NETWORK_PROGRAMMING_BUCKETS) == 1 + 2 + 59 + 12 + 7
+    m = Metrics()
+    m.observe_sync(IPFamily.V6, 0.005, full=True)
+    les = [
+        labels["le"]
+        for name, labels, _ in samples(exposition(m))
+        if name == "kubeproxy_sync_proxy_rules_duration_seconds_bucket"
+    ]
+    assert len(les) == 16 and les[0] == "0.001" and les[-1] == "+Inf"
+
+
+def test_helpers_set_values() -> None:
+    m = Metrics()
+    touch_everything(m)
+    v4 = {"ip_family": "IPv4"}
+    assert m.value("kubeproxy_sync_proxy_rules_duration_seconds_count", v4) == 2
+    assert m.value("kubeproxy_sync_full_proxy_rules_duration_seconds_count", v4) == 1
+    assert m.value("kubeproxy_sync_partial_proxy_rules_duration_seconds_count", v4) == 1
+    assert m.value("kubeproxy_sync_proxy_rules_last_timestamp_seconds", v4) == 1700000000.0
+    assert m.value("kubeproxy_network_programming_duration_seconds_sum", v4) == 2.0
+    assert m.value("kubeproxy_sync_proxy_rules_service_changes_total") == 2
+    assert m.value("kubeproxy_sync_proxy_rules_endpoint_changes_pending") == 4
+    assert m.value("kubeproxy_sync_proxy_rules_iptables_total", {**v4, "table": "nat"}) == 120
+    assert m.value("kubeproxy_sync_proxy_rules_no_local_endpoints_total", {**v4, "traffic_policy": "external"}) == 2
+    assert m.value("kubeproxy_proxy_healthz_total", {"code": "200"}) == 1
+    assert m.value("kubeproxy_proxy_livez_total", {"code": "503"}) == 1
+    assert m.value("kubeproxy_conntrack_reconciler_deleted_entries_total", v4) == 5
+    assert m.value("kproxy_syncs_total", {**v4, "result": "success"}) == 2
+
+
+def test_families_start_at_zero_and_counts_feed_iptables_gauges() -> None:
+    m = Metrics([IPFamily.V6])
+    v6 = {"ip_family": "IPv6"}
+    assert m.value("kubeproxy_sync_proxy_rules_iptables_restore_failures_total", v6) == 0
+    assert m.value("kubeproxy_sync_proxy_rules_iptables_restore_failures_total", {"ip_family": "IPv4"}) is None
+    m.observe_counts(IPFamily.V6, {"rules_total/filter": 7, "rules_last/filter": 2, "services": 3})
+    assert m.value("kubeproxy_sync_proxy_rules_iptables_total", {**v6, "table": "filter"}) == 7
+    assert m.value("kubeproxy_sync_proxy_rules_iptables_last", {**v6, "table": "filter"}) == 2
+
+
+def test_network_programming_ignores_future_trigger_times() -> None:
+    m = Metrics()
+    m.observe_network_programming(IPFamily.V4, [10.0, 30.0], now=20.0)
+    assert m.value("kubeproxy_network_programming_duration_seconds_count", {"ip_family": "IPv4"}) == 1
+
+
+def test_registries_are_independent() -> None:
+    a, b = Metrics(), Metrics()
+    a.count_healthz(200)
+    assert b.value("kubeproxy_proxy_healthz_total", {"code": "200"}) is None
