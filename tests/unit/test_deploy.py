@@ -1,0 +1,173 @@
+"""The deploy manifests: every overlay renders with kustomize, every object is valid Kubernetes, and the overlays
+differ only in the mode and in what that mode declares it needs.
+
+Runs ``kubectl kustomize`` (Debian's kubectl, installed by the set-up step) and validates against the OpenAPI
+schemas shipped with ``kubernetes_validate``; no cluster involved.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kproxy.config import build_config, load_config_file
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+OVERLAYS = ("userspace", "iptables", "nftables", "bpf")
+K8S_VERSION = "1.32"
+BASE_CAPS = {"NET_ADMIN", "NET_RAW"}
+# What each mode declares it needs beyond the base (deploy/overlays/<mode>/kustomization.yaml says why).
+EXTRA_CAPS = {
+    "userspace": {"NET_BIND_SERVICE"},
+    "iptables": set(),
+    "nftables": set(),
+    "bpf": {"BPF", "PERFMON", "SYS_ADMIN", "SYS_RESOURCE"},
+}
+EXTRA_VOLUMES = {"bpf": {"bpffs", "cgroup2", "usr-src", "hostproc"}}
+
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (make setup)")
+
+
+def render(mode: str) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(DEPLOY / "overlays" / mode)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    return {mode: render(mode) for mode in OVERLAYS}
+
+
+def one(objs: list[dict[str, Any]], kind: str, name: str = "kproxy") -> dict[str, Any]:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def container(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    ds = one(objs, "DaemonSet")
+    (c,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "kproxy"]
+    return c
+
+
+def config_doc(objs: list[dict[str, Any]]) -> str:
+    return str(one(objs, "ConfigMap")["data"]["config.conf"])
+
+
+@pytest.mark.parametrize("mode", OVERLAYS)
+def test_every_object_validates_strictly(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
+    objs = rendered[mode]
+    kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet"}
+    assert {o["kind"] for o in objs} == kinds
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("mode", OVERLAYS)
+def test_configmap_parses_and_names_the_mode(
+    rendered: dict[str, list[dict[str, Any]]], mode: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "config.conf"
+    path.write_text(config_doc(rendered[mode]))
+    values = load_config_file(path)
+    assert values["mode"] == mode
+    cfg = build_config(values, {})
+    assert cfg.healthz_bind_address == "0.0.0.0:10256"
+    assert cfg.metrics_bind_address == "127.0.0.1:10249"
+    assert cfg.masquerade_bit == 14
+    assert cfg.sync_period == 30.0 and cfg.min_sync_period == 1.0
+    assert cfg.cluster_cidrs
+    ds = one(rendered[mode], "DaemonSet")
+    assert ds["spec"]["template"]["metadata"]["labels"]["kproxy.io/mode"] == mode
+
+
+@pytest.mark.parametrize("mode", OVERLAYS)
+def test_daemonset_shape(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
+    ds = one(rendered[mode], "DaemonSet")
+    assert ds["metadata"]["namespace"] == "kube-system"
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["hostNetwork"] is True
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert {"operator": "Exists"} in spec["tolerations"]
+    assert ds["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    assert spec["serviceAccountName"] == "kproxy"
+    c = container(rendered[mode])
+    assert c["image"] == "kproxy:0.1.0"
+    assert c["command"] == [
+        "kproxy",
+        "run",
+        "--config",
+        "/var/lib/kproxy/config.conf",
+        "--hostname-override",
+        "$(NODE_NAME)",
+    ]
+    assert not any(a.startswith("--mode") or a.startswith("--proxy-mode") for a in c["command"] + c.get("args", []))
+    (env,) = [e for e in c["env"] if e["name"] == "NODE_NAME"]
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/livez" and c["livenessProbe"]["httpGet"]["port"] == 10256
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    sc = c["securityContext"]
+    assert not sc.get("privileged")
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert set(sc["capabilities"]["add"]) == BASE_CAPS | EXTRA_CAPS[mode]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["lib-modules"]["hostPath"]["path"] == "/lib/modules"
+    assert volumes["xtables-lock"]["hostPath"] == {"path": "/run/xtables.lock", "type": "FileOrCreate"}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["lib-modules"]["readOnly"] is True
+    assert mounts["config"]["mountPath"] == "/var/lib/kproxy"
+    # Only the bpf overlay's short-lived mount step is privileged.
+    for init in spec.get("initContainers", []):
+        assert mode == "bpf" and init["name"] == "mount-bpf-fs"
+
+
+def test_bpf_mounts() -> None:
+    objs = render("bpf")
+    c = container(objs)
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["bpffs"]["mountPath"] == "/sys/fs/bpf"
+    assert mounts["bpffs"]["mountPropagation"] == "HostToContainer"
+    assert mounts["usr-src"]["readOnly"] is True
+    assert mounts["cgroup2"]["mountPath"] == "/run/kproxy/cgroupv2"
+
+
+def _normalised(objs: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
+    """The rendered objects with the mode and the mode's declared needs taken out."""
+    out = []
+    for obj in copy.deepcopy(objs):
+        obj["metadata"].get("labels", {}).pop("kproxy.io/mode", None)
+        if obj["kind"] == "ConfigMap":
+            text = obj["data"]["config.conf"]
+            assert text.endswith(f"\nmode: {mode}")
+            obj["data"]["config.conf"] = text.removesuffix(mode)
+        if obj["kind"] == "DaemonSet":
+            tpl = obj["spec"]["template"]
+            tpl["metadata"]["labels"].pop("kproxy.io/mode", None)
+            spec = tpl["spec"]
+            c = spec["containers"][0]
+            caps = c["securityContext"]["capabilities"]
+            caps["add"] = sorted(set(caps["add"]) - EXTRA_CAPS[mode])
+            extra = EXTRA_VOLUMES.get(mode, set())
+            spec["volumes"] = [v for v in spec["volumes"] if v["name"] not in extra]
+            c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] not in extra]
+            spec.pop("initContainers", None)
+        out.append(obj)
+    return out
+
+
+def test_overlays_differ_only_in_mode_and_needs(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    reference = _normalised(rendered["iptables"], "iptables")
+    for mode in OVERLAYS:
+        assert _normalised(rendered[mode], mode) == reference, mode
