@@ -1,0 +1,201 @@
+"""Small pure checks for the fields of Kubernetes objects, each raising ValueError with a precise message.
+
+The cache (``kproxy.cache``) parses every Service, EndpointSlice and Node through these before it believes a
+single field, so one malformed object is rejected with a reason that names the field, and never reaches a
+backend (whose rule text or map keys are built from these values). The rules follow the API server's own
+validation where it has one (name formats, port ranges, IP syntax); this module is deliberately independent of
+the API server, because the files source and the lab's API stand-in do not validate anything.
+
+Who uses it: ``kproxy.cache`` (and its tests). It sits in the model layer's shadow: it imports only ``model``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kproxy.model import IPFamily, Protocol
+
+_DNS1123_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?\Z")
+_DNS1035_LABEL = re.compile(r"[a-z](?:[-a-z0-9]*[a-z0-9])?\Z")
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*\Z")
+_IANA_SVC_NAME = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?\Z")
+_LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?\Z")
+
+_PROTOCOLS = {p.value: p for p in Protocol}
+_FAMILIES = {f.value: f for f in IPFamily}
+
+
+def _show(value: Any) -> str:
+    """A short, log-safe rendering of a bad value (an absurd one must not flood the log)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}...({len(text)} chars)"
+
+
+def mapping(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what}: expected an object, got {type(value).__name__} {_show(value)}")
+    return value
+
+
+def optional_mapping(value: Any, what: str) -> Mapping[str, Any]:
+    return {} if value is None else mapping(value, what)
+
+
+def sequence(value: Any, what: str) -> Sequence[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{what}: expected a list, got {type(value).__name__} {_show(value)}")
+    return value
+
+
+def optional_sequence(value: Any, what: str) -> Sequence[Any]:
+    return () if value is None else sequence(value, what)
+
+
+def string(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what}: expected a string, got {type(value).__name__} {_show(value)}")
+    return value
+
+
+def optional_string(value: Any, what: str, default: str = "") -> str:
+    return default if value is None else string(value, what)
+
+
+def integer(value: Any, what: str) -> int:
+    # bool is an int subclass in Python, but `true` is never a valid number in a Kubernetes object.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what}: expected an integer, got {type(value).__name__} {_show(value)}")
+    return value
+
+
+def optional_bool(value: Any, what: str) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValueError(f"{what}: expected true/false, got {type(value).__name__} {_show(value)}")
+
+
+def port_number(value: Any, what: str, *, allow_zero: bool = False) -> int:
+    """A TCP/UDP/SCTP port number in 1..65535 (0 too when it means "not set")."""
+    num = integer(value, what)
+    low = 0 if allow_zero else 1
+    if not low <= num <= 65535:
+        raise ValueError(f"{what}: port {num} out of range {low}..65535")
+    return num
+
+
+def protocol(value: Any, what: str) -> Protocol:
+    """``TCP`` (the default when absent), ``UDP`` or ``SCTP``."""
+    if value is None:
+        return Protocol.TCP
+    proto = _PROTOCOLS.get(string(value, what))
+    if proto is None:
+        raise ValueError(f"{what}: unknown protocol {_show(value)} (TCP, UDP or SCTP)")
+    return proto
+
+
+def ip_family(value: Any, what: str) -> IPFamily:
+    fam = _FAMILIES.get(string(value, what))
+    if fam is None:
+        raise ValueError(f"{what}: unknown IP family {_show(value)} (IPv4 or IPv6)")
+    return fam
+
+
+def one_of(value: Any, allowed: Sequence[str], what: str, default: str) -> str:
+    if value is None or value == "":
+        return default
+    text = string(value, what)
+    if text not in allowed:
+        raise ValueError(f"{what}: {_show(value)} is not one of {', '.join(allowed)}")
+    return text
+
+
+def _name(value: Any, what: str, pattern: re.Pattern[str], limit: int, kind: str) -> str:
+    text = string(value, what)
+    if not text:
+        raise ValueError(f"{what}: must not be empty")
+    if len(text) > limit:
+        raise ValueError(f"{what}: {len(text)} characters, more than the {limit} a {kind} may have")
+    if not pattern.match(text):
+        raise ValueError(f"{what}: {_show(text)} is not a valid {kind}")
+    return text
+
+
+def dns1123_label(value: Any, what: str) -> str:
+    """A namespace name: lowercase alphanumerics and '-', at most 63 characters."""
+    return _name(value, what, _DNS1123_LABEL, 63, "DNS-1123 label")
+
+
+def dns1035_label(value: Any, what: str) -> str:
+    """A Service name: like a DNS-1123 label but starting with a letter."""
+    return _name(value, what, _DNS1035_LABEL, 63, "DNS-1035 label")
+
+
+def dns1123_subdomain(value: Any, what: str) -> str:
+    """An EndpointSlice or Node name: dot-separated DNS-1123 labels, at most 253 characters."""
+    return _name(value, what, _DNS1123_SUBDOMAIN, 253, "DNS-1123 subdomain")
+
+
+def port_name(value: Any, what: str) -> str:
+    """A service or slice port name: empty (unnamed) or an IANA_SVC_NAME (<= 15 characters, lowercase
+    alphanumerics and '-', at least one letter, no '--', no '-' at either end)."""
+    text = optional_string(value, what)
+    if not text:
+        return ""
+    if len(text) > 15:
+        raise ValueError(f"{what}: {len(text)} characters, more than the 15 a port name may have")
+    if not _IANA_SVC_NAME.match(text) or "--" in text or not any("a" <= c <= "z" for c in text):
+        raise ValueError(f"{what}: {_show(text)} is not a valid port name (IANA_SVC_NAME)")
+    return text
+
+
+def label_value(value: Any, what: str) -> str:
+    """A label value (for example a zone): at most 63 characters of alphanumerics, '-', '_' and '.'."""
+    text = string(value, what)
+    if len(text) > 63 or not _LABEL_VALUE.match(text):
+        raise ValueError(f"{what}: {_show(text)} is not a valid label value")
+    return text
+
+
+def string_map(value: Any, what: str) -> dict[str, str]:
+    """Labels or annotations: an object of strings to strings (absent means empty)."""
+    out: dict[str, str] = {}
+    for key, item in optional_mapping(value, what).items():
+        out[string(key, f"{what} key")] = string(item, f"{what}[{key}]")
+    return out
+
+
+def ip_address(value: Any, what: str) -> tuple[str, IPFamily, int]:
+    """Canonical text, family and integer value of an IP address (no CIDR, no zone, no leading zeros)."""
+    text = string(value, what)
+    try:
+        # Fast path for the common case: glibc's inet_pton accepts only strict dotted quads, which are
+        # already canonical; it is ~10x cheaper than ipaddress and this runs once per endpoint.
+        packed = socket.inet_pton(socket.AF_INET, text)
+        return text, IPFamily.V4, int.from_bytes(packed, "big")
+    except OSError:
+        pass
+    try:
+        addr = ipaddress.ip_address(text)
+    except ValueError:
+        raise ValueError(f"{what}: {_show(text)} is not an IP address") from None
+    if addr.version == 4:
+        return str(addr), IPFamily.V4, int(addr)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.scope_id:
+        raise ValueError(f"{what}: {_show(text)} carries a zone index")
+    return str(addr), IPFamily.V6, int(addr)
+
+
+def cidr(value: Any, what: str) -> tuple[str, IPFamily]:
+    """Canonical text and family of a CIDR; host bits are cleared (the API server accepts them), spaces trimmed."""
+    text = string(value, what).strip()
+    if "/" not in text:
+        raise ValueError(f"{what}: {_show(text)} is not a CIDR (no prefix length)")
+    try:
+        net = ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise ValueError(f"{what}: {_show(text)} is not a CIDR") from None
+    return str(net), IPFamily.V6 if net.version == 6 else IPFamily.V4
