@@ -1,0 +1,155 @@
+"""``kproxy lab up|down|status|exec``: the lab cluster from the command line (wired into kproxy.cli by the lead).
+
+For people: bring a lab up to try kproxy by hand, look at it, run a command inside one of its namespaces, take it
+down again (also after a run that was killed). The conformance runner uses kproxy.lab.cluster.Lab directly.
+``python -m kproxy.lab.cli lab ...`` works too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kproxy.lab.cluster import Lab, LabError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``lab`` and its subcommands; each handler is the ``func`` default and returns an exit code."""
+    lab = subparsers.add_parser("lab", help="a cluster made of network namespaces, for trying and testing kproxy")
+    sub = lab.add_subparsers(dest="lab_command", required=True, metavar="ACTION")
+
+    up = sub.add_parser("up", help="build a fresh lab (removing any stale one first)")
+    up.add_argument("--nodes", type=int, default=2)
+    up.add_argument("--pods-per-node", type=int, default=3)
+    up.add_argument("--mode", default="iptables", help="kproxy mode to start on every node, or 'none'")
+    up.add_argument("--no-ipv6", action="store_true", help="IPv4 only")
+    up.add_argument(
+        "--kproxy-arg", action="append", default=[], metavar="ARG", help="extra argument for every kproxy (repeatable)"
+    )
+    up.set_defaults(func=cmd_up)
+
+    down = sub.add_parser("down", help="remove the lab: processes, namespaces, cgroups, state (idempotent)")
+    down.set_defaults(func=cmd_down)
+
+    status = sub.add_parser("status", help="what runs where")
+    status.add_argument("--format", choices=("table", "json"), default="table")
+    status.set_defaults(func=cmd_status)
+
+    ex = sub.add_parser("exec", help="run a command in a lab namespace (and its node's cgroup): lab exec NS -- CMD")
+    ex.add_argument("ns", help="a lab namespace, e.g. kpl-n1 or kpl-n1-p2 (or a node/pod name: node-1, pod-1-2)")
+    ex.add_argument("argv", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    ex.set_defaults(func=cmd_exec)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    mode = None if args.mode.lower() == "none" else args.mode
+    t0 = time.monotonic()
+    try:
+        lab = Lab.up(
+            nodes=args.nodes,
+            pods_per_node=args.pods_per_node,
+            mode=mode,
+            ipv6=not args.no_ipv6,
+            kproxy_args=args.kproxy_arg,
+        )
+    except LabError as e:
+        print(f"kproxy lab up: {e}", file=sys.stderr)
+        return 1
+    print(f"lab up in {time.monotonic() - t0:.2f}s: {len(lab.nodes)} nodes, {len(lab.pods)} pods, mode {mode}")
+    print(f"API: {lab.api_url} (from this machine), {lab.lab_api_url} (from the nodes); state in {lab.state_dir}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    try:
+        Lab.down()
+    except LabError as e:
+        print(f"kproxy lab down: {e}", file=sys.stderr)
+        return 1
+    print(f"lab down in {time.monotonic() - t0:.2f}s")
+    return 0
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def format_status(st: dict[str, Any]) -> str:
+    lines = [
+        f"mode {st['mode']}  ipv6 {st['ipv6']}  API {st['api_url']} / {st['lab_api_url']} "
+        f"({'up' if st['api_running'] else 'DOWN'})  state {st['state_dir']}",
+        f"external {st['external']['ns']} {st['external']['ip4']} {st['external']['ip6']}",
+        "",
+    ]
+    rows = [["NODE", "NETNS", "IPv4", "IPv6", "POD CIDRS", "ZONE", "KPROXY"]]
+    for n in st["nodes"]:
+        kp = f"{n['kproxy_mode']} pid {n['kproxy_pid']}" if n["kproxy_pid"] else "-"
+        cidrs = ",".join(c for c in (n["pod_cidr4"], n["pod_cidr6"]) if c)
+        rows.append(
+            [n["name"], n["ns"] + ("" if n["netns"] else " (MISSING)"), n["ip4"], n["ip6"], cidrs, n["zone"], kp]
+        )
+    lines += [_table(rows), ""]
+    rows = [["POD", "NETNS", "NODE", "IPv4", "IPv6", "ECHO"]]
+    for p in st["pods"]:
+        echo = f"pid {p['echo_pid']}" if p["echo_pid"] else "DOWN"
+        rows.append([p["name"], p["ns"] + ("" if p["netns"] else " (MISSING)"), p["node"], p["ip4"], p["ip6"], echo])
+    lines.append(_table(rows))
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        st = Lab.attach().status()
+    except LabError as e:
+        print(f"kproxy lab status: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(st, indent=2) if args.format == "json" else format_status(st))
+    return 0
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        print("kproxy lab exec: give a command after --", file=sys.stderr)
+        return 2
+    try:
+        lab = Lab.attach()
+        ns = args.ns
+        if not ns.startswith(lab.prefix):
+            ns = lab.node(ns).ns if ns.startswith("node-") else lab.pod(ns).ns
+        node = lab.node_of_ns(ns)
+    except LabError as e:
+        print(f"kproxy lab exec: {e}", file=sys.stderr)
+        return 1
+    from kproxy.lab import netns
+
+    # interactive use: inherit the terminal instead of capturing like Lab.exec does
+    full = netns.exec_argv(ns, argv)
+    preexec = netns.cgroup_preexec(lab.cgroup_path(node) if node else None)
+    if preexec is None:
+        os.execvp(full[0], full)
+    import subprocess
+
+    return subprocess.call(full, preexec_fn=preexec)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kproxy.lab.cli")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(argv)
+    rc: int = args.func(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
