@@ -1,0 +1,418 @@
+"""List + watch reflectors on the official `kubernetes` client: the object source for real clusters and the lab.
+
+Used by the daemon (`kproxy run`) to feed the cache (an `ObjectSink`) with Services, EndpointSlices and this node's
+Node. Each kind has one `Reflector` thread that does what client-go's reflector does for upstream kube-proxy:
+
+    list (paginated) -> sink.replace_*  -> mark_synced (once) -> watch from the list's resourceVersion
+      ADDED/MODIFIED -> upsert, DELETED -> delete, BOOKMARK -> remember the resourceVersion only
+      watch ended normally or the connection broke -> watch again from the last resourceVersion (no relist)
+      410 Expired (ERROR event or HTTP 410)        -> relist; the replace applies deletions missed meanwhile
+      connection errors / 5xx                       -> exponential back-off with jitter, then retry
+
+Requests go through the official client's API methods with `_preload_content=False` and the JSON is parsed here:
+building the client's model classes for 10,000 objects is far too slow, and the cache wants plain dicts anyway.
+The server-side label selector is upstream's (`!service-proxy-name,!headless`, cmd/kube-proxy/app/server.go),
+applied to Services and EndpointSlices alike (the EndpointSlice controller copies a Service's labels to its slices).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+from kubernetes.client import ApiClient, ApiException
+
+from kproxy.sources import ObjectSink
+from kproxy.sources.selectors import proxy_label_selector
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PAGE_SIZE = 500
+# Upstream's reflector picks timeoutSeconds in [minWatchTimeout, 2*minWatchTimeout) with minWatchTimeout = 5 min.
+DEFAULT_WATCH_TIMEOUT = 300.0
+
+
+def make_api_client(kubeconfig: str = "", master: str = "") -> ApiClient:
+    """An ApiClient from --kubeconfig, else the in-cluster service account, else ~/.kube/config; --master overrides
+    the server address (plain http is fine, for the lab's API stand-in)."""
+    cfg = kubernetes.client.Configuration()
+    if kubeconfig:
+        kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    elif os.environ.get("KUBERNETES_SERVICE_HOST") and os.environ.get("KUBERNETES_SERVICE_PORT"):
+        kubernetes.config.load_incluster_config(client_configuration=cfg)
+    elif Path(os.path.expanduser(kubernetes.config.KUBE_CONFIG_DEFAULT_LOCATION)).exists():
+        kubernetes.config.load_kube_config(client_configuration=cfg)
+    elif not master:
+        raise kubernetes.config.ConfigException(
+            "no --kubeconfig, no in-cluster service account and no ~/.kube/config: cannot reach the API server"
+        )
+    if master:
+        cfg.host = master.rstrip("/")
+    client = ApiClient(cfg)
+    client.user_agent = "kproxy/0.1"
+    return client
+
+
+class _Expired(Exception):
+    """The resourceVersion we hold is gone from the server's history: relist."""
+
+
+class _Relist(Exception):
+    """An ERROR watch event other than 410: state is unknown, relist after a back-off (as client-go does)."""
+
+
+@dataclass
+class ReflectorStats:
+    lists: int = 0  # full lists (the first one included)
+    watches: int = 0  # watch requests started
+    watch_ends: int = 0  # watches that ended normally (server timeout)
+    errors: int = 0  # failed requests, broken connections, malformed events, sink failures
+    expired: int = 0  # 410s that forced a relist
+    events: int = 0  # ADDED/MODIFIED/DELETED applied
+    bookmarks: int = 0
+    last_rv: str = ""
+
+
+ListFn = Callable[..., Any]
+
+
+class Reflector:
+    """One list + watch loop for one kind. Run by `KubeSource`, one thread each."""
+
+    def __init__(
+        self,
+        kind: str,
+        list_fn: ListFn,
+        *,
+        apply_list: Callable[[list[dict[str, Any]]], None],
+        upsert: Callable[[dict[str, Any]], None],
+        delete: Callable[[dict[str, Any]], None],
+        synced: Callable[[], None],
+        api_version: str,
+        object_kind: str,
+        label_selector: str = "",
+        field_selector: str = "",
+        backoff: tuple[float, float] = (0.5, 30.0),
+        watch_timeout: float = DEFAULT_WATCH_TIMEOUT,
+        connect_timeout: float = 10.0,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> None:
+        self.kind = kind
+        self._list_fn = list_fn
+        self._apply_list = apply_list
+        self._upsert = upsert
+        self._delete = delete
+        self._synced_cb = synced
+        self._api_version = api_version
+        self._object_kind = object_kind
+        self.label_selector = label_selector
+        self.field_selector = field_selector
+        self.backoff = backoff
+        self.watch_timeout = watch_timeout
+        self.connect_timeout = connect_timeout
+        self.page_size = page_size
+        self.stats = ReflectorStats()
+        self.synced = threading.Event()
+        self._stop = threading.Event()
+        self._rv = ""  # the resourceVersion to watch from; "" means relist
+        self._resp: Any = None
+        self._resp_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name=f"reflector-{self.kind}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        with self._resp_lock:
+            resp = self._resp
+        if resp is not None:
+            try:
+                resp.shutdown()  # makes a read blocked in another thread fail now
+            except Exception:  # noqa: BLE001 - already closed is fine
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _selectors(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {}
+        if self.label_selector:
+            kw["label_selector"] = self.label_selector
+        if self.field_selector:
+            kw["field_selector"] = self.field_selector
+        return kw
+
+    def _delay(self, failures: int) -> float:
+        base, cap = self.backoff
+        delay = min(cap, base * (2 ** max(0, failures - 1)))
+        return min(cap, delay * random.uniform(0.75, 1.25))
+
+    def run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                if not self._rv:
+                    self._rv = self._list()
+                    failures = 0
+                started = time.monotonic()
+                lines = self._watch()
+                self.stats.watch_ends += 1
+                if lines == 0 and time.monotonic() - started < 1.0:
+                    # A server that ends every watch at once must not make us spin.
+                    failures += 1
+                    self._stop.wait(self._delay(failures))
+                else:
+                    failures = 0
+            except _Expired:
+                self.stats.expired += 1
+                log.info("reflector %s: resourceVersion %s expired, relisting", self.kind, self._rv)
+                self._rv = ""
+            except Exception as exc:  # noqa: BLE001 - every failure is retried; only stop() ends the loop
+                if self._stop.is_set():
+                    break
+                if isinstance(exc, ApiException) and exc.status == 410:
+                    self.stats.expired += 1
+                    self._rv = ""
+                    continue
+                if isinstance(exc, _Relist):
+                    self._rv = ""
+                self.stats.errors += 1
+                failures += 1
+                delay = self._delay(failures)
+                log.warning(
+                    "reflector %s: %s; retrying in %.1fs (%s)",
+                    self.kind,
+                    _describe(exc),
+                    delay,
+                    f"watch from {self._rv}" if self._rv else "relist",
+                )
+                self._stop.wait(delay)
+
+    # --- list
+
+    def _list(self) -> str:
+        items: list[dict[str, Any]] = []
+        token = ""
+        while True:
+            kw = self._selectors()
+            if self.page_size:
+                kw["limit"] = self.page_size
+            if token:
+                kw["_continue"] = token
+            resp = self._list_fn(_preload_content=False, _request_timeout=(self.connect_timeout, 60.0), **kw)
+            try:
+                body = json.loads(resp.data)
+            finally:
+                resp.release_conn()
+            for item in body.get("items") or []:
+                if isinstance(item, dict):
+                    # List items come without kind/apiVersion; give them the same shape as watched objects.
+                    item.setdefault("apiVersion", self._api_version)
+                    item.setdefault("kind", self._object_kind)
+                    items.append(item)
+            meta = body.get("metadata") or {}
+            token = meta.get("continue") or ""
+            if not token:
+                rv = str(meta.get("resourceVersion") or "")
+                break
+        self.stats.lists += 1
+        self.stats.last_rv = rv
+        try:
+            self._apply_list(items)
+        except Exception:  # noqa: BLE001 - a sink bug must not stop the reflector
+            self.stats.errors += 1
+            log.exception("reflector %s: the sink rejected a full list", self.kind)
+        if not self.synced.is_set():
+            self.synced.set()
+            self._synced_cb()
+        if not rv:
+            raise _Relist("list response without a resourceVersion")
+        return rv
+
+    # --- watch
+
+    def _watch(self) -> int:
+        """One watch from self._rv; returns how many lines it got. self._rv follows every event and bookmark."""
+        timeout = int(self.watch_timeout * random.uniform(1.0, 2.0)) or 1
+        self.stats.watches += 1
+        resp = self._list_fn(
+            watch=True,
+            allow_watch_bookmarks=True,
+            resource_version=self._rv,
+            timeout_seconds=timeout,
+            _preload_content=False,
+            _request_timeout=(self.connect_timeout, timeout + 30.0),
+            **self._selectors(),
+        )
+        with self._resp_lock:
+            self._resp = resp
+        if self._stop.is_set():
+            resp.shutdown()
+        lines = 0
+        try:
+            for line in _lines(resp):
+                lines += 1
+                self._handle(line)
+        finally:
+            with self._resp_lock:
+                self._resp = None
+            resp.release_conn()
+        return lines
+
+    def _handle(self, line: bytes) -> None:
+        try:
+            event = json.loads(line)
+            type_ = event["type"]
+            obj = event["object"]
+            meta = obj.get("metadata") or {}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            self.stats.errors += 1
+            log.warning("reflector %s: skipping a malformed watch event: %.200r", self.kind, line)
+            return
+        if type_ == "ERROR":
+            code = obj.get("code")
+            if code == 410:
+                raise _Expired()
+            raise _Relist(f"watch ERROR event: {obj.get('code')} {obj.get('reason')}: {obj.get('message')}")
+        new_rv = str(meta.get("resourceVersion") or self._rv)
+        if type_ == "BOOKMARK":
+            self.stats.bookmarks += 1
+        elif type_ in ("ADDED", "MODIFIED", "DELETED"):
+            try:
+                (self._delete if type_ == "DELETED" else self._upsert)(obj)
+                self.stats.events += 1
+            except Exception:  # noqa: BLE001 - one bad object or sink bug must not end the watch
+                self.stats.errors += 1
+                log.exception("reflector %s: applying %s %s failed", self.kind, type_, meta.get("name"))
+        else:
+            self.stats.errors += 1
+            log.warning("reflector %s: unknown watch event type %r", self.kind, type_)
+            return
+        self._rv = self.stats.last_rv = new_rv
+
+
+def _lines(resp: Any) -> Iterator[bytes]:
+    """The lines of a chunked watch response as they arrive (chunks need not align with lines)."""
+    buf = b""
+    for chunk in resp.stream(amt=None, decode_content=True):
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if line.strip():
+                yield line
+    if buf.strip():
+        yield buf
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        return f"HTTP {exc.status} {exc.reason}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _ns_name(obj: Mapping[str, Any]) -> tuple[str, str]:
+    meta = obj.get("metadata") or {}
+    return str(meta.get("namespace") or ""), str(meta.get("name") or "")
+
+
+class KubeSource:
+    """Three reflectors (Services, EndpointSlices, this node's Node) feeding one sink."""
+
+    def __init__(
+        self,
+        sink: ObjectSink,
+        api_client: ApiClient,
+        node_name: str,
+        *,
+        service_proxy_name: str = "",
+        resync_backoff: tuple[float, float] = (0.5, 30.0),
+        watch_timeout: float = DEFAULT_WATCH_TIMEOUT,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> None:
+        self.sink = sink
+        self.node_name = node_name
+        self.label_selector = proxy_label_selector(service_proxy_name)
+        core = kubernetes.client.CoreV1Api(api_client)
+        discovery = kubernetes.client.DiscoveryV1Api(api_client)
+        common: dict[str, Any] = {"backoff": resync_backoff, "watch_timeout": watch_timeout, "page_size": page_size}
+
+        def node_list(items: list[dict[str, Any]]) -> None:
+            mine = [i for i in items if (i.get("metadata") or {}).get("name") == node_name]
+            sink.set_node(mine[0] if mine else None)
+
+        self.reflectors: dict[str, Reflector] = {
+            "services": Reflector(
+                "services",
+                core.list_service_for_all_namespaces,
+                apply_list=sink.replace_services,
+                upsert=sink.upsert_service,
+                delete=lambda o: sink.delete_service(*_ns_name(o)),
+                synced=lambda: sink.mark_synced("services"),
+                api_version="v1",
+                object_kind="Service",
+                label_selector=self.label_selector,
+                **common,
+            ),
+            "endpointslices": Reflector(
+                "endpointslices",
+                discovery.list_endpoint_slice_for_all_namespaces,
+                apply_list=sink.replace_slices,
+                upsert=sink.upsert_slice,
+                delete=lambda o: sink.delete_slice(*_ns_name(o)),
+                synced=lambda: sink.mark_synced("endpointslices"),
+                api_version="discovery.k8s.io/v1",
+                object_kind="EndpointSlice",
+                label_selector=self.label_selector,
+                **common,
+            ),
+            "nodes": Reflector(
+                "nodes",
+                core.list_node,
+                apply_list=node_list,
+                upsert=lambda o: sink.set_node(o),
+                delete=lambda _o: sink.set_node(None),
+                synced=lambda: sink.mark_synced("nodes"),
+                api_version="v1",
+                object_kind="Node",
+                field_selector=f"metadata.name={node_name}",
+                **common,
+            ),
+        }
+
+    def start(self) -> KubeSource:
+        for reflector in self.reflectors.values():
+            reflector.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for reflector in self.reflectors.values():
+            reflector._stop.set()
+        for reflector in self.reflectors.values():
+            reflector.stop(timeout)
+
+    @property
+    def synced(self) -> bool:
+        return all(r.synced.is_set() for r in self.reflectors.values())
+
+    def wait_synced(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reflector in self.reflectors.values():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not reflector.synced.wait(left):
+                return False
+        return True
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return {kind: asdict(r.stats) for kind, r in self.reflectors.items()}
