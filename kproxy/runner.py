@@ -213,15 +213,20 @@ class BoundedFrequencyRunner:
                 now = self.clock.monotonic()
                 due = self._requested or now >= max_at or (self._retry_at is not None and now >= self._retry_at)
                 if due and now >= earliest:
+                    # This run consumes the request and any pending retry; a success thus cancels the retry.
                     self._requested = False
+                    self._retry_at = None
                     self._cond.release()
                     try:
                         ok = self._call()
                     finally:
                         self._cond.acquire()
                     done = self.clock.monotonic()
-                    # A request that arrived during the run stays set: it is served after the cool-down.
-                    self._retry_at = None if ok else done + self.retry_interval
+                    # Requests and retry_after() calls made during the run stay set and are served after the
+                    # cool-down; a failure adds its own retry.
+                    if not ok:
+                        at = done + self.retry_interval
+                        self._retry_at = at if self._retry_at is None else min(self._retry_at, at)
                     earliest = done + self.min_interval
                     max_at = done + self.max_interval
                     continue
