@@ -60,6 +60,17 @@ MAX_PODS_PER_NODE = 200
 ZONE_LABEL = "topology.kubernetes.io/zone"
 
 
+# Every process the lab starts in this interpreter, by pid: the lab outlives the objects that started it, and a
+# Popen dropped while its process runs would warn (ResourceWarning) when collected; down() reaps them from here.
+_LIVE: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def _reap_live(pids: set[int] | None = None) -> None:
+    for pid, proc in list(_LIVE.items()):
+        if (pids is None or pid in pids) and proc.poll() is not None:
+            del _LIVE[pid]
+
+
 class LabError(RuntimeError):
     """The lab could not be built, found or used; the message says what and where to look."""
 
@@ -421,6 +432,7 @@ class Lab:
             )
         _write_pidfile(self.state_dir, key, proc.pid)
         self._children[key] = proc
+        _LIVE[proc.pid] = proc
         return proc
 
     def _start_api(self) -> subprocess.Popen[bytes]:
@@ -548,6 +560,7 @@ class Lab:
         if state_dir != STATE_ROOT:
             pids |= netns.pids_with_arg(str(state_dir) + "/")
         left = netns.terminate(pids)
+        _reap_live()
         if left:
             raise LabError(f"lab processes would not die: {sorted(left)}")
         netns.delete_netns(names)
@@ -708,6 +721,7 @@ class Lab:
         proc = self._children.get(key)
         if proc is not None and proc.poll() is not None:
             del self._children[key]
+            _reap_live({proc.pid})
 
     def start_all(self, mode: str, extra_args: Sequence[str] = ()) -> None:
         for n in self.nodes:

@@ -1,0 +1,228 @@
+"""The lab cluster on real namespaces: topology, traffic between pods, the API stand-in, cgroups, clean removal.
+
+Builds one lab without kproxy (mode None) for the module, then checks what the conformance suite relies on: pods on
+different nodes reach each other directly (TCP and UDP, IPv4 and IPv6) and the echo names the pod and the source it
+saw; nodes are reachable from the external client; the API is reachable from a node and from the machine and holds
+the registered Nodes; node 1's cgroup holds its pods' processes; a killed run is cleaned up by the next `up`; `down`
+leaves no kpl- namespace, cgroup or mount behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from kproxy.lab import Lab, LabPod
+from kproxy.lab import netns as lab_netns
+from kproxy.lab.cluster import CGROUP_MOUNT, STATE_ROOT
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.lab,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the lab needs root (network namespaces, cgroup2 mount)"),
+    pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2 (ip) is not installed"),
+]
+
+STARTUP_BUDGET = 20.0
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[Lab]:
+    t0 = time.monotonic()
+    try:
+        the_lab = Lab.up(nodes=2, pods_per_node=3, mode=None)
+    except BaseException:
+        Lab.down()
+        raise
+    the_lab.startup = time.monotonic() - t0  # type: ignore[attr-defined]
+    try:
+        yield the_lab
+    finally:
+        Lab.down()
+
+
+def other_node_pod(lab: Lab, pod: LabPod) -> LabPod:
+    return next(p for p in lab.pods if p.node != pod.node)
+
+
+def test_startup_is_fast_and_complete(lab: Lab) -> None:
+    startup = lab.startup  # type: ignore[attr-defined]
+    print(f"lab up (2 nodes, 6 pods, no kproxy): {startup:.2f}s")
+    assert startup < STARTUP_BUDGET
+    assert [n.ns for n in lab.nodes] == ["kpl-n1", "kpl-n2"]
+    assert [p.name for p in lab.pods] == [f"pod-{i}-{j}" for i in (1, 2) for j in (1, 2, 3)]
+    expected = {"kpl-fabric", "kpl-ext", "kpl-n1", "kpl-n2", *(f"kpl-n{i}-p{j}" for i in (1, 2) for j in (1, 2, 3))}
+    assert expected <= set(lab_netns.list_netns("kpl-"))
+    assert lab.pod("pod-2-3").ip4 == "198.18.66.13" and lab.pod("pod-2-3").ip6 == "fd00:198:18:66::13"
+    assert (lab.nodes[0].zone, lab.nodes[1].zone) == ("zone-a", "zone-b")
+
+
+@pytest.mark.parametrize("kind", ["tcp", "udp"])
+@pytest.mark.parametrize("family", ["ip4", "ip6"])
+def test_pod_reaches_pod_on_other_node(lab: Lab, kind: str, family: str) -> None:
+    client = lab.pod("pod-1-2")
+    server = other_node_pod(lab, client)
+    results = lab.probe(client.ns, kind, getattr(server, family), 8080, count=3, timeout=2.0)
+    assert len(results) == 3
+    for r in results:
+        assert r.ok, r
+        assert r.pod == server.name
+        assert r.seen_ip == getattr(client, family)  # direct pod-to-pod: no NAT
+        assert r.seen_port and r.seen_port > 0
+
+
+def test_echo_reports_its_port_on_request(lab: Lab) -> None:
+    pod = lab.pod("pod-2-1")
+    for port in lab.echo_ports:
+        for kind in ("tcp", "udp"):
+            [r] = lab.probe("kpl-n1-p1", kind, pod.ip4, port, payload="info")
+            assert r.ok and r.local_port == port and r.reply.endswith(f"proto={kind}"), r
+
+
+def test_hold_carries_many_exchanges_on_one_connection(lab: Lab) -> None:
+    server = lab.pod("pod-2-2")
+    proc = lab.hold("kpl-n1-p1", f"{server.ip6}", 9000, seconds=0.6, interval=0.1)
+    results = lab.finish_hold(proc)
+    assert len(results) >= 4
+    assert all(r.ok and r.pod == server.name for r in results), results
+    assert len({r.seen_port for r in results}) == 1  # one connection throughout
+
+
+def test_refused_and_timeout_are_told_apart(lab: Lab) -> None:
+    node2 = lab.nodes[1]
+    [tcp] = lab.probe(lab.external_ns, "tcp", node2.ip4, 1)
+    [udp] = lab.probe(lab.external_ns, "udp", node2.ip6, 1)
+    assert (tcp.error, udp.error) == ("refused", "refused")
+    # no rules for a service IP yet: the node routes it to its default gateway (the external client), which drops
+    # it -- a timeout, not "network unreachable", so a proxy's reject rules will be observable
+    [r] = lab.probe("kpl-n1-p1", "tcp", "198.19.0.10", 80, timeout=0.5)
+    assert r.error == "timeout"
+
+
+def test_external_client_reaches_nodes(lab: Lab) -> None:
+    for node in lab.nodes:
+        for addr in (node.ip4, node.ip6):
+            [r] = lab.probe(lab.external_ns, "tcp", addr, 10256, timeout=1.0)
+            assert r.error == "refused", r  # an answer (RST) from the node: it is reachable, nothing listens yet
+
+
+def test_api_reachable_from_node_and_machine(lab: Lab) -> None:
+    for node in lab.nodes:
+        for url in ("http://198.18.0.1:6443/healthz", "http://[fd00:198:18::1]:6443/healthz"):
+            r = lab.probe_http(node.ns, url)
+            assert r.ok and r.status == 200, r
+    with urllib.request.urlopen(f"{lab.api_url}/healthz", timeout=5) as resp:
+        assert resp.status == 200
+    assert lab.lab_api_url == "http://198.18.0.1:6443"
+
+
+def test_nodes_registered(lab: Lab) -> None:
+    from kubernetes import client
+
+    with lab.api_client() as api:
+        nodes = {n.metadata.name: n for n in client.CoreV1Api(api).list_node().items}
+    assert set(nodes) == {"node-1", "node-2"}
+    for ln in lab.nodes:
+        n = nodes[ln.name]
+        assert n.metadata.labels["topology.kubernetes.io/zone"] == ln.zone
+        assert n.metadata.labels["kubernetes.io/hostname"] == ln.name
+        assert n.spec.pod_cidrs == [ln.pod_cidr4, ln.pod_cidr6]
+        internal = [a.address for a in n.status.addresses if a.type == "InternalIP"]
+        assert internal == [ln.ip4, ln.ip6]
+
+
+def test_node_settings(lab: Lab) -> None:
+    node = lab.nodes[0]
+    keys = [
+        "net.ipv4.ip_forward",
+        "net.ipv6.conf.all.forwarding",
+        "net.bridge.bridge-nf-call-iptables",
+        "net.bridge.bridge-nf-call-ip6tables",
+    ]
+    out = lab.exec(node.ns, ["sysctl", "-n", *keys], check=True).stdout.decode().split()
+    assert out == ["1", "1", "1", "1"]
+    links = lab.exec(node.ns, ["ip", "-d", "-j", "link", "show", "master", "cbr0"], check=True).stdout
+    ports = json.loads(links)
+    assert len(ports) == 3
+    assert all(p["linkinfo"]["info_slave_data"]["hairpin"] for p in ports)
+
+
+def test_cgroup_of_node_holds_its_processes(lab: Lab) -> None:
+    n1, n2 = lab.nodes
+    cg = lab.cgroup_path(n1)
+    assert cg == CGROUP_MOUNT / "kpl-n1" and lab_netns.is_cgroup2_mount(CGROUP_MOUNT)
+    procs = lab_netns.cgroup_procs(cg)
+    echo_pids = {p["echo_pid"] for p in lab.status()["pods"] if p["node"] == n1.name}
+    assert len(echo_pids) == 3 and None not in echo_pids
+    assert echo_pids <= procs
+    assert not echo_pids & lab_netns.cgroup_procs(lab.cgroup_path(n2))
+    # a command run in a pod of node 1 runs in node 1's cgroup; one in the external client in none of the lab's
+    assert lab.exec("kpl-n1-p3", ["cat", "/proc/self/cgroup"]).stdout.decode().splitlines()[-1] == "0::/kpl-n1"
+    assert "kpl-" not in lab.exec(lab.external_ns, ["cat", "/proc/self/cgroup"]).stdout.decode()
+
+
+def test_attach_and_status_from_another_process(lab: Lab) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kproxy.lab.cli", "lab", "status", "--format", "json"],
+        capture_output=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    st = json.loads(out)
+    assert st["api_url"] == lab.api_url and st["api_running"]
+    assert all(p["echo_pid"] for p in st["pods"])
+    assert Lab.attach().pods == lab.pods
+
+
+def test_exec_refuses_foreign_namespaces(lab: Lab) -> None:
+    with pytest.raises(Exception, match="not a namespace of this lab"):
+        lab.exec("kpt-anything", ["true"])
+
+
+def test_killed_run_is_cleaned_up_by_next_up_and_down(lab: Lab) -> None:
+    """Runs last: SIGKILL every lab process, leave the namespaces, then `up` again, then `down`."""
+    keep = "kpl_keep_labtest"  # ours, and it must survive: down removes only names starting with "kpl-"
+    lab_netns.add_netns([keep])
+    try:
+        pids = {v for v in (p["echo_pid"] for p in lab.status()["pods"]) if v}
+        api_pid = lab._pids()["apiserver"]
+        for pid in pids | {api_pid}:
+            os.kill(pid, signal.SIGKILL)
+        # a stale state file with no live processes behind it, and every namespace still there
+        assert (STATE_ROOT / "state.json").exists() and len(lab_netns.list_netns("kpl-")) == 10
+        t0 = time.monotonic()
+        again = Lab.up(nodes=2, pods_per_node=2, mode=None)
+        print(f"lab up over a killed lab: {time.monotonic() - t0:.2f}s")
+        assert len(again.pods) == 4 and "kpl-n1-p3" not in lab_netns.list_netns("kpl-")
+        [r] = again.probe("kpl-n2-p2", "tcp", again.pod("pod-1-1").ip4, 8080)
+        assert r.ok and r.pod == "pod-1-1"
+        new_pids = set(again._pids().values())
+        assert new_pids and not new_pids & (pids | {api_pid})
+
+        Lab.down()
+        assert lab_netns.list_netns("kpl-") == []
+        assert keep in lab_netns.list_netns("kpl")
+        assert not lab_netns.is_cgroup2_mount(CGROUP_MOUNT)
+        assert not any(mp == str(CGROUP_MOUNT) for mp, _ in lab_netns.mounts())
+        assert not (STATE_ROOT / "state.json").exists()
+        assert not any(lab_netns.alive(p) for p in new_pids)
+        assert not any(d.name.startswith("kpl-") for d in _cgroup2_children())
+        Lab.down()  # idempotent
+    finally:
+        lab_netns.delete_netns([keep])
+
+
+def _cgroup2_children() -> list[os.DirEntry[str]]:
+    for mp, fs in lab_netns.mounts():
+        if fs == "cgroup2":
+            return [e for e in os.scandir(mp) if e.is_dir()]
+    return []
