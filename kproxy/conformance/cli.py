@@ -1,0 +1,77 @@
+"""``kproxy conformance``: run the conformance scenarios on a lab with one backend and report.
+
+Who uses it: people and CI (``make conformance``); kproxy.cli calls ``register`` to add the sub-command.
+Prints a table (or the JSON report) on stdout, progress on stderr, optionally writes JUnit XML and the JSON to
+files, and exits 1 when any scenario FAILs (not-applicable is not a failure), 2 when the suite cannot run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kproxy.conformance.report import FAIL, Report, Result, format_table, to_json, to_junit
+from kproxy.conformance.scenarios import SCENARIO_IDS
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "conformance",
+        help="run the conformance scenarios on a lab with one backend",
+        description="Run BEHAVIOUR.md's scenarios on real packets in a network-namespace lab (needs root). "
+        "Scenarios: " + ", ".join(SCENARIO_IDS),
+    )
+    p.add_argument("--mode", required=True, help="the backend to test")
+    p.add_argument("--scenario", action="append", default=[], metavar="ID", help="run only these (repeatable)")
+    p.add_argument("--format", choices=("table", "json"), default="table", help="what to print on stdout")
+    p.add_argument("--junit", metavar="FILE", help="also write JUnit XML here")
+    p.add_argument("--json", dest="json_file", metavar="FILE", help="also write the JSON report here")
+    p.add_argument("--keep-lab", action="store_true", help="leave the lab running afterwards")
+    p.add_argument("--reuse-lab", action="store_true", help="use the running lab (and keep it) instead of a fresh one")
+    p.add_argument("--lab-prefix", default=None, help="namespace prefix of the lab (default: the lab's own, kpl-)")
+    p.set_defaults(func=cmd_conformance)
+
+
+def _progress(result: Result) -> None:
+    word = {"pass": "pass", "fail": "FAIL", "not-applicable": "n/a"}[result.status]
+    line = f"{result.scenario:<26} {word:<5} {result.seconds:6.1f} s"
+    if result.detail and result.status != "pass":
+        line += f"  {result.detail}"
+    print(line, file=sys.stderr, flush=True)
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from kproxy.conformance.runner import ConformanceError, run
+
+    try:
+        report: Report = run(
+            args.mode,
+            args.scenario or None,
+            keep_lab=args.keep_lab,
+            reuse_lab=args.reuse_lab,
+            prefix=args.lab_prefix,
+            progress=_progress,
+        )
+    except ConformanceError as exc:
+        print(f"kproxy conformance: {exc}", file=sys.stderr)
+        return 2
+    if args.junit:
+        Path(args.junit).write_text(to_junit([report]))
+    if args.json_file:
+        Path(args.json_file).write_text(to_json(report) + "\n")
+    print(to_json(report) if args.format == "json" else format_table([report]))
+    return 1 if any(r.status == FAIL for r in report.results) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kproxy.conformance.cli --mode iptables ...`` without the rest of the kproxy command."""
+    parser = argparse.ArgumentParser(prog="kproxy")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(["conformance", *(argv if argv is not None else sys.argv[1:])])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""Runs conformance scenarios on a lab with kproxy in one mode and collects a ``Report``.
+
+Who uses it: ``kproxy conformance`` (cli.py) through ``run()``, and the pytest entry (tests/conformance) through
+``Session`` so that each (mode, scenario) is its own pytest test with its own timeout.
+
+For every scenario, in ``SCENARIOS`` order: a scenario the backend declares impossible (``not_applicable``) or
+that needs what the lab lacks is reported not-applicable with the reason, never run and never passed. Otherwise
+the session makes sure kproxy runs on every node in the mode (restarting one that died), runs the scenario in its
+own API namespace, and always empties that namespace afterwards, so a failing scenario leaves the lab usable for
+the next. Anything a scenario raises is a FAIL with the reason; a kproxy that exited during a scenario it did not
+stop itself is a FAIL too, with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kproxy.conformance.context import HEALTHZ_PORT, Addresses, Context, NotApplicable, ScenarioFailure
+from kproxy.conformance.report import FAIL, NOT_APPLICABLE, PASS, Report, Result
+from kproxy.conformance.scenarios import BY_ID, SCENARIOS, Scenario
+
+log = logging.getLogger("kproxy.conformance")
+
+# Scenarios that stop kproxy themselves (and start it again): a kproxy not running afterwards is theirs to report.
+STOPS_KPROXY = frozenset({"restart", "cleanup"})
+READY_TIMEOUT_S = 40.0
+
+
+class ConformanceError(RuntimeError):
+    """The suite cannot run at all (unknown scenario, mode not available here, no lab); the message says why."""
+
+
+def select(scenario_ids: Sequence[str] | None) -> list[Scenario]:
+    """The scenarios to run, in table order; ConformanceError names unknown ids."""
+    if not scenario_ids:
+        return list(SCENARIOS)
+    unknown = [s for s in scenario_ids if s not in BY_ID]
+    if unknown:
+        raise ConformanceError(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(BY_ID)}")
+    wanted = set(scenario_ids)
+    return [s for s in SCENARIOS if s.id in wanted]
+
+
+def lab_features(lab: Any) -> set[str]:
+    out = set()
+    if getattr(lab, "ipv6", False):
+        out.add("ipv6")
+    return out
+
+
+class Session:
+    """One lab with kproxy in one mode, running scenarios one at a time."""
+
+    def __init__(self, mode: str, lab: Any, *, owns_lab: bool = False) -> None:
+        from kproxy.proxier import backend_class
+
+        self.mode = mode
+        self.lab = lab
+        self.owns_lab = owns_lab
+        self.addresses = Addresses()
+        self.not_applicable = dict(backend_class(mode).not_applicable)
+        self.kproxy_args: list[str] = list(getattr(lab, "state", {}).get("kproxy_args", []) or [])
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, mode: str, *, reuse_lab: bool = False, prefix: str | None = None) -> Session:
+        """Check the mode, then bring up a fresh 2-node lab (or attach to the running one with ``reuse_lab``)."""
+        from kproxy.lab.cluster import Lab, LabError
+        from kproxy.proxier import availability
+
+        avail = availability(mode)
+        if not avail:
+            raise ConformanceError(f"mode {mode} cannot run here: {avail.reason}")
+        lab = None
+        owns = False
+        if reuse_lab:
+            try:
+                lab = Lab.attach(prefix=prefix)
+            except LabError as exc:
+                log.info("no lab to reuse (%s); bringing one up", exc)
+        if lab is None:
+            lab = Lab.up(nodes=2, pods_per_node=3, mode=mode, ipv6=True, prefix=prefix)
+            owns = not reuse_lab
+        session = cls(mode, lab, owns_lab=owns)
+        session.prepare()
+        return session
+
+    def prepare(self) -> None:
+        """kproxy in this mode on every node, each answering /healthz 200."""
+        running = (getattr(self.lab, "state", {}) or {}).get("kproxy", {})
+        for node in self.lab.nodes:
+            mode_there = (running.get(node.name) or {}).get("mode")
+            if self.lab.kproxy_running(node) and mode_there not in (None, self.mode):
+                self.lab.stop_kproxy(node)
+            if not self.lab.kproxy_running(node):
+                self.lab.start_kproxy(node, self.mode, self.kproxy_args)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        for node in self.lab.nodes:
+            url = f"http://{node.ip4}:{HEALTHZ_PORT}/healthz"
+            last = ""
+            while True:
+                if not self.lab.kproxy_running(node):
+                    raise ConformanceError(f"kproxy on {node.name} exited while starting: {self.log_tail(node)}")
+                try:
+                    r = self.lab.probe_http(self.lab.external_ns, url, timeout=1.0)
+                    if r.status == 200:
+                        break
+                    last = f"{r.status} {r.error} {(r.body or '')[:200]}"
+                except Exception as exc:  # the probe itself failing is "not yet" until the deadline
+                    last = str(exc)
+                if time.monotonic() > deadline:
+                    raise ConformanceError(
+                        f"kproxy on {node.name} not healthy after {timeout:.0f} s: GET {url}: {last}"
+                    )
+                time.sleep(0.3)
+
+    def close(self, keep_lab: bool = False) -> None:
+        if self.owns_lab and not keep_lab:
+            from kproxy.lab.cluster import Lab
+
+            Lab.down(prefix=getattr(self.lab, "prefix", None))
+
+    def log_tail(self, node: Any, lines: int = 6, since: int = 0) -> str:
+        text = self.lab.kproxy_log(node)[since:]
+        tail = [ln for ln in text.splitlines() if ln.strip()][-lines:]
+        return " | ".join(tail) if tail else "(empty log)"
+
+    # -- scenarios ---------------------------------------------------------------------------------------------
+    def run_scenario(self, scenario: Scenario) -> Result:
+        reason = self.not_applicable.get(scenario.id)
+        if reason:
+            return Result(scenario.id, NOT_APPLICABLE, f"{self.mode}: {reason}")
+        missing = scenario.needs - lab_features(self.lab)
+        if missing:
+            return Result(scenario.id, NOT_APPLICABLE, f"the lab lacks {', '.join(sorted(missing))}")
+        t0 = time.monotonic()
+        revived = self._revive()
+        log_marks = {n.name: len(self.lab.kproxy_log(n)) for n in self.lab.nodes}
+        ctx: Context | None = None
+        status, detail = PASS, ""
+        try:
+            ctx = Context(self.lab, self.mode, scenario.id, self.addresses, scenario.timeout_s, self.kproxy_args)
+            ctx.ensure_namespace()
+            ctx.empty_namespace()  # leftovers of a killed earlier run
+            scenario.run(ctx)
+            detail = "; ".join(ctx.notes)
+        except NotApplicable as exc:
+            status, detail = NOT_APPLICABLE, str(exc)
+        except ScenarioFailure as exc:
+            status, detail = FAIL, str(exc)
+        except Exception as exc:
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            status = FAIL
+            detail = f"{type(exc).__name__}: {exc} (at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
+        finally:
+            if ctx is not None:
+                try:
+                    ctx.empty_namespace()
+                except Exception as exc:
+                    detail += f" [emptying namespace {ctx.namespace} failed: {exc}]"
+        if scenario.id not in STOPS_KPROXY or status == FAIL:
+            died = [n for n in self.lab.nodes if not self.lab.kproxy_running(n)]
+            if died and status != NOT_APPLICABLE:
+                status = FAIL
+                detail = (detail + "; " if detail else "") + "; ".join(
+                    f"kproxy on {n.name} exited during the scenario, log: {self.log_tail(n, since=log_marks[n.name])}"
+                    for n in died
+                )
+        if status == FAIL:
+            errors = self._errors_since(log_marks)
+            if errors:
+                detail += " [kproxy log: " + errors + "]"
+        if revived:
+            detail = (detail + "; " if detail else "") + revived
+        return Result(scenario.id, status, detail, time.monotonic() - t0)
+
+    def _revive(self) -> str:
+        """Restart kproxy where it is not running (a previous scenario killed it or it crashed); say so."""
+        notes = []
+        dead = [n for n in self.lab.nodes if not self.lab.kproxy_running(n)]
+        for node in dead:
+            self.lab.start_kproxy(node, self.mode, self.kproxy_args)
+            notes.append(f"kproxy on {node.name} was not running before this scenario and was restarted")
+        if dead:
+            try:
+                self.wait_ready()
+            except ConformanceError as exc:
+                notes.append(str(exc))
+        return "; ".join(notes)
+
+    def _errors_since(self, marks: dict[str, int]) -> str:
+        found = []
+        for node in self.lab.nodes:
+            text = self.lab.kproxy_log(node)[marks.get(node.name, 0) :]
+            lines = [ln.strip() for ln in text.splitlines() if "ERROR" in ln or "Traceback" in ln or "Error:" in ln]
+            for ln in lines[:2]:
+                found.append(f"{node.name}: {ln[:240]}")
+        return " | ".join(found[:4])
+
+
+def run(
+    mode: str,
+    scenario_ids: Sequence[str] | None = None,
+    lab: Any | None = None,
+    *,
+    keep_lab: bool = False,
+    reuse_lab: bool = False,
+    prefix: str | None = None,
+    progress: Callable[[Result], None] | None = None,
+) -> Report:
+    """Run the scenarios (all by default) on ``lab`` (default: a fresh 2-node lab, torn down at the end unless
+    ``keep_lab``; ``reuse_lab`` attaches to a running one) with kproxy in ``mode``. ``progress`` sees each result
+    as it comes. ConformanceError when the suite cannot start."""
+    chosen = select(scenario_ids)
+    t0 = time.monotonic()
+    report = Report(mode)
+    if lab is not None:
+        session = Session(mode, lab)
+        session.prepare()
+    else:
+        session = Session.open(mode, reuse_lab=reuse_lab, prefix=prefix)
+    try:
+        for scenario in chosen:
+            log.info("scenario %s on %s", scenario.id, mode)
+            result = session.run_scenario(scenario)
+            report.results.append(result)
+            if progress is not None:
+                progress(result)
+    finally:
+        session.close(keep_lab=keep_lab)
+        report.wall_seconds = time.monotonic() - t0
+    return report

@@ -1,0 +1,1154 @@
+"""The conformance scenarios: the one ordered list ``SCENARIOS`` of what every backend must do, on real packets.
+
+Who uses it: ``kproxy.conformance.runner`` runs them in this order on one lab per backend; the pytest entry
+(tests/conformance) makes one test per (mode, scenario); BEHAVIOUR.md's table is the spec, id for id. Each
+scenario is a plain function of a ``Context``: set up Services and EndpointSlices, send probes, state what must
+hold. Adding a scenario is one function and one ``Scenario`` line; adding a backend needs nothing here (its
+impossible scenarios are its own ``not_applicable`` entries), except one entry in ``REMNANT_CHECKS`` saying what
+of that mode could remain in the kernel after ``kproxy cleanup``.
+
+Conventions the scenarios share (the lab's default shape: 2 nodes x 3 pods): ``node-1``'s first pod is the
+usual client; service port 80 maps to the echo servers' 8080; "the service is programmed" is always waited
+for with ``ctx.eventually`` (kproxy syncs at most once a second), and a negative expectation (must time out,
+must not be reachable) is only checked after a *barrier*: a fresh service created afterwards answers on the
+nodes concerned, which proves those nodes have synced past the objects under test.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kproxy.conformance.context import (
+    HEALTHZ_PORT,
+    METRICS_PORT,
+    Context,
+    NotApplicable,
+    Probe,
+    ScenarioFailure,
+    body_of,
+    header,
+    hostport,
+)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One row of BEHAVIOUR.md's table. ``needs``: lab features (``"ipv6"``) without which it is not applicable."""
+
+    id: str
+    title: str
+    run: Callable[[Context], None]
+    needs: frozenset[str] = field(default_factory=frozenset)
+    timeout_s: float = 60.0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shared steps
+# --------------------------------------------------------------------------------------------------------------
+
+SYNC_WAIT = 15.0  # how long a change may take to show up before a scenario gives up waiting
+
+
+def _two_nodes(ctx: Context) -> tuple[Any, Any]:
+    nodes = ctx.nodes
+    if len(nodes) < 2:
+        raise NotApplicable(f"needs a lab of at least 2 nodes, this one has {len(nodes)}")
+    if any(len(ctx.pods_on(n)) < 3 for n in nodes[:2]):
+        raise NotApplicable("needs at least 3 pods per node")
+    return nodes[0], nodes[1]
+
+
+def _cip(svc: dict[str, Any], family: str = "IPv4") -> str:
+    for ip in svc["spec"].get("clusterIPs") or [svc["spec"]["clusterIP"]]:
+        if (":" in ip) == (family == "IPv6"):
+            return str(ip)
+    raise KeyError(f"service {svc['metadata']['name']} has no {family} ClusterIP")
+
+
+def _wait_reach(
+    ctx: Context, src: Any, host: str, port: int, kind: str = "tcp", only: Sequence[Any] | None = None, what: str = ""
+) -> Probe:
+    return ctx.eventually(
+        lambda: ctx.reach(src, host, port, kind, count=1, timeout=0.5, only=only),
+        timeout=SYNC_WAIT,
+        interval=0.2,
+        what=what or f"waiting for {hostport(host, port)}/{kind} to be programmed",
+    )
+
+
+_barrier_seq = [0]
+
+
+def _barrier(ctx: Context, *nodes: Any) -> None:
+    """Create a fresh service and wait until a pod on each of ``nodes`` reaches it: from then on those nodes'
+    kproxies have synced every object written before (they sync whole states, in API order)."""
+    _barrier_seq[0] += 1
+    name = f"barrier-{_barrier_seq[0]}"
+    for node in nodes:
+        pods = ctx.pods_on(node)
+        svc = ctx.service(f"{name}-{node.name}")
+        ctx.apply(svc, ctx.slice_for(svc, [pods[2]]))
+        _wait_reach(ctx, pods[0], _cip(svc), 80, only=[pods[2]], what=f"barrier: {node.name} syncing")
+
+
+def _url(host: str, port: int, path: str = "/") -> str:
+    return f"http://{hostport(host, port)}{path}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Scenarios
+# --------------------------------------------------------------------------------------------------------------
+
+
+def clusterip_tcp(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    eps = [ctx.pods_on(n1)[1], ctx.pods_on(n2)[0], ctx.pods_on(n2)[1]]
+    svc = ctx.service("web")
+    ctx.apply(svc, ctx.slice_for(svc, eps))
+    ip = _cip(svc)
+    _wait_reach(ctx, client, ip, 80, only=eps)
+    pr = ctx.reach(client, ip, 80, count=60, only=eps, all_of=eps)
+    ctx.note(pr.summary())
+
+
+def clusterip_udp(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    eps = [ctx.pods_on(n1)[1], ctx.pods_on(n2)[0], ctx.pods_on(n2)[1]]
+    svc = ctx.service("dns", [ctx.port(53, 8080, name="udp", protocol="UDP")])
+    ctx.apply(svc, ctx.slice_for(svc, eps))
+    ip = _cip(svc)
+    _wait_reach(ctx, client, ip, 53, "udp", only=eps)
+    pr = ctx.reach(client, ip, 53, "udp", count=60, only=eps, all_of=eps)
+    ctx.note(pr.summary())
+
+
+def multiport(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    eps = [ctx.pods_on(n1)[1], ctx.pods_on(n2)[0]]
+    # Named targetPorts: the service says "http"/"admin"; the slice (as the endpoint-slice controller would,
+    # from the pods' container ports) resolves them to 8081 and 9000.
+    svc = ctx.service("multi", [ctx.port(80, "http", name="web"), ctx.port(81, "admin", name="admin")])
+    slice_ = ctx.slice_for(
+        svc,
+        eps,
+        ports=[{"name": "web", "port": 8081, "protocol": "TCP"}, {"name": "admin", "port": 9000, "protocol": "TCP"}],
+    )
+    ctx.apply(svc, slice_)
+    ip = _cip(svc)
+    for port, container in ((80, 8081), (81, 9000)):
+        _wait_reach(ctx, client, ip, port, only=eps)
+        pr = ctx.probe(client, ip, port, count=8, timeout=1.0, payload="info")
+        ports = {getattr(r, "local_port", None) for r in pr.ok}
+        ctx.expect(
+            not pr.failed and ports == {container},
+            f"service port {port} did not reach container port {container}",
+            sent=pr.sent + " with payload 'info'",
+            got=pr.summary() + f"; container ports seen: {sorted(map(str, ports))}",
+            expected=f"every answer from port {container}",
+        )
+
+
+def same_port_two_protocols(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    eps = [ctx.pods_on(n2)[0]]
+    np_ = ctx.addresses.node_port()
+    # One port number, two protocols, different listeners; also the same NodePort for both (upstream e2e
+    # "update service type to NodePort listening on same port number but different protocols").
+    svc = ctx.service(
+        "both",
+        [
+            ctx.port(80, 8080, name="tcp", protocol="TCP", node_port=np_),
+            ctx.port(80, 8081, name="udp", protocol="UDP", node_port=np_),
+        ],
+        type="NodePort",
+    )
+    ctx.apply(svc, ctx.slice_for(svc, eps))
+    ip = _cip(svc)
+    checks = [(client, ip, 80), (ctx.external_ns, n1.ip4, np_)]
+    for src, host, port in checks:
+        for kind, container in (("tcp", 8080), ("udp", 8081)):
+            _wait_reach(ctx, src, host, port, kind, only=eps)
+            pr = ctx.probe(src, host, port, kind, count=4, payload="info")
+            seen = {(getattr(r, "local_port", None), (r.reply.split() + [""] * 5)[4]) for r in pr.ok}
+            ctx.expect(
+                not pr.failed and seen == {(container, f"proto={kind}")},
+                f"{kind.upper()} to {hostport(host, port)} did not reach the {kind.upper()} listener on {container}",
+                sent=pr.sent + " with payload 'info'",
+                got=pr.summary() + f"; listeners seen: {sorted(map(str, seen))}",
+                expected=f"every answer from {kind} port {container}",
+            )
+
+
+def nodeport(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    eps = [ctx.pods_on(n1)[1], ctx.pods_on(n2)[1]]
+    svc = ctx.service("np", type="NodePort")
+    ctx.apply(svc, ctx.slice_for(svc, eps))
+    np_ = svc["spec"]["ports"][0]["nodePort"]
+    for node in (n1, n2):
+        _wait_reach(ctx, ctx.external_ns, node.ip4, np_, only=eps)
+        ctx.reach(ctx.external_ns, node.ip4, np_, count=6, only=eps)
+        ctx.reach(client, node.ip4, np_, count=3, only=eps)
+        ctx.reach(node, node.ip4, np_, count=3, only=eps)
+    ctx.note(f"nodePort {np_}: external client, pod and node itself reached both nodes")
+
+
+def externalip(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    eps = [ctx.pods_on(n1)[1], ctx.pods_on(n2)[1]]
+    ext = ctx.addresses.external_ip()
+    svc = ctx.service("ext", externalIPs=[ext])
+    ctx.apply(svc, ctx.slice_for(svc, eps))
+    _wait_reach(ctx, ctx.external_ns, ext, 80, only=eps)
+    ctx.reach(ctx.external_ns, ext, 80, count=10, only=eps)
+
+
+def loadbalancer(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    eps = [ctx.pods_on(n1)[1], ctx.pods_on(n2)[1]]
+    client_cidr = f"{ctx.external_ip4}/32"
+    denied_ip, allowed_ip = ctx.addresses.lb_ip(), ctx.addresses.lb_ip()
+    denied = ctx.service("lb-denied", type="LoadBalancer", loadBalancerSourceRanges=["198.18.99.0/24"])
+    ctx.apply(denied, ctx.slice_for(denied, eps))
+    ctx.set_lb_ingress("lb-denied", [denied_ip])
+    # Written after the denied one: once the allowed one works through node-1, node-1 has synced both.
+    allowed = ctx.service("lb-allowed", type="LoadBalancer", loadBalancerSourceRanges=[client_cidr])
+    ctx.apply(allowed, ctx.slice_for(allowed, eps))
+    ctx.set_lb_ingress("lb-allowed", [allowed_ip])
+    _wait_reach(ctx, ctx.external_ns, allowed_ip, 80, only=eps)
+    ctx.reach(ctx.external_ns, allowed_ip, 80, count=6, only=eps)
+    ctx.blocked(ctx.external_ns, denied_ip, 80, count=2, timeout=1.0)
+    # The denial must come from the source ranges, not from the LB IP being unprogrammed: open it up.
+    denied["spec"]["loadBalancerSourceRanges"] = [client_cidr]
+    ctx.apply(denied)
+    ctx.set_lb_ingress("lb-denied", [denied_ip])
+    _wait_reach(ctx, ctx.external_ns, denied_ip, 80, only=eps, what="after allowing the client's range")
+
+
+def no_endpoints_reject(ctx: Context) -> None:
+    n1, _ = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    svc = ctx.service("empty", [ctx.port(80, 8080, name="tcp"), ctx.port(80, 8080, name="udp", protocol="UDP")])
+    ctx.apply(svc, ctx.slice_for(svc, []))  # the controller writes an empty slice for a service with no pods
+    ip = _cip(svc)
+    pr = ctx.eventually(
+        lambda: ctx.blocked(client, ip, 80, "tcp", how="refused", within=1.0, timeout=2.0),
+        timeout=SYNC_WAIT,
+        what="TCP to a service with no endpoints",
+    )
+    ctx.blocked(client, ip, 80, "tcp", how="refused", within=1.0, count=3, timeout=2.0)
+    ctx.blocked(client, ip, 80, "udp", how="refused", count=3, timeout=2.0)
+    ctx.blocked(ctx.external_ns, ip, 80, "tcp", how="refused", within=1.0, timeout=2.0)
+    secs = max(float(r.seconds) for r in pr.results)
+    ctx.note(f"TCP refused in {secs * 1000:.0f} ms; UDP port-unreachable; also from outside the cluster")
+
+
+def session_affinity(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    eps = [ctx.pods_on(n1)[1], ctx.pods_on(n2)[0], ctx.pods_on(n2)[1]]
+    svc = ctx.service(
+        "sticky", sessionAffinity="ClientIP", sessionAffinityConfig={"clientIP": {"timeoutSeconds": 10800}}
+    )
+    ctx.apply(svc, ctx.slice_for(svc, eps))
+    ip = _cip(svc)
+    _wait_reach(ctx, client, ip, 80, only=eps)
+
+    def sticky() -> Probe:
+        pr = ctx.reach(client, ip, 80, count=15, only=eps)
+        ctx.expect(
+            len(pr.pods) == 1,
+            "ClientIP affinity: not 15 identical answers in a row",
+            sent=pr.sent,
+            got=pr.summary(),
+            expected="one pod answering all 15",
+        )
+        return pr
+
+    def spread() -> Probe:
+        pr = ctx.reach(client, ip, 80, count=15, only=eps)
+        ctx.expect(
+            len(pr.pods) >= 2,
+            "affinity switched off, yet one pod answered all 15",
+            sent=pr.sent,
+            got=pr.summary(),
+            expected="several backends",
+        )
+        return pr
+
+    sticky()
+    svc["spec"]["sessionAffinity"] = "None"
+    svc["spec"].pop("sessionAffinityConfig")
+    ctx.apply(svc)
+    ctx.eventually(spread, timeout=SYNC_WAIT, what="after switching affinity off")
+    timeout_s = 2
+    svc["spec"]["sessionAffinity"] = "ClientIP"
+    svc["spec"]["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": timeout_s}}
+    ctx.apply(svc)
+    first = ctx.eventually(sticky, timeout=SYNC_WAIT, what=f"after switching affinity on (timeout {timeout_s} s)")
+    chosen = next(iter(first.pods))
+    history = [chosen]
+    # After the timeout, the next connection is balanced afresh: with 3 endpoints a different one is chosen with
+    # probability 2/3 each time, so 8 tries miss with probability (1/3)^8 (1.5e-4).
+    for _ in range(8):
+        ctx.sleep(timeout_s + 1.2)
+        pr = ctx.reach(client, ip, 80, count=1, only=eps)
+        now = next(iter(pr.pods))
+        history.append(now)
+        if now != history[-2]:
+            ctx.note(
+                f"affinity held 15/15; off: spread; after a {timeout_s} s timeout re-chosen ({' -> '.join(history)})"
+            )
+            return
+    ctx.fail(
+        f"after each {timeout_s} s affinity timeout the same pod answered again",
+        sent=f"{len(history) - 1} connections from {client.name} to {ip}:80, {timeout_s + 1.2:.1f} s apart",
+        got=" -> ".join(history),
+        expected="a different backend chosen at least once (probability of this by chance: 1.5e-4)",
+    )
+
+
+def source_ip(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    ep = ctx.pods_on(n2)[0]
+    svc = ctx.service("srcip")
+    ctx.apply(svc, ctx.slice_for(svc, [ep]))
+    ip = _cip(svc)
+    _wait_reach(ctx, client, ip, 80, only=[ep])
+    for kind in ("tcp", "udp"):
+        if kind == "udp":
+            svc2 = ctx.service("srcip-udp", [ctx.port(80, 8080, name="udp", protocol="UDP")])
+            ctx.apply(svc2, ctx.slice_for(svc2, [ep]))
+            ip = _cip(svc2)
+            _wait_reach(ctx, client, ip, 80, "udp", only=[ep])
+        pr = ctx.reach(client, ip, 80, kind, count=5, only=[ep])
+        ctx.expect(
+            pr.seen_ips == {client.ip4},
+            f"{kind.upper()}: the backend did not see the client pod's address",
+            sent=pr.sent,
+            got=pr.summary() + f"; source addresses seen: {sorted(pr.seen_ips)}",
+            expected=f"{ep.name} sees {client.ip4} (no masquerade for pod -> ClusterIP -> remote pod)",
+        )
+
+
+def hairpin(ctx: Context) -> None:
+    n1, _ = _two_nodes(ctx)
+    pod = ctx.pods_on(n1)[1]
+    svc = ctx.service("self")
+    ctx.apply(svc, ctx.slice_for(svc, [pod]))
+    ip = _cip(svc)
+    _wait_reach(ctx, pod, ip, 80, only=[pod])
+    pr = ctx.reach(pod, ip, 80, count=5, only=[pod])
+    ctx.note(f"{pod.name} reached itself through {ip}:80, seen as {sorted(pr.seen_ips)}")
+
+
+def _health(ctx: Context, node: Any, hc_port: int, svc_name: str, local: int) -> None:
+    r = ctx.http(ctx.external_ns, _url(node.ip4, hc_port))
+    want_status = 200 if local > 0 else 503
+    want_body = {
+        "service": {"namespace": ctx.namespace, "name": svc_name},
+        "localEndpoints": local,
+        "serviceProxyHealthy": True,
+    }
+    body = body_of(r)
+    try:
+        got_body = json.loads(body)
+    except ValueError:
+        got_body = None
+    weight = header(r, "X-Load-Balancing-Endpoint-Weight")
+    ctx.expect(
+        getattr(r, "status", None) == want_status and got_body == want_body and weight == str(local),
+        f"healthCheckNodePort on {node.name} answered wrongly",
+        sent=f"GET {_url(node.ip4, hc_port)} from the external client",
+        got=f"{getattr(r, 'status', None)} X-Load-Balancing-Endpoint-Weight={weight} {body.strip()[:300]}"
+        + (f" ({getattr(r, 'error', '')})" if getattr(r, "error", "") else ""),
+        expected=f"{want_status} X-Load-Balancing-Endpoint-Weight={local} {json.dumps(want_body)}",
+    )
+
+
+def etp_local(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    local1 = [ctx.pods_on(n1)[1], ctx.pods_on(n1)[2]]
+    hc = ctx.addresses.node_port()
+    svc = ctx.service("local", type="NodePort", externalTrafficPolicy="Local", healthCheckNodePort=hc)
+    np_ = svc["spec"]["ports"][0]["nodePort"]
+    ctx.apply(svc, ctx.slice_for(svc, local1))
+    ext = ctx.external_ns
+    _wait_reach(ctx, ext, n1.ip4, np_, only=local1)
+    _barrier(ctx, n1, n2)
+    pr = ctx.reach(ext, n1.ip4, np_, count=10, only=local1)
+    ctx.expect(
+        pr.seen_ips == {ctx.external_ip4},
+        "externalTrafficPolicy=Local: client IP not preserved",
+        sent=pr.sent,
+        got=f"source addresses seen: {sorted(pr.seen_ips)}",
+        expected=f"only {ctx.external_ip4}",
+    )
+    ctx.blocked(ext, n2.ip4, np_, how="timeout", count=2, timeout=1.5)
+    ctx.eventually(lambda: _health(ctx, n1, hc, "local", 2), timeout=SYNC_WAIT, what="health check node port")
+    ctx.eventually(lambda: _health(ctx, n2, hc, "local", 0), timeout=SYNC_WAIT, what="health check node port")
+    # Endpoints on both nodes now: each node must still send external traffic only to its own.
+    local2 = [ctx.pods_on(n2)[1]]
+    ctx.apply(ctx.slice_for(svc, local1 + local2))
+    _wait_reach(ctx, ext, n2.ip4, np_, only=local2, what="after adding an endpoint on node-2")
+    ctx.reach(ext, n2.ip4, np_, count=8, only=local2)
+    ctx.reach(ext, n1.ip4, np_, count=10, only=local1)
+    ctx.eventually(lambda: _health(ctx, n2, hc, "local", 1), timeout=SYNC_WAIT, what="health check node port")
+    ctx.note("node without local endpoints dropped (timeout); health 200/503 with upstream's JSON")
+
+
+def itp_local(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    a, b = ctx.pods_on(n1)[0], ctx.pods_on(n2)[0]
+    ep1 = ctx.pods_on(n1)[1]
+    svc = ctx.service("itp", internalTrafficPolicy="Local")
+    ctx.apply(svc, ctx.slice_for(svc, [ep1]))
+    ip = _cip(svc)
+    _wait_reach(ctx, a, ip, 80, only=[ep1])
+    _barrier(ctx, n2)
+    ctx.reach(a, ip, 80, count=8, only=[ep1])
+    ctx.blocked(b, ip, 80, how="timeout", count=3, timeout=1.0)
+    ep2 = ctx.pods_on(n2)[1]
+    ctx.apply(ctx.slice_for(svc, [ep1, ep2]))
+    _wait_reach(ctx, b, ip, 80, only=[ep2], what="after adding an endpoint on node-2")
+    ctx.reach(b, ip, 80, count=8, only=[ep2])
+    ctx.reach(a, ip, 80, count=8, only=[ep1])
+
+
+def terminating_fallback(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    eps = [ctx.pods_on(n1)[1], ctx.pods_on(n2)[1]]
+    svc = ctx.service("term")
+    ctx.apply(svc, ctx.slice_for(svc, eps, ready=False, serving=True, terminating=True))
+    ip = _cip(svc)
+    _wait_reach(ctx, client, ip, 80, only=eps, what="all endpoints terminating but serving")
+    ctx.reach(client, ip, 80, count=10, only=eps)
+    ctx.apply(ctx.slice_for(svc, eps, ready=False, serving=False, terminating=True))
+    ctx.eventually(
+        lambda: ctx.blocked(client, ip, 80, how="refused", within=1.0, timeout=2.0),
+        timeout=SYNC_WAIT,
+        what="all endpoints terminating and no longer serving",
+    )
+
+
+def lifecycle(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    eps_a, eps_b = [ctx.pods_on(n2)[0]], [ctx.pods_on(n2)[1]]
+    a, b = ctx.service("alpha"), ctx.service("beta")
+    ctx.apply(a, ctx.slice_for(a, eps_a), b, ctx.slice_for(b, eps_b))
+    ip_a, ip_b = _cip(a), _cip(b)
+    _wait_reach(ctx, client, ip_a, 80, only=eps_a)
+    _wait_reach(ctx, client, ip_b, 80, only=eps_b)
+    ctx.delete_service("alpha")
+    ctx.eventually(lambda: ctx.blocked(client, ip_a, 80, timeout=1.0), timeout=SYNC_WAIT, what="after deleting alpha")
+    ctx.reach(client, ip_b, 80, count=5, only=eps_b)
+    ctx.apply(a, ctx.slice_for(a, eps_a))
+    _wait_reach(ctx, client, ip_a, 80, only=eps_a, what="after recreating alpha")
+    ctx.reach(client, ip_a, 80, count=5, only=eps_a)
+    ctx.reach(client, ip_b, 80, count=5, only=eps_b)
+
+
+def _converge(ctx: Context, src: Any, ip: str, ok: Callable[[Probe], bool], what: str, limit: float = 2.0) -> float:
+    """Probe in small batches from a write until ``ok(batch)``; return the seconds from the write to the start of
+    the first good batch, failing when that exceeds ``limit`` (but waiting up to SYNC_WAIT to report the real
+    figure)."""
+    t0 = time.monotonic()
+    last: Probe | None = None
+    while time.monotonic() - t0 < SYNC_WAIT:
+        start = time.monotonic() - t0
+        pr = ctx.probe(src, ip, 80, count=6, timeout=0.5)
+        if ok(pr):
+            ctx.expect(
+                start <= limit,
+                f"{what}: took {start:.2f} s",
+                sent=pr.sent,
+                got=pr.summary(),
+                expected=f"within {limit:.1f} s",
+            )
+            return start
+        last = pr
+    ctx.fail(
+        f"{what}: never within {SYNC_WAIT:.0f} s", sent=last.sent if last else "", got=last.summary() if last else ""
+    )
+    raise AssertionError("unreachable")
+
+
+def endpoint_churn(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    others = [p for p in ctx.pods if p.name != client.name]
+    three, one, five = others[1:4], [others[3]], others[:5]
+    svc = ctx.service("churn")
+    ctx.apply(svc, ctx.slice_for(svc, three))
+    ip = _cip(svc)
+    _wait_reach(ctx, client, ip, 80, only=three)
+    ctx.reach(client, ip, 80, count=30, only=three, all_of=three)
+    names1 = {p.name for p in one}
+    ctx.apply(ctx.slice_for(svc, one))
+    t_down = _converge(ctx, client, ip, lambda pr: not pr.failed and pr.pods == names1, "3 -> 1 endpoints")
+    ctx.reach(client, ip, 80, count=10, only=one)
+    new = {p.name for p in five} - names1
+    ctx.apply(ctx.slice_for(svc, five))
+    t_up = _converge(ctx, client, ip, lambda pr: not pr.failed and bool(pr.pods & new), "1 -> 5 endpoints")
+    ctx.reach(client, ip, 80, count=60, only=five, all_of=five)
+    ctx.note(f"3->1 converged in {t_down:.2f} s, 1->5 in {t_up:.2f} s")
+
+
+def port_update(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    eps = [ctx.pods_on(n2)[0]]
+    svc = ctx.service("moving")
+    ctx.apply(svc, ctx.slice_for(svc, eps))
+    ip = _cip(svc)
+    _wait_reach(ctx, client, ip, 80, only=eps)
+    svc["spec"]["ports"][0]["port"] = 81
+    ctx.apply(svc)
+
+    def moved() -> None:
+        ctx.reach(client, ip, 81, count=1, timeout=0.5, only=eps)
+        ctx.blocked(client, ip, 80, count=1, timeout=1.0)
+
+    ctx.eventually(moved, timeout=SYNC_WAIT, what="after changing port 80 to 81")
+    ctx.reach(client, ip, 81, count=5, only=eps)
+
+
+def ignored_services(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    eps = [ctx.pods_on(n2)[0]]
+    other = ctx.service("other-proxy", labels={"service.kubernetes.io/service-proxy-name": "someone-else"})
+    marked = ctx.service("marked-headless", labels={"service.kubernetes.io/headless": ""})
+    headless = ctx.service("headless", cluster_ip=None)
+    extname = ctx.service("extname", type="ExternalName", externalName="backend.example.invalid")
+    ctx.apply(
+        other,
+        ctx.slice_for(other, eps),
+        marked,
+        ctx.slice_for(marked, eps),
+        headless,
+        ctx.slice_for(headless, eps),
+        extname,
+    )
+    _barrier(ctx, n1)
+    for svc in (other, marked):
+        ctx.blocked(client, _cip(svc), 80, count=1, timeout=1.0)
+    backend = json.dumps(ctx.rules(n1).get("backend", {}))
+    for name in ("other-proxy", "marked-headless", "headless", "extname"):
+        ctx.expect(
+            not re.search(re.escape(f"{ctx.namespace}/{name}") + r"[:/\"]", backend),
+            f"the ignored service {name} has rules",
+            sent=f"GET http://127.0.0.1:{METRICS_PORT}/rules on {n1.name}",
+            got=backend[:400],
+            expected=f"no entry for {ctx.namespace}/{name}",
+        )
+    for svc in (other, marked):
+        svc["metadata"]["labels"] = {}
+        ctx.apply(svc)
+    for svc in (other, marked):
+        _wait_reach(ctx, client, _cip(svc), 80, only=eps, what=f"after removing the label of {svc['metadata']['name']}")
+    ctx.note("labelled services unreachable and absent from /rules until unlabelled; headless and ExternalName absent")
+
+
+def udp_conntrack(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    old, new = ctx.pods_on(n2)[0], ctx.pods_on(n2)[1]
+    src_port = 40000 + random.randrange(1000)
+    svc = ctx.service("udp", [ctx.port(80, 8080, name="udp", protocol="UDP")])
+    ctx.apply(svc, ctx.slice_for(svc, [old]))
+    ip = _cip(svc)
+
+    def once() -> Probe:
+        return ctx.probe(client, ip, 80, "udp", count=1, timeout=0.3, src_port=src_port)
+
+    def from_(pod: Any) -> Probe:
+        pr = once()
+        ctx.expect(
+            pr.pods == {pod.name},
+            f"UDP from fixed port {src_port} not answered by {pod.name}",
+            sent=pr.sent,
+            got=pr.summary(),
+            expected=f"answer from {pod.name}",
+        )
+        return pr
+
+    ctx.eventually(lambda: from_(old), timeout=SYNC_WAIT, what="initial backend")
+    for _ in range(3):
+        from_(old)  # the conntrack entry to the old backend is alive and in use
+    figures = []
+    for label, slice_pods, target in (
+        ("backend replaced", [new], new),
+        ("no endpoints, then one", [], None),
+        ("", [old], old),
+    ):
+        ctx.apply(ctx.slice_for(svc, slice_pods))
+        if target is None:
+            ctx.eventually(
+                lambda: ctx.blocked(client, ip, 80, "udp", how="refused", timeout=0.5, count=1),
+                timeout=SYNC_WAIT,
+                what="no endpoints",
+            )
+            continue
+        t0 = time.monotonic()
+        seen: list[str] = []
+        while True:
+            pr = once()
+            seen.append(next(iter(pr.pods), pr.summary()))
+            elapsed = time.monotonic() - t0
+            if pr.pods == {target.name}:
+                break
+            if elapsed > SYNC_WAIT:
+                ctx.fail(
+                    f"UDP from a fixed source port never reached {target.name} after the change",
+                    sent=f"UDP datagrams from {client.name}:{src_port} to {ip}:80",
+                    got=" | ".join(seen[-5:]),
+                    expected=f"answers from {target.name} within 2 s",
+                )
+        ctx.expect(
+            elapsed <= 2.0,
+            f"UDP from a fixed source port reached {target.name} only after {elapsed:.2f} s",
+            sent=f"UDP datagrams from {client.name}:{src_port} to {ip}:80",
+            got=" | ".join(seen[-5:]),
+            expected="within 2 s (stale conntrack entries deleted)",
+        )
+        figures.append(f"{label or 'endpoints back'}: {elapsed:.2f} s")
+    ctx.note("; ".join(figures))
+
+
+def _kproxy_bin() -> str:
+    exe = Path(sys.executable).with_name("kproxy")
+    return str(exe) if exe.exists() else "kproxy"
+
+
+def restart(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    ep = ctx.pods_on(n2)[0]
+    svc = ctx.service("survivor")
+    ctx.apply(svc, ctx.slice_for(svc, [ep]))
+    ip = _cip(svc)
+    _wait_reach(ctx, client, ip, 80, only=[ep])
+    held = ctx.lab.hold(client.ns, ip, 80, 12.0, 0.5)
+    probes: list[tuple[str, Probe]] = []
+    phase = ["before"]
+    stop = threading.Event()
+
+    def keep_probing() -> None:
+        while not stop.is_set() and ctx.remaining() > 5:
+            try:
+                probes.append((phase[0], ctx.probe(client, ip, 80, count=1, timeout=1.0)))
+            except Exception as exc:  # recorded, judged below
+                probes.append((phase[0], Probe(client.name, "tcp", ip, 80, [_Err(str(exc))])))
+            time.sleep(0.15)
+
+    t = threading.Thread(target=keep_probing, daemon=True)
+    t.start()
+    try:
+        time.sleep(1.0)
+        phase[0] = "killed"
+        ctx.lab.stop_kproxy(n1, signal.SIGKILL)
+        time.sleep(1.5)
+        phase[0] = "restarting"
+        _start_kproxy(ctx, n1, ctx.mode)
+        ctx.eventually(lambda: _healthz_ok(ctx, n1), timeout=SYNC_WAIT, what="restarted kproxy healthy")
+        phase[0] = "after"
+        time.sleep(2.0)
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        hold_results = ctx.lab.finish_hold(held)
+    hold_list = list(hold_results) if isinstance(hold_results, (list, tuple)) else [hold_results]
+    hold_bad = [r for r in hold_list if not getattr(r, "ok", False)]
+    ctx.expect(
+        hold_list and not hold_bad,
+        "the established TCP connection broke across the restart",
+        sent=f"one TCP connection {client.name} -> {ip}:80, an exchange every 0.5 s for 12 s; kproxy on {n1.name} "
+        "killed (SIGKILL) and restarted meanwhile",
+        got=Probe(client.name, "tcp", ip, 80, hold_list).summary(),
+        expected="every exchange answered",
+    )
+    by_phase: dict[str, list[Any]] = {}
+    for ph, pr in probes:
+        by_phase.setdefault(ph, []).extend(pr.results)
+    bad = {ph: [r for r in rs if not getattr(r, "ok", False)] for ph, rs in by_phase.items()}
+    ctx.expect(
+        not any(bad.values()) and by_phase.get("killed") and by_phase.get("after"),
+        "new connections failed around the restart",
+        sent=f"new TCP connections {client.name} -> {ip}:80 every ~0.2 s",
+        got="; ".join(f"{ph}: {Probe(client.name, 'tcp', ip, 80, rs).summary()}" for ph, rs in by_phase.items()),
+        expected="all answered, before, while killed, while restarting and after",
+    )
+    ctx.note(
+        "held connection: "
+        + Probe(client.name, "tcp", ip, 80, hold_list).summary()
+        + "; new connections: "
+        + ", ".join(f"{ph} {len(rs)}" for ph, rs in by_phase.items())
+    )
+
+
+@dataclass
+class _Err:
+    error: str
+    ok: bool = False
+    reply: str = ""
+    seconds: float = 0.0
+
+
+def _start_kproxy(ctx: Context, node: Any, mode: str) -> None:
+    if ctx.kproxy_argv:
+        ctx.lab.start_kproxy(node, mode, list(ctx.kproxy_argv))
+    else:
+        ctx.lab.start_kproxy(node, mode)
+
+
+def _healthz_ok(ctx: Context, node: Any) -> None:
+    r = ctx.http(ctx.external_ns, _url(node.ip4, HEALTHZ_PORT, "/healthz"))
+    ctx.expect(
+        getattr(r, "status", None) == 200,
+        f"/healthz on {node.name} not 200",
+        got=f"{getattr(r, 'status', None)} {getattr(r, 'error', '')} {body_of(r)[:200]}",
+    )
+
+
+# What of a mode can remain in a node's kernel: mode -> function(ctx, node) -> list of leftovers (empty = clean).
+# A new mode adds one entry here; a mode without one fails the cleanup scenario, saying so.
+def _stdout(res: Any) -> str:
+    out = getattr(res, "stdout", res)
+    return out.decode(errors="replace") if isinstance(out, bytes) else str(out or "")
+
+
+def _rc(res: Any) -> int:
+    return int(getattr(res, "returncode", 0) or 0)
+
+
+_USERSPACE_CHAINS = ("KUBE-PORTALS-", "KUBE-NODEPORT-CONTAINER", "KUBE-NODEPORT-HOST")
+
+
+def _iptables_dump(ctx: Context, node: Any, match: Callable[[str], bool]) -> list[str]:
+    left: list[str] = []
+    for tool in ("iptables-save", "ip6tables-save", "iptables-legacy-save", "ip6tables-legacy-save"):
+        try:
+            res = ctx.exec(node, [tool], timeout=20)
+        except FileNotFoundError:
+            continue
+        if _rc(res) != 0:
+            if "not found" in (_stdout(getattr(res, "stderr", "")) + _stdout(res)).lower():
+                continue
+            raise ScenarioFailure(f"{tool} failed in {node.ns}", got=_stdout(getattr(res, "stderr", ""))[:300])
+        for line in _stdout(res).splitlines():
+            if match(line):
+                left.append(f"{tool}: {line.strip()}")
+    return left
+
+
+def _iptables_remnants(ctx: Context, node: Any) -> list[str]:
+    def ours(line: str) -> bool:
+        return "KUBE-" in line and not any(c in line for c in _USERSPACE_CHAINS)
+
+    return _iptables_dump(ctx, node, ours)
+
+
+def _userspace_remnants(ctx: Context, node: Any) -> list[str]:
+    return _iptables_dump(
+        ctx, node, lambda line: any(c in line for c in _USERSPACE_CHAINS) or "kproxy-userspace" in line
+    )
+
+
+def _nftables_remnants(ctx: Context, node: Any) -> list[str]:
+    res = ctx.exec(node, ["nft", "list", "tables"], timeout=20)
+    return [f"nft: {line}" for line in _stdout(res).splitlines() if "kproxy" in line or "kube-proxy" in line]
+
+
+def _bpf_remnants(ctx: Context, node: Any) -> list[str]:
+    res = ctx.exec(node, ["bpftool", "-j", "net", "show"], timeout=20)
+    left: list[str] = []
+    try:
+        data = json.loads(_stdout(res) or "[]")
+    except ValueError:
+        return [f"bpftool net show: unreadable output {_stdout(res)[:200]}"]
+    for entry in data if isinstance(data, list) else [data]:
+        for kind in ("xdp", "tc", "flow_dissector", "netfilter"):
+            for att in entry.get(kind, []) or []:
+                left.append(f"bpf {kind} attachment: {att}")
+    return left
+
+
+REMNANT_CHECKS: dict[str, Callable[[Context, Any], list[str]]] = {
+    "iptables": _iptables_remnants,
+    "nftables": _nftables_remnants,
+    "bpf": _bpf_remnants,
+    "userspace": _userspace_remnants,
+}
+
+
+def cleanup(ctx: Context) -> None:
+    from kproxy.proxier import availability, installed_backends
+
+    n1, n2 = _two_nodes(ctx)
+    node = n2
+    client = ctx.pods_on(n2)[0]
+    eps = [ctx.pods_on(n2)[1], ctx.pods_on(n1)[1]]
+    check = REMNANT_CHECKS.get(ctx.mode)
+    if check is None:
+        ctx.fail(f"no remnant check for mode {ctx.mode}: add one to REMNANT_CHECKS in kproxy/conformance/scenarios.py")
+        return
+    svc = ctx.service("clean")
+    ctx.apply(svc, ctx.slice_for(svc, eps))
+    ip = _cip(svc)
+    _wait_reach(ctx, client, ip, 80, only=eps)
+    ctx.lab.stop_kproxy(node, signal.SIGTERM)
+    argv = [_kproxy_bin(), "cleanup", "--mode", ctx.mode]
+    res = ctx.exec(node, argv, timeout=60)
+    ctx.expect(
+        _rc(res) == 0,
+        "kproxy cleanup failed",
+        sent=" ".join(argv) + f" in {node.ns}",
+        got=f"exit {_rc(res)}: {_stdout(getattr(res, 'stderr', ''))[:300]}",
+        expected="exit 0",
+    )
+    left = check(ctx, node)
+    ctx.expect(
+        not left,
+        f"{len(left)} things of mode {ctx.mode} remain after kproxy cleanup",
+        sent=" ".join(argv) + f" in {node.ns}",
+        got="; ".join(left[:8]),
+        expected="nothing of the mode left",
+    )
+    ctx.blocked(client, ip, 80, count=1, timeout=1.0)  # nothing programmed: the ClusterIP is dead on this node
+    _start_kproxy(ctx, node, ctx.mode)
+    _wait_reach(ctx, client, ip, 80, only=eps, what=f"kproxy {ctx.mode} restarted after cleanup")
+    ctx.reach(client, ip, 80, count=6, only=eps)
+    others = [m for m in installed_backends() if m != ctx.mode and availability(m)]
+    if not others:
+        ctx.note("no other mode is installed and available here, so 'starting another mode' was not exercised")
+        return
+    tried = []
+    try:
+        for other in others:
+            ctx.lab.stop_kproxy(node, signal.SIGTERM)
+            _start_kproxy(ctx, node, other)
+            _wait_reach(ctx, client, ip, 80, only=eps, what=f"kproxy started in mode {other}")
+            left = check(ctx, node)
+            ctx.expect(
+                not left,
+                f"{len(left)} things of mode {ctx.mode} remain after starting mode {other}",
+                got="; ".join(left[:8]),
+                expected="nothing of the old mode left",
+            )
+            tried.append(other)
+    finally:
+        ctx.lab.stop_kproxy(node, signal.SIGTERM)
+        _start_kproxy(ctx, node, ctx.mode)
+    _wait_reach(ctx, client, ip, 80, only=eps, what=f"kproxy {ctx.mode} back after the other modes")
+    ctx.note(f"cleanup left nothing; starting {', '.join(tried)} removed everything of {ctx.mode}")
+
+
+REQUIRED_METRICS = (
+    "kubeproxy_sync_proxy_rules_duration_seconds",
+    "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+    "kubeproxy_network_programming_duration_seconds",
+    "kubeproxy_sync_proxy_rules_service_changes_total",
+    "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+    "kubeproxy_sync_proxy_rules_service_changes_pending",
+    "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+    "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+    "kubeproxy_sync_full_proxy_rules_duration_seconds",
+    "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+    "kubeproxy_proxy_healthz_total",
+)
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float | None:
+    """The value of the first sample ``name{...labels...}`` in a Prometheus exposition, or None."""
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        rest = line[len(name) :]
+        if rest[:1] not in ("{", " "):
+            continue
+        if labels and labels not in rest.split("}")[0]:
+            continue
+        try:
+            return float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+    return None
+
+
+def servers(ctx: Context) -> None:
+    n1, n2 = _two_nodes(ctx)
+    for path, keys in (
+        ("/healthz", {"lastUpdated", "currentTime", "nodeEligible"}),
+        ("/livez", {"lastUpdated", "currentTime"}),
+    ):
+        url = _url(n1.ip4, HEALTHZ_PORT, path)
+        r = ctx.http(ctx.external_ns, url)
+        body = body_of(r)
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            doc = None
+        ctype = header(r, "Content-Type") or ""
+        ctx.expect(
+            getattr(r, "status", None) == 200
+            and isinstance(doc, dict)
+            and set(doc) == keys
+            and (path != "/healthz" or doc.get("nodeEligible") is True)
+            and ctype.startswith("application/json")
+            and header(r, "X-Content-Type-Options") == "nosniff",
+            f"{path} is not upstream's",
+            sent=f"GET {url} from the external client",
+            got=f"{getattr(r, 'status', None)} Content-Type={ctype!r} X-Content-Type-Options="
+            f"{header(r, 'X-Content-Type-Options')!r} {body.strip()[:300]}",
+            expected=f"200 application/json, nosniff, keys exactly {sorted(keys)}"
+            + (", nodeEligible true" if path == "/healthz" else ""),
+        )
+    r = ctx.http(n1, f"http://127.0.0.1:{METRICS_PORT}/proxyMode")
+    ctx.expect(
+        getattr(r, "status", None) == 200 and body_of(r).strip() == ctx.mode,
+        "/proxyMode is wrong",
+        sent=f"GET http://127.0.0.1:{METRICS_PORT}/proxyMode in {n1.ns}",
+        got=f"{getattr(r, 'status', None)} {body_of(r)[:100]!r}",
+        expected=f"200 {ctx.mode!r}",
+    )
+    r = ctx.http(n1, f"http://127.0.0.1:{METRICS_PORT}/configz")
+    try:
+        configz = json.loads(body_of(r))
+    except ValueError:
+        configz = None
+    ctx.expect(
+        getattr(r, "status", None) == 200 and isinstance(configz, dict) and configz,
+        "/configz is not a JSON object",
+        sent=f"GET http://127.0.0.1:{METRICS_PORT}/configz in {n1.ns}",
+        got=f"{getattr(r, 'status', None)} {body_of(r)[:200]!r}",
+        expected="200 and a JSON object",
+    )
+    before = ctx.metrics_text(n1)
+    missing = [m for m in REQUIRED_METRICS if not re.search(rf"^{m}(_bucket|_sum|_count)?[{{ ]", before, re.M)]
+    ctx.expect(
+        not missing,
+        "upstream metric names missing from /metrics",
+        sent=f"GET /metrics in {n1.ns}",
+        got="missing: " + ", ".join(missing),
+        expected="all of " + ", ".join(REQUIRED_METRICS),
+    )
+    ctx.expect(
+        re.search(r'^kubeproxy_sync_proxy_rules_duration_seconds_bucket\{[^}]*ip_family="IPv4"', before, re.M),
+        'kubeproxy_sync_proxy_rules_duration_seconds has no ip_family="IPv4" series',
+        got=before[:300],
+    )
+    # A change must show in the change counters and the last-sync timestamp.
+    svc_before = metric_value(before, "kubeproxy_sync_proxy_rules_service_changes_total") or 0.0
+    ts_before = metric_value(before, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", 'ip_family="IPv4"') or 0.0
+    svc = ctx.service("observed")
+    ctx.apply(svc, ctx.slice_for(svc, [ctx.pods_on(n2)[0]]))
+    _wait_reach(ctx, ctx.pods_on(n1)[0], _cip(svc), 80)
+
+    def counted() -> None:
+        after = ctx.metrics_text(n1)
+        svc_after = metric_value(after, "kubeproxy_sync_proxy_rules_service_changes_total") or 0.0
+        ts_after = metric_value(after, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", 'ip_family="IPv4"') or 0.0
+        ctx.expect(
+            svc_after > svc_before and ts_after > ts_before,
+            "metrics did not move after a service change",
+            got=f"service_changes_total {svc_before} -> {svc_after}, last_timestamp {ts_before} -> {ts_after}",
+            expected="both increase",
+        )
+
+    ctx.eventually(counted, timeout=5, what="metrics after a change")
+    ctx.note("/healthz, /livez, /proxyMode, /configz and /metrics as upstream")
+
+
+def dual_stack(ctx: Context) -> None:
+    if not ctx.has_ipv6:
+        raise NotApplicable("the lab has no IPv6 addresses")
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    guard_ep = [ctx.pods_on(n2)[2]]
+    guard = ctx.service("guard")
+    ctx.apply(guard, ctx.slice_for(guard, guard_ep))
+    gip = _cip(guard)
+    _wait_reach(ctx, client, gip, 80, only=guard_ep)
+    results: list[Any] = []
+    stop = threading.Event()
+
+    def guard_loop() -> None:
+        while not stop.is_set() and ctx.remaining() > 3:
+            try:
+                results.extend(ctx.probe(client, gip, 80, count=1, timeout=1.0).results)
+            except Exception as exc:
+                results.append(_Err(str(exc)))
+            time.sleep(0.2)
+
+    t = threading.Thread(target=guard_loop, daemon=True)
+    t.start()
+    try:
+        eps6 = [ctx.pods_on(n1)[1], ctx.pods_on(n2)[0]]
+        v6 = ctx.service("v6only", families=("IPv6",))
+        ctx.apply(v6, ctx.slice_for(v6, eps6, family="IPv6"))
+        ip6 = _cip(v6, "IPv6")
+        _wait_reach(ctx, client, ip6, 80, only=eps6)
+        pr = ctx.reach(client, ip6, 80, count=20, only=eps6, all_of=eps6)
+        remote = {r.seen_ip for r in pr.ok if answer_is(r, ctx.pods_on(n2)[0].name)}
+        ctx.expect(
+            remote == {client.ip6},
+            "IPv6: the remote backend did not see the client pod's IPv6 address",
+            sent=pr.sent,
+            got=f"seen: {sorted(map(str, remote))}",
+            expected=client.ip6,
+        )
+        eps_ds = [ctx.pods_on(n1)[2], ctx.pods_on(n2)[1]]
+        ds = ctx.service("dual", families=("IPv4", "IPv6"))
+        ctx.apply(ds, ctx.slice_for(ds, eps_ds, family="IPv4"), ctx.slice_for(ds, eps_ds, family="IPv6"))
+        for fam in ("IPv4", "IPv6"):
+            _wait_reach(ctx, client, _cip(ds, fam), 80, only=eps_ds)
+            ctx.reach(client, _cip(ds, fam), 80, count=12, only=eps_ds, all_of=eps_ds)
+        ctx.delete_service("v6only")
+        ctx.eventually(
+            lambda: ctx.blocked(client, ip6, 80, timeout=1.0), timeout=SYNC_WAIT, what="after deleting v6only"
+        )
+        ctx.reach(client, _cip(ds, "IPv4"), 80, count=4, only=eps_ds)
+    finally:
+        stop.set()
+        t.join(timeout=5)
+    bad = [r for r in results if not getattr(r, "ok", False)]
+    ctx.expect(
+        results and not bad,
+        "IPv4 traffic was disturbed while IPv6 objects came and went",
+        sent=f"TCP {client.name} -> {gip}:80 every 0.2 s throughout",
+        got=Probe(client.name, "tcp", gip, 80, results).summary(),
+        expected="every probe answered",
+    )
+    ctx.note(f"IPv6-only and dual-stack reached on both families; {len(results)} IPv4 guard probes all answered")
+
+
+def answer_is(result: Any, pod: str) -> bool:
+    return bool(getattr(result, "ok", False)) and (getattr(result, "reply", "") or "").split()[:1] == [pod]
+
+
+def _histogram(text: str, name: str, family: str = "IPv4") -> tuple[float, float, dict[float, float]]:
+    """(sum, count, {le: cumulative count}) of one histogram series."""
+    lab = f'ip_family="{family}"'
+    total = metric_value(text, name + "_sum", lab) or 0.0
+    count = metric_value(text, name + "_count", lab) or 0.0
+    buckets: dict[float, float] = {}
+    for m in re.finditer(rf"^{name}_bucket\{{([^}}]*)\}} (\S+)$", text, re.M):
+        if lab not in m.group(1):
+            continue
+        le = re.search(r'le="([^"]+)"', m.group(1))
+        if le:
+            buckets[float(le.group(1))] = float(m.group(2))
+    return total, count, buckets
+
+
+SCALE_SERVICES = 1000
+SCALE_ENDPOINTS = 3
+SCALE_SAMPLE = 50
+SCALE_CONVERGE_S = 90.0
+
+
+def scale_smoke(ctx: Context) -> None:
+    n1, _ = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    others = [p for p in ctx.pods if p.name != client.name]
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    metric = "kubeproxy_sync_proxy_rules_duration_seconds"
+    before = _histogram(ctx.metrics_text(n1), metric)
+    plan = []
+    for i in range(SCALE_SERVICES):
+        svc = ctx.service(f"s{i:04d}")
+        plan.append((svc, rnd.sample(others, SCALE_ENDPOINTS)))
+    objs = [o for svc, eps in plan for o in (svc, ctx.slice_for(svc, eps))]
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(lambda o: ctx.apply(o), objs))
+    t_written = time.monotonic()
+    sample = rnd.sample(plan, SCALE_SAMPLE)
+
+    def reach_one(item: tuple[dict[str, Any], list[Any]]) -> float:
+        svc, eps = item
+        ctx.eventually(
+            lambda: ctx.reach(client, _cip(svc), 80, count=1, timeout=0.5, only=eps),
+            timeout=SCALE_CONVERGE_S,
+            interval=0.5,
+            what=f"sample service {svc['metadata']['name']}",
+        )
+        return time.monotonic()
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        done = list(pool.map(reach_one, sample))
+    t_reached = max(done)
+    after = _histogram(ctx.metrics_text(n1), metric)
+    syncs = after[1] - before[1]
+    mean = (after[0] - before[0]) / syncs if syncs else 0.0
+    bound = next((le for le in sorted(after[2]) if after[2][le] - before[2].get(le, 0.0) >= syncs), float("inf"))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(lambda item: ctx.delete("Service", item[0]["metadata"]["name"]), plan))
+        list(pool.map(lambda item: ctx.delete("EndpointSlice", item[0]["metadata"]["name"] + "-v4"), plan))
+    ctx.note(
+        f"{SCALE_SERVICES} services x {SCALE_ENDPOINTS} endpoints written in {t_written - t0:.1f} s; sample of "
+        f"{SCALE_SAMPLE} (seed {seed}) all reachable {t_reached - t_written:.1f} s after the last write; "
+        f"{syncs:.0f} IPv4 syncs meanwhile, mean {mean:.3f} s, each <= {bound:g} s "
+        f"({metric} on {n1.name})"
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The table: BEHAVIOUR.md's order.
+# --------------------------------------------------------------------------------------------------------------
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("clusterip-tcp", "pod -> ClusterIP:port over TCP, 3 endpoints on 2 nodes", clusterip_tcp),
+    Scenario("clusterip-udp", "the same over UDP", clusterip_udp),
+    Scenario("multiport", "two ports with named targetPorts to different container ports", multiport),
+    Scenario("same-port-two-protocols", "TCP and UDP on one port number (and one NodePort)", same_port_two_protocols),
+    Scenario("nodeport", "external client, pod and node itself -> node IP:nodePort", nodeport),
+    Scenario("externalip", "external client -> externalIP:port", externalip),
+    Scenario("loadbalancer", "LB ingress IP with loadBalancerSourceRanges allowing / denying", loadbalancer),
+    Scenario("no-endpoints-reject", "no endpoints: TCP refused fast, UDP port-unreachable", no_endpoints_reject),
+    Scenario("session-affinity", "ClientIP affinity on, off, and with a short timeout", session_affinity, timeout_s=90),
+    Scenario("source-ip", "pod -> ClusterIP -> pod on another node sees the client pod's IP", source_ip),
+    Scenario("hairpin", "pod -> its own service, itself the only endpoint", hairpin),
+    Scenario(
+        "etp-local", "externalTrafficPolicy=Local NodePort and its health check node port", etp_local, timeout_s=90
+    ),
+    Scenario("itp-local", "internalTrafficPolicy=Local", itp_local),
+    Scenario("terminating-fallback", "all endpoints terminating: serving, then not serving", terminating_fallback),
+    Scenario("lifecycle", "create, delete, recreate a service; others untouched", lifecycle),
+    Scenario("endpoint-churn", "3 -> 1 -> 5 endpoints, each within 2 s", endpoint_churn),
+    Scenario("port-update", "change a service's port in place", port_update),
+    Scenario("ignored-services", "service-proxy-name and headless labels, headless, ExternalName", ignored_services),
+    Scenario("udp-conntrack", "UDP from a fixed source port follows a replaced backend within 2 s", udp_conntrack),
+    Scenario("restart", "kproxy killed and restarted during traffic", restart, timeout_s=90),
+    Scenario("cleanup", "kproxy cleanup, and starting another mode", cleanup, timeout_s=150),
+    Scenario("servers", "/healthz, /livez, /metrics, /proxyMode, /configz", servers),
+    Scenario("dual-stack", "IPv6-only and dual-stack services", dual_stack, needs=frozenset({"ipv6"}), timeout_s=90),
+    Scenario(
+        "scale-smoke", "1,000 services x 3 endpoints; a random sample of 50 reachable", scale_smoke, timeout_s=280
+    ),
+)
+
+SCENARIO_IDS: tuple[str, ...] = tuple(s.id for s in SCENARIOS)
+BY_ID: dict[str, Scenario] = {s.id: s for s in SCENARIOS}
+assert len(BY_ID) == len(SCENARIOS), "scenario ids must be unique"

@@ -1,0 +1,123 @@
+"""The conformance report formats (table, JSON, JUnit) and the scenario table's shape; no root, no lab."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from kproxy.conformance.report import (
+    FAIL,
+    NOT_APPLICABLE,
+    PASS,
+    Report,
+    Result,
+    format_table,
+    from_json,
+    to_json,
+    to_junit,
+)
+from kproxy.conformance.scenarios import SCENARIO_IDS, SCENARIOS
+
+BEHAVIOUR_IDS = (
+    "clusterip-tcp clusterip-udp multiport same-port-two-protocols nodeport externalip loadbalancer "
+    "no-endpoints-reject session-affinity source-ip hairpin etp-local itp-local terminating-fallback lifecycle "
+    "endpoint-churn port-update ignored-services udp-conntrack restart cleanup servers dual-stack scale-smoke"
+).split()
+
+
+def sample() -> Report:
+    return Report(
+        "iptables",
+        [
+            Result("clusterip-tcp", PASS, "60 probes: 60 answered", 1.234567),
+            Result("loadbalancer", FAIL, "a probe that must fail was answered; sent: 2 TCP probe(s)\nsecond line", 3.5),
+            Result("restart", NOT_APPLICABLE, "iptables: no such thing", 0.0),
+        ],
+        wall_seconds=12.5,
+    )
+
+
+def test_json_has_exactly_the_documented_shape() -> None:
+    doc = json.loads(to_json(sample()))
+    assert set(doc) == {"mode", "results"}
+    assert doc["mode"] == "iptables"
+    assert [set(r) for r in doc["results"]] == [{"scenario", "status", "detail", "seconds"}] * 3
+    assert [r["status"] for r in doc["results"]] == ["pass", "fail", "not-applicable"]
+    assert doc["results"][0]["seconds"] == pytest.approx(1.2346)
+    assert from_json(to_json(sample())).results[1] == Result("loadbalancer", FAIL, sample().results[1].detail, 3.5)
+
+
+def test_table_shows_reasons_for_fail_and_not_applicable_only() -> None:
+    other = Report("nftables", [Result("clusterip-tcp", FAIL, "x" * 300, 2.0)], wall_seconds=2.0)
+    text = format_table([sample(), other], width=60)
+    lines = text.splitlines()
+    assert lines[0].split() == ["scenario", "iptables", "nftables"]
+    row = next(ln for ln in lines if ln.startswith("clusterip-tcp"))
+    assert " pass " in row and "FAIL: xxx" in row and row.endswith("...")
+    lb = next(ln for ln in lines if ln.startswith("loadbalancer"))
+    assert "FAIL: a probe that must fail was answered" in lb and "second line" not in text.split("\n", 3)[0]
+    assert "\n" not in lb  # multi-line details are folded into one cell
+    assert "not-applicable: iptables: no such thing" in text
+    assert next(ln for ln in lines if ln.startswith("restart")).split()[-1] == "-"  # nftables has no result
+    assert "iptables: 1 passed, 1 failed, 1 not applicable in 12.5 s" in text
+
+
+def test_junit_one_testcase_per_scenario_with_failure_and_skipped() -> None:
+    root = ET.fromstring(to_junit([sample()]))
+    assert root.tag == "testsuites" and root.get("tests") == "3" and root.get("failures") == "1"
+    suite = root.find("testsuite")
+    assert suite is not None and suite.get("name") == "kproxy-conformance-iptables" and suite.get("skipped") == "1"
+    cases = {c.get("name"): c for c in suite.findall("testcase")}
+    assert list(cases) == ["clusterip-tcp", "loadbalancer", "restart"]
+    assert cases["clusterip-tcp"].find("failure") is None and cases["clusterip-tcp"].find("skipped") is None
+    failure = cases["loadbalancer"].find("failure")
+    assert failure is not None and failure.text == sample().results[1].detail
+    assert failure.get("message") == "a probe that must fail was answered; sent: 2 TCP probe(s)"
+    skipped = cases["restart"].find("skipped")
+    assert skipped is not None and skipped.get("message") == "iptables: no such thing"
+    assert cases["loadbalancer"].get("time") == "3.500"
+
+
+def test_unknown_status_is_refused() -> None:
+    with pytest.raises(ValueError, match="status"):
+        Result("x", "passed")
+
+
+def test_report_ok_and_counts() -> None:
+    rep = sample()
+    assert not rep.ok and [r.scenario for r in rep.failed] == ["loadbalancer"]
+    assert rep.counts() == {PASS: 1, FAIL: 1, NOT_APPLICABLE: 1}
+    assert Report("bpf", [Result("a", NOT_APPLICABLE, "why")]).ok  # not-applicable is not a failure
+
+
+def test_scenario_table_is_behaviours_table_in_order() -> None:
+    assert list(SCENARIO_IDS) == BEHAVIOUR_IDS
+    assert all(s.timeout_s < 300 for s in SCENARIOS)  # each fits pytest's per-test timeout
+    assert all(callable(s.run) and s.title for s in SCENARIOS)
+
+
+def test_runner_selects_in_table_order_and_names_unknown_ids() -> None:
+    from kproxy.conformance.runner import ConformanceError, select
+
+    assert [s.id for s in select(["servers", "clusterip-tcp"])] == ["clusterip-tcp", "servers"]
+    assert len(select(None)) == len(SCENARIOS)
+    with pytest.raises(ConformanceError, match="nope"):
+        select(["nope"])
+
+
+def test_addresses_are_unique_and_inside_the_plan() -> None:
+    import ipaddress
+
+    from kproxy.conformance.context import Addresses
+
+    a = Addresses()
+    v4 = [a.cluster_ip() for _ in range(1200)]
+    assert len(set(v4)) == 1200
+    assert all(ipaddress.ip_address(ip) in ipaddress.ip_network("198.19.0.0/18") for ip in v4)
+    assert not any(ip.endswith((".0", ".255")) for ip in v4)
+    assert ipaddress.ip_address(a.cluster_ip("IPv6")) in ipaddress.ip_network("fd00:198:18:ff::/112")
+    assert a.external_ip().startswith("198.19.100.") and a.lb_ip().startswith("198.19.200.")
+    ports = [a.node_port() for _ in range(10)]
+    assert len(set(ports)) == 10 and all(30000 <= p <= 32767 for p in ports)
