@@ -1,0 +1,196 @@
+"""``kproxy bench sync``: how long the cache and a backend take to program N services x E endpoints, from empty
+and after one endpoint changes, next to the kernel's own time for the same payload (PERFORMANCE.md).
+
+A real backend runs in a throwaway network namespace ``kpb-<pid>``: the command re-executes itself inside it
+(``ip netns exec kpb-<pid> python -m kproxy.bench bench sync ... --inside``) and deletes the namespace afterwards, also
+when the run fails or is interrupted; a namespace left by a killed run (its pid is gone) is removed by the next.
+``--mode fake`` times the cache alone and needs no namespace.
+
+Phases, each timed with ``time.perf_counter``:
+- ``absorb_s``: feeding every Service and EndpointSlice to ``ServiceCache`` (objects generated lazily);
+- ``snapshot_s``: the first ``snapshot()`` (all services recomputed);
+- ``full_sync_s``: that snapshot plus the backend's first (full) ``sync`` and the ``commit``;
+- ``partial_sync_s``: median over ``--repeat`` runs of: one endpoint of one service changes (``upsert_slice``),
+  ``snapshot``, ``sync``, ``commit``;
+- ``floor_s``: ``backend.measure_floor()`` (the kernel alone taking the full payload; None for fake), and
+  ``ratio`` = full_sync_s / floor_s; ``render_s``: the backend's own ``timings["render"]`` of the full sync;
+- ``rss_mb``: peak resident memory of the process that ran the phases; ``counts``: the backend's sizes.
+
+Who uses it: ``kproxy.bench.cli`` (``kproxy bench sync``), ``make bench``, and later ``kproxy compare``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kproxy.bench import synthetic
+from kproxy.cache import ServiceCache
+from kproxy.config import ProxyConfig
+from kproxy.model import IPFamily
+from kproxy.proxier import backend_class
+
+NODE = "node-1"
+NETNS_PREFIX = "kpb-"
+CLUSTER_CIDR = "198.18.64.0/18"
+RUN_TIMEOUT = 3600.0  # seconds: a bound on one benchmark run (upstream's nftables layout alone took 68 s here)
+
+
+@dataclass
+class SyncBench:
+    """One run's figures; ``to_json()`` is the documented JSON output."""
+
+    mode: str
+    services: int
+    endpoints: int
+    repeat: int
+    absorb_s: float = 0.0
+    snapshot_s: float = 0.0
+    full_sync_s: float = 0.0
+    partial_sync_s: float = 0.0
+    partial_sync_runs: list[float] = field(default_factory=list)
+    floor_s: float | None = None
+    ratio: float | None = None
+    render_s: float | None = None
+    rss_mb: float = 0.0
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run (backend unavailable, a sync failed); the message says why."""
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def run_sync_bench(mode: str, n_services: int, n_endpoints: int, repeat: int = 5) -> SyncBench:
+    """Run the phases in the current network namespace (the caller chose it) and return the figures."""
+    if n_services < 1 or n_endpoints < 1 or repeat < 1:
+        raise BenchError("--services, --endpoints and --repeat must be at least 1")
+    if n_services > synthetic.MAX_SERVICES:
+        raise BenchError(f"--services: at most {synthetic.MAX_SERVICES} (198.19.0.0/16)")
+    config = ProxyConfig(mode=mode, hostname_override=NODE, cluster_cidrs=(CLUSTER_CIDR,))
+    cls = backend_class(mode)
+    avail = cls.available()
+    if not avail:
+        raise BenchError(f"mode {mode} is not available here: {avail.reason}")
+    backend = cls(config)
+    out = SyncBench(mode=mode, services=n_services, endpoints=n_endpoints, repeat=repeat)
+    cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
+    try:
+        t0 = time.perf_counter()
+        for svc in synthetic.services(n_services):
+            cache.upsert_service(svc)
+        for eps in synthetic.endpoint_slices(n_services, n_endpoints):
+            cache.upsert_slice(eps)
+        cache.mark_synced("services")
+        cache.mark_synced("endpointslices")
+        t1 = time.perf_counter()
+        state, changes = cache.snapshot()
+        t2 = time.perf_counter()
+        if len(state) != n_services:
+            raise BenchError(f"the cache holds {len(state)} service ports, expected {n_services}: {cache.errors()}")
+        if not changes.full:
+            raise BenchError("the first snapshot did not ask for a full sync")
+        result = backend.sync(state, changes)
+        if not result.ok:
+            raise BenchError(f"full sync failed: {result.error}")
+        cache.commit(changes, failed=tuple(result.failed))
+        t3 = time.perf_counter()
+        out.absorb_s, out.snapshot_s, out.full_sync_s = t1 - t0, t2 - t1, t3 - t1
+        out.render_s = result.timings.get("render")
+        out.counts = {k: int(v) for k, v in result.counts.items()}
+
+        for r in range(repeat):
+            i = 1 + (r * 7919) % n_services  # a different service each time, spread over the table
+            s0 = time.perf_counter()
+            cache.upsert_slice(synthetic.endpoint_slice(i, n_endpoints, variant=r + 1))
+            state, changes = cache.snapshot()
+            result = backend.sync(state, changes)
+            if not result.ok:
+                raise BenchError(f"partial sync {r + 1} failed: {result.error}")
+            cache.commit(changes, failed=tuple(result.failed))
+            out.partial_sync_runs.append(time.perf_counter() - s0)
+            if changes.full or not changes.services:
+                raise BenchError(f"partial sync {r + 1}: expected one dirty service, got {changes}")
+        out.partial_sync_s = statistics.median(out.partial_sync_runs)
+
+        out.floor_s = backend.measure_floor()
+        if out.floor_s:
+            out.ratio = out.full_sync_s / out.floor_s
+        out.rss_mb = _peak_rss_mb()
+    finally:
+        if mode != "fake":
+            try:  # the namespace goes away anyway; this removes what lives outside it (a BPF cgroup hook)
+                backend.cleanup()
+            finally:
+                backend.close()
+    return out
+
+
+def _ns_alive(name: str) -> bool:
+    m = re.fullmatch(rf"{NETNS_PREFIX}(\d+)", name)
+    return not m or Path(f"/proc/{m.group(1)}").exists()
+
+
+def _remove_stale_namespaces() -> None:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for line in listing.splitlines():
+        name = line.split(" ", 1)[0]
+        if name.startswith(NETNS_PREFIX) and not _ns_alive(name):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+def run_in_namespace(argv: Sequence[str]) -> int:
+    """Re-execute ``python -m kproxy.bench <argv> --inside`` in a fresh namespace ``kpb-<pid>``; its exit code."""
+    if os.geteuid() != 0:
+        print("kproxy bench sync: a real backend needs root (it creates a network namespace)", file=sys.stderr)
+        return 2
+    _remove_stale_namespaces()
+    ns = f"{NETNS_PREFIX}{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, timeout=30)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True, timeout=30)
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "kproxy.bench", *argv, "--inside"]
+        return subprocess.run(cmd, timeout=RUN_TIMEOUT).returncode
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=60)
+
+
+def format_table(b: SyncBench) -> str:
+    def sec(v: float | None) -> str:
+        return "-" if v is None else f"{v:.4f} s"
+
+    rows = [
+        ("mode", b.mode),
+        ("services x endpoints", f"{b.services} x {b.endpoints}"),
+        ("absorb", sec(b.absorb_s)),
+        ("first snapshot", sec(b.snapshot_s)),
+        ("full sync", sec(b.full_sync_s)),
+        (f"partial sync (median of {b.repeat})", sec(b.partial_sync_s)),
+        ("kernel floor", sec(b.floor_s)),
+        ("full sync / floor", "-" if b.ratio is None else f"{b.ratio:.2f}"),
+        ("render", sec(b.render_s)),
+        ("peak RSS", f"{b.rss_mb:.1f} MB"),
+    ]
+    rows += [(f"count {k}", str(v)) for k, v in sorted(b.counts.items())]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def render(b: SyncBench, fmt: str) -> str:
+    return json.dumps(b.to_json(), indent=2) if fmt == "json" else format_table(b)
