@@ -1,0 +1,56 @@
+"""The lab for the conformance tests: one lab per mode, brought up when that mode's first scenario runs.
+
+Each (mode, scenario) is its own test (see test_conformance.py), run in mode order, so at most one lab exists
+at a time: when the mode changes, the previous mode's lab is taken down before the next comes up, and the last
+one goes at the end of the session (also when tests fail). A lab that cannot come up fails every test of that
+mode with the same reason instead of being retried 24 times.
+
+``KPROXY_CONFORMANCE_MODES=iptables,nftables`` restricts the modes (default: every installed mode).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from kproxy.conformance.runner import Session
+
+
+class Labs:
+    """The current mode's conformance session (lab + kproxy), switched when the mode changes."""
+
+    def __init__(self) -> None:
+        self.mode: str | None = None
+        self.session: Session | None = None
+        self.error: str | None = None
+
+    def get(self, mode: str) -> Session:
+        if mode != self.mode:
+            self.close()
+            self.mode = mode
+            try:
+                self.session = Session.open(mode)
+            except Exception as exc:  # the reason is what every test of the mode reports
+                self.error = f"lab with kproxy --mode {mode} did not come up: {type(exc).__name__}: {exc}"
+        if self.error is not None:
+            pytest.fail(self.error, pytrace=False)
+        assert self.session is not None
+        return self.session
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+        self.session, self.error, self.mode = None, None, None
+
+
+@pytest.fixture(scope="session")
+def conformance_labs() -> Iterator[Labs]:
+    if os.geteuid() != 0:
+        pytest.skip("the conformance lab needs root (network namespaces, netfilter)")
+    labs = Labs()
+    try:
+        yield labs
+    finally:
+        labs.close()

@@ -1,0 +1,43 @@
+"""BEHAVIOUR.md's conformance scenarios as pytest tests: one per (installed mode, scenario), on a real lab.
+
+``make test`` runs these (marker ``lab``). A scenario the backend declares impossible, or one the lab cannot
+support, is skipped with the reason; a FAIL fails with the scenario's own account of what was sent, what came
+back and what was expected. ``kproxy conformance --mode MODE`` runs the same scenarios outside pytest.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kproxy.conformance.report import FAIL, NOT_APPLICABLE
+from kproxy.conformance.scenarios import BY_ID, SCENARIOS
+from kproxy.proxier import availability, installed_backends
+
+pytestmark = pytest.mark.lab
+
+
+def _modes() -> list[str]:
+    modes = list(installed_backends())
+    wanted = os.environ.get("KPROXY_CONFORMANCE_MODES", "").strip()
+    if wanted:
+        modes = [m for m in modes if m in {w.strip() for w in wanted.split(",")}]
+    return modes
+
+
+CASES = [(mode, s.id) for mode in _modes() for s in SCENARIOS]
+
+
+@pytest.mark.parametrize(("mode", "scenario_id"), CASES, ids=[f"{m}-{s}" for m, s in CASES])
+def test_scenario(conformance_labs, mode: str, scenario_id: str) -> None:  # type: ignore[no-untyped-def]
+    avail = availability(mode)
+    if not avail:
+        pytest.skip(f"mode {mode} is not available here: {avail.reason}")
+    session = conformance_labs.get(mode)
+    result = session.run_scenario(BY_ID[scenario_id])
+    if result.status == NOT_APPLICABLE:
+        pytest.skip(f"not applicable to {mode}: {result.detail}")
+    if result.status == FAIL:
+        pytest.fail(f"{mode} {scenario_id}: {result.detail}", pytrace=False)
+    print(f"{mode} {scenario_id}: pass in {result.seconds:.1f} s; {result.detail}")
