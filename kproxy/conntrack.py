@@ -19,6 +19,11 @@ this node may still reach for it (``ServicePort.all_endpoints``), and the ip:por
 whose target port changed counts as gone. Entries whose original destination is not a service address, and
 non-UDP entries, are never touched.
 
+Node ports are matched on the node's addresses that the caller passes plus every address of the network
+namespace (nodePortAddresses empty means "every local address", 127.0.0.1 included for iptables' localhost node
+ports). Upstream matches the node port alone, on any destination; restricting it to local addresses keeps forwarded
+pod traffic to some remote host's port 30053 out of it.
+
 Who uses it: the daemon, after a successful sync of a backend whose ``uses_conntrack_nat`` is True (backends
 never call it); it reports the returned counts and ``last_duration`` as
 ``kubeproxy_conntrack_reconciler_deleted_entries_total`` / ``..._sync_duration_seconds`` (kproxy.metrics).
@@ -35,7 +40,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pyroute2 import Conntrack
+from pyroute2 import Conntrack, IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
@@ -144,7 +149,12 @@ class ConntrackReconciler:
         return deleted
 
     def _reconcile_family(self, state: ProxyState, family: IPFamily, node_ips: Collection[str]) -> int:
-        targets = service_targets(state, family, node_ips)
+        if not any(sp.protocol is Protocol.UDP for sp in state.family(family).values()):
+            return 0
+        nodes = set(node_ips)
+        if any(sp.node_port and sp.protocol is Protocol.UDP for sp in state.family(family).values()):
+            nodes |= self._local_addresses(family)
+        targets = service_targets(state, family, nodes)
         if not targets:
             return 0
         af = _AF[family]
@@ -174,6 +184,15 @@ class ConntrackReconciler:
             log.warning("conntrack: %s reconcile failed after %d deletions: %s", family.value, count, exc)
         finally:
             ct.close()
-        if count:
-            log.info("conntrack: deleted %d stale %s UDP entries", count, family.value)
+        log.debug("conntrack: deleted %d stale %s UDP entries", count, family.value)
         return count
+
+    def _local_addresses(self, family: IPFamily) -> set[str]:
+        """Every address of the namespace in one family (where node ports answer when nodePortAddresses is empty)."""
+        kwargs: dict[str, Any] = {} if self.netns is None else {"netns": self.netns}
+        try:
+            with IPRoute(**kwargs) as ipr:
+                return {str(a.get("IFA_ADDRESS")) for a in ipr.get_addr(family=_AF[family]) if a.get("IFA_ADDRESS")}
+        except (NetlinkError, OSError) as exc:
+            log.warning("conntrack: listing local addresses failed, node ports matched on node IPs only: %s", exc)
+            return set()

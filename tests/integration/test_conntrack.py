@@ -207,7 +207,8 @@ def test_replaced_backend(topo: Topo, a: Addrs) -> None:
     state = _state(a, (a.new,), node_port=NODE_PORT)
     assert reconcile_needed(Changes(full=False, services=frozenset(sp.name for sp in state)), state)
     rec = ConntrackReconciler(netns=topo.node_ns)
-    deleted = rec.reconcile(state, node_ips=[V4.node, V6.node])
+    # No node IPs given: the node port is found on the namespace's own addresses (nodePortAddresses empty).
+    deleted = rec.reconcile(state, node_ips=[])
     assert deleted[fam] == 2
     assert rec.last_duration > 0
     listing = topo.conntrack(fam)
