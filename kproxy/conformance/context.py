@@ -449,16 +449,6 @@ class Context:
         return None
 
     # -- the API -----------------------------------------------------------------------------------------------
-    def ensure_namespace(self) -> None:
-        """Create the scenario's namespace if the API keeps Namespace objects (a stand-in may not need them)."""
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            self.core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": self.namespace}})
-        except ApiException as exc:
-            if exc.status not in (404, 405, 409):
-                raise
-
     def apply(self, *objs: dict[str, Any]) -> None:
         """Create each object, or replace it when it exists (carrying over its resourceVersion)."""
         from kubernetes.client.exceptions import ApiException

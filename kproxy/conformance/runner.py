@@ -147,7 +147,6 @@ class Session:
         status, detail = PASS, ""
         try:
             ctx = Context(self.lab, self.mode, scenario.id, self.addresses, scenario.timeout_s, self.kproxy_args)
-            ctx.ensure_namespace()
             ctx.empty_namespace()  # leftovers of a killed earlier run
             scenario.run(ctx)
             detail = "; ".join(ctx.notes)

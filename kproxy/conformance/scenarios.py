@@ -387,9 +387,12 @@ def etp_local(ctx: Context) -> None:
     n1, n2 = _two_nodes(ctx)
     local1 = [ctx.pods_on(n1)[1], ctx.pods_on(n1)[2]]
     hc = ctx.addresses.node_port()
-    svc = ctx.service("local", type="NodePort", externalTrafficPolicy="Local", healthCheckNodePort=hc)
+    lb_ip = ctx.addresses.lb_ip()
+    # healthCheckNodePort exists only for type LoadBalancer with externalTrafficPolicy Local (as upstream's ESIPP)
+    svc = ctx.service("local", type="LoadBalancer", externalTrafficPolicy="Local", healthCheckNodePort=hc)
     np_ = svc["spec"]["ports"][0]["nodePort"]
     ctx.apply(svc, ctx.slice_for(svc, local1))
+    ctx.set_lb_ingress("local", [lb_ip])
     ext = ctx.external_ns
     _wait_reach(ctx, ext, n1.ip4, np_, only=local1)
     _barrier(ctx, n1, n2)
@@ -402,6 +405,15 @@ def etp_local(ctx: Context) -> None:
         expected=f"only {ctx.external_ip4}",
     )
     ctx.blocked(ext, n2.ip4, np_, how="timeout", count=2, timeout=1.5)
+    # The LB IP is routed to node-1, which has local endpoints: reached, client IP preserved.
+    pr = ctx.reach(ext, lb_ip, 80, count=6, only=local1)
+    ctx.expect(
+        pr.seen_ips == {ctx.external_ip4},
+        "LB IP with externalTrafficPolicy=Local: client IP not preserved",
+        sent=pr.sent,
+        got=f"source addresses seen: {sorted(pr.seen_ips)}",
+        expected=f"only {ctx.external_ip4}",
+    )
     ctx.eventually(lambda: _health(ctx, n1, hc, "local", 2), timeout=SYNC_WAIT, what="health check node port")
     ctx.eventually(lambda: _health(ctx, n2, hc, "local", 0), timeout=SYNC_WAIT, what="health check node port")
     # Endpoints on both nodes now: each node must still send external traffic only to its own.
@@ -603,18 +615,26 @@ def udp_conntrack(ctx: Context) -> None:
     ):
         ctx.apply(ctx.slice_for(svc, slice_pods))
         if target is None:
-            ctx.eventually(
-                lambda: ctx.blocked(client, ip, 80, "udp", how="refused", timeout=0.5, count=1),
-                timeout=SYNC_WAIT,
-                what="no endpoints",
-            )
+
+            def refused() -> None:
+                pr = once()
+                ctx.expect(
+                    pr.failed and all(e in ("refused", "unreachable") for e in pr.errors),
+                    f"UDP from fixed port {src_port} to a service without endpoints was not refused",
+                    sent=pr.sent,
+                    got=pr.summary(),
+                    expected="ICMP port-unreachable (refused)",
+                )
+
+            ctx.eventually(refused, timeout=SYNC_WAIT, what="no endpoints")
+            once()  # keep the flow from the fixed port going while there is nothing to reach
             continue
         t0 = time.monotonic()
         seen: list[str] = []
         while True:
+            elapsed = time.monotonic() - t0  # when the first datagram that got through was sent
             pr = once()
             seen.append(next(iter(pr.pods), pr.summary()))
-            elapsed = time.monotonic() - t0
             if pr.pods == {target.name}:
                 break
             if elapsed > SYNC_WAIT:
@@ -747,13 +767,11 @@ _USERSPACE_CHAINS = ("KUBE-PORTALS-", "KUBE-NODEPORT-CONTAINER", "KUBE-NODEPORT-
 def _iptables_dump(ctx: Context, node: Any, match: Callable[[str], bool]) -> list[str]:
     left: list[str] = []
     for tool in ("iptables-save", "ip6tables-save", "iptables-legacy-save", "ip6tables-legacy-save"):
-        try:
-            res = ctx.exec(node, [tool], timeout=20)
-        except FileNotFoundError:
-            continue
+        res = ctx.exec(node, [tool], timeout=20)
         if _rc(res) != 0:
-            if "not found" in (_stdout(getattr(res, "stderr", "")) + _stdout(res)).lower():
-                continue
+            err = _stdout(getattr(res, "stderr", "")).lower()
+            if "no such file" in err or "not found" in err:
+                continue  # that flavour of iptables is not installed: nothing of it can remain
             raise ScenarioFailure(f"{tool} failed in {node.ns}", got=_stdout(getattr(res, "stderr", ""))[:300])
         for line in _stdout(res).splitlines():
             if match(line):
