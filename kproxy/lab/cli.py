@@ -62,7 +62,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     print(f"lab up in {time.monotonic() - t0:.2f}s: {len(lab.nodes)} nodes, {len(lab.pods)} pods, mode {mode}")
     print(f"API: {lab.api_url} (from this machine), {lab.lab_api_url} (from the nodes); state in {lab.state_dir}")
-    return 0
+    if mode is None:
+        return 0
+    # a person typing this wants to know at once when kproxy cannot start (a bad flag, a missing backend)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline and all(lab.kproxy_running(n) for n in lab.nodes):
+        time.sleep(0.1)
+    dead = [n for n in lab.nodes if not lab.kproxy_running(n)]
+    for n in dead:
+        tail = "\n".join(lab.kproxy_log(n).splitlines()[-5:])
+        print(f"kproxy on {n.name} exited; {lab.state_dir}/kproxy-{n.name}.log ends with:\n{tail}", file=sys.stderr)
+    return 1 if dead else 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:

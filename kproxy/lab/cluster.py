@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import ipaddress
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -334,11 +336,20 @@ class Lab:
         prefix = prefix or cls.PREFIX
         plan = make_plan(nodes, pods_per_node, ipv6, prefix)
         state_dir = state_dir_for(prefix)
-        cls.down(prefix=prefix)
         t0 = time.monotonic()
+        # importing the kubernetes client's CoreV1Api takes seconds (pydantic models): do it while the kernel work
+        # and the processes start
+        prefetch = threading.Thread(
+            target=importlib.import_module, args=("kubernetes.client.api.core_v1_api",), daemon=True
+        )
+        prefetch.start()
+        cls.down(prefix=prefix)
+        timings = {"stale_lab_removed": time.monotonic()}
         deadline = t0 + timeout
         with _locked(state_dir):
             state_dir.mkdir(parents=True, exist_ok=True)
+            for old_log in state_dir.glob("*.log"):  # kept by down() for diagnosis, but they belong to the old lab
+                old_log.unlink(missing_ok=True)
             for sub in ("pids", "ready"):
                 (state_dir / sub).mkdir(exist_ok=True)
             state: dict[str, Any] = {
@@ -364,14 +375,17 @@ class Lab:
             _write_json(state_dir / "state.json", state)
             lab = cls(state)
             try:
-                lab._build(plan, deadline)
+                lab._build(plan, deadline, timings)
                 state["api_port"] = lab.api_port
                 lab.state = state
                 _write_json(state_dir / "state.json", state)
                 lab._register_nodes()
+                timings["nodes_registered"] = time.monotonic()
                 lab._wait_pods(deadline)
+                timings["pods_ready"] = time.monotonic()
                 state["ready"] = True
                 state["startup_seconds"] = round(time.monotonic() - t0, 3)
+                state["startup_phases"] = {k: round(v - t0, 3) for k, v in timings.items()}
                 _write_json(state_dir / "state.json", state)
             except BaseException as e:
                 lab._children.clear()
@@ -385,8 +399,9 @@ class Lab:
             lab.start_all(mode, kproxy_args)
         return lab
 
-    def _build(self, plan: Plan, deadline: float) -> None:
+    def _build(self, plan: Plan, deadline: float, timings: dict[str, float]) -> None:
         netns.add_netns(plan.namespaces())
+        timings["namespaces_added"] = time.monotonic()
         # node sysctls and the fabric are independent; then nodes and the external client; then pods
         sysctls = {n.ns: netns.sysctl_argv(n.ns, NODE_SYSCTLS) for n in plan.nodes}
         fabric = netns.start_batch(plan.fabric_ns, fabric_batch(plan))
@@ -400,6 +415,7 @@ class Lab:
             except netns.NetnsError as e:
                 raise LabError(f"node sysctls failed (is br_netfilter available?): {e}") from e
         netns.wait_batch(fabric, f"netns {plan.fabric_ns}")
+        timings["fabric_ready"] = time.monotonic()
         self._mount_cgroups()
         api = self._start_api()
         batches = {n.ns: node_batch(plan, n) for n in plan.nodes}
@@ -407,9 +423,11 @@ class Lab:
         netns.run_batches(batches)
         by_name = {n.name: n for n in plan.nodes}
         netns.run_batches({p.ns: pod_batch(plan, by_name[p.node], p) for p in plan.pods})
+        timings["links_ready"] = time.monotonic()
         for pod in plan.pods:
             self._start_echo(pod)
         self.api_port = self._wait_api(api, deadline)
+        timings["api_listening"] = time.monotonic()
         self.api_url = f"http://127.0.0.1:{self.api_port}"
 
     def _mount_cgroups(self) -> None:
@@ -638,6 +656,7 @@ class Lab:
             "lab_api_url": self.lab_api_url,
             "api_running": "apiserver" in pids,
             "startup_seconds": self.state.get("startup_seconds"),
+            "startup_phases": self.state.get("startup_phases"),
             "external": {"ns": self.external_ns, "ip4": self.external_ip4, "ip6": self.external_ip6},
             "nodes": [
                 {
@@ -669,13 +688,22 @@ class Lab:
 
     # --- kproxy ------------------------------------------------------------------------------------------------
 
-    def kproxy_argv(self, node: LabNode, mode: str, extra_args: Sequence[str] = ()) -> list[str]:
+    @staticmethod
+    def kproxy_command() -> list[str]:
+        """How to invoke kproxy (the venv's ``kproxy`` script), e.g. for ``lab.exec(ns, [*cmd, "cleanup"])``."""
         kproxy = _venv_bin("kproxy")
-        base = [kproxy] if os.access(kproxy, os.X_OK) else [sys.executable, "-m", "kproxy"]
+        return [kproxy] if os.access(kproxy, os.X_OK) else [sys.executable, "-m", "kproxy"]
+
+    def kproxy_argv(self, node: LabNode, mode: str, extra_args: Sequence[str] = ()) -> list[str]:
+        """The full ``kproxy run`` command line for a node (without ``ip netns exec``)."""
         cidrs = CLUSTER_CIDR4 + (f",{CLUSTER_CIDR6}" if self.ipv6 else "")
-        argv = base + ["run", "--mode", mode, "--master", self.lab_api_url, "--hostname-override", node.name]
+        argv = self.kproxy_command()
+        argv += ["run", "--mode", mode, "--master", self.lab_api_url, "--hostname-override", node.name]
         argv += ["--cluster-cidr", cidrs, "--min-sync-period", "0", "--sync-period", "10s"]
         argv += ["--healthz-bind-address", "0.0.0.0:10256", "--metrics-bind-address", "127.0.0.1:10249"]
+        if mode == "bpf" and not any(a.startswith("--bpf-cgroup-path") for a in extra_args):
+            # socket-level load balancing hooks the node's own cgroup, where all of the node's processes run
+            argv += ["--bpf-cgroup-path", str(self.cgroup_path(node))]
         return argv + list(extra_args)
 
     def start_kproxy(self, node: LabNode | str, mode: str, extra_args: Sequence[str] = ()) -> None:
