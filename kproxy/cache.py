@@ -19,13 +19,14 @@ Who uses it: sources write into it; the runner and daemon read snapshots, commit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import Any
@@ -43,7 +44,7 @@ from kproxy.model import (
     ServicePort,
     ServicePortName,
 )
-from kproxy.topology import categorize_endpoints, uses_cluster_endpoints, uses_local_endpoints
+from kproxy.topology import Categorized, categorize_endpoints, uses_cluster_endpoints, uses_local_endpoints
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,10 @@ def _clip(text: str) -> str:
     return text if len(text) <= 100 else f"{text[:80]}...({len(text)} chars)"
 
 
+def _label(kind: str, namespace: str, name: str) -> str:
+    return f"{kind} {_clip(namespace)}/{_clip(name)}"
+
+
 def _object_label(kind: str, obj: Any) -> tuple[str, str, str]:
     """Best-effort (label, namespace, name) of an object for logs and ``errors()``, even when it is malformed."""
     meta = obj.get("metadata") if isinstance(obj, Mapping) else None
@@ -125,7 +130,7 @@ def _object_label(kind: str, obj: Any) -> tuple[str, str, str]:
             ns = meta["namespace"]
         if isinstance(meta.get("name"), str):
             name = meta["name"]
-    return f"{kind} {_clip(ns)}/{_clip(name)}", ns, name
+    return _label(kind, ns, name), ns, name
 
 
 def _parse_time(text: str) -> float | None:
@@ -494,6 +499,24 @@ def parse_node(obj: Mapping[str, Any]) -> NodeInfo:
     )
 
 
+@contextlib.contextmanager
+def _gc_paused(active: bool) -> Iterator[None]:
+    """Hold off the cyclic garbage collector during a bulk rebuild or relist.
+
+    Those allocate ~10 acyclic objects per endpoint while the process holds a large heap (at 10k services, the
+    API client's list of objects too); the collector would walk that heap again and again for nothing, a third
+    to a half of the time. Reference counting still frees everything; the collector resumes afterwards.
+    """
+    pause = active and gc.isenabled()
+    if pause:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if pause:
+            gc.enable()
+
+
 def _sort_key(ep: Endpoint) -> tuple[bytes, int]:
     fam = socket.AF_INET6 if ":" in ep.ip else socket.AF_INET
     return socket.inet_pton(fam, ep.ip), ep.port
@@ -564,7 +587,7 @@ class ServiceCache:
     def delete_service(self, namespace: str, name: str) -> None:
         key = NamespacedName(namespace, name)
         with self._lock:
-            self._errors.pop(f"Service {_clip(namespace)}/{_clip(name)}", None)
+            self._errors.pop(_label("Service", namespace, name), None)
             changed = self._drop_service(key)
         if changed:
             self._notify()
@@ -572,10 +595,11 @@ class ServiceCache:
     def replace_services(self, objs: Iterable[Mapping[str, Any]]) -> None:
         present: set[tuple[str, str]] = set()
         changed = False
-        for obj in objs:
-            _, ns, name = _object_label("Service", obj)
-            present.add((ns, name))
-            changed |= self._upsert_service(obj)[1]
+        with _gc_paused(True):
+            for obj in objs:
+                _, ns, name = _object_label("Service", obj)
+                present.add((ns, name))
+                changed |= self._upsert_service(obj)[1]
         with self._lock:
             for key in [k for k in self._services if (k.namespace, k.name) not in present]:
                 changed |= self._drop_service(key)
@@ -592,7 +616,7 @@ class ServiceCache:
 
     def delete_slice(self, namespace: str, name: str) -> None:
         with self._lock:
-            self._errors.pop(f"EndpointSlice {_clip(namespace)}/{_clip(name)}", None)
+            self._errors.pop(_label("EndpointSlice", namespace, name), None)
             changed = self._drop_slice((namespace, name))
         if changed:
             self._notify()
@@ -600,10 +624,11 @@ class ServiceCache:
     def replace_slices(self, objs: Iterable[Mapping[str, Any]]) -> None:
         present: set[tuple[str, str]] = set()
         changed = False
-        for obj in objs:
-            _, ns, name = _object_label("EndpointSlice", obj)
-            present.add((ns, name))
-            changed |= self._upsert_slice(obj)[1]
+        with _gc_paused(True):
+            for obj in objs:
+                _, ns, name = _object_label("EndpointSlice", obj)
+                present.add((ns, name))
+                changed |= self._upsert_slice(obj)[1]
         with self._lock:
             for key in [k for k in self._slice_owner if k not in present]:
                 changed |= self._drop_slice(key)
@@ -662,19 +687,11 @@ class ServiceCache:
     def snapshot(self, full: bool = False) -> tuple[ProxyState, Changes]:
         with self._lock:
             gen = self._generation
-            # A big recompute allocates ~10 acyclic objects per endpoint; the cyclic collector would walk the
-            # whole heap several times for nothing (a third of the time at 10k services), so hold it off.
-            pause = len(self._touched) > _GC_PAUSE_OVER and gc.isenabled()
-            if pause:
-                gc.disable()
-            try:
+            with _gc_paused(len(self._touched) > _GC_PAUSE_OVER):
                 for key in self._touched:
                     if self._recompute(key, gen):
                         for when in self._pending_triggers.get(key, ()):
                             self._triggers.append((gen, when))
-            finally:
-                if pause:
-                    gc.enable()
             self._touched.clear()
             self._touched_services.clear()
             self._touched_endpoints.clear()
@@ -742,7 +759,7 @@ class ServiceCache:
             self._errors[label] = reason
 
     def _forget_errors(self, kind: str, present: set[tuple[str, str]]) -> None:
-        wanted = {f"{kind} {_clip(ns)}/{_clip(name)}" for ns, name in present}
+        wanted = {_label(kind, ns, name) for ns, name in present}
         for label in [k for k in self._errors if k.startswith(kind + " ") and k not in wanted]:
             del self._errors[label]
 
@@ -768,22 +785,23 @@ class ServiceCache:
 
     def _upsert_service(self, obj: Mapping[str, Any]) -> tuple[bool, bool]:
         """(accepted, changed)."""
-        label = _object_label("Service", obj)[0]
         try:
             key, svc = parse_service(obj, self._families, self._proxy_name)
         except _Ignored as why:
-            key = NamespacedName(*_object_label("Service", obj)[1:])
+            label, ns, name = _object_label("Service", obj)
+            key = NamespacedName(ns, name)
             log.debug("%s ignored: %s", label, why)
             with self._lock:
                 self._errors.pop(label, None)
                 changed = self._drop_service(key)
             return False, changed
         except Exception as exc:  # one bad object must never take the cache down
-            self._reject(label, exc)
+            self._reject(_object_label("Service", obj)[0], exc)
             return False, False
         when = self._clock()
         with self._lock:
-            self._errors.pop(label, None)
+            if self._errors:
+                self._errors.pop(_label("Service", key.namespace, key.name), None)
             if self._services.get(key) == svc:
                 return True, False
             self._services[key] = svc
@@ -797,25 +815,25 @@ class ServiceCache:
         return True
 
     def _upsert_slice(self, obj: Mapping[str, Any]) -> tuple[bool, bool]:
-        label = _object_label("EndpointSlice", obj)[0]
         try:
             skey, parsed = parse_slice(obj, self._families, self._node_name, self._start)
         except _Ignored as why:
-            _, ns, name = _object_label("EndpointSlice", obj)
+            label, ns, name = _object_label("EndpointSlice", obj)
             log.debug("%s ignored: %s", label, why)
             with self._lock:
                 self._errors.pop(label, None)
                 changed = self._drop_slice((ns, name))
             return False, changed
         except Exception as exc:  # one bad object must never take the cache down
-            self._reject(label, exc)
+            self._reject(_object_label("EndpointSlice", obj)[0], exc)
             return False, False
+        label = _label("EndpointSlice", *skey) if parsed.warning or self._errors else ""
         if parsed.warning:
             log.warning("%s: %s", label, parsed.warning)
         with self._lock:
             if parsed.warning:
                 self._errors[label] = parsed.warning
-            else:
+            elif self._errors:
                 self._errors.pop(label, None)
             owner = self._slice_owner.get(skey)
             if owner is not None:
@@ -864,9 +882,7 @@ class ServiceCache:
                         node_name=self._node_name,
                         zone=zone,
                     )
-                    tmpl = dataclasses.replace(
-                        tmpl, cluster_endpoints=cat.cluster, local_endpoints=cat.local, has_any_endpoints=cat.has_any
-                    )
+                    tmpl = _with_endpoints(tmpl, cat)
                 new[(tmpl.family, tmpl.name)] = tmpl
         changed = False
         for fam, spn in self._ports_of.pop(key, ()):
@@ -885,6 +901,28 @@ class ServiceCache:
         if new:
             self._ports_of[key] = tuple(new)
         return changed
+
+
+def _with_endpoints(t: ServicePort, cat: Categorized) -> ServicePort:
+    # Spelled out rather than dataclasses.replace: this runs once per service port on a full rebuild, and
+    # replace's field introspection costs more than the rest of the rebuild together.
+    return ServicePort(
+        name=t.name,
+        family=t.family,
+        cluster_ip=t.cluster_ip,
+        port=t.port,
+        node_port=t.node_port,
+        external_ips=t.external_ips,
+        load_balancer_ips=t.load_balancer_ips,
+        load_balancer_source_ranges=t.load_balancer_source_ranges,
+        affinity_timeout=t.affinity_timeout,
+        external_policy_local=t.external_policy_local,
+        internal_policy_local=t.internal_policy_local,
+        health_check_node_port=t.health_check_node_port,
+        cluster_endpoints=cat.cluster,
+        local_endpoints=cat.local,
+        has_any_endpoints=cat.has_any,
+    )
 
 
 def _merge(slices: list[_Slice], tmpl: ServicePort) -> tuple[Endpoint, ...]:
