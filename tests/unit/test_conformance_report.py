@@ -121,3 +121,73 @@ def test_addresses_are_unique_and_inside_the_plan() -> None:
     assert a.external_ip().startswith("198.19.100.") and a.lb_ip().startswith("198.19.200.")
     ports = [a.node_port() for _ in range(10)]
     assert len(set(ports)) == 10 and all(30000 <= p <= 32767 for p in ports)
+
+
+def _ctx():  # type: ignore[no-untyped-def]
+    """A Context over the lab's pure plan (no namespaces, no API calls): for the object builders."""
+    from types import SimpleNamespace
+
+    from kubernetes import client
+
+    from kproxy.conformance.context import Addresses, Context
+    from kproxy.lab.cluster import make_plan
+
+    plan = make_plan(2, 3, ipv6=True)
+    lab = SimpleNamespace(
+        nodes=list(plan.nodes),
+        pods=list(plan.pods),
+        external_ns=plan.external_ns,
+        ipv6=True,
+        api_client=lambda: client.ApiClient(client.Configuration(host="http://127.0.0.1:9")),
+    )
+    return Context(lab, "iptables", "unit", Addresses(), 60.0)
+
+
+def test_built_objects_are_valid_kubernetes_objects() -> None:
+    import kubernetes_validate
+
+    ctx = _ctx()
+    pods = ctx.pods_on(ctx.nodes[0])[:2] + ctx.pods_on(ctx.nodes[1])[:1]
+    objs = []
+    plain = ctx.service("plain")
+    objs += [plain, ctx.slice_for(plain, pods)]
+    lb = ctx.service(
+        "lb",
+        type="LoadBalancer",
+        externalTrafficPolicy="Local",
+        healthCheckNodePort=ctx.addresses.node_port(),
+        loadBalancerSourceRanges=["198.18.0.2/32"],
+        externalIPs=[ctx.addresses.external_ip()],
+        sessionAffinity="ClientIP",
+        sessionAffinityConfig={"clientIP": {"timeoutSeconds": 2}},
+    )
+    objs += [lb, ctx.slice_for(lb, pods, ready=False, serving=True, terminating=True)]
+    named = ctx.service("named", [ctx.port(80, "http", name="web"), ctx.port(81, 8081, name="udp", protocol="UDP")])
+    objs += [named, ctx.slice_for(named, pods, ports=[{"name": "web", "port": 8081, "protocol": "TCP"}])]
+    ds = ctx.service("ds", families=("IPv4", "IPv6"), internalTrafficPolicy="Local")
+    objs += [ds, ctx.slice_for(ds, pods, family="IPv4"), ctx.slice_for(ds, pods, family="IPv6")]
+    objs += [
+        ctx.service("hl", cluster_ip=None),
+        ctx.service("en", type="ExternalName", externalName="a.example.invalid"),
+    ]
+    for obj in objs:
+        kubernetes_validate.validate(obj, "1.32", strict=True)
+    assert lb["spec"]["ports"][0]["nodePort"] >= 30000 and plain["spec"]["clusterIP"].startswith("198.19.")
+    assert [_ for _ in ds["spec"]["clusterIPs"] if ":" in _] and ds["spec"]["ipFamilyPolicy"] == "RequireDualStack"
+    v6 = ctx.slice_for(ds, pods, family="IPv6")
+    assert v6["addressType"] == "IPv6" and v6["endpoints"][0]["addresses"] == [pods[0].ip6]
+    assert v6["metadata"]["labels"]["kubernetes.io/service-name"] == "ds"
+    assert {e["nodeName"] for e in v6["endpoints"]} == {"node-1", "node-2"}
+    with pytest.raises(ValueError, match="named targetPort"):
+        ctx.slice_for(named, pods)
+
+
+def test_failure_text_says_what_was_sent_got_and_expected() -> None:
+    from kproxy.conformance.context import ScenarioFailure, summarize
+    from kproxy.lab.probe import ProbeResult
+
+    results = [ProbeResult(True, "pod-1-2 198.18.65.11 4000"), ProbeResult(False, error="timeout", seconds=1.0)]
+    text = summarize(results)
+    assert text == "2 probes: 1 answered (pod-1-2 x1), 1 failed (timeout x1) after 1.00-1.00 s"
+    exc = ScenarioFailure("not all answered", sent="2 TCP probes", got=text, expected="all answered")
+    assert str(exc) == f"not all answered; sent: 2 TCP probes; got: {text}; expected: all answered"
