@@ -835,7 +835,8 @@ def cleanup(ctx: Context) -> None:
     ip = _cip(svc)
     _wait_reach(ctx, client, ip, 80, only=eps)
     ctx.lab.stop_kproxy(node, signal.SIGTERM)
-    argv = [_kproxy_bin(), "cleanup", "--mode", ctx.mode]
+    command = getattr(ctx.lab, "kproxy_command", None)
+    argv = [*(command() if command else [_kproxy_bin()]), "cleanup", "--mode", ctx.mode]
     res = ctx.exec(node, argv, timeout=60)
     ctx.expect(
         _rc(res) == 0,
