@@ -106,6 +106,8 @@ def main() -> None:
         cache.snapshot()
     empty_snapshot = (time.perf_counter() - t2) / args.repeat
 
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
     # The same absorption as one relist (replace_*), as a reconnecting API source does it.
     relisted = ServiceCache("node-a", ip_families=(IPFamily.V4,))
     t3 = time.perf_counter()
@@ -114,8 +116,6 @@ def main() -> None:
     relisted.snapshot()
     t_relist = time.perf_counter() - t3
     del relisted
-
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     figures = {
         "services": args.services,
         "endpoints_per_service": args.endpoints,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
 from types import MappingProxyType
@@ -812,3 +813,18 @@ def test_concurrent_writers_and_snapshots() -> None:
     state, _ = cache.snapshot()
     assert len(state) == 400
     assert all(sp.has_any_endpoints for sp in state)
+
+
+def test_bulk_rebuild_leaves_the_garbage_collector_as_it_was() -> None:
+    cache = make_cache()
+    cache.replace_services([service(f"s{i}", cluster_ip=f"198.18.{i // 256}.{i % 256}") for i in range(600)])
+    assert gc.isenabled()
+    state, _ = cache.snapshot()
+    assert len(state) == 600 and gc.isenabled()
+    gc.disable()
+    try:
+        cache.replace_services([])
+        cache.snapshot()
+        assert not gc.isenabled()  # someone else's choice is left alone
+    finally:
+        gc.enable()
