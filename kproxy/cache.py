@@ -531,6 +531,17 @@ class ServiceCache:
     Methods fed by sources may be called from any thread; ``snapshot``/``commit`` from the runner thread.
     ``on_change`` is called outside the lock after any accepted change that may need a sync, and once when the
     cache becomes ``ready``.
+
+    Choices worth knowing:
+    - ``Changes.full`` stays set until a full ``Changes`` is committed: the first snapshot, and every snapshot
+      after a change of this node's labels (topology) or of its pod CIDRs / addresses (backends read those from
+      ``ProxyState.node``). An eligibility change alone (deletion, autoscaler taint) needs no sync.
+    - ``Changes.trigger_times`` holds every trigger time folded into a snapshot whose sync is not committed yet,
+      so a failed sync's times are reported by the sync that finally programs them; only changes that altered
+      some ServicePort count.
+    - A slice port without ``name`` is matched as the unnamed port (upstream skips it; hand-written manifests
+      omit it), a slice port without ``port`` is skipped, as upstream.
+    - ``errors()`` also lists slices that were accepted but carried duplicate endpoints (counted once).
     """
 
     def __init__(
