@@ -745,6 +745,28 @@ class Lab:
         self._reap(f"kproxy-{n.name}")
         pidfile.unlink(missing_ok=True)
 
+    def wait_kproxy(self, node: LabNode | str, timeout: float = 30.0) -> None:
+        """Wait until the node's kproxy answers 200 on :10256/healthz (it has synced); LabError with its log if it
+        exits or does not get there within ``timeout`` seconds."""
+        n = node if isinstance(node, LabNode) else self.node(node)
+        deadline = time.monotonic() + timeout
+        last: ProbeResult | None = None
+        while time.monotonic() < deadline:
+            if not self.kproxy_running(n):
+                tail = "\n".join(self.kproxy_log(n).splitlines()[-15:])
+                raise LabError(f"kproxy on {n.name} is not running; its log ends with:\n{tail}")
+            last = self.probe_http(n.ns, "http://127.0.0.1:10256/healthz", timeout=1.0)
+            if last.status == 200:
+                return
+            time.sleep(0.1)
+        raise LabError(f"kproxy on {n.name} not healthy after {timeout}s (last: {last})")
+
+    def wait_all(self, timeout: float = 30.0) -> None:
+        """:meth:`wait_kproxy` for every node (one shared deadline)."""
+        deadline = time.monotonic() + timeout
+        for n in self.nodes:
+            self.wait_kproxy(n, max(0.1, deadline - time.monotonic()))
+
     def _reap(self, key: str) -> None:
         proc = self._children.get(key)
         if proc is not None and proc.poll() is not None:

@@ -183,6 +183,43 @@ def test_attach_and_status_from_another_process(lab: Lab) -> None:
     assert Lab.attach().pods == lab.pods
 
 
+def test_node_process_lifecycle(lab: Lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    """start_kproxy/stop_kproxy's process handling (netns, cgroup, pid file, log, signals), with a stand-in command.
+
+    The stand-in takes kproxy's place only here, where what is tested is the lab's handling of the node process;
+    the real kproxy runs under the lab in the conformance suite.
+    """
+    script = "import signal,sys,time; print('started', sys.argv[1:4], flush=True); time.sleep(120)"
+    monkeypatch.setattr(Lab, "kproxy_command", staticmethod(lambda: [sys.executable, "-c", script]))
+    node = lab.nodes[1]
+    lab.start_kproxy(node, "iptables", ["--v", "2"])
+    try:
+        pid = lab.kproxy_pid(node)
+        assert pid and lab.kproxy_running(node)
+        assert pid in lab_netns.netns_pids([node.ns])[node.ns]
+        assert pid in lab_netns.cgroup_procs(lab.cgroup_path(node))
+        assert Lab.attach().kproxy_running(node.name)  # seen from another Lab object, as the runner would
+        with pytest.raises(Exception, match="already runs"):
+            lab.start_kproxy(node, "iptables")
+        deadline = time.monotonic() + 10
+        while "started ['run'" not in lab.kproxy_log(node) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        log = lab.kproxy_log(node)
+        assert "started ['run', '--mode', 'iptables']" in log
+        assert "--master http://198.18.0.1:6443 --hostname-override node-2" in log and "--v 2" in log
+        assert "--cluster-cidr 198.18.64.0/18,fd00:198:18:40::/58" in log
+        assert lab.status()["nodes"][1]["kproxy_mode"] == "iptables"
+    finally:
+        lab.stop_kproxy(node, timeout=5)
+    assert not lab.kproxy_running(node) and not lab_netns.alive(pid)
+    lab.stop_kproxy(node)  # stopping a stopped kproxy is a no-op
+
+    monkeypatch.setattr(Lab, "kproxy_command", staticmethod(lambda: [sys.executable, "-c", "raise SystemExit(3)"]))
+    lab.start_kproxy(node, "iptables")
+    with pytest.raises(Exception, match="not running"):
+        lab.wait_kproxy(node, timeout=10)
+
+
 def test_exec_refuses_foreign_namespaces(lab: Lab) -> None:
     with pytest.raises(Exception, match="not a namespace of this lab"):
         lab.exec("kpt-anything", ["true"])
