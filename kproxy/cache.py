@@ -565,6 +565,7 @@ class ServiceCache:
         self._slices: dict[NamespacedName, dict[str, _Slice]] = {}  # service -> slice name -> slice
         self._slice_owner: dict[tuple[str, str], NamespacedName] = {}  # (namespace, slice name) -> service
         self._node = NodeInfo(node_name)
+        self._node_seen = False
 
         # What the last snapshot handed out, per family, and which (family, port) each service contributed.
         self._current: dict[IPFamily, dict[ServicePortName, ServicePort]] = {f: {} for f in IPFamily}
@@ -649,10 +650,16 @@ class ServiceCache:
             self._notify()
 
     def set_node(self, obj: Mapping[str, Any] | None) -> None:
-        """This node's Node object (others are ignored); None when it was deleted (then it is not eligible)."""
+        """This node's Node object (others are ignored); None when it is absent.
+
+        Upstream's node eligibility starts true and only a Node that is being deleted (or tainted for deletion)
+        makes it false, so a Node that was seen and then vanished is ineligible, while one never seen (a manifest
+        folder without a Node) leaves the node eligible."""
         label = f"Node {_clip(self._node_name)}"
         if obj is None:
-            node = NodeInfo(self._node_name, eligible=False)
+            with self._lock:
+                seen = self._node_seen
+            node = NodeInfo(self._node_name, eligible=not seen)
         else:
             meta = obj.get("metadata") if isinstance(obj, Mapping) else None
             if isinstance(meta, Mapping) and isinstance(meta.get("name"), str) and meta["name"] != self._node_name:
@@ -664,6 +671,7 @@ class ServiceCache:
                 return
         with self._lock:
             self._errors.pop(label, None)
+            self._node_seen = self._node_seen or obj is not None
             old, self._node = self._node, node
             resync = False
             if dict(old.labels) != dict(node.labels):

@@ -241,7 +241,8 @@ class Daemon:
                     external += 1
             m.sync_proxy_rules_no_local_endpoints_total.labels(fam.value, "internal").set(internal)
             m.sync_proxy_rules_no_local_endpoints_total.labels(fam.value, "external").set(external)
-        self._record_counts(result)
+        for fam in self.families:
+            m.observe_counts(fam, result.counts)
         stats = self.cache.stats()
         m.sync_proxy_rules_service_changes_pending.set(stats.get("service_changes_pending", 0))
         m.sync_proxy_rules_endpoint_changes_pending.set(stats.get("endpoint_changes_pending", 0))
@@ -253,18 +254,6 @@ class Daemon:
             self._reconcile_conntrack(state)
         # Services the kernel refused stay dirty: ask the runner to come back after the retry interval.
         return not failed
-
-    def _record_counts(self, result: SyncResult) -> None:
-        """Backend figures named "<family>/<table>/<total|last>" feed the iptables rule-count gauges."""
-        for key, value in result.counts.items():
-            parts = key.split("/")
-            if len(parts) != 3 or parts[0] not in ("IPv4", "IPv6"):
-                continue
-            fam, table, kind = parts
-            if kind == "total":
-                self.metrics.sync_proxy_rules_iptables_total.labels(fam, table).set(value)
-            elif kind == "last":
-                self.metrics.sync_proxy_rules_iptables_last.labels(fam, table).set(value)
 
     def _reconcile_conntrack(self, state: ProxyState) -> None:
         node_ips = list(state.node.addresses)

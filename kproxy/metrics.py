@@ -298,15 +298,16 @@ class Metrics:
         self.sync_proxy_rules_iptables_last.labels(family.label, table).set(last)
 
     def observe_counts(self, family: IPFamily, counts: Mapping[str, int]) -> None:
-        """Backend figures from ``SyncResult.counts``: ``rules_total/<table>`` and ``rules_last/<table>`` feed the
-        iptables rule gauges (other keys are ignored here)."""
+        """Backend figures from ``SyncResult.counts``: keys ``<family>/<table>/total`` and ``<family>/<table>/last``
+        feed the iptables rule gauges for that family (other keys are ignored here)."""
         for key, value in counts.items():
-            kind, _, table = key.partition("/")
-            if not table:
+            parts = key.split("/")
+            if len(parts) != 3 or parts[0] != family.label:
                 continue
-            if kind == "rules_total":
+            _, table, kind = parts
+            if kind == "total":
                 self.sync_proxy_rules_iptables_total.labels(family.label, table).set(value)
-            elif kind == "rules_last":
+            elif kind == "last":
                 self.sync_proxy_rules_iptables_last.labels(family.label, table).set(value)
 
     def observe_conntrack(self, family: IPFamily, seconds: float, deleted: int) -> None:

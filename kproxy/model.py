@@ -265,7 +265,8 @@ class SyncResult:
     ``failed`` lists service ports whose rules the kernel refused: they were skipped, everything else was
     applied, and they stay dirty so the next sync retries them. ``error`` set with ``ok`` False means nothing
     (or not everything) was applied and the whole change must be retried, as a full sync. ``counts`` carries
-    backend figures for metrics and ``/rules`` (for iptables: ``rules_total/nat``, ``rules_last/filter`` ...).
+    backend figures for metrics and ``/rules``; keys shaped ``<IPv4|IPv6>/<table>/<total|last>`` feed upstream's
+    ``sync_proxy_rules_iptables_total`` / ``_last`` gauges (for example ``IPv4/nat/total``).
     ``need_full_sync`` asks for a full resync soon (for example, the canary chain vanished).
     """
 

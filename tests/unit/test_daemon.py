@@ -103,13 +103,13 @@ def test_sync_health_metrics(running: tuple[Daemon, FakeProxier, Path]) -> None:
     assert fake.syncs[0].full  # the first sync is full
     hz, mp = daemon.healthz.port, daemon.metrics_server.port
     code, body = get(f"http://127.0.0.1:{hz}/healthz")
-    assert code == 200 and json.loads(body)["nodeEligible"] is True
+    assert code == 200 and json.loads(body)["nodeEligible"] is True, body
     code, body = get(f"http://127.0.0.1:{mp}/metrics")
     assert code == 200
     for name in ("kubeproxy_sync_proxy_rules_duration_seconds_bucket", "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
                  "kubeproxy_sync_proxy_rules_service_changes_pending"):
         assert name in body
-    assert get(f"http://127.0.0.1:{mp}/proxyMode") == (200, "iptables")
+    assert get(f"http://127.0.0.1:{mp}/proxyMode") == (200, "fake")
     code, body = get(f"http://127.0.0.1:{mp}/rules")
     rules = json.loads(body)
     assert rules["ready"] is True and rules["node"] == "node-1"
