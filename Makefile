@@ -29,7 +29,7 @@ conformance: setup
 	$(KPROXY) conformance --mode $(MODE)
 
 demo: setup
-	bash scripts/demo.sh $(MODE)
+	$(KPROXY) demo --mode $(MODE)
 
 bench: setup
 	$(KPROXY) bench sync --mode $(MODE) --services 10000 --endpoints 10 --repeat 5 --format json

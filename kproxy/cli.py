@@ -24,6 +24,7 @@ from kproxy import __version__
 from kproxy.bench.cli import register as register_bench
 from kproxy.config import ConfigError, ProxyConfig, build_config, load_config_file, parse_duration, parse_hostport
 from kproxy.conformance.cli import register as register_conformance
+from kproxy.demo import register as register_demo
 from kproxy.lab.apiserver import register as register_apiserver
 from kproxy.lab.cli import register as register_lab
 from kproxy.proxier import MODE_NAMES, MODES, BackendError, Proxier, availability, backend_class, installed_backends
@@ -276,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_lab(sub)
     register_conformance(sub)
     register_bench(sub)
+    register_demo(sub)
     cmp_ = sub.add_parser("compare", help="compare every available backend (later issue)")
     cmp_.set_defaults(func=cmd_compare)
     return parser
