@@ -34,6 +34,7 @@ import importlib
 import ipaddress
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,7 +123,9 @@ def make_plan(nodes: int, pods_per_node: int, ipv6: bool = True, prefix: str = "
         raise LabError(f"nodes must be 1..{MAX_NODES}, not {nodes}")
     if not 0 <= pods_per_node <= MAX_PODS_PER_NODE:
         raise LabError(f"pods_per_node must be 0..{MAX_PODS_PER_NODE}, not {pods_per_node}")
-    netns.check_name(prefix + "fabric")
+    # one word and a dash, so no lab's prefix is the start of another's and `down` of one never touches the other
+    if not re.fullmatch(r"[a-z][a-z0-9]{1,8}-", prefix):
+        raise LabError(f"invalid lab prefix {prefix!r}: want a short lower-case word and a dash, like 'kpl-'")
     lab_nodes, lab_pods = [], []
     cluster4, cluster6 = ipaddress.IPv4Network(CLUSTER_CIDR4), ipaddress.IPv6Network(CLUSTER_CIDR6)
     for i in range(1, nodes + 1):
@@ -394,6 +397,8 @@ class Lab:
                     cls._down_locked(prefix, state_dir)
                 except Exception as cleanup_error:
                     e.add_note(f"and removing the half-built lab failed too: {cleanup_error}")
+                if isinstance(e, netns.NetnsError):
+                    raise LabError(f"building the lab failed: {e}") from e
                 raise
         if mode is not None:
             lab.start_all(mode, kproxy_args)

@@ -63,6 +63,9 @@ def test_every_pod_cidr_is_inside_the_cluster_cidrs() -> None:
         make_plan(MAX_NODES + 1, 1)
     with pytest.raises(LabError):
         make_plan(0, 1)
+    for prefix in ("kpl-x-", "kpl", "KPL-", "k-"):
+        with pytest.raises(LabError):
+            make_plan(1, 1, prefix=prefix)
 
 
 def test_batches() -> None:
