@@ -46,11 +46,11 @@ def make_api_client(kubeconfig: str = "", master: str = "") -> ApiClient:
     the server address (plain http is fine, for the lab's API stand-in)."""
     cfg = kubernetes.client.Configuration()
     if kubeconfig:
-        kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)  # type: ignore[no-untyped-call]
     elif os.environ.get("KUBERNETES_SERVICE_HOST") and os.environ.get("KUBERNETES_SERVICE_PORT"):
-        kubernetes.config.load_incluster_config(client_configuration=cfg)
+        kubernetes.config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
     elif Path(os.path.expanduser(kubernetes.config.KUBE_CONFIG_DEFAULT_LOCATION)).exists():
-        kubernetes.config.load_kube_config(client_configuration=cfg)
+        kubernetes.config.load_kube_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
     elif not master:
         raise kubernetes.config.ConfigException(
             "no --kubeconfig, no in-cluster service account and no ~/.kube/config: cannot reach the API server"
@@ -94,8 +94,8 @@ class Reflector:
         list_fn: ListFn,
         *,
         apply_list: Callable[[list[dict[str, Any]]], None],
-        upsert: Callable[[dict[str, Any]], None],
-        delete: Callable[[dict[str, Any]], None],
+        upsert: Callable[[Mapping[str, Any]], object],
+        delete: Callable[[Mapping[str, Any]], object],
         synced: Callable[[], None],
         api_version: str,
         object_kind: str,
@@ -156,7 +156,7 @@ class Reflector:
 
     def _delay(self, failures: int) -> float:
         base, cap = self.backoff
-        delay = min(cap, base * (2 ** max(0, failures - 1)))
+        delay = min(cap, base * 2.0 ** max(0, failures - 1))
         return min(cap, delay * random.uniform(0.75, 1.25))
 
     def run(self) -> None:

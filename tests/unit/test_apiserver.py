@@ -315,8 +315,9 @@ def test_watch_from_compacted_resource_version_gets_410(api: ApiServer, core: ku
     assert exc.value.status == 410
     # A current resourceVersion still works.
     now = core.list_service_for_all_namespaces().metadata.resource_version
-    events = list(kubernetes.watch.Watch().stream(core.list_service_for_all_namespaces, resource_version=now,
-                                                  timeout_seconds=1))
+    events = list(
+        kubernetes.watch.Watch().stream(core.list_service_for_all_namespaces, resource_version=now, timeout_seconds=1)
+    )
     assert events == []
 
 
@@ -359,8 +360,9 @@ def test_faults_errors_delay_and_watch_drops(api: ApiServer, core: kubernetes.cl
     for i in range(4):
         core.create_namespaced_service("default", svc(f"d{i}"))
     http(api, "POST", "/_faults", {"watch_drop_after_events": 2})
-    resp = core.list_service_for_all_namespaces(watch=True, resource_version=rv, timeout_seconds=5,
-                                                _preload_content=False)
+    resp = core.list_service_for_all_namespaces(
+        watch=True, resource_version=rv, timeout_seconds=5, _preload_content=False
+    )
     got = b""
     with pytest.raises(urllib3.exceptions.HTTPError):
         for chunk in resp.stream(amt=None):
@@ -369,8 +371,9 @@ def test_faults_errors_delay_and_watch_drops(api: ApiServer, core: kubernetes.cl
 
     # Dropped after T seconds, and on demand.
     api.faults.update(watch_drop_after_events=None, watch_drop_after_seconds=0.5)
-    resp = core.list_service_for_all_namespaces(watch=True, resource_version=rv, timeout_seconds=5,
-                                                _preload_content=False)
+    resp = core.list_service_for_all_namespaces(
+        watch=True, resource_version=rv, timeout_seconds=5, _preload_content=False
+    )
     start = time.monotonic()
     with pytest.raises(urllib3.exceptions.HTTPError):
         for _chunk in resp.stream(amt=None):
@@ -378,8 +381,9 @@ def test_faults_errors_delay_and_watch_drops(api: ApiServer, core: kubernetes.cl
     assert 0.4 < time.monotonic() - start < 2.0
     api.faults.reset()
     now = core.list_service_for_all_namespaces().metadata.resource_version
-    resp = core.list_service_for_all_namespaces(watch=True, resource_version=now, timeout_seconds=5,
-                                                _preload_content=False)
+    resp = core.list_service_for_all_namespaces(
+        watch=True, resource_version=now, timeout_seconds=5, _preload_content=False
+    )
     threading.Timer(0.2, api.drop_watches).start()
     start = time.monotonic()
     with pytest.raises(urllib3.exceptions.HTTPError):
@@ -465,8 +469,19 @@ def test_command_line_serves_loaded_manifests_and_stops_on_sigterm(tmp_path: Pat
     port_file = tmp_path / "port"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kproxy.lab.apiserver", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-         "--load", str(manifests), "--history", "50"],
+        [
+            sys.executable,
+            "-m",
+            "kproxy.lab.apiserver",
+            "--listen",
+            "127.0.0.1:0",
+            "--port-file",
+            str(port_file),
+            "--load",
+            str(manifests),
+            "--history",
+            "50",
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
