@@ -828,3 +828,12 @@ def test_bulk_rebuild_leaves_the_garbage_collector_as_it_was() -> None:
         assert not gc.isenabled()  # someone else's choice is left alone
     finally:
         gc.enable()
+
+
+def test_node_never_seen_stays_eligible() -> None:
+    cache = make_cache()
+    cache.set_node(None)  # a manifest folder without a Node: upstream keeps the node eligible
+    assert cache.node_info().eligible
+    cache.set_node(node())
+    cache.set_node(None)  # seen, then gone: being deleted
+    assert not cache.node_info().eligible
