@@ -1163,6 +1163,10 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     api: ApiServer
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Clients hang up on keep-alive connections all the time; socketserver would print a traceback to stderr.
+        log.debug("apiserver: connection from %s ended with an error", client_address, exc_info=True)
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # The server object
