@@ -2,13 +2,13 @@
 
 Used by ``kproxy lab``, the conformance suite and the benchmarks. The public names (``Lab``, ``LabNode``,
 ``LabPod``, ``LabError``, ``ProbeResult``) are imported lazily, so ``python -m kproxy.lab.echo`` and
-``python -m kproxy.lab.probe`` (started once per pod and per probe) stay standard-library-only and fast.
+``python -m kproxy.lab.probe`` (started once per pod and once per probe) stay standard-library-only and fast
+(not even ``typing`` is imported on that path).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from kproxy.lab.cluster import Lab, LabError, LabNode, LabPod
     from kproxy.lab.probe import ProbeResult
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 __all__ = ["Lab", "LabError", "LabNode", "LabPod", "ProbeResult"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name == "ProbeResult":
         from kproxy.lab import probe
 

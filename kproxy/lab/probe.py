@@ -23,31 +23,64 @@ from __future__ import annotations
 
 import argparse
 import errno
-import http.client
 import json
 import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+
+TYPE_CHECKING = False  # typing is not imported at run time, to keep the probe's start-up short
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Any
 
 MAX_COUNT = 10_000
 MAX_SECONDS = 600.0
 
 
-@dataclass
 class ProbeResult:
-    """One exchange. ``reply`` is the echo server's line without its newline (``"pod-1-2 198.18.65.11 40000"``)."""
+    """One exchange. ``reply`` is the echo server's line without its newline (``"pod-1-2 198.18.65.11 40000"``).
 
-    ok: bool
-    reply: str = ""
-    error: str = ""
-    seconds: float = 0.0
-    status: int | None = None
-    headers: dict[str, str] | None = None
-    body: str | None = None
+    ``ok`` is True when an answer came back (for http: any status; see ``status``, ``headers``, ``body``); else
+    ``error`` says why. A plain class rather than a dataclass: this module starts once per probe, and importing
+    dataclasses (and typing) would cost more than the rest of its imports together.
+    """
+
+    __slots__ = ("ok", "reply", "error", "seconds", "status", "headers", "body")
+    FIELDS = __slots__
+
+    def __init__(
+        self,
+        ok: bool,
+        reply: str = "",
+        error: str = "",
+        seconds: float = 0.0,
+        status: int | None = None,
+        headers: dict[str, str] | None = None,
+        body: str | None = None,
+    ) -> None:
+        self.ok = ok
+        self.reply = reply
+        self.error = error
+        self.seconds = seconds
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{k}={getattr(self, k)!r}"
+            for k in self.FIELDS
+            if k in ("ok", "reply", "error", "seconds") or getattr(self, k) is not None
+        )
+        return f"ProbeResult({shown})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ProbeResult):
+            return NotImplemented
+        return all(getattr(self, k) == getattr(other, k) for k in self.FIELDS)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaces
 
     @property
     def pod(self) -> str | None:
@@ -75,8 +108,8 @@ class ProbeResult:
                 return int(w[5:])
         return None
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_json(self) -> dict[str, object]:
+        return {k: getattr(self, k) for k in self.FIELDS}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ProbeResult:
@@ -177,6 +210,7 @@ def udp_once(host: str, port: int, timeout: float, payload: str, src_port: int |
 
 
 def http_once(url: str, timeout: float) -> ProbeResult:
+    import http.client  # only http probes pay for it
     from urllib.parse import urlsplit
 
     start = time.monotonic()
