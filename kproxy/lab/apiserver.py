@@ -788,8 +788,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._record.status = code
 
     def _body(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
+        raw = self._raw
         if not raw:
             return None
         try:
@@ -820,6 +819,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         api = self.server.api
         self._record: RequestRecord | None = None
+        # Read the body before anything can fail: an unread body would be parsed as the next request on this
+        # keep-alive connection.
+        length = int(self.headers.get("Content-Length") or 0)
+        self._raw = self.rfile.read(length) if length > 0 else b""
         url = urlsplit(self.path)
         query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
         path = url.path.rstrip("/") or "/"
@@ -1193,6 +1196,8 @@ def _bind(listen: Listen) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        # A lab address added a moment ago may still be tentative (IPv6 DAD): bind to it anyway.
+        sock.setsockopt(socket.SOL_IP, getattr(socket, "IP_FREEBIND", 15), 1)
         sock.bind(addr)
         sock.listen(128)
     except OSError:

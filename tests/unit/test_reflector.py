@@ -11,6 +11,7 @@ import kubernetes
 import pytest
 
 from kproxy.lab.apiserver import ApiServer, serve
+from kproxy.sources.events import EventRecorder
 from kproxy.sources.kube import KubeSource, Reflector, make_api_client
 from kproxy.sources.recording import RecordingSink
 
@@ -317,3 +318,18 @@ current-context: lab
         assert c.configuration.host == "http://127.0.0.1:1"
     finally:
         c.close()
+
+
+def test_event_recorder_posts_node_events(api: ApiServer, client: Any) -> None:
+    rec = EventRecorder(client, NODE)
+    assert rec.starting()
+    items, _rv = api.store.list("events.k8s.io", "default")
+    assert len(items) == 1
+    ev = items[0]
+    assert ev["reason"] == "Starting" and ev["action"] == "StartKubeProxy" and ev["type"] == "Normal"
+    assert ev["regarding"] == {"kind": "Node", "apiVersion": "v1", "name": NODE, "uid": NODE}
+    assert ev["reportingController"] == "kproxy" and ev["metadata"]["name"].startswith(f"{NODE}.")
+    api.faults.update(error_next=1, error_code=503)
+    assert not rec.node_event("Broken", "Test") and rec.failed == 1 and rec.recorded == 1
+    # The failed POST's body was consumed: the pooled connection still works for the next request.
+    assert rec.node_event("Again", "Test", note="fine") and rec.recorded == 2
