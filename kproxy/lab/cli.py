@@ -21,6 +21,9 @@ from kproxy.lab.cluster import Lab, LabError
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``lab`` and its subcommands; each handler is the ``func`` default and returns an exit code."""
     lab = subparsers.add_parser("lab", help="a cluster made of network namespaces, for trying and testing kproxy")
+    lab.add_argument(
+        "--prefix", default=Lab.PREFIX, help="name prefix of the lab's namespaces (a second lab beside the default)"
+    )
     sub = lab.add_subparsers(dest="lab_command", required=True, metavar="ACTION")
 
     up = sub.add_parser("up", help="build a fresh lab (removing any stale one first)")
@@ -56,6 +59,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             mode=mode,
             ipv6=not args.no_ipv6,
             kproxy_args=args.kproxy_arg,
+            prefix=args.prefix,
         )
     except LabError as e:
         print(f"kproxy lab up: {e}", file=sys.stderr)
@@ -78,7 +82,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_down(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
-        Lab.down()
+        Lab.down(prefix=args.prefix)
     except LabError as e:
         print(f"kproxy lab down: {e}", file=sys.stderr)
         return 1
@@ -116,7 +120,7 @@ def format_status(st: dict[str, Any]) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     try:
-        st = Lab.attach().status()
+        st = Lab.attach(prefix=args.prefix).status()
     except LabError as e:
         print(f"kproxy lab status: {e}", file=sys.stderr)
         return 1
@@ -132,7 +136,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
         print("kproxy lab exec: give a command after --", file=sys.stderr)
         return 2
     try:
-        lab = Lab.attach()
+        lab = Lab.attach(prefix=args.prefix)
         ns = args.ns
         if not ns.startswith(lab.prefix):
             ns = lab.node(ns).ns if ns.startswith("node-") else lab.pod(ns).ns

@@ -246,10 +246,13 @@ def state_dir_for(prefix: str) -> Path:
 
 
 @contextlib.contextmanager
-def _locked(state_dir: Path) -> Iterator[None]:
-    """Serialise up/down/state writes between processes (a conformance runner and a `kproxy lab` typed meanwhile)."""
+def _locked(state_dir: Path | None) -> Iterator[None]:
+    """Serialise up/down/state writes between processes (a conformance runner and a `kproxy lab` typed meanwhile).
+
+    One lock per lab; ``None`` is the lock for the cgroup2 mount, which every prefix's lab shares.
+    """
     STATE_ROOT.mkdir(parents=True, exist_ok=True)
-    lock = STATE_ROOT / f".lock-{state_dir.name}"
+    lock = STATE_ROOT / (f".lock-{state_dir.name}" if state_dir is not None else ".lock-cgroup2")
     fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -449,9 +452,10 @@ class Lab:
         self.api_url = f"http://127.0.0.1:{self.api_port}"
 
     def _mount_cgroups(self) -> None:
-        netns.mount_cgroup2(CGROUP_MOUNT)
-        for node in self.nodes:
-            self.cgroup_path(node).mkdir(exist_ok=True)
+        with _locked(None):
+            netns.mount_cgroup2(CGROUP_MOUNT)
+            for node in self.nodes:
+                self.cgroup_path(node).mkdir(exist_ok=True)
 
     def _spawn(
         self,
@@ -615,8 +619,9 @@ class Lab:
         other_labs = [
             p for p in [STATE_ROOT / "state.json", *STATE_ROOT.glob("prefix/*/state.json")] if p.parent != state_dir
         ]
-        if netns.is_cgroup2_mount(CGROUP_MOUNT) and not [p for p in other_labs if p.exists()]:
-            netns.umount(CGROUP_MOUNT)
+        with _locked(None):
+            if netns.is_cgroup2_mount(CGROUP_MOUNT) and not [p for p in other_labs if p.exists()]:
+                netns.umount(CGROUP_MOUNT)
         for sub in ("pids", "ready"):
             d = state_dir / sub
             if d.is_dir():

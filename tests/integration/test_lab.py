@@ -23,7 +23,7 @@ import pytest
 
 from kproxy.lab import Lab, LabPod
 from kproxy.lab import netns as lab_netns
-from kproxy.lab.cluster import CGROUP_MOUNT, STATE_ROOT
+from kproxy.lab.cluster import CGROUP_MOUNT, STATE_ROOT, state_dir_for
 
 pytestmark = [
     pytest.mark.root,
@@ -33,21 +33,24 @@ pytestmark = [
 ]
 
 STARTUP_BUDGET = 20.0
+# A prefix of the tests' own: a lab someone runs meanwhile under the default "kpl-" (the conformance suite, a person
+# trying kproxy) is left alone. Everything else -- names after the prefix, addresses, layout -- is the default lab's.
+P = "kplt-"
 
 
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
     t0 = time.monotonic()
     try:
-        the_lab = Lab.up(nodes=2, pods_per_node=3, mode=None)
+        the_lab = Lab.up(nodes=2, pods_per_node=3, mode=None, prefix=P)
     except BaseException:
-        Lab.down()
+        Lab.down(prefix=P)
         raise
     the_lab.startup = time.monotonic() - t0  # type: ignore[attr-defined]
     try:
         yield the_lab
     finally:
-        Lab.down()
+        Lab.down(prefix=P)
 
 
 def other_node_pod(lab: Lab, pod: LabPod) -> LabPod:
@@ -58,10 +61,10 @@ def test_startup_is_fast_and_complete(lab: Lab) -> None:
     startup = lab.startup  # type: ignore[attr-defined]
     print(f"lab up (2 nodes, 6 pods, no kproxy): {startup:.2f}s")
     assert startup < STARTUP_BUDGET
-    assert [n.ns for n in lab.nodes] == ["kpl-n1", "kpl-n2"]
+    assert [n.ns for n in lab.nodes] == [f"{P}n1", f"{P}n2"]
     assert [p.name for p in lab.pods] == [f"pod-{i}-{j}" for i in (1, 2) for j in (1, 2, 3)]
-    expected = {"kpl-fabric", "kpl-ext", "kpl-n1", "kpl-n2", *(f"kpl-n{i}-p{j}" for i in (1, 2) for j in (1, 2, 3))}
-    assert expected <= set(lab_netns.list_netns("kpl-"))
+    expected = {f"{P}fabric", f"{P}ext", f"{P}n1", f"{P}n2", *(f"{P}n{i}-p{j}" for i in (1, 2) for j in (1, 2, 3))}
+    assert expected == set(lab_netns.list_netns(P))
     assert lab.pod("pod-2-3").ip4 == "198.18.66.13" and lab.pod("pod-2-3").ip6 == "fd00:198:18:66::13"
     assert (lab.nodes[0].zone, lab.nodes[1].zone) == ("zone-a", "zone-b")
 
@@ -84,13 +87,13 @@ def test_echo_reports_its_port_on_request(lab: Lab) -> None:
     pod = lab.pod("pod-2-1")
     for port in lab.echo_ports:
         for kind in ("tcp", "udp"):
-            [r] = lab.probe("kpl-n1-p1", kind, pod.ip4, port, payload="info")
+            [r] = lab.probe(f"{P}n1-p1", kind, pod.ip4, port, payload="info")
             assert r.ok and r.local_port == port and r.reply.endswith(f"proto={kind}"), r
 
 
 def test_hold_carries_many_exchanges_on_one_connection(lab: Lab) -> None:
     server = lab.pod("pod-2-2")
-    proc = lab.hold("kpl-n1-p1", f"{server.ip6}", 9000, seconds=0.6, interval=0.1)
+    proc = lab.hold(f"{P}n1-p1", f"{server.ip6}", 9000, seconds=0.6, interval=0.1)
     results = lab.finish_hold(proc)
     assert len(results) >= 4
     assert all(r.ok and r.pod == server.name for r in results), results
@@ -104,7 +107,7 @@ def test_refused_and_timeout_are_told_apart(lab: Lab) -> None:
     assert (tcp.error, udp.error) == ("refused", "refused")
     # no rules for a service IP yet: the node routes it to its default gateway (the external client), which drops
     # it -- a timeout, not "network unreachable", so a proxy's reject rules will be observable
-    [r] = lab.probe("kpl-n1-p1", "tcp", "198.19.0.10", 80, timeout=0.5)
+    [r] = lab.probe(f"{P}n1-p1", "tcp", "198.19.0.10", 80, timeout=0.5)
     assert r.error == "timeout"
 
 
@@ -159,20 +162,20 @@ def test_node_settings(lab: Lab) -> None:
 def test_cgroup_of_node_holds_its_processes(lab: Lab) -> None:
     n1, n2 = lab.nodes
     cg = lab.cgroup_path(n1)
-    assert cg == CGROUP_MOUNT / "kpl-n1" and lab_netns.is_cgroup2_mount(CGROUP_MOUNT)
+    assert cg == CGROUP_MOUNT / f"{P}n1" and lab_netns.is_cgroup2_mount(CGROUP_MOUNT)
     procs = lab_netns.cgroup_procs(cg)
     echo_pids = {p["echo_pid"] for p in lab.status()["pods"] if p["node"] == n1.name}
     assert len(echo_pids) == 3 and None not in echo_pids
     assert echo_pids <= procs
     assert not echo_pids & lab_netns.cgroup_procs(lab.cgroup_path(n2))
     # a command run in a pod of node 1 runs in node 1's cgroup; one in the external client in none of the lab's
-    assert lab.exec("kpl-n1-p3", ["cat", "/proc/self/cgroup"]).stdout.decode().splitlines()[-1] == "0::/kpl-n1"
-    assert "kpl-" not in lab.exec(lab.external_ns, ["cat", "/proc/self/cgroup"]).stdout.decode()
+    assert lab.exec(f"{P}n1-p3", ["cat", "/proc/self/cgroup"]).stdout.decode().splitlines()[-1] == f"0::/{P}n1"
+    assert P not in lab.exec(lab.external_ns, ["cat", "/proc/self/cgroup"]).stdout.decode()
 
 
 def test_attach_and_status_from_another_process(lab: Lab) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kproxy.lab.cli", "lab", "status", "--format", "json"],
+        [sys.executable, "-m", "kproxy.lab.cli", "lab", "--prefix", P, "status", "--format", "json"],
         capture_output=True,
         timeout=60,
         check=True,
@@ -180,7 +183,7 @@ def test_attach_and_status_from_another_process(lab: Lab) -> None:
     st = json.loads(out)
     assert st["api_url"] == lab.api_url and st["api_running"]
     assert all(p["echo_pid"] for p in st["pods"])
-    assert Lab.attach().pods == lab.pods
+    assert Lab.attach(prefix=P).pods == lab.pods
 
 
 def test_node_process_lifecycle(lab: Lab, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,7 +201,7 @@ def test_node_process_lifecycle(lab: Lab, monkeypatch: pytest.MonkeyPatch) -> No
         assert pid and lab.kproxy_running(node)
         assert pid in lab_netns.netns_pids([node.ns])[node.ns]
         assert pid in lab_netns.cgroup_procs(lab.cgroup_path(node))
-        assert Lab.attach().kproxy_running(node.name)  # seen from another Lab object, as the runner would
+        assert Lab.attach(prefix=P).kproxy_running(node.name)  # seen from another Lab object, as the runner would
         with pytest.raises(Exception, match="already runs"):
             lab.start_kproxy(node, "iptables")
         deadline = time.monotonic() + 10
@@ -227,7 +230,7 @@ def test_exec_refuses_foreign_namespaces(lab: Lab) -> None:
 
 def test_killed_run_is_cleaned_up_by_next_up_and_down(lab: Lab) -> None:
     """Runs last: SIGKILL every lab process, leave the namespaces, then `up` again, then `down`."""
-    keep = "kpl_keep_labtest"  # ours, and it must survive: down removes only names starting with "kpl-"
+    keep = "kplt_keep"  # ours, and it must survive: down removes only names starting with the prefix "kplt-"
     lab_netns.add_netns([keep])
     try:
         pids = {v for v in (p["echo_pid"] for p in lab.status()["pods"]) if v}
@@ -235,27 +238,31 @@ def test_killed_run_is_cleaned_up_by_next_up_and_down(lab: Lab) -> None:
         for pid in pids | {api_pid}:
             os.kill(pid, signal.SIGKILL)
         # a stale state file with no live processes behind it, and every namespace still there
-        assert (STATE_ROOT / "state.json").exists() and len(lab_netns.list_netns("kpl-")) == 10
+        assert (state_dir_for(P) / "state.json").exists() and len(lab_netns.list_netns(P)) == 10
         t0 = time.monotonic()
-        again = Lab.up(nodes=2, pods_per_node=2, mode=None)
+        again = Lab.up(nodes=2, pods_per_node=2, mode=None, prefix=P)
         print(f"lab up over a killed lab: {time.monotonic() - t0:.2f}s")
-        assert len(again.pods) == 4 and "kpl-n1-p3" not in lab_netns.list_netns("kpl-")
-        [r] = again.probe("kpl-n2-p2", "tcp", again.pod("pod-1-1").ip4, 8080)
+        assert len(again.pods) == 4 and f"{P}n1-p3" not in lab_netns.list_netns(P)
+        [r] = again.probe(f"{P}n2-p2", "tcp", again.pod("pod-1-1").ip4, 8080)
         assert r.ok and r.pod == "pod-1-1"
         new_pids = set(again._pids().values())
         assert new_pids and not new_pids & (pids | {api_pid})
 
-        Lab.down()
-        assert lab_netns.list_netns("kpl-") == []
-        assert keep in lab_netns.list_netns("kpl")
-        assert not lab_netns.is_cgroup2_mount(CGROUP_MOUNT)
-        assert not any(mp == str(CGROUP_MOUNT) for mp, _ in lab_netns.mounts())
-        assert not (STATE_ROOT / "state.json").exists()
+        Lab.down(prefix=P)
+        assert lab_netns.list_netns(P) == []
+        assert keep in lab_netns.list_netns("kplt")
+        if not _other_labs():  # the cgroup2 mount is shared with a lab of another prefix, if one runs
+            assert not any(mp == str(CGROUP_MOUNT) for mp, _ in lab_netns.mounts())
+        assert not (state_dir_for(P) / "state.json").exists()
         assert not any(lab_netns.alive(p) for p in new_pids)
-        assert not any(d.name.startswith("kpl-") for d in _cgroup2_children())
-        Lab.down()  # idempotent
+        assert not any(d.name.startswith(P) for d in _cgroup2_children())
+        Lab.down(prefix=P)  # idempotent
     finally:
         lab_netns.delete_netns([keep])
+
+
+def _other_labs() -> list[str]:
+    return [str(p) for p in [STATE_ROOT / "state.json", *STATE_ROOT.glob("prefix/*/state.json")] if p.exists()]
 
 
 def _cgroup2_children() -> list[os.DirEntry[str]]:
