@@ -295,6 +295,24 @@ def _env() -> dict[str, str]:
     return env
 
 
+BPF_CGROUP_FLAG = "--bpf-cgroup-path"
+
+
+def _backend_has_flag(mode: str, flag: str) -> bool:
+    """Whether the installed backend of ``mode`` declares ``flag`` (backends declare their own flags)."""
+    import argparse
+
+    from kproxy.proxier import backend_class
+
+    try:
+        cls = backend_class(mode)
+        parser = argparse.ArgumentParser(add_help=False)
+        cls.add_arguments(parser.add_argument_group(mode))
+    except Exception:  # a backend that is missing or broken: kproxy run itself will say so in its log
+        return False
+    return any(flag in action.option_strings for action in parser._actions)
+
+
 def _venv_bin(name: str) -> str:
     cand = Path(sys.executable).parent / name
     return str(cand)
@@ -727,15 +745,23 @@ class Lab:
         return [kproxy] if os.access(kproxy, os.X_OK) else [sys.executable, "-m", "kproxy"]
 
     def kproxy_argv(self, node: LabNode, mode: str, extra_args: Sequence[str] = ()) -> list[str]:
-        """The full ``kproxy run`` command line for a node (without ``ip netns exec``)."""
+        """The full ``kproxy run`` command line for a node (without ``ip netns exec``).
+
+        For mode bpf the node's cgroup is passed as ``--bpf-cgroup-path`` when the installed bpf backend declares
+        that flag and ``extra_args`` do not already give it.
+        """
         cidrs = CLUSTER_CIDR4 + (f",{CLUSTER_CIDR6}" if self.ipv6 else "")
         argv = self.kproxy_command()
         argv += ["run", "--mode", mode, "--master", self.lab_api_url, "--hostname-override", node.name]
         argv += ["--cluster-cidr", cidrs, "--min-sync-period", "0", "--sync-period", "10s"]
         argv += ["--healthz-bind-address", "0.0.0.0:10256", "--metrics-bind-address", "127.0.0.1:10249"]
-        if mode == "bpf" and not any(a.startswith("--bpf-cgroup-path") for a in extra_args):
+        if (
+            mode == "bpf"
+            and not any(a.startswith(BPF_CGROUP_FLAG) for a in extra_args)
+            and _backend_has_flag(mode, BPF_CGROUP_FLAG)
+        ):
             # socket-level load balancing hooks the node's own cgroup, where all of the node's processes run
-            argv += ["--bpf-cgroup-path", str(self.cgroup_path(node))]
+            argv += [BPF_CGROUP_FLAG, str(self.cgroup_path(node))]
         return argv + list(extra_args)
 
     def start_kproxy(self, node: LabNode | str, mode: str, extra_args: Sequence[str] = ()) -> None:
