@@ -555,6 +555,13 @@ class Store:
         old_spec = (old or {}).get("spec", {})
         typ = spec.setdefault("type", "ClusterIP")
         if typ == "ExternalName":
+            # ExternalName services have no cluster IP or node ports; give back any the old version held.
+            if old is not None:
+                self._release(old)
+            for key in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy", "healthCheckNodePort"):
+                spec.pop(key, None)
+            for port in spec.get("ports") or []:
+                port.pop("nodePort", None)
             return
         spec.setdefault("sessionAffinity", "None")
         spec.setdefault("internalTrafficPolicy", "Cluster")
@@ -791,6 +798,9 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self._raw
         if not raw:
             return None
+        ctype = (self.headers.get("Content-Type") or "application/json").split(";")[0].strip()
+        if "protobuf" in ctype or "cbor" in ctype:
+            raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format: {ctype}")
         try:
             return json.loads(raw)
         except json.JSONDecodeError:
@@ -1077,6 +1087,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
 
 
+_SHORT_NAMES = {"services": ["svc"], "nodes": ["no"], "events": ["ev"]}
 _DISCOVERY_GROUPS = {
     "discovery.k8s.io": ["v1"],
     "events.k8s.io": ["v1"],
@@ -1113,6 +1124,7 @@ def _discovery(path: str) -> dict[str, Any] | None:
                     {
                         "name": r.plural,
                         "singularName": r.kind.lower(),
+                        "shortNames": _SHORT_NAMES.get(r.plural, []),
                         "namespaced": r.namespaced,
                         "kind": r.kind,
                         "verbs": ["create", "delete", "get", "list", "patch", "update", "watch"],
