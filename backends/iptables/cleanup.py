@@ -1,0 +1,116 @@
+"""Removing everything the iptables mode (and upstream kube-proxy's iptables mode) wrote, and nothing else.
+
+``cleanup_payload`` is pure: from ``iptables-save`` text it selects kproxy's chains (upstream's names: the fixed
+top-level chains and the hashed per-service / per-endpoint chains) and the rules in anybody's chains that jump
+into them, and returns an ``iptables-restore --noflush`` payload that flushes and deletes exactly those. Chains of
+kubelet (``KUBE-FIREWALL``, ``KUBE-KUBELET-CANARY``, ``KUBE-IPTABLES-HINT``) and of other software that happens to
+use a ``KUBE-`` prefix (kube-router's ``KUBE-ROUTER-*``, ``KUBE-POD-FW-*`` ...) are left alone.
+
+``cleanup_leftovers`` runs it for both flavours, both families and every table, with no proxier running: the CLI
+calls it for ``kproxy cleanup`` and when another mode starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+from kproxy.model import IPFamily
+
+from .kernel import FLAVOURS, Kernel, binary
+
+log = logging.getLogger(__name__)
+
+#: Fixed chain names this mode (and upstream kube-proxy's iptables mode) creates.
+OWNED_CHAINS = frozenset(
+    {
+        "KUBE-SERVICES",
+        "KUBE-EXTERNAL-SERVICES",
+        "KUBE-NODEPORTS",
+        "KUBE-POSTROUTING",
+        "KUBE-MARK-MASQ",
+        "KUBE-FORWARD",
+        "KUBE-PROXY-FIREWALL",
+        "KUBE-PROXY-CANARY",
+    }
+)
+#: Prefixes of the hashed chains (KUBE-XLB- is the pre-1.24 name of KUBE-SVL-).
+OWNED_PREFIXES = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-", "KUBE-XLB-")
+CLEANUP_TABLES = ("mangle", "filter", "nat")
+
+
+def is_owned(chain: str) -> bool:
+    return chain in OWNED_CHAINS or chain.startswith(OWNED_PREFIXES)
+
+
+def _target(words: list[str]) -> str | None:
+    for i, w in enumerate(words[:-1]):
+        if w in ("-j", "-g", "--jump", "--goto"):
+            return words[i + 1]
+    return None
+
+
+def cleanup_payload(save_text: str) -> str:
+    """The ``iptables-restore --noflush`` text that removes kproxy's chains and the jumps into them ("" if none)."""
+    out: list[str] = []
+    table: str | None = None
+    owned: list[str] = []
+    deletes: list[str] = []
+
+    def close() -> None:
+        if table is not None and (owned or deletes):
+            out.append("*" + table)
+            out.extend(f":{c} - [0:0]" for c in owned)
+            out.extend(deletes)
+            out.extend(f"-X {c}" for c in owned)
+            out.append("COMMIT")
+
+    for raw in save_text.splitlines():
+        line = raw.strip()
+        if line.startswith("*"):
+            close()
+            table, owned, deletes = line[1:], [], []
+        elif line.startswith(":") and table is not None:
+            name = line[1:].split(" ", 1)[0]
+            if is_owned(name):
+                owned.append(name)
+        elif line.startswith("-A ") and table is not None:
+            words = line.split()
+            if len(words) < 2 or is_owned(words[1]):
+                continue  # rules inside our own chains go with the flush
+            target = _target(words)
+            if target is not None and is_owned(target):
+                deletes.append("-D " + line[3:])
+        elif line == "COMMIT":
+            close()
+            table, owned, deletes = None, [], []
+    close()
+    return "\n".join(out) + "\n" if out else ""
+
+
+def cleanup_kernel(kernel: Kernel, families: tuple[IPFamily, ...] = (IPFamily.V4, IPFamily.V6)) -> list[str]:
+    """Remove this mode's rules through one kernel handle (one flavour); returns the errors (empty = clean)."""
+    errors: list[str] = []
+    for fam in families:
+        if shutil.which(binary("save", fam, kernel.flavour)) is None:
+            continue
+        saved = kernel.save(fam)
+        if not saved.ok:
+            errors.append(f"{binary('save', fam, kernel.flavour)}: {saved.stderr.strip()}")
+            continue
+        payload = cleanup_payload(saved.stdout)
+        if not payload:
+            continue
+        res = kernel.restore(fam, payload)
+        if not res.ok:
+            errors.append(f"{binary('restore', fam, kernel.flavour)}: {res.stderr.strip()}")
+    return errors
+
+
+def cleanup_leftovers(netns: str | None = None) -> None:
+    """Remove every chain and jump of this mode in both flavours, both families, all tables (no proxier needed).
+
+    Logs and swallows errors, as upstream's ``CleanupLeftovers`` does: a leftover must never stop a start-up."""
+    for flavour in FLAVOURS:
+        for err in cleanup_kernel(Kernel(flavour, netns)):
+            log.warning("iptables cleanup (%s): %s", flavour, err)

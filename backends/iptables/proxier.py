@@ -1,0 +1,427 @@
+"""The iptables backend's Proxier: renders with ``render``, applies with ``iptables-restore --noflush --counters``.
+
+One restore per family per sync (several on the nf_tables flavour when a change is big, see
+``render.build_restores``). Partial syncs (upstream's KEP-3453) write only the dirty services' own chains and
+rewrite a shared chain (KUBE-SERVICES ...) only when a dirty service's lines in it changed, which the per-service
+fragments kept from the last successful restore make cheap to decide. Full syncs (first sync, ``changes.full``, a
+missing canary, after a failure) read ``iptables-save`` once to adopt what is in the kernel: they rewrite every
+chain of ours, insert the jumps from the built-in chains that are missing and delete stale service chains, but
+never flush a table, so a restarted kproxy converges without disturbing established connections.
+
+A restore the kernel refuses is traced back to the service whose lines it names; that service is left out
+(treated as absent) and the rest is applied, up to ``MAX_ROUNDS`` times; it is reported in ``SyncResult.failed``.
+
+Who uses it: the daemon (through the ``kproxy.backends`` entry point ``iptables``), ``kproxy bench sync``, the lab,
+and tests/integration/test_iptables_backend.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from kproxy.config import ProxyConfig
+from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
+from kproxy.proxier import Availability, Proxier
+
+from . import cleanup as cleanup_mod
+from . import render
+from .kernel import FLAVOURS, Kernel, binary, detect_flavour, missing_binaries
+
+log = logging.getLogger(__name__)
+
+MAX_ROUNDS = 4  # restores per family per sync when the kernel refuses services one after another
+CHUNK_LINES = 3000  # lines per payload on the nf_tables flavour (see render.build_restores)
+CANARY_TABLES = ("mangle", "nat")  # upstream's monitor polls mangle; nat is the table a flush hurts
+_LINE = re.compile(r"line:? (\d+)")
+
+
+@dataclass(slots=True)
+class _Family:
+    """What was applied for one family by the last successful restore."""
+
+    ctx: render.Context | None = None
+    fragments: dict[ServicePortName, render.Fragment] = field(default_factory=dict)
+    services: dict[ServicePortName, ServicePort] = field(default_factory=dict)
+    failed: dict[ServicePortName, str] = field(default_factory=dict)
+    last_payloads: list[str] = field(default_factory=list)  # every payload of the last sync (for tests and /rules)
+    last_full: list[str] = field(default_factory=list)  # the payloads of the last full sync (for measure_floor)
+    last_rules: dict[str, int] = field(default_factory=dict)
+
+
+class IptablesProxier(Proxier):
+    """Upstream kube-proxy's iptables layout, applied through iptables-restore (nf_tables or legacy flavour)."""
+
+    mode: ClassVar[str] = "iptables"
+    uses_conntrack_nat: ClassVar[bool] = True
+
+    def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
+        """``netns`` aims every iptables command at a named namespace (tests and benchmarks); the daemon leaves it
+        None and programs the namespace it runs in, as upstream does."""
+        super().__init__(config)
+        self.netns = netns
+        self.flavour_option = str(config.backend_options.get("iptables_flavour") or "auto")
+        if self.flavour_option not in ("auto", *FLAVOURS):
+            raise ValueError(f"--iptables-flavour {self.flavour_option!r}: choose auto, nft or legacy")
+        self.localhost_nodeports = bool(config.backend_options.get("iptables_localhost_nodeports") or False)
+        self.families = tuple(f for f in (IPFamily.V4, IPFamily.V6) if f in config.ip_families)
+        self._kernel: Kernel | None = None
+        self._lock = threading.Lock()
+        self._fam: dict[IPFamily, _Family] = {f: _Family() for f in self.families}
+        self._need_full = True
+        # chains of the services written by the current round's payloads: if a later payload of the same sync fails
+        # because of one of them, the chains an earlier payload created for it must be deleted again
+        self._pending_chains: dict[ServicePortName, tuple[str, ...]] = {}
+
+    # ------------------------------------------------------------------------------------------ contract
+
+    @classmethod
+    def available(cls) -> Availability:
+        missing = missing_binaries(("nft",))
+        if missing and missing_binaries(("legacy",)):
+            return Availability(False, f"{missing[0]} not found: apt-get install iptables")
+        for fam in (IPFamily.V4, IPFamily.V6):
+            name = binary("restore", fam, "nft" if not missing else "legacy")
+            try:
+                proc = subprocess.run([name, "--version"], capture_output=True, text=True, timeout=10, check=False)
+            except OSError as exc:
+                return Availability(False, f"{name} not usable: {exc}")
+            if proc.returncode != 0:
+                return Availability(False, f"{name} --version failed: {proc.stderr.strip() or proc.stdout.strip()}")
+        return Availability(True)
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--iptables-flavour",
+            choices=("auto", *FLAVOURS),
+            default="auto",
+            help="iptables binaries: auto (what the node already uses, as iptables-wrapper decides), nft, legacy",
+        )
+        group.add_argument(
+            "--iptables-localhost-nodeports",
+            action="store_true",
+            default=False,
+            help="also accept IPv4 NodePort connections to 127.0.0.0/8 (upstream's localhostNodePorts)",
+        )
+
+    @property
+    def kernel(self) -> Kernel:
+        if self._kernel is None:
+            flavour = self.flavour_option
+            if flavour == "auto":
+                flavour = detect_flavour(self.netns)
+            self._kernel = Kernel(flavour, self.netns)
+            log.info("iptables flavour: %s", flavour)
+        return self._kernel
+
+    def sync(self, state: ProxyState, changes: Changes) -> SyncResult:
+        with self._lock:
+            return self._sync(state, changes)
+
+    def cleanup(self) -> None:
+        with self._lock:
+            if self.netns is None:
+                cleanup_mod.cleanup_leftovers()
+            else:
+                cleanup_mod.cleanup_leftovers(self.netns)
+            for fs in self._fam.values():
+                fs.fragments.clear()
+                fs.services.clear()
+                fs.failed.clear()
+            self._need_full = True
+
+    def measure_floor(self) -> float | None:
+        """Seconds ``iptables-restore`` (same flavour, same flags) takes for the last full sync's exact payloads in a
+        fresh namespace of its own (prefix ``kpb-``), deleted afterwards."""
+        with self._lock:
+            payloads = {fam: list(fs.last_full) for fam, fs in self._fam.items() if fs.last_full}
+            flavour = self.kernel.flavour
+        if not payloads or shutil.which("ip") is None:
+            return None
+        ns = "kpb-" + uuid.uuid4().hex[:10]
+        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
+        try:
+            k = Kernel(flavour, ns)
+            total = 0.0
+            for fam, texts in payloads.items():
+                for text in texts:
+                    res = k.restore(fam, text)
+                    if not res.ok:
+                        log.warning("floor restore failed: %s", res.stderr.strip())
+                        return None
+                    total += res.seconds
+            return total
+        finally:
+            subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True, timeout=30)
+
+    def describe(self, key: ServicePortName | None = None) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = {}
+            for fam, fs in self._fam.items():
+                names = set(fs.services) | set(fs.failed)
+                for spn in sorted(names):
+                    if key is not None and spn != key:
+                        continue
+                    entry = out.setdefault(f"{spn}/{spn.protocol.value}", {})
+                    sp = fs.services.get(spn)
+                    frag = fs.fragments.get(spn)
+                    info: dict[str, Any] = {"applied": frag is not None, "failed": fs.failed.get(spn)}
+                    if sp is not None:
+                        info.update(
+                            clusterIP=sp.cluster_ip,
+                            port=sp.port,
+                            nodePort=sp.node_port,
+                            internal=sp.internal_verdict.value,
+                            external=sp.external_verdict.value,
+                            internalEndpoints=[str(e) for e in sp.internal_endpoints],
+                            externalEndpoints=[str(e) for e in sp.external_endpoints],
+                        )
+                    if frag is not None:
+                        info["chains"] = list(frag.chains)
+                        rules: dict[str, list[str]] = {}
+                        for k, lines in frag.top.items():
+                            rules[k] = list(lines)
+                        rules["nat/own"] = list(frag.rules)
+                        info["rules"] = rules
+                    entry[fam.value] = info
+            counts = {f"{fam.value}/{t}/last": n for fam, fs in self._fam.items() for t, n in fs.last_rules.items()}
+            return {
+                "mode": self.mode,
+                "flavour": self._kernel.flavour if self._kernel else None,
+                "counts": counts,
+                "services": out,
+            }
+
+    # ------------------------------------------------------------------------------------------ syncing
+
+    def last_payloads(self, family: IPFamily) -> list[str]:
+        """The restore payloads the last sync wrote for a family (tests assert on what was written)."""
+        with self._lock:
+            return list(self._fam[family].last_payloads)
+
+    def canary_present(self) -> bool:
+        k = self.kernel
+        return all(
+            k.chain_exists(fam, table, render.KUBE_PROXY_CANARY) for fam in self.families for table in CANARY_TABLES
+        )
+
+    def _sync(self, state: ProxyState, changes: Changes) -> SyncResult:
+        t0 = time.perf_counter()
+        timings = {"render": 0.0, "apply": 0.0, "canary": 0.0, "save": 0.0}
+        full = changes.full or self._need_full
+        if not full:
+            c0 = time.perf_counter()
+            if not self.canary_present():
+                log.warning("KUBE-PROXY-CANARY is gone (someone flushed iptables): full resync")
+                full = True
+            timings["canary"] = time.perf_counter() - c0
+        failed: dict[ServicePortName, str] = {}
+        counts: dict[str, int] = {}
+        for fam in self.families:
+            error = self._sync_family(fam, state, changes, full, failed, timings, counts)
+            if error is not None:
+                self._need_full = True
+                timings["total"] = time.perf_counter() - t0
+                return SyncResult(
+                    ok=False,
+                    full=full,
+                    error=f"{fam.value}: {error}",
+                    failed=MappingProxyType(failed),
+                    counts=MappingProxyType(counts),
+                    timings=MappingProxyType(timings),
+                )
+        self._need_full = False
+        for key in ("nat", "filter"):
+            counts[f"rules_total/{key}"] = sum(counts.get(f"{f.value}/{key}/total", 0) for f in self.families)
+            counts[f"rules_last/{key}"] = sum(counts.get(f"{f.value}/{key}/last", 0) for f in self.families)
+        timings["total"] = time.perf_counter() - t0
+        return SyncResult(
+            ok=True,
+            full=full,
+            failed=MappingProxyType(failed),
+            counts=MappingProxyType(counts),
+            timings=MappingProxyType(timings),
+        )
+
+    def _sync_family(
+        self,
+        fam: IPFamily,
+        state: ProxyState,
+        changes: Changes,
+        full: bool,
+        failed: dict[ServicePortName, str],
+        timings: dict[str, float],
+        counts: dict[str, int],
+    ) -> str | None:
+        """Render and apply one family; returns an error text when nothing sensible could be applied."""
+        fs = self._fam[fam]
+        kernel = self.kernel
+        r0 = time.perf_counter()
+        ctx = render.make_context(self.config, state.node, fam, self.localhost_nodeports)
+        if ctx != fs.ctx:
+            full = True  # node CIDRs / addresses changed: every fragment may differ
+        services = state.family(fam)
+        skip: set[ServicePortName] = set()
+        jumps: list[render.JumpRule] = []
+        stale: set[str] = set()
+
+        def plan() -> tuple[dict[ServicePortName, render.Fragment], list[ServicePortName] | None, set[str] | None]:
+            if full:
+                frags = {spn: render.render_service(sp, ctx) for spn, sp in services.items() if spn not in skip}
+                return frags, None, None
+            frags = dict(fs.fragments)
+            updates: dict[ServicePortName, render.Fragment | None] = {}
+            for spn in changes.services:
+                sp = services.get(spn)
+                new = render.render_service(sp, ctx) if sp is not None and spn not in skip else None
+                updates[spn] = new
+                if new is None:
+                    frags.pop(spn, None)
+                else:
+                    frags[spn] = new
+            written = [spn for spn, f in updates.items() if f is not None]
+            return frags, written, render.changed_top_chains(fs.fragments, updates)
+
+        frags, write, top = plan()
+        render_s = time.perf_counter() - r0
+        if full:
+            s0 = time.perf_counter()
+            existing, present_jumps, err = self._read_kernel(fam)
+            timings["save"] += time.perf_counter() - s0
+            if err:
+                return err
+            jumps = [j for j in render.JUMP_RULES if f"{j.table}/-A {j.chain} {j.spec}" not in present_jumps]
+        else:
+            existing = set()
+        apply_s = 0.0
+        payloads: list[str] = []
+        rules_written = {"filter": 0, "nat": 0}
+        for _round in range(MAX_ROUNDS):
+            if full:
+                wanted = {c for f in frags.values() for c in f.chains}
+                created = {c for spn in skip for c in self._pending_chains.get(spn, ())}
+                stale = {c for c in existing | created if c not in wanted}
+            else:
+                old_chains = {c for spn in changes.services if spn in fs.fragments for c in fs.fragments[spn].chains}
+                for spn in skip:  # failed services whose new chains an earlier chunk may have created
+                    old_chains.update(self._pending_chains.get(spn, ()))
+                wanted = {c for spn in changes.services if spn in frags for c in frags[spn].chains}
+                stale = old_chains - wanted
+            b0 = time.perf_counter()
+            restores = render.build_restores(
+                ctx,
+                frags,
+                write=write,
+                top=top,
+                delete_chains=stale,
+                jump_rules=jumps,
+                canary=full,
+                chunk_lines=CHUNK_LINES if kernel.flavour == "nft" else None,
+            )
+            render_s += time.perf_counter() - b0
+            self._pending_chains = {spn: frags[spn].chains for spn in (write if write is not None else frags)}
+            bad: ServicePortName | None = None
+            error: str | None = None
+            for restore in restores:
+                if not restore.text:
+                    continue
+                res = kernel.restore(fam, restore.text)
+                apply_s += res.seconds
+                payloads.append(restore.text)
+                if res.ok:
+                    for t, n in restore.rules.items():
+                        rules_written[t] += n
+                    continue
+                error = _summarise(res.stderr, restore.text)
+                m = _LINE.search(res.stderr)
+                bad = restore.owner_of(int(m.group(1))) if m else None
+                break
+            if error is None:
+                break
+            if bad is None or bad in skip:
+                timings["render"] += render_s
+                timings["apply"] += apply_s
+                fs.last_payloads = payloads
+                return error
+            log.warning("iptables-restore refused the rules of %s (%s): skipping that service", bad, error)
+            failed[bad] = error
+            fs.failed[bad] = error
+            skip.add(bad)
+            if not full:
+                changes = Changes(full=False, services=changes.services | {bad}, generation=changes.generation)
+            frags, write, top = plan()
+        else:
+            timings["render"] += render_s
+            timings["apply"] += apply_s
+            fs.last_payloads = payloads
+            return f"still refused after {MAX_ROUNDS} rounds: {error}"
+        timings["render"] += render_s
+        timings["apply"] += apply_s
+        # Success: remember what the kernel now holds.
+        fs.ctx = ctx
+        fs.fragments = frags
+        applied = frags.keys()
+        if full:
+            fs.services = {spn: sp for spn, sp in services.items() if spn in applied}
+            fs.failed = {spn: why for spn, why in fs.failed.items() if spn in skip}
+            fs.last_full = payloads
+        else:
+            for spn in changes.services:
+                sp = services.get(spn)
+                if sp is not None and spn in applied:
+                    fs.services[spn] = sp
+                    fs.failed.pop(spn, None)
+                else:
+                    fs.services.pop(spn, None)
+                    if sp is None:
+                        fs.failed.pop(spn, None)
+        fs.last_payloads = payloads
+        fs.last_rules = rules_written
+        totals = render.total_rules(ctx, frags)
+        for t in ("filter", "nat"):
+            counts[f"{fam.value}/{t}/total"] = totals[t]
+            counts[f"{fam.value}/{t}/last"] = rules_written[t]
+        counts[f"{fam.value}/services"] = len(frags)
+        return None
+
+    def _read_kernel(self, fam: IPFamily) -> tuple[set[str], set[str], str | None]:
+        """Our service chains in the nat table, and the jump rules present ("table/-A CHAIN spec")."""
+        chains: set[str] = set()
+        jumps: set[str] = set()
+        for table in ("filter", "nat"):
+            res = self.kernel.save(fam, table)
+            if not res.ok:
+                if "does not exist" in res.stderr or "Table does not exist" in res.stderr:
+                    continue
+                return chains, jumps, f"{binary('save', fam, self.kernel.flavour)} -t {table}: {res.stderr.strip()}"
+            for line in res.stdout.splitlines():
+                if line.startswith(":"):
+                    name = line[1:].split(" ", 1)[0]
+                    if table == "nat" and render.is_service_chain(name):
+                        chains.add(name)
+                elif line.startswith(("-A INPUT ", "-A OUTPUT ", "-A FORWARD ", "-A PREROUTING ", "-A POSTROUTING ")):
+                    jumps.add(f"{table}/{line}")
+        return chains, jumps, None
+
+
+def _summarise(stderr: str, text: str) -> str:
+    """The first line of iptables-restore's complaint plus the payload line it names."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not ln.startswith("Try `")]
+    summary = "; ".join(lines[:3]) or "iptables-restore failed"
+    m = _LINE.search(stderr)
+    if m:
+        n = int(m.group(1))
+        payload = text.split("\n")
+        if 1 <= n <= len(payload):
+            summary += f" [line {n}: {payload[n - 1][:300]}]"
+    return summary
