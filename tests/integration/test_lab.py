@@ -223,6 +223,17 @@ def test_node_process_lifecycle(lab: Lab, monkeypatch: pytest.MonkeyPatch) -> No
         lab.wait_kproxy(node, timeout=10)
 
 
+def test_machine_namespace_is_untouched(lab: Lab) -> None:
+    """No lab address or link in the machine's own namespace: no lab packet can leave the machine."""
+    addrs = json.loads(subprocess.run(["ip", "-j", "addr"], capture_output=True, check=True, timeout=10).stdout)
+    for link in addrs:
+        assert not link["ifname"].startswith(P), link["ifname"]
+        for a in link.get("addr_info", []):
+            assert not a["local"].startswith(("198.18.", "198.19.", "fd00:198:18:")), (link["ifname"], a["local"])
+    routes = subprocess.run(["ip", "route"], capture_output=True, check=True, timeout=10).stdout.decode()
+    assert "198.18." not in routes and "198.19." not in routes
+
+
 def test_exec_refuses_foreign_namespaces(lab: Lab) -> None:
     with pytest.raises(Exception, match="not a namespace of this lab"):
         lab.exec("kpt-anything", ["true"])
