@@ -732,6 +732,9 @@ def build_restores(
                 ctx, fragments, write=names, top=top, delete_chains=delete_chains, jump_rules=jump_rules, canary=canary
             )
         ]
+    # KUBE-MARK-MASQ (and KUBE-POSTROUTING with it) go first: every service chunk jumps to KUBE-MARK-MASQ.
+    top_set = set(ALL_TOP) if top is None else set(top)
+    early = top_set & {N_MARK_MASQ, N_POSTROUTING}
     out: list[Restore] = []
     group: list[ServicePortName] = []
     lines = 0
@@ -740,13 +743,19 @@ def build_restores(
         group.append(spn)
         lines += len(frag.rules) + len(frag.chains)
         if lines >= chunk_lines:
-            out.append(build_restore(ctx, fragments, write=group, top=()))
+            out.append(build_restore(ctx, fragments, write=group, top=() if out else early))
             group, lines = [], 0
     if group:
-        out.append(build_restore(ctx, fragments, write=group, top=()))
+        out.append(build_restore(ctx, fragments, write=group, top=() if out else early))
     out.append(
         build_restore(
-            ctx, fragments, write=(), top=top, delete_chains=delete_chains, jump_rules=jump_rules, canary=canary
+            ctx,
+            fragments,
+            write=(),
+            top=top_set - early,
+            delete_chains=delete_chains,
+            jump_rules=jump_rules,
+            canary=canary,
         )
     )
     return out

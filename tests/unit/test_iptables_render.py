@@ -1,0 +1,521 @@
+"""Unit tests of the iptables backend's pure parts: rendering (rule by rule, and golden payloads), partial-sync
+planning, payload chunking, failure attribution and cleanup selection. No root, no kernel.
+
+Golden files live in tests/unit/golden/iptables/; regenerate with ``KPROXY_UPDATE_GOLDEN=1`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+from kproxy.backends.iptables import render
+from kproxy.backends.iptables.cleanup import cleanup_payload
+from kproxy.config import ProxyConfig
+from kproxy.model import Endpoint, IPFamily, NodeInfo, Protocol, ServicePort, ServicePortName
+
+GOLDEN = Path(__file__).parent / "golden" / "iptables"
+CFG = ProxyConfig(cluster_cidrs=("198.18.0.0/16", "fd00:198:18::/56"))
+NODE = NodeInfo("node-a", pod_cidrs=("198.18.1.0/24",), addresses=("198.19.255.1",))
+CTX4 = render.make_context(CFG, NODE, IPFamily.V4)
+
+
+def spn(name: str, port: str = "http", proto: Protocol = Protocol.TCP, ns: str = "ns1") -> ServicePortName:
+    return ServicePortName(ns, name, port, proto)
+
+
+def ep(ip: str, port: int = 8080, local: bool = False) -> Endpoint:
+    return Endpoint(ip, port, is_local=local, node_name="node-a" if local else "node-b")
+
+
+def svc(name: str, eps: tuple[Endpoint, ...] = (), **kw: object) -> ServicePort:
+    fam = IPFamily.V6 if ":" in str(kw.get("cluster_ip", "")) else IPFamily.V4
+    base: dict[str, object] = dict(
+        name=spn(name),
+        family=fam,
+        cluster_ip="198.18.200.1",
+        port=80,
+        cluster_endpoints=eps,
+        has_any_endpoints=bool(eps),
+    )
+    base.update(kw)
+    return ServicePort(**base)  # type: ignore[arg-type]
+
+
+def lines(sp: ServicePort, ctx: render.Context = CTX4) -> list[str]:
+    frag = render.render_service(sp, ctx)
+    out: list[str] = []
+    for key in render.ALL_TOP:
+        out.extend(frag.top.get(key, ()))
+    out.extend(frag.rules)
+    return out
+
+
+def golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("KPROXY_UPDATE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"golden file {path} missing: run with KPROXY_UPDATE_GOLDEN=1 and review it"
+    assert text == path.read_text()
+
+
+def full_payload(services: list[ServicePort], ctx: render.Context = CTX4) -> str:
+    frags = {sp.name: render.render_service(sp, ctx) for sp in services}
+    return render.build_restore(ctx, frags, write=None, top=None, jump_rules=render.JUMP_RULES, canary=True).text
+
+
+# ------------------------------------------------------------------------------------------------ names
+
+
+def test_hashing_matches_upstream_examples() -> None:
+    assert render.service_chain(spn("kube-dns", "dns", Protocol.UDP, "kube-system")) == "KUBE-SVC-TCOU7JCQXEZGVUNU"
+    assert render.service_chain(spn("kube-dns", "dns-tcp", Protocol.TCP, "kube-system")) == "KUBE-SVC-ERIFXISQEP7F7OF4"
+    # SEP adds the endpoint string; SVL/EXT/FW share the service hash
+    s = spn("kube-dns", "dns", Protocol.UDP, "kube-system")
+    assert render.local_chain(s) == "KUBE-SVL-TCOU7JCQXEZGVUNU"
+    assert render.external_chain(s) == "KUBE-EXT-TCOU7JCQXEZGVUNU"
+    assert render.firewall_chain(s) == "KUBE-FW-TCOU7JCQXEZGVUNU"
+    import base64
+    import hashlib
+
+    want = base64.b32encode(hashlib.sha256(b"kube-system/kube-dns:dnsudp10.244.0.5:53").digest()).decode()[:16]
+    assert render.endpoint_chain(s, "10.244.0.5:53") == "KUBE-SEP-" + want
+
+
+def test_unnamed_port_hash_omits_colon() -> None:
+    s = ServicePortName("ns", "web", "", Protocol.TCP)
+    import base64
+    import hashlib
+
+    want = base64.b32encode(hashlib.sha256(b"ns/webtcp").digest()).decode()[:16]
+    assert render.service_chain(s) == "KUBE-SVC-" + want
+
+
+def test_probabilities_formatted_as_upstream() -> None:
+    assert [render.probability(n) for n in (2, 3, 7)] == ["0.5000000000", "0.3333333333", "0.1428571429"]
+
+
+# ------------------------------------------------------------------------------------------------ behaviours
+
+
+def test_clusterip_single_endpoint() -> None:
+    sp = svc("a", (ep("198.18.1.5"),))
+    h = render.port_proto_hash(sp.name)
+    sep = render.endpoint_chain(sp.name, "198.18.1.5:8080")
+    assert lines(sp) == [
+        f'-A KUBE-SERVICES -m comment --comment "ns1/a:http cluster IP" -m tcp -p tcp -d 198.18.200.1 --dport 80 '
+        f"-j KUBE-SVC-{h}",
+        f'-A KUBE-SVC-{h} -m comment --comment "ns1/a:http cluster IP" -m tcp -p tcp -d 198.18.200.1 --dport 80 '
+        "! -s 198.18.0.0/16 -j KUBE-MARK-MASQ",
+        f'-A KUBE-SVC-{h} -m comment --comment "ns1/a:http -> 198.18.1.5:8080" -j {sep}',
+        f"-A {sep} -m comment --comment ns1/a:http -s 198.18.1.5 -j KUBE-MARK-MASQ",  # hairpin
+        f"-A {sep} -m comment --comment ns1/a:http -m tcp -p tcp -j DNAT --to-destination 198.18.1.5:8080",
+    ]
+    assert render.render_service(sp, CTX4).chains == (f"KUBE-SVC-{h}", sep)
+
+
+def test_multiple_endpoints_statistic_probabilities() -> None:
+    sp = svc("a", (ep("198.18.1.5"), ep("198.18.1.6"), ep("198.18.1.7")))
+    svc_rules = [x for x in lines(sp) if x.startswith("-A KUBE-SVC-") and "-> " in x]
+    assert len(svc_rules) == 3
+    assert "--probability 0.3333333333 -j KUBE-SEP-" in svc_rules[0]
+    assert "--probability 0.5000000000 -j KUBE-SEP-" in svc_rules[1]
+    assert "statistic" not in svc_rules[2]  # the last rule is unconditional
+
+
+def test_no_endpoints_reject_in_filter_only() -> None:
+    sp = svc("a", (), node_port=30001, external_ips=("198.19.0.9",))
+    frag = render.render_service(sp, CTX4)
+    assert frag.chains == () and frag.rules == ()
+    assert frag.top[render.F_SERVICES] == (
+        '-A KUBE-SERVICES -m comment --comment "ns1/a:http has no endpoints" -m tcp -p tcp -d 198.18.200.1 '
+        "--dport 80 -j REJECT",
+    )
+    assert frag.top[render.F_EXTERNAL] == (
+        '-A KUBE-EXTERNAL-SERVICES -m comment --comment "ns1/a:http has no endpoints" -m tcp -p tcp -d 198.19.0.9 '
+        "--dport 80 -j REJECT",
+        '-A KUBE-EXTERNAL-SERVICES -m comment --comment "ns1/a:http has no endpoints" -m addrtype --dst-type LOCAL '
+        "-m tcp -p tcp --dport 30001 -j REJECT",
+    )
+    assert render.N_SERVICES not in frag.top and render.N_NODEPORTS not in frag.top
+
+
+def test_itp_local_without_local_endpoints_drops_clusterip() -> None:
+    sp = svc("a", (ep("198.18.2.5"),), internal_policy_local=True, has_any_endpoints=True)
+    frag = render.render_service(sp, CTX4)
+    assert frag.top == {
+        render.F_SERVICES: (
+            '-A KUBE-SERVICES -m comment --comment "ns1/a:http has no local endpoints" -m tcp -p tcp '
+            "-d 198.18.200.1 --dport 80 -j DROP",
+        )
+    }
+    assert frag.chains == ()  # no cluster chain: nothing else uses the cluster endpoints
+
+
+def test_etp_local_short_circuit_and_local_chain() -> None:
+    local = ep("198.18.1.5", local=True)
+    remote = ep("198.18.2.5")
+    sp = svc("a", (local, remote), local_endpoints=(local,), external_policy_local=True, node_port=30001)
+    h = render.port_proto_hash(sp.name)
+    got = lines(sp)
+    ext = [x for x in got if x.startswith(f"-A KUBE-EXT-{h}")]
+    assert ext == [
+        f'-A KUBE-EXT-{h} -m comment --comment "pod traffic for ns1/a:http external destinations" '
+        f"-s 198.18.0.0/16 -j KUBE-SVC-{h}",
+        f'-A KUBE-EXT-{h} -m comment --comment "masquerade LOCAL traffic for ns1/a:http external destinations" '
+        "-m addrtype --src-type LOCAL -j KUBE-MARK-MASQ",
+        f'-A KUBE-EXT-{h} -m comment --comment "route LOCAL traffic for ns1/a:http external destinations" '
+        f"-m addrtype --src-type LOCAL -j KUBE-SVC-{h}",
+        f"-A KUBE-EXT-{h} -j KUBE-SVL-{h}",
+    ]
+    svl = [x for x in got if x.startswith(f"-A KUBE-SVL-{h}")]
+    assert len(svl) == 1 and "198.18.1.5:8080" in svl[0]
+    assert f"-A KUBE-NODEPORTS -m comment --comment ns1/a:http -m tcp -p tcp --dport 30001 -j KUBE-EXT-{h}" in got
+    chains = render.render_service(sp, CTX4).chains
+    assert sum(c.startswith("KUBE-SEP-") for c in chains) == 2  # both endpoints reachable, each chain once
+
+
+def test_etp_local_without_local_endpoints_drops_external_but_keeps_short_circuit() -> None:
+    sp = svc("a", (ep("198.18.2.5"),), external_policy_local=True, node_port=30001, has_any_endpoints=True)
+    h = render.port_proto_hash(sp.name)
+    got = lines(sp)
+    assert f"-A KUBE-EXT-{h} -j KUBE-SVL-{h}" not in got
+    assert any(x.startswith(f"-A KUBE-EXT-{h}") and "--src-type LOCAL -j KUBE-SVC-" in x for x in got)
+    assert (
+        '-A KUBE-EXTERNAL-SERVICES -m comment --comment "ns1/a:http has no local endpoints" -m addrtype '
+        "--dst-type LOCAL -m tcp -p tcp --dport 30001 -j DROP"
+    ) in got
+
+
+def test_nodeport_cluster_policy_masquerades_and_tail_rule() -> None:
+    sp = svc("a", (ep("198.18.1.5"),), node_port=30080)
+    h = render.port_proto_hash(sp.name)
+    got = lines(sp)
+    assert (
+        f'-A KUBE-EXT-{h} -m comment --comment "masquerade traffic for ns1/a:http external destinations" '
+        "-j KUBE-MARK-MASQ" in got
+    )
+    assert f"-A KUBE-EXT-{h} -j KUBE-SVC-{h}" in got
+    tail = render.render_fixed(CTX4)[render.N_SERVICES][1]
+    assert tail == (
+        f"-A KUBE-SERVICES -m comment --comment {render.NODEPORTS_COMMENT} -m addrtype --dst-type LOCAL "
+        "! -d 127.0.0.0/8 -j KUBE-NODEPORTS",
+    )
+    text = full_payload([sp])
+    nat = text.split("*nat", 1)[1]
+    svc_lines = [x for x in nat.splitlines() if x.startswith("-A KUBE-SERVICES")]
+    assert "NOTE: this must be the last rule" in svc_lines[-1]
+
+
+def test_nodeport_addresses_cidr_and_primary() -> None:
+    cfg = CFG.with_(nodeport_addresses=("198.19.0.0/16", "fd00:198:18::/48"))
+    ctx = render.make_context(cfg, NODE, IPFamily.V4)
+    assert ctx.nodeport_destinations == (("-d", "198.19.0.0/16", "-m", "addrtype", "--dst-type", "LOCAL"),)
+    ctx = render.make_context(CFG.with_(nodeport_addresses=("primary",)), NODE, IPFamily.V4)
+    assert ctx.nodeport_destinations == (("-d", "198.19.255.1"),)
+    ctx6 = render.make_context(CFG, NODE, IPFamily.V6)
+    assert ctx6.nodeport_destinations == (("-m", "addrtype", "--dst-type", "LOCAL", "!", "-d", "::1/128"),)
+    assert render.make_context(CFG, NODE, IPFamily.V4, localhost_nodeports=True).nodeport_destinations == (
+        ("-m", "addrtype", "--dst-type", "LOCAL"),
+    )
+
+
+def test_external_ips() -> None:
+    sp = svc("a", (ep("198.18.1.5"),), external_ips=("198.19.0.9",))
+    h = render.port_proto_hash(sp.name)
+    assert (
+        '-A KUBE-SERVICES -m comment --comment "ns1/a:http external IP" -m tcp -p tcp -d 198.19.0.9 --dport 80 '
+        f"-j KUBE-EXT-{h}"
+    ) in lines(sp)
+
+
+def test_load_balancer_source_ranges() -> None:
+    sp = svc(
+        "a",
+        (ep("198.18.1.5"),),
+        load_balancer_ips=("198.19.0.10",),
+        load_balancer_source_ranges=("198.19.128.0/17", "198.19.255.0/24"),
+    )
+    h = render.port_proto_hash(sp.name)
+    got = lines(sp)
+    assert (
+        '-A KUBE-SERVICES -m comment --comment "ns1/a:http loadbalancer IP" -m tcp -p tcp -d 198.19.0.10 --dport 80 '
+        f"-j KUBE-FW-{h}"
+    ) in got
+    fw = [x for x in got if x.startswith(f"-A KUBE-FW-{h}")]
+    assert fw == [
+        f'-A KUBE-FW-{h} -m comment --comment "ns1/a:http loadbalancer IP" -s 198.19.128.0/17 -j KUBE-EXT-{h}',
+        f'-A KUBE-FW-{h} -m comment --comment "ns1/a:http loadbalancer IP" -s 198.19.255.0/24 -j KUBE-EXT-{h}',
+        # the node's address (198.19.255.1) is in a range: the LB IP is admitted as a source (VIP loop-back)
+        f'-A KUBE-FW-{h} -m comment --comment "ns1/a:http loadbalancer IP" -s 198.19.0.10 -j KUBE-EXT-{h}',
+    ]
+    assert (
+        f'-A KUBE-PROXY-FIREWALL -m comment --comment "ns1/a:http traffic not accepted by KUBE-FW-{h}" -m tcp -p tcp '
+        "-d 198.19.0.10 --dport 80 -j DROP"
+    ) in got
+
+
+def test_session_affinity() -> None:
+    sp = svc("a", (ep("198.18.1.5"), ep("198.18.1.6")), affinity_timeout=10800)
+    h = render.port_proto_hash(sp.name)
+    s1 = render.endpoint_chain(sp.name, "198.18.1.5:8080")
+    got = [x for x in lines(sp) if x.startswith(f"-A KUBE-SVC-{h}") and "->" in x]
+    assert got[0] == (
+        f'-A KUBE-SVC-{h} -m comment --comment "ns1/a:http -> 198.18.1.5:8080" -m recent --name {s1} --rcheck '
+        f"--seconds 10800 --reap -j {s1}"
+    )
+    assert "--rcheck" in got[1] and "statistic" in got[2] and "statistic" not in got[3]
+    assert (
+        f"-A {s1} -m comment --comment ns1/a:http -m recent --name {s1} --set -m tcp -p tcp -j DNAT "
+        "--to-destination 198.18.1.5:8080"
+    ) in lines(sp)
+
+
+def test_masquerade_all_and_no_detector() -> None:
+    sp = svc("a", (ep("198.18.1.5"),))
+    h = render.port_proto_hash(sp.name)
+    ctx = render.make_context(CFG.with_(masquerade_all=True), NODE, IPFamily.V4)
+    assert (
+        f'-A KUBE-SVC-{h} -m comment --comment "ns1/a:http cluster IP" -m tcp -p tcp -d 198.18.200.1 --dport 80 '
+        "-j KUBE-MARK-MASQ"
+    ) in lines(sp, ctx)
+    bare = render.make_context(ProxyConfig(), NODE, IPFamily.V4)  # no cluster CIDR: no masquerade rule
+    assert not any("cluster IP" in x and "KUBE-MARK-MASQ" in x for x in lines(sp, bare))
+    nodecidr = render.make_context(CFG.with_(detect_local_mode="NodeCIDR"), NODE, IPFamily.V4)
+    assert any("! -s 198.18.1.0/24 -j KUBE-MARK-MASQ" in x for x in lines(sp, nodecidr))
+
+
+def test_ipv6() -> None:
+    ctx6 = render.make_context(CFG, NODE, IPFamily.V6)
+    sp = svc("a", (ep("fd00:198:18:1::5"),), cluster_ip="fd00:198:18:ff::1", family=IPFamily.V6)
+    got = lines(sp, ctx6)
+    assert any(x.endswith("-j DNAT --to-destination [fd00:198:18:1::5]:8080") for x in got)
+    assert any("! -s fd00:198:18::/56 -j KUBE-MARK-MASQ" in x for x in got)
+    empty = svc("b", (), cluster_ip="fd00:198:18:ff::2", family=IPFamily.V6)
+    assert render.render_service(empty, ctx6).top[render.F_SERVICES][0].endswith("-j REJECT")
+
+
+def test_health_check_node_port_accept() -> None:
+    sp = svc("a", (ep("198.18.1.5"),), health_check_node_port=32000)
+    assert render.render_service(sp, CTX4).top[render.F_NODEPORTS] == (
+        '-A KUBE-NODEPORTS -m comment --comment "ns1/a:http health check node port" -m tcp -p tcp --dport 32000 '
+        "-j ACCEPT",
+    )
+
+
+def test_comments_are_quoted_and_escaped() -> None:
+    assert render.quote("plain text") == '"plain text"'
+    assert render.quote('a"b\\c\nd') == '"a\\"b\\\\c d"'
+    assert len(render.quote("x" * 1000)) <= 252
+    odd = dataclasses.replace(svc("a", (ep("198.18.1.5"),)), name=ServicePortName("n s", 'we"b', "p", Protocol.TCP))
+    for line in lines(odd):
+        assert "\n" not in line
+    assert any('--comment "n s/we\\"b:p cluster IP"' in x for x in lines(odd))
+    sep_line = [x for x in lines(odd) if x.startswith("-A KUBE-SEP-")][0]
+    assert '--comment "n s/we\\"b:p" ' in sep_line  # the bare word upstream writes gets quoted when needed
+
+
+def test_fixed_chains() -> None:
+    fixed = render.render_fixed(CTX4)
+    assert fixed[render.N_POSTROUTING][0] == (
+        "-A KUBE-POSTROUTING -m mark ! --mark 0x004000/0x004000 -j RETURN",
+        "-A KUBE-POSTROUTING -j MARK --xor-mark 0x004000",
+        '-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE '
+        "--random-fully",
+    )
+    assert fixed[render.N_MARK_MASQ][0] == ("-A KUBE-MARK-MASQ -j MARK --or-mark 0x004000",)
+    assert fixed[render.F_FORWARD][0][0] == "-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP"
+
+
+# ------------------------------------------------------------------------------------------------ golden payloads
+
+
+def _mixed() -> list[ServicePort]:
+    a = svc("a", (ep("198.18.1.5"), ep("198.18.1.6")), node_port=30080, affinity_timeout=60)
+    b = dataclasses.replace(svc("b"), name=spn("b", "dns", Protocol.UDP), port=53, cluster_ip="198.18.200.2")
+    local = ep("198.18.1.7", local=True)
+    c = dataclasses.replace(
+        svc("c", (local, ep("198.18.2.7")), local_endpoints=(local,), external_policy_local=True),
+        cluster_ip="198.18.200.3",
+        node_port=30081,
+        health_check_node_port=32001,
+        load_balancer_ips=("198.19.0.10",),
+        load_balancer_source_ranges=("198.19.128.0/17",),
+        external_ips=("198.19.0.11",),
+    )
+    return [a, b, c]
+
+
+def test_golden_full_ipv4() -> None:
+    golden("full-ipv4.txt", full_payload(_mixed()))
+
+
+def test_golden_full_ipv6() -> None:
+    ctx6 = render.make_context(CFG, NODE, IPFamily.V6)
+    a = svc("a6", (ep("fd00:198:18:1::5"), ep("fd00:198:18:1::6")), cluster_ip="fd00:198:18:ff::1", node_port=30090)
+    b = svc("b6", (), cluster_ip="fd00:198:18:ff::2")
+    golden("full-ipv6.txt", full_payload([a, b], ctx6))
+
+
+# ------------------------------------------------------------------------------------------------ partial syncs
+
+
+def test_partial_writes_only_dirty_chains_and_skips_unchanged_top() -> None:
+    services = _mixed()
+    old = {sp.name: render.render_service(sp, CTX4) for sp in services}
+    a = services[0]
+    a2 = dataclasses.replace(a, cluster_endpoints=(a.cluster_endpoints[0], ep("198.18.1.9")))
+    new = render.render_service(a2, CTX4)
+    assert render.changed_top_chains(old, {a.name: new}) == set()  # an endpoint change leaves KUBE-SERVICES alone
+    frags = dict(old)
+    frags[a.name] = new
+    stale = set(old[a.name].chains) - set(new.chains)
+    text = render.build_restore(CTX4, frags, write=[a.name], top=set(), delete_chains=stale).text
+    assert "*filter" not in text and ":KUBE-SERVICES" not in text and ":KUBE-NODEPORTS" not in text
+    declared = [x[1:].split(" ")[0] for x in text.splitlines() if x.startswith(":")]
+    assert set(declared) == set(new.chains) | stale
+    assert all(x.split(" ")[1] in new.chains for x in text.splitlines() if x.startswith("-A "))
+    assert [x for x in text.splitlines() if x.startswith("-X ")] == [f"-X {c}" for c in sorted(stale)]
+    golden("partial-endpoint-change.txt", text)
+
+
+def test_partial_new_or_removed_service_rewrites_only_affected_top_chains() -> None:
+    services = _mixed()
+    old = {sp.name: render.render_service(sp, CTX4) for sp in services}
+    d = dataclasses.replace(svc("d", (ep("198.18.1.8"),)), cluster_ip="198.18.200.4")
+    assert render.changed_top_chains(old, {d.name: render.render_service(d, CTX4)}) == {render.N_SERVICES}
+    assert render.changed_top_chains(old, {services[1].name: None}) == {render.F_SERVICES}
+    # going from no endpoints to some moves the service from filter REJECT to a nat jump
+    b2 = dataclasses.replace(services[1], cluster_endpoints=(ep("198.18.1.9", 53),), has_any_endpoints=True)
+    assert render.changed_top_chains(old, {b2.name: render.render_service(b2, CTX4)}) == {
+        render.F_SERVICES,
+        render.N_SERVICES,
+    }
+
+
+def test_chunked_payloads_keep_services_whole_and_top_last() -> None:
+    services = [
+        dataclasses.replace(svc(f"s{i}", (ep("198.18.1.5"), ep("198.18.1.6"))), cluster_ip=f"198.18.9.{i}")
+        for i in range(20)
+    ]
+    frags = {sp.name: render.render_service(sp, CTX4) for sp in services}
+    parts = render.build_restores(
+        CTX4, frags, write=None, top=None, jump_rules=render.JUMP_RULES, canary=True, chunk_lines=30
+    )
+    assert len(parts) > 3
+    assert ":KUBE-MARK-MASQ " in parts[0].text  # every service chunk jumps to it
+    for part in parts[:-1]:
+        assert "*filter" not in part.text and ":KUBE-SERVICES" not in part.text
+    assert ":KUBE-SERVICES" in parts[-1].text and "-I INPUT 1" in parts[-1].text
+    for sp in services:  # each service's own chains are declared in exactly one payload
+        holders = [p for p in parts if f":{render.service_chain(sp.name)} " in p.text]
+        assert len(holders) == 1
+        assert all(f":{c} " in holders[0].text for c in frags[sp.name].chains)
+    single = render.build_restores(CTX4, frags, write=None, top=None, chunk_lines=None)
+    assert len(single) == 1
+
+
+def test_owner_of_maps_lines_to_services() -> None:
+    services = _mixed()
+    frags = {sp.name: render.render_service(sp, CTX4) for sp in services}
+    res = render.build_restore(CTX4, frags, write=None, top=None)
+    text_lines = res.text.split("\n")
+    for i, line in enumerate(text_lines, start=1):
+        if line.startswith("-A KUBE-SVC-" + render.port_proto_hash(services[0].name)):
+            assert res.owner_of(i) == services[0].name
+        if "ns1/b:dns has no endpoints" in line:
+            assert res.owner_of(i) == services[1].name
+        if line.startswith(":") or line == "COMMIT" or "KUBE-POSTROUTING" in line:
+            assert res.owner_of(i) is None
+
+
+# ------------------------------------------------------------------------------------------------ cleanup
+
+SAVE = """# Generated by iptables-save v1.8.9
+*mangle
+:PREROUTING ACCEPT [0:0]
+:KUBE-PROXY-CANARY - [0:0]
+:KUBE-KUBELET-CANARY - [0:0]
+COMMIT
+*filter
+:INPUT ACCEPT [0:0]
+:FORWARD DROP [0:0]
+:KUBE-FIREWALL - [0:0]
+:KUBE-SERVICES - [0:0]
+:KUBE-ROUTER-INPUT - [0:0]
+:KUBE-FORWARD - [0:0]
+-A INPUT -m comment --comment "kubernetes service portals" -m conntrack --ctstate NEW -j KUBE-SERVICES
+-A INPUT -j KUBE-FIREWALL
+-A INPUT -j KUBE-ROUTER-INPUT
+-A FORWARD -m comment --comment "kubernetes forwarding rules" -j KUBE-FORWARD
+-A KUBE-FIREWALL -d 127.0.0.0/8 -j DROP
+-A KUBE-SERVICES -d 198.18.0.1/32 -j REJECT
+-A KUBE-ROUTER-INPUT -j RETURN
+COMMIT
+*nat
+:PREROUTING ACCEPT [0:0]
+:KUBE-SERVICES - [0:0]
+:KUBE-SVC-ABCDEFGHIJKLMNOP - [0:0]
+:KUBE-SEP-ABCDEFGHIJKLMNOP - [0:0]
+:KUBE-XLB-ABCDEFGHIJKLMNOP - [0:0]
+:KUBE-MARK-DROP - [0:0]
+:CNI-HOSTPORT - [0:0]
+-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A PREROUTING -j CNI-HOSTPORT
+-A CNI-HOSTPORT -j KUBE-MARK-MASQ
+-A KUBE-SERVICES -j KUBE-SVC-ABCDEFGHIJKLMNOP
+COMMIT
+"""
+
+
+def test_cleanup_selects_only_our_chains_and_jumps() -> None:
+    payload = cleanup_payload(SAVE)
+    assert payload == (
+        "*mangle\n"
+        ":KUBE-PROXY-CANARY - [0:0]\n"
+        "-X KUBE-PROXY-CANARY\n"
+        "COMMIT\n"
+        "*filter\n"
+        ":KUBE-SERVICES - [0:0]\n"
+        ":KUBE-FORWARD - [0:0]\n"
+        '-D INPUT -m comment --comment "kubernetes service portals" -m conntrack --ctstate NEW -j KUBE-SERVICES\n'
+        '-D FORWARD -m comment --comment "kubernetes forwarding rules" -j KUBE-FORWARD\n'
+        "-X KUBE-SERVICES\n"
+        "-X KUBE-FORWARD\n"
+        "COMMIT\n"
+        "*nat\n"
+        ":KUBE-SERVICES - [0:0]\n"
+        ":KUBE-SVC-ABCDEFGHIJKLMNOP - [0:0]\n"
+        ":KUBE-SEP-ABCDEFGHIJKLMNOP - [0:0]\n"
+        ":KUBE-XLB-ABCDEFGHIJKLMNOP - [0:0]\n"
+        '-D PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES\n'
+        "-D CNI-HOSTPORT -j KUBE-MARK-MASQ\n"
+        "-X KUBE-SERVICES\n"
+        "-X KUBE-SVC-ABCDEFGHIJKLMNOP\n"
+        "-X KUBE-SEP-ABCDEFGHIJKLMNOP\n"
+        "-X KUBE-XLB-ABCDEFGHIJKLMNOP\n"
+        "COMMIT\n"
+    )
+    for kept in ("KUBE-FIREWALL", "KUBE-ROUTER-INPUT", "KUBE-KUBELET-CANARY", "KUBE-MARK-DROP", "CNI-HOSTPORT"):
+        assert f":{kept} " not in payload and f"-X {kept}" not in payload
+
+
+def test_cleanup_of_clean_tables_is_empty() -> None:
+    assert cleanup_payload("*filter\n:INPUT ACCEPT [0:0]\nCOMMIT\n") == ""
+
+
+@pytest.mark.parametrize("chunk", [None, 500])
+def test_render_scales(chunk: int | None) -> None:
+    """1,000 services x 10 endpoints render into the expected number of lines (speed is the benchmark's job)."""
+    services = {}
+    for i in range(1000):
+        eps = tuple(ep(f"198.18.{i // 100}.{i % 100 + 1}", 8000 + j) for j in range(10))
+        sp = dataclasses.replace(svc(f"s{i}", eps), cluster_ip=f"198.19.{i // 250}.{i % 250 + 1}")
+        services[sp.name] = render.render_service(sp, CTX4)
+    parts = render.build_restores(CTX4, services, write=None, top=None, chunk_lines=chunk)
+    rules = sum(p.rules["nat"] for p in parts)
+    assert rules == 1000 * (1 + 1 + 10 + 20) + 5  # KUBE-SERVICES, masq, 10 SVC jumps, 2 per SEP; fixed chains
