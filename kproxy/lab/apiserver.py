@@ -779,6 +779,16 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
     server: _HTTPServer
 
+    def setup(self) -> None:
+        super().setup()
+        with self.server.conns_lock:
+            self.server.conns.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server.conns_lock:
+            self.server.conns.discard(self.connection)
+        super().finish()
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
         log.debug("%s %s", self.address_string(), format % args)
 
@@ -1001,6 +1011,18 @@ class _Handler(BaseHTTPRequestHandler):
                 pos = int(rv_text)
             except ValueError as exc:
                 raise ApiError(400, "BadRequest", f"invalid resourceVersion {rv_text!r}") from exc
+            current = store.resource_version
+            if pos > current:
+                # A client that remembers a newer server (this one restarted) is told so, as the real server does.
+                raise ApiError(
+                    504,
+                    "Timeout",
+                    f"Too large resource version: {pos}, current: {current}",
+                    {
+                        "causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+                        "retryAfterSeconds": 1,
+                    },
+                )
 
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -1178,6 +1200,21 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     api: ApiServer
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Open client connections, so close() also ends keep-alive ones (a closed server must look gone).
+        self.conns: set[socket.socket] = set()
+        self.conns_lock = threading.Lock()
+
+    def close_connections(self) -> None:
+        with self.conns_lock:
+            conns = list(self.conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         # Clients hang up on keep-alive connections all the time; socketserver would print a traceback to stderr.
         log.debug("apiserver: connection from %s ended with an error", client_address, exc_info=True)
@@ -1278,6 +1315,7 @@ class ApiServer:
         for srv in self._servers:
             srv.shutdown()
             srv.server_close()
+            srv.close_connections()
         for thread in self._threads:
             thread.join(timeout=5)
         self._servers.clear()

@@ -186,6 +186,9 @@ class Reflector:
                     self.stats.expired += 1
                     self._rv = ""
                     continue
+                if _too_large(exc):
+                    # The server is behind our resourceVersion (restarted, or another replica): start over.
+                    self._rv = ""
                 if isinstance(exc, _Relist):
                     self._rv = ""
                 self.stats.errors += 1
@@ -314,6 +317,10 @@ def _lines(resp: Any) -> Iterator[bytes]:
                 yield line
     if buf.strip():
         yield buf
+
+
+def _too_large(exc: BaseException) -> bool:
+    return isinstance(exc, ApiException) and exc.status == 504 and "Too large resource version" in str(exc.body or "")
 
 
 def _describe(exc: BaseException) -> str:

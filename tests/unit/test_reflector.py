@@ -333,3 +333,30 @@ def test_event_recorder_posts_node_events(api: ApiServer, client: Any) -> None:
     assert not rec.node_event("Broken", "Test") and rec.failed == 1 and rec.recorded == 1
     # The failed POST's body was consumed: the pooled connection still works for the next request.
     assert rec.node_event("Again", "Test", note="fine") and rec.recorded == 2
+
+
+def test_restarted_server_with_older_resource_versions_is_relisted(sink: RecordingSink) -> None:
+    first = serve([(None, "127.0.0.1", 0)], bookmark_interval=0.2)
+    port = first.ports[0]
+    for i in range(20):
+        first.store.create(svc(f"old{i}"))
+    client = make_api_client(master=first.url)
+    src = KubeSource(sink, client, NODE, resync_backoff=(0.05, 0.2), watch_timeout=3)
+    second = None
+    try:
+        src.start()
+        assert src.wait_synced(5) and len(sink.services) == 20
+        first.close()
+        # A new, empty server on the same address: its resourceVersions are behind what the reflector holds.
+        second = serve([(None, "127.0.0.1", port)], bookmark_interval=0.2)
+        second.store.create(svc("fresh"))
+        assert sink.wait_for(lambda s: names(s.services) == {"fresh"}, timeout=10)
+        assert src.stats()["services"]["lists"] == 2
+        too_large = [r for r in second.requests if r.watch and r.status == 504]
+        assert too_large, "the reflector should have been told its resourceVersion is too large"
+    finally:
+        src.stop()
+        client.close()
+        first.close()
+        if second is not None:
+            second.close()
