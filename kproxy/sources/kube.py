@@ -124,6 +124,7 @@ class Reflector:
         self.synced = threading.Event()
         self._stop = threading.Event()
         self._rv = ""  # the resourceVersion to watch from; "" means relist
+        self._watch_lines = 0  # lines the current watch has delivered
         self._resp: Any = None
         self._resp_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -162,6 +163,7 @@ class Reflector:
     def run(self) -> None:
         failures = 0
         while not self._stop.is_set():
+            self._watch_lines = 0
             try:
                 if not self._rv:
                     self._rv = self._list()
@@ -191,6 +193,8 @@ class Reflector:
                     self._rv = ""
                 if isinstance(exc, _Relist):
                     self._rv = ""
+                if self._watch_lines > 0:
+                    failures = 0  # the broken watch had made progress: retry soon, do not keep growing the delay
                 self.stats.errors += 1
                 failures += 1
                 delay = self._delay(failures)
@@ -267,6 +271,7 @@ class Reflector:
         try:
             for line in _lines(resp):
                 lines += 1
+                self._watch_lines = lines
                 self._handle(line)
         finally:
             with self._resp_lock:
