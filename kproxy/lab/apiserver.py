@@ -1087,15 +1087,20 @@ class _Handler(BaseHTTPRequestHandler):
                 ns = _meta(ev.obj).get("namespace", "")
                 if namespace is not None and ns != namespace:
                     continue
-                type_ = ev.type
+                type_, obj = ev.type, ev.obj
                 if type_ == "MODIFIED":
                     was, now_in = match(ev.old or {}), match(ev.obj)
                     if not was and not now_in:
                         continue
-                    type_ = "MODIFIED" if was and now_in else ("ADDED" if now_in else "DELETED")
+                    if was and not now_in and ev.old is not None:
+                        # As the watch cache does: DELETED with the previous content at the event's version.
+                        type_ = "DELETED"
+                        obj = {**ev.old, "metadata": {**_meta(ev.old), "resourceVersion": str(ev.rv)}}
+                    elif now_in and not was:
+                        type_ = "ADDED"
                 elif not match(ev.obj):
                     continue
-                emit(type_, ev.obj)
+                emit(type_, obj)
             pos = current
             now = time.monotonic()
             if now >= deadline:

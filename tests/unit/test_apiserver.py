@@ -259,6 +259,7 @@ def test_watch_events_bookmarks_and_timeout(core: kubernetes.client.CoreV1Api) -
     t = threading.Thread(target=mutate)
     t.start()
     seen: list[tuple[str, str]] = []
+    objects: list[dict[str, Any]] = []
     start = time.monotonic()
     w = kubernetes.watch.Watch()
     for ev in w.stream(
@@ -272,10 +273,14 @@ def test_watch_events_bookmarks_and_timeout(core: kubernetes.client.CoreV1Api) -
         seen.append((ev["type"], obj["metadata"].get("name", "")))
         if ev["type"] != "BOOKMARK":
             assert obj["kind"] == "Service" and obj["apiVersion"] == "v1"
+            objects.append(obj)
     elapsed = time.monotonic() - start
     t.join()
     changes = [s for s in seen if s[0] != "BOOKMARK"]
     assert changes == [("ADDED", "w"), ("MODIFIED", "w"), ("DELETED", "w"), ("ADDED", "w"), ("DELETED", "w")]
+    # Leaving the selector: DELETED with the previous content, at the new resourceVersion (as the watch cache).
+    assert objects[2]["metadata"]["labels"] == {"sel": "yes"}
+    assert int(objects[2]["metadata"]["resourceVersion"]) > int(objects[1]["metadata"]["resourceVersion"])
     assert seen.count(("BOOKMARK", "")) >= 3  # every 0.3 s and one before the close
     assert seen[-1][0] == "BOOKMARK"
     assert 1.9 <= elapsed < 4.0  # timeoutSeconds honoured
