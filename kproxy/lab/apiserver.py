@@ -712,7 +712,13 @@ def _matcher(label_selector: str, field_selector: str) -> Callable[[Mapping[str,
 
 @dataclass
 class Faults:
-    """What to break, switchable at runtime (Python: `server.faults.update(...)`; HTTP: POST /_faults)."""
+    """What to break, switchable at runtime.
+
+    Python: `server.faults.update(error_rate=1.0)`, `server.faults.reset()`, `server.compact()`,
+    `server.drop_watches()`. HTTP: POST /_faults with a JSON object of any of these fields plus `"reset": true`,
+    `"compact": true`, `"drop_watches": true` and `"bookmark_interval": seconds`; GET /_faults shows the settings,
+    the current resourceVersion and the oldest one a watch may still start from (`history_floor`).
+    """
 
     watch_drop_after_events: int | None = None  # close every watch abruptly after this many events
     watch_drop_after_seconds: float | None = None  # ... or after this long

@@ -506,3 +506,26 @@ def test_command_line_serves_loaded_manifests_and_stops_on_sigterm(tmp_path: Pat
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=10)[0]
     assert proc.returncode == 0, out
+
+
+def test_one_server_several_listeners() -> None:
+    import socket
+
+    try:
+        probe = socket.socket(socket.AF_INET6)
+        probe.bind(("::1", 0))
+        probe.close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    api = serve([(None, "127.0.0.1", 0), (None, "::1", 0)])
+    try:
+        v4, v6 = api.ports
+        api.store.create(svc("both"))
+        for url in (f"http://127.0.0.1:{v4}", f"http://[::1]:{v6}"):
+            cfg = kubernetes.client.Configuration()
+            cfg.host = url
+            with kubernetes.client.ApiClient(cfg) as c:
+                items = kubernetes.client.CoreV1Api(c).list_namespaced_service("default").items
+                assert [s.metadata.name for s in items] == ["both"]
+    finally:
+        api.close()
