@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
@@ -56,7 +57,7 @@ def _modes_help() -> str:
     return "; ".join(f"{m.name}: {m.summary}" for m in MODES)
 
 
-def _add_run_parser(sub: argparse._SubParsersAction) -> None:
+def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     S = argparse.SUPPRESS
     p = sub.add_parser(
         "run",
@@ -71,20 +72,32 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hostname-override", default=S, help="this node's Node name (default: the host name)")
     p.add_argument("--cluster-cidr", action="append", default=S, help="pod CIDR(s) of the cluster, comma-separated")
     p.add_argument("--detect-local-mode", default=S, choices=("ClusterCIDR", "NodeCIDR"))
-    p.add_argument("--nodeport-addresses", action="append", default=S,
-                   help="CIDRs (or 'primary') whose local addresses accept NodePorts; default all")
+    p.add_argument(
+        "--nodeport-addresses",
+        action="append",
+        default=S,
+        help="CIDRs (or 'primary') whose local addresses accept NodePorts; default all",
+    )
     p.add_argument("--masquerade-all", action="store_true", default=S, help="SNAT all traffic to service IPs")
     p.add_argument("--iptables-masquerade-bit", type=int, default=S, help="fwmark bit for masquerading (14)")
     p.add_argument("--min-sync-period", type=parse_duration, default=S, help="min interval between syncs (1s)")
-    p.add_argument("--sync-period", type=parse_duration, default=S,
-                   help="retry interval after a failed sync and periodic resync (30s)")
+    p.add_argument(
+        "--sync-period",
+        type=parse_duration,
+        default=S,
+        help="retry interval after a failed sync and periodic resync (30s)",
+    )
     p.add_argument("--healthz-bind-address", default=S, help="HOST:PORT of /healthz and /livez (0.0.0.0:10256)")
     p.add_argument("--metrics-bind-address", default=S, help="HOST:PORT of /metrics (127.0.0.1:10249)")
-    p.add_argument("--service-proxy-name", default=S,
-                   help="serve services labelled service.kubernetes.io/service-proxy-name=<this>")
+    p.add_argument(
+        "--service-proxy-name",
+        default=S,
+        help="serve services labelled service.kubernetes.io/service-proxy-name=<this>",
+    )
     p.add_argument("--cleanup", action="store_true", help="remove every mode's rules and exit (as upstream)")
-    p.add_argument("--no-cleanup-other-modes", action="store_true",
-                   help="do not remove other modes' leftovers at start-up")
+    p.add_argument(
+        "--no-cleanup-other-modes", action="store_true", help="do not remove other modes' leftovers at start-up"
+    )
     backend_flags: dict[str, list[str]] = {}
     for mode, cls in installed_backends().items():
         group = p.add_argument_group(f"{mode} mode")
@@ -100,7 +113,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     for dest, field_name in _CONFIG_FLAGS.items():
         if hasattr(args, dest):
             flags[field_name] = getattr(args, dest)
-    mode = flags.get("mode", file_values.get("mode", ProxyConfig.mode))
+    mode = flags.get("mode", file_values.get("mode", "iptables"))
     options = {dest: getattr(args, dest) for dest in args.backend_flags.get(mode, []) if hasattr(args, dest)}
     flags["backend_options"] = options
     return build_config(file_values, flags)
@@ -209,7 +222,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     hostpart = f"[{host}]" if ":" in host else host
     url = f"http://{hostpart}:{port}/rules"
     if args.service:
-        url += "?service=" + urllib.request.quote(args.service, safe="")
+        url += "?service=" + urllib.parse.quote(args.service, safe="")
     try:
         data = _fetch_json(url)
     except (OSError, urllib.error.URLError, ValueError) as exc:
@@ -251,8 +264,10 @@ def render_show_table(data: dict[str, Any]) -> str:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    print("kproxy compare: not implemented yet (it comes with the compare issue, after the other backends)",
-          file=sys.stderr)
+    print(
+        "kproxy compare: not implemented yet (it comes with the compare issue, after the other backends)",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -163,7 +163,9 @@ class Daemon:
         self.runner.run()
 
     def _nodeport_addresses(self) -> list[str]:
-        return [c.split("/")[0] for c in self.config.nodeport_addresses if c != "primary" and c.endswith(("/32", "/128"))]
+        return [
+            c.split("/")[0] for c in self.config.nodeport_addresses if c != "primary" and c.endswith(("/32", "/128"))
+        ]
 
     def _listen_error(self, svc: NamespacedName, port: int, why: str) -> None:
         msg = f"failed to start healthcheck {svc} on port {port}: {why}"
@@ -199,12 +201,19 @@ class Daemon:
             self._need_full = True
             self.status.failures += 1
             self.status.last_error = result.error
-            log.error("sync failed (%s sync, %d changed services): %s", "full" if changes.full else "partial",
-                      len(changes.services), result.error)
+            log.error(
+                "sync failed (%s sync, %d changed services): %s",
+                "full" if changes.full else "partial",
+                len(changes.services),
+                result.error,
+            )
             for fam in self.families:
                 if self.backend.mode == "iptables":
-                    (m.sync_proxy_rules_iptables_restore_failures_total if changes.full
-                     else m.sync_proxy_rules_iptables_partial_restore_failures_total).labels(fam.value).inc()
+                    (
+                        m.sync_proxy_rules_iptables_restore_failures_total
+                        if changes.full
+                        else m.sync_proxy_rules_iptables_partial_restore_failures_total
+                    ).labels(fam.value).inc()
                 elif self.backend.mode == "nftables":
                     m.sync_proxy_rules_nftables_sync_failures_total.labels(fam.value).inc()
             return False
@@ -221,14 +230,20 @@ class Daemon:
         self.status.last_error = None
         self.status.failed = {f"{spn}/{spn.protocol.value}": why for spn, why in failed.items()}
         if failed:
-            log.warning("the kernel refused %d service(s); they were skipped and will be retried: %s",
-                        len(failed), "; ".join(f"{k}: {v}" for k, v in self.status.failed.items()))
+            log.warning(
+                "the kernel refused %d service(s); they were skipped and will be retried: %s",
+                len(failed),
+                "; ".join(f"{k}: {v}" for k, v in self.status.failed.items()),
+            )
 
         for fam in self.families:
             self.health.updated(fam)
             m.sync_proxy_rules_duration_seconds.labels(fam.value).observe(elapsed)
-            (m.sync_full_proxy_rules_duration_seconds if changes.full
-             else m.sync_partial_proxy_rules_duration_seconds).labels(fam.value).observe(elapsed)
+            (
+                m.sync_full_proxy_rules_duration_seconds
+                if changes.full
+                else m.sync_partial_proxy_rules_duration_seconds
+            ).labels(fam.value).observe(elapsed)
             m.sync_proxy_rules_last_timestamp_seconds.labels(fam.value).set(now_wall)
             for trigger in changes.trigger_times:
                 if now_wall >= trigger:

@@ -32,8 +32,12 @@ def run_demo(mode: str, keep_lab: bool = False) -> int:
     lab = Lab.up(nodes=2, pods_per_node=3, mode=mode)
     try:
         lab.wait_all()
-        print(f"   lab ready in {time.monotonic() - started:.1f}s: nodes "
-              + ", ".join(f"{n.name} ({n.ip4})" for n in lab.nodes) + "; pods " + ", ".join(p.name for p in lab.pods))
+        print(
+            f"   lab ready in {time.monotonic() - started:.1f}s: nodes "
+            + ", ".join(f"{n.name} ({n.ip4})" for n in lab.nodes)
+            + "; pods "
+            + ", ".join(p.name for p in lab.pods)
+        )
         ctx = Context(lab, mode, "demo", Addresses(), timeout_s=120)
         svc = ctx.service("web", [ctx.port(80, 8080, name="http")], type="NodePort")
         ctx.apply(svc, ctx.slice_for(svc, lab.pods))
@@ -54,8 +58,10 @@ def run_demo(mode: str, keep_lab: bool = False) -> int:
         if out.returncode != 0:
             sys.stdout.write(out.stderr.decode(errors="replace"))
             return 1
-        print(f"== done in {time.monotonic() - started:.1f}s. Next: `kproxy conformance --mode {mode}` runs every "
-              "scenario of BEHAVIOUR.md on a lab like this one.")
+        print(
+            f"== done in {time.monotonic() - started:.1f}s. Next: `kproxy conformance --mode {mode}` runs every "
+            "scenario of BEHAVIOUR.md on a lab like this one."
+        )
         return 0
     finally:
         if keep_lab:
@@ -64,7 +70,7 @@ def run_demo(mode: str, keep_lab: bool = False) -> int:
             Lab.down()
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("demo", help="kproxy on a 2-node lab: traffic and `kproxy show` (what `make demo` runs)")
     p.add_argument("--mode", default="iptables")
     p.add_argument("--keep-lab", action="store_true", help="leave the lab running afterwards")

@@ -36,8 +36,20 @@ def test_help_lists_modes_in_order() -> None:
 
 def test_flags_map_to_config() -> None:
     args = build_parser().parse_args(
-        ["run", "--mode", "iptables", "--cluster-cidr", "198.18.64.0/18,fd00:198:18:40::/58", "--sync-period",
-         "10s", "--min-sync-period", "0", "--hostname-override", "Node-2", "--masquerade-all"]
+        [
+            "run",
+            "--mode",
+            "iptables",
+            "--cluster-cidr",
+            "198.18.64.0/18,fd00:198:18:40::/58",
+            "--sync-period",
+            "10s",
+            "--min-sync-period",
+            "0",
+            "--hostname-override",
+            "Node-2",
+            "--masquerade-all",
+        ]
     )
     cfg = config_from_args(args)
     assert cfg.mode == "iptables" and cfg.node_name == "node-2" and cfg.masquerade_all

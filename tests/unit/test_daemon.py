@@ -33,8 +33,12 @@ def service(name: str, ip: str, port: int = 80, **spec: object) -> dict[str, obj
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"namespace": "demo", "name": name},
-        "spec": {"clusterIP": ip, "clusterIPs": [ip], "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
-                 **spec},
+        "spec": {
+            "clusterIP": ip,
+            "clusterIPs": [ip],
+            "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+            **spec,
+        },
     }
 
 
@@ -82,8 +86,9 @@ def running(tmp_path: Path) -> Iterator[tuple[Daemon, FakeProxier, Path]]:
         manifests=str(tmp_path),
     )
     fake = FakeProxier(cfg)
-    daemon = Daemon(cfg, fake, lambda sink: FilesSource(sink, tmp_path, cfg.node_name, poll_interval=0.1),
-                    reconciler=NoConntrack())  # type: ignore[arg-type]
+    daemon = Daemon(
+        cfg, fake, lambda sink: FilesSource(sink, tmp_path, cfg.node_name, poll_interval=0.1), reconciler=NoConntrack()
+    )  # type: ignore[arg-type]
     daemon.start()
     try:
         yield daemon, fake, tmp_path
@@ -106,8 +111,11 @@ def test_sync_health_metrics(running: tuple[Daemon, FakeProxier, Path]) -> None:
     assert code == 200 and json.loads(body)["nodeEligible"] is True, body
     code, body = get(f"http://127.0.0.1:{mp}/metrics")
     assert code == 200
-    for name in ("kubeproxy_sync_proxy_rules_duration_seconds_bucket", "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-                 "kubeproxy_sync_proxy_rules_service_changes_pending"):
+    for name in (
+        "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
+        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+        "kubeproxy_sync_proxy_rules_service_changes_pending",
+    ):
         assert name in body
     assert get(f"http://127.0.0.1:{mp}/proxyMode") == (200, "fake")
     code, body = get(f"http://127.0.0.1:{mp}/rules")
@@ -142,8 +150,13 @@ def test_refused_service_is_reported_and_others_apply(running: tuple[Daemon, Fak
     bad = ServicePortName("demo", "bad", "http", Protocol.TCP)
     with fake.lock:
         fake.reject[bad] = "line 7 failed"
-    write(folder, "x.yaml", service("bad", "198.19.0.3"), service("good", "198.19.0.4"),
-          slice_("good-1", "good", ["198.18.65.30"]))
+    write(
+        folder,
+        "x.yaml",
+        service("bad", "198.19.0.3"),
+        service("good", "198.19.0.4"),
+        slice_("good-1", "good", ["198.18.65.30"]),
+    )
     eventually(lambda: "good" in programmed(fake))
     eventually(lambda: "demo/bad:http/TCP" in daemon.status.failed)
     assert "bad" not in programmed(fake)

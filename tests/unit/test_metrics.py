@@ -142,7 +142,9 @@ def test_families_start_at_zero_and_counts_feed_iptables_gauges() -> None:
     v6 = {"ip_family": "IPv6"}
     assert m.value("kubeproxy_sync_proxy_rules_iptables_restore_failures_total", v6) == 0
     assert m.value("kubeproxy_sync_proxy_rules_iptables_restore_failures_total", {"ip_family": "IPv4"}) is None
-    m.observe_counts(IPFamily.V6, {"IPv6/filter/total": 7, "IPv6/filter/last": 2, "IPv4/filter/total": 99, "services": 3})
+    m.observe_counts(
+        IPFamily.V6, {"IPv6/filter/total": 7, "IPv6/filter/last": 2, "IPv4/filter/total": 99, "services": 3}
+    )
     assert m.value("kubeproxy_sync_proxy_rules_iptables_total", {**v6, "table": "filter"}) == 7
     assert m.value("kubeproxy_sync_proxy_rules_iptables_last", {**v6, "table": "filter"}) == 2
 
