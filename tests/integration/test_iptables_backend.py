@@ -1,0 +1,333 @@
+"""Integration tests of the iptables backend against the real kernel, in network namespaces of their own.
+
+Each test makes a namespace with the prefix ``kpt-ipt-`` (removed in the fixture's finalizer, also on failure) and
+points the proxier at it (``IptablesProxier(config, netns=...)``: every iptables command then runs under
+``ip netns exec``). Both flavours (nf_tables and legacy) run every test. Needs root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from kproxy.backends.iptables import render
+from kproxy.backends.iptables.cleanup import cleanup_leftovers
+from kproxy.backends.iptables.kernel import detect_flavour
+from kproxy.backends.iptables.proxier import IptablesProxier
+from kproxy.config import ProxyConfig
+from kproxy.model import (
+    Changes,
+    Endpoint,
+    IPFamily,
+    NodeInfo,
+    Protocol,
+    ProxyState,
+    ServicePort,
+    ServicePortName,
+)
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, iptables)"),
+    pytest.mark.skipif(shutil.which("iptables-nft-restore") is None, reason="iptables not installed"),
+]
+
+NODE = NodeInfo("node-a", pod_cidrs=("198.18.1.0/24",))
+A = ServicePortName("ns1", "a", "http", Protocol.TCP)
+B = ServicePortName("ns1", "b", "dns", Protocol.UDP)
+C = ServicePortName("ns1", "c", "http", Protocol.TCP)
+D = ServicePortName("ns1", "d", "http", Protocol.TCP)
+BAD = ServicePortName("ns1", "bad", "http", Protocol.TCP)
+
+
+def ep(ip: str, port: int = 80) -> Endpoint:
+    return Endpoint(ip, port)
+
+
+SP_A = ServicePort(
+    A,
+    IPFamily.V4,
+    "198.19.0.1",
+    80,
+    node_port=30080,
+    cluster_endpoints=(ep("198.18.1.1"), ep("198.18.1.2")),
+    has_any_endpoints=True,
+)
+SP_B = ServicePort(B, IPFamily.V4, "198.19.0.2", 53)
+SP_C6 = ServicePort(
+    C,
+    IPFamily.V6,
+    "fd00:198:18:ff::1",
+    80,
+    cluster_endpoints=(ep("fd00:198:18:1::1"),),
+    has_any_endpoints=True,
+    load_balancer_ips=("fd00:198:18:fe::1",),
+    load_balancer_source_ranges=("fd00:198:18:1::/64",),
+)
+SP_D = ServicePort(D, IPFamily.V4, "198.19.0.4", 80, cluster_endpoints=(ep("198.18.1.4"),), has_any_endpoints=True)
+
+
+def state(*sps: ServicePort) -> ProxyState:
+    fams: dict[IPFamily, dict[ServicePortName, ServicePort]] = {IPFamily.V4: {}, IPFamily.V6: {}}
+    for sp in sps:
+        fams[sp.family][sp.name] = sp
+    return ProxyState(fams, NODE)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    name = "kpt-ipt-" + uuid.uuid4().hex[:8]
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+
+
+@pytest.fixture(params=["nft", "legacy"])
+def flavour(request: pytest.FixtureRequest) -> str:
+    if shutil.which(f"iptables-{request.param}-restore") is None:
+        pytest.skip(f"iptables-{request.param}-restore not installed")
+    return str(request.param)
+
+
+def proxier(netns: str, flavour: str, **cfg: object) -> IptablesProxier:
+    config = ProxyConfig(
+        cluster_cidrs=("198.18.0.0/16", "fd00:198:18::/56"), backend_options={"iptables_flavour": flavour}, **cfg
+    )  # type: ignore[arg-type]
+    return IptablesProxier(config, netns=netns)
+
+
+def ns_run(netns: str, *argv: str, check: bool = True) -> str:
+    return subprocess.run(["ip", "netns", "exec", netns, *argv], check=check, capture_output=True, text=True).stdout
+
+
+def save(netns: str, flavour: str, v6: bool = False, counters: bool = False) -> str:
+    argv = [f"ip{'6' if v6 else ''}tables-{flavour}-save"] + (["-c"] if counters else [])
+    return ns_run(netns, *argv)
+
+
+def section(text: str, table: str) -> str:
+    return text.split(f"*{table}\n", 1)[1].split("COMMIT", 1)[0]
+
+
+def chains(text: str, table: str = "nat") -> set[str]:
+    section_ = section(text, table)
+    return {ln[1:].split(" ", 1)[0] for ln in section_.splitlines() if ln.startswith(":")}
+
+
+def test_full_sync_programs_both_families(netns: str, flavour: str) -> None:
+    p = proxier(netns, flavour)
+    res = p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True))
+    assert res.ok and res.full, res.error
+    v4, v6 = save(netns, flavour), save(netns, flavour, v6=True)
+    svc = render.service_chain(A)
+    sep1, sep2 = render.endpoint_chain(A, "198.18.1.1:80"), render.endpoint_chain(A, "198.18.1.2:80")
+    assert {svc, sep1, sep2, render.external_chain(A), "KUBE-SERVICES", "KUBE-MARK-MASQ"} <= chains(v4)
+    assert f'-A {sep1} -p tcp -m comment --comment "ns1/a:http" -m tcp -j DNAT --to-destination 198.18.1.1:80' in v4
+    assert re.search(
+        r'-A KUBE-SERVICES -d 198.19.0.2/32 -p udp -m comment --comment "ns1/b:dns has no endpoints" '
+        r"-m udp --dport 53 -j REJECT",
+        v4,
+    )
+    assert "KUBE-PROXY-CANARY" in chains(v4, "mangle") and "KUBE-PROXY-CANARY" in chains(v6, "filter")
+    assert render.firewall_chain(C) in chains(v6)
+    assert "--to-destination [fd00:198:18:1::1]:80" in v6
+    assert "! -d ::1/128" in v6 and "! -d 127.0.0.0/8" in v4
+    assert res.counts["IPv4/nat/total"] > 10 and res.counts["IPv6/filter/total"] >= 4
+    # a second full sync adopts what is there: jumps are not duplicated, nothing is lost
+    res = p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True))
+    assert res.ok, res.error
+    v4b = save(netns, flavour)
+    for j in render.JUMP_RULES:
+        table = v4b.split(f"*{j.table}\n", 1)[1].split("COMMIT", 1)[0]
+        assert table.count(f"-A {j.chain} {j.spec}") == 1, j
+    assert chains(v4b) == chains(v4)
+
+
+def test_partial_sync_writes_only_changed_chains(netns: str, flavour: str) -> None:
+    p = proxier(netns, flavour)
+    assert p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True)).ok
+    a2 = dataclasses.replace(SP_A, cluster_endpoints=(ep("198.18.1.1"), ep("198.18.1.3")))
+    res = p.sync(state(a2, SP_B, SP_C6), Changes(full=False, services=frozenset({A})))
+    assert res.ok and not res.full, res.error
+    (payload,) = p.last_payloads(IPFamily.V4)
+    assert p.last_payloads(IPFamily.V6) == []
+    declared = {ln[1:].split(" ")[0] for ln in payload.splitlines() if ln.startswith(":")}
+    old_sep = render.endpoint_chain(A, "198.18.1.2:80")
+    new_sep = render.endpoint_chain(A, "198.18.1.3:80")
+    assert declared == {
+        render.service_chain(A),
+        render.external_chain(A),
+        new_sep,
+        old_sep,
+        render.endpoint_chain(A, "198.18.1.1:80"),
+    }
+    assert "*filter" not in payload and f"-X {old_sep}" in payload
+    v4 = save(netns, flavour)
+    assert new_sep in chains(v4) and old_sep not in chains(v4)
+    # a new service rewrites nat KUBE-SERVICES only
+    res = p.sync(state(a2, SP_B, SP_C6, SP_D), Changes(full=False, services=frozenset({D})))
+    assert res.ok, res.error
+    (payload,) = p.last_payloads(IPFamily.V4)
+    assert ":KUBE-SERVICES" in payload and "*filter" not in payload and ":KUBE-NODEPORTS" not in payload
+    # removing the endpoint-less service rewrites filter KUBE-SERVICES only
+    res = p.sync(state(a2, SP_C6, SP_D), Changes(full=False, services=frozenset({B})))
+    assert res.ok, res.error
+    (payload,) = p.last_payloads(IPFamily.V4)
+    assert payload.startswith("*filter\n:KUBE-SERVICES - [0:0]\n") and "*nat" not in payload
+    assert "198.19.0.2" not in save(netns, flavour)
+    # removing a service deletes all its chains
+    res = p.sync(state(SP_C6, SP_D), Changes(full=False, services=frozenset({A})))
+    assert res.ok, res.error
+    assert not any(c.endswith(render.port_proto_hash(A)) for c in chains(save(netns, flavour)))
+
+
+def test_canary_flush_forces_full_resync(netns: str, flavour: str) -> None:
+    p = proxier(netns, flavour)
+    assert p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True)).ok
+    before = chains(save(netns, flavour))
+    for table in ("mangle", "nat", "filter"):  # what a firewall restart does
+        ns_run(netns, f"iptables-{flavour}", "-t", table, "-F")
+        ns_run(netns, f"iptables-{flavour}", "-t", table, "-X")
+    assert not p.canary_present()
+    res = p.sync(state(SP_A, SP_B, SP_C6), Changes(full=False))
+    assert res.ok and res.full, res.error
+    assert chains(save(netns, flavour)) == before
+    assert p.canary_present()
+
+
+def _send_udp(netns: str, ip: str, port: int, count: int) -> None:
+    code = (
+        "import socket\n"
+        f"for _ in range({count}):\n"
+        "    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        f"    s.sendto(b'x', ({ip!r}, {port}))\n"
+        "    s.close()\n"
+    )
+    ns_run(netns, "/usr/bin/python3", "-c", code)
+
+
+def _counter(text: str, *needles: str) -> int:
+    for ln in text.splitlines():
+        if ln.startswith("[") and all(n in ln for n in needles):
+            return int(ln[1:].split(":", 1)[0])
+    raise AssertionError(f"no rule with {needles!r}")
+
+
+def test_restart_adopts_without_flushing(netns: str, flavour: str) -> None:
+    # a route so that packets to service IPs reach the nat OUTPUT hook
+    ns_run(netns, "ip", "link", "set", "lo", "up")
+    ns_run(netns, "ip", "link", "add", "kv0", "type", "veth", "peer", "name", "kv1")
+    ns_run(netns, "ip", "link", "set", "kv0", "up")
+    ns_run(netns, "ip", "link", "set", "kv1", "up")
+    ns_run(netns, "ip", "addr", "add", "198.18.250.1/24", "dev", "kv0")
+    ns_run(netns, "ip", "route", "add", "default", "via", "198.18.250.2")
+    b_ok = dataclasses.replace(SP_B, cluster_endpoints=(ep("198.18.1.9", 53),), has_any_endpoints=True)
+    p1 = proxier(netns, flavour)
+    assert p1.sync(state(SP_A, b_ok), Changes(full=True)).ok
+    _send_udp(netns, "198.19.0.2", 53, 5)
+    jump = '--comment "kubernetes service portals" -j KUBE-SERVICES'
+    out_before = _counter(section(save(netns, flavour, counters=True), "nat"), "-A OUTPUT ", jump)
+    assert out_before >= 5
+    # restart: a new instance's first sync is full, adopts, and never removes the jumps or KUBE-SERVICES
+    p2 = proxier(netns, flavour)
+    res = p2.sync(state(SP_A, b_ok), Changes(full=True))
+    assert res.ok and res.full, res.error
+    nat = section(save(netns, flavour, counters=True), "nat")
+    assert _counter(nat, "-A OUTPUT ", jump) >= out_before  # the built-in chain's jump rule was kept, counters and all
+    assert nat.count(jump) == 2  # PREROUTING and OUTPUT, once each
+    _send_udp(netns, "198.19.0.2", 53, 3)
+    sep_b = render.endpoint_chain(B, "198.18.1.9:53")
+    dnat = f"-A {sep_b} -p udp"
+    counted = _counter(section(save(netns, flavour, counters=True), "nat"), dnat)
+    assert counted == 3
+    # a partial sync of another service leaves B's chains (and their counters) alone
+    res = p2.sync(state(SP_A, b_ok, SP_D), Changes(full=False, services=frozenset({D})))
+    assert res.ok and not res.full, res.error
+    assert _counter(section(save(netns, flavour, counters=True), "nat"), dnat) == 3
+    _send_udp(netns, "198.19.0.2", 53, 2)
+    assert _counter(section(save(netns, flavour, counters=True), "nat"), dnat) == 5
+
+
+def test_cleanup_leaves_nothing_of_ours(netns: str, flavour: str) -> None:
+    ipt = f"iptables-{flavour}"
+    ns_run(netns, ipt, "-N", "KUBE-FIREWALL")  # kubelet's chain: not ours
+    ns_run(netns, ipt, "-A", "INPUT", "-j", "KUBE-FIREWALL")
+    ns_run(netns, ipt, "-t", "nat", "-N", "OTHER")
+    ns_run(netns, ipt, "-t", "nat", "-A", "PREROUTING", "-j", "OTHER")
+    p = proxier(netns, flavour)
+    assert p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True)).ok
+    p.cleanup()
+    for v6 in (False, True):
+        text = save(netns, flavour, v6=v6)
+        ours = [
+            ln
+            for ln in text.splitlines()
+            if re.search(
+                r"KUBE-(SERVICES|SVC|SEP|EXT|FW|NODEPORTS|MARK-MASQ|"
+                r"POSTROUTING|FORWARD|PROXY|EXTERNAL)",
+                ln,
+            )
+        ]
+        assert ours == [], ours
+    v4 = save(netns, flavour)
+    assert "-A INPUT -j KUBE-FIREWALL" in v4 and "-A PREROUTING -j OTHER" in v4
+    # the module-level function works with no proxier, on both flavours, and is idempotent
+    assert p.sync(state(SP_A), Changes(full=True)).ok
+    cleanup_leftovers(netns)
+    cleanup_leftovers(netns)
+    assert "KUBE-SERVICES" not in save(netns, flavour)
+
+
+def test_kernel_rejected_service_is_skipped(netns: str, flavour: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = render.render_service
+
+    def broken(sp: ServicePort, ctx: render.Context) -> render.Fragment:
+        frag = original(sp, ctx)
+        if sp.name != BAD:
+            return frag
+        chain = frag.chains[0]
+        return dataclasses.replace(frag, rules=frag.rules + (f"-A {chain} -m nosuchmatch --foo -j ACCEPT",))
+
+    monkeypatch.setattr(render, "render_service", broken)
+    sp_bad = ServicePort(
+        BAD, IPFamily.V4, "198.19.0.9", 80, cluster_endpoints=(ep("198.18.1.9"),), has_any_endpoints=True
+    )
+    p = proxier(netns, flavour)
+    res = p.sync(state(SP_A, SP_B, sp_bad, SP_C6), Changes(full=True))
+    assert res.ok, res.error
+    assert set(res.failed) == {BAD} and "nosuchmatch" in res.failed[BAD]
+    v4 = save(netns, flavour)
+    assert render.service_chain(A) in chains(v4) and "198.19.0.9" not in v4
+    assert render.service_chain(BAD) not in chains(v4)
+    assert p.describe(BAD)["services"]["ns1/bad:http/TCP"]["IPv4"]["failed"]
+    # a partial sync touching it again reports it again and applies the rest
+    a2 = dataclasses.replace(SP_A, cluster_endpoints=(ep("198.18.1.1"),))
+    res = p.sync(state(a2, SP_B, sp_bad, SP_C6), Changes(full=False, services=frozenset({A, BAD})))
+    assert res.ok and set(res.failed) == {BAD}, res
+    assert render.endpoint_chain(A, "198.18.1.2:80") not in chains(save(netns, flavour))
+    # fixed: it is applied
+    monkeypatch.setattr(render, "render_service", original)
+    res = p.sync(state(a2, SP_B, sp_bad, SP_C6), Changes(full=False, services=frozenset({BAD})))
+    assert res.ok and not res.failed
+    assert render.service_chain(BAD) in chains(save(netns, flavour))
+    assert p.describe(BAD)["services"]["ns1/bad:http/TCP"]["IPv4"]["applied"] is True
+
+
+def test_flavour_detection_and_floor(netns: str) -> None:
+    assert detect_flavour(netns) == "nft"
+    p = proxier(netns, "legacy")
+    assert p.sync(state(SP_A, SP_B), Changes(full=True)).ok
+    assert detect_flavour(netns) == "legacy"  # legacy tables hold KUBE-* chains
+    floor = p.measure_floor()
+    assert floor is not None and 0 < floor < 30
+    auto = IptablesProxier(ProxyConfig(cluster_cidrs=("198.18.0.0/16",)), netns=netns)
+    assert auto.kernel.flavour == "legacy"
