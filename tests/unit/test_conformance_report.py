@@ -191,3 +191,29 @@ def test_failure_text_says_what_was_sent_got_and_expected() -> None:
     assert text == "2 probes: 1 answered (pod-1-2 x1), 1 failed (timeout x1) after 1.00-1.00 s"
     exc = ScenarioFailure("not all answered", sent="2 TCP probes", got=text, expected="all answered")
     assert str(exc) == f"not all answered; sent: 2 TCP probes; got: {text}; expected: all answered"
+
+
+def test_health_body_check_follows_upstreams_proxy_health_json() -> None:
+    from kproxy.conformance.scenarios import health_body_problems
+
+    t = "2026-11-22T13:24:09.803943Z"
+    assert health_body_problems({"lastUpdated": t, "currentTime": t, "nodeEligible": True}, "/healthz") == []
+    newer = {
+        "lastUpdated": t,
+        "currentTime": t,
+        "healthy": True,
+        "status": {"IPv4": {"lastUpdated": t, "healthy": True}},
+    }
+    assert health_body_problems(newer, "/livez") == []
+    assert health_body_problems({**newer, "nodeEligible": True}, "/healthz") == []
+    assert health_body_problems({"lastUpdated": t, "currentTime": t}, "/healthz") == [
+        "missing nodeEligible",
+        "nodeEligible is not true",
+    ]
+    assert health_body_problems({"lastUpdated": "yesterday", "currentTime": t, "x": 1}, "/livez") == [
+        "unknown keys x",
+        "lastUpdated 'yesterday' is not an RFC 3339 time",
+    ]
+    assert "nodeEligible on /livez" in health_body_problems(
+        {"lastUpdated": t, "currentTime": t, "nodeEligible": True}, "/livez"
+    )
