@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 
 MAX_ROUNDS = 4  # restores per family per sync when the kernel refuses services one after another
 CHUNK_LINES = 3000  # lines per payload on the nf_tables flavour (see render.build_restores)
-CANARY_TABLES = ("mangle", "nat")  # upstream's monitor polls mangle; nat is the table a flush hurts
+# Upstream's monitor polls mangle (small, cheap). The nf_tables flavour looks one chain up by name, so nat (the table
+# a flush hurts) is cheap to check too; the legacy flavour reads a whole table per check (1 s for nat at 10k services).
+CANARY_TABLES = {"nft": ("mangle", "nat"), "legacy": ("mangle",)}
 _LINE = re.compile(r"line:? (\d+)")
 
 
@@ -81,6 +83,8 @@ class IptablesProxier(Proxier):
         # chains of the services written by the current round's payloads: if a later payload of the same sync fails
         # because of one of them, the chains an earlier payload created for it must be deleted again
         self._pending_chains: dict[ServicePortName, tuple[str, ...]] = {}
+        self._count_key: tuple[int, int] | None = None
+        self._count = 0
 
     # ------------------------------------------------------------------------------------------ contract
 
@@ -212,7 +216,9 @@ class IptablesProxier(Proxier):
     def canary_present(self) -> bool:
         k = self.kernel
         return all(
-            k.chain_exists(fam, table, render.KUBE_PROXY_CANARY) for fam in self.families for table in CANARY_TABLES
+            k.chain_exists(fam, table, render.KUBE_PROXY_CANARY)
+            for fam in self.families
+            for table in CANARY_TABLES[k.flavour]
         )
 
     def _sync(self, state: ProxyState, changes: Changes) -> SyncResult:
@@ -267,7 +273,8 @@ class IptablesProxier(Proxier):
         fs = self._fam[fam]
         kernel = self.kernel
         r0 = time.perf_counter()
-        ctx = render.make_context(self.config, state.node, fam, self.localhost_nodeports)
+        large = self._endpoint_count(state) > render.LARGE_CLUSTER_ENDPOINTS
+        ctx = render.make_context(self.config, state.node, fam, self.localhost_nodeports, large)
         if ctx != fs.ctx:
             full = True  # node CIDRs / addresses changed: every fragment may differ
         services = state.family(fam)
@@ -393,6 +400,14 @@ class IptablesProxier(Proxier):
             counts[f"{fam.value}/{t}/last"] = rules_written[t]
         counts[f"{fam.value}/services"] = len(frags)
         return None
+
+    def _endpoint_count(self, state: ProxyState) -> int:
+        """Upstream's largeClusterMode input: endpoints over all services (cached per state generation)."""
+        key = (id(state), state.generation)
+        if self._count_key != key:
+            self._count_key = key
+            self._count = sum(len(sp.cluster_endpoints) + len(sp.local_endpoints) for sp in state)
+        return self._count
 
     def _read_kernel(self, fam: IPFamily) -> tuple[set[str], set[str], str | None]:
         """Our service chains in the nat table, and the jump rules present ("table/-A CHAIN spec")."""

@@ -33,6 +33,9 @@ KUBE_FORWARD = "KUBE-FORWARD"
 KUBE_PROXY_FIREWALL = "KUBE-PROXY-FIREWALL"
 KUBE_PROXY_CANARY = "KUBE-PROXY-CANARY"
 
+#: Upstream's largeClusterEndpointsThreshold: above this many endpoints, per-endpoint comments are left out.
+LARGE_CLUSTER_ENDPOINTS = 1000
+
 #: Prefixes of the per-service and per-endpoint chains (all in the nat table).
 SERVICE_CHAIN_PREFIXES = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-")
 
@@ -201,6 +204,7 @@ class Context:
     local_cidr: str | None = None  # LocalTrafficDetector: pod/cluster CIDR of this family, None = not implemented
     nodeport_destinations: tuple[tuple[str, ...], ...] = ()  # arguments of each KUBE-SERVICES -> KUBE-NODEPORTS rule
     node_ips: tuple[str, ...] = ()  # the Node's addresses of this family (upstream's nodeIP, for FW chains)
+    large_cluster: bool = False  # upstream's largeClusterMode: no per-endpoint comments (a 40% smaller payload)
     random_fully: bool = True
     drop_invalid: bool = True
 
@@ -213,7 +217,13 @@ class Context:
         return ("!", "-s", self.local_cidr) if self.local_cidr else ()
 
 
-def make_context(config: ProxyConfig, node: NodeInfo, family: IPFamily, localhost_nodeports: bool = False) -> Context:
+def make_context(
+    config: ProxyConfig,
+    node: NodeInfo,
+    family: IPFamily,
+    localhost_nodeports: bool = False,
+    large_cluster: bool = False,
+) -> Context:
     """The Context of one family from the config and the Node (detect-local CIDR, nodeport addresses)."""
     local: str | None = None
     if config.detect_local_mode == "NodeCIDR":
@@ -251,6 +261,7 @@ def make_context(config: ProxyConfig, node: NodeInfo, family: IPFamily, localhos
         local_cidr=local,
         nodeport_destinations=tuple(dests),
         node_ips=tuple(ip for ip in node.addresses if IPFamily.of(ip) == family),
+        large_cluster=large_cluster,
     )
 
 
@@ -432,17 +443,17 @@ def render_service(sp: ServicePort, ctx: Context) -> Fragment:
 
     affinity = sp.affinity_timeout
     base = name + proto
-    names: dict[str, tuple[str, str]] = {}  # "ip:port" -> (SEP chain, quoted "svc -> ip:port" comment)
+    names: dict[str, tuple[str, str]] = {}  # "ip:port" -> (SEP chain, "-m comment ..." for "svc -> ip:port")
     if uses_cluster_chain:
         chains.append(svc_chain)
-        _lb_rules(rules, svc_chain, base, name, cluster_eps, affinity, names)
+        _lb_rules(rules, svc_chain, base, name, cluster_eps, affinity, names, ctx.large_cluster)
     if uses_local_chain:
         chains.append(svl_chain)
-        _lb_rules(rules, svl_chain, base, name, local_eps, affinity, names)
+        _lb_rules(rules, svl_chain, base, name, local_eps, affinity, names, ctx.large_cluster)
 
     # Endpoint chains (upstream's allLocallyReachableEndpoints, dedup by "ip:port").
     seen: set[str] = set()
-    bare = _bare(name)
+    bare = "" if ctx.large_cluster else f"-m comment --comment {_bare(name)} "
     eps = (cluster_eps if uses_cluster_chain else ()) + (local_eps if uses_local_chain else ())
     for ep in eps:
         eps_str = str(ep)
@@ -451,14 +462,11 @@ def render_service(sp: ServicePort, ctx: Context) -> Fragment:
         seen.add(eps_str)
         sep = names[eps_str][0]
         chains.append(sep)
-        rules.append(f"-A {sep} -m comment --comment {bare} -s {ep.ip} -j KUBE-MARK-MASQ")
+        rules.append(f"-A {sep} {bare}-s {ep.ip} -j KUBE-MARK-MASQ")
         if affinity:
-            rules.append(
-                f"-A {sep} -m comment --comment {bare} -m recent --name {sep} --set {pmatch} -j DNAT "
-                f"--to-destination {eps_str}"
-            )
+            rules.append(f"-A {sep} {bare}-m recent --name {sep} --set {pmatch} -j DNAT --to-destination {eps_str}")
         else:
-            rules.append(f"-A {sep} -m comment --comment {bare} {pmatch} -j DNAT --to-destination {eps_str}")
+            rules.append(f"-A {sep} {bare}{pmatch} -j DNAT --to-destination {eps_str}")
 
     top: dict[str, tuple[str, ...]] = {}
     for key, lines in (
@@ -501,6 +509,7 @@ def _lb_rules(
     endpoints: Sequence[Endpoint],
     affinity: int,
     names: dict[str, tuple[str, str]],
+    large: bool,
 ) -> None:
     """Upstream's ``writeServiceToEndpointRules``: affinity checks first, then statistic-random jumps."""
     pairs = []
@@ -508,24 +517,19 @@ def _lb_rules(
         s = str(ep)
         pair = names.get(s)
         if pair is None:
-            pair = names[s] = (_sep(base, s), quote(name + " -> " + s))
+            comment = "" if large else f"-m comment --comment {quote(name + ' -> ' + s)} "
+            pair = names[s] = (_sep(base, s), comment)
         pairs.append(pair)
     if affinity:
         for sep, comment in pairs:
-            rules.append(
-                f"-A {chain} -m comment --comment {comment} -m recent --name {sep} --rcheck "
-                f"--seconds {affinity} --reap -j {sep}"
-            )
+            rules.append(f"-A {chain} {comment}-m recent --name {sep} --rcheck --seconds {affinity} --reap -j {sep}")
     n = len(pairs)
     last = n - 1
     for i, (sep, comment) in enumerate(pairs):
         if i < last:
-            rules.append(
-                f"-A {chain} -m comment --comment {comment} -m statistic --mode random "
-                f"--probability {probability(n - i)} -j {sep}"
-            )
+            rules.append(f"-A {chain} {comment}-m statistic --mode random --probability {probability(n - i)} -j {sep}")
         else:
-            rules.append(f"-A {chain} -m comment --comment {comment} -j {sep}")
+            rules.append(f"-A {chain} {comment}-j {sep}")
 
 
 def render_fixed(ctx: Context) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:

@@ -194,7 +194,7 @@ def test_canary_flush_forces_full_resync(netns: str, flavour: str) -> None:
     p = proxier(netns, flavour)
     assert p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True)).ok
     before = chains(save(netns, flavour))
-    for table in ("mangle", "nat", "filter"):  # what a firewall restart does
+    for table in ("mangle", "nat", "filter"):  # what a firewall restart does (upstream notices it by mangle)
         ns_run(netns, f"iptables-{flavour}", "-t", table, "-F")
         ns_run(netns, f"iptables-{flavour}", "-t", table, "-X")
     assert not p.canary_present()
@@ -331,3 +331,74 @@ def test_flavour_detection_and_floor(netns: str) -> None:
     assert floor is not None and 0 < floor < 30
     auto = IptablesProxier(ProxyConfig(cluster_cidrs=("198.18.0.0/16",)), netns=netns)
     assert auto.kernel.flavour == "legacy"
+
+
+@pytest.fixture
+def netns2() -> Iterator[str]:
+    name = "kpt-ipt-" + uuid.uuid4().hex[:8]
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+
+
+SERVER = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("198.18.251.2", 8080))
+s.listen(4)
+s.settimeout(20)
+print("ready", flush=True)
+for _ in range(2):
+    try:
+        c, addr = s.accept()
+    except OSError:
+        break
+    c.sendall(("hello from " + addr[0]).encode())
+    c.close()
+"""
+
+CLIENT = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+print(s.recv(100).decode())
+"""
+
+
+def test_real_packets_clusterip_and_reject(netns: str, netns2: str, flavour: str) -> None:
+    """A ClusterIP is DNATed to a TCP listener in another namespace; a service without endpoints refuses fast."""
+    subprocess.run(
+        ["ip", "link", "add", "kv0", "netns", netns, "type", "veth", "peer", "name", "kv1", "netns", netns2], check=True
+    )
+    for ns, dev, addr in ((netns, "kv0", "198.18.251.1/24"), (netns2, "kv1", "198.18.251.2/24")):
+        ns_run(ns, "ip", "link", "set", "lo", "up")
+        ns_run(ns, "ip", "addr", "add", addr, "dev", dev)
+        ns_run(ns, "ip", "link", "set", dev, "up")
+    ns_run(netns, "ip", "route", "add", "default", "via", "198.18.251.2")
+    svc = ServicePort(
+        A, IPFamily.V4, "198.19.0.1", 80, cluster_endpoints=(ep("198.18.251.2", 8080),), has_any_endpoints=True
+    )
+    empty = ServicePort(D, IPFamily.V4, "198.19.0.4", 80)
+    p = proxier(netns, flavour)
+    assert p.sync(state(svc, empty), Changes(full=True)).ok
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", netns2, "/usr/bin/python3", "-c", SERVER], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        out = ns_run(netns, "/usr/bin/python3", "-c", CLIENT, "198.19.0.1", "80")
+        assert out.strip() == "hello from 198.18.251.1"  # node-originated: not masqueraded, reached the pod
+        refused = subprocess.run(
+            ["ip", "netns", "exec", netns, "/usr/bin/python3", "-c", CLIENT, "198.19.0.4", "80"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        assert refused.returncode != 0 and "ConnectionRefusedError" in refused.stderr
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+        if server.stdout is not None:
+            server.stdout.close()

@@ -331,6 +331,19 @@ def test_fixed_chains() -> None:
     assert fixed[render.F_FORWARD][0][0] == "-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP"
 
 
+def test_large_cluster_mode_drops_per_endpoint_comments() -> None:
+    sp = svc("a", (ep("198.18.1.5"), ep("198.18.1.6")), affinity_timeout=60)
+    ctx = render.make_context(CFG, NODE, IPFamily.V4, large_cluster=True)
+    h = render.port_proto_hash(sp.name)
+    sep = render.endpoint_chain(sp.name, "198.18.1.6:8080")
+    got = lines(sp, ctx)
+    assert f"-A KUBE-SVC-{h} -j {sep}" in got
+    assert f"-A {sep} -s 198.18.1.6 -j KUBE-MARK-MASQ" in got
+    assert f"-A {sep} -m recent --name {sep} --set -m tcp -p tcp -j DNAT --to-destination 198.18.1.6:8080" in got
+    # the service-level rules keep theirs
+    assert any(x.startswith("-A KUBE-SERVICES -m comment") for x in got)
+
+
 # ------------------------------------------------------------------------------------------------ golden payloads
 
 
