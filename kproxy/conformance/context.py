@@ -16,6 +16,7 @@ timeout.
 from __future__ import annotations
 
 import collections
+import datetime
 import ipaddress
 import json
 import threading
@@ -29,6 +30,7 @@ T = TypeVar("T")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
 MANAGED_BY = "conformance.kproxy.example"
+TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
 METRICS_PORT = 10249
 HEALTHZ_PORT = 10256
 
@@ -436,6 +438,10 @@ class Context:
                 "name": name or f"{svc_name}-{suffix}",
                 "namespace": self.namespace,
                 "labels": {SERVICE_NAME_LABEL: svc_name, MANAGED_BY_LABEL: MANAGED_BY},
+                # as the endpoint-slice controller stamps it: what network_programming_duration_seconds measures from
+                "annotations": {
+                    TRIGGER_TIME_ANNOTATION: datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+                },
             },
             "addressType": family,
             "endpoints": endpoints,

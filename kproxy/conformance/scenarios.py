@@ -1041,22 +1041,11 @@ def servers(ctx: Context) -> None:
         got=f"{getattr(r, 'status', None)} {body_of(r)[:200]!r}",
         expected="200 and a JSON object",
     )
+    # A change (service + slice) must move the change counters and the last-sync timestamp, and leave every
+    # upstream series in place (labelled series appear once observed, as in upstream's Go client).
     before = ctx.metrics_text(n1)
-    missing = [m for m in REQUIRED_METRICS if not re.search(rf"^{m}(_bucket|_sum|_count)?[{{ ]", before, re.M)]
-    ctx.expect(
-        not missing,
-        "upstream metric names missing from /metrics",
-        sent=f"GET /metrics in {n1.ns}",
-        got="missing: " + ", ".join(missing),
-        expected="all of " + ", ".join(REQUIRED_METRICS),
-    )
-    ctx.expect(
-        re.search(r'^kubeproxy_sync_proxy_rules_duration_seconds_bucket\{[^}]*ip_family="IPv4"', before, re.M),
-        'kubeproxy_sync_proxy_rules_duration_seconds has no ip_family="IPv4" series',
-        got=before[:300],
-    )
-    # A change must show in the change counters and the last-sync timestamp.
     svc_before = metric_value(before, "kubeproxy_sync_proxy_rules_service_changes_total") or 0.0
+    ep_before = metric_value(before, "kubeproxy_sync_proxy_rules_endpoint_changes_total") or 0.0
     ts_before = metric_value(before, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", 'ip_family="IPv4"') or 0.0
     svc = ctx.service("observed")
     ctx.apply(svc, ctx.slice_for(svc, [ctx.pods_on(n2)[0]]))
@@ -1065,12 +1054,29 @@ def servers(ctx: Context) -> None:
     def counted() -> None:
         after = ctx.metrics_text(n1)
         svc_after = metric_value(after, "kubeproxy_sync_proxy_rules_service_changes_total") or 0.0
+        ep_after = metric_value(after, "kubeproxy_sync_proxy_rules_endpoint_changes_total") or 0.0
         ts_after = metric_value(after, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", 'ip_family="IPv4"') or 0.0
         ctx.expect(
-            svc_after > svc_before and ts_after > ts_before,
-            "metrics did not move after a service change",
-            got=f"service_changes_total {svc_before} -> {svc_after}, last_timestamp {ts_before} -> {ts_after}",
-            expected="both increase",
+            svc_after > svc_before and ep_after > ep_before and ts_after > ts_before,
+            "metrics did not move after creating a Service and its EndpointSlice",
+            sent=f"GET http://127.0.0.1:{METRICS_PORT}/metrics in {n1.ns}, before and after",
+            got=f"kubeproxy_sync_proxy_rules_service_changes_total {svc_before} -> {svc_after}, "
+            f"kubeproxy_sync_proxy_rules_endpoint_changes_total {ep_before} -> {ep_after}, "
+            f"kubeproxy_sync_proxy_rules_last_timestamp_seconds{{IPv4}} {ts_before} -> {ts_after}",
+            expected="all three increase",
+        )
+        missing = [m for m in REQUIRED_METRICS if not re.search(rf"^{m}(_bucket|_sum|_count)?[{{ ]", after, re.M)]
+        ctx.expect(
+            not missing,
+            "upstream metric names missing from /metrics after a service and endpoint change",
+            sent=f"GET /metrics in {n1.ns}",
+            got="missing: " + ", ".join(missing),
+            expected="all of " + ", ".join(REQUIRED_METRICS),
+        )
+        ctx.expect(
+            re.search(r'^kubeproxy_sync_proxy_rules_duration_seconds_bucket\{[^}]*ip_family="IPv4"', after, re.M),
+            'kubeproxy_sync_proxy_rules_duration_seconds has no ip_family="IPv4" series',
+            got=after[:300],
         )
 
     ctx.eventually(counted, timeout=5, what="metrics after a change")
