@@ -46,7 +46,7 @@ def main() -> None:
         cluster_cidrs=("198.18.0.0/16",), ip_families=(IPFamily.V4,), backend_options={"iptables_flavour": a.flavour}
     )
     node = NodeInfo("bench-node")
-    ctx = render.make_context(cfg, node, IPFamily.V4)
+    ctx = render.make_context(cfg, node, IPFamily.V4, large_cluster=a.services * a.endpoints > 1000)
     t = time.perf_counter()
     frags = {k: render.render_service(v, ctx) for k, v in svcs.items()}
     text = render.build_restore(ctx, frags, write=None, top=None).text

@@ -35,6 +35,7 @@ from kproxy.proxier import Availability, Proxier
 
 from . import cleanup as cleanup_mod
 from . import render
+from . import trace as trace_mod
 from .kernel import FLAVOURS, Kernel, binary, detect_flavour, missing_binaries
 
 log = logging.getLogger(__name__)
@@ -205,6 +206,18 @@ class IptablesProxier(Proxier):
                 "counts": counts,
                 "services": out,
             }
+
+    def trace(
+        self, src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False
+    ) -> dict[str, Any]:
+        """Where a new connection's first packet would go through the rules last applied (see ``trace.py``)."""
+        fam = IPFamily.of(dst)
+        with self._lock:
+            fs = self._fam.get(fam)
+            if fs is None or fs.ctx is None:
+                return {"error": f"no {fam.value} rules applied yet"}
+            pkt = trace_mod.Packet(src, proto.lower(), dst, dport, src_local, dst_local)
+            return trace_mod.trace(fs.ctx, fs.fragments, pkt)
 
     # ------------------------------------------------------------------------------------------ syncing
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kproxy.backends.iptables import render
+from kproxy.backends.iptables import trace as tr
 from kproxy.backends.iptables.cleanup import cleanup_payload
 from kproxy.config import ProxyConfig
 from kproxy.model import Endpoint, IPFamily, NodeInfo, Protocol, ServicePort, ServicePortName
@@ -532,3 +533,35 @@ def test_render_scales(chunk: int | None) -> None:
     parts = render.build_restores(CTX4, services, write=None, top=None, chunk_lines=chunk)
     rules = sum(p.rules["nat"] for p in parts)
     assert rules == 1000 * (1 + 1 + 10 + 20) + 5  # KUBE-SERVICES, masq, 10 SVC jumps, 2 per SEP; fixed chains
+
+
+# ------------------------------------------------------------------------------------------------ packet explainer
+
+
+def test_trace_clusterip_splits_over_endpoints() -> None:
+    services = _mixed()
+    frags = {sp.name: render.render_service(sp, CTX4) for sp in services}
+    got = tr.trace(CTX4, frags, tr.Packet("198.18.1.20", "tcp", "198.18.200.1", 80))
+    verdicts = sorted((o["verdict"], o["probability"], o["masquerade"]) for o in got["outcomes"])
+    assert verdicts == [("DNAT 198.18.1.5:8080", 0.5, False), ("DNAT 198.18.1.6:8080", 0.5, False)]
+    # from off-cluster: masqueraded
+    got = tr.trace(CTX4, frags, tr.Packet("203.0.113.7", "tcp", "198.18.200.1", 80))
+    assert all(o["masquerade"] for o in got["outcomes"])
+
+
+def test_trace_reject_nodeport_and_firewall() -> None:
+    services = _mixed()
+    frags = {sp.name: render.render_service(sp, CTX4) for sp in services}
+    (o,) = tr.trace(CTX4, frags, tr.Packet("198.18.1.20", "udp", "198.18.200.2", 53))["outcomes"]
+    assert o["verdict"] == "REJECT" and "has no endpoints" in o["rules"][-1]
+    # NodePort of the eTP=Local service from outside: only the local endpoint, source kept
+    (o,) = tr.trace(CTX4, frags, tr.Packet("203.0.113.7", "tcp", "198.19.255.1", 30081, dst_local=True))["outcomes"]
+    assert o["verdict"] == "DNAT 198.18.1.7:8080" and not o["masquerade"]
+    # LB IP from a source outside loadBalancerSourceRanges: dropped by KUBE-PROXY-FIREWALL
+    (o,) = tr.trace(CTX4, frags, tr.Packet("203.0.113.7", "tcp", "198.19.0.10", 80))["outcomes"]
+    assert o["verdict"] == "DROP"
+    allowed = tr.trace(CTX4, frags, tr.Packet("198.19.200.7", "tcp", "198.19.0.10", 80))["outcomes"]
+    assert [x["verdict"] for x in allowed] == ["DNAT 198.18.1.7:8080"]
+    # nothing for an unknown address
+    (o,) = tr.trace(CTX4, frags, tr.Packet("198.18.1.20", "tcp", "198.18.77.77", 80))["outcomes"]
+    assert o["verdict"] == "no service rule"

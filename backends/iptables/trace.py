@@ -1,0 +1,219 @@
+"""A packet explainer over the rendered rules (in the spirit of upstream's ``tracePacket`` test helper).
+
+Given the fragments the proxier last applied, ``trace`` walks a new connection's first packet through kproxy's
+chains: nat ``KUBE-SERVICES`` (and what it jumps to), then the filter chains that REJECT or DROP. Probabilistic
+rules (``statistic``) fork the walk, so the answer lists every endpoint the packet may reach and with what chance.
+Only the matches kproxy itself writes are understood; ClientIP affinity (``recent --rcheck``) is assumed to have no
+entry yet. Pure: no kernel, so ``kproxy show`` and ``/rules`` can answer "where would this packet go" anywhere.
+
+Who uses it: ``IptablesProxier.trace`` and tests/unit/test_iptables_render.py.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kproxy.model import ServicePortName
+
+from . import render
+
+_MAX_STEPS = 200  # chains jump only forward in this layout; bounded anyway
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    chain: str
+    text: str
+    matches: tuple[tuple[bool, str, str], ...]  # (negated, kind, value)
+    target: str
+    probability: float | None = None
+    to: str | None = None
+
+
+def parse(line: str) -> Rule:
+    words = shlex.split(line)
+    chain = words[1]
+    matches: list[tuple[bool, str, str]] = []
+    target = ""
+    prob: float | None = None
+    to: str | None = None
+    neg = False
+    i = 2
+    while i < len(words):
+        w = words[i]
+        nxt = words[i + 1] if i + 1 < len(words) else ""
+        if w == "!":
+            neg = True
+            i += 1
+            continue
+        if w in ("-s", "-d", "-p", "--dport", "--src-type", "--dst-type"):
+            matches.append((neg, w, nxt))
+            i += 2
+        elif w == "--mark":
+            matches.append((neg, "mark", nxt))
+            i += 2
+        elif w == "--rcheck":
+            matches.append((False, "rcheck", ""))
+            i += 1
+        elif w == "--probability":
+            prob = float(nxt)
+            i += 2
+        elif w == "-j":
+            target = nxt
+            i += 2
+        elif w == "--to-destination":
+            to = nxt
+            i += 2
+        elif w in ("-m", "--comment", "--mode", "--name", "--seconds", "--ctstate", "--or-mark", "--xor-mark"):
+            i += 2
+        else:
+            i += 1
+        neg = False
+    return Rule(chain, line, tuple(matches), target, prob, to)
+
+
+@dataclass(frozen=True, slots=True)
+class Packet:
+    src: str
+    proto: str  # tcp / udp / sctp
+    dst: str
+    dport: int
+    src_local: bool = False  # sent by the node itself (addrtype --src-type LOCAL)
+    dst_local: bool = False  # to one of the node's addresses (addrtype --dst-type LOCAL)
+
+
+def _in(ip: str, net: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip) in ipaddress.ip_network(net, strict=False)
+    except ValueError:
+        return False
+
+
+def _matches(rule: Rule, pkt: Packet) -> bool:
+    for neg, kind, value in rule.matches:
+        if kind == "-s":
+            ok = _in(pkt.src, value)
+        elif kind == "-d":
+            ok = _in(pkt.dst, value)
+        elif kind == "-p":
+            ok = pkt.proto == value
+        elif kind == "--dport":
+            ok = str(pkt.dport) == value
+        elif kind == "--src-type":
+            ok = pkt.src_local
+        elif kind == "--dst-type":
+            ok = pkt.dst_local
+        elif kind == "rcheck":
+            ok = False  # no affinity entry yet
+        else:
+            ok = True
+        if ok == neg:
+            return False
+    return True
+
+
+@dataclass(slots=True)
+class Outcome:
+    probability: float = 1.0
+    path: list[str] = field(default_factory=list)
+    masquerade: bool = False
+    dnat: str | None = None
+    verdict: str | None = None
+
+
+def _walk(chains: Mapping[str, list[Rule]], chain: str, pkt: Packet, out: Outcome, depth: int = 0) -> list[Outcome]:
+    """Every way through ``chain``: a list of outcomes whose probabilities add up to the input's."""
+    if depth > _MAX_STEPS:
+        return [out]
+    results: list[Outcome] = []
+    current = [out]
+    for rule in chains.get(chain, []):
+        nxt: list[Outcome] = []
+        for o in current:
+            if o.dnat is not None or o.verdict is not None or not _matches(rule, pkt):
+                nxt.append(o)
+                continue
+            p = rule.probability if rule.probability is not None else 1.0
+            taken = Outcome(o.probability * p, [*o.path, rule.text], o.masquerade, o.dnat, o.verdict)
+            if rule.target == "KUBE-MARK-MASQ":
+                taken.masquerade = True
+                nxt.append(taken)
+            elif rule.target == "DNAT":
+                taken.dnat = rule.to
+                nxt.append(taken)
+            elif rule.target in ("REJECT", "DROP", "ACCEPT"):
+                taken.verdict = rule.target
+                nxt.append(taken)
+            elif rule.target == "RETURN":
+                results.append(taken)
+            elif rule.target in chains:
+                nxt.extend(_walk(chains, rule.target, pkt, taken, depth + 1))
+            else:
+                nxt.append(taken)
+            if p < 1.0:
+                nxt.append(Outcome(o.probability * (1 - p), list(o.path), o.masquerade, o.dnat, o.verdict))
+        current = nxt
+    return results + current
+
+
+def chains_of(
+    ctx: render.Context, fragments: Mapping[ServicePortName, render.Fragment]
+) -> dict[str, dict[str, list[Rule]]]:
+    """table -> chain -> parsed rules, as the kernel holds them after a full sync of ``fragments``."""
+    out: dict[str, dict[str, list[Rule]]] = {"nat": {}, "filter": {}}
+    fixed = render.render_fixed(ctx)
+    for key in render.ALL_TOP:
+        table = key.split("/", 1)[0]
+        head, tail = fixed.get(key, ((), ()))
+        lines = list(head)
+        for frag in fragments.values():
+            lines.extend(frag.top.get(key, ()))
+        lines.extend(tail)
+        out[table][key.split("/", 1)[1]] = [parse(x) for x in lines]
+    for frag in fragments.values():
+        for line in frag.rules:
+            rule = parse(line)
+            out["nat"].setdefault(rule.chain, []).append(rule)
+    return out
+
+
+def trace(ctx: render.Context, fragments: Mapping[ServicePortName, render.Fragment], pkt: Packet) -> dict[str, Any]:
+    """Where the first packet of a new connection goes: the nat decision (with probabilities), then filter's."""
+    tables = chains_of(ctx, fragments)
+    outcomes = _walk(tables["nat"], "KUBE-SERVICES", pkt, Outcome())
+    results: list[dict[str, Any]] = []
+    for o in outcomes:
+        verdict = f"DNAT {o.dnat}" if o.dnat else "no service rule"
+        path = list(o.path)
+        if o.dnat is None:
+            # not translated: the filter chains decide (firewall first, then service / external-service verdicts)
+            for chain in ("KUBE-PROXY-FIREWALL", "KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES"):
+                hit = [x for x in _walk(tables["filter"], chain, pkt, Outcome()) if x.verdict]
+                if hit:
+                    verdict = hit[0].verdict or verdict
+                    path.extend(hit[0].path)
+                    break
+        results.append(
+            {
+                "probability": round(o.probability, 6),
+                "verdict": verdict,
+                "masquerade": o.masquerade,
+                "rules": path,
+            }
+        )
+    return {"packet": dataclass_dict(pkt), "outcomes": results}
+
+
+def dataclass_dict(pkt: Packet) -> dict[str, Any]:
+    return {
+        "src": pkt.src,
+        "proto": pkt.proto,
+        "dst": pkt.dst,
+        "dport": pkt.dport,
+        "srcLocal": pkt.src_local,
+        "dstLocal": pkt.dst_local,
+    }
