@@ -5,7 +5,9 @@ at a time: when the mode changes, the previous mode's lab is taken down before t
 one goes at the end of the session (also when tests fail). A lab that cannot come up fails every test of that
 mode with the same reason instead of being retried 24 times.
 
-``KPROXY_CONFORMANCE_MODES=iptables,nftables`` restricts the modes (default: every installed mode).
+``KPROXY_CONFORMANCE_MODES=iptables,nftables`` restricts the modes (default: every installed mode);
+``KPROXY_CONFORMANCE_LAB_PREFIX=kpq-`` builds the lab under another namespace prefix (default: the lab's ``kpl-``),
+so a run does not replace a lab someone else is using.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Labs:
             self.close()
             self.mode = mode
             try:
-                self.session = Session.open(mode)
+                self.session = Session.open(mode, prefix=os.environ.get("KPROXY_CONFORMANCE_LAB_PREFIX") or None)
             except Exception as exc:  # the reason is what every test of the mode reports
                 self.error = f"lab with kproxy --mode {mode} did not come up: {type(exc).__name__}: {exc}"
         if self.error is not None:
