@@ -325,7 +325,7 @@ class IptablesProxier(Proxier):
             existing = set()
         apply_s = 0.0
         payloads: list[str] = []
-        rules_written = {"filter": 0, "nat": 0}
+        rules_written: dict[str, int] = {}
         for _round in range(MAX_ROUNDS):
             if full:
                 wanted = {c for f in frags.values() for c in f.chains}
@@ -350,6 +350,8 @@ class IptablesProxier(Proxier):
             )
             render_s += time.perf_counter() - b0
             self._pending_chains = {spn: frags[spn].chains for spn in (write if write is not None else frags)}
+            payloads = []  # what this round wrote: the last round is the one that stuck
+            rules_written = {"filter": 0, "nat": 0}
             bad: ServicePortName | None = None
             error: str | None = None
             for restore in restores:

@@ -142,6 +142,10 @@ def test_full_sync_programs_both_families(netns: str, flavour: str) -> None:
     assert "--to-destination [fd00:198:18:1::1]:80" in v6
     assert "! -d ::1/128" in v6 and "! -d 127.0.0.0/8" in v4
     assert res.counts["IPv4/nat/total"] > 10 and res.counts["IPv6/filter/total"] >= 4
+    described = p.describe(A)["services"]["ns1/a:http/TCP"]["IPv4"]
+    assert described["applied"] and described["internal"] == "forward" and svc in described["chains"]
+    outcomes = p.trace("198.18.1.50", "tcp", "198.19.0.1", 80)["outcomes"]
+    assert sorted(o["verdict"] for o in outcomes) == ["DNAT 198.18.1.1:80", "DNAT 198.18.1.2:80"]
     # a second full sync adopts what is there: jumps are not duplicated, nothing is lost
     res = p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True))
     assert res.ok, res.error
@@ -309,6 +313,7 @@ def test_kernel_rejected_service_is_skipped(netns: str, flavour: str, monkeypatc
     assert render.service_chain(A) in chains(v4) and "198.19.0.9" not in v4
     assert render.service_chain(BAD) not in chains(v4)
     assert p.describe(BAD)["services"]["ns1/bad:http/TCP"]["IPv4"]["failed"]
+    assert p.measure_floor() is not None  # the payloads kept for the floor are those that applied
     # a partial sync touching it again reports it again and applies the rest
     a2 = dataclasses.replace(SP_A, cluster_endpoints=(ep("198.18.1.1"),))
     res = p.sync(state(a2, SP_B, sp_bad, SP_C6), Changes(full=False, services=frozenset({A, BAD})))
