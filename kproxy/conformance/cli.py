@@ -1,8 +1,10 @@
 """``kproxy conformance``: run the conformance scenarios on a lab with one backend and report.
 
 Who uses it: people and CI (``make conformance``); kproxy.cli calls ``register`` to add the sub-command.
-Prints a table (or the JSON report) on stdout, progress on stderr, optionally writes JUnit XML and the JSON to
-files, and exits 1 when any scenario FAILs (not-applicable is not a failure), 2 when the suite cannot run.
+Prints a table (scenario x backend) or the JSON report on stdout, progress on stderr, optionally writes JUnit XML
+and the JSON to files, and exits 1 when any scenario FAILs (not-applicable is not a failure), 2 when the suite
+cannot run. ``--mode`` may be repeated, or ``all`` (every installed mode this host can run): each mode gets its own
+fresh lab, one after the other; the JSON is then a list with one report per mode.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         description="Run BEHAVIOUR.md's scenarios on real packets in a network-namespace lab (needs root). "
         "Scenarios: " + ", ".join(SCENARIO_IDS),
     )
-    p.add_argument("--mode", required=True, help="the backend to test")
+    p.add_argument(
+        "--mode", action="append", required=True, help="the backend to test (repeatable; 'all': every available one)"
+    )
     p.add_argument("--scenario", action="append", default=[], metavar="ID", help="run only these (repeatable)")
     p.add_argument("--format", choices=("table", "json"), default="table", help="what to print on stdout")
     p.add_argument("--junit", metavar="FILE", help="also write JUnit XML here")
@@ -41,27 +45,52 @@ def _progress(result: Result) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _modes(requested: list[str]) -> list[str]:
+    from kproxy.proxier import availability, installed_backends
+
+    if "all" not in requested:
+        return list(dict.fromkeys(requested))
+    modes = []
+    for mode in installed_backends():
+        avail = availability(mode)
+        if avail:
+            modes.append(mode)
+        else:
+            print(f"kproxy conformance: skipping {mode}: {avail.reason}", file=sys.stderr)
+    return modes
+
+
 def cmd_conformance(args: argparse.Namespace) -> int:
     from kproxy.conformance.runner import ConformanceError, run
 
-    try:
-        report: Report = run(
-            args.mode,
-            args.scenario or None,
-            keep_lab=args.keep_lab,
-            reuse_lab=args.reuse_lab,
-            prefix=args.lab_prefix,
-            progress=_progress,
-        )
-    except ConformanceError as exc:
-        print(f"kproxy conformance: {exc}", file=sys.stderr)
+    reports: list[Report] = []
+    modes = _modes(args.mode)
+    if not modes:
+        print("kproxy conformance: no mode to test", file=sys.stderr)
         return 2
+    for mode in modes:
+        print(f"--- {mode}", file=sys.stderr, flush=True)
+        try:
+            reports.append(
+                run(
+                    mode,
+                    args.scenario or None,
+                    keep_lab=args.keep_lab and mode == modes[-1],
+                    reuse_lab=args.reuse_lab,
+                    prefix=args.lab_prefix,
+                    progress=_progress,
+                )
+            )
+        except ConformanceError as exc:
+            print(f"kproxy conformance: {exc}", file=sys.stderr)
+            return 2
     if args.junit:
-        Path(args.junit).write_text(to_junit([report]))
+        Path(args.junit).write_text(to_junit(reports))
+    text = to_json(reports[0]) if len(reports) == 1 else "[\n" + ",\n".join(to_json(r) for r in reports) + "\n]"
     if args.json_file:
-        Path(args.json_file).write_text(to_json(report) + "\n")
-    print(to_json(report) if args.format == "json" else format_table([report]))
-    return 1 if any(r.status == FAIL for r in report.results) else 0
+        Path(args.json_file).write_text(text + "\n")
+    print(text if args.format == "json" else format_table(reports))
+    return 1 if any(r.status == FAIL for rep in reports for r in rep.results) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ nodes concerned, which proves those nodes have synced past the objects under tes
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -1104,6 +1105,12 @@ def dual_stack(ctx: Context) -> None:
                 results.append(_Err(str(exc)))
             time.sleep(0.2)
 
+    guard_key = f"{ctx.namespace}/guard:tcp"
+    rules_before: dict[str, Any] = {}
+    for n in (n1, n2):
+        rules_before[n.name] = ctx.eventually(
+            functools.partial(_ipv4_rules, ctx, n, guard_key), timeout=SYNC_WAIT, what="guard in /rules"
+        )
     t = threading.Thread(target=guard_loop, daemon=True)
     t.start()
     try:
@@ -1135,6 +1142,15 @@ def dual_stack(ctx: Context) -> None:
     finally:
         stop.set()
         t.join(timeout=5)
+    for n in (n1, n2):
+        after = _ipv4_rules(ctx, n, guard_key)
+        ctx.expect(
+            after == rules_before[n.name],
+            f"the IPv4 rules of {guard_key} on {n.name} changed while only IPv6 objects came and went",
+            sent=f"GET /rules?service={guard_key} on {n.name} before and after",
+            got=json.dumps(after)[:400],
+            expected=json.dumps(rules_before[n.name])[:400],
+        )
     bad = [r for r in results if not getattr(r, "ok", False)]
     ctx.expect(
         results and not bad,
@@ -1144,6 +1160,15 @@ def dual_stack(ctx: Context) -> None:
         expected="every probe answered",
     )
     ctx.note(f"IPv6-only and dual-stack reached on both families; {len(results)} IPv4 guard probes all answered")
+
+
+def _ipv4_rules(ctx: Context, node: Any, key: str) -> Any:
+    """How a service port is programmed for IPv4 on a node, from ``/rules`` (backends describe each service as
+    ``services[<key>/<PROTO>][<family>]``; a backend without per-family entries is compared whole)."""
+    services = (ctx.rules(node, service=key).get("backend") or {}).get("services") or {}
+    out = {k: (v.get("IPv4") if isinstance(v, dict) and "IPv4" in v else v) for k, v in services.items()}
+    ctx.expect(out, f"/rules on {node.name} does not describe {key}", got=json.dumps(services)[:300])
+    return out
 
 
 def answer_is(result: Any, pod: str) -> bool:

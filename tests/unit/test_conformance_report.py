@@ -217,3 +217,18 @@ def test_health_body_check_follows_upstreams_proxy_health_json() -> None:
     assert "nodeEligible on /livez" in health_body_problems(
         {"lastUpdated": t, "currentTime": t, "nodeEligible": True}, "/livez"
     )
+
+
+def test_cli_registers_conformance_with_its_flags() -> None:
+    import argparse
+
+    from kproxy.conformance.cli import _modes, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        ["conformance", "--mode", "iptables", "--mode", "iptables", "--scenario", "servers", "--junit", "x.xml"]
+    )
+    assert args.mode == ["iptables", "iptables"] and args.scenario == ["servers"] and args.junit == "x.xml"
+    assert args.format == "table" and not args.keep_lab and not args.reuse_lab and callable(args.func)
+    assert _modes(args.mode) == ["iptables"]
