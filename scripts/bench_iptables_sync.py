@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--endpoints", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--flavour", default="nft")
+    ap.add_argument("--restart", action="store_true", help="also time a new instance's adopting full sync")
     a = ap.parse_args()
     svcs = build(a.services, a.endpoints)
     cfg = ProxyConfig(
@@ -60,6 +61,7 @@ def main() -> None:
         r = p.sync(state, Changes(full=True))
         full_s = time.perf_counter() - t
         assert r.ok, r.error
+        full_timings = dict(r.timings)
         floor_s = p.measure_floor()
         partial = []
         first = next(iter(svcs))
@@ -74,16 +76,25 @@ def main() -> None:
             partial.append(time.perf_counter() - t)
             assert r.ok, r.error
             partial_timings = dict(r.timings)
+        restart = {}
+        if a.restart:
+            p2 = IptablesProxier(cfg, netns=ns)
+            t = time.perf_counter()
+            r = p2.sync(state, Changes(full=True))
+            restart = {"restart_full_sync_s": round(time.perf_counter() - t, 3)}
+            restart.update({f"restart_{k}": round(v, 3) for k, v in r.timings.items()})
+            assert r.ok, r.error
         print(
             json.dumps(
                 {
+                    **restart,
                     "flavour": a.flavour,
                     "services": a.services,
                     "endpoints": a.endpoints,
                     "lines": text.count("\n"),
                     "render_s": round(render_s, 3),
                     "full_sync_s": round(full_s, 3),
-                    "full_timings": {},
+                    "full_timings": {k: round(v, 3) for k, v in full_timings.items()},
                     "floor_s": round(floor_s or 0, 3),
                     "ratio": round(full_s / floor_s, 3) if floor_s else None,
                     "partial_sync_s": round(statistics.median(partial), 4),
