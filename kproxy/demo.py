@@ -39,7 +39,10 @@ def run_demo(mode: str, keep_lab: bool = False) -> int:
             + ", ".join(p.name for p in lab.pods)
         )
         ctx = Context(lab, mode, "demo", Addresses(), timeout_s=120)
-        svc = ctx.service("web", [ctx.port(80, 8080, name="http")], type="NodePort")
+        ctx.namespace = "demo"
+        svc = ctx.service(
+            "web", [ctx.port(80, 8080, name="http"), ctx.port(80, 8080, name="dns", protocol="UDP")], type="NodePort"
+        )
         ctx.apply(svc, ctx.slice_for(svc, lab.pods))
         vip = svc["spec"]["clusterIP"]
         node_port = svc["spec"]["ports"][0]["nodePort"]
@@ -48,7 +51,14 @@ def run_demo(mode: str, keep_lab: bool = False) -> int:
         ctx.eventually(lambda: ctx.probe(client, vip, 80).ok, timeout=30, what="the service answers")
         pr = ctx.probe(client, vip, 80, count=30)
         print(f"   {client.name} -> {vip}:80, 30 new connections: {_spread(pr.results)}")
-        print(f"   the endpoints saw the client as {', '.join(sorted(pr.seen_ips))} (the pod's own IP: no SNAT)")
+        others = sorted({r.seen_ip for r in pr.results if r.ok and r.pod != client.name})
+        hairpin = sorted({r.seen_ip for r in pr.results if r.ok and r.pod == client.name})
+        print(
+            f"   other pods saw the client as {', '.join(others)} (its own IP: no SNAT)"
+            + (f"; {client.name} reaching itself saw {', '.join(hairpin)} (hairpin is masqueraded)" if hairpin else "")
+        )
+        pr = ctx.probe(client, vip, 80, "udp", count=12)
+        print(f"   {client.name} -> {vip}:80/UDP, 12 datagrams from new sockets: {_spread(pr.results)}")
         for node in lab.nodes:
             pr = ctx.probe(lab.external_ns, node.ip4, node_port, count=12)
             print(f"   external client -> {node.name} {node.ip4}:{node_port}, 12 connections: {_spread(pr.results)}")
