@@ -468,7 +468,14 @@ def etp_local(ctx: Context) -> None:
     local2 = [ctx.pods_on(n2)[1]]
     ctx.apply(ctx.slice_for(svc, local1 + local2))
     _wait_reach(ctx, ext, n2.ip4, np_, only=local2, what="after adding an endpoint on node-2")
-    ctx.reach(ext, n2.ip4, np_, count=8, only=local2)
+    pr = ctx.reach(ext, n2.ip4, np_, count=8, only=local2)
+    ctx.expect(
+        pr.seen_ips == {ctx.external_ip4},
+        "externalTrafficPolicy=Local on node-2: client IP not preserved",
+        sent=pr.sent,
+        got=f"source addresses seen: {sorted(pr.seen_ips)}",
+        expected=f"only {ctx.external_ip4}",
+    )
     ctx.reach(ext, n1.ip4, np_, count=10, only=local1)
     ctx.eventually(lambda: _health(ctx, n2, hc, "local", 1), timeout=SYNC_WAIT, what="health check node port")
     ctx.note("node without local endpoints dropped (timeout); health 200/503 with upstream's JSON")
@@ -1195,7 +1202,7 @@ def _histogram(text: str, name: str, family: str = "IPv4") -> tuple[float, float
 SCALE_SERVICES = 1000
 SCALE_ENDPOINTS = 3
 SCALE_SAMPLE = 50
-SCALE_CONVERGE_S = 90.0
+SCALE_CONVERGE_S = 30.0
 
 
 def scale_smoke(ctx: Context) -> None:
@@ -1230,6 +1237,12 @@ def scale_smoke(ctx: Context) -> None:
     with ThreadPoolExecutor(max_workers=4) as pool:
         done = list(pool.map(reach_one, sample))
     t_reached = max(done)
+    ctx.expect(
+        t_reached - t_written <= SCALE_CONVERGE_S,
+        f"the sample became reachable only {t_reached - t_written:.1f} s after the last write",
+        sent=f"{SCALE_SAMPLE} TCP probes from {client.name}, one per sampled service",
+        expected=f"all reachable within {SCALE_CONVERGE_S:.0f} s",
+    )
     after = _histogram(ctx.metrics_text(n1), metric)
     syncs = after[1] - before[1]
     mean = (after[0] - before[0]) / syncs if syncs else 0.0
