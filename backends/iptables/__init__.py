@@ -37,8 +37,12 @@ Where kproxy deviates from upstream, and why:
 - Jumps from the built-in chains are inserted (``-I CHAIN 1``) inside the full sync's payload when
   ``iptables-save`` shows them missing, instead of one ``iptables -C``/``-I`` pair per rule: the same result,
   atomically, without 24 process starts.
-- Stale service chains are found from ``iptables-save`` on full syncs, and from what kproxy itself wrote on
-  partial syncs (upstream reads ``iptables-save`` once per sync period).
+- Stale service chains are found on full syncs from the kernel's chain list (``nft list chains`` on the nf_tables
+  flavour: 0.1 s where ``iptables-nft-save -t nat`` takes 5 s at 10,000 services; ``iptables-save -t nat`` on
+  legacy) and from what kproxy itself wrote on partial syncs (upstream reads ``iptables-save`` once per sync
+  period). Jumps are checked with ``iptables -S <built-in chain>``.
+- Payload chunks grow with the table already in the kernel (3,000 lines into an empty table, up to 12,000 into a
+  loaded one), because each nf_tables payload first fetches every rule of the table.
 - The canary is checked at the start of every partial sync (mangle and nat, one ``iptables -S`` each) rather than
   by a polling goroutine; a missing canary makes that sync a full one.
 - A service whose rules the kernel refuses is left out (treated as absent) and reported in ``SyncResult.failed``;

@@ -33,8 +33,8 @@ from kproxy.config import ProxyConfig
 from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.proxier import Availability, Proxier
 
+from . import adopt, render
 from . import cleanup as cleanup_mod
-from . import render
 from . import trace as trace_mod
 from .kernel import FLAVOURS, Kernel, binary, detect_flavour, missing_binaries
 
@@ -57,7 +57,8 @@ class _Family:
     services: dict[ServicePortName, ServicePort] = field(default_factory=dict)
     failed: dict[ServicePortName, str] = field(default_factory=dict)
     last_payloads: list[str] = field(default_factory=list)  # every payload of the last sync (for tests and /rules)
-    last_full: list[str] = field(default_factory=list)  # the payloads of the last full sync (for measure_floor)
+    # what the last full sync wanted (for measure_floor: the payloads that write it all into an empty table)
+    last_full: tuple[render.Context, dict[ServicePortName, render.Fragment]] | None = None
     last_rules: dict[str, int] = field(default_factory=dict)
 
 
@@ -149,8 +150,25 @@ class IptablesProxier(Proxier):
         """Seconds ``iptables-restore`` (same flavour, same flags) takes for the last full sync's exact payloads in a
         fresh namespace of its own (prefix ``kpb-``), deleted afterwards."""
         with self._lock:
-            payloads = {fam: list(fs.last_full) for fam, fs in self._fam.items() if fs.last_full}
             flavour = self.kernel.flavour
+            chunk = _chunk_lines(0) if flavour == "nft" else None
+            payloads = {
+                fam: [
+                    r.text
+                    for r in render.build_restores(
+                        fs.last_full[0],
+                        fs.last_full[1],
+                        write=None,
+                        top=None,
+                        jump_rules=render.JUMP_RULES,
+                        canary=True,
+                        chunk_lines=chunk,
+                    )
+                    if r.text
+                ]
+                for fam, fs in self._fam.items()
+                if fs.last_full is not None
+            }
         if not payloads or shutil.which("ip") is None:
             return None
         ns = "kpb-" + uuid.uuid4().hex[:10]
@@ -285,7 +303,6 @@ class IptablesProxier(Proxier):
         """Render and apply one family; returns an error text when nothing sensible could be applied."""
         fs = self._fam[fam]
         kernel = self.kernel
-        r0 = time.perf_counter()
         large = self._endpoint_count(state) > render.LARGE_CLUSTER_ENDPOINTS
         ctx = render.make_context(self.config, state.node, fam, self.localhost_nodeports, large)
         if ctx != fs.ctx:
@@ -298,7 +315,10 @@ class IptablesProxier(Proxier):
         def plan() -> tuple[dict[ServicePortName, render.Fragment], list[ServicePortName] | None, set[str] | None]:
             if full:
                 frags = {spn: render.render_service(sp, ctx) for spn, sp in services.items() if spn not in skip}
-                return frags, None, None
+                if not kernel_chains:
+                    return frags, None, None
+                # adoption: services whose chains the kernel already holds exactly are not rewritten
+                return frags, [spn for spn, f in frags.items() if not adopt.unchanged(f, kernel_chains)], None
             frags = dict(fs.fragments)
             updates: dict[ServicePortName, render.Fragment | None] = {}
             for spn in changes.services:
@@ -312,18 +332,22 @@ class IptablesProxier(Proxier):
             written = [spn for spn, f in updates.items() if f is not None]
             return frags, written, render.changed_top_chains(fs.fragments, updates)
 
-        frags, write, top = plan()
-        render_s = time.perf_counter() - r0
+        kernel_chains: dict[str, list[adopt.Canon]] = {}
         if full:
             s0 = time.perf_counter()
-            existing, present_jumps, kernel_rules, err = self._read_kernel(fam)
+            kernel_chains, present_jumps, kernel_rules, err = self._read_kernel(fam)
+            existing = set(kernel_chains)
             timings["save"] += time.perf_counter() - s0
             if err:
                 return err
             jumps = [j for j in render.JUMP_RULES if f"{j.table}/-A {j.chain} {j.spec}" not in present_jumps]
         else:
+            kernel_chains = {}
             existing = set()
             kernel_rules = sum(len(f.rules) for f in fs.fragments.values())
+        r0 = time.perf_counter()
+        frags, write, top = plan()
+        render_s = time.perf_counter() - r0
         chunk = _chunk_lines(kernel_rules) if kernel.flavour == "nft" else None
         apply_s = 0.0
         payloads: list[str] = []
@@ -398,7 +422,7 @@ class IptablesProxier(Proxier):
         if full:
             fs.services = {spn: sp for spn, sp in services.items() if spn in applied}
             fs.failed = {spn: why for spn, why in fs.failed.items() if spn in skip}
-            fs.last_full = payloads
+            fs.last_full = (ctx, frags)
         else:
             for spn in changes.services:
                 sp = services.get(spn)
@@ -426,9 +450,9 @@ class IptablesProxier(Proxier):
             self._count = sum(len(sp.cluster_endpoints) + len(sp.local_endpoints) for sp in state)
         return self._count
 
-    def _read_kernel(self, fam: IPFamily) -> tuple[set[str], set[str], int, str | None]:
-        """Our service chains in the nat table, the jump rules present in the built-in chains ("table/-A CHAIN
-        spec"), and how many rules the nat table holds (sizes the payload chunks); error text or None."""
+    def _read_kernel(self, fam: IPFamily) -> tuple[dict[str, list[adopt.Canon]], set[str], int, str | None]:
+        """The nat table's service chains with their rules (canonical, for adoption), the jump rules present in the
+        built-in chains ("table/-A CHAIN spec"), and how many rules the nat table holds; error text or None."""
         kernel = self.kernel
         jumps: set[str] = set()
         for table, builtins in (
@@ -439,29 +463,17 @@ class IptablesProxier(Proxier):
                 res = kernel.list_chain(fam, table, chain)
                 if not res.ok:
                     return (
-                        set(),
+                        {},
                         set(),
                         0,
                         f"{binary('', fam, kernel.flavour)} -t {table} -S {chain}: {res.stderr.strip()}",
                     )
                 jumps.update(f"{table}/{line}" for line in res.stdout.splitlines() if line.startswith("-A "))
-        names = kernel.nat_chain_names(fam)
-        if names is not None:
-            chains = {n for n in names if render.is_service_chain(n)}
-            return chains, jumps, 11 * len(chains) // 3, None  # ~3.7 rules per service chain in this layout
         res = kernel.save(fam, "nat")
         if not res.ok:
-            return set(), jumps, 0, f"{binary('save', fam, kernel.flavour)} -t nat: {res.stderr.strip()}"
-        chains = set()
-        rules = 0
-        for line in res.stdout.splitlines():
-            if line.startswith(":"):
-                name = line[1:].split(" ", 1)[0]
-                if render.is_service_chain(name):
-                    chains.add(name)
-            elif line.startswith("-A "):
-                rules += 1
-        return chains, jumps, rules, None
+            return {}, jumps, 0, f"{binary('save', fam, kernel.flavour)} -t nat: {res.stderr.strip()}"
+        chains = adopt.kernel_service_chains(res.stdout)
+        return chains, jumps, res.stdout.count("\n-A "), None
 
 
 def _chunk_lines(kernel_rules: int) -> int:

@@ -248,17 +248,29 @@ def test_restart_adopts_without_flushing(netns: str, flavour: str) -> None:
     nat = section(save(netns, flavour, counters=True), "nat")
     assert _counter(nat, "-A OUTPUT ", jump) >= out_before  # the built-in chain's jump rule was kept, counters and all
     assert nat.count(jump) == 2  # PREROUTING and OUTPUT, once each
-    _send_udp(netns, "198.19.0.2", 53, 3)
+    # adoption: B's chains were already exactly right, so the restart did not rewrite them; their counters go on
     sep_b = render.endpoint_chain(B, "198.18.1.9:53")
+    assert not any(f":{sep_b} " in text for text in p2.last_payloads(IPFamily.V4))
+    _send_udp(netns, "198.19.0.2", 53, 3)
     dnat = f"-A {sep_b} -p udp"
     counted = _counter(section(save(netns, flavour, counters=True), "nat"), dnat)
-    assert counted == 3
+    assert counted == 8
     # a partial sync of another service leaves B's chains (and their counters) alone
     res = p2.sync(state(SP_A, b_ok, SP_D), Changes(full=False, services=frozenset({D})))
     assert res.ok and not res.full, res.error
-    assert _counter(section(save(netns, flavour, counters=True), "nat"), dnat) == 3
+    assert _counter(section(save(netns, flavour, counters=True), "nat"), dnat) == 8
     _send_udp(netns, "198.19.0.2", 53, 2)
-    assert _counter(section(save(netns, flavour, counters=True), "nat"), dnat) == 5
+    assert _counter(section(save(netns, flavour, counters=True), "nat"), dnat) == 10
+    # a chain changed behind kproxy's back (same rule count, other content) is repaired by the next full sync
+    ipt = f"iptables-{flavour}"
+    ns_run(netns, ipt, "-t", "nat", "-R", sep_b, "2", "-p", "udp", "-j", "DNAT", "--to-destination", "198.18.1.66:53")
+    assert "198.18.1.66" in save(netns, flavour)
+    p3 = proxier(netns, flavour)
+    assert p3.sync(state(SP_A, b_ok, SP_D), Changes(full=True)).ok
+    v4 = save(netns, flavour)
+    assert "198.18.1.66" not in v4 and "--to-destination 198.18.1.9:53" in v4
+    assert any(f":{sep_b} " in text for text in p3.last_payloads(IPFamily.V4))
+    assert not any(f":{render.service_chain(A)} " in text for text in p3.last_payloads(IPFamily.V4))
 
 
 def test_cleanup_leaves_nothing_of_ours(netns: str, flavour: str) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kproxy.backends.iptables import render
+from kproxy.backends.iptables import adopt, render
 from kproxy.backends.iptables import trace as tr
 from kproxy.backends.iptables.cleanup import cleanup_payload
 from kproxy.config import ProxyConfig
@@ -565,3 +565,53 @@ def test_trace_reject_nodeport_and_firewall() -> None:
     # nothing for an unknown address
     (o,) = tr.trace(CTX4, frags, tr.Packet("198.18.1.20", "tcp", "198.18.77.77", 80))["outcomes"]
     assert o["verdict"] == "no service rule"
+
+
+# ------------------------------------------------------------------------------------------------ adoption
+
+
+def test_adoption_canonical_form_matches_iptables_save_spelling() -> None:
+    ours = (
+        '-A KUBE-SVC-X -m comment --comment "ns/a:http cluster IP" -m tcp -p tcp -d 198.19.0.1 --dport 80 '
+        "! -s 198.18.0.0/16 -j KUBE-MARK-MASQ"
+    )
+    saved = (
+        '-A KUBE-SVC-X ! -s 198.18.0.0/16 -d 198.19.0.1/32 -p tcp -m comment --comment "ns/a:http cluster IP" '
+        "-m tcp --dport 80 -j KUBE-MARK-MASQ"
+    )
+    assert adopt.canonical(ours) == adopt.canonical(saved)
+    ours = (
+        "-A KUBE-SEP-Y -m comment --comment ns/a:http -m recent --name KUBE-SEP-Y --set -m tcp -p tcp -j DNAT "
+        "--to-destination 198.18.1.1:80"
+    )
+    saved = (
+        '-A KUBE-SEP-Y -p tcp -m comment --comment "ns/a:http" -m recent --set --name KUBE-SEP-Y '
+        "--mask 255.255.255.255 --rsource -m tcp -j DNAT --to-destination 198.18.1.1:80"
+    )
+    assert adopt.canonical(ours) == adopt.canonical(saved)
+    ours = '-A KUBE-SVC-X -m comment --comment "a -> b" -m statistic --mode random --probability 0.5000000000 -j S'
+    saved = '-A KUBE-SVC-X -m comment --comment "a -> b" -m statistic --mode random --probability 0.50000000000 -j S'
+    assert adopt.canonical(ours) == adopt.canonical(saved)
+    # different sources, destinations or negation are different
+    assert adopt.canonical("-A C -s 198.18.0.1 -d 198.18.0.2 -j X") != adopt.canonical(
+        "-A C -s 198.18.0.2 -d 198.18.0.1 -j X"
+    )
+    assert adopt.canonical("-A C ! -s 198.18.0.0/16 -j X") != adopt.canonical("-A C -s 198.18.0.0/16 -j X")
+
+
+def test_adoption_unchanged_needs_every_chain_and_rule_in_order() -> None:
+    sp = svc("a", (ep("198.18.1.5"), ep("198.18.1.6")))
+    frag = render.render_service(sp, CTX4)
+    save = "*nat\n" + "".join(f":{c} - [0:0]\n" for c in frag.chains) + "\n".join(frag.rules) + "\nCOMMIT\n"
+    kernel = adopt.kernel_service_chains(save)
+    assert adopt.unchanged(frag, kernel)
+    swapped = list(frag.rules)
+    swapped[1], swapped[2] = swapped[2], swapped[1]
+    assert not adopt.unchanged(
+        frag, adopt.kernel_service_chains(save.replace("\n".join(frag.rules), "\n".join(swapped)))
+    )
+    missing = {k: v for k, v in kernel.items() if k != frag.chains[-1]}
+    assert not adopt.unchanged(frag, missing)
+    extra = dict(kernel)
+    extra[frag.chains[-1]] = kernel[frag.chains[-1]] + [adopt.canonical("-A X -j ACCEPT")[1]]
+    assert not adopt.unchanged(frag, extra)
