@@ -4,9 +4,11 @@ One restore per family per sync (several on the nf_tables flavour when a change 
 ``render.build_restores``). Partial syncs (upstream's KEP-3453) write only the dirty services' own chains and
 rewrite a shared chain (KUBE-SERVICES ...) only when a dirty service's lines in it changed, which the per-service
 fragments kept from the last successful restore make cheap to decide. Full syncs (first sync, ``changes.full``, a
-missing canary, after a failure) read ``iptables-save`` once to adopt what is in the kernel: they rewrite every
-chain of ours, insert the jumps from the built-in chains that are missing and delete stale service chains, but
-never flush a table, so a restarted kproxy converges without disturbing established connections.
+missing canary, after a failure) read the nat table once (``iptables-save -t nat``) to adopt what is in the
+kernel: they rewrite the shared chains and every service whose chains differ from what the kernel holds (see
+``adopt.py``; unchanged services keep their rules and counters), insert the jumps from the built-in chains that are
+missing and delete stale service chains, but never flush a table, so a restarted kproxy converges without
+disturbing established connections.
 
 A restore the kernel refuses is traced back to the service whose lines it names; that service is left out
 (treated as absent) and the rest is applied, up to ``MAX_ROUNDS`` times; it is reported in ``SyncResult.failed``.
