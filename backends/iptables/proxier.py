@@ -457,23 +457,18 @@ class IptablesProxier(Proxier):
         built-in chains ("table/-A CHAIN spec"), and how many rules the nat table holds; error text or None."""
         kernel = self.kernel
         jumps: set[str] = set()
-        for table, builtins in (
-            ("filter", ("INPUT", "FORWARD", "OUTPUT")),
-            ("nat", ("PREROUTING", "OUTPUT", "POSTROUTING")),
-        ):
-            for chain in builtins:
-                res = kernel.list_chain(fam, table, chain)
-                if not res.ok:
-                    return (
-                        {},
-                        set(),
-                        0,
-                        f"{binary('', fam, kernel.flavour)} -t {table} -S {chain}: {res.stderr.strip()}",
-                    )
-                jumps.update(f"{table}/{line}" for line in res.stdout.splitlines() if line.startswith("-A "))
+        # filter is small: one chain at a time; the nat jumps come with the nat table's save (on the legacy flavour
+        # every -S reads the whole table, 1 s for nat at 10,000 services)
+        for chain in ("INPUT", "FORWARD", "OUTPUT"):
+            res = kernel.list_chain(fam, "filter", chain)
+            if not res.ok:
+                return {}, set(), 0, f"{binary('', fam, kernel.flavour)} -t filter -S {chain}: {res.stderr.strip()}"
+            jumps.update(f"filter/{line}" for line in res.stdout.splitlines() if line.startswith("-A "))
         res = kernel.save(fam, "nat")
         if not res.ok:
             return {}, jumps, 0, f"{binary('save', fam, kernel.flavour)} -t nat: {res.stderr.strip()}"
+        builtin = ("-A PREROUTING ", "-A OUTPUT ", "-A POSTROUTING ")
+        jumps.update(f"nat/{line}" for line in res.stdout.splitlines() if line.startswith(builtin))
         chains = adopt.kernel_service_chains(res.stdout)
         return chains, jumps, res.stdout.count("\n-A "), None
 
