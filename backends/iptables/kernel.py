@@ -99,25 +99,6 @@ class Kernel:
         """``iptables -t TABLE -S CHAIN``: one chain's rules in save syntax (cheap on both flavours)."""
         return self.run([binary("", family, self.flavour), "-w", "-t", table, "-S", chain])
 
-    def nat_chain_names(self, family: IPFamily) -> set[str] | None:
-        """Chain names of the nat table. The nf_tables flavour asks ``nft list chains`` (0.1 s where
-        ``iptables-nft-save -t nat`` takes 5 s at 10,000 services, since it must fetch every rule); None when that
-        is not possible (legacy flavour, no ``nft``), and the caller reads ``iptables-save`` instead."""
-        if self.flavour != "nft" or shutil.which("nft") is None:
-            return None
-        res = self.run(["nft", "list", "chains", "ip6" if family == IPFamily.V6 else "ip"])
-        if not res.ok:
-            return None
-        names: set[str] = set()
-        table = ""
-        for line in res.stdout.splitlines():
-            words = line.split()
-            if len(words) >= 3 and words[0] == "table":
-                table = words[2]
-            elif len(words) >= 2 and words[0] == "chain" and table == "nat":
-                names.add(words[1])
-        return names
-
     def command(self, family: IPFamily, args: list[str]) -> Run:
         return self.run([binary("", family, self.flavour), "-w", *args])
 
