@@ -14,6 +14,8 @@ Phases, each timed with ``time.perf_counter``:
   ``snapshot``, ``sync``, ``commit``;
 - ``floor_s``: ``backend.measure_floor()`` (the kernel alone taking the full payload; None for fake), and
   ``ratio`` = full_sync_s / floor_s; ``render_s``: the backend's own ``timings["render"]`` of the full sync;
+- ``partial_apply_s``: median of the backend's ``timings["apply"]`` in the partial runs (the kernel's share of a
+  partial sync: what is left of ``partial_sync_s`` is kproxy's own work);
 - ``rss_mb``: peak resident memory of the process that ran the phases; ``counts``: the backend's sizes.
 
 Who uses it: ``kproxy.bench.cli`` (``kproxy bench sync``), ``make bench``, and later ``kproxy compare``.
@@ -62,6 +64,7 @@ class SyncBench:
     floor_s: float | None = None
     ratio: float | None = None
     render_s: float | None = None
+    partial_apply_s: float | None = None
     rss_mb: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
 
@@ -115,6 +118,7 @@ def run_sync_bench(mode: str, n_services: int, n_endpoints: int, repeat: int = 5
         out.render_s = result.timings.get("render")
         out.counts = {k: int(v) for k, v in result.counts.items()}
 
+        applies: list[float] = []
         for r in range(repeat):
             i = 1 + (r * 7919) % n_services  # a different service each time, spread over the table
             s0 = time.perf_counter()
@@ -125,9 +129,12 @@ def run_sync_bench(mode: str, n_services: int, n_endpoints: int, repeat: int = 5
                 raise BenchError(f"partial sync {r + 1} failed: {result.error}")
             cache.commit(changes, failed=tuple(result.failed))
             out.partial_sync_runs.append(time.perf_counter() - s0)
+            if "apply" in result.timings:
+                applies.append(result.timings["apply"])
             if changes.full or not changes.services:
                 raise BenchError(f"partial sync {r + 1}: expected one dirty service, got {changes}")
         out.partial_sync_s = statistics.median(out.partial_sync_runs)
+        out.partial_apply_s = statistics.median(applies) if applies else None
 
         out.floor_s = backend.measure_floor()
         if out.floor_s:
@@ -182,6 +189,7 @@ def format_table(b: SyncBench) -> str:
         ("first snapshot", sec(b.snapshot_s)),
         ("full sync", sec(b.full_sync_s)),
         (f"partial sync (median of {b.repeat})", sec(b.partial_sync_s)),
+        ("  of which kernel apply", sec(b.partial_apply_s)),
         ("kernel floor", sec(b.floor_s)),
         ("full sync / floor", "-" if b.ratio is None else f"{b.ratio:.2f}"),
         ("render", sec(b.render_s)),
