@@ -24,9 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         description="Run BEHAVIOUR.md's scenarios on real packets in a network-namespace lab (needs root). "
         "Scenarios: " + ", ".join(SCENARIO_IDS),
     )
-    p.add_argument(
-        "--mode", action="append", required=True, help="the backend to test (repeatable; 'all': every available one)"
-    )
+    p.add_argument("--mode", action="append", help="the backend to test (repeatable; 'all': every available one)")
+    p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument("--scenario", action="append", default=[], metavar="ID", help="run only these (repeatable)")
     p.add_argument("--format", choices=("table", "json"), default="table", help="what to print on stdout")
     p.add_argument("--junit", metavar="FILE", help="also write JUnit XML here")
@@ -63,6 +62,16 @@ def _modes(requested: list[str]) -> list[str]:
 def cmd_conformance(args: argparse.Namespace) -> int:
     from kproxy.conformance.runner import ConformanceError, run
 
+    if args.list:
+        from kproxy.conformance.scenarios import SCENARIOS
+
+        for sc in SCENARIOS:
+            needs = f"  (needs {', '.join(sorted(sc.needs))})" if sc.needs else ""
+            print(f"{sc.id:<26}{sc.title}{needs}")
+        return 0
+    if not args.mode:
+        print("kproxy conformance: --mode is required", file=sys.stderr)
+        return 2
     reports: list[Report] = []
     modes = _modes(args.mode)
     if not modes:

@@ -83,10 +83,17 @@ class Session:
             except LabError as exc:
                 log.info("no lab to reuse (%s); bringing one up", exc)
         if lab is None:
-            lab = Lab.up(nodes=2, pods_per_node=3, mode=mode, ipv6=True, prefix=prefix)
+            try:
+                lab = Lab.up(nodes=2, pods_per_node=3, mode=mode, ipv6=True, prefix=prefix)
+            except Exception as exc:  # the lab cleans up after a failed start itself
+                raise ConformanceError(f"the lab did not come up: {type(exc).__name__}: {exc}") from exc
             owns = not reuse_lab
         session = cls(mode, lab, owns_lab=owns)
-        session.prepare()
+        try:
+            session.prepare()
+        except BaseException:
+            session.close()  # a lab we brought up goes again; a reused one stays
+            raise
         return session
 
     def prepare(self) -> None:

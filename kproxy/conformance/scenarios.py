@@ -1327,7 +1327,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("source-ip", "pod -> ClusterIP -> pod on another node sees the client pod's IP", source_ip),
     Scenario("hairpin", "pod -> its own service, itself the only endpoint", hairpin),
     Scenario(
-        "etp-local", "externalTrafficPolicy=Local NodePort and its health check node port", etp_local, timeout_s=90
+        "etp-local", "externalTrafficPolicy=Local: NodePorts, LB IP, health check node port", etp_local, timeout_s=90
     ),
     Scenario("itp-local", "internalTrafficPolicy=Local", itp_local),
     Scenario("terminating-fallback", "all endpoints terminating: serving, then not serving", terminating_fallback),
