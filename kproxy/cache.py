@@ -684,7 +684,8 @@ class ServiceCache:
             if resync:
                 self._generation += 1
                 self._full_owed = self._generation
-        if resync:
+        # Eligibility alone needs no resync, but whoever reports node health must hear of it.
+        if resync or old.eligible != node.eligible:
             self._notify()
 
     def mark_synced(self, kind: str) -> None:

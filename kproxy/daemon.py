@@ -128,6 +128,8 @@ class Daemon:
         self._ready_logged = False
         self._stopped = threading.Event()
         self._lock = threading.Lock()
+        self._lock_counts = threading.Lock()
+        self._seen_changes = (0, 0)  # the cache's change totals already counted in the metrics
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -156,6 +158,12 @@ class Daemon:
     # -- cache -> runner -------------------------------------------------------------------------------------
     def _on_change(self) -> None:
         now = time.time()
+        stats = self.cache.stats()
+        with self._lock_counts:
+            services = stats.get("service_changes_total", 0) - self._seen_changes[0]
+            endpoints = stats.get("endpoint_changes_total", 0) - self._seen_changes[1]
+            self._seen_changes = (self._seen_changes[0] + services, self._seen_changes[1] + endpoints)
+        self.metrics.add_changes(services=max(services, 0), endpoints=max(endpoints, 0))
         for fam in self.families:
             self.health.queued_update(fam)
             self.metrics.sync_proxy_rules_last_queued_timestamp_seconds.labels(fam.value).set(now)

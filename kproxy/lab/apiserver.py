@@ -643,7 +643,22 @@ class Store:
                 spec.setdefault("ipFamilyPolicy", "SingleStack")
             if typ in ("NodePort", "LoadBalancer"):
                 spec.setdefault("externalTrafficPolicy", "Cluster")
+                # One Service may use a nodePort once per protocol (TCP and UDP on the same number), as the
+                # real allocator allows; across Services a nodePort is taken once.
+                mine: dict[int, set[str]] = {}
                 for port in spec.get("ports") or []:
+                    proto = str(port.get("protocol") or "TCP")
+                    if port.get("nodePort") and int(port["nodePort"]) in mine:
+                        np = int(port["nodePort"])
+                        if proto in mine[np]:
+                            raise ApiError(
+                                422,
+                                "Invalid",
+                                f'Service "{name}" is invalid: spec.ports[].nodePort: Duplicate value: '
+                                f"{np}/{proto}",
+                            )
+                        mine[np].add(proto)
+                        continue
                     if port.get("nodePort"):
                         np = int(port["nodePort"])
                         if np in self._ports_used:
@@ -656,6 +671,7 @@ class Store:
                     else:
                         np = self._next_port()
                         port["nodePort"] = np
+                    mine.setdefault(np, set()).add(proto)
                     self._ports_used.add(np)
                     new_ports.append(np)
                 if typ == "LoadBalancer":

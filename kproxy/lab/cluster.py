@@ -235,6 +235,10 @@ NODE_SYSCTLS: dict[str, str | int] = {
     # replies between two pods on one bridge must pass conntrack to be un-DNATed (HOST.md)
     "net.bridge.bridge-nf-call-iptables": 1,
     "net.bridge.bridge-nf-call-ip6tables": 1,
+    # Service traffic from the external client enters and leaves node 1 on one link; ICMP redirects for it share
+    # the per-host ICMP rate limit with the port-unreachables a proxy sends, which then get rate-limited away.
+    "net.ipv4.conf.all.send_redirects": 0,
+    "net.ipv4.conf.default.send_redirects": 0,
 }
 
 

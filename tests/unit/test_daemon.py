@@ -169,3 +169,36 @@ def test_parse_service_key() -> None:
     assert parse_service_key("ns/name") == ServicePortName("ns", "name", "", Protocol.TCP)
     assert parse_service_key("ns") is None
     assert parse_service_key("ns/name:p/XYZ") is None
+
+
+def node(taint: bool) -> dict[str, object]:
+    spec: dict[str, object] = {"podCIDRs": ["198.18.65.0/24"]}
+    if taint:
+        spec["taints"] = [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"}, "spec": spec}
+
+
+def test_node_eligibility_and_change_counters(running: tuple[Daemon, FakeProxier, Path]) -> None:
+    daemon, fake, folder = running
+    write(folder, "a.yaml", service("a", "198.19.0.1"), slice_("a-1", "a", ["198.18.65.10"]), node(taint=False))
+    eventually(lambda: "a" in programmed(fake))
+    hz, mp = daemon.healthz.port, daemon.metrics_server.port
+    assert get(f"http://127.0.0.1:{hz}/healthz")[0] == 200
+
+    def counter(name: str) -> float:
+        for line in get(f"http://127.0.0.1:{mp}/metrics")[1].splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"{name} not exposed")
+
+    assert counter("kubeproxy_sync_proxy_rules_service_changes_total") >= 1
+    assert counter("kubeproxy_sync_proxy_rules_endpoint_changes_total") >= 1
+    before = counter("kubeproxy_sync_proxy_rules_endpoint_changes_total")
+    # a taint alone (no service change) must reach /healthz: the node is being drained
+    write(folder, "a.yaml", service("a", "198.19.0.1"), slice_("a-1", "a", ["198.18.65.10"]), node(taint=True))
+    eventually(lambda: get(f"http://127.0.0.1:{hz}/healthz")[0] == 503)
+    assert json.loads(get(f"http://127.0.0.1:{hz}/healthz")[1])["nodeEligible"] is False
+    assert get(f"http://127.0.0.1:{hz}/livez")[0] == 200  # livez ignores eligibility
+    write(folder, "a.yaml", service("a", "198.19.0.1"), slice_("a-1", "a", ["198.18.65.11"]), node(taint=False))
+    eventually(lambda: get(f"http://127.0.0.1:{hz}/healthz")[0] == 200)
+    eventually(lambda: counter("kubeproxy_sync_proxy_rules_endpoint_changes_total") > before)
