@@ -654,8 +654,7 @@ class Store:
                             raise ApiError(
                                 422,
                                 "Invalid",
-                                f'Service "{name}" is invalid: spec.ports[].nodePort: Duplicate value: '
-                                f"{np}/{proto}",
+                                f'Service "{name}" is invalid: spec.ports[].nodePort: Duplicate value: {np}/{proto}',
                             )
                         mine[np].add(proto)
                         continue
