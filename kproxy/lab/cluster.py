@@ -227,6 +227,11 @@ def external_batch(plan: Plan) -> list[str]:
     return lines
 
 
+NO_DAD_SYSCTLS: dict[str, str | int] = {
+    "net.ipv6.conf.all.accept_dad": 0,
+    "net.ipv6.conf.default.accept_dad": 0,
+}
+
 NODE_SYSCTLS: dict[str, str | int] = {
     "net.ipv4.ip_forward": 1,
     "net.ipv6.conf.all.forwarding": 1,
@@ -445,6 +450,11 @@ class Lab:
     def _build(self, plan: Plan, deadline: float, timings: dict[str, float]) -> None:
         netns.add_netns(plan.namespaces())
         timings["namespaces_added"] = time.monotonic()
+        if plan.ipv6:
+            # Before any link exists: a veth peer is created straight into its namespace and takes that
+            # namespace's defaults then; with DAD on, its link-local address stays tentative for a second or two
+            # and the first IPv6 packets across the lab are lost (a flaky first probe).
+            netns.run_parallel({ns: netns.sysctl_argv(ns, NO_DAD_SYSCTLS) for ns in plan.namespaces()})
         # node sysctls and the fabric are independent; then nodes and the external client; then pods
         sysctls = {n.ns: netns.sysctl_argv(n.ns, NODE_SYSCTLS) for n in plan.nodes}
         fabric = netns.start_batch(plan.fabric_ns, fabric_batch(plan))
