@@ -14,7 +14,7 @@ import pytest
 
 from kproxy.backends.iptables import adopt, render
 from kproxy.backends.iptables import trace as tr
-from kproxy.backends.iptables.cleanup import cleanup_payload
+from kproxy.backends.iptables.cleanup import cleanup_payload, cleanup_payloads
 from kproxy.config import ProxyConfig
 from kproxy.model import Endpoint, IPFamily, NodeInfo, Protocol, ServicePort, ServicePortName
 
@@ -615,3 +615,20 @@ def test_adoption_unchanged_needs_every_chain_and_rule_in_order() -> None:
     extra = dict(kernel)
     extra[frag.chains[-1]] = kernel[frag.chains[-1]] + [adopt.canonical("-A X -j ACCEPT")[1]]
     assert not adopt.unchanged(frag, extra)
+
+
+def test_chunked_cleanup_unhooks_and_flushes_before_deleting() -> None:
+    payloads = cleanup_payloads(SAVE, chunk_lines=2)
+    assert "".join(payloads) != cleanup_payload(SAVE)
+    text = "".join(payloads)
+    # every flush and every jump deletion comes before the first chain deletion, and each payload stands alone
+    first_x = text.index("-X ")
+    assert all(text.index(f":{c} - [0:0]") < first_x for c in ("KUBE-SERVICES", "KUBE-SEP-ABCDEFGHIJKLMNOP"))
+    assert text.rindex("-D ") < first_x
+    for p in payloads:
+        body = p.splitlines()
+        assert body[0].startswith("*") and body[-1] == "COMMIT" and 1 <= len(body) - 2 <= 2
+    # the same lines as the single payload, only ordered and split
+    strip = {"COMMIT"} | {ln for ln in text.splitlines() if ln.startswith("*")}
+    single = [ln for ln in cleanup_payload(SAVE).splitlines() if ln not in strip]
+    assert sorted(ln for ln in text.splitlines() if ln not in strip) == sorted(single)
