@@ -15,6 +15,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -130,17 +131,29 @@ def _cleanup_other_modes(config: ProxyConfig) -> None:
             log.warning("could not remove leftovers of mode %s: %s", mode, exc)
 
 
-def _make_source_factory(config: ProxyConfig) -> Any:
+def _make_source_factory(config: ProxyConfig) -> tuple[Any, Any]:
+    """The source for the daemon, and an event sink (Warning Events about this node) when there is an API server."""
     from pathlib import Path
 
     if config.manifests:
         from kproxy.sources.files import FilesSource
 
-        return lambda sink: FilesSource(sink, Path(config.manifests), config.node_name)
+        return (lambda sink: FilesSource(sink, Path(config.manifests), config.node_name)), None
+    from kproxy.sources.events import EventRecorder
     from kproxy.sources.kube import KubeSource, make_api_client
 
     client = make_api_client(config.kubeconfig, config.master)
-    return lambda sink: KubeSource(sink, client, config.node_name, service_proxy_name=config.service_proxy_name)
+    recorder = EventRecorder(client, config.node_name)
+    # upstream's "Starting" event, best effort and off the start-up path
+    threading.Thread(target=recorder.starting, name="event-starting", daemon=True).start()
+
+    def event_sink(reason: str, message: str, _svc: Any) -> None:
+        recorder.node_event(reason, "StartServiceHealthcheck", message, type_="Warning")
+
+    def factory(sink: Any) -> Any:
+        return KubeSource(sink, client, config.node_name, service_proxy_name=config.service_proxy_name)
+
+    return factory, event_sink
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -161,8 +174,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kproxy.daemon import Daemon
 
     try:
-        factory = _make_source_factory(config)
-        daemon = Daemon(config, cls(config), factory)
+        factory, event_sink = _make_source_factory(config)
+        daemon = Daemon(config, cls(config), factory, event_sink=event_sink)
     except Exception as exc:
         print(f"kproxy: cannot start: {exc}", file=sys.stderr)
         return 1

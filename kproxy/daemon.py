@@ -26,7 +26,7 @@ from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig, to_kube_proxy_configuration
 from kproxy.conntrack import ConntrackReconciler, reconcile_needed
 from kproxy.metrics import Metrics
-from kproxy.model import Changes, IPFamily, NamespacedName, ProxyState, ServicePortName, SyncResult
+from kproxy.model import Changes, IPFamily, NamespacedName, ProxyState, ServicePortName, SyncResult, Verdict
 from kproxy.proxier import Proxier
 from kproxy.runner import BoundedFrequencyRunner
 from kproxy.server.health import ProxyHealth
@@ -256,12 +256,11 @@ class Daemon:
             for trigger in changes.trigger_times:
                 if now_wall >= trigger:
                     m.network_programming_duration_seconds.labels(fam.value).observe(now_wall - trigger)
+            # upstream counts the service ports whose Local policy drops traffic for want of local endpoints
             internal = external = 0
             for sp in state.family(fam).values():
-                if sp.internal_policy_local and not sp.local_endpoints and sp.has_any_endpoints:
-                    internal += 1
-                if sp.external_policy_local and not sp.local_endpoints and sp.has_any_endpoints:
-                    external += 1
+                internal += sp.internal_policy_local and sp.internal_verdict is Verdict.DROP
+                external += sp.external_policy_local and sp.external_verdict is Verdict.DROP
             m.sync_proxy_rules_no_local_endpoints_total.labels(fam.value, "internal").set(internal)
             m.sync_proxy_rules_no_local_endpoints_total.labels(fam.value, "external").set(external)
         for fam in self.families:
