@@ -100,6 +100,10 @@ class Daemon:
             ip_families=self.families,
             on_change=self._on_change,
         )
+        # Upstream passes (minSyncPeriod, syncPeriod, FullSyncPeriod=1h) and polls its iptables canary every
+        # syncPeriod in a goroutine of its own. Here the runner also comes back every syncPeriod: a sync with nothing
+        # dirty only lets the backend check its canary (cheap), and a *full* rewrite is still due only after
+        # full_sync_period (decided in _sync), after a failure, or when the backend asks for one.
         self.runner = BoundedFrequencyRunner(
             "sync-runner",
             self._sync,
