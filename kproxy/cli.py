@@ -236,13 +236,29 @@ def cmd_show(args: argparse.Namespace) -> int:
     url = f"http://{hostpart}:{port}/rules"
     if args.service:
         url += "?service=" + urllib.parse.quote(args.service, safe="")
+    if args.trace:
+        src, target = args.trace
+        dst, _, rest = target.rpartition(":")
+        dport, _, proto = rest.partition("/")
+        query = {"src": src, "dst": dst.strip("[]"), "dport": dport, "proto": proto or "tcp"}
+        if args.from_node:
+            query["src_local"] = "1"
+        if args.to_node:
+            query["dst_local"] = "1"
+        url = f"http://{hostpart}:{port}/trace?" + urllib.parse.urlencode(query)
     try:
         data = _fetch_json(url)
+    except urllib.error.HTTPError as exc:
+        print(f"kproxy show: {exc.code}: {exc.read().decode(errors='replace').strip()}", file=sys.stderr)
+        return 1
     except (OSError, urllib.error.URLError, ValueError) as exc:
         print(f"kproxy show: cannot read {url}: {exc} (is `kproxy run` running on this node?)", file=sys.stderr)
         return 1
     if args.format == "json":
         print(json.dumps(data, indent=2, sort_keys=True))
+        return 0
+    if args.trace:
+        print(render_trace_table(data))
         return 0
     print(render_show_table(data))
     return 0
@@ -276,6 +292,23 @@ def render_show_table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_trace_table(data: dict[str, Any]) -> str:
+    """A human summary of ``/trace``: each possible outcome with its chance, then the rules of the first one."""
+    pkt = data.get("packet") or {}
+    lines = [f"{pkt.get('proto')} {pkt.get('src')} -> {pkt.get('dst')}:{pkt.get('dport')} ({data.get('mode')})"]
+    trace = data.get("trace") or {}
+    outcomes = trace.get("outcomes") if isinstance(trace, dict) else None
+    if not isinstance(outcomes, list) or not outcomes:
+        return "\n".join([*lines, json.dumps(trace, indent=2, sort_keys=True)])
+    for o in outcomes:
+        chance = o.get("probability")
+        masq = "  (masqueraded)" if o.get("masquerade") else ""
+        lines.append(f"  {chance if chance is not None else '-':>8}  {o.get('verdict')}{masq}")
+    lines.append("  rules of the first outcome:")
+    lines.extend(f"    {rule}" for rule in outcomes[0].get("rules") or [])
+    return "\n".join(lines)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     print(
         "kproxy compare: not implemented yet (it comes with the compare issue, after the other backends)",
@@ -300,6 +333,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--service", default=None, help="ns/name[:port][/PROTO]")
     s.add_argument("--format", choices=("table", "json"), default="table")
     s.add_argument("--metrics-bind-address", default="127.0.0.1:10249")
+    s.add_argument(
+        "--trace",
+        nargs=2,
+        metavar=("SRC", "DST:PORT[/PROTO]"),
+        help="where a new connection from SRC to DST:PORT would go (the packet explainer)",
+    )
+    s.add_argument("--from-node", action="store_true", help="with --trace: SRC is the node itself")
+    s.add_argument("--to-node", action="store_true", help="with --trace: DST is one of the node's own addresses")
     s.set_defaults(func=cmd_show)
     register_apiserver(sub)
     register_lab(sub)

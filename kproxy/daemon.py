@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,7 +26,16 @@ from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig, to_kube_proxy_configuration
 from kproxy.conntrack import ConntrackReconciler, reconcile_needed
 from kproxy.metrics import Metrics
-from kproxy.model import Changes, IPFamily, NamespacedName, ProxyState, ServicePortName, SyncResult, Verdict
+from kproxy.model import (
+    Changes,
+    IPFamily,
+    NamespacedName,
+    ProxyState,
+    ServicePortName,
+    SyncResult,
+    Verdict,
+    parse_ip,
+)
 from kproxy.proxier import Proxier
 from kproxy.runner import BoundedFrequencyRunner
 from kproxy.server.health import ProxyHealth
@@ -118,6 +127,7 @@ class Daemon:
             backend.mode,
             configz=lambda: to_kube_proxy_configuration(self.config),
             rules=self.rules,
+            trace=self.trace,
         )
         self.service_health = ServiceHealthServer(
             self._nodeport_addresses(), self.health, on_listen_error=self._listen_error
@@ -297,6 +307,25 @@ class Daemon:
                 log.info("conntrack: deleted %d stale %s UDP entries", deleted[fam], fam.value)
 
     # -- introspection ---------------------------------------------------------------------------------------
+    def trace(self, query: Mapping[str, str]) -> dict[str, Any]:
+        """``/trace``: the backend's packet explainer over what it last programmed."""
+        src, proto, dst, dport, src_local, dst_local = parse_trace_query(query)
+        out = self.backend.trace(src, proto, dst, dport, src_local=src_local, dst_local=dst_local)
+        if out is None:
+            raise LookupError(f"mode {self.backend.mode} has no packet explainer")
+        return {
+            "mode": self.backend.mode,
+            "packet": {
+                "src": src,
+                "proto": proto,
+                "dst": dst,
+                "dport": dport,
+                "srcLocal": src_local,
+                "dstLocal": dst_local,
+            },
+            "trace": out,
+        }
+
     def rules(self, service: str | None = None) -> dict[str, Any]:
         """``/rules``: how each service is programmed (the backend's view) plus the cache's rejections."""
         key = parse_service_key(service) if service else None
@@ -319,6 +348,36 @@ class Daemon:
             "rejectedObjects": self.cache.errors(),
             "backend": described,
         }
+
+
+_TRUE = ("1", "true", "yes")
+
+
+def parse_trace_query(query: Mapping[str, str]) -> tuple[str, str, str, int, bool, bool]:
+    """``src``, ``dst``, ``dport``, ``proto`` (tcp), ``src_local``, ``dst_local``; a ValueError names the fault."""
+    try:
+        src, dst = parse_ip(query["src"]), parse_ip(query["dst"])
+    except KeyError as exc:
+        raise ValueError(f"missing query parameter {exc.args[0]!r} (need src, dst, dport)") from None
+    proto = query.get("proto", "tcp").lower()
+    if proto not in ("tcp", "udp", "sctp"):
+        raise ValueError(f"proto {proto!r}: expected tcp, udp or sctp")
+    try:
+        dport = int(query.get("dport", ""))
+    except ValueError:
+        raise ValueError("dport must be a port number") from None
+    if not 0 < dport < 65536:
+        raise ValueError(f"dport {dport} out of range")
+    if IPFamily.of(src) != IPFamily.of(dst):
+        raise ValueError("src and dst are of different IP families")
+    return (
+        src,
+        proto,
+        dst,
+        dport,
+        query.get("src_local", "").lower() in _TRUE,
+        query.get("dst_local", "").lower() in _TRUE,
+    )
 
 
 def parse_service_key(text: str) -> ServicePortName | None:

@@ -68,6 +68,15 @@ def run_demo(mode: str, keep_lab: bool = False) -> int:
         if out.returncode != 0:
             sys.stdout.write(out.stderr.decode(errors="replace"))
             return 1
+        node1 = lab.nodes[0]
+        print(
+            f"== kproxy show --trace {lab.external_ip4} {node1.ip4}:{node_port}/tcp --to-node  (the packet explainer)"
+        )
+        out = lab.exec(
+            node1.ns,
+            [*Lab.kproxy_command(), "show", "--trace", lab.external_ip4, f"{node1.ip4}:{node_port}/tcp", "--to-node"],
+        )
+        sys.stdout.write(out.stdout.decode(errors="replace") or out.stderr.decode(errors="replace"))
         print(
             f"== done in {time.monotonic() - started:.1f}s. Next: `kproxy conformance --mode {mode}` runs every "
             "scenario of BEHAVIOUR.md on a lab like this one."

@@ -102,6 +102,14 @@ class Proxier:
     def cleanup(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement 'cleanup()'")
 
+    def trace(
+        self, src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False
+    ) -> dict[str, Any] | None:
+        """Where a new connection's first packet from ``src`` to ``dst:dport/proto`` would go through what this mode
+        last programmed (``src_local``: sent by the node itself; ``dst_local``: ``dst`` is one of the node's own
+        addresses, as for NodePorts). None when the mode has no packet explainer."""
+        return None
+
     def measure_floor(self) -> float | None:
         """Seconds the kernel alone takes to apply the last *full* sync's exact payload, by the most direct means,
         into a fresh empty target the backend makes itself (for ``kproxy bench sync``). None if not measurable."""

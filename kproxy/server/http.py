@@ -247,12 +247,24 @@ class HealthzServer(_BackgroundServer):
         return Handler
 
 
+def _answer(produce: Callable[[], dict[str, Any]]) -> Response:
+    """JSON of ``produce()``; ValueError -> 400, LookupError -> 404, both with the message."""
+    try:
+        return json_response(200, produce(), compact=False)
+    except ValueError as exc:
+        return json_response(400, {"error": str(exc)})
+    except LookupError as exc:
+        return json_response(404, {"error": str(exc)})
+
+
 class MetricsServer(_BackgroundServer):
-    """``/metrics``, ``/proxyMode``, ``/configz``, ``/healthz`` and ``/rules``.
+    """``/metrics``, ``/proxyMode``, ``/configz``, ``/healthz``, ``/rules`` and ``/trace``.
 
     ``configz()`` returns the effective KubeProxyConfiguration as a dict (served as
     ``{"kubeproxy.config.k8s.io": ...}``). ``rules(service)`` returns how services are programmed, for one service
     (``ns/name:port`` from ``?service=``) or all (None); it may raise ValueError (400) or LookupError (404).
+    ``trace(query)`` (optional) answers ``/trace?src=IP&dst=IP&dport=N&proto=tcp[&src_local=1][&dst_local=1]``:
+    where such a packet would go; same error mapping.
     """
 
     name = "metrics"
@@ -264,12 +276,14 @@ class MetricsServer(_BackgroundServer):
         mode: str,
         configz: Callable[[], dict[str, Any]],
         rules: Callable[[str | None], dict[str, Any]],
+        trace: Callable[[Mapping[str, str]], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(bind)
         self.metrics = metrics
         self.mode = mode
         self.configz = configz
         self.rules = rules
+        self.trace = trace
 
     def _handler(self) -> type[QuietHandler]:
         outer = self
@@ -289,12 +303,11 @@ class MetricsServer(_BackgroundServer):
                 if parts.path == "/rules":
                     values = parse_qs(parts.query).get("service") or [""]
                     service = values[0] or None
-                    try:
-                        return json_response(200, outer.rules(service), compact=False)
-                    except ValueError as exc:
-                        return json_response(400, {"error": str(exc)})
-                    except LookupError as exc:
-                        return json_response(404, {"error": str(exc)})
+                    return _answer(lambda: outer.rules(service))
+                if parts.path == "/trace" and outer.trace is not None:
+                    query = {k: v[0] for k, v in parse_qs(parts.query).items() if v}
+                    trace = outer.trace
+                    return _answer(lambda: trace(query))
                 return NOT_FOUND
 
         return Handler

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kproxy.cli import build_parser, config_from_args, main, render_show_table
+from kproxy.cli import build_parser, config_from_args, main, render_show_table, render_trace_table
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -83,3 +83,20 @@ def test_show_table() -> None:
 def test_show_without_a_running_kproxy() -> None:
     r = _run("show", "--metrics-bind-address", "127.0.0.1:1")
     assert r.returncode == 1 and "cannot read" in r.stderr
+
+
+def test_trace_table() -> None:
+    data = {
+        "mode": "iptables",
+        "packet": {"proto": "tcp", "src": "198.18.0.2", "dst": "198.18.0.11", "dport": 30101},
+        "trace": {
+            "outcomes": [
+                {"verdict": "DNAT 198.18.65.11:8080", "probability": 0.5, "masquerade": True, "rules": ["-A X -j Y"]},
+                {"verdict": "DNAT 198.18.66.11:8080", "probability": 0.5, "masquerade": True, "rules": []},
+            ]
+        },
+    }
+    text = render_trace_table(data)
+    assert text.splitlines()[0] == "tcp 198.18.0.2 -> 198.18.0.11:30101 (iptables)"
+    assert "0.5  DNAT 198.18.66.11:8080  (masqueraded)" in text and "    -A X -j Y" in text
+    assert "REJECT" in render_trace_table({"trace": {"verdict": "REJECT"}})

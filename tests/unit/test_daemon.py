@@ -202,3 +202,31 @@ def test_node_eligibility_and_change_counters(running: tuple[Daemon, FakeProxier
     write(folder, "a.yaml", service("a", "198.19.0.1"), slice_("a-1", "a", ["198.18.65.11"]), node(taint=False))
     eventually(lambda: get(f"http://127.0.0.1:{hz}/healthz")[0] == 200)
     eventually(lambda: counter("kubeproxy_sync_proxy_rules_endpoint_changes_total") > before)
+
+
+def test_trace_endpoint(running: tuple[Daemon, FakeProxier, Path]) -> None:
+    daemon, fake, folder = running
+    mp = daemon.metrics_server.port
+    # the fake backend has no packet explainer: 404 with the reason; bad queries: 400 naming the fault
+    code, body = get(f"http://127.0.0.1:{mp}/trace?src=198.18.65.11&dst=198.19.0.1&dport=80")
+    assert code == 404 and "no packet explainer" in json.loads(body)["error"]
+    for query, fault in [
+        ("src=198.18.65.11&dst=198.19.0.1", "dport"),
+        ("src=nonsense&dst=198.19.0.1&dport=80", "nonsense"),
+        ("src=198.18.65.11&dst=fd00:198:18::1&dport=80", "families"),
+        ("src=198.18.65.11&dst=198.19.0.1&dport=80&proto=icmp", "proto"),
+    ]:
+        code, body = get(f"http://127.0.0.1:{mp}/trace?{query}")
+        assert code == 400 and fault in json.loads(body)["error"], (query, body)
+
+    asked: list[tuple[object, ...]] = []
+
+    def explain(src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False):  # type: ignore[no-untyped-def]
+        asked.append((src, proto, dst, dport, src_local, dst_local))
+        return {"verdict": "DNAT", "to": ["198.18.65.10:8080"]}
+
+    fake.trace = explain  # type: ignore[method-assign]
+    code, body = get(f"http://127.0.0.1:{mp}/trace?src=198.18.0.2&dst=198.18.0.11&dport=30080&proto=UDP&dst_local=1")
+    assert code == 200, body
+    assert json.loads(body)["trace"] == {"verdict": "DNAT", "to": ["198.18.65.10:8080"]}
+    assert asked == [("198.18.0.2", "udp", "198.18.0.11", 30080, False, True)]
