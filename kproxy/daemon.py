@@ -15,6 +15,7 @@ survive a restart or an upgrade.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -51,6 +52,14 @@ class Source(Protocol):
 
 
 SourceFactory = Callable[[ServiceCache], Source]
+
+
+def local_addresses() -> list[str]:
+    """This network namespace's addresses (pyroute2, netlink)."""
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ipr:
+        return [str(msg.get_attr("IFA_ADDRESS")) for msg in ipr.get_addr() if msg.get_attr("IFA_ADDRESS")]
 
 
 def health_check_ports(state: ProxyState) -> dict[NamespacedName, int]:
@@ -185,9 +194,13 @@ class Daemon:
         self.runner.run()
 
     def _nodeport_addresses(self) -> list[str]:
-        return [
-            c.split("/")[0] for c in self.config.nodeport_addresses if c != "primary" and c.endswith(("/32", "/128"))
-        ]
+        """Where healthCheckNodePort servers listen: every address (empty list) unless ``--nodeport-addresses``
+        names CIDRs, then this node's addresses inside them, as upstream. ``primary`` (the Node's addresses, known
+        only once the Node is listed) keeps the wildcard."""
+        cidrs = [ipaddress.ip_network(c) for c in self.config.nodeport_addresses if c != "primary"]
+        if not cidrs:
+            return []
+        return [a for a in local_addresses() if any(ipaddress.ip_address(a) in net for net in cidrs)]
 
     def _listen_error(self, svc: NamespacedName, port: int, why: str) -> None:
         msg = f"failed to start healthcheck {svc} on port {port}: {why}"

@@ -230,3 +230,20 @@ def test_trace_endpoint(running: tuple[Daemon, FakeProxier, Path]) -> None:
     assert code == 200, body
     assert json.loads(body)["trace"] == {"verdict": "DNAT", "to": ["198.18.65.10:8080"]}
     assert asked == [("198.18.0.2", "udp", "198.18.0.11", 30080, False, True)]
+
+
+def test_health_check_servers_follow_nodeport_addresses(tmp_path: Path) -> None:
+    def daemon_with(cidrs: tuple[str, ...]) -> Daemon:
+        cfg = ProxyConfig(
+            nodeport_addresses=cidrs,
+            healthz_bind_address="127.0.0.1:0",
+            metrics_bind_address="127.0.0.1:0",
+            hostname_override="node-1",
+        )
+        return Daemon(
+            cfg, FakeProxier(cfg), lambda sink: FilesSource(sink, tmp_path, "node-1"), reconciler=NoConntrack()
+        )  # type: ignore[arg-type]
+
+    assert daemon_with(()).service_health.addresses == ("",)  # every address
+    assert daemon_with(("127.0.0.0/8",)).service_health.addresses == ("127.0.0.1",)
+    assert daemon_with(("primary",)).service_health.addresses == ("",)
