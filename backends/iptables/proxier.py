@@ -1,6 +1,8 @@
 """The iptables backend's Proxier: renders with ``render``, applies with ``iptables-restore --noflush --counters``.
 
-One restore per family per sync (several on the nf_tables flavour when a change is big, see
+Each family is synced on its own, as upstream runs one proxier per family: a family the kernel refuses is reported
+(``ok`` False, the error names it) and needs a full sync next time, while the other family is still programmed and
+goes on with partial syncs. One restore per family per sync (several on the nf_tables flavour when a change is big, see
 ``render.build_restores``). Partial syncs (upstream's KEP-3453) write only the dirty services' own chains and
 rewrite a shared chain (KUBE-SERVICES ...) only when a dirty service's lines in it changed, which the per-service
 fragments kept from the last successful restore make cheap to decide. Full syncs (first sync, ``changes.full``, a
@@ -62,6 +64,7 @@ class _Family:
     # what the last full sync wanted (for measure_floor: the payloads that write it all into an empty table)
     last_full: tuple[render.Context, dict[ServicePortName, render.Fragment]] | None = None
     last_rules: dict[str, int] = field(default_factory=dict)
+    need_full: bool = True  # first sync, or the last sync of this family failed
 
 
 class IptablesProxier(Proxier):
@@ -83,7 +86,6 @@ class IptablesProxier(Proxier):
         self._kernel: Kernel | None = None
         self._lock = threading.Lock()
         self._fam: dict[IPFamily, _Family] = {f: _Family() for f in self.families}
-        self._need_full = True
         # chains of the services written by the current round's payloads: if a later payload of the same sync fails
         # because of one of them, the chains an earlier payload created for it must be deleted again
         self._pending_chains: dict[ServicePortName, tuple[str, ...]] = {}
@@ -146,7 +148,7 @@ class IptablesProxier(Proxier):
                 fs.fragments.clear()
                 fs.services.clear()
                 fs.failed.clear()
-            self._need_full = True
+                fs.need_full = True
 
     def measure_floor(self) -> float | None:
         """Seconds ``iptables-restore`` (same flavour, same flags) takes for the last full sync's exact payloads in a
@@ -255,38 +257,42 @@ class IptablesProxier(Proxier):
         )
 
     def _sync(self, state: ProxyState, changes: Changes) -> SyncResult:
+        """Sync every family, each on its own (as upstream runs one proxier per family): a family the kernel keeps
+        refusing does not stop the other from being programmed, and only the failed family needs a full sync next."""
         t0 = time.perf_counter()
         timings = {"render": 0.0, "apply": 0.0, "canary": 0.0, "save": 0.0}
-        full = changes.full or self._need_full
-        if not full:
+        full = {fam: changes.full or self._fam[fam].need_full for fam in self.families}
+        if not all(full.values()):
             c0 = time.perf_counter()
-            if not self.canary_present():
-                log.warning("KUBE-PROXY-CANARY is gone (someone flushed iptables): full resync")
-                full = True
+            k = self.kernel
+            for fam in self.families:
+                if not full[fam] and not all(
+                    k.chain_exists(fam, table, render.KUBE_PROXY_CANARY) for table in CANARY_TABLES[k.flavour]
+                ):
+                    log.warning("%s KUBE-PROXY-CANARY is gone (someone flushed iptables): full resync", fam.value)
+                    full[fam] = True
             timings["canary"] = time.perf_counter() - c0
         failed: dict[ServicePortName, str] = {}
         counts: dict[str, int] = {}
+        errors: list[str] = []
+        did_full = False
         for fam in self.families:
-            error = self._sync_family(fam, state, changes, full, failed, timings, counts)
+            fs = self._fam[fam]
+            error, fam_full = self._sync_family(fam, state, changes, full[fam], failed, timings, counts)
+            did_full = did_full or fam_full
             if error is not None:
-                self._need_full = True
-                timings["total"] = time.perf_counter() - t0
-                return SyncResult(
-                    ok=False,
-                    full=full,
-                    error=f"{fam.value}: {error}",
-                    failed=MappingProxyType(failed),
-                    counts=MappingProxyType(counts),
-                    timings=MappingProxyType(timings),
-                )
-        self._need_full = False
+                fs.need_full = True
+                errors.append(f"{fam.value}: {error}")
+            else:
+                fs.need_full = False
         for key in ("nat", "filter"):
             counts[f"rules_total/{key}"] = sum(counts.get(f"{f.value}/{key}/total", 0) for f in self.families)
             counts[f"rules_last/{key}"] = sum(counts.get(f"{f.value}/{key}/last", 0) for f in self.families)
         timings["total"] = time.perf_counter() - t0
         return SyncResult(
-            ok=True,
-            full=full,
+            ok=not errors,
+            full=did_full,
+            error="; ".join(errors) or None,
             failed=MappingProxyType(failed),
             counts=MappingProxyType(counts),
             timings=MappingProxyType(timings),
@@ -301,8 +307,9 @@ class IptablesProxier(Proxier):
         failed: dict[ServicePortName, str],
         timings: dict[str, float],
         counts: dict[str, int],
-    ) -> str | None:
-        """Render and apply one family; returns an error text when nothing sensible could be applied."""
+    ) -> tuple[str | None, bool]:
+        """Render and apply one family: (error text when nothing sensible could be applied, whether it was a full
+        sync)."""
         fs = self._fam[fam]
         kernel = self.kernel
         large = self._endpoint_count(state) > render.LARGE_CLUSTER_ENDPOINTS
@@ -341,7 +348,7 @@ class IptablesProxier(Proxier):
             existing = set(kernel_chains)
             timings["save"] += time.perf_counter() - s0
             if err:
-                return err
+                return err, full
             jumps = [j for j in render.JUMP_RULES if f"{j.table}/-A {j.chain} {j.spec}" not in present_jumps]
         else:
             kernel_chains = {}
@@ -402,7 +409,7 @@ class IptablesProxier(Proxier):
                 timings["render"] += render_s
                 timings["apply"] += apply_s
                 fs.last_payloads = payloads
-                return error
+                return error, full
             log.warning("iptables-restore refused the rules of %s (%s): skipping that service", bad, error)
             failed[bad] = error
             fs.failed[bad] = error
@@ -414,7 +421,7 @@ class IptablesProxier(Proxier):
             timings["render"] += render_s
             timings["apply"] += apply_s
             fs.last_payloads = payloads
-            return f"still refused after {MAX_ROUNDS} rounds: {error}"
+            return f"still refused after {MAX_ROUNDS} rounds: {error}", full
         timings["render"] += render_s
         timings["apply"] += apply_s
         # Success: remember what the kernel now holds.
@@ -442,7 +449,7 @@ class IptablesProxier(Proxier):
             counts[f"{fam.value}/{t}/total"] = totals[t]
             counts[f"{fam.value}/{t}/last"] = rules_written[t]
         counts[f"{fam.value}/services"] = len(frags)
-        return None
+        return None, full
 
     def _endpoint_count(self, state: ProxyState) -> int:
         """Upstream's largeClusterMode input: endpoints over all services (cached per state generation)."""

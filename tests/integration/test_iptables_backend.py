@@ -419,3 +419,37 @@ def test_real_packets_clusterip_and_reject(netns: str, netns2: str, flavour: str
         server.wait(timeout=10)
         if server.stdout is not None:
             server.stdout.close()
+
+
+def test_failing_family_does_not_stop_the_other(netns: str, flavour: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a line outside every service that the kernel refuses, in IPv4's payload only: IPv4 cannot be synced at all
+    original = render.render_fixed
+
+    def broken(ctx: render.Context) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+        fixed = original(ctx)
+        if ctx.family == IPFamily.V4:
+            head, tail = fixed[render.N_MARK_MASQ]
+            fixed[render.N_MARK_MASQ] = ((*head, "-A KUBE-MARK-MASQ -m nosuchmatch --foo -j ACCEPT"), tail)
+        return fixed
+
+    monkeypatch.setattr(render, "render_fixed", broken)
+    p = proxier(netns, flavour)
+    res = p.sync(state(SP_A, SP_C6), Changes(full=True))
+    assert not res.ok and res.error is not None and res.error.startswith("IPv4: ") and "IPv6" not in res.error
+    assert render.service_chain(A) not in save(netns, flavour)
+    v6 = save(netns, flavour, v6=True)
+    assert render.firewall_chain(C) in chains(v6) and "--to-destination [fd00:198:18:1::1]:80" in v6
+    # IPv6 is done; IPv4 keeps needing a full sync while IPv6 takes partial ones
+    c2 = dataclasses.replace(SP_C6, cluster_endpoints=(ep("fd00:198:18:1::2"),))
+    res = p.sync(state(SP_A, c2), Changes(full=False, services=frozenset({C})))
+    assert not res.ok and res.full and res.error is not None and res.error.startswith("IPv4: ")
+    (payload6,) = p.last_payloads(IPFamily.V6)
+    assert "KUBE-PROXY-CANARY" not in payload6 and "[fd00:198:18:1::2]:80" in save(netns, flavour, v6=True)
+    # fixed: the next (partial) sync brings IPv4 up with a full sync of that family alone
+    monkeypatch.setattr(render, "render_fixed", original)
+    res = p.sync(state(SP_A, c2), Changes(full=False, services=frozenset()))
+    assert res.ok and res.full, res.error
+    assert render.service_chain(A) in chains(save(netns, flavour))
+    assert any("KUBE-PROXY-CANARY" in t for t in p.last_payloads(IPFamily.V4)) and p.last_payloads(IPFamily.V6) == []
+    res = p.sync(state(SP_A, c2), Changes(full=False, services=frozenset()))
+    assert res.ok and not res.full, res.error
