@@ -53,7 +53,6 @@ LABEL_HEADLESS = "service.kubernetes.io/headless"
 LABEL_SERVICE_NAME = "kubernetes.io/service-name"
 LABEL_ZONE = "topology.kubernetes.io/zone"
 ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
-ANNOTATION_LB_SOURCE_RANGES = "service.beta.kubernetes.io/load-balancer-source-ranges"
 TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
 SYNC_KINDS = ("services", "endpointslices", "nodes")
 
@@ -244,16 +243,12 @@ def parse_service(
     itp = v.one_of(spec.get("internalTrafficPolicy"), _POLICIES, "spec.internalTrafficPolicy", "Cluster")
     hcnp = v.port_number(spec.get("healthCheckNodePort") or 0, "spec.healthCheckNodePort", allow_zero=True)
 
+    # Only the spec field, as upstream's newBaseServiceInfo: the service.beta.kubernetes.io/load-balancer-source-ranges
+    # annotation is for cloud load-balancer controllers, not for the proxy.
     raw_ranges: Sequence[Any] = v.optional_sequence(
         spec.get("loadBalancerSourceRanges"), "spec.loadBalancerSourceRanges"
     )
-    ranges_what = "spec.loadBalancerSourceRanges"
-    if not raw_ranges:
-        annotations = v.string_map(meta.get("annotations"), "metadata.annotations")
-        annotated = annotations.get(ANNOTATION_LB_SOURCE_RANGES, "")
-        raw_ranges = [part for part in annotated.split(",") if part.strip()]
-        ranges_what = f"annotation {ANNOTATION_LB_SOURCE_RANGES}"
-    source_ranges = [v.cidr(x, f"{ranges_what}[{i}]") for i, x in enumerate(raw_ranges)]
+    source_ranges = [v.cidr(x, f"spec.loadBalancerSourceRanges[{i}]") for i, x in enumerate(raw_ranges)]
 
     lb_ips: list[tuple[str, IPFamily, int]] = []
     status = v.optional_mapping(obj.get("status"), "status")
@@ -406,8 +401,8 @@ def _endpoint_fast(raw: Any, family: IPFamily, node_name: str) -> _RawEndpoint |
         ready = True
     elif ready is not True and ready is not False:
         return None
-    if serving is None:
-        serving = ready
+    if serving is None:  # upstream (endpointslicecache.go) and the v1 API: a missing serving condition is true
+        serving = True
     elif serving is not True and serving is not False:
         return None
     if terminating is None:
@@ -438,7 +433,7 @@ def _endpoint_checked(raw: Any, what: str, family: IPFamily, node_name: str) -> 
     serving_c = v.optional_bool(cond.get("serving"), f"{what}.conditions.serving")
     terminating_c = v.optional_bool(cond.get("terminating"), f"{what}.conditions.terminating")
     ready = True if ready_c is None else ready_c
-    serving = ready if serving_c is None else serving_c
+    serving = True if serving_c is None else serving_c
     terminating = False if terminating_c is None else terminating_c
     ep_node = ep.get("nodeName")
     if ep_node is not None:
@@ -902,7 +897,7 @@ class ServiceCache:
                         node_name=self._node_name,
                         zone=zone,
                     )
-                    tmpl = _with_endpoints(tmpl, cat)
+                    tmpl = _with_endpoints(tmpl, cat, eps)
                 new[(tmpl.family, tmpl.name)] = tmpl
         changed = False
         for fam, spn in self._ports_of.pop(key, ()):
@@ -923,7 +918,7 @@ class ServiceCache:
         return changed
 
 
-def _with_endpoints(t: ServicePort, cat: Categorized) -> ServicePort:
+def _with_endpoints(t: ServicePort, cat: Categorized, eps: tuple[Endpoint, ...]) -> ServicePort:
     # Spelled out rather than dataclasses.replace: this runs once per service port on a full rebuild, and
     # replace's field introspection costs more than the rest of the rebuild together.
     return ServicePort(
@@ -942,6 +937,7 @@ def _with_endpoints(t: ServicePort, cat: Categorized) -> ServicePort:
         cluster_endpoints=cat.cluster,
         local_endpoints=cat.local,
         has_any_endpoints=cat.has_any,
+        serving_endpoints=eps if all(e.serving for e in eps) else tuple(e for e in eps if e.serving),
     )
 
 

@@ -13,10 +13,11 @@ rules again for it. Two kinds of entry therefore outlive the rules that made the
 Like upstream's ``pkg/proxy/conntrack/cleanup.go`` ``CleanStaleEntries`` since kubernetes#126130, this works
 from STATE, not from events: after each successful sync it dumps the UDP entries and deletes those that
 contradict the state just programmed, so a missed event, a failed sync or a restart cannot leave a stale entry
-behind. An endpoint that still exists is never stale, whichever traffic policy selects it now: like upstream
-("changes to the service should not affect existing flows"), the allowed set of a service port is every endpoint
-this node may still reach for it (``ServicePort.all_endpoints``), and the ip:port pair must match, so an endpoint
-whose target port changed counts as gone. Entries whose original destination is not a service address, and
+behind. An endpoint that still serves is never stale, whichever traffic policy, topology hint or terminating
+state selects it now: like upstream ("we do not take traffic policies, topology, or terminating status of the
+service into account"), the allowed set of a service port is every serving endpoint
+(``ServicePort.serving_endpoints``), and the ip:port pair must match, so an endpoint whose target port changed
+counts as gone. Entries whose original destination is not a service address, and
 non-UDP entries, are never touched.
 
 Node ports are matched on the node's addresses that the caller passes plus every address of the network
@@ -82,7 +83,7 @@ def service_targets(state: ProxyState, family: IPFamily, node_ips: Collection[st
     for sp in state.family(family).values():
         if sp.protocol is not Protocol.UDP:
             continue
-        allowed = _endpoint_set(sp.all_endpoints)
+        allowed = _endpoint_set(sp.serving_endpoints)
         for key in _addresses(sp, nodes):
             # Two service ports cannot own one address:port/UDP in a valid cluster; if a broken state says they
             # do, the union keeps either one's endpoints alive rather than deleting a live flow.
@@ -126,6 +127,7 @@ class ConntrackReconciler:
         self.netns = netns
         self.families = tuple(families)
         self.last_duration = 0.0
+        self.last_ok = True  # False after a reconciliation that could not finish: one is still owed
 
     def _socket(self, family: IPFamily) -> Any:
         kwargs: dict[str, Any] = {"nfgen_family": _AF[family]}
@@ -137,9 +139,11 @@ class ConntrackReconciler:
         """Delete the stale UDP entries of every family; returns how many were deleted per family.
 
         ``node_ips`` are the addresses node ports answer on (the node's addresses, as the backend uses them).
-        A family whose dump or deletes fail is logged and counted as far as it got; the next sync retries.
+        A family whose dump or deletes fail is logged and counted as far as it got, and ``last_ok`` turns False so
+        the caller knows a reconciliation is still owed (the daemon retries it on its next sync).
         """
         start = time.monotonic()
+        self.last_ok = True
         deleted: dict[IPFamily, int] = {}
         try:
             for family in self.families:
@@ -179,8 +183,10 @@ class ConntrackReconciler:
                     count += 1
                 except NetlinkError as exc:
                     if exc.code != errno.ENOENT:  # gone meanwhile (timed out): nothing to do
+                        self.last_ok = False
                         log.warning("conntrack: deleting %s failed: %s", tup, exc)
         except (NetlinkError, OSError) as exc:
+            self.last_ok = False
             log.warning("conntrack: %s reconcile failed after %d deletions: %s", family.value, count, exc)
         finally:
             ct.close()

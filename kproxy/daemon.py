@@ -72,14 +72,20 @@ def health_check_ports(state: ProxyState) -> dict[NamespacedName, int]:
 
 
 def local_ready_endpoints(state: ProxyState) -> dict[NamespacedName, int]:
-    """Upstream's LocalReadyEndpoints: unique local *ready* endpoint IPs per service (terminating excluded)."""
-    ips: dict[NamespacedName, set[str]] = {}
+    """Upstream's LocalReadyEndpoints: unique local *ready* endpoint IPs per service (terminating excluded).
+
+    Counted per IP family and the larger count kept, as upstream's two single-stack proxiers each report their
+    own family's count to the one shared health server: a dual-stack pod is one endpoint, not two."""
+    ips: dict[tuple[NamespacedName, IPFamily], set[str]] = {}
     for sp in state:
         if not sp.health_check_node_port:
             continue
-        bucket = ips.setdefault(sp.name.service, set())
+        bucket = ips.setdefault((sp.name.service, sp.family), set())
         bucket.update(ep.ip for ep in sp.local_endpoints if ep.ready)
-    return {svc: len(s) for svc, s in ips.items()}
+    out: dict[NamespacedName, int] = {}
+    for (svc, _fam), found in ips.items():
+        out[svc] = max(out.get(svc, 0), len(found))
+    return out
 
 
 @dataclass
@@ -146,6 +152,7 @@ class Daemon:
         self.status = SyncStatus()
         self._event_sink = event_sink
         self._need_full = True
+        self._conntrack_owed = False
         self._last_full_at = 0.0
         self._state: ProxyState | None = None
         self._ready_logged = False
@@ -299,25 +306,28 @@ class Daemon:
         self.service_health.sync_services(health_check_ports(state))
         self.service_health.sync_endpoints(local_ready_endpoints(state))
 
-        if self.backend.uses_conntrack_nat and reconcile_needed(changes, state):
-            self._reconcile_conntrack(state)
+        if self.backend.uses_conntrack_nat and (self._conntrack_owed or reconcile_needed(changes, state)):
+            self._conntrack_owed = not self._reconcile_conntrack(state)
         # Services the kernel refused stay dirty: ask the runner to come back after the retry interval.
         return not failed
 
-    def _reconcile_conntrack(self, state: ProxyState) -> None:
+    def _reconcile_conntrack(self, state: ProxyState) -> bool:
+        """Reconcile UDP conntrack with the state just programmed; False when it could not finish (then the next
+        sync, at the latest the periodic one, tries again: a stale entry must not wait for the next UDP change)."""
         node_ips = list(state.node.addresses)
         start = time.perf_counter()
         try:
             deleted = self.reconciler.reconcile(state, node_ips)
         except Exception:  # conntrack trouble must not fail the sync: rules are already in place
             log.exception("conntrack reconciliation failed")
-            return
+            return False
         elapsed = time.perf_counter() - start
         for fam in self.families:
             self.metrics.conntrack_reconciler_sync_duration_seconds.labels(fam.value).observe(elapsed)
             if deleted.get(fam):
                 self.metrics.conntrack_reconciler_deleted_entries_total.labels(fam.value).inc(deleted[fam])
                 log.info("conntrack: deleted %d stale %s UDP entries", deleted[fam], fam.value)
+        return bool(getattr(self.reconciler, "last_ok", True))
 
     # -- introspection ---------------------------------------------------------------------------------------
     def trace(self, query: Mapping[str, str]) -> dict[str, Any]:

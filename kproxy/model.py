@@ -149,6 +149,9 @@ class ServicePort:
     cluster_endpoints: tuple[Endpoint, ...] = ()
     local_endpoints: tuple[Endpoint, ...] = ()
     has_any_endpoints: bool = False
+    #: every serving endpoint of the port, before traffic policy and topology choose: what existing flows may
+    #: still legitimately reach (the UDP conntrack reconciler keeps entries to these, as upstream does)
+    serving_endpoints: tuple[Endpoint, ...] = ()
 
     @property
     def protocol(self) -> Protocol:
@@ -177,14 +180,6 @@ class ServicePort:
         if self.external_endpoints:
             return Verdict.FORWARD
         return Verdict.DROP if self.has_any_endpoints else Verdict.REJECT
-
-    @property
-    def all_endpoints(self) -> tuple[Endpoint, ...]:
-        """Every endpoint some traffic to this port may reach from this node (upstream's allReachable), in order."""
-        seen: dict[str, Endpoint] = {}
-        for ep in self.internal_endpoints + self.external_endpoints + self.cluster_endpoints:
-            seen.setdefault(str(ep), ep)
-        return tuple(seen.values())
 
     @property
     def addresses(self) -> tuple[str, ...]:

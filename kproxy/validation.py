@@ -22,7 +22,6 @@ from kproxy.model import IPFamily, Protocol
 _DNS1123_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?\Z")
 _DNS1035_LABEL = re.compile(r"[a-z](?:[-a-z0-9]*[a-z0-9])?\Z")
 _DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*\Z")
-_IANA_SVC_NAME = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?\Z")
 _LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?\Z")
 
 _PROTOCOLS = {p.value: p for p in Protocol}
@@ -140,15 +139,15 @@ def dns1123_subdomain(value: Any, what: str) -> str:
 
 
 def port_name(value: Any, what: str) -> str:
-    """A service or slice port name: empty (unnamed) or an IANA_SVC_NAME (<= 15 characters, lowercase
-    alphanumerics and '-', at least one letter, no '--', no '-' at either end)."""
+    """A Service or EndpointSlice port name: empty (unnamed) or a DNS-1123 label (<= 63 characters), as the API
+    server validates them (container ports, not these, are IANA_SVC_NAMEs)."""
     text = optional_string(value, what)
     if not text:
         return ""
-    if len(text) > 15:
-        raise ValueError(f"{what}: {len(text)} characters, more than the 15 a port name may have")
-    if not _IANA_SVC_NAME.match(text) or "--" in text or not any("a" <= c <= "z" for c in text):
-        raise ValueError(f"{what}: {_show(text)} is not a valid port name (IANA_SVC_NAME)")
+    if len(text) > 63:
+        raise ValueError(f"{what}: {len(text)} characters, more than the 63 a port name may have")
+    if not _DNS1123_LABEL.match(text):
+        raise ValueError(f"{what}: {_show(text)} is not a valid port name (DNS-1123 label)")
     return text
 
 

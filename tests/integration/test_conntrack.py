@@ -176,6 +176,7 @@ def _state(a: Addrs, endpoints: tuple[str, ...], node_port: int = 0) -> ProxySta
         cluster_endpoints=eps,
         local_endpoints=eps,
         has_any_endpoints=bool(eps),
+        serving_endpoints=eps,
     )
     return ProxyState(services={a.family: {spn: sp}}, node=NodeInfo("node-1"))
 

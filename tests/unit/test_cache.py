@@ -367,7 +367,7 @@ def lb_service(**kw: Any) -> dict[str, Any]:
             lb_service(
                 annotations={"service.beta.kubernetes.io/load-balancer-source-ranges": "198.18.100.0/24, 198.18.7.0/24"}
             ),
-            dict(load_balancer_source_ranges=("198.18.100.0/24", "198.18.7.0/24")),
+            dict(load_balancer_source_ranges=()),  # the annotation is for cloud controllers; upstream ignores it
         ),
         (
             lb_service(
@@ -392,8 +392,8 @@ def lb_service(**kw: Any) -> dict[str, Any]:
         "LB ingress filtering",
         "ingress ignored for ClusterIP",
         "source ranges canonical + family",
-        "source ranges annotation",
-        "source ranges spec beats annotation",
+        "source ranges annotation ignored",
+        "source ranges spec only",
         "NodePort",
         "nodePort ignored for ClusterIP",
     ],
@@ -456,7 +456,7 @@ def test_local_sets_and_terminating_fallback() -> None:
     assert ep_ips(sp.cluster_endpoints) == ["198.18.1.2"]
     assert ep_ips(sp.local_endpoints) == ["198.18.1.1"]  # terminating local fallback
     assert ep_ips(sp.external_endpoints) == ["198.18.1.1"] and ep_ips(sp.internal_endpoints) == ["198.18.1.2"]
-    assert set(ep_ips(sp.all_endpoints)) == {"198.18.1.1", "198.18.1.2"}
+    assert set(ep_ips(sp.serving_endpoints)) == {"198.18.1.1", "198.18.1.2"}
 
 
 # ---------------------------------------------------------------------------------------------- topology / node
@@ -837,3 +837,23 @@ def test_node_never_seen_stays_eligible() -> None:
     cache.set_node(node())
     cache.set_node(None)  # seen, then gone: being deleted
     assert not cache.node_info().eligible
+
+
+def test_port_names_are_dns_labels_as_the_api_server_checks() -> None:
+    # Service and EndpointSlice port names are DNS-1123 labels (up to 63 characters, digits allowed), not the
+    # 15-character IANA_SVC_NAME of container ports: a valid Service must never be rejected for its port name.
+    cache = make_cache()
+    long_name = "prometheus-metrics-tls"
+    assert cache.upsert_service(service(ports=[{"name": long_name, "port": 80}, {"name": "80", "port": 81}]))
+    assert not cache.errors()
+
+
+def test_missing_serving_condition_means_serving() -> None:
+    # upstream endpointslicecache.go: serving == nil || *serving; a terminating endpoint without the condition is
+    # still the terminating fallback
+    cache = make_cache()
+    cache.upsert_service(service())
+    cond = {"ready": False, "terminating": True}
+    cache.upsert_slice(endpoint_slice("web-1", endpoints=[dict(endpoint("198.18.1.3"), conditions=cond)]))
+    sp = must(cache)
+    assert [e.ip for e in sp.cluster_endpoints] == ["198.18.1.3"] and sp.cluster_endpoints[0].serving

@@ -11,6 +11,7 @@ TCP = ServicePortName("ns", "web", "http", Protocol.TCP)
 
 
 def _sp(spn: ServicePortName, fam: IPFamily, cip: str, eps: tuple[Endpoint, ...], **kw: object) -> ServicePort:
+    kw.setdefault("serving_endpoints", eps)
     return ServicePort(spn, fam, cip, 53, cluster_endpoints=eps, has_any_endpoints=bool(eps), **kw)  # type: ignore[arg-type]
 
 
@@ -33,6 +34,7 @@ def test_targets_cover_every_udp_address_of_the_family() -> None:
         external_ips=("198.18.200.1",),
         load_balancer_ips=("198.18.200.2",),
         local_endpoints=(local,),
+        serving_endpoints=(ep, local),
         external_policy_local=True,
     )
     v6 = _sp(UDP, IPFamily.V6, "fd00:198:18::a", (Endpoint("fd00:198:18:1::5", 5353),))
@@ -67,3 +69,41 @@ def test_reconcile_needed() -> None:
     assert reconcile_needed(Changes(full=True), _state(udp))
     assert not reconcile_needed(Changes(full=True), _state(tcp))
     assert not reconcile_needed(Changes(full=False), _state(udp))
+
+
+def test_flows_to_serving_terminating_endpoints_survive() -> None:
+    # One ready endpoint and one serving-but-terminating: traffic now goes to the ready one only, but an existing
+    # UDP flow to the terminating pod must survive until that pod stops serving (upstream cleanup.go).
+    from kproxy.cache import ServiceCache
+
+    cache = ServiceCache("node-1", ip_families=(IPFamily.V4,))
+    cache.upsert_service(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"namespace": "ns", "name": "dns"},
+            "spec": {"clusterIP": "198.19.0.10", "ports": [{"name": "dns", "port": 53, "protocol": "UDP"}]},
+        }
+    )
+    conds = [{"ready": True}, {"ready": False, "serving": True, "terminating": True}]
+    cache.upsert_slice(
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {"namespace": "ns", "name": "dns-1", "labels": {"kubernetes.io/service-name": "dns"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "dns", "port": 5353, "protocol": "UDP"}],
+            "endpoints": [
+                {"addresses": [f"198.18.64.{5 + i}"], "conditions": c, "nodeName": "node-2"}
+                for i, c in enumerate(conds)
+            ],
+        }
+    )
+    cache.mark_synced("services")
+    cache.mark_synced("endpointslices")
+    state, _ = cache.snapshot()
+    (sp,) = state
+    assert [e.ip for e in sp.cluster_endpoints] == ["198.18.64.5"]
+    (target,) = service_targets(state, IPFamily.V4, []).values()
+    assert not is_stale(("198.19.0.10", 53), ("198.18.64.6", 5353), target)
+    assert is_stale(("198.19.0.10", 53), ("198.18.64.7", 5353), target)

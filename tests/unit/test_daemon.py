@@ -247,3 +247,60 @@ def test_health_check_servers_follow_nodeport_addresses(tmp_path: Path) -> None:
     assert daemon_with(()).service_health.addresses == ("",)  # every address
     assert daemon_with(("127.0.0.0/8",)).service_health.addresses == ("127.0.0.1",)
     assert daemon_with(("primary",)).service_health.addresses == ("",)
+
+
+def test_local_ready_endpoints_counts_a_dual_stack_pod_once() -> None:
+    from types import MappingProxyType
+
+    from kproxy.daemon import local_ready_endpoints
+    from kproxy.model import Endpoint, NodeInfo, ProxyState, ServicePort
+
+    spn = ServicePortName("demo", "lb", "http", Protocol.TCP)
+    v4 = (Endpoint("198.18.65.10", 8080, is_local=True), Endpoint("198.18.65.11", 8080, is_local=True, ready=False))
+    v6 = (Endpoint("fd00:198:18:65::10", 8080, is_local=True),)
+    sps = {
+        IPFamily.V4: ServicePort(spn, IPFamily.V4, "198.19.0.1", 80, health_check_node_port=31000, local_endpoints=v4),
+        IPFamily.V6: ServicePort(
+            spn, IPFamily.V6, "fd00:198:18:ff::1", 80, health_check_node_port=31000, local_endpoints=v6
+        ),
+    }
+    state = ProxyState({f: MappingProxyType({spn: sp}) for f, sp in sps.items()}, NodeInfo("node-1"))
+    assert local_ready_endpoints(state) == {spn.service: 1}
+
+
+class FlakyConntrack:
+    """Fails its first reconciliation (as a netlink dump can), then succeeds."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.last_ok = True
+
+    def reconcile(self, state: object, node_ips: object) -> dict[IPFamily, int]:
+        self.calls += 1
+        self.last_ok = self.calls > 1
+        return {}
+
+
+def test_a_failed_conntrack_reconcile_is_retried_without_a_new_change(tmp_path: Path) -> None:
+    cfg = ProxyConfig(
+        mode="iptables",
+        hostname_override="node-1",
+        healthz_bind_address="127.0.0.1:0",
+        metrics_bind_address="127.0.0.1:0",
+        min_sync_period=0.0,
+        sync_period=0.3,
+    )
+    fake = FakeProxier(cfg)
+    ct = FlakyConntrack()
+    daemon = Daemon(cfg, fake, lambda sink: FilesSource(sink, tmp_path, "node-1", poll_interval=0.1), reconciler=ct)  # type: ignore[arg-type]
+    udp = service("dns", "198.19.0.53")
+    udp["spec"]["ports"] = [{"name": "dns", "port": 53, "protocol": "UDP"}]  # type: ignore[index]
+    write(tmp_path, "a.yaml", udp)
+    daemon.start()
+    try:
+        eventually(lambda: ct.calls >= 2)  # the periodic sync retried it: nothing else changed
+        calls = ct.calls
+        time.sleep(1.0)
+        assert ct.calls == calls  # and once it succeeded, no more reconciling without UDP changes
+    finally:
+        daemon.stop()
