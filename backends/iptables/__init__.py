@@ -52,8 +52,12 @@ Where kproxy deviates from upstream, and why:
   upstream fails the whole restore.
 - ``--nodeport-addresses`` CIDRs become ``-d CIDR -m addrtype --dst-type LOCAL`` (the node's addresses in that
   CIDR, following address changes without a resync) instead of one rule per address found at sync time;
-  ``primary`` uses the Node's addresses. Localhost NodePorts are off unless ``--iptables-localhost-nodeports``
-  (upstream's localhostNodePorts defaults to on and sets route_localnet).
+  ``primary`` uses the Node's addresses.
+- Localhost NodePorts (upstream's ``localhostNodePorts``, on by default there) are not supported: NodePorts never
+  answer on 127.0.0.0/8 or ::1 (``! -d 127.0.0.0/8`` / ``! -d ::1/128``). Upstream's feature needs
+  ``net.ipv4.conf.all.route_localnet=1`` on the node plus its CVE-2020-8558 mitigation rule in kubelet's
+  ``KUBE-FIREWALL`` chain; kproxy changes neither that sysctl nor that chain. Clients on the node reach NodePorts
+  through the node's other addresses.
 - The INVALID drop in KUBE-FORWARD is always written (upstream omits it when nf_conntrack_tcp_be_liberal is set).
 - Upstream's largeClusterMode (more than 1,000 endpoints: no per-endpoint comments) is kept.
 - kubelet's ``KUBE-FIREWALL`` is neither created nor removed.

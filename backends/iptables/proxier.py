@@ -81,7 +81,6 @@ class IptablesProxier(Proxier):
         self.flavour_option = str(config.backend_options.get("iptables_flavour") or "auto")
         if self.flavour_option not in ("auto", *FLAVOURS):
             raise ValueError(f"--iptables-flavour {self.flavour_option!r}: choose auto, nft or legacy")
-        self.localhost_nodeports = bool(config.backend_options.get("iptables_localhost_nodeports") or False)
         self.families = tuple(f for f in (IPFamily.V4, IPFamily.V6) if f in config.ip_families)
         self._kernel: Kernel | None = None
         self._lock = threading.Lock()
@@ -116,12 +115,6 @@ class IptablesProxier(Proxier):
             choices=("auto", *FLAVOURS),
             default="auto",
             help="iptables binaries: auto (what the node already uses, as iptables-wrapper decides), nft, legacy",
-        )
-        group.add_argument(
-            "--iptables-localhost-nodeports",
-            action="store_true",
-            default=False,
-            help="also accept IPv4 NodePort connections to 127.0.0.0/8 (upstream's localhostNodePorts)",
         )
 
     @property
@@ -313,7 +306,7 @@ class IptablesProxier(Proxier):
         fs = self._fam[fam]
         kernel = self.kernel
         large = self._endpoint_count(state) > render.LARGE_CLUSTER_ENDPOINTS
-        ctx = render.make_context(self.config, state.node, fam, self.localhost_nodeports, large)
+        ctx = render.make_context(self.config, state.node, fam, large_cluster=large)
         if ctx != fs.ctx:
             full = True  # node CIDRs / addresses changed: every fragment may differ
         services = state.family(fam)

@@ -221,7 +221,6 @@ def make_context(
     config: ProxyConfig,
     node: NodeInfo,
     family: IPFamily,
-    localhost_nodeports: bool = False,
     large_cluster: bool = False,
 ) -> Context:
     """The Context of one family from the config and the Node (detect-local CIDR, nodeport addresses)."""
@@ -237,10 +236,8 @@ def make_context(
     addrs = config.nodeport_addresses
     if not addrs:
         d: tuple[str, ...] = ("-m", "addrtype", "--dst-type", "LOCAL")
-        if v6:
-            d += ("!", "-d", "::1/128")
-        elif not localhost_nodeports:
-            d += ("!", "-d", "127.0.0.0/8")
+        # localhost NodePorts are not supported (see backends/iptables/__init__.py): loopback is excluded
+        d += ("!", "-d", "::1/128") if v6 else ("!", "-d", "127.0.0.0/8")
         dests.append(d)
     else:
         for item in addrs:

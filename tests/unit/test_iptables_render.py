@@ -220,8 +220,8 @@ def test_nodeport_addresses_cidr_and_primary() -> None:
     assert ctx.nodeport_destinations == (("-d", "198.19.255.1"),)
     ctx6 = render.make_context(CFG, NODE, IPFamily.V6)
     assert ctx6.nodeport_destinations == (("-m", "addrtype", "--dst-type", "LOCAL", "!", "-d", "::1/128"),)
-    assert render.make_context(CFG, NODE, IPFamily.V4, localhost_nodeports=True).nodeport_destinations == (
-        ("-m", "addrtype", "--dst-type", "LOCAL"),
+    assert render.make_context(CFG, NODE, IPFamily.V4).nodeport_destinations == (
+        ("-m", "addrtype", "--dst-type", "LOCAL", "!", "-d", "127.0.0.0/8"),
     )
 
 
