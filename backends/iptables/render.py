@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kproxy.config import ProxyConfig
 from kproxy.model import Endpoint, IPFamily, NodeInfo, ServicePort, ServicePortName
+
+log = logging.getLogger(__name__)
 
 # Top-level chains (upstream's const block).
 KUBE_SERVICES = "KUBE-SERVICES"
@@ -231,35 +234,66 @@ def make_context(
     else:
         fam_cidrs = config.cluster_cidrs_for(family)
         local = fam_cidrs[0] if fam_cidrs else None
-    v6 = family == IPFamily.V6
-    dests: list[tuple[str, ...]] = []
-    addrs = config.nodeport_addresses
-    if not addrs:
-        d: tuple[str, ...] = ("-m", "addrtype", "--dst-type", "LOCAL")
-        # localhost NodePorts are not supported (see backends/iptables/__init__.py): loopback is excluded
-        d += ("!", "-d", "::1/128") if v6 else ("!", "-d", "127.0.0.0/8")
-        dests.append(d)
-    else:
-        for item in addrs:
-            if item == "primary":
-                for ip in node.addresses:
-                    if IPFamily.of(ip) == family:
-                        dests.append(("-d", ip))
-                continue
-            if IPFamily.of(item) != family:
-                continue
-            # Upstream resolves the node's addresses inside each CIDR once per sync; matching the CIDR together with
-            # dst-type LOCAL selects the same addresses and follows address changes without a resync.
-            dests.append(("-d", item, "-m", "addrtype", "--dst-type", "LOCAL"))
     return Context(
         family=family,
         mark=config.masquerade_mark,
         masquerade_all=config.masquerade_all,
         local_cidr=local,
-        nodeport_destinations=tuple(dests),
+        nodeport_destinations=nodeport_destinations(config.nodeport_addresses, node, family),
         node_ips=tuple(ip for ip in node.addresses if IPFamily.of(ip) == family),
         large_cluster=large_cluster,
     )
+
+
+_LOOPBACK = {IPFamily.V4: ipaddress.ip_network("127.0.0.0/8"), IPFamily.V6: ipaddress.ip_network("::1/128")}
+_LOGGED: set[str] = set()
+
+
+def _log_once(key: str, msg: str, *args: object) -> None:
+    # make_context runs on every sync: say it once per process
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.error(msg, *args)
+
+
+def nodeport_destinations(addrs: Sequence[str], node: NodeInfo, family: IPFamily) -> tuple[tuple[str, ...], ...]:
+    """Arguments of each KUBE-SERVICES -> KUBE-NODEPORTS rule of one family, from ``--nodeport-addresses``.
+
+    As upstream: no CIDR of this family, or one that is 0.0.0.0/0 or ::/0, means every local address except
+    loopback. Loopback is never a NodePort address (localhost NodePorts are not supported, see __init__.py), so a
+    loopback CIDR (or address, with ``primary``) is skipped with an error in the log, and a CIDR around loopback is
+    split into the CIDRs around it (``-d`` can be given once per rule)."""
+    loop = _LOOPBACK[family]
+    cidrs: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+    primary: list[str] = []  # "primary": the Node's addresses of this family (upstream's /32 or /128 of each)
+    for item in addrs:
+        if item == "primary":
+            primary.extend(ip for ip in node.addresses if IPFamily.of(ip) == family)
+            continue
+        try:
+            net = ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            continue
+        if (net.version == 6) == (family == IPFamily.V6):
+            cidrs.append(net)
+    if (not cidrs and not primary) or any(n.prefixlen == 0 for n in cidrs):
+        # every local address but loopback (upstream excludes 127.0.0.0/8 only when localhostNodePorts is off)
+        return (("-m", "addrtype", "--dst-type", "LOCAL", "!", "-d", str(loop)),)
+    dests: list[tuple[str, ...]] = []
+    for ip in primary:
+        if ipaddress.ip_address(ip) in loop:
+            _log_once(ip, "--nodeport-addresses: node address %s is loopback; localhost NodePorts are unsupported", ip)
+            continue
+        dests.append(("-d", ip))
+    for net in cidrs:
+        if net.subnet_of(loop):  # type: ignore[arg-type]
+            _log_once(str(net), "--nodeport-addresses includes loopback %s; localhost NodePorts are not supported", net)
+            continue
+        # Upstream resolves the node's addresses inside each CIDR once per sync; matching the CIDR together with
+        # dst-type LOCAL selects the same addresses and follows address changes without a resync.
+        parts = sorted(net.address_exclude(loop)) if loop.subnet_of(net) else [net]  # type: ignore[arg-type]
+        dests.extend(("-d", str(p), "-m", "addrtype", "--dst-type", "LOCAL") for p in parts)
+    return tuple(dests)
 
 
 # ----------------------------------------------------------------------------------------------- fragments

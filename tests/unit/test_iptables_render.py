@@ -225,6 +225,52 @@ def test_nodeport_addresses_cidr_and_primary() -> None:
     )
 
 
+def test_nodeport_addresses_match_all_and_loopback(caplog: pytest.LogCaptureFixture) -> None:
+    everything4 = (("-m", "addrtype", "--dst-type", "LOCAL", "!", "-d", "127.0.0.0/8"),)
+    everything6 = (("-m", "addrtype", "--dst-type", "LOCAL", "!", "-d", "::1/128"),)
+    # a zero CIDR of the family means every local address, whatever else is listed
+    cfg = CFG.with_(nodeport_addresses=("198.19.0.0/16", "0.0.0.0/0", "fd00:198:18::/48"))
+    assert render.make_context(cfg, NODE, IPFamily.V4).nodeport_destinations == everything4
+    assert render.make_context(cfg, NODE, IPFamily.V6).nodeport_destinations == (
+        ("-d", "fd00:198:18::/48", "-m", "addrtype", "--dst-type", "LOCAL"),
+    )
+    cfg = CFG.with_(nodeport_addresses=("::/0", "198.19.0.0/16"))
+    assert render.make_context(cfg, NODE, IPFamily.V6).nodeport_destinations == everything6
+    # no CIDR of the family at all: every local address too (upstream's MatchAll per family)
+    assert (
+        render.make_context(cfg.with_(nodeport_addresses=("198.19.0.0/16",)), NODE, IPFamily.V6).nodeport_destinations
+        == everything6
+    )
+    # loopback CIDRs are skipped, with an error in the log (once per process)
+    render._LOGGED.clear()
+    with caplog.at_level("ERROR", logger=render.__name__):
+        cfg = CFG.with_(nodeport_addresses=("127.0.0.0/8", "198.19.0.0/16", "::1/128", "127.0.0.1/32"))
+        assert render.make_context(cfg, NODE, IPFamily.V4).nodeport_destinations == (
+            ("-d", "198.19.0.0/16", "-m", "addrtype", "--dst-type", "LOCAL"),
+        )
+        assert render.make_context(cfg, NODE, IPFamily.V6).nodeport_destinations == ()
+        render.make_context(cfg, NODE, IPFamily.V4)
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("127.0.0.0/8" in m for m in logged) == 1 and any("::1/128" in m for m in logged), logged
+    # a CIDR around loopback becomes the CIDRs around it
+    cfg = CFG.with_(nodeport_addresses=("0.0.0.0/1",))
+    dests = render.make_context(cfg, NODE, IPFamily.V4).nodeport_destinations
+    assert [d[1] for d in dests] == [
+        "0.0.0.0/2",
+        "64.0.0.0/3",
+        "96.0.0.0/4",
+        "112.0.0.0/5",
+        "120.0.0.0/6",
+        "124.0.0.0/7",
+        "126.0.0.0/8",
+    ]
+    # "primary" on a node without an address of the family is no CIDR of that family either
+    assert (
+        render.make_context(CFG.with_(nodeport_addresses=("primary",)), NODE, IPFamily.V6).nodeport_destinations
+        == everything6
+    )
+
+
 def test_external_ips() -> None:
     sp = svc("a", (ep("198.18.1.5"),), external_ips=("198.19.0.9",))
     h = render.port_proto_hash(sp.name)
