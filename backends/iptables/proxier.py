@@ -88,8 +88,7 @@ class IptablesProxier(Proxier):
         # chains of the services written by the current round's payloads: if a later payload of the same sync fails
         # because of one of them, the chains an earlier payload created for it must be deleted again
         self._pending_chains: dict[ServicePortName, tuple[str, ...]] = {}
-        self._count_key: tuple[int, int] | None = None
-        self._count = 0
+        self._counts: dict[tuple[int, int, IPFamily], int] = {}
 
     # ------------------------------------------------------------------------------------------ contract
 
@@ -305,7 +304,7 @@ class IptablesProxier(Proxier):
         sync)."""
         fs = self._fam[fam]
         kernel = self.kernel
-        large = self._endpoint_count(state) > render.LARGE_CLUSTER_ENDPOINTS
+        large = self._endpoint_count(state, fam) > render.LARGE_CLUSTER_ENDPOINTS
         ctx = render.make_context(self.config, state.node, fam, large_cluster=large)
         if ctx != fs.ctx:
             full = True  # node CIDRs / addresses changed: every fragment may differ
@@ -444,13 +443,23 @@ class IptablesProxier(Proxier):
         counts[f"{fam.value}/services"] = len(frags)
         return None, full
 
-    def _endpoint_count(self, state: ProxyState) -> int:
-        """Upstream's largeClusterMode input: endpoints over all services (cached per state generation)."""
-        key = (id(state), state.generation)
-        if self._count_key != key:
-            self._count_key = key
-            self._count = sum(len(sp.cluster_endpoints) + len(sp.local_endpoints) for sp in state)
-        return self._count
+    def _endpoint_count(self, state: ProxyState, fam: IPFamily) -> int:
+        """Upstream's largeClusterMode input, per family as upstream's per-family proxier counts it: the endpoints of
+        each of the family's service ports (cluster and local ones, each counted once), cached per state."""
+        key = (id(state), state.generation, fam)
+        count = self._counts.get(key)
+        if count is None:
+            count = 0
+            for sp in state.family(fam).values():
+                if not sp.local_endpoints:
+                    count += len(sp.cluster_endpoints)
+                elif not sp.cluster_endpoints:
+                    count += len(sp.local_endpoints)
+                else:
+                    count += len({str(e) for e in sp.cluster_endpoints} | {str(e) for e in sp.local_endpoints})
+            self._counts = {k: v for k, v in self._counts.items() if k[:2] == key[:2]}
+            self._counts[key] = count
+        return count
 
     def _read_kernel(self, fam: IPFamily) -> tuple[dict[str, list[adopt.Canon]], set[str], int, str | None]:
         """The nat table's service chains with their rules (canonical, for adoption), the jump rules present in the

@@ -15,8 +15,9 @@ import pytest
 from kproxy.backends.iptables import adopt, render
 from kproxy.backends.iptables import trace as tr
 from kproxy.backends.iptables.cleanup import cleanup_payload, cleanup_payloads
+from kproxy.backends.iptables.proxier import IptablesProxier
 from kproxy.config import ProxyConfig
-from kproxy.model import Endpoint, IPFamily, NodeInfo, Protocol, ServicePort, ServicePortName
+from kproxy.model import Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
 
 GOLDEN = Path(__file__).parent / "golden" / "iptables"
 CFG = ProxyConfig(cluster_cidrs=("198.18.0.0/16", "fd00:198:18::/56"))
@@ -678,3 +679,20 @@ def test_chunked_cleanup_unhooks_and_flushes_before_deleting() -> None:
     strip = {"COMMIT"} | {ln for ln in text.splitlines() if ln.startswith("*")}
     single = [ln for ln in cleanup_payload(SAVE).splitlines() if ln not in strip]
     assert sorted(ln for ln in text.splitlines() if ln not in strip) == sorted(single)
+
+
+def test_large_cluster_mode_counts_endpoints_per_family_once() -> None:
+    v4 = tuple(ep(f"198.18.{i // 250}.{i % 250 + 1}") for i in range(600))
+    v6 = tuple(ep(f"fd00:198:18::{i + 1:x}") for i in range(900))
+    # eTP=Local: the local endpoints are also cluster endpoints; each counts once
+    a = svc("a", v4, local_endpoints=v4[:500])
+    b = svc("b", v4[:300], cluster_ip="198.18.200.2")
+    c = svc("c", v6, cluster_ip="fd00:198:18:ff::1")
+    st = ProxyState({IPFamily.V4: {a.name: a, b.name: b}, IPFamily.V6: {c.name: c}}, NODE, generation=7)
+    p = IptablesProxier(CFG)  # no kernel touched: counting is pure
+    assert p._endpoint_count(st, IPFamily.V4) == 900 and p._endpoint_count(st, IPFamily.V6) == 900
+    # one family over upstream's threshold does not push the other over it
+    more = svc("d", v4[:200], cluster_ip="198.18.200.3")
+    st2 = ProxyState({IPFamily.V4: {a.name: a, b.name: b, more.name: more}, IPFamily.V6: {c.name: c}}, NODE, 8)
+    assert p._endpoint_count(st2, IPFamily.V4) == 1100 > render.LARGE_CLUSTER_ENDPOINTS
+    assert p._endpoint_count(st2, IPFamily.V6) == 900
