@@ -471,6 +471,9 @@ def render_service(sp: ServicePort, ctx: Context) -> Fragment:
         if _any_contains(sp.load_balancer_source_ranges, ctx.node_ips):
             for lbip in sp.load_balancer_ips:
                 rules.append(f"{head} -s {lbip} -j {ext_chain}")
+        # what falls off the end was not DNATed, so the matching KUBE-PROXY-FIREWALL rule drops it in filter
+        dropped = quote(f"other traffic to {name} will be dropped by KUBE-PROXY-FIREWALL")
+        rules.append(f"-A {fw_chain} -m comment --comment {dropped}")
 
     affinity = sp.affinity_timeout
     base = name + proto

@@ -139,6 +139,8 @@ def test_full_sync_programs_both_families(netns: str, flavour: str) -> None:
     )
     assert "KUBE-PROXY-CANARY" in chains(v4, "mangle") and "KUBE-PROXY-CANARY" in chains(v6, "filter")
     assert render.firewall_chain(C) in chains(v6)
+    fw_last = f'-A {render.firewall_chain(C)} -m comment --comment "other traffic to ns1/c:http will be dropped by '
+    assert fw_last + 'KUBE-PROXY-FIREWALL"\n' in v6
     assert "--to-destination [fd00:198:18:1::1]:80" in v6
     assert "! -d ::1/128" in v6 and "! -d 127.0.0.0/8" in v4
     assert res.counts["IPv4/nat/total"] > 10 and res.counts["IPv6/filter/total"] >= 4
@@ -154,6 +156,9 @@ def test_full_sync_programs_both_families(netns: str, flavour: str) -> None:
         table = v4b.split(f"*{j.table}\n", 1)[1].split("COMMIT", 1)[0]
         assert table.count(f"-A {j.chain} {j.spec}") == 1, j
     assert chains(v4b) == chains(v4)
+    # adoption reads every chain back as equal, the FW chain's target-less last rule included: nothing rewritten
+    assert not any(f":{render.firewall_chain(C)} " in t for t in p.last_payloads(IPFamily.V6))
+    assert not any(f":{render.service_chain(A)} " in t for t in p.last_payloads(IPFamily.V4))
 
 
 def test_partial_sync_writes_only_changed_chains(netns: str, flavour: str) -> None:

@@ -300,6 +300,8 @@ def test_load_balancer_source_ranges() -> None:
         f'-A KUBE-FW-{h} -m comment --comment "ns1/a:http loadbalancer IP" -s 198.19.255.0/24 -j KUBE-EXT-{h}',
         # the node's address (198.19.255.1) is in a range: the LB IP is admitted as a source (VIP loop-back)
         f'-A KUBE-FW-{h} -m comment --comment "ns1/a:http loadbalancer IP" -s 198.19.0.10 -j KUBE-EXT-{h}',
+        # upstream's last rule: no target, what reaches it is dropped by KUBE-PROXY-FIREWALL in filter
+        f'-A KUBE-FW-{h} -m comment --comment "other traffic to ns1/a:http will be dropped by KUBE-PROXY-FIREWALL"',
     ]
     assert (
         f'-A KUBE-PROXY-FIREWALL -m comment --comment "ns1/a:http traffic not accepted by KUBE-FW-{h}" -m tcp -p tcp '
