@@ -46,8 +46,10 @@ Where kproxy deviates from upstream, and why:
   ``iptables -S <built-in chain>``.
 - Payload chunks grow with the table already in the kernel (3,000 lines into an empty table, up to 12,000 into a
   loaded one), because each nf_tables payload first fetches every rule of the table.
-- The canary is checked at the start of every partial sync (mangle and nat, one ``iptables -S`` each) rather than
-  by a polling goroutine; a missing canary makes that sync a full one.
+- The canary is checked at the start of a partial sync (mangle and nat, one ``iptables -S`` each per family) at
+  most once per sync period, rather than by a polling goroutine; a missing canary makes that family's sync a full
+  one. A flush is therefore repaired by the first sync after the next check, within a sync period plus the time
+  until the next sync (the runner syncs at least once per sync period).
 - A service whose rules the kernel refuses is left out (treated as absent) and reported in ``SyncResult.failed``;
   upstream fails the whole restore.
 - ``--nodeport-addresses`` CIDRs become ``-d CIDR -m addrtype --dst-type LOCAL`` (the node's addresses in that

@@ -85,6 +85,7 @@ class IptablesProxier(Proxier):
         self._kernel: Kernel | None = None
         self._lock = threading.Lock()
         self._fam: dict[IPFamily, _Family] = {f: _Family() for f in self.families}
+        self._canary_checked = float("-inf")  # time.monotonic() of the last canary check (or full sync)
         # chains of the services written by the current round's payloads: if a later payload of the same sync fails
         # because of one of them, the chains an earlier payload created for it must be deleted again
         self._pending_chains: dict[ServicePortName, tuple[str, ...]] = {}
@@ -254,7 +255,10 @@ class IptablesProxier(Proxier):
         t0 = time.perf_counter()
         timings = {"render": 0.0, "apply": 0.0, "canary": 0.0, "save": 0.0}
         full = {fam: changes.full or self._fam[fam].need_full for fam in self.families}
-        if not all(full.values()):
+        now = time.monotonic()
+        if not all(full.values()) and now - self._canary_checked >= self.config.sync_period:
+            # off the hot path: at most once per sync period (upstream's monitor polls at that interval)
+            self._canary_checked = now
             c0 = time.perf_counter()
             k = self.kernel
             for fam in self.families:
@@ -277,6 +281,8 @@ class IptablesProxier(Proxier):
                 errors.append(f"{fam.value}: {error}")
             else:
                 fs.need_full = False
+        if all(full.values()) and not errors:
+            self._canary_checked = now  # just written in every family
         for key in ("nat", "filter"):
             counts[f"rules_total/{key}"] = sum(counts.get(f"{f.value}/{key}/total", 0) for f in self.families)
             counts[f"rules_last/{key}"] = sum(counts.get(f"{f.value}/{key}/last", 0) for f in self.families)

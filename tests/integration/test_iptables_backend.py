@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -200,17 +201,25 @@ def test_partial_sync_writes_only_changed_chains(netns: str, flavour: str) -> No
 
 
 def test_canary_flush_forces_full_resync(netns: str, flavour: str) -> None:
-    p = proxier(netns, flavour)
+    p = proxier(netns, flavour, sync_period=1.0)
     assert p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True)).ok
     before = chains(save(netns, flavour))
     for table in ("mangle", "nat", "filter"):  # what a firewall restart does (upstream notices it by mangle)
         ns_run(netns, f"iptables-{flavour}", "-t", table, "-F")
         ns_run(netns, f"iptables-{flavour}", "-t", table, "-X")
     assert not p.canary_present()
+    # checked at most once per sync period, not on every partial sync: a sync right after the full one skips it
     res = p.sync(state(SP_A, SP_B, SP_C6), Changes(full=False))
-    assert res.ok and res.full, res.error
+    assert res.ok and not res.full and res.timings["canary"] == 0.0, res
+    time.sleep(1.05)
+    res = p.sync(state(SP_A, SP_B, SP_C6), Changes(full=False))
+    assert res.ok and res.full and res.timings["canary"] > 0.0, res.error
     assert chains(save(netns, flavour)) == before
     assert p.canary_present()
+    # present: the next check (a period later) finds it and the sync stays partial
+    time.sleep(1.05)
+    res = p.sync(state(SP_A, SP_B, SP_C6), Changes(full=False))
+    assert res.ok and not res.full and res.timings["canary"] > 0.0, res.error
 
 
 def _send_udp(netns: str, ip: str, port: int, count: int) -> None:
