@@ -1255,6 +1255,14 @@ SCALE_SERVICES = 1000
 SCALE_ENDPOINTS = 3
 SCALE_SAMPLE = 50
 SCALE_CONVERGE_S = 30.0
+# The longest single sync (kubeproxy_sync_proxy_rules_duration_seconds on node-1) allowed while the 1,000 services
+# x 3 endpoints arrive, per mode. Targets are bucket edges of that histogram (1 ms x 2^n), so "every sync <= target"
+# is read off the buckets exactly. iptables, measured on the 2-core lab host (Nov 2026, 3 runs): 17-29 syncs,
+# mean 0.12-0.19 s, the longest in (0.256, 0.512] or (0.512, 1.024] s; 2.048 s leaves 2-4x headroom for a loaded CI
+# machine (at 1k x 3 the kernel's own restore takes well under a second; PERFORMANCE.md's full-sync target is
+# relative to that floor at 10k). A mode not measured yet gets the same target until it is.
+SCALE_SYNC_TARGET_S = {"iptables": 2.048}
+SCALE_SYNC_TARGET_DEFAULT_S = 2.048
 
 
 def scale_smoke(ctx: Context) -> None:
@@ -1264,49 +1272,72 @@ def scale_smoke(ctx: Context) -> None:
     seed = random.randrange(1 << 30)
     rnd = random.Random(seed)
     metric = "kubeproxy_sync_proxy_rules_duration_seconds"
+    metrics_url = f"http://127.0.0.1:{METRICS_PORT}/metrics in {n1.ns}"
+    target = SCALE_SYNC_TARGET_S.get(ctx.mode, SCALE_SYNC_TARGET_DEFAULT_S)
     before = _histogram(ctx.metrics_text(n1), metric)
     plan = []
     for i in range(SCALE_SERVICES):
         svc = ctx.service(f"s{i:04d}")
         plan.append((svc, rnd.sample(others, SCALE_ENDPOINTS)))
     objs = [o for svc, eps in plan for o in (svc, ctx.slice_for(svc, eps))]
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        list(pool.map(lambda o: ctx.apply(o), objs))
-    t_written = time.monotonic()
-    sample = rnd.sample(plan, SCALE_SAMPLE)
+    try:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(lambda o: ctx.apply(o), objs))
+        t_written = time.monotonic()
+        sample = rnd.sample(plan, SCALE_SAMPLE)
+        reached: dict[str, float] = {}
 
-    def reach_one(item: tuple[dict[str, Any], list[Any]]) -> float:
-        svc, eps = item
-        ctx.eventually(
-            lambda: ctx.reach(client, _cip(svc), 80, count=1, timeout=0.5, only=eps),
-            timeout=SCALE_CONVERGE_S,
-            interval=0.5,
-            what=f"sample service {svc['metadata']['name']}",
+        def reach_one(item: tuple[dict[str, Any], list[Any]]) -> None:
+            svc, eps = item
+            ctx.eventually(
+                lambda: ctx.reach(client, _cip(svc), 80, count=1, timeout=0.5, only=eps),
+                timeout=SCALE_CONVERGE_S,
+                interval=0.5,
+                what=f"sample service {svc['metadata']['name']} ({_cip(svc)}:80, written "
+                f"{time.monotonic() - t_written:.1f} s before giving up)",
+            )
+            reached[svc["metadata"]["name"]] = time.monotonic() - t_written
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            list(pool.map(reach_one, sample))
+        slowest = max(reached, key=reached.__getitem__)
+        ctx.expect(
+            reached[slowest] <= SCALE_CONVERGE_S,
+            f"the sample became reachable only {reached[slowest]:.1f} s after the last write (slowest: {slowest})",
+            sent=f"{SCALE_SAMPLE} TCP probes from {client.name}, one per sampled service (seed {seed})",
+            got=f"slowest {slowest} reachable after {reached[slowest]:.1f} s",
+            expected=f"all reachable within {SCALE_CONVERGE_S:.0f} s",
         )
-        return time.monotonic()
-
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        done = list(pool.map(reach_one, sample))
-    t_reached = max(done)
-    ctx.expect(
-        t_reached - t_written <= SCALE_CONVERGE_S,
-        f"the sample became reachable only {t_reached - t_written:.1f} s after the last write",
-        sent=f"{SCALE_SAMPLE} TCP probes from {client.name}, one per sampled service",
-        expected=f"all reachable within {SCALE_CONVERGE_S:.0f} s",
-    )
-    after = _histogram(ctx.metrics_text(n1), metric)
+        after = _histogram(ctx.metrics_text(n1), metric)
+    finally:
+        # Deleted here, in parallel: the runner empties a namespace one object at a time, which for 2,000 objects
+        # could push the test past pytest's timeout.
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(lambda item: ctx.delete("Service", item[0]["metadata"]["name"]), plan))
+            list(pool.map(lambda item: ctx.delete("EndpointSlice", item[0]["metadata"]["name"] + "-v4"), plan))
     syncs = after[1] - before[1]
     mean = (after[0] - before[0]) / syncs if syncs else 0.0
-    bound = next((le for le in sorted(after[2]) if after[2][le] - before[2].get(le, 0.0) >= syncs), float("inf"))
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        list(pool.map(lambda item: ctx.delete("Service", item[0]["metadata"]["name"]), plan))
-        list(pool.map(lambda item: ctx.delete("EndpointSlice", item[0]["metadata"]["name"] + "-v4"), plan))
+    edges = sorted(after[2])
+    grown = {le: after[2][le] - before[2].get(le, 0.0) for le in edges}
+    # the longest sync lies in (lower, bound]: bound is the first bucket holding every sync, lower the one before
+    bound = next((le for le in edges if grown[le] >= syncs), float("inf"))
+    lower = max((le for le in edges if le < bound), default=0.0)
+    figures = (
+        f"{syncs:.0f} IPv4 syncs on {n1.name} while {SCALE_SERVICES} services x {SCALE_ENDPOINTS} endpoints arrived, "
+        f"mean {mean:.3f} s, longest in ({lower:g}, {bound:g}] s ({metric}_bucket/_sum/_count before and after)"
+    )
+    ctx.expect(
+        syncs >= 1 and bound <= target,
+        f"sync of the {SCALE_SERVICES}-service change not under the {ctx.mode} bench target of {target:g} s",
+        sent=f"{SCALE_SERVICES} Services + EndpointSlices ({SCALE_ENDPOINTS} endpoints each); GET {metrics_url}",
+        got=figures,
+        expected=f"at least one sync, every sync <= {target:g} s",
+    )
     ctx.note(
         f"{SCALE_SERVICES} services x {SCALE_ENDPOINTS} endpoints written in {t_written - t0:.1f} s; sample of "
-        f"{SCALE_SAMPLE} (seed {seed}) all reachable {t_reached - t_written:.1f} s after the last write; "
-        f"{syncs:.0f} IPv4 syncs meanwhile, mean {mean:.3f} s, each <= {bound:g} s "
-        f"({metric} on {n1.name})"
+        f"{SCALE_SAMPLE} (seed {seed}) all reachable {reached[slowest]:.1f} s after the last write (slowest "
+        f"{slowest}); {figures}; target {target:g} s"
     )
 
 
