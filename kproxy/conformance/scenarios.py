@@ -715,6 +715,23 @@ def _kproxy_bin() -> str:
     return str(exe) if exe.exists() else "kproxy"
 
 
+HOLD_INTERVAL = 0.5
+
+
+def _synced_since_start(ctx: Context, node: Any) -> int:
+    """The restarted kproxy's sync count from its /rules (a new process starts at 0): >= 1 once it has synced."""
+    doc = ctx.rules(node)
+    syncs = int((doc.get("sync") or {}).get("syncs") or 0)
+    ctx.expect(
+        syncs >= 1,
+        f"the restarted kproxy on {node.name} has not synced yet",
+        sent=f"GET http://127.0.0.1:{METRICS_PORT}/rules in {node.ns}",
+        got=f"sync: {json.dumps(doc.get('sync'))[:200]}, ready: {doc.get('ready')}",
+        expected="sync.syncs >= 1",
+    )
+    return syncs
+
+
 def restart(ctx: Context) -> None:
     n1, n2 = _two_nodes(ctx)
     client = ctx.pods_on(n1)[0]
@@ -723,10 +740,15 @@ def restart(ctx: Context) -> None:
     ctx.apply(svc, ctx.slice_for(svc, [ep]))
     ip = _cip(svc)
     _wait_reach(ctx, client, ip, 80, only=[ep])
-    held = ctx.lab.hold(client.ns, ip, 80, 12.0, 0.5)
+    # The held connection runs until stopped: it must span the kill, the restart and the restarted kproxy's first
+    # sync (which rewrites every rule), whenever that comes; it is bounded by the scenario's own budget.
+    t_hold = time.monotonic()
+    held = ctx.lab.hold(client.ns, ip, 80, max(10.0, ctx.remaining() - 10), HOLD_INTERVAL)
     probes: list[tuple[str, Probe]] = []
     phase = ["before"]
     stop = threading.Event()
+    hold_results: Any = []
+    t_synced = t_after_end = 0.0
 
     def keep_probing() -> None:
         while not stop.is_set() and ctx.remaining() > 5:
@@ -745,38 +767,69 @@ def restart(ctx: Context) -> None:
         time.sleep(1.5)
         phase[0] = "restarting"
         _start_kproxy(ctx, n1, ctx.mode)
+        # /healthz answers 200 while kproxy is still starting: only its first sync ends the restart
         ctx.eventually(lambda: _healthz_ok(ctx, n1), timeout=SYNC_WAIT, what="restarted kproxy healthy")
+        ctx.eventually(lambda: _synced_since_start(ctx, n1), timeout=SYNC_WAIT, what="restarted kproxy's first sync")
+        t_synced = time.monotonic()
         phase[0] = "after"
         time.sleep(2.0)
+        t_after_end = time.monotonic()
     finally:
         stop.set()
         t.join(timeout=5)
-        hold_results = ctx.lab.finish_hold(held)
+        hold_results = ctx.lab.finish_hold(held, stop=True, timeout=30)
     hold_list = list(hold_results) if isinstance(hold_results, (list, tuple)) else [hold_results]
     hold_bad = [r for r in hold_list if not getattr(r, "ok", False)]
+    hold_sent = (
+        f"one TCP connection {client.name} -> {ip}:80, an exchange every {HOLD_INTERVAL} s from before kproxy on "
+        f"{n1.name} was killed (SIGKILL) until 2 s after the restarted one's first sync"
+    )
     ctx.expect(
         hold_list and not hold_bad,
         "the established TCP connection broke across the restart",
-        sent=f"one TCP connection {client.name} -> {ip}:80, an exchange every 0.5 s for 12 s; kproxy on {n1.name} "
-        "killed (SIGKILL) and restarted meanwhile",
+        sent=hold_sent,
         got=Probe(client.name, "tcp", ip, 80, hold_list).summary(),
         expected="every exchange answered",
+    )
+    # When the last exchange started, at the earliest: each one takes its own time plus the interval (sleeps only
+    # overshoot, and the hold started after t_hold), so this is a lower bound.
+    last_start = t_hold + sum(float(getattr(r, "seconds", 0.0) or 0.0) + HOLD_INTERVAL for r in hold_list[:-1])
+    ctx.expect(
+        last_start >= t_synced,
+        "the held connection had no exchange after the restarted kproxy's first sync",
+        sent=hold_sent,
+        got=f"{len(hold_list)} exchanges, the last started at the earliest {last_start - t_hold:.1f} s after the "
+        f"hold began; the first sync was seen {t_synced - t_hold:.1f} s after it",
+        expected="exchanges answered after the first sync",
     )
     by_phase: dict[str, list[Any]] = {}
     for ph, pr in probes:
         by_phase.setdefault(ph, []).extend(pr.results)
     bad = {ph: [r for r in rs if not getattr(r, "ok", False)] for ph, rs in by_phase.items()}
+    got = "; ".join(f"{ph}: {Probe(client.name, 'tcp', ip, 80, rs).summary()}" for ph, rs in by_phase.items())
+    sent = f"new TCP connections {client.name} -> {ip}:80 every ~0.2 s"
     ctx.expect(
-        not any(bad.values()) and by_phase.get("killed") and by_phase.get("after"),
-        "new connections failed around the restart",
-        sent=f"new TCP connections {client.name} -> {ip}:80 every ~0.2 s",
-        got="; ".join(f"{ph}: {Probe(client.name, 'tcp', ip, 80, rs).summary()}" for ph, rs in by_phase.items()),
+        not any(bad.values()),
+        "new connections failed around the restart: " + ", ".join(ph for ph, rs in bad.items() if rs),
+        sent=sent,
+        got=got,
         expected="all answered, before, while killed, while restarting and after",
     )
+    for ph, window in (
+        ("killed", "in the 1.5 s while kproxy was dead"),
+        ("after", f"in the {t_after_end - t_synced:.1f} s after the restarted kproxy's first sync"),
+    ):
+        ctx.expect(
+            by_phase.get(ph),
+            f"no new connection was made {window}, so that window was not tested",
+            sent=sent,
+            got=got or "no probes at all",
+            expected=f"connections answered {window}",
+        )
     ctx.note(
         "held connection: "
         + Probe(client.name, "tcp", ip, 80, hold_list).summary()
-        + "; new connections: "
+        + f"; first sync after restart {t_synced - t_hold:.1f} s into the hold; new connections: "
         + ", ".join(f"{ph} {len(rs)}" for ph, rs in by_phase.items())
     )
 
@@ -797,11 +850,14 @@ def _start_kproxy(ctx: Context, node: Any, mode: str) -> None:
 
 
 def _healthz_ok(ctx: Context, node: Any) -> None:
-    r = ctx.http(ctx.external_ns, _url(node.ip4, HEALTHZ_PORT, "/healthz"))
+    url = _url(node.ip4, HEALTHZ_PORT, "/healthz")
+    r = ctx.http(ctx.external_ns, url)
     ctx.expect(
         getattr(r, "status", None) == 200,
         f"/healthz on {node.name} not 200",
+        sent=f"GET {url} from the external client",
         got=f"{getattr(r, 'status', None)} {getattr(r, 'error', '')} {body_of(r)[:200]}",
+        expected="200",
     )
 
 
