@@ -1,8 +1,10 @@
 """A packet explainer over the rendered rules (in the spirit of upstream's ``tracePacket`` test helper).
 
 Given the fragments the proxier last applied, ``trace`` walks a new connection's first packet through kproxy's
-chains: nat ``KUBE-SERVICES`` (and what it jumps to), then the filter chains that REJECT or DROP. Probabilistic
-rules (``statistic``) fork the walk, so the answer lists every endpoint the packet may reach and with what chance.
+chains: nat ``KUBE-SERVICES`` (and what it jumps to), then, for a packet not translated, kproxy's jumps in the
+filter hook it passes (INPUT, FORWARD or OUTPUT, from the packet's ``src_local`` / ``dst_local``) in the kernel's
+order, down to the first ACCEPT, DROP or REJECT. Probabilistic rules (``statistic``) fork the walk, so the answer
+lists every endpoint the packet may reach and with what chance.
 Only the matches kproxy itself writes are understood; ClientIP affinity (``recent --rcheck``) is assumed to have no
 entry yet. Pure: no kernel, so ``kproxy show`` and ``/rules`` can answer "where would this packet go" anywhere.
 
@@ -56,6 +58,9 @@ def parse(line: str) -> Rule:
         elif w == "--mark":
             matches.append((neg, "mark", nxt))
             i += 2
+        elif w == "--ctstate":
+            matches.append((neg, "ctstate", nxt))
+            i += 2
         elif w == "--rcheck":
             matches.append((False, "rcheck", ""))
             i += 1
@@ -68,7 +73,7 @@ def parse(line: str) -> Rule:
         elif w == "--to-destination":
             to = nxt
             i += 2
-        elif w in ("-m", "--comment", "--mode", "--name", "--seconds", "--ctstate", "--or-mark", "--xor-mark"):
+        elif w in ("-m", "--comment", "--mode", "--name", "--seconds", "--or-mark", "--xor-mark"):
             i += 2
         else:
             i += 1
@@ -93,7 +98,7 @@ def _in(ip: str, net: str) -> bool:
         return False
 
 
-def _matches(rule: Rule, pkt: Packet) -> bool:
+def _matches(rule: Rule, pkt: Packet, marked: bool) -> bool:
     for neg, kind, value in rule.matches:
         if kind == "-s":
             ok = _in(pkt.src, value)
@@ -109,6 +114,10 @@ def _matches(rule: Rule, pkt: Packet) -> bool:
             ok = pkt.dst_local
         elif kind == "rcheck":
             ok = False  # no affinity entry yet
+        elif kind == "ctstate":
+            ok = "NEW" in value.split(",")  # the first packet of a new connection
+        elif kind == "mark":
+            ok = marked  # kproxy matches only its masquerade mark
         else:
             ok = True
         if ok == neg:
@@ -134,7 +143,7 @@ def _walk(chains: Mapping[str, list[Rule]], chain: str, pkt: Packet, out: Outcom
     for rule in chains.get(chain, []):
         nxt: list[Outcome] = []
         for o in current:
-            if o.dnat is not None or o.verdict is not None or not _matches(rule, pkt):
+            if o.dnat is not None or o.verdict is not None or not _matches(rule, pkt, o.masquerade):
                 nxt.append(o)
                 continue
             p = rule.probability if rule.probability is not None else 1.0
@@ -181,22 +190,39 @@ def chains_of(
     return out
 
 
+def hook(pkt: Packet) -> str:
+    """The filter table's built-in chain a packet passes: OUTPUT when the node sends it, INPUT when it is for one of
+    the node's addresses, FORWARD otherwise."""
+    if pkt.src_local:
+        return "OUTPUT"
+    return "INPUT" if pkt.dst_local else "FORWARD"
+
+
+def hook_rules(chain: str) -> list[Rule]:
+    """kproxy's jumps in a built-in filter chain, in the kernel's order: each is inserted at position 1 in
+    ``render.JUMP_RULES``' order (as upstream prepends ``iptablesJumpChains``), so the last one ends up first."""
+    jumps = [j for j in render.JUMP_RULES if j.table == "filter" and j.chain == chain]
+    return [parse(f"-A {chain} {j.spec}") for j in reversed(jumps)]
+
+
 def trace(ctx: render.Context, fragments: Mapping[ServicePortName, render.Fragment], pkt: Packet) -> dict[str, Any]:
     """Where the first packet of a new connection goes: the nat decision (with probabilities), then filter's."""
     tables = chains_of(ctx, fragments)
     outcomes = _walk(tables["nat"], "KUBE-SERVICES", pkt, Outcome())
+    builtin = hook(pkt)
+    tables["filter"][builtin] = hook_rules(builtin)
     results: list[dict[str, Any]] = []
     for o in outcomes:
         verdict = f"DNAT {o.dnat}" if o.dnat else "no service rule"
         path = list(o.path)
         if o.dnat is None:
-            # not translated: the filter chains decide (firewall first, then service / external-service verdicts)
-            for chain in ("KUBE-PROXY-FIREWALL", "KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES"):
-                hit = [x for x in _walk(tables["filter"], chain, pkt, Outcome()) if x.verdict]
-                if hit:
-                    verdict = hit[0].verdict or verdict
-                    path.extend(hit[0].path)
-                    break
+            # not translated: kproxy's chains hooked into this built-in chain decide, in order (the first verdict
+            # wins: a firewall DROP, a healthCheckNodePort ACCEPT, a REJECT / DROP for a port without endpoints)
+            walked = _walk(tables["filter"], builtin, pkt, Outcome(masquerade=o.masquerade))
+            hit = [x for x in walked if x.verdict]
+            if hit:
+                verdict = hit[0].verdict or verdict
+                path.extend(hit[0].path)
         results.append(
             {
                 "probability": round(o.probability, 6),
@@ -205,7 +231,7 @@ def trace(ctx: render.Context, fragments: Mapping[ServicePortName, render.Fragme
                 "rules": path,
             }
         )
-    return {"packet": dataclass_dict(pkt), "outcomes": results}
+    return {"packet": dataclass_dict(pkt), "hook": builtin, "outcomes": results}
 
 
 def dataclass_dict(pkt: Packet) -> dict[str, Any]:

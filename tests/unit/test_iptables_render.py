@@ -616,6 +616,49 @@ def test_trace_reject_nodeport_and_firewall() -> None:
     assert o["verdict"] == "no service rule"
 
 
+def test_trace_filter_hook_follows_the_packet() -> None:
+    # the kernel's order of kproxy's jumps per built-in chain (each inserted at position 1, as upstream prepends)
+    targets = {c: [r.target for r in tr.hook_rules(c)] for c in ("INPUT", "FORWARD", "OUTPUT")}
+    assert targets == {
+        "INPUT": ["KUBE-PROXY-FIREWALL", "KUBE-NODEPORTS", "KUBE-EXTERNAL-SERVICES"],
+        "FORWARD": ["KUBE-PROXY-FIREWALL", "KUBE-FORWARD", "KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES"],
+        "OUTPUT": ["KUBE-PROXY-FIREWALL", "KUBE-SERVICES"],
+    }
+    e = svc("e", cluster_ip="198.18.200.5", node_port=30090, external_ips=("198.19.0.12",))  # no endpoints
+    services = [*_mixed(), e]
+    frags = {sp.name: render.render_service(sp, CTX4) for sp in services}
+
+    def one(pkt: tr.Packet) -> tuple[str, str, list[str]]:
+        got = tr.trace(CTX4, frags, pkt)
+        (o,) = got["outcomes"]
+        return got["hook"], o["verdict"], o["rules"]
+
+    # healthCheckNodePort to the node: INPUT's KUBE-NODEPORTS accepts it
+    hook, verdict, rules = one(tr.Packet("203.0.113.7", "tcp", "198.19.255.1", 32001, dst_local=True))
+    assert (hook, verdict) == ("INPUT", "ACCEPT") and "health check node port" in rules[-1]
+    assert rules[-2].startswith("-A INPUT ") and rules[-2].endswith("-j KUBE-NODEPORTS")
+    # a NodePort without endpoints: INPUT reaches KUBE-EXTERNAL-SERVICES
+    hook, verdict, rules = one(tr.Packet("203.0.113.7", "tcp", "198.19.255.1", 30090, dst_local=True))
+    assert (hook, verdict) == ("INPUT", "REJECT") and rules[-2].endswith("-j KUBE-EXTERNAL-SERVICES")
+    # ClusterIP without endpoints: FORWARD (from a pod) and OUTPUT (from the node) both pass KUBE-SERVICES
+    for pkt, want in (
+        (tr.Packet("198.18.1.20", "tcp", "198.18.200.5", 80), "FORWARD"),
+        (tr.Packet("198.19.255.1", "tcp", "198.18.200.5", 80, src_local=True), "OUTPUT"),
+    ):
+        hook, verdict, rules = one(pkt)
+        assert (hook, verdict) == (want, "REJECT") and rules[-2].startswith(f"-A {want} "), rules
+    # an external IP without endpoints: rejected when forwarded, but OUTPUT has no KUBE-EXTERNAL-SERVICES jump
+    assert one(tr.Packet("203.0.113.7", "tcp", "198.19.0.12", 80))[:2] == ("FORWARD", "REJECT")
+    assert one(tr.Packet("198.19.255.1", "tcp", "198.19.0.12", 80, src_local=True))[:2] == (
+        "OUTPUT",
+        "no service rule",
+    )
+    # the LB firewall comes first in every hook
+    hook, verdict, rules = one(tr.Packet("203.0.113.7", "tcp", "198.19.0.10", 80))
+    assert (hook, verdict) == ("FORWARD", "DROP") and rules[-2].endswith("-j KUBE-PROXY-FIREWALL")
+    assert "will be dropped by KUBE-PROXY-FIREWALL" in rules[-3]  # fell off the end of the nat KUBE-FW chain
+
+
 # ------------------------------------------------------------------------------------------------ adoption
 
 
