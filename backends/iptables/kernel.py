@@ -99,9 +99,6 @@ class Kernel:
         """``iptables -t TABLE -S CHAIN``: one chain's rules in save syntax (cheap on both flavours)."""
         return self.run([binary("", family, self.flavour), "-w", "-t", table, "-S", chain])
 
-    def command(self, family: IPFamily, args: list[str]) -> Run:
-        return self.run([binary("", family, self.flavour), "-w", *args])
-
 
 def count_rules(save_text: str) -> tuple[int, bool]:
     """(rules, whether any KUBE-* chain exists) in ``iptables-save`` output."""

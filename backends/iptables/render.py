@@ -211,14 +211,6 @@ class Context:
     random_fully: bool = True
     drop_invalid: bool = True
 
-    @property
-    def if_local(self) -> tuple[str, ...]:
-        return ("-s", self.local_cidr) if self.local_cidr else ()
-
-    @property
-    def if_not_local(self) -> tuple[str, ...]:
-        return ("!", "-s", self.local_cidr) if self.local_cidr else ()
-
 
 def make_context(
     config: ProxyConfig,
@@ -611,8 +603,6 @@ class Restore:
     text: str
     owners: list[tuple[int, int, ServicePortName]] = field(default_factory=list)  # [first, last] 1-based, inclusive
     rules: dict[str, int] = field(default_factory=dict)  # rules written per table
-    chains_written: list[str] = field(default_factory=list)  # "table/chain" of every chain declared (flushed)
-    deleted: list[str] = field(default_factory=list)  # nat chains deleted
 
     def owner_of(self, line: int) -> ServicePortName | None:
         for first, last, spn in self.owners:
@@ -681,11 +671,9 @@ def build_restore(
     jumps = list(jump_rules)
     w = _Writer()
     rules = {"filter": 0, "nat": 0}
-    written: list[str] = []
 
     if canary:
         w.add(("*mangle", f":{KUBE_PROXY_CANARY} - [0:0]", "COMMIT"))
-        written.append("mangle/" + KUBE_PROXY_CANARY)
 
     for table in ("filter", "nat"):
         keys = [k for k in TOP_CHAINS[table] if k in top_set]
@@ -696,14 +684,10 @@ def build_restore(
         w.add(("*" + table,))
         if canary:
             w.add((f":{KUBE_PROXY_CANARY} - [0:0]",))
-            written.append(f"{table}/{KUBE_PROXY_CANARY}")
         for key in keys:
             w.add((f":{key.split('/', 1)[1]} - [0:0]",))
-            written.append(key)
         if table == "nat":
-            decl = [f":{c} - [0:0]" for spn in to_write for c in fragments[spn].chains]
-            w.add(decl)
-            written.extend("nat/" + line[1:-8] for line in decl)
+            w.add(f":{c} - [0:0]" for spn in to_write for c in fragments[spn].chains)
             w.add(f":{c} - [0:0]" for c in deleting)
         for key in keys:
             head, tail = fixed.get(key, ((), ()))
@@ -727,7 +711,7 @@ def build_restore(
             rules[table] += 1
         w.add(("COMMIT",))
     text = "\n".join(w.lines) + "\n" if w.lines else ""
-    return Restore(text=text, owners=w.owners, rules=rules, chains_written=written, deleted=deleting)
+    return Restore(text=text, owners=w.owners, rules=rules)
 
 
 def total_rules(ctx: Context, fragments: Mapping[ServicePortName, Fragment]) -> dict[str, int]:
