@@ -50,8 +50,10 @@ Where kproxy deviates from upstream, and why:
   most once per sync period, rather than by a polling goroutine; a missing canary makes that family's sync a full
   one. A flush is therefore repaired by the first sync after the next check, within a sync period plus the time
   until the next sync (the runner syncs at least once per sync period).
-- A service whose rules the kernel refuses is left out (treated as absent) and reported in ``SyncResult.failed``;
-  upstream fails the whole restore.
+- A service whose rules the kernel refuses is reported in ``SyncResult.failed`` and the rest is applied; upstream
+  fails the whole restore (which leaves every old rule in place). A refused update keeps the service's previously
+  applied rules, as upstream would; a service with no previous rules (or whose previous rules are refused too) is
+  left out, treated as absent (no REJECT either).
 - ``--nodeport-addresses`` CIDRs become ``-d CIDR -m addrtype --dst-type LOCAL`` (the node's addresses in that
   CIDR, following address changes without a resync) instead of one rule per address found at sync time;
   ``primary`` uses the Node's addresses.

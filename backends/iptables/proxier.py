@@ -12,8 +12,10 @@ kernel: they rewrite the shared chains and every service whose chains differ fro
 missing and delete stale service chains, but never flush a table, so a restarted kproxy converges without
 disturbing established connections.
 
-A restore the kernel refuses is traced back to the service whose lines it names; that service is left out
-(treated as absent) and the rest is applied, up to ``MAX_ROUNDS`` times; it is reported in ``SyncResult.failed``.
+A restore the kernel refuses is traced back to the service whose lines it names; that service keeps the rules it
+had before (or, new or refused again, is left out, treated as absent) and the rest is applied, up to ``MAX_ROUNDS``
+times; it is reported in ``SyncResult.failed``. A retry rewrites the shared chains earlier rounds wrote as well,
+because a refused payload's earlier tables (filter before nat) have already committed.
 
 Who uses it: the daemon (through the ``kproxy.backends`` entry point ``iptables``), ``kproxy bench sync``, the lab,
 and tests/integration/test_iptables_backend.py.
@@ -315,13 +317,18 @@ class IptablesProxier(Proxier):
         if ctx != fs.ctx:
             full = True  # node CIDRs / addresses changed: every fragment may differ
         services = state.family(fam)
-        skip: set[ServicePortName] = set()
+        skip: set[ServicePortName] = set()  # refused: left out (treated as absent)
+        keep: set[ServicePortName] = set()  # refused update: the fragment applied before stays (as upstream keeps it)
         jumps: list[render.JumpRule] = []
         stale: set[str] = set()
 
         def plan() -> tuple[dict[ServicePortName, render.Fragment], list[ServicePortName] | None, set[str] | None]:
             if full:
-                frags = {spn: render.render_service(sp, ctx) for spn, sp in services.items() if spn not in skip}
+                frags = {
+                    spn: fs.fragments[spn] if spn in keep else render.render_service(sp, ctx)
+                    for spn, sp in services.items()
+                    if spn not in skip
+                }
                 if not kernel_chains:
                     return frags, None, None
                 # adoption: services whose chains the kernel already holds exactly are not rewritten
@@ -330,15 +337,21 @@ class IptablesProxier(Proxier):
             updates: dict[ServicePortName, render.Fragment | None] = {}
             for spn in changes.services:
                 sp = services.get(spn)
-                new = render.render_service(sp, ctx) if sp is not None and spn not in skip else None
+                if spn in keep:
+                    new: render.Fragment | None = fs.fragments[spn]
+                else:
+                    new = render.render_service(sp, ctx) if sp is not None and spn not in skip else None
                 updates[spn] = new
                 if new is None:
                     frags.pop(spn, None)
                 else:
                     frags[spn] = new
+            # a kept service's old chains are written again too: an earlier payload of this sync may have changed them
             written = [spn for spn, f in updates.items() if f is not None]
-            return frags, written, render.changed_top_chains(fs.fragments, updates)
+            return frags, written, render.changed_top_chains(fs.fragments, updates) | tops_tried
 
+        # shared chains earlier rounds wrote: a table of a refused payload may have committed before the refusal
+        tops_tried: set[str] = set()
         kernel_chains: dict[str, list[adopt.Canon]] = {}
         if full:
             s0 = time.perf_counter()
@@ -362,11 +375,11 @@ class IptablesProxier(Proxier):
         for _round in range(MAX_ROUNDS):
             if full:
                 wanted = {c for f in frags.values() for c in f.chains}
-                created = {c for spn in skip for c in self._pending_chains.get(spn, ())}
+                created = {c for spn in skip | keep for c in self._pending_chains.get(spn, ())}
                 stale = {c for c in existing | created if c not in wanted}
             else:
                 old_chains = {c for spn in changes.services if spn in fs.fragments for c in fs.fragments[spn].chains}
-                for spn in skip:  # failed services whose new chains an earlier chunk may have created
+                for spn in skip | keep:  # refused services whose new chains an earlier chunk may have created
                     old_chains.update(self._pending_chains.get(spn, ()))
                 wanted = {c for spn in changes.services if spn in frags for c in frags[spn].chains}
                 stale = old_chains - wanted
@@ -408,10 +421,18 @@ class IptablesProxier(Proxier):
                 timings["apply"] += apply_s
                 fs.last_payloads = payloads
                 return error, full
-            log.warning("iptables-restore refused the rules of %s (%s): skipping that service", bad, error)
-            failed[bad] = error
-            fs.failed[bad] = error
-            skip.add(bad)
+            if bad not in keep and bad in fs.fragments:
+                log.warning("iptables-restore refused the new rules of %s (%s): keeping its old rules", bad, error)
+                keep.add(bad)
+            else:  # new, or even its old rules are refused now
+                log.warning("iptables-restore refused the rules of %s (%s): skipping that service", bad, error)
+                keep.discard(bad)
+                skip.add(bad)
+            if bad not in failed:
+                failed[bad] = error
+                fs.failed[bad] = error
+            if top is not None:
+                tops_tried.update(top)
             if not full:
                 changes = Changes(full=False, services=changes.services | {bad}, generation=changes.generation)
             frags, write, top = plan()
@@ -427,12 +448,16 @@ class IptablesProxier(Proxier):
         fs.fragments = frags
         applied = frags.keys()
         if full:
-            fs.services = {spn: sp for spn, sp in services.items() if spn in applied}
-            fs.failed = {spn: why for spn, why in fs.failed.items() if spn in skip}
+            fs.services = {
+                spn: fs.services.get(spn, sp) if spn in keep else sp for spn, sp in services.items() if spn in applied
+            }
+            fs.failed = {spn: why for spn, why in fs.failed.items() if spn in skip or spn in keep}
             fs.last_full = (ctx, frags)
         else:
             for spn in changes.services:
                 sp = services.get(spn)
+                if spn in keep:
+                    continue  # still the old rules (and the old ServicePort), reported in failed
                 if sp is not None and spn in applied:
                     fs.services[spn] = sp
                     fs.failed.pop(spn, None)

@@ -467,3 +467,46 @@ def test_failing_family_does_not_stop_the_other(netns: str, flavour: str, monkey
     assert any("KUBE-PROXY-CANARY" in t for t in p.last_payloads(IPFamily.V4)) and p.last_payloads(IPFamily.V6) == []
     res = p.sync(state(SP_A, c2), Changes(full=False, services=frozenset()))
     assert res.ok and not res.full, res.error
+
+
+def test_refused_update_keeps_the_old_rules(netns: str, flavour: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = render.render_service
+
+    def broken(sp: ServicePort, ctx: render.Context) -> render.Fragment:
+        frag = original(sp, ctx)
+        if sp.name != A or not sp.external_ips:  # only A's update is refused
+            return frag
+        chain = frag.chains[0]
+        return dataclasses.replace(frag, rules=frag.rules + (f"-A {chain} -m nosuchmatch --foo -j ACCEPT",))
+
+    p = proxier(netns, flavour)
+    assert p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True)).ok
+    before = save(netns, flavour)
+    monkeypatch.setattr(render, "render_service", broken)
+    # the update adds filter lines (a DROP for the external IP, no local endpoints) and refused nat lines: the filter
+    # table may commit before nat is refused, so the retry writes the filter chain back too
+    a2 = dataclasses.replace(
+        SP_A,
+        cluster_endpoints=(ep("198.18.1.1"), ep("198.18.1.3")),
+        external_ips=("198.19.0.50",),
+        external_policy_local=True,
+    )
+    res = p.sync(state(a2, SP_B, SP_C6), Changes(full=False, services=frozenset({A})))
+    assert res.ok and set(res.failed) == {A} and "nosuchmatch" in res.failed[A], res
+    after = save(netns, flavour)
+    assert "198.19.0.50" not in after and "198.18.1.3" not in after and "nosuchmatch" not in after
+    assert section(after, "nat") == section(before, "nat") and section(after, "filter") == section(before, "filter")
+    info = p.describe(A)["services"]["ns1/a:http/TCP"]["IPv4"]
+    assert info["applied"] and info["failed"] and info["internalEndpoints"] == ["198.18.1.1:80", "198.18.1.2:80"]
+    # a full sync still refused: the old rules stay (adopted as they are, not even rewritten)
+    res = p.sync(state(a2, SP_B, SP_C6), Changes(full=True))
+    assert res.ok and set(res.failed) == {A}, res
+    assert section(save(netns, flavour), "nat") == section(before, "nat")
+    assert not any(f":{render.service_chain(A)} " in t for t in p.last_payloads(IPFamily.V4))
+    # fixed: the update lands
+    monkeypatch.setattr(render, "render_service", original)
+    res = p.sync(state(a2, SP_B, SP_C6), Changes(full=False, services=frozenset({A})))
+    assert res.ok and not res.failed, res
+    v4 = save(netns, flavour)
+    assert "198.19.0.50" in v4 and "--to-destination 198.18.1.3:80" in v4
+    assert not p.describe(A)["services"]["ns1/a:http/TCP"]["IPv4"]["failed"]
