@@ -32,6 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--json", dest="json_file", metavar="FILE", help="also write the JSON report here")
     p.add_argument("--keep-lab", action="store_true", help="leave the lab running afterwards")
     p.add_argument("--reuse-lab", action="store_true", help="use the running lab (and keep it) instead of a fresh one")
+    p.add_argument(
+        "--replace-lab",
+        action="store_true",
+        help="take down a lab already running under the prefix and bring up a fresh one (without this, or "
+        "--reuse-lab, a running lab is left alone and the run refuses to start)",
+    )
     p.add_argument("--lab-prefix", default=None, help="namespace prefix of the lab (default: the lab's own, kpl-)")
     p.set_defaults(func=cmd_conformance)
 
@@ -86,6 +92,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
                     args.scenario or None,
                     keep_lab=args.keep_lab and mode == modes[-1],
                     reuse_lab=args.reuse_lab,
+                    replace_lab=args.replace_lab,
                     prefix=args.lab_prefix,
                     progress=_progress,
                 )

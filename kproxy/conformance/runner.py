@@ -67,8 +67,12 @@ class Session:
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     @classmethod
-    def open(cls, mode: str, *, reuse_lab: bool = False, prefix: str | None = None) -> Session:
-        """Check the mode, then bring up a fresh 2-node lab (or attach to the running one with ``reuse_lab``)."""
+    def open(
+        cls, mode: str, *, reuse_lab: bool = False, replace_lab: bool = False, prefix: str | None = None
+    ) -> Session:
+        """Check the mode, then bring up a fresh 2-node lab (or attach to the running one with ``reuse_lab``).
+        A ready lab already running under the prefix is someone's: bringing one up would take it down, so that
+        is refused (ConformanceError) unless ``replace_lab``."""
         from kproxy.lab.cluster import Lab, LabError
         from kproxy.proxier import availability
 
@@ -82,6 +86,17 @@ class Session:
                 lab = Lab.attach(prefix=prefix)
             except LabError as exc:
                 log.info("no lab to reuse (%s); bringing one up", exc)
+        elif not replace_lab:
+            try:
+                Lab.attach(prefix=prefix)
+            except LabError:
+                pass  # nothing ready there: nobody's lab to lose
+            else:
+                raise ConformanceError(
+                    f"a lab is already running under prefix {prefix or Lab.PREFIX!r} and this run did not create it; "
+                    "bringing up a fresh one would take it down: pass --reuse-lab to run on it, --replace-lab to "
+                    "replace it, or --lab-prefix PREFIX for a lab of your own"
+                )
         if lab is None:
             try:
                 lab = Lab.up(nodes=2, pods_per_node=3, mode=mode, ipv6=True, prefix=prefix)
@@ -218,12 +233,14 @@ def run(
     *,
     keep_lab: bool = False,
     reuse_lab: bool = False,
+    replace_lab: bool = False,
     prefix: str | None = None,
     progress: Callable[[Result], None] | None = None,
 ) -> Report:
     """Run the scenarios (all by default) on ``lab`` (default: a fresh 2-node lab, torn down at the end unless
-    ``keep_lab``; ``reuse_lab`` attaches to a running one) with kproxy in ``mode``. ``progress`` sees each result
-    as it comes. ConformanceError when the suite cannot start."""
+    ``keep_lab``; ``reuse_lab`` attaches to a running one; a ready lab already under the prefix is only replaced
+    with ``replace_lab``) with kproxy in ``mode``. ``progress`` sees each result as it comes. ConformanceError when
+    the suite cannot start."""
     chosen = select(scenario_ids)
     t0 = time.monotonic()
     report = Report(mode)
@@ -231,7 +248,7 @@ def run(
         session = Session(mode, lab)
         session.prepare()
     else:
-        session = Session.open(mode, reuse_lab=reuse_lab, prefix=prefix)
+        session = Session.open(mode, reuse_lab=reuse_lab, replace_lab=replace_lab, prefix=prefix)
     try:
         for scenario in chosen:
             log.info("scenario %s on %s", scenario.id, mode)

@@ -6,8 +6,10 @@ one goes at the end of the session (also when tests fail). A lab that cannot com
 mode with the same reason instead of being retried 24 times.
 
 ``KPROXY_CONFORMANCE_MODES=iptables,nftables`` restricts the modes (default: every installed mode);
-``KPROXY_CONFORMANCE_LAB_PREFIX=kpq-`` builds the lab under another namespace prefix (default: the lab's ``kpl-``),
-so a run does not replace a lab someone else is using.
+``KPROXY_CONFORMANCE_LAB_PREFIX=kpq-`` builds the lab under another namespace prefix (default ``kpk-``, the tests'
+own, never the ``kpl-`` of a lab someone brought up by hand). A lab already running under the tests' own default
+prefix is a leftover of an earlier test run and is replaced; under a prefix given in the environment it is left
+alone and every test of the mode fails saying so.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Iterator
 import pytest
 
 from kproxy.conformance.runner import Session
+
+DEFAULT_PREFIX = "kpk-"
 
 
 class Labs:
@@ -33,7 +37,8 @@ class Labs:
             self.close()
             self.mode = mode
             try:
-                self.session = Session.open(mode, prefix=os.environ.get("KPROXY_CONFORMANCE_LAB_PREFIX") or None)
+                prefix = os.environ.get("KPROXY_CONFORMANCE_LAB_PREFIX") or DEFAULT_PREFIX
+                self.session = Session.open(mode, prefix=prefix, replace_lab=prefix == DEFAULT_PREFIX)
             except Exception as exc:  # the reason is what every test of the mode reports
                 self.error = f"lab with kproxy --mode {mode} did not come up: {type(exc).__name__}: {exc}"
         if self.error is not None:

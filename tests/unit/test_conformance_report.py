@@ -232,3 +232,35 @@ def test_cli_registers_conformance_with_its_flags() -> None:
     assert args.mode == ["iptables", "iptables"] and args.scenario == ["servers"] and args.junit == "x.xml"
     assert args.format == "table" and not args.keep_lab and not args.reuse_lab and callable(args.func)
     assert _modes(args.mode) == ["iptables"]
+
+
+def test_a_running_lab_is_not_replaced_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Someone's ready lab under the prefix: `kproxy conformance` refuses instead of taking it down, naming the
+    flags; with replace_lab it goes ahead (Lab.up, which replaces it), and the CLI knows --replace-lab."""
+    import kproxy.proxier
+    from kproxy.conformance.cli import register
+    from kproxy.conformance.runner import ConformanceError, Session
+    from kproxy.lab.cluster import Lab
+
+    monkeypatch.setattr(kproxy.proxier, "availability", lambda mode: kproxy.proxier.Availability(True))
+    monkeypatch.setattr(Lab, "attach", classmethod(lambda cls, prefix=None: object()))
+    brought_up: list[str | None] = []
+
+    def up(cls, **kw):  # type: ignore[no-untyped-def]
+        brought_up.append(kw.get("prefix"))
+        raise RuntimeError("no lab in unit tests")
+
+    monkeypatch.setattr(Lab, "up", classmethod(up))
+    with pytest.raises(ConformanceError, match="--reuse-lab.*--replace-lab"):
+        Session.open("iptables", prefix="kpx-")
+    assert brought_up == []
+    with pytest.raises(ConformanceError, match="did not come up"):
+        Session.open("iptables", prefix="kpx-", replace_lab=True)
+    assert brought_up == ["kpx-"]
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["conformance", "--mode", "iptables", "--replace-lab"])
+    assert args.replace_lab and not args.reuse_lab
