@@ -33,6 +33,8 @@ MANAGED_BY = "conformance.kproxy.example"
 TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
 METRICS_PORT = 10249
 HEALTHZ_PORT = 10256
+# (connect, read) seconds for every API call: a stuck API stand-in fails the call, not the whole pytest run
+API_TIMEOUT = (5, 30)
 
 
 class ScenarioFailure(AssertionError):
@@ -464,18 +466,18 @@ class Context:
             kind, name = obj["kind"], obj["metadata"]["name"]
             create, read, replace = self._verbs(kind)
             try:
-                create(self.namespace, obj)
+                create(self.namespace, obj, _request_timeout=API_TIMEOUT)
                 continue
             except ApiException as exc:
                 if exc.status != 409:
                     raise ScenarioFailure(
                         f"the API refused to create {kind} {self.namespace}/{name}", got=_api_error(exc)
                     ) from None
-            current = read(name, self.namespace)
+            current = read(name, self.namespace, _request_timeout=API_TIMEOUT)
             body = json.loads(json.dumps(obj))
             body["metadata"]["resourceVersion"] = current.metadata.resource_version
             try:
-                replace(name, self.namespace, body)
+                replace(name, self.namespace, body, _request_timeout=API_TIMEOUT)
             except ApiException as exc:
                 raise ScenarioFailure(
                     f"the API refused to replace {kind} {self.namespace}/{name}", got=_api_error(exc)
@@ -486,9 +488,9 @@ class Context:
 
         try:
             if kind == "Service":
-                self.core.delete_namespaced_service(name, self.namespace)
+                self.core.delete_namespaced_service(name, self.namespace, _request_timeout=API_TIMEOUT)
             else:
-                self.discovery.delete_namespaced_endpoint_slice(name, self.namespace)
+                self.discovery.delete_namespaced_endpoint_slice(name, self.namespace, _request_timeout=API_TIMEOUT)
         except ApiException as exc:
             if not (missing_ok and exc.status == 404):
                 raise
@@ -497,7 +499,7 @@ class Context:
         """The service and every slice labelled as its, as the garbage collector would do."""
         self.delete("Service", name)
         for s in self.discovery.list_namespaced_endpoint_slice(
-            self.namespace, label_selector=f"{SERVICE_NAME_LABEL}={name}"
+            self.namespace, label_selector=f"{SERVICE_NAME_LABEL}={name}", _request_timeout=API_TIMEOUT
         ).items:
             self.delete("EndpointSlice", s.metadata.name)
 
@@ -508,17 +510,21 @@ class Context:
         status = {"loadBalancer": {"ingress": [{"ip": ip} for ip in ips]}}
         try:
             self.core.patch_namespaced_service_status(
-                name, self.namespace, {"status": status}, _content_type="application/merge-patch+json"
+                name,
+                self.namespace,
+                {"status": status},
+                _content_type="application/merge-patch+json",
+                _request_timeout=API_TIMEOUT,
             )
         except ApiException as exc:
             if exc.status not in (405, 415, 422, 400):
                 raise ScenarioFailure(
                     f"could not set the load-balancer status of {name}", got=_api_error(exc)
                 ) from None
-            current = self.core.read_namespaced_service(name, self.namespace)
+            current = self.core.read_namespaced_service(name, self.namespace, _request_timeout=API_TIMEOUT)
             body = self.api_client.sanitize_for_serialization(current)
             body["status"] = status
-            self.core.replace_namespaced_service_status(name, self.namespace, body)
+            self.core.replace_namespaced_service_status(name, self.namespace, body, _request_timeout=API_TIMEOUT)
 
     def empty_namespace(self, namespace: str | None = None) -> int:
         """Delete every Service and EndpointSlice in the namespace; returns how many objects went."""
@@ -526,16 +532,16 @@ class Context:
         n = 0
         from kubernetes.client.exceptions import ApiException
 
-        for s in self.core.list_namespaced_service(ns).items:
+        for s in self.core.list_namespaced_service(ns, _request_timeout=API_TIMEOUT).items:
             try:
-                self.core.delete_namespaced_service(s.metadata.name, ns)
+                self.core.delete_namespaced_service(s.metadata.name, ns, _request_timeout=API_TIMEOUT)
                 n += 1
             except ApiException as exc:
                 if exc.status != 404:
                     raise
-        for s in self.discovery.list_namespaced_endpoint_slice(ns).items:
+        for s in self.discovery.list_namespaced_endpoint_slice(ns, _request_timeout=API_TIMEOUT).items:
             try:
-                self.discovery.delete_namespaced_endpoint_slice(s.metadata.name, ns)
+                self.discovery.delete_namespaced_endpoint_slice(s.metadata.name, ns, _request_timeout=API_TIMEOUT)
                 n += 1
             except ApiException as exc:
                 if exc.status != 404:
@@ -677,10 +683,14 @@ class Context:
 
     def metrics_text(self, node: Any) -> str:
         """``/metrics`` of the kproxy on ``node``, read from inside the node (it listens on 127.0.0.1)."""
-        r = self.http(node, f"http://127.0.0.1:{METRICS_PORT}/metrics")
+        url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
+        r = self.http(node, url)
         if getattr(r, "status", None) != 200:
             self.fail(
-                f"/metrics on {_name_of(node)} did not answer 200", got=f"{getattr(r, 'status', None)} {_body(r)[:200]}"
+                f"/metrics on {_name_of(node)} did not answer 200",
+                sent=f"GET {url} in {_ns_of(node)}",
+                got=_http_got(r),
+                expected="200 and the Prometheus exposition",
             )
         return _body(r)
 
@@ -690,14 +700,17 @@ class Context:
         if service:
             url += "?service=" + service
         r = self.http(node, url)
+        sent = f"GET {url} in {_ns_of(node)}"
         if getattr(r, "status", None) != 200:
             self.fail(
-                f"/rules on {_name_of(node)} did not answer 200", got=f"{getattr(r, 'status', None)} {_body(r)[:200]}"
+                f"/rules on {_name_of(node)} did not answer 200", sent=sent, got=_http_got(r), expected="200 and JSON"
             )
         try:
             return dict(json.loads(_body(r)))
         except ValueError:
-            self.fail(f"/rules on {_name_of(node)} is not JSON", got=_body(r)[:200])
+            self.fail(
+                f"/rules on {_name_of(node)} is not JSON", sent=sent, got=_body(r)[:200], expected="a JSON object"
+            )
             raise  # unreachable; fail raises
 
     def exec(self, where: Any, argv: Sequence[str], timeout: float = 30.0) -> Any:
@@ -707,6 +720,12 @@ class Context:
 
 def _is_refusal(err: str) -> bool:
     return err in ("refused", "unreachable", "port-unreachable", "host-unreachable", "rejected") or "refused" in err
+
+
+def _http_got(r: Any) -> str:
+    """An HTTP probe's outcome for a failure message: the status, or the error when nothing came back."""
+    err = getattr(r, "error", "") or ""
+    return f"{getattr(r, 'status', None)}" + (f" ({err})" if err else "") + f" {_body(r)[:200]}"
 
 
 def _body(r: Any) -> str:

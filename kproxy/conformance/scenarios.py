@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kproxy.conformance.context import (
+    API_TIMEOUT,
     HEALTHZ_PORT,
     METRICS_PORT,
     Context,
@@ -1062,6 +1063,8 @@ def cleanup(ctx: Context) -> None:
             ctx.expect(
                 not left,
                 f"{len(left)} things of mode {ctx.mode} remain after starting mode {other}",
+                sent=f"kproxy --mode {ctx.mode} stopped (SIGTERM) and kproxy --mode {other} started in {node.ns}, "
+                f"healthy; then the {ctx.mode} remnant check there",
                 got="; ".join(left[:8]),
                 expected="nothing of the old mode left",
             )
@@ -1142,7 +1145,12 @@ def health_body_problems(doc: Any, path: str) -> list[str]:
 def _node_eligibility(ctx: Context, node: Any) -> None:
     """Upstream: a Node tainted ToBeDeletedByClusterAutoscaler makes /healthz 503 with nodeEligible false, while
     /livez stays 200; removing the taint makes it 200 again."""
-    original = ctx.api_client.sanitize_for_serialization(ctx.core.read_node(node.name).spec.taints) or []
+    original = (
+        ctx.api_client.sanitize_for_serialization(
+            ctx.core.read_node(node.name, _request_timeout=API_TIMEOUT).spec.taints
+        )
+        or []
+    )
     taint = {"key": "ToBeDeletedByClusterAutoscaler", "value": str(int(time.time())), "effect": "NoSchedule"}
     healthz, livez = _url(node.ip4, HEALTHZ_PORT, "/healthz"), _url(node.ip4, HEALTHZ_PORT, "/livez")
 
@@ -1161,13 +1169,16 @@ def _node_eligibility(ctx: Context, node: Any) -> None:
         )
 
     patch = {"spec": {"taints": [*original, taint]}}
-    ctx.core.patch_node(node.name, patch, _content_type="application/merge-patch+json")
+    ctx.core.patch_node(node.name, patch, _content_type="application/merge-patch+json", _request_timeout=API_TIMEOUT)
     try:
-        ctx.eventually(lambda: answers(healthz, 503, False), timeout=5.0, what="node tainted for deletion")
+        ctx.eventually(lambda: answers(healthz, 503, False), timeout=SYNC_WAIT, what="node tainted for deletion")
         answers(livez, 200, None)
     finally:
         ctx.core.patch_node(
-            node.name, {"spec": {"taints": original or None}}, _content_type="application/merge-patch+json"
+            node.name,
+            {"spec": {"taints": original or None}},
+            _content_type="application/merge-patch+json",
+            _request_timeout=API_TIMEOUT,
         )
     ctx.eventually(lambda: answers(healthz, 200, True), timeout=SYNC_WAIT, what="taint removed")
 
@@ -1362,7 +1373,13 @@ def _ipv4_rules(ctx: Context, node: Any, key: str) -> Any:
     ``services[<key>/<PROTO>][<family>]``; a backend without per-family entries is compared whole)."""
     services = (ctx.rules(node, service=key).get("backend") or {}).get("services") or {}
     out = {k: (v.get("IPv4") if isinstance(v, dict) and "IPv4" in v else v) for k, v in services.items()}
-    ctx.expect(out, f"/rules on {node.name} does not describe {key}", got=json.dumps(services)[:300])
+    ctx.expect(
+        out,
+        f"/rules on {node.name} does not describe {key}",
+        sent=f"GET http://127.0.0.1:{METRICS_PORT}/rules?service={key} in {node.ns}",
+        got="backend.services: " + json.dumps(services)[:300],
+        expected=f"backend.services with an entry for {key}",
+    )
     return out
 
 
