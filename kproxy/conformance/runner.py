@@ -113,14 +113,22 @@ class Session:
 
     def prepare(self) -> None:
         """kproxy in this mode on every node, each answering /healthz 200."""
+        self._wrong_mode_stopped()
+        for node in self.lab.nodes:
+            if not self.lab.kproxy_running(node):
+                self.lab.start_kproxy(node, self.mode, self.kproxy_args)
+        self.wait_ready()
+
+    def _wrong_mode_stopped(self) -> list[str]:
+        """Stop a kproxy that runs in another mode than the session's (the lab records each node's); say where."""
         running = (getattr(self.lab, "state", {}) or {}).get("kproxy", {})
+        stopped = []
         for node in self.lab.nodes:
             mode_there = (running.get(node.name) or {}).get("mode")
             if self.lab.kproxy_running(node) and mode_there not in (None, self.mode):
                 self.lab.stop_kproxy(node)
-            if not self.lab.kproxy_running(node):
-                self.lab.start_kproxy(node, self.mode, self.kproxy_args)
-        self.wait_ready()
+                stopped.append(f"kproxy on {node.name} ran in mode {mode_there}, not {self.mode}")
+        return stopped
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -203,8 +211,9 @@ class Session:
         return Result(scenario.id, status, detail, time.monotonic() - t0)
 
     def _revive(self) -> str:
-        """Restart kproxy where it is not running (a previous scenario killed it or it crashed); say so."""
-        notes = []
+        """Restart kproxy, in the session's mode, where it is not running (a previous scenario killed it or it
+        crashed) or runs in another mode (a scenario that switched modes failed half-way); say so."""
+        notes = self._wrong_mode_stopped()
         dead = [n for n in self.lab.nodes if not self.lab.kproxy_running(n)]
         for node in dead:
             self.lab.start_kproxy(node, self.mode, self.kproxy_args)

@@ -498,11 +498,30 @@ def itp_local(ctx: Context) -> None:
     _barrier(ctx, n2)
     ctx.reach(a, ip, 80, count=8, only=[ep1])
     ctx.blocked(b, ip, 80, how="timeout", count=3, timeout=1.0)
+    _internal_verdict(ctx, n2, f"{ctx.namespace}/itp:tcp", "drop")
     ep2 = ctx.pods_on(n2)[1]
     ctx.apply(ctx.slice_for(svc, [ep1, ep2]))
     _wait_reach(ctx, b, ip, 80, only=[ep2], what="after adding an endpoint on node-2")
     ctx.reach(b, ip, 80, count=8, only=[ep2])
     ctx.reach(a, ip, 80, count=8, only=[ep1])
+
+
+def _internal_verdict(ctx: Context, node: Any, key: str, want: str) -> None:
+    """The node's /rules says traffic from inside the cluster to ``key`` gets verdict ``want`` (every backend's
+    description of a service port carries the cache's ``internal`` verdict, per family where it has families)."""
+    services = (ctx.rules(node, service=key).get("backend") or {}).get("services") or {}
+    verdicts = []
+    for entry in services.values():
+        for info in entry.values() if isinstance(entry, dict) and "internal" not in entry else [entry]:
+            if isinstance(info, dict) and "internal" in info:
+                verdicts.append(info["internal"])
+    ctx.expect(
+        verdicts and all(v == want for v in verdicts),
+        f"/rules on {node.name} does not show internal verdict {want!r} for {key}",
+        sent=f"GET http://127.0.0.1:{METRICS_PORT}/rules?service={key} in {node.ns}",
+        got=f"internal verdicts {verdicts}; backend.services: {json.dumps(services)[:300]}",
+        expected=f"the service described, internal verdict {want!r}",
+    )
 
 
 def terminating_fallback(ctx: Context) -> None:
@@ -982,13 +1001,28 @@ def _userspace_remnants(ctx: Context, node: Any) -> list[str]:
     )
 
 
+def _tool_ok(res: Any, argv: Sequence[str], node: Any) -> None:
+    """A remnant check whose tool failed has seen nothing: that is a failure, never "nothing left"."""
+    if _rc(res) != 0:
+        raise ScenarioFailure(
+            f"{argv[0]} failed in {node.ns}, so what of the mode remains is unknown",
+            sent=" ".join(argv) + f" in {node.ns}",
+            got=f"exit {_rc(res)}: {_stdout(getattr(res, 'stderr', ''))[:300]}",
+            expected="exit 0",
+        )
+
+
 def _nftables_remnants(ctx: Context, node: Any) -> list[str]:
-    res = ctx.exec(node, ["nft", "list", "tables"], timeout=20)
+    argv = ["nft", "list", "tables"]
+    res = ctx.exec(node, argv, timeout=20)
+    _tool_ok(res, argv, node)
     return [f"nft: {line}" for line in _stdout(res).splitlines() if "kproxy" in line or "kube-proxy" in line]
 
 
 def _bpf_remnants(ctx: Context, node: Any) -> list[str]:
-    res = ctx.exec(node, ["bpftool", "-j", "net", "show"], timeout=20)
+    argv = ["bpftool", "-j", "net", "show"]
+    res = ctx.exec(node, argv, timeout=20)
+    _tool_ok(res, argv, node)
     left: list[str] = []
     try:
         data = json.loads(_stdout(res) or "[]")
@@ -1073,7 +1107,28 @@ def cleanup(ctx: Context) -> None:
         ctx.lab.stop_kproxy(node, signal.SIGTERM)
         _start_kproxy(ctx, node, ctx.mode)
     _wait_reach(ctx, client, ip, 80, only=eps, what=f"kproxy {ctx.mode} back after the other modes")
-    ctx.note(f"cleanup left nothing; starting {', '.join(tried)} removed everything of {ctx.mode}")
+    # ... and the mode it came back in removed what the others left
+    unchecked = []
+    for other in tried:
+        other_check = REMNANT_CHECKS.get(other)
+        if other_check is None:
+            unchecked.append(other)
+            continue
+        left = other_check(ctx, node)
+        ctx.expect(
+            not left,
+            f"{len(left)} things of mode {other} remain after switching back to mode {ctx.mode}",
+            sent=f"kproxy --mode {other} stopped (SIGTERM) and kproxy --mode {ctx.mode} started in {node.ns}, "
+            f"serving {ip}:80 again; then the {other} remnant check there",
+            got="; ".join(left[:8]),
+            expected=f"nothing of mode {other} left",
+        )
+    ctx.note(
+        f"cleanup left nothing; starting {', '.join(tried)} removed everything of {ctx.mode}, and switching back "
+        "removed everything of "
+        + ", ".join(m for m in tried if m not in unchecked)
+        + (f" (no remnant check for {', '.join(unchecked)})" if unchecked else "")
+    )
 
 
 REQUIRED_METRICS = (
