@@ -1463,12 +1463,14 @@ SCALE_SAMPLE = 50
 SCALE_CONVERGE_S = 30.0
 # The longest single sync (kubeproxy_sync_proxy_rules_duration_seconds on node-1) allowed while the 1,000 services
 # x 3 endpoints arrive, per mode. Targets are bucket edges of that histogram (1 ms x 2^n), so "every sync <= target"
-# is read off the buckets exactly. iptables, measured on the 2-core lab host (Nov 2026, 3 runs): 17-29 syncs,
-# mean 0.12-0.19 s, the longest in (0.256, 0.512] or (0.512, 1.024] s; 2.048 s leaves 2-4x headroom for a loaded CI
-# machine (at 1k x 3 the kernel's own restore takes well under a second; PERFORMANCE.md's full-sync target is
-# relative to that floor at 10k). A mode not measured yet gets the same target until it is.
-SCALE_SYNC_TARGET_S = {"iptables": 2.048}
-SCALE_SYNC_TARGET_DEFAULT_S = 2.048
+# is read off the buckets exactly. iptables, measured on the 2-core lab host (Nov 2026, 8 runs, load ~2-4 from
+# other work): 17-37 syncs, mean 0.09-0.19 s, the longest in (0.256, 0.512] once, (0.512, 1.024] five times and
+# (1.024, 2.048] twice: these syncs run while 8 API writers, the API stand-in and two kproxies share 2 cores.
+# 4.096 s leaves 2x headroom over the worst bucket seen (2.048 s, the reviewer's suggested 2.0 s, would have had
+# none); at 1k x 3 the kernel's own restore takes well under a second, PERFORMANCE.md's full-sync target is relative
+# to that floor at 10k. A mode not measured yet gets the same target until it is.
+SCALE_SYNC_TARGET_S = {"iptables": 4.096}
+SCALE_SYNC_TARGET_DEFAULT_S = 4.096
 
 
 def scale_smoke(ctx: Context) -> None:
