@@ -154,7 +154,6 @@ class Daemon:
         self._need_full = True
         self._conntrack_owed = False
         self._last_full_at = 0.0
-        self._state: ProxyState | None = None
         self._ready_logged = False
         self._stopped = threading.Event()
         self._lock = threading.Lock()
@@ -262,7 +261,6 @@ class Daemon:
 
         failed: dict[ServicePortName, str] = dict(result.failed)
         self.cache.commit(changes, failed=failed.keys())
-        self._state = state
         now_wall = time.time()
         if changes.full or result.full:
             self._last_full_at = time.monotonic()
@@ -420,7 +418,3 @@ def parse_service_key(text: str) -> ServicePortName | None:
     if not ns or not name:
         return None
     return ServicePortName(ns, name, port, proto)
-
-
-def families_label(families: tuple[IPFamily, ...]) -> str:
-    return ",".join(f.value for f in families)
