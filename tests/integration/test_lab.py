@@ -199,6 +199,10 @@ def test_node_process_lifecycle(lab: Lab, monkeypatch: pytest.MonkeyPatch) -> No
     try:
         pid = lab.kproxy_pid(node)
         assert pid and lab.kproxy_running(node)
+        # `ip netns exec` enters the namespace a moment after the process starts: wait for it, boundedly
+        deadline = time.monotonic() + 5
+        while pid not in lab_netns.netns_pids([node.ns])[node.ns] and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert pid in lab_netns.netns_pids([node.ns])[node.ns]
         assert pid in lab_netns.cgroup_procs(lab.cgroup_path(node))
         assert Lab.attach(prefix=P).kproxy_running(node.name)  # seen from another Lab object, as the runner would
