@@ -26,6 +26,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     s.add_argument("--endpoints", type=int, default=10, metavar="E", help="endpoints per service (<= 1000)")
     s.add_argument("--repeat", type=int, default=5, metavar="R", help="partial syncs to take the median of")
     s.add_argument("--format", choices=("json", "table"), default="table")
+    s.add_argument(
+        "--backend-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a backend option as the backend declares it, e.g. iptables_flavour=legacy (repeatable)",
+    )
     s.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # already in the bench namespace
     s.set_defaults(func=cmd_sync)
 
@@ -49,6 +56,7 @@ def _sync_argv(args: argparse.Namespace) -> list[str]:
         str(args.repeat),
         "--format",
         args.format,
+        *(f"--backend-option={opt}" for opt in args.backend_option),
     ]
 
 
@@ -56,10 +64,17 @@ def cmd_sync(args: argparse.Namespace) -> int:
     # Imported here: the cache and the backends are only needed when a benchmark actually runs.
     from kproxy.bench.sync import BenchError, render, run_in_namespace, run_sync_bench
 
+    options: dict[str, str] = {}
+    for opt in args.backend_option:
+        key, sep, value = opt.partition("=")
+        if not sep or not key:
+            print(f"kproxy bench sync: --backend-option {opt!r} is not KEY=VALUE", file=sys.stderr)
+            return 2
+        options[key.replace("-", "_")] = value
     if args.mode != "fake" and not args.inside:
         return run_in_namespace(_sync_argv(args))
     try:
-        result = run_sync_bench(args.mode, args.services, args.endpoints, args.repeat)
+        result = run_sync_bench(args.mode, args.services, args.endpoints, args.repeat, options)
     except (BenchError, BackendError) as exc:
         print(f"kproxy bench sync: {exc}", file=sys.stderr)
         return 1

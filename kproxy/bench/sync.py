@@ -31,9 +31,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from kproxy.bench import synthetic
@@ -80,13 +81,21 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
-def run_sync_bench(mode: str, n_services: int, n_endpoints: int, repeat: int = 5) -> SyncBench:
-    """Run the phases in the current network namespace (the caller chose it) and return the figures."""
+def run_sync_bench(
+    mode: str, n_services: int, n_endpoints: int, repeat: int = 5, backend_options: Mapping[str, str] | None = None
+) -> SyncBench:
+    """Run the phases in the current network namespace (the caller chose it) and return the figures.
+    ``backend_options`` reach the backend as ``ProxyConfig.backend_options`` (e.g. ``iptables_flavour``)."""
     if n_services < 1 or n_endpoints < 1 or repeat < 1:
         raise BenchError("--services, --endpoints and --repeat must be at least 1")
     if n_services > synthetic.MAX_SERVICES:
         raise BenchError(f"--services: at most {synthetic.MAX_SERVICES} (198.19.0.0/16)")
-    config = ProxyConfig(mode=mode, hostname_override=NODE, cluster_cidrs=(CLUSTER_CIDR,))
+    config = ProxyConfig(
+        mode=mode,
+        hostname_override=NODE,
+        cluster_cidrs=(CLUSTER_CIDR,),
+        backend_options=MappingProxyType(dict(backend_options or {})),
+    )
     cls = backend_class(mode)
     avail = cls.available()
     if not avail:
