@@ -115,8 +115,8 @@ class Daemon:
     ) -> None:
         self.config = config
         self.backend = backend
-        self.metrics = metrics or Metrics()
         self.families = tuple(config.ip_families)
+        self.metrics = metrics or Metrics(self.families)
         self.health = ProxyHealth(self.families, config.health_timeout)
         self.cache = ServiceCache(
             config.node_name,
@@ -195,7 +195,7 @@ class Daemon:
         self.metrics.add_changes(services=max(services, 0), endpoints=max(endpoints, 0))
         for fam in self.families:
             self.health.queued_update(fam)
-            self.metrics.sync_proxy_rules_last_queued_timestamp_seconds.labels(fam.value).set(now)
+            self.metrics.set_last_queued(fam, now)
         self.health.set_node_eligible(self.cache.node_info().eligible)
         self.runner.run()
 
@@ -249,14 +249,8 @@ class Daemon:
                 result.error,
             )
             for fam in self.families:
-                if self.backend.mode == "iptables":
-                    (
-                        m.sync_proxy_rules_iptables_restore_failures_total
-                        if changes.full
-                        else m.sync_proxy_rules_iptables_partial_restore_failures_total
-                    ).labels(fam.value).inc()
-                elif self.backend.mode == "nftables":
-                    m.sync_proxy_rules_nftables_sync_failures_total.labels(fam.value).inc()
+                m.observe_sync(fam, elapsed, changes.full, ok=False)
+                m.count_sync_failure(self.backend.mode, fam, changes.full)
             return False
 
         failed: dict[ServicePortName, str] = dict(result.failed)
@@ -276,30 +270,24 @@ class Daemon:
                 "; ".join(f"{k}: {v}" for k, v in self.status.failed.items()),
             )
 
+        stats = self.cache.stats()
         for fam in self.families:
             self.health.updated(fam)
-            m.sync_proxy_rules_duration_seconds.labels(fam.value).observe(elapsed)
-            (
-                m.sync_full_proxy_rules_duration_seconds
-                if changes.full
-                else m.sync_partial_proxy_rules_duration_seconds
-            ).labels(fam.value).observe(elapsed)
-            m.sync_proxy_rules_last_timestamp_seconds.labels(fam.value).set(now_wall)
-            for trigger in changes.trigger_times:
-                if now_wall >= trigger:
-                    m.network_programming_duration_seconds.labels(fam.value).observe(now_wall - trigger)
+            m.observe_sync(fam, elapsed, changes.full)
+            m.observe_phases(fam, result.timings.items())
+            m.set_last_synced(fam, now_wall)
+            m.observe_network_programming(fam, changes.trigger_times, now_wall)
             # upstream counts the service ports whose Local policy drops traffic for want of local endpoints
-            internal = external = 0
-            for sp in state.family(fam).values():
-                internal += sp.internal_policy_local and sp.internal_verdict is Verdict.DROP
-                external += sp.external_policy_local and sp.external_verdict is Verdict.DROP
-            m.sync_proxy_rules_no_local_endpoints_total.labels(fam.value, "internal").set(internal)
-            m.sync_proxy_rules_no_local_endpoints_total.labels(fam.value, "external").set(external)
-        for fam in self.families:
+            ports = state.family(fam).values()
+            m.set_no_local_endpoints(
+                fam,
+                internal=sum(sp.internal_policy_local and sp.internal_verdict is Verdict.DROP for sp in ports),
+                external=sum(sp.external_policy_local and sp.external_verdict is Verdict.DROP for sp in ports),
+            )
             m.observe_counts(fam, result.counts)
-        stats = self.cache.stats()
-        m.sync_proxy_rules_service_changes_pending.set(stats.get("service_changes_pending", 0))
-        m.sync_proxy_rules_endpoint_changes_pending.set(stats.get("endpoint_changes_pending", 0))
+        m.set_pending(stats.get("service_changes_pending", 0), stats.get("endpoint_changes_pending", 0))
+        m.set_sync_failed_services(len(failed))
+        m.set_invalid_objects("all", stats.get("invalid_objects", 0))
 
         self.service_health.sync_services(health_check_ports(state))
         self.service_health.sync_endpoints(local_ready_endpoints(state))
@@ -321,9 +309,8 @@ class Daemon:
             return False
         elapsed = time.perf_counter() - start
         for fam in self.families:
-            self.metrics.conntrack_reconciler_sync_duration_seconds.labels(fam.value).observe(elapsed)
+            self.metrics.observe_conntrack(fam, elapsed, deleted.get(fam, 0))
             if deleted.get(fam):
-                self.metrics.conntrack_reconciler_deleted_entries_total.labels(fam.value).inc(deleted[fam])
                 log.info("conntrack: deleted %d stale %s UDP entries", deleted[fam], fam.value)
         return bool(getattr(self.reconciler, "last_ok", True))
 

@@ -310,6 +310,21 @@ class Metrics:
             elif kind == "last":
                 self.sync_proxy_rules_iptables_last.labels(family.label, table).set(value)
 
+    def count_sync_failure(self, mode: str, family: IPFamily, full: bool) -> None:
+        """A failed sync of ``family``: upstream's per-mode failure counters (iptables: restore failures, partial
+        ones apart; nftables: sync failures), plus kproxy's mode-neutral ``kproxy_syncs_total{result="failure"}``."""
+        label = family.label
+        self.kproxy_syncs_total.labels(label, "failure").inc()
+        if mode == "iptables":
+            which = (
+                self.sync_proxy_rules_iptables_restore_failures_total
+                if full
+                else self.sync_proxy_rules_iptables_partial_restore_failures_total
+            )
+            which.labels(label).inc()
+        elif mode == "nftables":
+            self.sync_proxy_rules_nftables_sync_failures_total.labels(label).inc()
+
     def observe_conntrack(self, family: IPFamily, seconds: float, deleted: int) -> None:
         """One conntrack reconcile of ``family``: its duration and the flows it deleted."""
         self.conntrack_reconciler_sync_duration_seconds.labels(family.label).observe(seconds)

@@ -159,3 +159,16 @@ def test_registries_are_independent() -> None:
     a, b = Metrics(), Metrics()
     a.count_healthz(200)
     assert b.value("kubeproxy_proxy_healthz_total", {"code": "200"}) is None
+
+
+def test_sync_failures_feed_the_modes_own_counters() -> None:
+    m = Metrics([IPFamily.V4])
+    v4 = {"ip_family": "IPv4"}
+    m.count_sync_failure("iptables", IPFamily.V4, full=True)
+    m.count_sync_failure("iptables", IPFamily.V4, full=False)
+    m.count_sync_failure("nftables", IPFamily.V4, full=False)
+    m.count_sync_failure("bpf", IPFamily.V4, full=True)
+    assert m.value("kubeproxy_sync_proxy_rules_iptables_restore_failures_total", v4) == 1
+    assert m.value("kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total", v4) == 1
+    assert m.value("kubeproxy_sync_proxy_rules_nftables_sync_failures_total", v4) == 1
+    assert m.value("kproxy_syncs_total", {**v4, "result": "failure"}) == 4
