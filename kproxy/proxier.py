@@ -115,6 +115,13 @@ class Proxier:
         into a fresh empty target the backend makes itself (for ``kproxy bench sync``). None if not measurable."""
         return None
 
+    def measure_partial_floor(self) -> Mapping[str, float] | None:
+        """For ``kproxy bench sync``: the kernel's own time to take the last *partial* sync's change again, by the most
+        direct means, into the state it holds now: ``{"floor_s": seconds}``, plus any figures (seconds, keys ending in
+        ``_s``) that explain where that time goes. Benchmarks only: it may rewrite what is programmed. None if not
+        measurable."""
+        return None
+
     def close(self) -> None:
         """Release sockets, file descriptors and threads; kernel state stays."""
 

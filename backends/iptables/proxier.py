@@ -63,6 +63,7 @@ class _Family:
     services: dict[ServicePortName, ServicePort] = field(default_factory=dict)
     failed: dict[ServicePortName, str] = field(default_factory=dict)
     last_payloads: list[str] = field(default_factory=list)  # every payload of the last sync (for tests and /rules)
+    last_was_full: bool = True  # whether those came from a full sync
     # what the last full sync wanted (for measure_floor: the payloads that write it all into an empty table)
     last_full: tuple[render.Context, dict[ServicePortName, render.Fragment]] | None = None
     last_rules: dict[str, int] = field(default_factory=dict)
@@ -185,6 +186,68 @@ class IptablesProxier(Proxier):
             return total
         finally:
             subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True, timeout=30)
+
+    def measure_partial_floor(self) -> dict[str, float] | None:
+        """Replay the last partial sync's payloads with ``iptables-restore`` (same flavour, same flags) into the table
+        as it is now, without their ``-X`` lines (those chains are gone already): the same chain flushes and rule
+        additions, so ``floor_s`` is what the kernel and the restore tool alone take for that change.
+
+        On the nf_tables flavour it then measures the same replay once more with the jumps from the built-in chains
+        into kproxy's chains (``render.JUMP_RULES`` of the tables the payload writes) deleted, and inserts them again:
+        ``unhooked_s``. nf_tables validates every rule reachable from a base chain on each commit that adds a rule
+        (``nf_tables_validate`` at commit), so the gap between the two is that walk over the whole service table,
+        which no payload shape avoids. Benchmarks only: the node's services are unhooked for the moment it takes."""
+        with self._lock:
+            if self._kernel is None:
+                return None
+            k = self._kernel
+            payloads = {
+                fam: [_replayable(t) for t in fs.last_payloads] for fam, fs in self._fam.items() if not fs.last_was_full
+            }
+            payloads = {fam: [t for t in texts if t] for fam, texts in payloads.items()}
+            payloads = {fam: texts for fam, texts in payloads.items() if texts}
+            if not payloads:
+                return None
+
+            def replay() -> float | None:
+                total = 0.0
+                for fam, texts in payloads.items():
+                    for text in texts:
+                        res = k.restore(fam, text)
+                        if not res.ok:
+                            log.warning("partial floor replay failed: %s", res.stderr.strip())
+                            return None
+                        total += res.seconds
+                return total
+
+            floor = replay()
+            if floor is None:
+                return None
+            out = {"floor_s": floor}
+            if k.flavour != "nft":
+                return out
+            tables = {fam: {m.group(1) for t in texts for m in _TABLE.finditer(t)} for fam, texts in payloads.items()}
+            jumps = {fam: [j for j in render.JUMP_RULES if j.table in tables[fam]] for fam in payloads}
+            unhooked: dict[IPFamily, list[render.JumpRule]] = {}
+            try:
+                for fam, js in jumps.items():
+                    if not js:
+                        continue
+                    res = k.restore(fam, _jump_text(js, "-D"))
+                    if not res.ok:
+                        log.warning("partial floor: could not unhook: %s", res.stderr.strip())
+                        return out
+                    unhooked[fam] = js
+                seconds = replay()
+                if seconds is not None:
+                    out["unhooked_s"] = seconds
+            finally:
+                for fam, js in unhooked.items():
+                    res = k.restore(fam, _jump_text(js, "-I"))
+                    if not res.ok:  # the next full sync inserts missing jumps anyway
+                        log.error("partial floor: could not insert the jumps again: %s", res.stderr.strip())
+                        self._fam[fam].need_full = True
+            return out
 
     def describe(self, key: ServicePortName | None = None) -> dict[str, Any]:
         with self._lock:
@@ -419,7 +482,7 @@ class IptablesProxier(Proxier):
             if bad is None or bad in skip:
                 timings["render"] += render_s
                 timings["apply"] += apply_s
-                fs.last_payloads = payloads
+                fs.last_payloads, fs.last_was_full = payloads, full
                 return error, full
             if bad not in keep and bad in fs.fragments:
                 log.warning("iptables-restore refused the new rules of %s (%s): keeping its old rules", bad, error)
@@ -439,7 +502,7 @@ class IptablesProxier(Proxier):
         else:
             timings["render"] += render_s
             timings["apply"] += apply_s
-            fs.last_payloads = payloads
+            fs.last_payloads, fs.last_was_full = payloads, full
             return f"still refused after {MAX_ROUNDS} rounds: {error}", full
         timings["render"] += render_s
         timings["apply"] += apply_s
@@ -465,7 +528,7 @@ class IptablesProxier(Proxier):
                     fs.services.pop(spn, None)
                     if sp is None:
                         fs.failed.pop(spn, None)
-        fs.last_payloads = payloads
+        fs.last_payloads, fs.last_was_full = payloads, full
         fs.last_rules = rules_written
         totals = render.total_rules(ctx, frags)
         for t in ("filter", "nat"):
@@ -511,6 +574,28 @@ class IptablesProxier(Proxier):
         jumps.update(f"nat/{line}" for line in res.stdout.splitlines() if line.startswith(builtin))
         chains = adopt.kernel_service_chains(res.stdout)
         return chains, jumps, res.stdout.count("\n-A "), None
+
+
+_TABLE = re.compile(r"^\*(\w+)$", re.M)
+
+
+def _replayable(text: str) -> str:
+    """A restore payload without its chain deletions (``-X``, which cannot be repeated) and without the declarations
+    (``:CHAIN``) that flushed those chains before, which would create them again."""
+    lines = text.splitlines(keepends=True)
+    gone = {f":{line[3:].strip()} " for line in lines if line.startswith("-X ")}
+    return "".join(line for line in lines if not line.startswith("-X ") and line[: line.find(" ") + 1] not in gone)
+
+
+def _jump_text(jumps: list[render.JumpRule], op: str) -> str:
+    """A restore payload deleting (``-D``) or inserting at the top (``-I``, in the order a full sync does) jumps."""
+    lines: list[str] = []
+    for table in ("filter", "nat"):
+        mine = [j for j in jumps if j.table == table]
+        if mine:
+            pos = " 1" if op == "-I" else ""
+            lines += [f"*{table}", *(f"{op} {j.chain}{pos} {j.spec}" for j in mine), "COMMIT"]
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def _chunk_lines(kernel_rules: int) -> int:

@@ -16,6 +16,9 @@ Phases, each timed with ``time.perf_counter``:
   ``ratio`` = full_sync_s / floor_s; ``render_s``: the backend's own ``timings["render"]`` of the full sync;
 - ``partial_apply_s``: median of the backend's ``timings["apply"]`` in the partial runs (the kernel's share of a
   partial sync: what is left of ``partial_sync_s`` is kproxy's own work);
+- ``partial_floor_s``: ``backend.measure_partial_floor()["floor_s"]``, the kernel alone taking the last partial
+  sync's change again by the most direct means; ``partial_floor_detail``: the rest of what that returned (the
+  iptables backend adds ``unhooked_s``, the same replay with the jumps from the built-in chains removed);
 - ``rss_mb``: peak resident memory of the process that ran the phases; ``counts``: the backend's sizes.
 
 Who uses it: ``kproxy.bench.cli`` (``kproxy bench sync``), ``make bench``, and later ``kproxy compare``.
@@ -66,6 +69,8 @@ class SyncBench:
     ratio: float | None = None
     render_s: float | None = None
     partial_apply_s: float | None = None
+    partial_floor_s: float | None = None
+    partial_floor_detail: dict[str, float] = field(default_factory=dict)
     rss_mb: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
 
@@ -145,6 +150,9 @@ def run_sync_bench(
         out.partial_sync_s = statistics.median(out.partial_sync_runs)
         out.partial_apply_s = statistics.median(applies) if applies else None
 
+        pfloor = dict(backend.measure_partial_floor() or {})
+        out.partial_floor_s = pfloor.pop("floor_s", None)
+        out.partial_floor_detail = pfloor
         out.floor_s = backend.measure_floor()
         if out.floor_s:
             out.ratio = out.full_sync_s / out.floor_s
@@ -199,6 +207,8 @@ def format_table(b: SyncBench) -> str:
         ("full sync", sec(b.full_sync_s)),
         (f"partial sync (median of {b.repeat})", sec(b.partial_sync_s)),
         ("  of which kernel apply", sec(b.partial_apply_s)),
+        ("kernel floor of the last partial change", sec(b.partial_floor_s)),
+        *((f"  {k.removesuffix('_s').replace('_', ' ')}", sec(v)) for k, v in sorted(b.partial_floor_detail.items())),
         ("kernel floor", sec(b.floor_s)),
         ("full sync / floor", "-" if b.ratio is None else f"{b.ratio:.2f}"),
         ("render", sec(b.render_s)),

@@ -52,5 +52,7 @@ def test_real_backend_small(mode: str) -> None:
     doc = json.loads(stdout)
     assert doc["mode"] == mode and doc["full_sync_s"] > 0 and doc["partial_sync_s"] > 0
     assert doc["counts"]
+    if mode == "iptables":  # a fresh namespace: the nf_tables flavour, which also reports the unhooked replay
+        assert doc["partial_floor_s"] > 0 and doc["partial_floor_detail"]["unhooked_s"] > 0
     if doc["floor_s"] is not None:
         assert doc["ratio"] == pytest.approx(doc["full_sync_s"] / doc["floor_s"])

@@ -200,6 +200,29 @@ def test_partial_sync_writes_only_changed_chains(netns: str, flavour: str) -> No
     assert not any(c.endswith(render.port_proto_hash(A)) for c in chains(save(netns, flavour)))
 
 
+def test_partial_floor_replays_and_leaves_the_rules_as_they_were(netns: str, flavour: str) -> None:
+    """``measure_partial_floor`` (for ``kproxy bench sync``) replays the last partial change; on nf_tables also with the
+    built-in chains' jumps removed for a moment. Afterwards the kernel holds exactly what the sync wrote."""
+    p = proxier(netns, flavour)
+    assert p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True)).ok
+    assert p.measure_partial_floor() is None  # the last sync was a full one
+    a2 = dataclasses.replace(SP_A, cluster_endpoints=(ep("198.18.1.1"), ep("198.18.1.3")))
+    assert p.sync(state(a2, SP_B, SP_C6), Changes(full=False, services=frozenset({A}))).ok
+
+    def rules() -> list[str]:
+        text = save(netns, flavour) + save(netns, flavour, v6=True)
+        return [ln for ln in text.splitlines() if not ln.startswith("#")]
+
+    before = rules()
+    figures = p.measure_partial_floor()
+    assert figures is not None and 0 < figures["floor_s"] < 30
+    assert ("unhooked_s" in figures) == (flavour == "nft")
+    assert rules() == before
+    v4 = save(netns, flavour)
+    jumps = [ln for ln in section(v4, "nat").splitlines() if ln.startswith(("-A PREROUTING", "-A OUTPUT"))]
+    assert len(jumps) == 2 and all("-j KUBE-SERVICES" in ln for ln in jumps)
+
+
 def test_canary_flush_forces_full_resync(netns: str, flavour: str) -> None:
     p = proxier(netns, flavour, sync_period=1.0)
     assert p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True)).ok
