@@ -311,17 +311,14 @@ class Metrics:
                 self.sync_proxy_rules_iptables_last.labels(family.label, table).set(value)
 
     def count_sync_failure(self, mode: str, family: IPFamily, full: bool) -> None:
-        """A failed sync of ``family``: upstream's per-mode failure counters (iptables: restore failures, partial
-        ones apart; nftables: sync failures), plus kproxy's mode-neutral ``kproxy_syncs_total{result="failure"}``."""
+        """A failed sync of ``family``: upstream's per-mode failure counters (iptables: every failed restore, and
+        the partial ones counted apart as well; nftables: sync failures). ``observe_sync(ok=False)`` counts it in
+        ``kproxy_syncs_total``."""
         label = family.label
-        self.kproxy_syncs_total.labels(label, "failure").inc()
         if mode == "iptables":
-            which = (
-                self.sync_proxy_rules_iptables_restore_failures_total
-                if full
-                else self.sync_proxy_rules_iptables_partial_restore_failures_total
-            )
-            which.labels(label).inc()
+            self.sync_proxy_rules_iptables_restore_failures_total.labels(label).inc()
+            if not full:
+                self.sync_proxy_rules_iptables_partial_restore_failures_total.labels(label).inc()
         elif mode == "nftables":
             self.sync_proxy_rules_nftables_sync_failures_total.labels(label).inc()
 

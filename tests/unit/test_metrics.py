@@ -168,7 +168,10 @@ def test_sync_failures_feed_the_modes_own_counters() -> None:
     m.count_sync_failure("iptables", IPFamily.V4, full=False)
     m.count_sync_failure("nftables", IPFamily.V4, full=False)
     m.count_sync_failure("bpf", IPFamily.V4, full=True)
-    assert m.value("kubeproxy_sync_proxy_rules_iptables_restore_failures_total", v4) == 1
+    # as upstream: every failed restore counts, and a partial one counts in the partial counter as well
+    assert m.value("kubeproxy_sync_proxy_rules_iptables_restore_failures_total", v4) == 2
     assert m.value("kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total", v4) == 1
     assert m.value("kubeproxy_sync_proxy_rules_nftables_sync_failures_total", v4) == 1
-    assert m.value("kproxy_syncs_total", {**v4, "result": "failure"}) == 4
+    # the daemon reports a failed sync through observe_sync(ok=False) too: counted once there, not twice
+    m.observe_sync(IPFamily.V4, 0.1, False, ok=False)
+    assert m.value("kproxy_syncs_total", {**v4, "result": "failure"}) == 1
