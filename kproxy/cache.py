@@ -552,8 +552,7 @@ class ServiceCache:
         self._proxy_name = service_proxy_name
         self._families = tuple(ip_families)
         self._on_change = on_change
-        self._clock = clock
-        self._start = clock()
+        self._start = clock()  # slice trigger times older than this were programmed by someone else
         self._lock = threading.Lock()
 
         self._services: dict[NamespacedName, _Service] = {}
@@ -572,8 +571,9 @@ class ServiceCache:
         self._touched: set[NamespacedName] = set()
         self._touched_services: set[NamespacedName] = set()
         self._touched_endpoints: set[NamespacedName] = set()
-        self._pending_triggers: dict[NamespacedName, list[float]] = {}
-        self._triggers: list[tuple[int, float]] = []  # (generation, wall time) of changes not yet committed
+        self._pending_triggers: dict[NamespacedName, list[tuple[IPFamily, float]]] = {}
+        # (generation, family, wall time) of slice changes not yet committed
+        self._triggers: list[tuple[int, IPFamily, float]] = []
         self._dirty: dict[ServicePortName, int] = {}  # name -> generation in which it became dirty
         self._full_owed: int | None = 0  # a full sync is owed for changes up to this generation
 
@@ -705,8 +705,8 @@ class ServiceCache:
             with _gc_paused(len(self._touched) > _GC_PAUSE_OVER):
                 for key in self._touched:
                     if self._recompute(key, gen):
-                        for when in self._pending_triggers.get(key, ()):
-                            self._triggers.append((gen, when))
+                        for fam, when in self._pending_triggers.get(key, ()):
+                            self._triggers.append((gen, fam, when))
             self._touched.clear()
             self._touched_services.clear()
             self._touched_endpoints.clear()
@@ -719,18 +719,22 @@ class ServiceCache:
                 full=full or self._full_owed is not None,
                 services=frozenset(self._dirty),
                 generation=gen,
-                trigger_times=tuple(t for _, t in self._triggers),
+                trigger_times=tuple((fam, t) for _, fam, t in self._triggers),
             )
         return state, changes
 
     def commit(self, changes: Changes, failed: Collection[ServicePortName] = ()) -> None:
-        """A sync of ``changes`` succeeded (except for ``failed``): forget what it applied, keep anything newer."""
+        """A sync of ``changes`` succeeded (except for ``failed``): forget what it applied, keep anything newer.
+        ``failed`` services are dirty afterwards whatever they were before (a full sync rewrites services that did
+        not change; one the kernel refused must be retried by the next partial sync, not the next full one)."""
         gen = changes.generation
         failed_set = set(failed)
         with self._lock:
             for spn in [s for s, g in self._dirty.items() if g <= gen and s not in failed_set]:
                 del self._dirty[spn]
-            self._triggers = [(g, t) for g, t in self._triggers if g > gen]
+            for spn in failed_set:
+                self._dirty.setdefault(spn, gen)
+            self._triggers = [tr for tr in self._triggers if tr[0] > gen]
             if changes.full and self._full_owed is not None and self._full_owed <= gen:
                 self._full_owed = None
 
@@ -786,7 +790,7 @@ class ServiceCache:
         self._synced.add(kind)
         return not was and self._is_ready()
 
-    def _touch(self, key: NamespacedName, endpoints: bool, when: float | None) -> None:
+    def _touch(self, key: NamespacedName, endpoints: bool, when: tuple[IPFamily, float] | None) -> None:
         self._generation += 1
         self._touched.add(key)
         if endpoints:
@@ -813,20 +817,19 @@ class ServiceCache:
         except Exception as exc:  # one bad object must never take the cache down
             self._reject(_object_label("Service", obj)[0], exc)
             return False, False
-        when = self._clock()
         with self._lock:
             if self._errors:
                 self._errors.pop(_label("Service", key.namespace, key.name), None)
             if self._services.get(key) == svc:
                 return True, False
             self._services[key] = svc
-            self._touch(key, endpoints=False, when=when)
+            self._touch(key, endpoints=False, when=None)  # as upstream, only slices carry trigger times
         return True, True
 
     def _drop_service(self, key: NamespacedName) -> bool:
         if self._services.pop(key, None) is None:
             return False
-        self._touch(key, endpoints=False, when=self._clock())
+        self._touch(key, endpoints=False, when=None)
         return True
 
     def _upsert_slice(self, obj: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -862,7 +865,8 @@ class ServiceCache:
             self._slices.setdefault(parsed.service, {})[skey[1]] = parsed
             self._slice_owner[skey] = parsed.service
             self._endpoint_count += len(parsed.endpoints)
-            self._touch(parsed.service, endpoints=True, when=parsed.trigger_time)
+            when = None if parsed.trigger_time is None else (parsed.family, parsed.trigger_time)
+            self._touch(parsed.service, endpoints=True, when=when)
         return True, True
 
     def _drop_slice(self, skey: tuple[str, str]) -> bool:

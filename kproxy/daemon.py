@@ -72,7 +72,9 @@ def health_check_ports(state: ProxyState) -> dict[NamespacedName, int]:
 
 
 def local_ready_endpoints(state: ProxyState) -> dict[NamespacedName, int]:
-    """Upstream's LocalReadyEndpoints: unique local *ready* endpoint IPs per service (terminating excluded).
+    """Upstream's LocalReadyEndpoints: unique local *ready* endpoint IPs per service (terminating excluded), over all
+    of the service's endpoints, whatever the traffic policies chose (a load balancer with no ingress IP yet has no
+    external addresses, so no local set, and still answers its health check from its local pods).
 
     Counted per IP family and the larger count kept, as upstream's two single-stack proxiers each report their
     own family's count to the one shared health server: a dual-stack pod is one endpoint, not two."""
@@ -81,7 +83,7 @@ def local_ready_endpoints(state: ProxyState) -> dict[NamespacedName, int]:
         if not sp.health_check_node_port:
             continue
         bucket = ips.setdefault((sp.name.service, sp.family), set())
-        bucket.update(ep.ip for ep in sp.local_endpoints if ep.ready)
+        bucket.update(ep.ip for ep in sp.serving_endpoints if ep.is_local and ep.ready)
     out: dict[NamespacedName, int] = {}
     for (svc, _fam), found in ips.items():
         out[svc] = max(out.get(svc, 0), len(found))
@@ -193,9 +195,12 @@ class Daemon:
             endpoints = stats.get("endpoint_changes_total", 0) - self._seen_changes[1]
             self._seen_changes = (self._seen_changes[0] + services, self._seen_changes[1] + endpoints)
         self.metrics.add_changes(services=max(services, 0), endpoints=max(endpoints, 0))
-        for fam in self.families:
-            self.health.queued_update(fam)
-            self.metrics.set_last_queued(fam, now)
+        pending = stats.get("service_changes_pending", 0), stats.get("endpoint_changes_pending", 0)
+        self.metrics.set_pending(*pending)
+        if self.cache.ready:  # as upstream, whose handlers call Sync() only once initialized: a slow initial
+            for fam in self.families:  # list must not turn /healthz and /livez to 503
+                self.health.queued_update(fam)
+                self.metrics.set_last_queued(fam, now)
         self.health.set_node_eligible(self.cache.node_info().eligible)
         self.runner.run()
 
@@ -276,7 +281,7 @@ class Daemon:
             m.observe_sync(fam, elapsed, changes.full)
             m.observe_phases(fam, result.timings.items())
             m.set_last_synced(fam, now_wall)
-            m.observe_network_programming(fam, changes.trigger_times, now_wall)
+            m.observe_network_programming(fam, [t for f, t in changes.trigger_times if f is fam], now_wall)
             # upstream counts the service ports whose Local policy drops traffic for want of local endpoints
             ports = state.family(fam).values()
             m.set_no_local_endpoints(
@@ -294,6 +299,8 @@ class Daemon:
 
         if self.backend.uses_conntrack_nat and (self._conntrack_owed or reconcile_needed(changes, state)):
             self._conntrack_owed = not self._reconcile_conntrack(state)
+        if result.need_full_sync:
+            self.runner.run()  # the backend wants a full sync (it says so when it lost track of the kernel)
         # Services the kernel refused stay dirty: ask the runner to come back after the retry interval.
         return not failed
 

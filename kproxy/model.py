@@ -239,14 +239,14 @@ class Changes:
     ``services`` names every service port that was added, changed or removed (in any family); a backend
     rewrites exactly those and may leave everything else alone, unless ``full`` asks for a complete rewrite
     (first sync, after a failure, after a node label change, periodically). ``trigger_times`` holds the
-    wall-clock times (seconds since the epoch) of the object changes folded into this sync, for
-    ``kubeproxy_network_programming_duration_seconds``.
+    EndpointSlice trigger times (``endpoints.kubernetes.io/last-change-trigger-time``, seconds since the epoch,
+    with the slice's IP family) folded into this sync, for ``kubeproxy_network_programming_duration_seconds``.
     """
 
     full: bool
     services: frozenset[ServicePortName] = frozenset()
     generation: int = 0
-    trigger_times: tuple[float, ...] = ()
+    trigger_times: tuple[tuple[IPFamily, float], ...] = ()
 
     @property
     def empty(self) -> bool:

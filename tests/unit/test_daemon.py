@@ -256,16 +256,41 @@ def test_local_ready_endpoints_counts_a_dual_stack_pod_once() -> None:
     from kproxy.model import Endpoint, NodeInfo, ProxyState, ServicePort
 
     spn = ServicePortName("demo", "lb", "http", Protocol.TCP)
-    v4 = (Endpoint("198.18.65.10", 8080, is_local=True), Endpoint("198.18.65.11", 8080, is_local=True, ready=False))
+    v4 = (
+        Endpoint("198.18.65.10", 8080, is_local=True),
+        Endpoint("198.18.65.11", 8080, is_local=True, ready=False),
+        Endpoint("198.18.66.10", 8080),  # on another node
+    )
     v6 = (Endpoint("fd00:198:18:65::10", 8080, is_local=True),)
     sps = {
-        IPFamily.V4: ServicePort(spn, IPFamily.V4, "198.19.0.1", 80, health_check_node_port=31000, local_endpoints=v4),
+        IPFamily.V4: ServicePort(
+            spn, IPFamily.V4, "198.19.0.1", 80, health_check_node_port=31000, serving_endpoints=v4
+        ),
         IPFamily.V6: ServicePort(
-            spn, IPFamily.V6, "fd00:198:18:ff::1", 80, health_check_node_port=31000, local_endpoints=v6
+            spn, IPFamily.V6, "fd00:198:18:ff::1", 80, health_check_node_port=31000, serving_endpoints=v6
         ),
     }
     state = ProxyState({f: MappingProxyType({spn: sp}) for f, sp in sps.items()}, NodeInfo("node-1"))
     assert local_ready_endpoints(state) == {spn.service: 1}
+
+
+def test_local_ready_endpoints_of_a_load_balancer_without_ingress_yet() -> None:
+    """eTP=Local, no node ports and no ingress IP yet: no external address, so the traffic policy chose no local
+    set; upstream's LocalReadyEndpoints still counts the ready local pod, so the health check answers 200."""
+    from kproxy.cache import ServiceCache
+    from kproxy.daemon import health_check_ports, local_ready_endpoints
+
+    cache = ServiceCache("node-1", ip_families=(IPFamily.V4,))
+    spec = {"healthCheckNodePort": 32000, "allocateLoadBalancerNodePorts": False}
+    cache.upsert_service(service("lb", "198.19.0.9", type="LoadBalancer", externalTrafficPolicy="Local", **spec))
+    cache.upsert_slice(slice_("lb-1", "lb", ["198.18.65.10"]))
+    cache.upsert_slice(slice_("lb-2", "lb", ["198.18.66.10"], node="node-2"))
+    cache.mark_synced("services")
+    cache.mark_synced("endpointslices")
+    state, _ = cache.snapshot()
+    svc = ServicePortName("demo", "lb", "http", Protocol.TCP).service
+    assert health_check_ports(state) == {svc: 32000}
+    assert local_ready_endpoints(state) == {svc: 1}
 
 
 class FlakyConntrack:
