@@ -1,8 +1,9 @@
 """Removing everything the iptables mode (and upstream kube-proxy's iptables mode) wrote, and nothing else.
 
 ``cleanup_payload`` is pure: from ``iptables-save`` text it selects kproxy's chains (upstream's names: the fixed
-top-level chains and the hashed per-service / per-endpoint chains) and the rules in anybody's chains that jump
-into them, and returns an ``iptables-restore --noflush`` payload that flushes and deletes exactly those. Chains of
+top-level chains and the hashed per-service / per-endpoint chains) and the rules in the built-in chains that jump
+into them, and returns an ``iptables-restore --noflush`` payload that flushes and deletes exactly those. An owned
+chain another program still jumps to is kept (see ``_plan``). Chains of
 kubelet (``KUBE-FIREWALL``, ``KUBE-KUBELET-CANARY``, ``KUBE-IPTABLES-HINT``) and of other software that happens to
 use a ``KUBE-`` prefix (kube-router's ``KUBE-ROUTER-*``, ``KUBE-POD-FW-*`` ...) are left alone.
 
@@ -54,30 +55,65 @@ def _target(words: list[str]) -> str | None:
 
 
 def _plan(save_text: str) -> list[tuple[str, list[str], list[str]]]:
-    """Per table: (table, owned chains, ``-D`` lines for other chains' jumps into owned ones)."""
+    """Per table: (table, owned chains to remove, ``-D`` lines for the built-in chains' jumps into them).
+
+    Only jumps from the built-in chains are deleted (upstream's ``CleanupLeftovers`` deletes its own jump rules and
+    nothing else). An owned chain that another program's chain jumps to (the CNI portmap plugin's ``CNI-HOSTPORT``
+    with ``externalSetMarkChain: KUBE-MARK-MASQ``) is kept, with everything it reaches, and so is the jump into it:
+    removing it would break that program (upstream's restore fails on it and keeps the whole table). The
+    masquerade mark set by ``KUBE-MARK-MASQ`` means something only through ``KUBE-POSTROUTING``, so the two are
+    kept together."""
     plan: list[tuple[str, list[str], list[str]]] = []
     table: str | None = None
     owned: list[str] = []
-    deletes: list[str] = []
+    builtin: set[str] = set()
+    rules: list[tuple[str, str | None, str]] = []  # (chain, target, line)
+
+    def finish(table: str) -> None:
+        jumps: dict[str, set[str]] = {}
+        kept: set[str] = set()
+        for chain, target, line in rules:
+            if target is None or not is_owned(target):
+                continue
+            jumps.setdefault(chain, set()).add(target)
+            if chain not in builtin and not is_owned(chain):
+                log.warning("iptables cleanup: keeping %s/%s, which %s jumps to: %s", table, target, chain, line)
+                kept.add(target)
+        if "KUBE-MARK-MASQ" in kept:
+            kept.add("KUBE-POSTROUTING")
+        todo = list(kept)
+        while todo:  # everything a kept chain reaches stays too
+            for target in jumps.get(todo.pop(), ()):
+                if target not in kept:
+                    kept.add(target)
+                    todo.append(target)
+        deletes = [
+            "-D " + line[3:]
+            for chain, target, line in rules
+            if chain in builtin and target in owned and target not in kept
+        ]
+        remove = [c for c in owned if c not in kept]
+        if remove or deletes:
+            plan.append((table, remove, deletes))
+
     for raw in save_text.splitlines():
         line = raw.strip()
         if line.startswith("*"):
-            table, owned, deletes = line[1:], [], []
+            table, owned, builtin, rules = line[1:], [], set(), []
         elif line.startswith(":") and table is not None:
-            name = line[1:].split(" ", 1)[0]
+            name, _, rest = line[1:].partition(" ")
             if is_owned(name):
                 owned.append(name)
+            if not rest.startswith("-"):  # a policy (ACCEPT, DROP): a built-in chain
+                builtin.add(name)
         elif line.startswith("-A ") and table is not None:
             words = line.split()
-            if len(words) < 2 or is_owned(words[1]):
-                continue  # rules inside our own chains go with the flush
-            target = _target(words)
-            if target is not None and is_owned(target):
-                deletes.append("-D " + line[3:])
+            if len(words) >= 2:
+                rules.append((words[1], _target(words), line))
         elif line == "COMMIT":
-            if table is not None and (owned or deletes):
-                plan.append((table, owned, deletes))
-            table, owned, deletes = None, [], []
+            if table is not None:
+                finish(table)
+            table = None
     return plan
 
 

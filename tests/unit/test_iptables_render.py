@@ -361,6 +361,8 @@ def test_comments_are_quoted_and_escaped() -> None:
     assert render.quote("plain text") == '"plain text"'
     assert render.quote('a"b\\c\nd') == '"a\\"b\\\\c d"'
     assert len(render.quote("x" * 1000)) <= 252
+    assert len(render.quote("é" * 199).encode()) <= 252  # the limit is in bytes, not characters
+    assert render.quote("é" * 10) == '"' + "é" * 10 + '"'
     odd = dataclasses.replace(svc("a", (ep("198.18.1.5"),)), name=ServicePortName("n s", 'we"b', "p", Protocol.TCP))
     for line in lines(odd):
         assert "\n" not in line
@@ -527,10 +529,16 @@ COMMIT
 :KUBE-XLB-ABCDEFGHIJKLMNOP - [0:0]
 :KUBE-MARK-DROP - [0:0]
 :CNI-HOSTPORT - [0:0]
+:POSTROUTING ACCEPT [0:0]
+:KUBE-MARK-MASQ - [0:0]
+:KUBE-POSTROUTING - [0:0]
 -A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
 -A PREROUTING -j CNI-HOSTPORT
+-A POSTROUTING -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING
 -A CNI-HOSTPORT -j KUBE-MARK-MASQ
 -A KUBE-SERVICES -j KUBE-SVC-ABCDEFGHIJKLMNOP
+-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000
+-A KUBE-POSTROUTING -j MASQUERADE
 COMMIT
 """
 
@@ -556,7 +564,6 @@ def test_cleanup_selects_only_our_chains_and_jumps() -> None:
         ":KUBE-SEP-ABCDEFGHIJKLMNOP - [0:0]\n"
         ":KUBE-XLB-ABCDEFGHIJKLMNOP - [0:0]\n"
         '-D PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES\n'
-        "-D CNI-HOSTPORT -j KUBE-MARK-MASQ\n"
         "-X KUBE-SERVICES\n"
         "-X KUBE-SVC-ABCDEFGHIJKLMNOP\n"
         "-X KUBE-SEP-ABCDEFGHIJKLMNOP\n"
@@ -565,6 +572,11 @@ def test_cleanup_selects_only_our_chains_and_jumps() -> None:
     )
     for kept in ("KUBE-FIREWALL", "KUBE-ROUTER-INPUT", "KUBE-KUBELET-CANARY", "KUBE-MARK-DROP", "CNI-HOSTPORT"):
         assert f":{kept} " not in payload and f"-X {kept}" not in payload
+    # the CNI portmap plugin's hostPort chain still marks for masquerade: the mark chain, the chain that honours
+    # the mark, and the jump into it stay, as do the other program's rules
+    for kept in ("KUBE-MARK-MASQ", "KUBE-POSTROUTING"):
+        assert f":{kept} " not in payload and f"-X {kept}" not in payload
+    assert "-D POSTROUTING" not in payload and "CNI-HOSTPORT" not in payload
 
 
 def test_cleanup_of_clean_tables_is_empty() -> None:
