@@ -384,6 +384,7 @@ class IptablesProxier(Proxier):
         keep: set[ServicePortName] = set()  # refused update: the fragment applied before stays (as upstream keeps it)
         jumps: list[render.JumpRule] = []
         stale: set[str] = set()
+        keep_stale = False  # a deletion was refused (something else jumps to a stale chain): leak rather than stall
 
         def plan() -> tuple[dict[ServicePortName, render.Fragment], list[ServicePortName] | None, set[str] | None]:
             if full:
@@ -446,6 +447,8 @@ class IptablesProxier(Proxier):
                     old_chains.update(self._pending_chains.get(spn, ()))
                 wanted = {c for spn in changes.services if spn in frags for c in frags[spn].chains}
                 stale = old_chains - wanted
+            if keep_stale:
+                stale = set()
             b0 = time.perf_counter()
             restores = render.build_restores(
                 ctx,
@@ -479,6 +482,15 @@ class IptablesProxier(Proxier):
                 break
             if error is None:
                 break
+            if bad is None and stale and not keep_stale:
+                # no service's line: most likely a chain deletion, refused because another program's chain still
+                # jumps to it (a pre-1.24 KUBE-XLB- chain is swept, others are not ours); without this the same
+                # payload would be refused at every sync and the family never programmed again
+                log.warning("iptables-restore refused the payload (%s): retrying without deleting stale chains", error)
+                keep_stale = True
+                if top is not None:
+                    tops_tried.update(top)
+                continue
             if bad is None or bad in skip:
                 timings["render"] += render_s
                 timings["apply"] += apply_s

@@ -40,7 +40,9 @@ KUBE_PROXY_CANARY = "KUBE-PROXY-CANARY"
 LARGE_CLUSTER_ENDPOINTS = 1000
 
 #: Prefixes of the per-service and per-endpoint chains (all in the nat table).
-SERVICE_CHAIN_PREFIXES = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-")
+# KUBE-XLB- is the pre-1.24 name of KUBE-SVL-: never written, but swept as stale by a full sync, as upstream does,
+# so that an old kube-proxy's chains do not keep stale endpoint chains referenced
+SERVICE_CHAIN_PREFIXES = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-", "KUBE-XLB-")
 
 # Keys of the shared chains a fragment contributes to: "table/chain".
 F_SERVICES = "filter/" + KUBE_SERVICES
@@ -168,7 +170,7 @@ def quote(text: str) -> str:
     """A double-quoted iptables-restore word: backslash and quote escaped, line breaks removed, at most 256 bytes
     (the comment match's limit). Names arrive validated from the cache; this keeps a bad one from breaking the
     payload (or injecting lines) anyway."""
-    if len(text) < 200 and not any(c in text for c in _UNSAFE):
+    if len(text) < 200 and text.isascii() and not any(c in text for c in _UNSAFE):
         return '"' + text + '"'
     clean = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ").replace("\r", " ").replace("\0", "")
     if len(clean.encode()) > 250:

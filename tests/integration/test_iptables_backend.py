@@ -223,6 +223,28 @@ def test_partial_floor_replays_and_leaves_the_rules_as_they_were(netns: str, fla
     assert len(jumps) == 2 and all("-j KUBE-SERVICES" in ln for ln in jumps)
 
 
+def test_a_stale_chain_someone_else_jumps_to_is_left_and_the_sync_goes_on(netns: str, flavour: str) -> None:
+    """The kernel refuses to delete a chain another chain still jumps to; the sync retries without deleting stale
+    chains (the chain leaks) instead of failing at every sync."""
+    p = proxier(netns, flavour)
+    assert p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True)).ok
+    old_sep = render.endpoint_chain(A, "198.18.1.2:80")
+    ns_run(netns, f"iptables-{flavour}", "-w", "-t", "nat", "-N", "OTHER-PROGRAM")
+    ns_run(netns, f"iptables-{flavour}", "-w", "-t", "nat", "-A", "OTHER-PROGRAM", "-j", old_sep)
+    a2 = dataclasses.replace(SP_A, cluster_endpoints=(ep("198.18.1.1"),))
+    res = p.sync(state(a2, SP_B, SP_C6), Changes(full=False, services=frozenset({A})))
+    assert res.ok and not res.failed, res.error
+    v4 = save(netns, flavour)
+    assert old_sep in chains(v4) and f"-A OTHER-PROGRAM -j {old_sep}" in v4
+    svc_rules = [ln for ln in v4.splitlines() if ln.startswith(f"-A {render.service_chain(A)} ")]
+    assert svc_rules and not any(old_sep in ln for ln in svc_rules)  # the service no longer uses it
+    # a full sync (the next periodic one) also goes through, and deletes it once nothing jumps to it
+    assert p.sync(state(a2, SP_B, SP_C6), Changes(full=True)).ok
+    ns_run(netns, f"iptables-{flavour}", "-w", "-t", "nat", "-F", "OTHER-PROGRAM")
+    assert p.sync(state(a2, SP_B, SP_C6), Changes(full=True)).ok
+    assert old_sep not in chains(save(netns, flavour))
+
+
 def test_canary_flush_forces_full_resync(netns: str, flavour: str) -> None:
     p = proxier(netns, flavour, sync_period=1.0)
     assert p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True)).ok
