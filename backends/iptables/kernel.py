@@ -18,6 +18,9 @@ from kproxy.model import IPFamily
 
 FLAVOURS = ("nft", "legacy")
 TABLES = ("mangle", "filter", "nat")
+#: wait at most 5 s for the xtables lock, as upstream's pkg/util/iptables (a held lock fails the sync, which is
+#: retried, instead of blocking the proxier, /rules and /trace until the timeout)
+WAIT = ("-w", "5")
 _TIMEOUT = 300.0  # seconds; a 420k-line restore takes ~10 s, a wedged lock must not hang the runner forever
 
 
@@ -76,8 +79,8 @@ class Kernel:
         return Run(proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - start)
 
     def restore(self, family: IPFamily, text: str, *, noflush: bool = True) -> Run:
-        """``iptables-restore -w [--noflush] --counters`` with ``text`` on stdin."""
-        argv = [binary("restore", family, self.flavour), "-w"]
+        """``iptables-restore -w 5 [--noflush] --counters`` with ``text`` on stdin."""
+        argv = [binary("restore", family, self.flavour), *WAIT]
         if noflush:
             argv.append("--noflush")
         argv.append("--counters")
@@ -93,11 +96,11 @@ class Kernel:
 
     def chain_exists(self, family: IPFamily, table: str, chain: str) -> bool:
         """``iptables -t TABLE -S CHAIN`` succeeds (the nft flavour fetches only that chain)."""
-        return self.run([binary("", family, self.flavour), "-w", "-t", table, "-S", chain]).ok
+        return self.run([binary("", family, self.flavour), *WAIT, "-t", table, "-S", chain]).ok
 
     def list_chain(self, family: IPFamily, table: str, chain: str) -> Run:
         """``iptables -t TABLE -S CHAIN``: one chain's rules in save syntax (cheap on both flavours)."""
-        return self.run([binary("", family, self.flavour), "-w", "-t", table, "-S", chain])
+        return self.run([binary("", family, self.flavour), *WAIT, "-t", table, "-S", chain])
 
 
 def count_rules(save_text: str) -> tuple[int, bool]:
