@@ -167,8 +167,19 @@ def string_map(value: Any, what: str) -> dict[str, str]:
     return out
 
 
+def _unsloppy(text: str) -> str:
+    """Go's ``ParseIPSloppy`` (upstream parses every address with it): an IPv4 dotted quad whose parts carry
+    leading zeros, which API servers before Kubernetes 1.22 accepted and still hold, is read as decimal
+    (``010.001.2.3`` is 10.1.2.3). Anything else is returned unchanged."""
+    parts = text.split(".")
+    if len(parts) != 4 or not all(p.isascii() and p.isdigit() and len(p) <= 3 for p in parts):
+        return text
+    return ".".join(str(int(p)) for p in parts)
+
+
 def ip_address(value: Any, what: str) -> tuple[str, IPFamily, int]:
-    """Canonical text, family and integer value of an IP address (no CIDR, no zone, no leading zeros)."""
+    """Canonical text, family and integer value of an IP address (no CIDR, no zone; IPv4 parts with leading zeros
+    are read as decimal, as upstream's ParseIPSloppy)."""
     text = string(value, what)
     try:
         # Fast path for the common case: glibc's inet_pton accepts only strict dotted quads, which are
@@ -178,7 +189,7 @@ def ip_address(value: Any, what: str) -> tuple[str, IPFamily, int]:
     except OSError:
         pass
     try:
-        addr = ipaddress.ip_address(text)
+        addr = ipaddress.ip_address(_unsloppy(text))
     except ValueError:
         raise ValueError(f"{what}: {_show(text)} is not an IP address") from None
     if addr.version == 4:
@@ -189,12 +200,14 @@ def ip_address(value: Any, what: str) -> tuple[str, IPFamily, int]:
 
 
 def cidr(value: Any, what: str) -> tuple[str, IPFamily]:
-    """Canonical text and family of a CIDR; host bits are cleared (the API server accepts them), spaces trimmed."""
+    """Canonical text and family of a CIDR; host bits are cleared (the API server accepts them), spaces trimmed,
+    IPv4 parts with leading zeros read as decimal (upstream's ParseCIDRSloppy)."""
     text = string(value, what).strip()
     if "/" not in text:
         raise ValueError(f"{what}: {_show(text)} is not a CIDR (no prefix length)")
     try:
-        net = ipaddress.ip_network(text, strict=False)
+        addr, _, prefix = text.partition("/")
+        net = ipaddress.ip_network(f"{_unsloppy(addr)}/{prefix}", strict=False)
     except ValueError:
         raise ValueError(f"{what}: {_show(text)} is not a CIDR") from None
     return str(net), IPFamily.V6 if net.version == 6 else IPFamily.V4

@@ -875,3 +875,27 @@ def test_missing_serving_condition_means_serving() -> None:
     cache.upsert_slice(endpoint_slice("web-1", endpoints=[dict(endpoint("198.18.1.3"), conditions=cond)]))
     sp = must(cache)
     assert [e.ip for e in sp.cluster_endpoints] == ["198.18.1.3"] and sp.cluster_endpoints[0].serving
+
+
+def test_leading_zero_ipv4_is_read_as_decimal_as_upstreams_parse_ip_sloppy() -> None:
+    """API servers before 1.22 accepted IPv4 parts with leading zeros and still hold such objects; upstream parses
+    them with ParseIPSloppy (decimal), so a whole Service must not be refused for it."""
+    cache = make_cache()
+    cache.upsert_service(
+        service(
+            cluster_ip="198.018.0.010",
+            type_="LoadBalancer",
+            externalIPs=["198.019.100.005"],
+            loadBalancerSourceRanges=["198.018.001.0/24"],
+            status={"loadBalancer": {"ingress": [{"ip": "198.019.200.01"}]}},
+        )
+    )
+    cache.upsert_slice(endpoint_slice(endpoints=[endpoint("198.018.1.001")]))
+    sp = port(cache)
+    assert sp is not None and not cache.errors()
+    assert sp.cluster_ip == "198.18.0.10" and sp.external_ips == ("198.19.100.5",)
+    assert sp.load_balancer_ips == ("198.19.200.1",) and sp.load_balancer_source_ranges == ("198.18.1.0/24",)
+    assert [e.ip for e in sp.cluster_endpoints] == ["198.18.1.1"]
+    # still not an address: refused, and named
+    cache.upsert_service(service("bad", cluster_ip="198.18.0.11", externalIPs=["198.0256.1.1"]))
+    assert any("198.0256.1.1" in why for why in cache.errors().values())
