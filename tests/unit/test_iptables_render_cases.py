@@ -368,6 +368,8 @@ def test_dual_stack_external_ips_of_one_family_stay_in_that_family() -> None:
         '-A KUBE-SERVICES -m comment --comment "ns1/dual:http loadbalancer IP" -m tcp -p tcp -d fd00:198:18:fe::20 '
         f"--dport 80 -j KUBE-FW-{x}",
     )
+    # the nodeport tail rule uses only the v6 CIDR of --nodeport-addresses (its CIDR + dst-type LOCAL form is kproxy's
+    # documented deviation from upstream's one rule per node address)
     assert (
         '-A KUBE-SERVICES -m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in '
         'this chain" -d fd00:198:18::/48 -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS'
