@@ -65,6 +65,19 @@ Where kproxy deviates from upstream, and why:
 - The INVALID drop in KUBE-FORWARD is always written (upstream omits it when nf_conntrack_tcp_be_liberal is set).
 - Upstream's largeClusterMode (more than 1,000 endpoints: no per-endpoint comments) is kept.
 - kubelet's ``KUBE-FIREWALL`` is neither created nor removed.
+- ``cleanup`` deletes only the built-in chains' jumps into kproxy's chains; an owned chain another program's chain
+  jumps to (CNI portmap's ``CNI-HOSTPORT -j KUBE-MARK-MASQ``) is kept with what it reaches, and
+  ``KUBE-POSTROUTING`` with ``KUBE-MARK-MASQ``. Upstream's cleanup restore fails on such a chain and so keeps the
+  whole table.
+- A stale chain whose deletion the kernel refuses (another chain still jumps to it) is left in place and the sync
+  retried without deletions, rather than failing every sync; the next full sync tries again.
+
+What a partial sync costs is set by the kernel, not by the payload: on nf_tables every commit that adds a rule
+walks every rule reachable from each base chain (``nf_tables_validate``), once per base chain that reaches it (no
+memoisation on 6.18). At 10,000 services x 10 endpoints (320k nat rules) one endpoint's change, a few rules,
+takes 0.31-0.35 s to restore with PREROUTING and OUTPUT jumping to KUBE-SERVICES, 0.19 s with one of them, and
+0.06 s with neither (``kproxy bench sync`` reports the first and last as ``partial_floor_s`` and ``unhooked_s``).
+The legacy flavour replaces the whole table on every restore (1.6 s at that size).
 
 Conformance scenarios not applicable to this mode: none.
 """
