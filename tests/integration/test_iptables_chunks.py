@@ -56,7 +56,7 @@ def state(sps: list[ServicePort]) -> ProxyState:
         IPFamily.V4: {sp.name: sp for sp in sps},
         IPFamily.V6: {},
     }
-    return ProxyState(fams, NODE)  # type: ignore[arg-type]
+    return ProxyState(fams, NODE)
 
 
 @pytest.fixture

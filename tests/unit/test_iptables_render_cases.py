@@ -135,6 +135,25 @@ def test_itp_local_with_nodeport_keeps_svc_for_external_traffic() -> None:
     ]
 
 
+def test_itp_local_without_local_endpoints_drops_clusterip_but_serves_external_traffic() -> None:
+    sp = svc("b", (ep("198.18.2.5"),), internal_policy_local=True, node_port=30002, external_ips=("198.19.0.9",))
+    x = h(sp)
+    sep = render.endpoint_chain(sp.name, "198.18.2.5:8080")
+    assert lines(sp) == [
+        '-A KUBE-SERVICES -m comment --comment "ns1/b:http has no local endpoints" -m tcp -p tcp -d 198.18.200.1 '
+        "--dport 80 -j DROP",
+        '-A KUBE-SERVICES -m comment --comment "ns1/b:http external IP" -m tcp -p tcp -d 198.19.0.9 --dport 80 '
+        f"-j KUBE-EXT-{x}",
+        f"-A KUBE-NODEPORTS -m comment --comment ns1/b:http -m tcp -p tcp --dport 30002 -j KUBE-EXT-{x}",
+        f'-A KUBE-EXT-{x} -m comment --comment "masquerade traffic for ns1/b:http external destinations" '
+        "-j KUBE-MARK-MASQ",
+        f"-A KUBE-EXT-{x} -j KUBE-SVC-{x}",
+        f'-A KUBE-SVC-{x} -m comment --comment "ns1/b:http -> 198.18.2.5:8080" -j {sep}',
+        f"-A {sep} -m comment --comment ns1/b:http -s 198.18.2.5 -j KUBE-MARK-MASQ",
+        f"-A {sep} -m comment --comment ns1/b:http -m tcp -p tcp -j DNAT --to-destination 198.18.2.5:8080",
+    ]  # nothing in KUBE-EXTERNAL-SERVICES: external traffic (eTP=Cluster) has endpoints
+
+
 # ------------------------------------------------------------------------------------------------ load balancers
 
 
