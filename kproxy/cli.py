@@ -169,8 +169,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"kproxy: mode {config.mode!r} cannot run here: {avail.reason}", file=sys.stderr)
         return 1
     cls = backend_class(config.mode)
-    if not args.no_cleanup_other_modes:
-        _cleanup_other_modes(config)
     from kproxy.daemon import Daemon
 
     try:
@@ -179,6 +177,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"kproxy: cannot start: {exc}", file=sys.stderr)
         return 1
+    # only once kproxy can start (a mistyped kubeconfig must not remove another mode's rules and then stop)
+    if not args.no_cleanup_other_modes:
+        _cleanup_other_modes(config)
 
     def _stop(signum: int, _frame: Any) -> None:
         log.info("received %s: stopping (kernel state is left in place)", signal.Signals(signum).name)
@@ -238,9 +239,12 @@ def cmd_show(args: argparse.Namespace) -> int:
         url += "?service=" + urllib.parse.quote(args.service, safe="")
     if args.trace:
         src, target = args.trace
-        dst, _, rest = target.rpartition(":")
-        dport, _, proto = rest.partition("/")
-        query = {"src": src, "dst": dst.strip("[]"), "dport": dport, "proto": proto or "tcp"}
+        try:
+            dst, dport, proto = parse_trace_target(target)
+        except ValueError as exc:
+            print(f"kproxy show: --trace: {exc}", file=sys.stderr)
+            return 2
+        query = {"src": src, "dst": dst, "dport": dport, "proto": proto}
         if args.from_node:
             query["src_local"] = "1"
         if args.to_node:
@@ -249,8 +253,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     try:
         data = _fetch_json(url)
     except urllib.error.HTTPError as exc:
-        print(f"kproxy show: {exc.code}: {exc.read().decode(errors='replace').strip()}", file=sys.stderr)
-        return 1
+        body = exc.read().decode(errors="replace").strip()
+        try:
+            why = json.loads(body)["error"]
+        except (ValueError, KeyError, TypeError):
+            why = body
+        print(f"kproxy show: {why}", file=sys.stderr)
+        return 2 if exc.code == 400 else 1
     except (OSError, urllib.error.URLError, ValueError) as exc:
         print(f"kproxy show: cannot read {url}: {exc} (is `kproxy run` running on this node?)", file=sys.stderr)
         return 1
@@ -262,6 +271,26 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     print(render_show_table(data))
     return 0
+
+
+def parse_trace_target(target: str) -> tuple[str, str, str]:
+    """``DST:PORT[/PROTO]`` -> (dst, port, proto); IPv6 as ``[addr]:port``. A ValueError says what is wrong."""
+    body, _, proto = target.partition("/")
+    proto = (proto or "tcp").lower()
+    if body.startswith("["):
+        addr, bracket, rest = body[1:].partition("]")
+        if not bracket or not rest.startswith(":"):
+            raise ValueError(f"{target!r}: expected [IPv6]:PORT[/PROTO]")
+        dst, port = addr, rest[1:]
+    else:
+        if body.count(":") > 1:
+            raise ValueError(f"{target!r}: write an IPv6 destination as [ADDRESS]:PORT")
+        dst, colon, port = body.partition(":")
+        if not colon:
+            raise ValueError(f"{target!r}: expected DST:PORT[/PROTO] (the port is needed)")
+    if not port.isdigit():
+        raise ValueError(f"{target!r}: port {port!r} is not a number")
+    return dst, port, proto
 
 
 def render_show_table(data: dict[str, Any]) -> str:
@@ -295,7 +324,12 @@ def render_show_table(data: dict[str, Any]) -> str:
 def render_trace_table(data: dict[str, Any]) -> str:
     """A human summary of ``/trace``: each possible outcome with its chance, then the rules of the first one."""
     pkt = data.get("packet") or {}
-    lines = [f"{pkt.get('proto')} {pkt.get('src')} -> {pkt.get('dst')}:{pkt.get('dport')} ({data.get('mode')})"]
+    dst = str(pkt.get("dst"))
+    dst = f"[{dst}]" if ":" in dst else dst
+    where = [w for w, flag in (("from the node", pkt.get("srcLocal")), ("to the node", pkt.get("dstLocal"))) if flag]
+    lines = [f"{pkt.get('proto')} {pkt.get('src')} -> {dst}:{pkt.get('dport')} ({data.get('mode')})"]
+    if where:
+        lines[0] += "  " + ", ".join(where)
     trace = data.get("trace") or {}
     outcomes = trace.get("outcomes") if isinstance(trace, dict) else None
     if not isinstance(outcomes, list) or not outcomes:
@@ -327,10 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_parser(sub)
     c = sub.add_parser("cleanup", help="remove every rule, map and chain a mode wrote, then exit")
-    c.add_argument("--mode", default="all", choices=(*MODE_NAMES, "all"))
+    c.add_argument("--mode", default="all", choices=(*MODE_NAMES, "all"), help="the mode to clean up (default: all)")
     c.set_defaults(func=cmd_cleanup)
     s = sub.add_parser("show", help="how each service is programmed on this node (reads the running kproxy)")
-    s.add_argument("--service", default=None, help="ns/name[:port][/PROTO]")
+    s.add_argument(
+        "--service", default=None, help="ns/name[:port][/PROTO]: one service (all its ports unless port is given)"
+    )
     s.add_argument("--format", choices=("table", "json"), default="table")
     s.add_argument("--metrics-bind-address", default="127.0.0.1:10249")
     s.add_argument(
@@ -339,8 +375,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("SRC", "DST:PORT[/PROTO]"),
         help="where a new connection from SRC to DST:PORT would go (the packet explainer)",
     )
-    s.add_argument("--from-node", action="store_true", help="with --trace: SRC is the node itself")
-    s.add_argument("--to-node", action="store_true", help="with --trace: DST is one of the node's own addresses")
+    s.add_argument(
+        "--from-node",
+        action="store_true",
+        help="with --trace: SRC is the node itself (implied when SRC is its address)",
+    )
+    s.add_argument(
+        "--to-node",
+        action="store_true",
+        help="with --trace: DST is the node (implied when DST is one of its addresses)",
+    )
     s.set_defaults(func=cmd_show)
     register_apiserver(sub)
     register_lab(sub)

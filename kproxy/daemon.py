@@ -325,6 +325,14 @@ class Daemon:
     def trace(self, query: Mapping[str, str]) -> dict[str, Any]:
         """``/trace``: the backend's packet explainer over what it last programmed."""
         src, proto, dst, dport, src_local, dst_local = parse_trace_query(query)
+        if not (src_local and dst_local):  # an address of this node is the node, whether or not the flag says so
+            try:
+                mine = set(local_addresses())
+            except OSError as exc:
+                log.debug("trace: cannot read this node's addresses: %s", exc)
+                mine = set()
+            src_local = src_local or src in mine
+            dst_local = dst_local or dst in mine
         out = self.backend.trace(src, proto, dst, dport, src_local=src_local, dst_local=dst_local)
         if out is None:
             raise LookupError(f"mode {self.backend.mode} has no packet explainer")
@@ -342,12 +350,21 @@ class Daemon:
         }
 
     def rules(self, service: str | None = None) -> dict[str, Any]:
-        """``/rules``: how each service is programmed (the backend's view) plus the cache's rejections."""
-        key = parse_service_key(service) if service else None
+        """``/rules``: how each service is programmed (the backend's view) plus the cache's rejections.
+
+        ``service`` (``ns/name[:port][/PROTO]``) narrows it to the ports it names: every port and protocol of the
+        service when those are left out. A malformed one is a ValueError (400), one that names nothing programmed
+        a LookupError (404)."""
+        wanted = ServiceFilter.parse(service) if service else None
         try:
-            described = self.backend.describe(key)
+            described = self.backend.describe(wanted.exact if wanted else None)
         except Exception as exc:
             described = {"error": f"describe failed: {exc}"}
+        if wanted is not None and isinstance(described.get("services"), Mapping):
+            matched = {k: v for k, v in described["services"].items() if wanted.matches(k)}
+            if not matched:
+                raise LookupError(f"no service port matches {service!r} on this node")
+            described = {**described, "services": matched}
         return {
             "mode": self.backend.mode,
             "node": self.config.node_name,
@@ -395,20 +412,45 @@ def parse_trace_query(query: Mapping[str, str]) -> tuple[str, str, str, int, boo
     )
 
 
-def parse_service_key(text: str) -> ServicePortName | None:
-    """``ns/name[:port][/PROTO]`` -> ServicePortName (port name "" and TCP when omitted); None when malformed."""
-    from kproxy.model import Protocol
+@dataclass(frozen=True)
+class ServiceFilter:
+    """``ns/name[:port][/PROTO]`` as given to ``kproxy show --service``: what is left out matches anything."""
 
-    proto = Protocol.TCP
-    body = text
-    if body.count("/") == 2:
-        body, _, p = body.rpartition("/")
-        try:
-            proto = Protocol(p.upper())
-        except ValueError:
+    namespace: str
+    name: str
+    port: str | None
+    protocol: str | None
+
+    @classmethod
+    def parse(cls, text: str) -> ServiceFilter:
+        body, proto = text, None
+        if body.count("/") == 2:
+            body, _, proto = body.rpartition("/")
+            proto = proto.upper()
+            if proto not in ("TCP", "UDP", "SCTP"):
+                raise ValueError(f"service {text!r}: protocol {proto!r} is not TCP, UDP or SCTP")
+        ns, _, rest = body.partition("/")
+        name, colon, port = rest.partition(":")
+        if not ns or not name or "/" in rest:
+            raise ValueError(f"service {text!r}: expected ns/name[:port][/PROTO]")
+        return cls(ns, name, port if colon else None, proto)
+
+    @property
+    def exact(self) -> ServicePortName | None:
+        """The one service port it names, when it names port and protocol."""
+        if self.port is None or self.protocol is None:
             return None
-    ns, _, rest = body.partition("/")
-    name, _, port = rest.partition(":")
-    if not ns or not name:
-        return None
-    return ServicePortName(ns, name, port, proto)
+        from kproxy.model import Protocol
+
+        return ServicePortName(self.namespace, self.name, self.port, Protocol(self.protocol))
+
+    def matches(self, described: str) -> bool:
+        """Whether a ``describe()`` key (``ns/name[:port]/PROTO``) is one of the ports this names."""
+        body, _, proto = described.rpartition("/")
+        ns, _, rest = body.partition("/")
+        name, _, port = rest.partition(":")
+        return (
+            (ns, name) == (self.namespace, self.name)
+            and (self.port is None or port == self.port)
+            and (self.protocol is None or proto.upper() == self.protocol)
+        )

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from kproxy.cli import build_parser, config_from_args, main, render_show_table, render_trace_table
+from kproxy.cli import (
+    build_parser,
+    config_from_args,
+    main,
+    parse_trace_target,
+    render_show_table,
+    render_trace_table,
+)
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -100,3 +108,21 @@ def test_trace_table() -> None:
     assert text.splitlines()[0] == "tcp 198.18.0.2 -> 198.18.0.11:30101 (iptables)"
     assert "0.5  DNAT 198.18.66.11:8080  (masqueraded)" in text and "    -A X -j Y" in text
     assert "REJECT" in render_trace_table({"trace": {"verdict": "REJECT"}})
+    v6 = {"packet": {"proto": "udp", "src": "fd00:198:18::2", "dst": "fd00:198:18:ff::a", "dport": 53, "dstLocal": 1}}
+    assert render_trace_table(v6).splitlines()[0] == "udp fd00:198:18::2 -> [fd00:198:18:ff::a]:53 (None)  to the node"
+
+
+def test_trace_target() -> None:
+    assert parse_trace_target("198.19.0.1:80") == ("198.19.0.1", "80", "tcp")
+    assert parse_trace_target("198.19.0.1:53/UDP") == ("198.19.0.1", "53", "udp")
+    assert parse_trace_target("[fd00:198:18:ff::b]:80/sctp") == ("fd00:198:18:ff::b", "80", "sctp")
+    for bad, why in (
+        ("198.19.0.1", "the port is needed"),
+        ("fd00:198:18:ffff::b:80", "[ADDRESS]:PORT"),
+        ("[fd00::1]80", "expected [IPv6]"),
+        ("198.19.0.1:http", "not a number"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            parse_trace_target(bad)
+    r = _run("show", "--metrics-bind-address", "127.0.0.1:1", "--trace", "198.18.0.2", "198.19.0.1")
+    assert r.returncode == 2 and "the port is needed" in r.stderr

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kproxy.config import ProxyConfig
-from kproxy.daemon import Daemon, parse_service_key
+from kproxy.daemon import Daemon, ServiceFilter
 from kproxy.model import IPFamily, Protocol, ServicePortName
 from kproxy.proxier import FakeProxier
 from kproxy.sources.files import FilesSource
@@ -122,6 +122,15 @@ def test_sync_health_metrics(running: tuple[Daemon, FakeProxier, Path]) -> None:
     rules = json.loads(body)
     assert rules["ready"] is True and rules["node"] == "node-1"
     assert "demo/a:http/TCP" in rules["backend"]["services"]
+    # ?service= narrows it: ns/name covers every port and protocol; malformed is 400, unknown 404
+    write(folder, "z.yaml", service("z", "198.19.0.9"), slice_("z-1", "z", ["198.18.65.19"]))
+    eventually(lambda: "z" in programmed(fake))
+    for query in ("demo/a", "demo/a:http", "demo/a:http/tcp"):
+        code, body = get(f"http://127.0.0.1:{mp}/rules?service={query}")
+        assert code == 200 and list(json.loads(body)["backend"]["services"]) == ["demo/a:http/TCP"], (query, body)
+    assert get(f"http://127.0.0.1:{mp}/rules?service=garbage")[0] == 400
+    assert get(f"http://127.0.0.1:{mp}/rules?service=demo/nope")[0] == 404
+    assert get(f"http://127.0.0.1:{mp}/rules?service=demo/a:http/UDP")[0] == 404
 
     # one endpoint change -> a partial sync naming only that service
     before = len(fake.syncs)
@@ -164,11 +173,19 @@ def test_refused_service_is_reported_and_others_apply(running: tuple[Daemon, Fak
     assert json.loads(body)["sync"]["failedServices"] == {"demo/bad:http/TCP": "line 7 failed"}
 
 
-def test_parse_service_key() -> None:
-    assert parse_service_key("ns/name:http/UDP") == ServicePortName("ns", "name", "http", Protocol.UDP)
-    assert parse_service_key("ns/name") == ServicePortName("ns", "name", "", Protocol.TCP)
-    assert parse_service_key("ns") is None
-    assert parse_service_key("ns/name:p/XYZ") is None
+def test_service_filter() -> None:
+    exact = ServiceFilter.parse("ns/name:http/udp")
+    assert exact.exact == ServicePortName("ns", "name", "http", Protocol.UDP)
+    assert exact.matches("ns/name:http/UDP") and not exact.matches("ns/name:http/TCP")
+    any_port = ServiceFilter.parse("ns/name")
+    assert any_port.exact is None
+    assert all(any_port.matches(k) for k in ("ns/name:http/TCP", "ns/name/UDP", "ns/name:dns/UDP"))
+    assert not any_port.matches("ns/name2:http/TCP") and not any_port.matches("ns2/name:http/TCP")
+    unnamed = ServiceFilter.parse("ns/name:")  # the unnamed port only
+    assert unnamed.matches("ns/name/TCP") and not unnamed.matches("ns/name:http/TCP")
+    for bad in ("ns", "garbage", "ns/", "/name", "ns/name:p/XYZ", "a/b/c/d"):
+        with pytest.raises(ValueError):
+            ServiceFilter.parse(bad)
 
 
 def node(taint: bool) -> dict[str, object]:
@@ -230,6 +247,10 @@ def test_trace_endpoint(running: tuple[Daemon, FakeProxier, Path]) -> None:
     assert code == 200, body
     assert json.loads(body)["trace"] == {"verdict": "DNAT", "to": ["198.18.65.10:8080"]}
     assert asked == [("198.18.0.2", "udp", "198.18.0.11", 30080, False, True)]
+    # an address of this node is the node without the flag (here the test's own loopback address)
+    code, body = get(f"http://127.0.0.1:{mp}/trace?src=127.0.0.1&dst=198.19.0.1&dport=80")
+    assert code == 200 and json.loads(body)["packet"]["srcLocal"] is True, body
+    assert asked[-1] == ("127.0.0.1", "tcp", "198.19.0.1", 80, True, False)
 
 
 def test_health_check_servers_follow_nodeport_addresses(tmp_path: Path) -> None:
