@@ -63,6 +63,7 @@ class Session:
         self.owns_lab = owns_lab
         self.addresses = Addresses()
         self.not_applicable = dict(backend_class(mode).not_applicable)
+        self.lab_gaps: list[str] = []  # scenarios this lab could not run
         self.kproxy_args: list[str] = list(getattr(lab, "state", {}).get("kproxy_args", []) or [])
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -169,6 +170,7 @@ class Session:
             return Result(scenario.id, NOT_APPLICABLE, f"{self.mode}: {reason}")
         missing = scenario.needs - lab_features(self.lab)
         if missing:
+            self.lab_gaps.append(scenario.id)
             return Result(scenario.id, NOT_APPLICABLE, f"the lab lacks {', '.join(sorted(missing))}")
         t0 = time.monotonic()
         revived = self._revive()
@@ -180,8 +182,9 @@ class Session:
             ctx.empty_namespace()  # leftovers of a killed earlier run
             scenario.run(ctx)
             detail = "; ".join(ctx.notes)
-        except NotApplicable as exc:
+        except NotApplicable as exc:  # raised by scenarios for what the lab lacks
             status, detail = NOT_APPLICABLE, str(exc)
+            self.lab_gaps.append(scenario.id)
         except ScenarioFailure as exc:
             status, detail = FAIL, str(exc)
         except Exception as exc:
@@ -268,4 +271,5 @@ def run(
     finally:
         session.close(keep_lab=keep_lab)
         report.wall_seconds = time.monotonic() - t0
+        report.lab_gaps = list(session.lab_gaps)
     return report

@@ -264,3 +264,22 @@ def test_a_running_lab_is_not_replaced_unless_asked(monkeypatch: pytest.MonkeyPa
     register(parser.add_subparsers())
     args = parser.parse_args(["conformance", "--mode", "iptables", "--replace-lab"])
     assert args.replace_lab and not args.reuse_lab
+
+
+def test_scenarios_the_lab_cannot_run_are_recorded_as_lab_gaps() -> None:
+    """Not-applicable for want of IPv6 (the lab's shape) is a gap the command fails on; a mode's own
+    not-applicable scenario is not."""
+    from types import SimpleNamespace
+
+    from kproxy.conformance.runner import Session, select
+
+    (dual,) = select(["dual-stack"])
+    session = Session("iptables", SimpleNamespace(ipv6=False, state={}))
+    result = session.run_scenario(dual)
+    assert result.status == NOT_APPLICABLE and "lacks ipv6" in result.detail
+    assert session.lab_gaps == ["dual-stack"]
+    session.not_applicable["dual-stack"] = "this mode cannot"
+    session.lab_gaps.clear()
+    result = session.run_scenario(dual)
+    assert result.status == NOT_APPLICABLE and result.detail == "iptables: this mode cannot"
+    assert session.lab_gaps == []
