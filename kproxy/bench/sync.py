@@ -93,6 +93,8 @@ def run_sync_bench(
     ``backend_options`` reach the backend as ``ProxyConfig.backend_options`` (e.g. ``iptables_flavour``)."""
     if n_services < 1 or n_endpoints < 1 or repeat < 1:
         raise BenchError("--services, --endpoints and --repeat must be at least 1")
+    if n_endpoints > synthetic.MAX_ENDPOINTS:
+        raise BenchError(f"--endpoints: at most {synthetic.MAX_ENDPOINTS} (one EndpointSlice per service)")
     if n_services > synthetic.MAX_SERVICES:
         raise BenchError(f"--services: at most {synthetic.MAX_SERVICES} (198.19.0.0/16)")
     config = ProxyConfig(
@@ -216,7 +218,13 @@ def format_table(b: SyncBench) -> str:
     ]
     rows += [(f"count {k}", str(v)) for k, v in sorted(b.counts.items())]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    if any(k.endswith("/last") for k in b.counts):
+        text += (
+            "\n(counts of the full sync, as upstream's rule gauges: .../last = rules its restores wrote, jumps from"
+            " the built-in chains and the canary included; .../total = rules kproxy's chains hold)"
+        )
+    return text
 
 
 def render(b: SyncBench, fmt: str) -> str:

@@ -27,6 +27,7 @@ MAX_SERVICES = SERVICE_NET.num_addresses - 2
 _EP_BASE = int(ENDPOINT_NET.network_address) + 1
 _EP_POOL = ENDPOINT_NET.num_addresses - 2
 UDP_EVERY = 10
+MAX_ENDPOINTS = 1000  # per service: one EndpointSlice holds at most 1000 endpoints
 
 
 def service_name(i: int) -> str:
@@ -88,7 +89,7 @@ def service(i: int, *, udp_every: int = UDP_EVERY) -> dict[str, Any]:
 def endpoint_slice(i: int, n_endpoints: int, *, variant: int = 0, udp_every: int = UDP_EVERY) -> dict[str, Any]:
     """The one EndpointSlice of service ``i`` with ``n_endpoints`` ready endpoints (at most 1000 per slice, as the
     API allows; more would need several slices)."""
-    if not 0 <= n_endpoints <= 1000:
+    if not 0 <= n_endpoints <= MAX_ENDPOINTS:
         raise ValueError("an EndpointSlice holds at most 1000 endpoints")
     name = service_name(i)
     pname, proto, _, target = _port(i, udp_every)

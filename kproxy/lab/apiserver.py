@@ -34,6 +34,7 @@ import logging
 import random
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -1503,7 +1504,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run_command(args: argparse.Namespace) -> int:
-    listens = [parse_listen(text) for text in (args.listen or ["127.0.0.1:6443"])]
+    try:
+        listens = [parse_listen(text) for text in (args.listen or ["127.0.0.1:6443"])]
+    except ValueError as exc:
+        print(f"kproxy apiserver: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def on_signal(_signum: int, _frame: object) -> None:
@@ -1511,12 +1516,16 @@ def run_command(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    api = serve(
-        listens,
-        history=args.history,
-        bookmark_interval=args.bookmark_interval,
-        service_cidrs=args.service_cidr or DEFAULT_SERVICE_CIDRS,
-    )
+    try:
+        api = serve(
+            listens,
+            history=args.history,
+            bookmark_interval=args.bookmark_interval,
+            service_cidrs=args.service_cidr or DEFAULT_SERVICE_CIDRS,
+        )
+    except OSError as exc:
+        print(f"kproxy apiserver: cannot listen: {exc}", file=sys.stderr)
+        return 1
     try:
         if args.load:
             count = api.load(args.load)

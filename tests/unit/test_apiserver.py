@@ -462,6 +462,10 @@ def test_parse_listen() -> None:
     assert parse_listen("[::1]:0") == (None, "::1", 0)
     with pytest.raises(ValueError):
         parse_listen("nohost")
+    out = subprocess.run(
+        [sys.executable, "-m", "kproxy", "apiserver", "--listen", "bogus"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and "bad listen address 'bogus'" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_command_line_serves_loaded_manifests_and_stops_on_sigterm(tmp_path: Path) -> None:

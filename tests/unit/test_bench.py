@@ -90,6 +90,13 @@ def test_fake_run_from_the_command_line() -> None:
     _check(json.loads(out.stdout), 200, 5, 3)
 
 
+def test_bad_sizes_are_one_line_errors() -> None:
+    for flag, value, why in (("--endpoints", "5000", "--endpoints: at most 1000"), ("--services", "0", "at least 1")):
+        argv = [sys.executable, "-m", "kproxy.bench", "bench", "sync", "--mode", "fake", flag, value]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and why in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_datapath_is_not_there_yet() -> None:
     argv = [sys.executable, "-m", "kproxy.bench", "bench", "datapath", "--mode", "iptables"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
