@@ -4,6 +4,9 @@ It brings up a 2-node lab with one kproxy per node in the chosen mode, publishes
 ClusterIP with a NodePort) backed by all six pods, and shows real traffic: a pod's connections spread over the
 endpoints on both nodes, an external client reaching the NodePort of either node, and ``kproxy show`` on node 1
 telling how the service is programmed there. The lab is removed at the end unless ``--keep-lab``.
+Like ``kproxy conformance`` it checks the mode before building anything (exit 2) and refuses to take down a lab
+that is running under its prefix (exit 2) unless ``--replace-lab``; ``--lab-prefix`` gives it a lab of its own.
+What a killed run left is removed silently. A lab or traffic failure is a short error and exit 1, no traceback.
 It reuses the conformance suite's object builders and probes, so the demo and the proof speak the same language.
 """
 
@@ -15,8 +18,9 @@ import sys
 import time
 from typing import Any
 
-from kproxy.conformance.context import Addresses, Context
-from kproxy.lab.cluster import Lab
+from kproxy.conformance.context import Addresses, Context, ScenarioFailure
+from kproxy.lab.cli import live_lab_problem, mode_problem
+from kproxy.lab.cluster import Lab, LabError
 
 
 def _spread(results: Any) -> str:
@@ -26,11 +30,41 @@ def _spread(results: Any) -> str:
     return text + (f"  (failed: {failed})" if failed else "")
 
 
-def run_demo(mode: str, keep_lab: bool = False) -> int:
+def _error(exc: BaseException) -> None:
+    # the first line says what went wrong; what follows (a log's tail) is detail, indented under it
+    head, *rest = (str(exc).strip() or type(exc).__name__).splitlines()
+    print(f"kproxy demo: {head}", file=sys.stderr)
+    for line in rest:
+        print(f"    {line}", file=sys.stderr)
+
+
+def run_demo(mode: str, keep_lab: bool = False, *, replace_lab: bool = False, prefix: str | None = None) -> int:
+    problem = mode_problem(mode)
+    if problem:
+        print(f"kproxy demo: {problem}", file=sys.stderr)
+        return 2
+    if not replace_lab:
+        live = Lab.live(prefix=prefix)
+        if live is not None:
+            alternatives = (
+                "pass --replace-lab to replace it, --lab-prefix PREFIX for a lab of the demo's own, or run "
+                "`kproxy lab down` first"
+            )
+            print(f"kproxy demo: {live_lab_problem(live, alternatives)}", file=sys.stderr)
+            return 2
+    try:
+        return _demo(mode, keep_lab, prefix)
+    except (LabError, ScenarioFailure) as exc:
+        _error(exc)
+        return 1
+
+
+def _demo(mode: str, keep_lab: bool, prefix: str | None) -> int:
     started = time.monotonic()
     print(f"== bringing up a 2-node lab with kproxy --mode {mode} on each node")
-    lab = Lab.up(nodes=2, pods_per_node=3, mode=mode)
+    lab: Lab | None = None
     try:
+        lab = Lab.up(nodes=2, pods_per_node=3, mode=mode, prefix=prefix)
         lab.wait_all()
         print(
             f"   lab ready in {time.monotonic() - started:.1f}s: nodes "
@@ -83,14 +117,26 @@ def run_demo(mode: str, keep_lab: bool = False) -> int:
         )
         return 0
     finally:
-        if keep_lab:
-            print("   lab kept: `kproxy lab status`, `kproxy lab down`")
+        if keep_lab and lab is not None:
+            opt = "" if lab.prefix == Lab.PREFIX else f" --prefix {lab.prefix}"
+            print(f"   lab kept: `kproxy lab{opt} status`, `kproxy lab{opt} down`")
         else:
-            Lab.down()
+            Lab.down(prefix=prefix)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("demo", help="kproxy on a 2-node lab: traffic and `kproxy show` (what `make demo` runs)")
     p.add_argument("--mode", default="iptables")
     p.add_argument("--keep-lab", action="store_true", help="leave the lab running afterwards")
-    p.set_defaults(func=lambda args: run_demo(args.mode, args.keep_lab))
+    p.add_argument(
+        "--replace-lab",
+        action="store_true",
+        help="take down a lab already running under the prefix and bring up a fresh one (without this, a running "
+        "lab is left alone and the demo refuses to start)",
+    )
+    p.add_argument(
+        "--lab-prefix", default=None, help="namespace prefix of the demo's lab (default: the lab's own, kpl-)"
+    )
+    p.set_defaults(
+        func=lambda args: run_demo(args.mode, args.keep_lab, replace_lab=args.replace_lab, prefix=args.lab_prefix)
+    )

@@ -3,6 +3,9 @@
 For people: bring a lab up to try kproxy by hand, look at it, run a command inside one of its namespaces, take it
 down again (also after a run that was killed). The conformance runner uses kproxy.lab.cluster.Lab directly.
 ``python -m kproxy.lab.cli lab ...`` works too.
+
+``lab up`` refuses to replace a live lab (someone's, see :meth:`Lab.live`) unless ``--replace``, and checks the
+mode before building anything; :func:`mode_problem` and :func:`live_lab_problem` are shared with ``kproxy demo``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,32 @@ from typing import Any
 from kproxy.lab.cluster import Lab, LabError
 
 
+def mode_problem(mode: str | None) -> str | None:
+    """Why kproxy cannot run in ``mode`` here (unknown, not installed, not available on this host), or None.
+
+    ``None`` (no kproxy) is always fine. Checked before a lab is built, so a bad mode costs nothing.
+    """
+    if mode is None:
+        return None
+    from kproxy.proxier import availability
+
+    avail = availability(mode)
+    return None if avail else f"mode {mode} cannot run here: {avail.reason}"
+
+
+def live_lab_problem(lab: Lab, alternatives: str) -> str:
+    """The refusal for a command that would take down the live ``lab``; ``alternatives`` says what to do instead."""
+    mode = lab.mode or "no kproxy"
+    return (
+        f"a lab is already running under prefix {lab.prefix!r} ({len(lab.nodes)} nodes, {mode}, state in "
+        f"{lab.state_dir}) and bringing up a fresh one would take it down: {alternatives}"
+    )
+
+
+def mode_text(mode: str | None) -> str:
+    return "no kproxy (mode none)" if mode is None else f"kproxy --mode {mode}"
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``lab`` and its subcommands; each handler is the ``func`` default and returns an exit code."""
     lab = subparsers.add_parser("lab", help="a cluster made of network namespaces, for trying and testing kproxy")
@@ -26,7 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     sub = lab.add_subparsers(dest="lab_command", required=True, metavar="ACTION")
 
-    up = sub.add_parser("up", help="build a fresh lab (removing any stale one first)")
+    up = sub.add_parser(
+        "up",
+        help="build a fresh lab (removing what a killed run left; a running lab only with --replace)",
+    )
     up.add_argument("--nodes", type=int, default=2)
     up.add_argument("--pods-per-node", type=int, default=3)
     up.add_argument("--mode", default="iptables", help="kproxy mode to start on every node, or 'none'")
@@ -34,9 +66,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     up.add_argument(
         "--kproxy-arg", action="append", default=[], metavar="ARG", help="extra argument for every kproxy (repeatable)"
     )
+    up.add_argument(
+        "--replace",
+        action="store_true",
+        help="take down a lab already running under the prefix (and its API objects) and build a fresh one",
+    )
+    up.add_argument("--timeout", type=float, default=30.0, help="seconds for each kproxy to become healthy")
     up.set_defaults(func=cmd_up)
 
-    down = sub.add_parser("down", help="remove the lab: processes, namespaces, cgroups, state (idempotent)")
+    down = sub.add_parser("down", help="remove the lab: processes, namespaces, cgroups, state and logs (idempotent)")
+    down.add_argument("--keep-logs", action="store_true", help="keep the *.log files of the state folder")
     down.set_defaults(func=cmd_down)
 
     status = sub.add_parser("status", help="what runs where")
@@ -51,6 +90,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def cmd_up(args: argparse.Namespace) -> int:
     mode = None if args.mode.lower() == "none" else args.mode
+    problem = mode_problem(mode)
+    if problem:
+        print(f"kproxy lab up: {problem}", file=sys.stderr)
+        return 2
+    if not args.replace:
+        live = Lab.live(prefix=args.prefix)
+        if live is not None:
+            alternatives = (
+                "`kproxy lab down` removes it, `kproxy lab up --replace` replaces it, or "
+                "`kproxy lab --prefix PREFIX up` builds a second lab beside it"
+            )
+            print(f"kproxy lab up: {live_lab_problem(live, alternatives)}", file=sys.stderr)
+            return 2
     t0 = time.monotonic()
     try:
         lab = Lab.up(
@@ -61,28 +113,34 @@ def cmd_up(args: argparse.Namespace) -> int:
             kproxy_args=args.kproxy_arg,
             prefix=args.prefix,
         )
-    except LabError as e:
+    except LabError as e:  # Lab.up removes a half-built lab itself
         print(f"kproxy lab up: {e}", file=sys.stderr)
         return 1
-    print(f"lab up in {time.monotonic() - t0:.2f}s: {len(lab.nodes)} nodes, {len(lab.pods)} pods, mode {mode}")
+    print(f"lab up in {time.monotonic() - t0:.2f}s: {len(lab.nodes)} nodes, {len(lab.pods)} pods, {mode_text(mode)}")
     print(f"API: {lab.api_url} (from this machine), {lab.lab_api_url} (from the nodes); state in {lab.state_dir}")
     if mode is None:
         return 0
-    # a person typing this wants to know at once when kproxy cannot start (a bad flag, a missing backend)
-    deadline = time.monotonic() + 1.5
-    while time.monotonic() < deadline and all(lab.kproxy_running(n) for n in lab.nodes):
-        time.sleep(0.1)
-    dead = [n for n in lab.nodes if not lab.kproxy_running(n)]
-    for n in dead:
-        tail = "\n".join(lab.kproxy_log(n).splitlines()[-5:])
-        print(f"kproxy on {n.name} exited; {lab.state_dir}/kproxy-{n.name}.log ends with:\n{tail}", file=sys.stderr)
-    return 1 if dead else 0
+    # a person typing this wants to know at once when kproxy cannot start (a bad flag, a backend failing), and a
+    # lab whose kproxy never came up is no lab to leave behind
+    try:
+        lab.wait_all(timeout=args.timeout)
+    except LabError as e:
+        print(f"kproxy lab up: {e}", file=sys.stderr)
+        try:
+            Lab.down(prefix=lab.prefix, keep_logs=True)
+        except LabError as down_error:
+            print(f"kproxy lab up: and taking the lab down failed: {down_error}", file=sys.stderr)
+        else:
+            print(f"kproxy lab up: lab taken down; its logs stay in {lab.state_dir}", file=sys.stderr)
+        return 1
+    print(f"kproxy healthy on every node after {time.monotonic() - t0:.2f}s")
+    return 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
-        Lab.down(prefix=args.prefix)
+        Lab.down(prefix=args.prefix, keep_logs=args.keep_logs)
     except LabError as e:
         print(f"kproxy lab down: {e}", file=sys.stderr)
         return 1
@@ -97,7 +155,7 @@ def _table(rows: list[list[str]]) -> str:
 
 def format_status(st: dict[str, Any]) -> str:
     lines = [
-        f"mode {st['mode']}  ipv6 {st['ipv6']}  API {st['api_url']} / {st['lab_api_url']} "
+        f"mode {st['mode'] or 'none'}  ipv6 {st['ipv6']}  API {st['api_url']} / {st['lab_api_url']} "
         f"({'up' if st['api_running'] else 'DOWN'})  state {st['state_dir']}",
         f"external {st['external']['ns']} {st['external']['ip4']} {st['external']['ip6']}",
         "",

@@ -247,6 +247,18 @@ NODE_SYSCTLS: dict[str, str | int] = {
 }
 
 
+def lab_is_live(state: dict[str, Any] | None, processes_alive: bool, owner_alive: bool) -> bool:
+    """Whether a recorded lab is someone's running lab (to be left alone) rather than a leftover (to be cleaned).
+
+    A lab is live when any process it started still runs and it is either ready or still being built by a process
+    that is alive. A lab whose processes are all gone (killed, crashed) or whose build was abandoned half-way (its
+    builder died) is a leftover, which the next ``up`` and ``down`` remove silently.
+    """
+    if state is None or not processes_alive:
+        return False
+    return bool(state.get("ready")) or owner_alive
+
+
 # --- state on disk ----------------------------------------------------------------------------------------------
 
 
@@ -375,9 +387,11 @@ class Lab:
         echo_ports: Sequence[int] = DEFAULT_PORTS,
         timeout: float = 30.0,
     ) -> Lab:
-        """Build a fresh lab (removing any stale one first) and return it once pods answer and nodes are registered.
+        """Build a fresh lab and return it once pods answer and nodes are registered.
 
-        ``mode=None`` starts no kproxy. kproxy processes are started but not waited for.
+        Whatever lab is under the prefix goes first, running or not: a command that must not take down someone's
+        lab checks :meth:`live` before. ``mode=None`` starts no kproxy. kproxy processes are started but not waited
+        for; if starting them fails, the lab is taken down again (logs kept).
         """
         prefix = prefix or cls.PREFIX
         plan = make_plan(nodes, pods_per_node, ipv6, prefix)
@@ -415,6 +429,8 @@ class Lab:
                 "api_port": 0,
                 "echo_ports": list(echo_ports),
                 "created": time.time(),
+                # the process building it: a lab not ready yet is "being built" only while this one lives
+                "owner": {"pid": os.getpid(), "starttime": netns.proc_starttime(os.getpid()) or 0},
                 "ready": False,
             }
             # written first, so a run killed half-way still leaves a record for `down`
@@ -437,14 +453,19 @@ class Lab:
                 lab._children.clear()
                 # keep the logs for diagnosis; everything else goes, so a failed start leaves nothing behind
                 try:
-                    cls._down_locked(prefix, state_dir)
+                    cls._down_locked(prefix, state_dir, keep_logs=True)
                 except Exception as cleanup_error:
                     e.add_note(f"and removing the half-built lab failed too: {cleanup_error}")
                 if isinstance(e, netns.NetnsError):
                     raise LabError(f"building the lab failed: {e}") from e
                 raise
         if mode is not None:
-            lab.start_all(mode, kproxy_args)
+            try:
+                lab.start_all(mode, kproxy_args)
+            except BaseException:
+                lab._children.clear()
+                cls.down(prefix=prefix, keep_logs=True)  # a lab that could not start its kproxy is not left behind
+                raise
         return lab
 
     def _build(self, plan: Plan, deadline: float, timings: dict[str, float]) -> None:
@@ -614,15 +635,35 @@ class Lab:
         return cls(state)
 
     @classmethod
-    def down(cls, prefix: str | None = None) -> None:
-        """Remove everything of the lab with this prefix: processes, namespaces, cgroups, state. Idempotent."""
+    def live(cls, prefix: str | None = None) -> Lab | None:
+        """The lab under this prefix if it is someone's running lab (see :func:`lab_is_live`), else None.
+
+        For the commands that would replace a lab (``kproxy lab up``, ``kproxy demo``): they refuse a live one and
+        clean up a leftover silently. :meth:`up` itself always replaces whatever is there.
+        """
+        state_dir = state_dir_for(prefix or cls.PREFIX)
+        try:
+            state = json.loads((state_dir / "state.json").read_text())
+            lab = cls(state)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # no lab, or a record too broken to be anyone's working lab
+        owner = state.get("owner") or {}
+        owner_alive = bool(owner.get("pid")) and netns.alive(
+            int(owner["pid"]), int(owner.get("starttime") or 0) or None
+        )
+        return lab if lab_is_live(state, bool(lab._pids()), owner_alive) else None
+
+    @classmethod
+    def down(cls, prefix: str | None = None, *, keep_logs: bool = False) -> None:
+        """Remove everything of the lab with this prefix: processes, namespaces, cgroups, state files and logs
+        (``keep_logs`` keeps the ``*.log`` files, for diagnosis; the next :meth:`up` removes them). Idempotent."""
         prefix = prefix or cls.PREFIX
         state_dir = state_dir_for(prefix)
         with _locked(state_dir):
-            cls._down_locked(prefix, state_dir)
+            cls._down_locked(prefix, state_dir, keep_logs=keep_logs)
 
     @staticmethod
-    def _down_locked(prefix: str, state_dir: Path) -> None:
+    def _down_locked(prefix: str, state_dir: Path, keep_logs: bool = False) -> None:
         names = netns.list_netns(prefix)
         pids: set[int] = set()
         pid_dir = state_dir / "pids"
@@ -659,8 +700,17 @@ class Lab:
             if d.is_dir():
                 for f in d.iterdir():
                     f.unlink(missing_ok=True)
-        for fname in ("state.json", "api.port"):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+        for fname in ("state.json", "state.json.tmp", "api.port"):
             (state_dir / fname).unlink(missing_ok=True)
+        if not keep_logs and state_dir.is_dir():
+            for log in state_dir.glob("*.log"):
+                log.unlink(missing_ok=True)
+        if state_dir != STATE_ROOT:
+            # a second lab's own folder goes once empty; /run/kproxy-lab stays (locks, the cgroup2 mount point)
+            with contextlib.suppress(OSError):
+                state_dir.rmdir()
         still = netns.list_netns(prefix)
         if still:
             raise LabError(f"lab namespaces could not be removed: {still}")

@@ -3,8 +3,9 @@
 Builds one lab without kproxy (mode None) for the module, then checks what the conformance suite relies on: pods on
 different nodes reach each other directly (TCP and UDP, IPv4 and IPv6) and the echo names the pod and the source it
 saw; nodes are reachable from the external client; the API is reachable from a node and from the machine and holds
-the registered Nodes; node 1's cgroup holds its pods' processes; a killed run is cleaned up by the next `up`; `down`
-leaves no kpl- namespace, cgroup or mount behind.
+the registered Nodes; node 1's cgroup holds its pods' processes; `kproxy lab up` and `kproxy demo` refuse to replace
+the running lab and a bad mode; a killed run is cleaned up by the next `lab up`; `down` leaves no kpl- namespace,
+cgroup, mount or state file behind; a lab whose kproxy cannot start is taken down again by `lab up`.
 """
 
 from __future__ import annotations
@@ -238,6 +239,35 @@ def test_machine_namespace_is_untouched(lab: Lab) -> None:
     assert "198.18." not in routes and "198.19." not in routes
 
 
+def lab_cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kproxy.lab.cli", "lab", "--prefix", P, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_up_and_demo_refuse_to_replace_a_running_lab(lab: Lab, capsys: pytest.CaptureFixture[str]) -> None:
+    from kproxy.demo import run_demo
+
+    before = set(lab._pids().values())
+    r = lab_cli("up", "--mode", "none")
+    assert r.returncode == 2, r.stderr
+    assert "already running under prefix 'kplt-'" in r.stderr
+    assert "`kproxy lab down`" in r.stderr and "--replace" in r.stderr and r.stdout == ""
+    r = lab_cli("up", "--mode", "nftables-no-such")  # the mode is checked first, before the lab is looked at
+    assert r.returncode == 2 and "unknown mode" in r.stderr
+    assert run_demo("iptables", prefix=P) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kproxy demo: a lab is already running under prefix 'kplt-'")
+    assert "--replace-lab" in err and "--lab-prefix" in err
+    # nothing of the running lab was touched
+    assert set(lab._pids().values()) == before and Lab.live(prefix=P) is not None
+    [p] = lab.probe(lab.pods[0].ns, "tcp", lab.pods[-1].ip4, 8080)
+    assert p.ok and p.pod == lab.pods[-1].name
+
+
 def test_exec_refuses_foreign_namespaces(lab: Lab) -> None:
     with pytest.raises(Exception, match="not a namespace of this lab"):
         lab.exec("kpt-anything", ["true"])
@@ -252,14 +282,21 @@ def test_killed_run_is_cleaned_up_by_next_up_and_down(lab: Lab) -> None:
         api_pid = lab._pids()["apiserver"]
         for pid in pids | {api_pid}:
             os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5  # SIGKILL takes effect a moment later
+        while any(lab_netns.alive(p) for p in pids | {api_pid}) and time.monotonic() < deadline:
+            time.sleep(0.02)
         # a stale state file with no live processes behind it, and every namespace still there
         assert (state_dir_for(P) / "state.json").exists() and len(lab_netns.list_netns(P)) == 10
+        assert Lab.live(prefix=P) is None  # a leftover, not someone's lab: `lab up` replaces it without asking
         t0 = time.monotonic()
-        again = Lab.up(nodes=2, pods_per_node=2, mode=None, prefix=P)
+        r = lab_cli("up", "--mode", "none", "--pods-per-node", "2")
         print(f"lab up over a killed lab: {time.monotonic() - t0:.2f}s")
+        assert r.returncode == 0, r.stderr
+        assert "no kproxy (mode none)" in r.stdout and "None" not in r.stdout
+        again = Lab.attach(prefix=P)
         assert len(again.pods) == 4 and f"{P}n1-p3" not in lab_netns.list_netns(P)
-        [r] = again.probe(f"{P}n2-p2", "tcp", again.pod("pod-1-1").ip4, 8080)
-        assert r.ok and r.pod == "pod-1-1"
+        [pr] = again.probe(f"{P}n2-p2", "tcp", again.pod("pod-1-1").ip4, 8080)
+        assert pr.ok and pr.pod == "pod-1-1"
         new_pids = set(again._pids().values())
         assert new_pids and not new_pids & (pids | {api_pid})
 
@@ -268,12 +305,33 @@ def test_killed_run_is_cleaned_up_by_next_up_and_down(lab: Lab) -> None:
         assert keep in lab_netns.list_netns("kplt")
         if not _other_labs():  # the cgroup2 mount is shared with a lab of another prefix, if one runs
             assert not any(mp == str(CGROUP_MOUNT) for mp, _ in lab_netns.mounts())
-        assert not (state_dir_for(P) / "state.json").exists()
+        assert not state_dir_for(P).exists()  # state, pid files, ready files and logs: all gone
         assert not any(lab_netns.alive(p) for p in new_pids)
         assert not any(d.name.startswith(P) for d in _cgroup2_children())
         Lab.down(prefix=P)  # idempotent
     finally:
         lab_netns.delete_netns([keep])
+
+
+def test_up_takes_down_a_lab_whose_kproxy_cannot_start() -> None:
+    """Runs after the module's lab is gone: `lab up` whose kproxy exits at once leaves no lab, only its logs."""
+    from kproxy.lab.cli import mode_problem
+
+    if mode_problem("iptables"):
+        pytest.skip(f"kproxy cannot run here: {mode_problem('iptables')}")
+    try:
+        r = lab_cli("up", "--nodes", "1", "--pods-per-node", "1", "--mode", "iptables", "--kproxy-arg=--no-such-flag")
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert "kproxy on node-1 is not running" in r.stderr and "lab taken down" in r.stderr
+        assert lab_netns.list_netns(P) == [] and Lab.live(prefix=P) is None
+        d = state_dir_for(P)
+        assert not (d / "state.json").exists() and not (d / "pids").exists()
+        assert "--no-such-flag" in (d / "kproxy-node-1.log").read_text()  # kept for diagnosis
+        r = lab_cli("down")
+        assert r.returncode == 0, r.stderr
+        assert not d.exists()
+    finally:
+        Lab.down(prefix=P)
 
 
 def _other_labs() -> list[str]:

@@ -6,9 +6,15 @@ are pinned here; the kernel side is tested in tests/integration/test_lab.py.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import ipaddress
+import json
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +130,88 @@ def test_probe_errors_and_argv() -> None:
         build_argv("sctp", "h", 1)
     with pytest.raises(ValueError):
         build_argv("tcp", "h", 1, payload="a\nb")
+
+
+# --- what `kproxy lab up` and `kproxy demo` decide before touching anything -------------------------------------
+
+
+def test_a_lab_is_live_only_with_processes_and_ready_or_being_built() -> None:
+    from kproxy.lab.cluster import lab_is_live
+
+    assert not lab_is_live(None, processes_alive=True, owner_alive=True)  # nothing recorded
+    assert lab_is_live({"ready": True}, processes_alive=True, owner_alive=False)  # someone's lab
+    assert lab_is_live({"ready": False}, processes_alive=True, owner_alive=True)  # being built right now
+    assert not lab_is_live({"ready": True}, processes_alive=False, owner_alive=True)  # its processes were killed
+    assert not lab_is_live({"ready": False}, processes_alive=True, owner_alive=False)  # build abandoned half-way
+
+
+def _state(tmp: Path, prefix: str, ready: bool, owner_pid: int) -> dict[str, object]:
+    plan = make_plan(1, 1, prefix=prefix)
+    return {
+        "prefix": prefix,
+        "state_dir": str(tmp),
+        "ipv6": True,
+        "mode": None,
+        "nodes": [dataclasses.asdict(n) for n in plan.nodes],
+        "pods": [dataclasses.asdict(p) for p in plan.pods],
+        "fabric_ns": plan.fabric_ns,
+        "external_ns": plan.external_ns,
+        "external_ip4": plan.external_ip4,
+        "external_ip6": plan.external_ip6,
+        "api_port": 1,
+        "owner": {"pid": owner_pid, "starttime": 0},
+        "ready": ready,
+    }
+
+
+def test_live_reads_the_state_and_checks_the_recorded_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kproxy.lab import cluster
+    from kproxy.lab.cli import live_lab_problem
+
+    monkeypatch.setattr(cluster, "STATE_ROOT", tmp_path)
+    d = cluster.state_dir_for("kpu-")
+    assert d == tmp_path / "prefix" / "kpu"
+    assert cluster.Lab.live(prefix="kpu-") is None  # no state at all
+    (d / "pids").mkdir(parents=True)
+    (d / "state.json").write_text(json.dumps(_state(d, "kpu-", True, 0)))
+    assert cluster.Lab.live(prefix="kpu-") is None  # no process recorded: a leftover
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (d / "pids" / "apiserver.pid").write_text(f"{dead.pid} 0\n")
+    assert cluster.Lab.live(prefix="kpu-") is None  # its process is gone (a killed run)
+    me = os.getpid()
+    (d / "pids" / "apiserver.pid").write_text(f"{me} {netns.proc_starttime(me)}\n")
+    live = cluster.Lab.live(prefix="kpu-")
+    assert live is not None and live.prefix == "kpu-"
+    text = live_lab_problem(live, "do something else")
+    assert "'kpu-'" in text and "1 nodes, no kproxy" in text and str(d) in text and text.endswith("do something else")
+    (d / "state.json").write_text(json.dumps(_state(d, "kpu-", False, dead.pid)))
+    assert cluster.Lab.live(prefix="kpu-") is None  # a half-built lab whose builder is gone
+    (d / "state.json").write_text(json.dumps(_state(d, "kpu-", False, me)))
+    assert cluster.Lab.live(prefix="kpu-") is not None  # being built by a live process
+    (d / "state.json").write_text("{not json")
+    assert cluster.Lab.live(prefix="kpu-") is None
+
+
+def test_modes_are_checked_before_anything_is_built() -> None:
+    from kproxy.lab.cli import mode_problem, mode_text
+
+    assert mode_problem(None) is None
+    problem = mode_problem("bogus")
+    assert problem is not None and "unknown mode 'bogus'" in problem
+    assert mode_text(None) == "no kproxy (mode none)" and mode_text("iptables") == "kproxy --mode iptables"
+
+
+def test_cli_and_demo_refuse_a_bad_mode_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before any lab is looked at or built: these run without root and change nothing."""
+    from kproxy.demo import run_demo
+    from kproxy.lab.cli import main
+
+    assert run_demo("bogus", prefix="kpu-") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kproxy demo: mode bogus cannot run here: unknown mode") and err.count("\n") == 1
+    assert main(["lab", "--prefix", "kpu-", "up", "--mode", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kproxy lab up: mode bogus cannot run here") and err.count("\n") == 1
