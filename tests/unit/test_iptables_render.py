@@ -73,6 +73,16 @@ def full_payload(services: list[ServicePort], ctx: render.Context = CTX4) -> str
 # ------------------------------------------------------------------------------------------------ names
 
 
+def test_hash16_is_base32_of_sha256() -> None:
+    """The hand-rolled encoder equals upstream's base32(sha256(...))[:16] on many inputs, not just the examples."""
+    import base64
+    import hashlib
+
+    for i in range(2000):
+        text = f"ns-{i}/svc-{i * 7919}:p{i % 13}tcp198.18.{i % 256}.{i // 256}:{8000 + i}"
+        assert render._hash16(text) == base64.b32encode(hashlib.sha256(text.encode()).digest())[:16].decode()
+
+
 def test_hashing_matches_upstream_examples() -> None:
     assert render.service_chain(spn("kube-dns", "dns", Protocol.UDP, "kube-system")) == "KUBE-SVC-TCOU7JCQXEZGVUNU"
     assert render.service_chain(spn("kube-dns", "dns-tcp", Protocol.TCP, "kube-system")) == "KUBE-SVC-ERIFXISQEP7F7OF4"
