@@ -20,7 +20,7 @@ from typing import Any
 
 from kproxy.conformance.context import Addresses, Context, ScenarioFailure
 from kproxy.lab.cli import live_lab_problem, mode_problem
-from kproxy.lab.cluster import Lab, LabError
+from kproxy.lab.cluster import Lab, LabError, check_prefix
 
 
 def _spread(results: Any) -> str:
@@ -43,15 +43,19 @@ def run_demo(mode: str, keep_lab: bool = False, *, replace_lab: bool = False, pr
     if problem:
         print(f"kproxy demo: {problem}", file=sys.stderr)
         return 2
-    if not replace_lab:
-        live = Lab.live(prefix=prefix)
-        if live is not None:
-            alternatives = (
-                "pass --replace-lab to replace it, --lab-prefix PREFIX for a lab of the demo's own, or run "
-                "`kproxy lab down` first"
-            )
-            print(f"kproxy demo: {live_lab_problem(live, alternatives)}", file=sys.stderr)
-            return 2
+    try:
+        check_prefix(prefix or Lab.PREFIX)
+        live = None if replace_lab else Lab.live(prefix=prefix)
+    except LabError as exc:  # an invalid prefix
+        _error(exc)
+        return 2
+    if live is not None:
+        alternatives = (
+            "pass --replace-lab to replace it, --lab-prefix PREFIX for a lab of the demo's own, or run "
+            "`kproxy lab down` first"
+        )
+        print(f"kproxy demo: {live_lab_problem(live, alternatives)}", file=sys.stderr)
+        return 2
     try:
         return _demo(mode, keep_lab, prefix)
     except (LabError, ScenarioFailure) as exc:

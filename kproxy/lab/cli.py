@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kproxy.lab.cluster import Lab, LabError
+from kproxy.lab.cluster import Lab, LabError, check_prefix
 
 
 def mode_problem(mode: str | None) -> str | None:
@@ -94,15 +94,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     if problem:
         print(f"kproxy lab up: {problem}", file=sys.stderr)
         return 2
-    if not args.replace:
-        live = Lab.live(prefix=args.prefix)
-        if live is not None:
-            alternatives = (
-                "`kproxy lab down` removes it, `kproxy lab up --replace` replaces it, or "
-                "`kproxy lab --prefix PREFIX up` builds a second lab beside it"
-            )
-            print(f"kproxy lab up: {live_lab_problem(live, alternatives)}", file=sys.stderr)
-            return 2
+    try:
+        check_prefix(args.prefix)
+        live = None if args.replace else Lab.live(prefix=args.prefix)
+    except LabError as e:  # an invalid prefix
+        print(f"kproxy lab up: {e}", file=sys.stderr)
+        return 2
+    if live is not None:
+        opt = "" if live.prefix == Lab.PREFIX else f" --prefix {live.prefix}"
+        alternatives = (
+            f"`kproxy lab{opt} down` removes it, `kproxy lab{opt} up --replace` replaces it, or "
+            "`kproxy lab --prefix PREFIX up` builds a second lab beside it"
+        )
+        print(f"kproxy lab up: {live_lab_problem(live, alternatives)}", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     try:
         lab = Lab.up(

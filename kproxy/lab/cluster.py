@@ -118,14 +118,20 @@ class Plan:
         return [self.fabric_ns, self.external_ns, *(n.ns for n in self.nodes), *(p.ns for p in self.pods)]
 
 
+def check_prefix(prefix: str) -> str:
+    """The prefix if valid, else LabError: one word and a dash, so no lab's prefix is the start of another's and
+    ``down`` of one (which removes every namespace starting with its prefix) never touches the other."""
+    if not re.fullmatch(r"[a-z][a-z0-9]{1,8}-", prefix):
+        raise LabError(f"invalid lab prefix {prefix!r}: want a short lower-case word and a dash, like 'kpl-'")
+    return prefix
+
+
 def make_plan(nodes: int, pods_per_node: int, ipv6: bool = True, prefix: str = "kpl-") -> Plan:
     if not 1 <= nodes <= MAX_NODES:
         raise LabError(f"nodes must be 1..{MAX_NODES}, not {nodes}")
     if not 0 <= pods_per_node <= MAX_PODS_PER_NODE:
         raise LabError(f"pods_per_node must be 0..{MAX_PODS_PER_NODE}, not {pods_per_node}")
-    # one word and a dash, so no lab's prefix is the start of another's and `down` of one never touches the other
-    if not re.fullmatch(r"[a-z][a-z0-9]{1,8}-", prefix):
-        raise LabError(f"invalid lab prefix {prefix!r}: want a short lower-case word and a dash, like 'kpl-'")
+    check_prefix(prefix)
     lab_nodes, lab_pods = [], []
     cluster4, cluster6 = ipaddress.IPv4Network(CLUSTER_CIDR4), ipaddress.IPv6Network(CLUSTER_CIDR6)
     for i in range(1, nodes + 1):
@@ -263,6 +269,7 @@ def lab_is_live(state: dict[str, Any] | None, processes_alive: bool, owner_alive
 
 
 def state_dir_for(prefix: str) -> Path:
+    check_prefix(prefix)  # every lookup of a lab goes through here, `down` included
     return STATE_ROOT if prefix == Lab.PREFIX else STATE_ROOT / "prefix" / prefix.rstrip("-")
 
 

@@ -255,7 +255,8 @@ def test_up_and_demo_refuse_to_replace_a_running_lab(lab: Lab, capsys: pytest.Ca
     r = lab_cli("up", "--mode", "none")
     assert r.returncode == 2, r.stderr
     assert "already running under prefix 'kplt-'" in r.stderr
-    assert "`kproxy lab down`" in r.stderr and "--replace" in r.stderr and r.stdout == ""
+    assert f"`kproxy lab --prefix {P} down`" in r.stderr and f"`kproxy lab --prefix {P} up --replace`" in r.stderr
+    assert r.stdout == ""
     r = lab_cli("up", "--mode", "nftables-no-such")  # the mode is checked first, before the lab is looked at
     assert r.returncode == 2 and "unknown mode" in r.stderr
     assert run_demo("iptables", prefix=P) == 2

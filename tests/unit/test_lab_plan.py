@@ -215,3 +215,22 @@ def test_cli_and_demo_refuse_a_bad_mode_with_exit_2(capsys: pytest.CaptureFixtur
     assert main(["lab", "--prefix", "kpu-", "up", "--mode", "bogus"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kproxy lab up: mode bogus cannot run here") and err.count("\n") == 1
+
+
+def test_a_prefix_that_is_the_start_of_other_labs_is_refused_everywhere(capsys: pytest.CaptureFixture[str]) -> None:
+    """`down` removes every namespace starting with the prefix: "kp" would take kpl-, kpk-, ... with it."""
+    from kproxy.demo import run_demo
+    from kproxy.lab.cli import main
+    from kproxy.lab.cluster import Lab, check_prefix, state_dir_for
+
+    assert check_prefix("kpl-") == "kpl-"
+    for bad in ("kp", "kpl", "KPL-", "k-", "kpl--"):
+        with pytest.raises(LabError, match="invalid lab prefix"):
+            state_dir_for(bad)
+    with pytest.raises(LabError, match="invalid lab prefix"):
+        Lab.down(prefix="kp")
+    assert main(["lab", "--prefix", "kp", "down"]) == 1
+    assert main(["lab", "--prefix", "kp", "up", "--mode", "none", "--replace"]) == 2
+    assert run_demo("iptables", prefix="kp", replace_lab=True) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all("invalid lab prefix 'kp'" in line for line in err)
