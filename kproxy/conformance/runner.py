@@ -72,8 +72,8 @@ class Session:
         cls, mode: str, *, reuse_lab: bool = False, replace_lab: bool = False, prefix: str | None = None
     ) -> Session:
         """Check the mode, then bring up a fresh 2-node lab (or attach to the running one with ``reuse_lab``).
-        A ready lab already running under the prefix is someone's: bringing one up would take it down, so that
-        is refused (ConformanceError) unless ``replace_lab``."""
+        A live lab under the prefix (``Lab.live``: its processes run) is someone's: bringing one up would take it
+        down, so that is refused (ConformanceError) unless ``replace_lab``; a killed run's leftover is replaced."""
         from kproxy.lab.cluster import Lab, LabError
         from kproxy.proxier import availability
 
@@ -88,11 +88,7 @@ class Session:
             except LabError as exc:
                 log.info("no lab to reuse (%s); bringing one up", exc)
         elif not replace_lab:
-            try:
-                Lab.attach(prefix=prefix)
-            except LabError:
-                pass  # nothing ready there: nobody's lab to lose
-            else:
+            if Lab.live(prefix=prefix) is not None:  # a leftover of a killed run is nobody's: replaced silently
                 raise ConformanceError(
                     f"a lab is already running under prefix {prefix or Lab.PREFIX!r} and this run did not create it; "
                     "bringing up a fresh one would take it down: pass --reuse-lab to run on it, --replace-lab to "

@@ -235,15 +235,17 @@ def test_cli_registers_conformance_with_its_flags() -> None:
 
 
 def test_a_running_lab_is_not_replaced_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Someone's ready lab under the prefix: `kproxy conformance` refuses instead of taking it down, naming the
-    flags; with replace_lab it goes ahead (Lab.up, which replaces it), and the CLI knows --replace-lab."""
+    """Someone's live lab under the prefix: `kproxy conformance` refuses instead of taking it down, naming the
+    flags; with replace_lab it goes ahead (Lab.up, which replaces it), and the CLI knows --replace-lab. A leftover
+    whose processes are gone is replaced without asking."""
     import kproxy.proxier
     from kproxy.conformance.cli import register
     from kproxy.conformance.runner import ConformanceError, Session
     from kproxy.lab.cluster import Lab
 
     monkeypatch.setattr(kproxy.proxier, "availability", lambda mode: kproxy.proxier.Availability(True))
-    monkeypatch.setattr(Lab, "attach", classmethod(lambda cls, prefix=None: object()))
+    live: list[object] = [object()]  # a live lab under the prefix; emptied below: a killed run's leftover
+    monkeypatch.setattr(Lab, "live", classmethod(lambda cls, prefix=None: live[0] if live else None))
     brought_up: list[str | None] = []
 
     def up(cls, **kw):  # type: ignore[no-untyped-def]
@@ -257,6 +259,10 @@ def test_a_running_lab_is_not_replaced_unless_asked(monkeypatch: pytest.MonkeyPa
     with pytest.raises(ConformanceError, match="did not come up"):
         Session.open("iptables", prefix="kpx-", replace_lab=True)
     assert brought_up == ["kpx-"]
+    live.clear()  # nothing of the lab runs any more: replaced without being asked
+    with pytest.raises(ConformanceError, match="did not come up"):
+        Session.open("iptables", prefix="kpx-")
+    assert brought_up == ["kpx-", "kpx-"]
 
     import argparse
 
