@@ -123,6 +123,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     print(f"lab up in {time.monotonic() - t0:.2f}s: {len(lab.nodes)} nodes, {len(lab.pods)} pods, {mode_text(mode)}")
     print(f"API: {lab.api_url} (from this machine), {lab.lab_api_url} (from the nodes); state in {lab.state_dir}")
+    print(f"kubectl --kubeconfig {lab.kubeconfig} --validate=false apply -f ...   (Services and EndpointSlices)")
     if mode is None:
         return 0
     # a person typing this wants to know at once when kproxy cannot start (a bad flag, a backend failing), and a

@@ -510,6 +510,25 @@ class Lab:
         self.api_port = self._wait_api(api, deadline)
         timings["api_listening"] = time.monotonic()
         self.api_url = f"http://127.0.0.1:{self.api_port}"
+        self._write_kubeconfig()
+
+    @property
+    def kubeconfig(self) -> Path:
+        """A kubeconfig for the lab's API from this machine (``kubectl --kubeconfig``), written by :meth:`up`."""
+        return self.state_dir / "kubeconfig"
+
+    def _write_kubeconfig(self) -> None:
+        doc = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "kproxy-lab", "cluster": {"server": self.api_url}}],
+            "users": [{"name": "kproxy-lab", "user": {}}],
+            "contexts": [{"name": "kproxy-lab", "context": {"cluster": "kproxy-lab", "user": "kproxy-lab"}}],
+            "current-context": "kproxy-lab",
+        }
+        tmp = self.kubeconfig.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")  # JSON is YAML: kubectl and the client read it
+        tmp.replace(self.kubeconfig)
 
     def _mount_cgroups(self) -> None:
         with _locked(None):
@@ -709,7 +728,7 @@ class Lab:
                     f.unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
                     d.rmdir()
-        for fname in ("state.json", "state.json.tmp", "api.port"):
+        for fname in ("state.json", "state.json.tmp", "api.port", "kubeconfig", "kubeconfig.tmp"):
             (state_dir / fname).unlink(missing_ok=True)
         if not keep_logs and state_dir.is_dir():
             for log in state_dir.glob("*.log"):

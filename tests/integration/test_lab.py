@@ -127,6 +127,12 @@ def test_api_reachable_from_node_and_machine(lab: Lab) -> None:
     with urllib.request.urlopen(f"{lab.api_url}/healthz", timeout=5) as resp:
         assert resp.status == 200
     assert lab.lab_api_url == "http://198.18.0.1:6443"
+    # the kubeconfig lab up writes works with the official client
+    import kubernetes
+
+    client = kubernetes.config.new_client_from_config(config_file=str(lab.kubeconfig))
+    names = {n.metadata.name for n in kubernetes.client.CoreV1Api(client).list_node().items}
+    assert names == {n.name for n in lab.nodes}
 
 
 def test_nodes_registered(lab: Lab) -> None:
