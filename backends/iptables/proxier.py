@@ -31,6 +31,8 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -42,7 +44,7 @@ from kproxy.proxier import Availability, Proxier
 from . import adopt, render
 from . import cleanup as cleanup_mod
 from . import trace as trace_mod
-from .kernel import FLAVOURS, Kernel, binary, detect_flavour, missing_binaries
+from .kernel import FLAVOURS, Kernel, Run, binary, detect_flavour, missing_binaries
 
 log = logging.getLogger(__name__)
 
@@ -429,15 +431,26 @@ class IptablesProxier(Proxier):
             kernel_chains = {}
             existing = set()
             kernel_rules = sum(len(f.rules) for f in fs.fragments.values())
-        r0 = time.perf_counter()
-        frags, write, top = plan()
-        render_s = time.perf_counter() - r0
         chunk = _chunk_lines(kernel_rules) if kernel.flavour == "nft" else None
+        # A big full sync on nf_tables streams: each chunk is applied while the next is rendered (see _stream).
+        stream = full and chunk is not None and 3 * (len(services) + self._endpoint_count(state, fam)) > 2 * chunk
+        r0 = time.perf_counter()
+        frags: dict[ServicePortName, render.Fragment] = {}  # a stream fills them in its first round
+        write: list[ServicePortName] | None = None
+        top: set[str] | None = None
+        if not stream:
+            frags, write, top = plan()
+        render_s = time.perf_counter() - r0
         apply_s = 0.0
         payloads: list[str] = []
         rules_written: dict[str, int] = {}
         for _round in range(MAX_ROUNDS):
-            if full:
+            restores: Iterable[render.Restore]
+            if stream and _round == 0:
+                # frags and write are filled as the chunks are rendered
+                frags, write, restores = self._stream(services, ctx, kernel_chains, existing, jumps, chunk or 0)
+                stale = set(existing)  # for the refusal path below: deletions were (maybe) part of the payload
+            elif full:
                 wanted = {c for f in frags.values() for c in f.chains}
                 created = {c for spn in skip | keep for c in self._pending_chains.get(spn, ())}
                 stale = {c for c in existing | created if c not in wanted}
@@ -447,29 +460,28 @@ class IptablesProxier(Proxier):
                     old_chains.update(self._pending_chains.get(spn, ()))
                 wanted = {c for spn in changes.services if spn in frags for c in frags[spn].chains}
                 stale = old_chains - wanted
-            if keep_stale:
-                stale = set()
-            b0 = time.perf_counter()
-            restores = render.build_restores(
-                ctx,
-                frags,
-                write=write,
-                top=top,
-                delete_chains=stale,
-                jump_rules=jumps,
-                canary=full,
-                chunk_lines=chunk,
-            )
-            render_s += time.perf_counter() - b0
-            self._pending_chains = {spn: frags[spn].chains for spn in (write if write is not None else frags)}
+            if not (stream and _round == 0):
+                if keep_stale:
+                    stale = set()
+                b0 = time.perf_counter()
+                restores = render.build_restores(
+                    ctx,
+                    frags,
+                    write=write,
+                    top=top,
+                    delete_chains=stale,
+                    jump_rules=jumps,
+                    canary=full,
+                    chunk_lines=chunk,
+                )
+                render_s += time.perf_counter() - b0
+                self._pending_chains = {spn: frags[spn].chains for spn in (write if write is not None else frags)}
             payloads = []  # what this round wrote: the last round is the one that stuck
             rules_written = {"filter": 0, "nat": 0}
             bad: ServicePortName | None = None
             error: str | None = None
-            for restore in restores:
-                if not restore.text:
-                    continue
-                res = kernel.restore(fam, restore.text)
+            for restore, res, rendering in _apply_overlapped(kernel, fam, restores):
+                render_s += rendering
                 apply_s += res.seconds
                 payloads.append(restore.text)
                 if res.ok:
@@ -490,6 +502,8 @@ class IptablesProxier(Proxier):
                 keep_stale = True
                 if top is not None:
                     tops_tried.update(top)
+                if stream and _round == 0:
+                    frags, write, top = plan()  # the stream stopped early: the whole plan for the next round
                 continue
             if bad is None or bad in skip:
                 timings["render"] += render_s
@@ -549,6 +563,40 @@ class IptablesProxier(Proxier):
         counts[f"{fam.value}/services"] = len(frags)
         return None, full
 
+    def _stream(
+        self,
+        services: Mapping[ServicePortName, ServicePort],
+        ctx: render.Context,
+        kernel_chains: Mapping[str, list[adopt.Canon]],
+        existing: set[str],
+        jumps: list[render.JumpRule],
+        chunk: int,
+    ) -> tuple[dict[ServicePortName, render.Fragment], list[ServicePortName], Iterator[render.Restore]]:
+        """A full sync's payloads as a generator that renders each service when its chunk is asked for, with the
+        fragments and the services written (adoption: those whose chains differ from the kernel's) filled in as it
+        goes; complete once it is exhausted."""
+        frags: dict[ServicePortName, render.Fragment] = {}
+        write: list[ServicePortName] = []
+        self._pending_chains = {}
+
+        def items() -> Iterator[tuple[ServicePortName, render.Fragment, bool]]:
+            for spn, sp in services.items():
+                f = frags[spn] = render.render_service(sp, ctx)
+                w = not kernel_chains or not adopt.unchanged(f, kernel_chains)
+                if w:
+                    write.append(spn)
+                    self._pending_chains[spn] = f.chains
+                yield spn, f, w
+
+        def deletes() -> set[str]:
+            wanted = {c for f in frags.values() for c in f.chains}
+            return {c for c in existing if c not in wanted}
+
+        restores = render.stream_restores(
+            ctx, items(), top=None, delete_chains=deletes, jump_rules=jumps, canary=True, chunk_lines=chunk
+        )
+        return frags, write, restores
+
     def _endpoint_count(self, state: ProxyState, fam: IPFamily) -> int:
         """Upstream's largeClusterMode input, per family as upstream's per-family proxier counts it: the endpoints of
         each of the family's service ports (cluster and local ones, each counted once), cached per state."""
@@ -589,6 +637,38 @@ class IptablesProxier(Proxier):
 
 
 _TABLE = re.compile(r"^\*(\w+)$", re.M)
+
+
+def _apply_overlapped(
+    kernel: Kernel, fam: IPFamily, restores: Iterable[render.Restore]
+) -> Iterator[tuple[render.Restore, Run, float]]:
+    """Apply payloads in order, one at a time, each in a worker thread while the next is taken from ``restores``
+    (rendered, when it is a generator): yields (payload, result, seconds spent taking the next payload) as each
+    one finishes. The caller stops at the first refusal; the payload rendered meanwhile is never applied.
+
+    ``iptables-restore`` runs in its own process (the kernel's work is in its system calls), so on two cores the
+    rendering of chunk N+1 in Python costs no wall time while chunk N is applied."""
+    it = iter(restores)
+
+    def take() -> tuple[render.Restore | None, float]:
+        t0 = time.perf_counter()
+        for r in it:
+            if r.text:
+                return r, time.perf_counter() - t0
+        return None, time.perf_counter() - t0
+
+    cur, spent = take()
+    if cur is None:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="iptables-restore") as pool:
+        while cur is not None:
+            fut = pool.submit(kernel.restore, fam, cur.text)
+            nxt, more = take()
+            res = fut.result()
+            yield cur, res, spent
+            if not res.ok:
+                return
+            cur, spent = nxt, more
 
 
 def _replayable(text: str) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kproxy.config import ProxyConfig
@@ -793,3 +793,49 @@ def build_restores(
         )
     )
     return out
+
+
+def stream_restores(
+    ctx: Context,
+    items: Iterable[tuple[ServicePortName, Fragment, bool]],
+    *,
+    top: Iterable[str] | None,
+    delete_chains: Callable[[], Iterable[str]],
+    jump_rules: Iterable[JumpRule] = (),
+    canary: bool = False,
+    chunk_lines: int,
+) -> Iterator[Restore]:
+    """``build_restores`` for a big full sync, yielding each chunk as soon as its services are rendered.
+
+    ``items`` gives (service, fragment, whether its chains are written) one by one, in order, typically rendering
+    each as it is asked for; the caller applies a chunk while the next one is rendered, so rendering overlaps the
+    kernel's work instead of preceding it. The payloads are those ``build_restores`` makes for a change bigger than
+    ``chunk_lines``: KUBE-MARK-MASQ and KUBE-POSTROUTING in the first, whole services per chunk, and a last one with
+    the shared chains (every service's lines), the missing jumps and ``delete_chains()``, asked for at the end.
+    """
+    top_set = set(ALL_TOP) if top is None else set(top)
+    early = top_set & {N_MARK_MASQ, N_POSTROUTING}
+    seen: dict[ServicePortName, Fragment] = {}
+    group: dict[ServicePortName, Fragment] = {}
+    lines = 0
+    first = True
+    for spn, frag, write in items:
+        seen[spn] = frag
+        if not write:
+            continue
+        group[spn] = frag
+        lines += len(frag.rules) + len(frag.chains)
+        if lines >= chunk_lines:
+            yield build_restore(ctx, group, write=None, top=early if first else ())
+            first, group, lines = False, {}, 0
+    if group or first:
+        yield build_restore(ctx, group, write=None, top=early if first else ())
+    yield build_restore(
+        ctx,
+        seen,
+        write=(),
+        top=top_set - early,
+        delete_chains=delete_chains(),
+        jump_rules=jump_rules,
+        canary=canary,
+    )

@@ -279,3 +279,37 @@ def test_chunked_partial_sync_switching_target_chains(
         else:
             assert f"KUBE-SVL-{x}" in nat and f"KUBE-SVC-{x}" not in nat
             assert any(f"-d {sp.cluster_ip}/32 " in ln and ln.endswith(f"-j KUBE-SVL-{x}") for ln in services)
+
+
+def test_streamed_full_sync_whose_chain_deletion_is_refused_retries_without_deletions(
+    netns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big full sync on nf_tables is streamed (each chunk applied while the next is rendered); when its last
+    payload's deletion of a stale chain is refused (another program's chain jumps to it), the sync is retried
+    without deletions and goes through; once nothing jumps to the chain, the next full sync deletes it."""
+    monkeypatch.setattr(proxier_mod, "_chunk_lines", lambda _rules: CHUNK)
+    calls = record_restores(monkeypatch, netns, "nft")
+    sps = [service(i) for i in range(N_SERVICES)]
+    p = make_proxier(netns, "nft")
+    assert p.sync(state(sps), Changes(full=True)).ok
+    assert len(calls) > 3 and all(ok for _, ok, _ in calls)
+    gone = sps[5]
+    sep = render.endpoint_chain(gone.name, str(gone.cluster_endpoints[0]))
+    ns_iptables = ["ip", "netns", "exec", netns, "iptables-nft", "-w", "-t", "nat"]
+    subprocess.run([*ns_iptables, "-N", "OTHER-PROGRAM"], check=True, timeout=30)
+    subprocess.run([*ns_iptables, "-A", "OTHER-PROGRAM", "-j", sep], check=True, timeout=30)
+    calls.clear()
+    rest = [sp for sp in sps if sp is not gone]
+
+    res = p.sync(state(rest), Changes(full=True))
+    assert res.ok and not res.failed, res.error
+    assert [ok for _, ok, _ in calls].count(False) == 1 and not calls[-1][0].count("\n-X ")  # retried without -X
+    text = save(netns, "nft")
+    frags = {sp.name: render.render_service(sp, p._fam[IPFamily.V4].ctx) for sp in rest}  # type: ignore[arg-type]
+    assert_programmed(text, rest, frags)
+    services = [ln for ln in section(text, "nat").splitlines() if ln.startswith("-A KUBE-SERVICES ")]
+    assert sep in chains(text) and not any(f"-d {gone.cluster_ip}/32" in ln for ln in services)
+
+    subprocess.run([*ns_iptables, "-F", "OTHER-PROGRAM"], check=True, timeout=30)
+    assert p.sync(state(rest), Changes(full=True)).ok
+    assert sep not in chains(save(netns, "nft"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -604,6 +605,57 @@ def test_render_scales(chunk: int | None) -> None:
     parts = render.build_restores(CTX4, services, write=None, top=None, chunk_lines=chunk)
     rules = sum(p.rules["nat"] for p in parts)
     assert rules == 1000 * (1 + 1 + 10 + 20) + 5  # KUBE-SERVICES, masq, 10 SVC jumps, 2 per SEP; fixed chains
+
+
+def test_stream_restores_writes_what_build_restores_writes() -> None:
+    """The streamed full sync (each chunk rendered while the previous one is applied) yields exactly the payloads,
+    line owners and rule counts of build_restores, for a full write and for an adopting one; deletions are asked
+    for only once every service was taken."""
+    frags = {}
+    for i in range(300):
+        eps = tuple(ep(f"198.18.{i // 100}.{i % 100 + 1}", 8000 + j) for j in range(i % 4))
+        sp = dataclasses.replace(svc(f"s{i}", eps), cluster_ip=f"198.19.{i // 250}.{i % 250 + 1}")
+        frags[sp.name] = render.render_service(sp, CTX4)
+    taken: list[ServicePortName] = []
+    asked_after: list[int] = []
+
+    def items(chosen: set[ServicePortName]) -> Iterator[tuple[ServicePortName, render.Fragment, bool]]:
+        for s, f in frags.items():
+            taken.append(s)
+            yield s, f, s in chosen
+
+    def deletes() -> list[str]:
+        asked_after.append(len(taken))
+        return ["KUBE-SEP-GONE"]
+
+    for write in (None, [s for i, s in enumerate(frags) if i % 3]):
+        expected = render.build_restores(
+            CTX4,
+            frags,
+            write=write,
+            top=None,
+            delete_chains=["KUBE-SEP-GONE"],
+            jump_rules=render.JUMP_RULES,
+            canary=True,
+            chunk_lines=200,
+        )
+        taken.clear()
+        asked_after.clear()
+        chosen = set(frags) if write is None else set(write)
+        got = list(
+            render.stream_restores(
+                CTX4,
+                items(chosen),
+                top=None,
+                delete_chains=deletes,
+                jump_rules=render.JUMP_RULES,
+                canary=True,
+                chunk_lines=200,
+            )
+        )
+        assert len(got) == len(expected) > 5
+        assert [(r.text, r.owners, r.rules) for r in got] == [(r.text, r.owners, r.rules) for r in expected]
+        assert asked_after == [300]
 
 
 # ------------------------------------------------------------------------------------------------ packet explainer
