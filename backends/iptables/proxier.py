@@ -3,7 +3,8 @@
 Each family is synced on its own, as upstream runs one proxier per family: a family the kernel refuses is reported
 (``ok`` False, the error names it) and needs a full sync next time, while the other family is still programmed and
 goes on with partial syncs. One restore per family per sync (several on the nf_tables flavour when a change is big, see
-``render.build_restores``). Partial syncs (upstream's KEP-3453) write only the dirty services' own chains and
+``render.build_restores``; a big full sync renders each chunk while the previous one is applied, ``_stream``).
+Partial syncs (upstream's KEP-3453) write only the dirty services' own chains and
 rewrite a shared chain (KUBE-SERVICES ...) only when a dirty service's lines in it changed, which the per-service
 fragments kept from the last successful restore make cheap to decide. Full syncs (first sync, ``changes.full``, a
 missing canary, after a failure) read the nat table once (``iptables-save -t nat``) to adopt what is in the
