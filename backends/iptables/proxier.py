@@ -177,16 +177,7 @@ class IptablesProxier(Proxier):
         ns = "kpb-" + uuid.uuid4().hex[:10]
         subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
         try:
-            k = Kernel(flavour, ns)
-            total = 0.0
-            for fam, texts in payloads.items():
-                for text in texts:
-                    res = k.restore(fam, text)
-                    if not res.ok:
-                        log.warning("floor restore failed: %s", res.stderr.strip())
-                        return None
-                    total += res.seconds
-            return total
+            return _timed_restores(Kernel(flavour, ns), payloads, "floor restore")
         finally:
             subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True, timeout=30)
 
@@ -213,15 +204,7 @@ class IptablesProxier(Proxier):
                 return None
 
             def replay() -> float | None:
-                total = 0.0
-                for fam, texts in payloads.items():
-                    for text in texts:
-                        res = k.restore(fam, text)
-                        if not res.ok:
-                            log.warning("partial floor replay failed: %s", res.stderr.strip())
-                            return None
-                        total += res.seconds
-                return total
+                return _timed_restores(k, payloads, "partial floor replay")
 
             floor = replay()
             if floor is None:
@@ -670,6 +653,19 @@ def _apply_overlapped(
             if not res.ok:
                 return
             cur, spent = nxt, more
+
+
+def _timed_restores(kernel: Kernel, payloads: Mapping[IPFamily, list[str]], what: str) -> float | None:
+    """Seconds ``iptables-restore`` took for every payload, in order; None (logged) when one is refused."""
+    total = 0.0
+    for fam, texts in payloads.items():
+        for text in texts:
+            res = kernel.restore(fam, text)
+            if not res.ok:
+                log.warning("%s failed: %s", what, res.stderr.strip())
+                return None
+            total += res.seconds
+    return total
 
 
 def _replayable(text: str) -> str:
