@@ -371,6 +371,8 @@ class IptablesProxier(Proxier):
         jumps: list[render.JumpRule] = []
         stale: set[str] = set()
         keep_stale = False  # a deletion was refused (something else jumps to a stale chain): leak rather than stall
+        written: set[ServicePortName] = set()  # services with lines in a payload of this sync that committed
+        created: dict[ServicePortName, set[str]] = {}  # their chains, over every round (a stale sweep needs all)
 
         def plan() -> tuple[dict[ServicePortName, render.Fragment], list[ServicePortName] | None, set[str] | None]:
             if full:
@@ -381,8 +383,10 @@ class IptablesProxier(Proxier):
                 }
                 if not kernel_chains:
                     return frags, None, None
-                # adoption: services whose chains the kernel already holds exactly are not rewritten
-                return frags, [spn for spn, f in frags.items() if not adopt.unchanged(f, kernel_chains)], None
+                # adoption: services whose chains the kernel already holds exactly are not rewritten; the read is from
+                # before the first round, so services a payload of an earlier round committed are written again
+                write = [spn for spn, f in frags.items() if spn in written or not adopt.unchanged(f, kernel_chains)]
+                return frags, write, None
             frags = dict(fs.fragments)
             updates: dict[ServicePortName, render.Fragment | None] = {}
             for spn in changes.services:
@@ -397,8 +401,8 @@ class IptablesProxier(Proxier):
                 else:
                     frags[spn] = new
             # a kept service's old chains are written again too: an earlier payload of this sync may have changed them
-            written = [spn for spn, f in updates.items() if f is not None]
-            return frags, written, render.changed_top_chains(fs.fragments, updates) | tops_tried
+            to_write = [spn for spn, f in updates.items() if f is not None]
+            return frags, to_write, render.changed_top_chains(fs.fragments, updates) | tops_tried
 
         # shared chains earlier rounds wrote: a table of a refused payload may have committed before the refusal
         tops_tried: set[str] = set()
@@ -433,15 +437,14 @@ class IptablesProxier(Proxier):
             if stream and _round == 0:
                 # frags and write are filled as the chunks are rendered
                 frags, write, restores = self._stream(services, ctx, kernel_chains, existing, jumps, chunk or 0)
-                stale = set(existing)  # for the refusal path below: deletions were (maybe) part of the payload
             elif full:
                 wanted = {c for f in frags.values() for c in f.chains}
-                created = {c for spn in skip | keep for c in self._pending_chains.get(spn, ())}
-                stale = {c for c in existing | created if c not in wanted}
+                made = {c for spn in skip | keep for c in created.get(spn, ())}
+                stale = {c for c in existing | made if c not in wanted}
             else:
                 old_chains = {c for spn in changes.services if spn in fs.fragments for c in fs.fragments[spn].chains}
                 for spn in skip | keep:  # refused services whose new chains an earlier chunk may have created
-                    old_chains.update(self._pending_chains.get(spn, ()))
+                    old_chains.update(created.get(spn, ()))
                 wanted = {c for spn in changes.services if spn in frags for c in frags[spn].chains}
                 stale = old_chains - wanted
             if not (stream and _round == 0):
@@ -464,6 +467,8 @@ class IptablesProxier(Proxier):
             rules_written = {"filter": 0, "nat": 0}
             bad: ServicePortName | None = None
             error: str | None = None
+            refused: render.Restore | None = None
+            line = 0
             for restore, res, rendering in _apply_overlapped(kernel, fam, restores):
                 render_s += rendering
                 apply_s += res.seconds
@@ -471,14 +476,24 @@ class IptablesProxier(Proxier):
                 if res.ok:
                     for t, n in restore.rules.items():
                         rules_written[t] += n
+                    written.update(spn for _, _, spn in restore.owners)
                     continue
                 error = _summarise(res.stderr, restore.text)
                 m = _LINE.search(res.stderr)
-                bad = restore.owner_of(int(m.group(1))) if m else None
+                line = int(m.group(1)) if m else 0
+                bad = restore.owner_of(line) if line else None
+                refused = restore
                 break
+            for spn, chains_ in self._pending_chains.items():  # filled as the stream went, or before the round
+                created.setdefault(spn, set()).update(chains_)
             if error is None:
                 break
-            if bad is None and stale and not keep_stale:
+            if full and _round + 1 < MAX_ROUNDS:
+                # a payload's earlier tables committed before the refusal: do not insert their jumps twice
+                jumps, err = self._missing_jumps(fam)
+                if err:
+                    return err, full
+            if bad is None and not keep_stale and refused is not None and _deletes_at(refused.text, line):
                 # no service's line: most likely a chain deletion, refused because another program's chain still
                 # jumps to it (a pre-1.24 KUBE-XLB- chain is swept, others are not ours); without this the same
                 # payload would be refused at every sync and the family never programmed again
@@ -599,6 +614,21 @@ class IptablesProxier(Proxier):
             self._counts[key] = count
         return count
 
+    def _missing_jumps(self, fam: IPFamily) -> tuple[list[render.JumpRule], str | None]:
+        """The jumps from the built-in chains that are not in the kernel now (``iptables -S`` per built-in chain)."""
+        kernel = self.kernel
+        present: set[str] = set()
+        for table, chains_ in (
+            ("filter", ("INPUT", "FORWARD", "OUTPUT")),
+            ("nat", ("PREROUTING", "OUTPUT", "POSTROUTING")),
+        ):
+            for chain in chains_:
+                res = kernel.list_chain(fam, table, chain)
+                if not res.ok:
+                    return [], f"{binary('', fam, kernel.flavour)} -t {table} -S {chain}: {res.stderr.strip()}"
+                present.update(f"{table}/{ln}" for ln in res.stdout.splitlines() if ln.startswith("-A "))
+        return [j for j in render.JUMP_RULES if f"{j.table}/-A {j.chain} {j.spec}" not in present], None
+
     def _read_kernel(self, fam: IPFamily) -> tuple[dict[str, list[adopt.Canon]], set[str], int, str | None]:
         """The nat table's service chains with their rules (canonical, for adoption), the jump rules present in the
         built-in chains ("table/-A CHAIN spec"), and how many rules the nat table holds; error text or None."""
@@ -653,6 +683,13 @@ def _apply_overlapped(
             if not res.ok:
                 return
             cur, spent = nxt, more
+
+
+def _deletes_at(text: str, line: int) -> bool:
+    """Whether the payload's refused line (1-based) is a chain deletion (``-X``), as both flavours report a chain
+    that something still jumps to."""
+    lines = text.splitlines()
+    return 0 < line <= len(lines) and lines[line - 1].startswith("-X ")
 
 
 def _timed_restores(kernel: Kernel, payloads: Mapping[IPFamily, list[str]], what: str) -> float | None:

@@ -174,6 +174,10 @@ def test_service_refused_in_a_later_chunk_is_skipped_and_its_chains_removed(
     assert not (bad_chains & chains(text)), bad_chains & chains(text)
     assert bad_sp.cluster_ip + "/32" not in text and "ns1/s20:http" not in text
     assert len({c for c in chains(text) if c.startswith("KUBE-SVC-")}) == N_SERVICES - 1
+    # the jumps from the built-in chains, inserted by a payload whose filter part committed before its nat part was
+    # refused, are there once each (the retry inserts only the missing ones)
+    for j in render.JUMP_RULES:
+        assert section(text, j.table).count(f"-A {j.chain} {j.spec}\n") == 1, j
 
     # fixed: a partial sync of that one service programs it, the others stay
     monkeypatch.undo()
@@ -313,3 +317,37 @@ def test_streamed_full_sync_whose_chain_deletion_is_refused_retries_without_dele
     subprocess.run([*ns_iptables, "-F", "OTHER-PROGRAM"], check=True, timeout=30)
     assert p.sync(state(rest), Changes(full=True)).ok
     assert sep not in chains(save(netns, "nft"))
+
+
+def test_full_sync_refusing_an_update_after_its_chains_committed_restores_the_old_rules(
+    netns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streamed full sync (adopting what the kernel holds) where one service's new chains commit in an early chunk
+    and its KUBE-SERVICES line is refused in the last payload: the retry must write that service's old rules back
+    (the adoption read from before the sync no longer says what the kernel holds) and delete its new-only chain."""
+    monkeypatch.setattr(proxier_mod, "_chunk_lines", lambda _rules: CHUNK)
+    p = make_proxier(netns, "nft")
+    old = [service(i) for i in range(N_SERVICES)]
+    assert p.sync(state(old), Changes(full=True)).ok
+    before = section(save(netns, "nft"), "nat")
+    new = list(old)
+    new[BAD_INDEX] = service(BAD_INDEX, endpoints=2)
+    new_sep = render.endpoint_chain(BAD, str(new[BAD_INDEX].cluster_endpoints[1]))
+    original = render.render_service
+
+    def broken(sp: ServicePort, ctx: render.Context) -> render.Fragment:
+        frag = original(sp, ctx)
+        if sp.name != BAD or len(sp.cluster_endpoints) < 2:  # only the update is refused
+            return frag
+        top = dict(frag.top)
+        top[render.N_SERVICES] = top[render.N_SERVICES] + (f"-A KUBE-SERVICES {INVALID}",)
+        return dataclasses.replace(frag, top=top)
+
+    monkeypatch.setattr(render, "render_service", broken)
+    calls = record_restores(monkeypatch, netns, "nft")
+    res = p.sync(state(new), Changes(full=True))
+    assert res.ok and set(res.failed) == {BAD}, res
+    refused = [i for i, (_, ok, _) in enumerate(calls) if not ok]
+    assert len(refused) == 1 and new_sep in calls[refused[0]][2]  # the new chain was in the kernel then
+    after = section(save(netns, "nft"), "nat")
+    assert after == before and new_sep not in after
