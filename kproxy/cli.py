@@ -177,9 +177,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"kproxy: cannot start: {exc}", file=sys.stderr)
         return 1
-    # only once kproxy can start (a mistyped kubeconfig must not remove another mode's rules and then stop)
-    if not args.no_cleanup_other_modes:
-        _cleanup_other_modes(config)
 
     def _stop(signum: int, _frame: Any) -> None:
         log.info("received %s: stopping (kernel state is left in place)", signal.Signals(signum).name)
@@ -188,7 +185,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     try:
-        daemon.start()
+        # other modes' leftovers go only once this kproxy can run (its ports bound, its config and kubeconfig read):
+        # a second instance or a typo must not remove a running kproxy's rules and then stop
+        daemon.start(before_sync=None if args.no_cleanup_other_modes else lambda: _cleanup_other_modes(config))
     except OSError as exc:
         print(f"kproxy: cannot start: {exc}", file=sys.stderr)
         daemon.stop()

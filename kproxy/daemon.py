@@ -59,7 +59,13 @@ def local_addresses() -> list[str]:
     from pyroute2 import IPRoute
 
     with IPRoute() as ipr:
-        return [str(msg.get_attr("IFA_ADDRESS")) for msg in ipr.get_addr() if msg.get_attr("IFA_ADDRESS")]
+        out = []
+        for msg in ipr.get_addr():
+            # IFA_LOCAL is the address itself; IFA_ADDRESS is the peer's on point-to-point links (tunnels)
+            addr = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")
+            if addr:
+                out.append(str(addr))
+        return out
 
 
 def health_check_ports(state: ProxyState) -> dict[NamespacedName, int]:
@@ -163,9 +169,14 @@ class Daemon:
         self._seen_changes = (0, 0)  # the cache's change totals already counted in the metrics
 
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, before_sync: Callable[[], None] | None = None) -> None:
+        """Bind the health and metrics servers (an OSError when a port is taken), run ``before_sync`` (the CLI
+        removes other modes' leftovers there: only once this kproxy is sure to run, so a second instance that cannot
+        bind leaves the running one's rules alone), then start syncing."""
         self.healthz.start()
         self.metrics_server.start()
+        if before_sync is not None:
+            before_sync()
         self.runner.start()
         self.source.start()
         log.info("kproxy started: mode=%s node=%s", self.backend.mode, self.config.node_name)
@@ -328,7 +339,7 @@ class Daemon:
         if not (src_local and dst_local):  # an address of this node is the node, whether or not the flag says so
             try:
                 mine = set(local_addresses())
-            except OSError as exc:
+            except Exception as exc:  # netlink errors are not OSErrors; the flags still work
                 log.debug("trace: cannot read this node's addresses: %s", exc)
                 mine = set()
             src_local = src_local or src in mine

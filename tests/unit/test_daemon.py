@@ -350,3 +350,40 @@ def test_a_failed_conntrack_reconcile_is_retried_without_a_new_change(tmp_path: 
         assert ct.calls == calls  # and once it succeeded, no more reconciling without UDP changes
     finally:
         daemon.stop()
+
+
+def test_before_sync_runs_once_the_ports_are_bound_and_not_when_they_are_taken(tmp_path: Path) -> None:
+    """The CLI removes other modes' leftovers in ``before_sync``: after the servers are bound, before any sync;
+    a second kproxy whose port is taken fails first and removes nothing."""
+    import socket
+
+    def make(healthz: str) -> tuple[Daemon, FakeProxier]:
+        cfg = ProxyConfig(
+            mode="iptables",
+            hostname_override="node-1",
+            healthz_bind_address=healthz,
+            metrics_bind_address="127.0.0.1:0",
+            min_sync_period=0.0,
+            manifests=str(tmp_path),
+        )
+        fake = FakeProxier(cfg)
+        source = lambda sink: FilesSource(sink, tmp_path, cfg.node_name, poll_interval=0.1)  # noqa: E731
+        return Daemon(cfg, fake, source, reconciler=NoConntrack()), fake  # type: ignore[arg-type]
+
+    seen: list[tuple[int, int]] = []
+    daemon, fake = make("127.0.0.1:0")
+    daemon.start(before_sync=lambda: seen.append((daemon.healthz.port, len(fake.syncs))))
+    try:
+        assert len(seen) == 1 and seen[0][0] > 0 and seen[0][1] == 0
+        eventually(lambda: len(fake.syncs) > 0)
+    finally:
+        daemon.stop()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        second, _ = make(f"127.0.0.1:{taken.getsockname()[1]}")
+        called: list[bool] = []
+        with pytest.raises(OSError):
+            second.start(before_sync=lambda: called.append(True))
+        second.stop()
+        assert called == []
