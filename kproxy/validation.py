@@ -172,7 +172,7 @@ def _unsloppy(text: str) -> str:
     leading zeros, which API servers before Kubernetes 1.22 accepted and still hold, is read as decimal
     (``010.001.2.3`` is 10.1.2.3). Anything else is returned unchanged."""
     parts = text.split(".")
-    if len(parts) != 4 or not all(p.isascii() and p.isdigit() and len(p) <= 3 for p in parts):
+    if len(parts) != 4 or not all(p.isascii() and p.isdigit() for p in parts):
         return text
     return ".".join(str(int(p)) for p in parts)
 

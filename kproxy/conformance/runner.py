@@ -74,12 +74,17 @@ class Session:
         """Check the mode, then bring up a fresh 2-node lab (or attach to the running one with ``reuse_lab``).
         A live lab under the prefix (``Lab.live``: its processes run) is someone's: bringing one up would take it
         down, so that is refused (ConformanceError) unless ``replace_lab``; a killed run's leftover is replaced."""
-        from kproxy.lab.cluster import Lab, LabError
+        from kproxy.lab.cluster import Lab, LabError, check_prefix
         from kproxy.proxier import availability
 
         avail = availability(mode)
         if not avail:
             raise ConformanceError(f"mode {mode} cannot run here: {avail.reason}")
+        if prefix is not None:
+            try:
+                check_prefix(prefix)
+            except LabError as exc:
+                raise ConformanceError(str(exc)) from None
         lab = None
         owns = False
         if reuse_lab:

@@ -59,8 +59,8 @@ BAD_SERVICES: list[tuple[str, Mutator, str]] = [
     # invalid IPs
     ("clusterIP out of range", setter("spec.clusterIPs", ["198.18.0.300"]), "not an IP address"),
     ("clusterIP garbage", lambda o: o["spec"].update(clusterIP="nope", clusterIPs=["nope"]), "not an IP address"),
-    # (a leading zero is read as decimal, as upstream's ParseIPSloppy: see test_cache; four digits are not)
-    ("clusterIP with a four-digit part", setter("spec.clusterIPs", ["198.18.0.0001"]), "not an IP address"),
+    # (leading zeros are read as decimal, as upstream's ParseIPSloppy: see test_cache; five parts are not an address)
+    ("clusterIP with five parts", setter("spec.clusterIPs", ["198.18.0.1.1"]), "not an IP address"),
     ("externalIP invalid", setter("spec.externalIPs", ["198.18.5.x"]), "spec.externalIPs[0]"),
     (
         "ingress IP invalid",

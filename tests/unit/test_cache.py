@@ -885,7 +885,7 @@ def test_leading_zero_ipv4_is_read_as_decimal_as_upstreams_parse_ip_sloppy() -> 
         service(
             cluster_ip="198.018.0.010",
             type_="LoadBalancer",
-            externalIPs=["198.019.100.005"],
+            externalIPs=["198.019.100.0005"],
             loadBalancerSourceRanges=["198.018.001.0/24"],
             status={"loadBalancer": {"ingress": [{"ip": "198.019.200.01"}]}},
         )

@@ -255,6 +255,8 @@ def test_a_running_lab_is_not_replaced_unless_asked(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(Lab, "up", classmethod(up))
     with pytest.raises(ConformanceError, match="--reuse-lab.*--replace-lab"):
         Session.open("iptables", prefix="kpx-")
+    with pytest.raises(ConformanceError, match="invalid lab prefix 'kp'"):  # one-line error, no traceback
+        Session.open("iptables", prefix="kp")
     assert brought_up == []
     with pytest.raises(ConformanceError, match="did not come up"):
         Session.open("iptables", prefix="kpx-", replace_lab=True)
