@@ -217,13 +217,15 @@ class IptablesProxier(Proxier):
             unhooked: dict[IPFamily, list[render.JumpRule]] = {}
             try:
                 for fam, js in jumps.items():
-                    if not js:
-                        continue
-                    res = k.restore(fam, _jump_text(js, "-D"))
-                    if not res.ok:
-                        log.warning("partial floor: could not unhook: %s", res.stderr.strip())
-                        return out
-                    unhooked[fam] = js
+                    for table in ("filter", "nat"):  # one restore per table: each is deleted whole or not at all
+                        mine = [j for j in js if j.table == table]
+                        if not mine:
+                            continue
+                        res = k.restore(fam, _jump_text(mine, "-D"))
+                        if not res.ok:
+                            log.warning("partial floor: could not unhook: %s", res.stderr.strip())
+                            return out
+                        unhooked.setdefault(fam, []).extend(mine)
                 seconds = replay()
                 if seconds is not None:
                     out["unhooked_s"] = seconds
