@@ -265,8 +265,12 @@ class Daemon:
                 result.error,
             )
             for fam in self.families:
+                if result.failed_families and fam not in result.failed_families:
+                    m.observe_sync(fam, elapsed, changes.full)
+                    m.count_sync_failure(self.backend.mode, fam, changes.full, _refusals(result, fam, 0))
+                    continue
                 m.observe_sync(fam, elapsed, changes.full, ok=False)
-                m.count_sync_failure(self.backend.mode, fam, changes.full)
+                m.count_sync_failure(self.backend.mode, fam, changes.full, _refusals(result, fam, 1))
             return False
 
         failed: dict[ServicePortName, str] = dict(result.failed)
@@ -290,6 +294,7 @@ class Daemon:
         for fam in self.families:
             self.health.updated(fam)
             m.observe_sync(fam, elapsed, changes.full)
+            m.count_sync_failure(self.backend.mode, fam, changes.full, _refusals(result, fam, 0))
             m.observe_phases(fam, result.timings.items())
             m.set_last_synced(fam, now_wall)
             m.observe_network_programming(fam, [t for f, t in changes.trigger_times if f is fam], now_wall)
@@ -394,6 +399,12 @@ class Daemon:
 
 
 _TRUE = ("1", "true", "yes")
+
+
+def _refusals(result: SyncResult, fam: IPFamily, default: int) -> int:
+    """Kernel transactions refused for ``fam`` during a sync (``SyncResult.counts``), or ``default`` when the
+    backend does not say (a failed sync is one failure)."""
+    return int(result.counts.get(f"{fam.value}/kernel_refusals", default))
 
 
 def parse_trace_query(query: Mapping[str, str]) -> tuple[str, str, str, int, bool, bool]:

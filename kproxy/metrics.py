@@ -310,17 +310,19 @@ class Metrics:
             elif kind == "last":
                 self.sync_proxy_rules_iptables_last.labels(family.label, table).set(value)
 
-    def count_sync_failure(self, mode: str, family: IPFamily, full: bool) -> None:
+    def count_sync_failure(self, mode: str, family: IPFamily, full: bool, times: int = 1) -> None:
         """A failed sync of ``family``: upstream's per-mode failure counters (iptables: every failed restore, and
         the partial ones counted apart as well; nftables: sync failures). ``observe_sync(ok=False)`` counts it in
         ``kproxy_syncs_total``."""
         label = family.label
+        if times <= 0:
+            return
         if mode == "iptables":
-            self.sync_proxy_rules_iptables_restore_failures_total.labels(label).inc()
+            self.sync_proxy_rules_iptables_restore_failures_total.labels(label).inc(times)
             if not full:
-                self.sync_proxy_rules_iptables_partial_restore_failures_total.labels(label).inc()
+                self.sync_proxy_rules_iptables_partial_restore_failures_total.labels(label).inc(times)
         elif mode == "nftables":
-            self.sync_proxy_rules_nftables_sync_failures_total.labels(label).inc()
+            self.sync_proxy_rules_nftables_sync_failures_total.labels(label).inc(times)
 
     def observe_conntrack(self, family: IPFamily, seconds: float, deleted: int) -> None:
         """One conntrack reconcile of ``family``: its duration and the flows it deleted."""

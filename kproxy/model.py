@@ -262,7 +262,10 @@ class SyncResult:
     (or not everything) was applied and the whole change must be retried, as a full sync. ``counts`` carries
     backend figures for metrics and ``/rules``; keys shaped ``<IPv4|IPv6>/<table>/<total|last>`` feed upstream's
     ``sync_proxy_rules_iptables_total`` / ``_last`` gauges (for example ``IPv4/nat/total``).
-    ``need_full_sync`` asks for a full resync soon (for example, the canary chain vanished).
+    ``need_full_sync`` asks for a full resync soon (for example, the canary chain vanished). ``failed_families``
+    names the families whose sync failed when ``ok`` is False (empty: all of them). A count
+    ``<IPv4|IPv6>/kernel_refusals`` tells how many kernel transactions (restores) were refused along the way, also in
+    a sync that recovered by skipping services (upstream's restore-failure counters).
     """
 
     ok: bool = True
@@ -272,6 +275,7 @@ class SyncResult:
     counts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     timings: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))  # seconds: render, apply..
     need_full_sync: bool = False
+    failed_families: frozenset[IPFamily] = frozenset()
 
 
 def parse_ip(text: str) -> str:

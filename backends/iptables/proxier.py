@@ -324,6 +324,7 @@ class IptablesProxier(Proxier):
         failed: dict[ServicePortName, str] = {}
         counts: dict[str, int] = {}
         errors: list[str] = []
+        failed_families: set[IPFamily] = set()
         did_full = False
         for fam in self.families:
             fs = self._fam[fam]
@@ -332,6 +333,7 @@ class IptablesProxier(Proxier):
             if error is not None:
                 fs.need_full = True
                 errors.append(f"{fam.value}: {error}")
+                failed_families.add(fam)
             else:
                 fs.need_full = False
         if all(full.values()) and not errors:
@@ -347,6 +349,7 @@ class IptablesProxier(Proxier):
             failed=MappingProxyType(failed),
             counts=MappingProxyType(counts),
             timings=MappingProxyType(timings),
+            failed_families=frozenset(failed_families),
         )
 
     def _sync_family(
@@ -481,6 +484,8 @@ class IptablesProxier(Proxier):
                     written.update(spn for _, _, spn in restore.owners)
                     continue
                 error = _summarise(res.stderr, restore.text)
+                refusals = f"{fam.value}/kernel_refusals"
+                counts[refusals] = counts.get(refusals, 0) + 1
                 m = _LINE.search(res.stderr)
                 line = int(m.group(1)) if m else 0
                 bad = restore.owner_of(line) if line else None

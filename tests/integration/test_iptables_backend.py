@@ -380,6 +380,7 @@ def test_kernel_rejected_service_is_skipped(netns: str, flavour: str, monkeypatc
     res = p.sync(state(SP_A, SP_B, sp_bad, SP_C6), Changes(full=True))
     assert res.ok, res.error
     assert set(res.failed) == {BAD} and "nosuchmatch" in res.failed[BAD]
+    assert res.counts["IPv4/kernel_refusals"] == 1 and not res.failed_families  # refused once, then recovered
     v4 = save(netns, flavour)
     assert render.service_chain(A) in chains(v4) and "198.19.0.9" not in v4
     assert render.service_chain(BAD) not in chains(v4)
@@ -495,6 +496,8 @@ def test_failing_family_does_not_stop_the_other(netns: str, flavour: str, monkey
     p = proxier(netns, flavour)
     res = p.sync(state(SP_A, SP_C6), Changes(full=True))
     assert not res.ok and res.error is not None and res.error.startswith("IPv4: ") and "IPv6" not in res.error
+    assert res.failed_families == {IPFamily.V4} and res.counts["IPv4/kernel_refusals"] >= 1
+    assert "IPv6/kernel_refusals" not in res.counts
     assert render.service_chain(A) not in save(netns, flavour)
     v6 = save(netns, flavour, v6=True)
     assert render.firewall_chain(C) in chains(v6) and "--to-destination [fd00:198:18:1::1]:80" in v6

@@ -154,6 +154,35 @@ def test_failed_sync_loses_nothing(running: tuple[Daemon, FakeProxier, Path]) ->
     assert fake.syncs[-1].full or any(c.full for c in fake.syncs[-3:])
 
 
+def test_restore_failures_are_counted_for_the_family_that_had_them(running: tuple[Daemon, FakeProxier, Path]) -> None:
+    """Upstream's restore-failure counters per IP family: a family that failed counts its refused restores, the one
+    that synced counts none; refusals in a sync that recovered (services skipped) are counted too."""
+    from types import MappingProxyType
+
+    from kproxy.model import Changes, SyncResult
+
+    daemon, fake, _ = running
+    fake.mode = "iptables"  # type: ignore[misc]  # the counters are the iptables mode's
+    state, _ = daemon.cache.snapshot()
+    m = daemon.metrics
+    v4, v6 = {"ip_family": "IPv4"}, {"ip_family": "IPv6"}
+    name = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
+    partial = "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total"
+    before = {f: m.value(name, f) or 0.0 for f in ("IPv4", "IPv6")}
+    failed = SyncResult(
+        ok=False,
+        error="IPv6: refused",
+        counts=MappingProxyType({"IPv6/kernel_refusals": 2}),
+        failed_families=frozenset({IPFamily.V6}),
+    )
+    assert daemon._after_sync(state, Changes(full=False), failed, 0.01) is False
+    assert (m.value(name, v4) or 0.0) - before["IPv4"] == 0
+    assert (m.value(name, v6) or 0.0) - before["IPv6"] == 2 and (m.value(partial, v6) or 0.0) >= 2
+    recovered = SyncResult(ok=True, counts=MappingProxyType({"IPv4/kernel_refusals": 1}))
+    assert daemon._after_sync(state, Changes(full=True), recovered, 0.01) is True
+    assert (m.value(name, v4) or 0.0) - before["IPv4"] == 1
+
+
 def test_refused_service_is_reported_and_others_apply(running: tuple[Daemon, FakeProxier, Path]) -> None:
     daemon, fake, folder = running
     bad = ServicePortName("demo", "bad", "http", Protocol.TCP)
