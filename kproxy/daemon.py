@@ -264,13 +264,23 @@ class Daemon:
                 len(changes.services),
                 result.error,
             )
+            now_wall = time.time()
             for fam in self.families:
+                full = _family_full(result, fam, changes.full)
                 if result.failed_families and fam not in result.failed_families:
-                    m.observe_sync(fam, elapsed, changes.full)
-                    m.count_sync_failure(self.backend.mode, fam, changes.full, _refusals(result, fam, 0))
+                    # this family was programmed (as upstream's per-family proxiers, it is healthy on its own)
+                    self.health.updated(fam)
+                    m.observe_sync(fam, elapsed, full)
+                    m.count_sync_failure(self.backend.mode, fam, full, _refusals(result, fam, 0))
+                    m.observe_phases(fam, result.timings.items())
+                    m.set_last_synced(fam, now_wall)
+                    m.observe_counts(fam, result.counts)
                     continue
-                m.observe_sync(fam, elapsed, changes.full, ok=False)
-                m.count_sync_failure(self.backend.mode, fam, changes.full, _refusals(result, fam, 1))
+                m.observe_sync(fam, elapsed, full, ok=False)
+                # a backend that names the failed families counts its refused restores itself (0: it failed before)
+                m.count_sync_failure(
+                    self.backend.mode, fam, full, _refusals(result, fam, 0 if result.failed_families else 1)
+                )
             return False
 
         failed: dict[ServicePortName, str] = dict(result.failed)
@@ -293,8 +303,9 @@ class Daemon:
         stats = self.cache.stats()
         for fam in self.families:
             self.health.updated(fam)
-            m.observe_sync(fam, elapsed, changes.full)
-            m.count_sync_failure(self.backend.mode, fam, changes.full, _refusals(result, fam, 0))
+            full = _family_full(result, fam, changes.full)
+            m.observe_sync(fam, elapsed, full)
+            m.count_sync_failure(self.backend.mode, fam, full, _refusals(result, fam, 0))
             m.observe_phases(fam, result.timings.items())
             m.set_last_synced(fam, now_wall)
             m.observe_network_programming(fam, [t for f, t in changes.trigger_times if f is fam], now_wall)
@@ -399,6 +410,13 @@ class Daemon:
 
 
 _TRUE = ("1", "true", "yes")
+
+
+def _family_full(result: SyncResult, fam: IPFamily, default: bool) -> bool:
+    """Whether the backend synced ``fam`` in full (count ``<family>/full``; a backend may do so on its own, after a
+    failure of that family or a flush), else ``default``."""
+    value = result.counts.get(f"{fam.value}/full")
+    return default if value is None else bool(value)
 
 
 def _refusals(result: SyncResult, fam: IPFamily, default: int) -> int:

@@ -265,7 +265,8 @@ class SyncResult:
     ``need_full_sync`` asks for a full resync soon (for example, the canary chain vanished). ``failed_families``
     names the families whose sync failed when ``ok`` is False (empty: all of them). A count
     ``<IPv4|IPv6>/kernel_refusals`` tells how many kernel transactions (restores) were refused along the way, also in
-    a sync that recovered by skipping services (upstream's restore-failure counters).
+    a sync that recovered by skipping services (upstream's restore-failure counters); ``<IPv4|IPv6>/full`` (0 or 1)
+    whether that family was synced in full, when the backend decides that per family.
     """
 
     ok: bool = True

@@ -330,6 +330,7 @@ class IptablesProxier(Proxier):
             fs = self._fam[fam]
             error, fam_full = self._sync_family(fam, state, changes, full[fam], failed, timings, counts)
             did_full = did_full or fam_full
+            counts[f"{fam.value}/full"] = int(fam_full)
             if error is not None:
                 fs.need_full = True
                 errors.append(f"{fam.value}: {error}")
@@ -495,12 +496,19 @@ class IptablesProxier(Proxier):
                 created.setdefault(spn, set()).update(chains_)
             if error is None:
                 break
-            if full and _round + 1 < MAX_ROUNDS:
-                # a payload's earlier tables committed before the refusal: do not insert their jumps twice
-                jumps, err = self._missing_jumps(fam)
+            deletion_refused = (
+                bad is None and not keep_stale and refused is not None and _deletes_at(refused.text, line)
+            )
+            if (deletion_refused or (bad is not None and bad not in skip)) and any(j.table == "filter" for j in jumps):
+                # the refused payload's filter part (with its jumps) may have committed before its nat part was
+                # refused: insert only what is still missing (nat, always last, never committed)
+                jumps, err = self._without_present_filter_jumps(fam, jumps)
                 if err:
-                    return err, full
-            if bad is None and not keep_stale and refused is not None and _deletes_at(refused.text, line):
+                    timings["render"] += render_s
+                    timings["apply"] += apply_s
+                    fs.last_payloads, fs.last_was_full = payloads, full
+                    return f"{error}; then {err}", full
+            if deletion_refused:
                 # no service's line: most likely a chain deletion, refused because another program's chain still
                 # jumps to it (a pre-1.24 KUBE-XLB- chain is swept, others are not ours); without this the same
                 # payload would be refused at every sync and the family never programmed again
@@ -621,20 +629,19 @@ class IptablesProxier(Proxier):
             self._counts[key] = count
         return count
 
-    def _missing_jumps(self, fam: IPFamily) -> tuple[list[render.JumpRule], str | None]:
-        """The jumps from the built-in chains that are not in the kernel now (``iptables -S`` per built-in chain)."""
+    def _without_present_filter_jumps(
+        self, fam: IPFamily, jumps: list[render.JumpRule]
+    ) -> tuple[list[render.JumpRule], str | None]:
+        """``jumps`` without the filter ones the kernel holds now (``iptables -t filter -S`` per built-in chain: the
+        filter table is small on both flavours)."""
         kernel = self.kernel
         present: set[str] = set()
-        for table, chains_ in (
-            ("filter", ("INPUT", "FORWARD", "OUTPUT")),
-            ("nat", ("PREROUTING", "OUTPUT", "POSTROUTING")),
-        ):
-            for chain in chains_:
-                res = kernel.list_chain(fam, table, chain)
-                if not res.ok:
-                    return [], f"{binary('', fam, kernel.flavour)} -t {table} -S {chain}: {res.stderr.strip()}"
-                present.update(f"{table}/{ln}" for ln in res.stdout.splitlines() if ln.startswith("-A "))
-        return [j for j in render.JUMP_RULES if f"{j.table}/-A {j.chain} {j.spec}" not in present], None
+        for chain in ("INPUT", "FORWARD", "OUTPUT"):
+            res = kernel.list_chain(fam, "filter", chain)
+            if not res.ok:
+                return jumps, f"{binary('', fam, kernel.flavour)} -t filter -S {chain}: {res.stderr.strip()}"
+            present.update(ln for ln in res.stdout.splitlines() if ln.startswith("-A "))
+        return [j for j in jumps if j.table != "filter" or f"-A {j.chain} {j.spec}" not in present], None
 
     def _read_kernel(self, fam: IPFamily) -> tuple[dict[str, list[adopt.Canon]], set[str], int, str | None]:
         """The nat table's service chains with their rules (canonical, for adoption), the jump rules present in the

@@ -181,6 +181,20 @@ def test_restore_failures_are_counted_for_the_family_that_had_them(running: tupl
     recovered = SyncResult(ok=True, counts=MappingProxyType({"IPv4/kernel_refusals": 1}))
     assert daemon._after_sync(state, Changes(full=True), recovered, 0.01) is True
     assert (m.value(name, v4) or 0.0) - before["IPv4"] == 1
+    # a family that failed before any restore (its kernel could not be read) counts none; one the backend synced
+    # in full on its own (counts IPv6/full) is not a partial failure though the daemon asked for a partial sync
+    v6_partial = m.value(partial, v6) or 0.0
+    early = SyncResult(ok=False, error="IPv6: save failed", failed_families=frozenset({IPFamily.V6}))
+    assert daemon._after_sync(state, Changes(full=False), early, 0.01) is False
+    assert (m.value(name, v6) or 0.0) - before["IPv6"] == 2
+    own_full = SyncResult(
+        ok=False,
+        error="IPv6: refused",
+        counts=MappingProxyType({"IPv6/kernel_refusals": 1, "IPv6/full": 1}),
+        failed_families=frozenset({IPFamily.V6}),
+    )
+    assert daemon._after_sync(state, Changes(full=False), own_full, 0.01) is False
+    assert (m.value(name, v6) or 0.0) - before["IPv6"] == 3 and m.value(partial, v6) == v6_partial
 
 
 def test_refused_service_is_reported_and_others_apply(running: tuple[Daemon, FakeProxier, Path]) -> None:
