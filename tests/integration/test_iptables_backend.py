@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -33,6 +32,8 @@ from kproxy.model import (
     ServicePort,
     ServicePortName,
 )
+
+from .scratch import scratch_netns
 
 pytestmark = [
     pytest.mark.root,
@@ -84,19 +85,8 @@ def state(*sps: ServicePort) -> ProxyState:
 
 @pytest.fixture
 def netns() -> Iterator[str]:
-    name = "kpt-ipt-" + uuid.uuid4().hex[:8]
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
+    with scratch_netns("kpt-ipt-") as name:
         yield name
-    finally:
-        subprocess.run(["ip", "netns", "delete", name], check=False)
-
-
-@pytest.fixture(params=["nft", "legacy"])
-def flavour(request: pytest.FixtureRequest) -> str:
-    if shutil.which(f"iptables-{request.param}-restore") is None:
-        pytest.skip(f"iptables-{request.param}-restore not installed")
-    return str(request.param)
 
 
 def proxier(netns: str, flavour: str, **cfg: object) -> IptablesProxier:
@@ -412,12 +402,8 @@ def test_flavour_detection_and_floor(netns: str) -> None:
 
 @pytest.fixture
 def netns2() -> Iterator[str]:
-    name = "kpt-ipt-" + uuid.uuid4().hex[:8]
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
+    with scratch_netns("kpt-ipt-") as name:
         yield name
-    finally:
-        subprocess.run(["ip", "netns", "delete", name], check=False)
 
 
 SERVER = """

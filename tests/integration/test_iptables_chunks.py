@@ -14,7 +14,6 @@ import dataclasses
 import os
 import shutil
 import subprocess
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -25,6 +24,8 @@ from kproxy.backends.iptables.kernel import Kernel, Run
 from kproxy.backends.iptables.proxier import IptablesProxier
 from kproxy.config import ProxyConfig
 from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
+
+from .scratch import scratch_netns
 
 pytestmark = [
     pytest.mark.root,
@@ -61,19 +62,8 @@ def state(sps: list[ServicePort]) -> ProxyState:
 
 @pytest.fixture
 def netns() -> Iterator[str]:
-    ns = "kpt-chk-" + uuid.uuid4().hex[:8]
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        yield ns
-    finally:
-        subprocess.run(["ip", "netns", "delete", ns], check=False)
-
-
-@pytest.fixture(params=["nft", "legacy"])
-def flavour(request: pytest.FixtureRequest) -> str:
-    if shutil.which(f"iptables-{request.param}-restore") is None:
-        pytest.skip(f"iptables-{request.param}-restore not installed")
-    return str(request.param)
+    with scratch_netns("kpt-chk-") as name:
+        yield name
 
 
 def make_proxier(netns: str, flavour: str) -> IptablesProxier:

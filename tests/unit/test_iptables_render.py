@@ -18,43 +18,11 @@ from kproxy.backends.iptables import trace as tr
 from kproxy.backends.iptables.cleanup import cleanup_payload, cleanup_payloads
 from kproxy.backends.iptables.proxier import IptablesProxier
 from kproxy.config import ProxyConfig
-from kproxy.model import Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
+from kproxy.model import IPFamily, Protocol, ProxyState, ServicePort, ServicePortName
+
+from .iptables_objects import CFG, CTX4, NODE, ep, lines, spn, svc
 
 GOLDEN = Path(__file__).parent / "golden" / "iptables"
-CFG = ProxyConfig(cluster_cidrs=("198.18.0.0/16", "fd00:198:18::/56"))
-NODE = NodeInfo("node-a", pod_cidrs=("198.18.1.0/24",), addresses=("198.19.255.1",))
-CTX4 = render.make_context(CFG, NODE, IPFamily.V4)
-
-
-def spn(name: str, port: str = "http", proto: Protocol = Protocol.TCP, ns: str = "ns1") -> ServicePortName:
-    return ServicePortName(ns, name, port, proto)
-
-
-def ep(ip: str, port: int = 8080, local: bool = False) -> Endpoint:
-    return Endpoint(ip, port, is_local=local, node_name="node-a" if local else "node-b")
-
-
-def svc(name: str, eps: tuple[Endpoint, ...] = (), **kw: object) -> ServicePort:
-    fam = IPFamily.V6 if ":" in str(kw.get("cluster_ip", "")) else IPFamily.V4
-    base: dict[str, object] = dict(
-        name=spn(name),
-        family=fam,
-        cluster_ip="198.18.200.1",
-        port=80,
-        cluster_endpoints=eps,
-        has_any_endpoints=bool(eps),
-    )
-    base.update(kw)
-    return ServicePort(**base)  # type: ignore[arg-type]
-
-
-def lines(sp: ServicePort, ctx: render.Context = CTX4) -> list[str]:
-    frag = render.render_service(sp, ctx)
-    out: list[str] = []
-    for key in render.ALL_TOP:
-        out.extend(frag.top.get(key, ()))
-    out.extend(frag.rules)
-    return out
 
 
 def golden(name: str, text: str) -> None:
