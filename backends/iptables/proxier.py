@@ -203,10 +203,7 @@ class IptablesProxier(Proxier):
             if not payloads:
                 return None
 
-            def replay() -> float | None:
-                return _timed_restores(k, payloads, "partial floor replay")
-
-            floor = replay()
+            floor = _timed_restores(k, payloads, "partial floor replay")
             if floor is None:
                 return None
             out = {"floor_s": floor}
@@ -226,7 +223,7 @@ class IptablesProxier(Proxier):
                             log.warning("partial floor: could not unhook: %s", res.stderr.strip())
                             return out
                         unhooked.setdefault(fam, []).extend(mine)
-                seconds = replay()
+                seconds = _timed_restores(k, payloads, "partial floor replay without the jumps")
                 if seconds is not None:
                     out["unhooked_s"] = seconds
             finally:
