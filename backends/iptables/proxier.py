@@ -629,29 +629,33 @@ class IptablesProxier(Proxier):
     def _without_present_filter_jumps(
         self, fam: IPFamily, jumps: list[render.JumpRule]
     ) -> tuple[list[render.JumpRule], str | None]:
-        """``jumps`` without the filter ones the kernel holds now (``iptables -t filter -S`` per built-in chain: the
-        filter table is small on both flavours)."""
+        """``jumps`` without the filter ones the kernel holds now."""
+        present, err = self._filter_builtin_rules(fam)
+        if err:
+            return jumps, err
+        return [j for j in jumps if j.table != "filter" or f"filter/-A {j.chain} {j.spec}" not in present], None
+
+    def _filter_builtin_rules(self, fam: IPFamily) -> tuple[set[str], str | None]:
+        """The rules of filter's INPUT, FORWARD and OUTPUT ("filter/-A CHAIN spec"), one ``iptables -S`` per chain:
+        filter is small on both flavours (on legacy every -S reads the whole table, so nat is read by one save)."""
         kernel = self.kernel
         present: set[str] = set()
         for chain in ("INPUT", "FORWARD", "OUTPUT"):
             res = kernel.list_chain(fam, "filter", chain)
             if not res.ok:
-                return jumps, f"{binary('', fam, kernel.flavour)} -t filter -S {chain}: {res.stderr.strip()}"
-            present.update(ln for ln in res.stdout.splitlines() if ln.startswith("-A "))
-        return [j for j in jumps if j.table != "filter" or f"-A {j.chain} {j.spec}" not in present], None
+                return present, f"{binary('', fam, kernel.flavour)} -t filter -S {chain}: {res.stderr.strip()}"
+            present.update(f"filter/{line}" for line in res.stdout.splitlines() if line.startswith("-A "))
+        return present, None
 
     def _read_kernel(self, fam: IPFamily) -> tuple[dict[str, list[adopt.Canon]], set[str], int, str | None]:
         """The nat table's service chains with their rules (canonical, for adoption), the jump rules present in the
         built-in chains ("table/-A CHAIN spec"), and how many rules the nat table holds; error text or None."""
         kernel = self.kernel
-        jumps: set[str] = set()
-        # filter is small: one chain at a time; the nat jumps come with the nat table's save (on the legacy flavour
-        # every -S reads the whole table, 1 s for nat at 10,000 services)
-        for chain in ("INPUT", "FORWARD", "OUTPUT"):
-            res = kernel.list_chain(fam, "filter", chain)
-            if not res.ok:
-                return {}, set(), 0, f"{binary('', fam, kernel.flavour)} -t filter -S {chain}: {res.stderr.strip()}"
-            jumps.update(f"filter/{line}" for line in res.stdout.splitlines() if line.startswith("-A "))
+        # the nat jumps come with the nat table's save (on the legacy flavour every -S reads the whole table, 1 s for
+        # nat at 10,000 services)
+        jumps, err = self._filter_builtin_rules(fam)
+        if err:
+            return {}, set(), 0, err
         res = kernel.save(fam, "nat")
         if not res.ok:
             return {}, jumps, 0, f"{binary('save', fam, kernel.flavour)} -t nat: {res.stderr.strip()}"
