@@ -7,8 +7,10 @@ table), diagnostics to stderr; exit code 0 on success, 1 when the run failed, 2 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 
+from kproxy.bench.reference_nft import DEFAULT_MAX_ENDPOINTS, REFERENCES
 from kproxy.proxier import MODE_NAMES, BackendError
 
 
@@ -32,6 +34,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=[],
         metavar="KEY=VALUE",
         help="a backend option as the backend declares it, e.g. iptables_flavour=legacy (repeatable)",
+    )
+    s.add_argument(
+        "--reference",
+        choices=REFERENCES,
+        default=None,
+        help="also time upstream kube-proxy's nftables layout for the same state, in a namespace of its own (a"
+        " yardstick, never a mode)",
+    )
+    s.add_argument(
+        "--reference-max-endpoints",
+        type=int,
+        default=DEFAULT_MAX_ENDPOINTS,
+        metavar="N",
+        help="run the reference only up to services x endpoints = N (default %(default)s: upstream's layout took 68 s"
+        " in nft -f at 10,000 x 10 here)",
     )
     s.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # already in the bench namespace
     s.set_defaults(func=cmd_sync)
@@ -57,6 +74,11 @@ def _sync_argv(args: argparse.Namespace) -> list[str]:
         "--format",
         args.format,
         *(f"--backend-option={opt}" for opt in args.backend_option),
+        *(
+            ["--reference", args.reference, f"--reference-max-endpoints={args.reference_max_endpoints}"]
+            if args.reference
+            else []
+        ),
     ]
 
 
@@ -78,6 +100,24 @@ def cmd_sync(args: argparse.Namespace) -> int:
     except (BenchError, BackendError) as exc:
         print(f"kproxy bench sync: {exc}", file=sys.stderr)
         return 1
+    if args.reference:
+        from kproxy.bench.reference_nft import ReferenceError_, run_reference
+
+        size = args.services * args.endpoints
+        if size > args.reference_max_endpoints:
+            result.reference_note = (
+                f"not run: {args.services} x {args.endpoints} = {size} endpoints is over --reference-max-endpoints"
+                f" {args.reference_max_endpoints} (upstream's layout took 68 s in nft -f at 10,000 x 10 here);"
+                " raise it to time the reference at this size"
+            )
+        else:
+            try:
+                result.attach_reference(
+                    run_reference(args.services, args.endpoints, args.repeat, args.reference).to_json()
+                )
+            except (ReferenceError_, OSError, subprocess.SubprocessError) as exc:
+                print(f"kproxy bench sync: reference {args.reference}: {exc}", file=sys.stderr)
+                return 1
     print(render(result, args.format))
     return 0
 

@@ -21,7 +21,11 @@ Phases, each timed with ``time.perf_counter``:
   iptables backend adds ``unhooked_s``, the same replay with the jumps from the built-in chains removed);
 - ``rss_mb``: peak resident memory of the process that ran the phases; ``counts``: the backend's sizes.
 
-Who uses it: ``kproxy.bench.cli`` (``kproxy bench sync``), ``make bench``, and later ``kproxy compare``.
+With ``--reference upstream-nftables`` the run also times upstream kube-proxy's nftables layout for the same state
+(kproxy.bench.reference_nft, in a namespace of its own) and reports ``reference`` with ``reference_ratio`` =
+reference full time / kproxy's full sync time (``reference_partial_ratio`` likewise for the partial sync).
+
+Who uses it: ``kproxy.bench.cli`` (``kproxy bench sync``), ``make bench`` and ``kproxy compare``.
 """
 
 from __future__ import annotations
@@ -73,6 +77,19 @@ class SyncBench:
     partial_floor_detail: dict[str, float] = field(default_factory=dict)
     rss_mb: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
+    #: ``--reference``: the yardstick's figures (kproxy.bench.reference_nft.ReferenceBench.to_json()), or why not
+    reference: dict[str, Any] | None = None
+    reference_note: str = ""
+    #: reference full (partial) time / kproxy's full (partial) sync time: how many times ahead kproxy is
+    reference_ratio: float | None = None
+    reference_partial_ratio: float | None = None
+
+    def attach_reference(self, ref: dict[str, Any]) -> None:
+        self.reference = ref
+        if self.full_sync_s > 0 and ref.get("full_s"):
+            self.reference_ratio = ref["full_s"] / self.full_sync_s
+        if self.partial_sync_s > 0 and ref.get("partial_s"):
+            self.reference_partial_ratio = ref["partial_s"] / self.partial_sync_s
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -217,6 +234,24 @@ def format_table(b: SyncBench) -> str:
         ("peak RSS", f"{b.rss_mb:.1f} MB"),
     ]
     rows += [(f"count {k}", str(v)) for k, v in sorted(b.counts.items())]
+    if b.reference is not None:
+        ref = b.reference
+        rows += [
+            (f"reference {ref['layout']}: full (nft -f)", sec(ref.get("full_s"))),
+            ("  reference partial (median)", sec(ref.get("partial_s"))),
+            ("  reference stale-chain deletion", sec(ref.get("partial_cleanup_s"))),
+            (
+                "  reference chains / rules / elements",
+                f"{ref.get('chains')} / {ref.get('rules')} / {ref.get('elements')}",
+            ),
+            ("  reference full / kproxy full", "-" if b.reference_ratio is None else f"{b.reference_ratio:.1f}x"),
+            (
+                "  reference partial / kproxy partial",
+                "-" if b.reference_partial_ratio is None else f"{b.reference_partial_ratio:.1f}x",
+            ),
+        ]
+    if b.reference_note:
+        rows.append(("reference", b.reference_note))
     width = max(len(k) for k, _ in rows)
     text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
     if any(k.endswith("/last") for k in b.counts):
