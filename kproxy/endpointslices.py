@@ -1,0 +1,307 @@
+"""What an EndpointSlice means for the proxy, and every slice of every service, merged per service port.
+
+Upstream's ``pkg/proxy/endpointslicecache.go``: endpoints move between the slices of a service, so slices are kept
+one by one (``EndpointSliceCache``, by service and slice name) and merged per service port when the service is
+rebuilt (``merge_endpoints``: the same ip:port in two slices counts once, preferring the copy that says it is local).
+``parse_slice`` validates a slice field by field (``kproxy.validation``) into a compact ``SliceInfo``; the common
+well-formed IPv4 endpoint takes a fast path that builds no message string (100k endpoints at bench scale). Nothing
+here knows what changed since the last sync: that is ``kproxy.cache``'s part (upstream's
+``endpointschangetracker.go``).
+
+Who uses it: ``kproxy.cache``, whose lock also guards the ``EndpointSliceCache`` it owns (this module takes no lock).
+Pure apart from that cache; imports ``objects``, ``validation`` and ``model``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from kproxy import validation as v
+from kproxy.model import Endpoint, IPFamily, NamespacedName, Protocol, ServicePort
+from kproxy.objects import ANNOTATION_TRIGGER_TIME, LABEL_SERVICE_NAME, Ignored, parse_time
+
+_MAX_SLICE_ENDPOINTS = 1000  # the API server's limits for one EndpointSlice
+_MAX_SLICE_PORTS = 100
+_NO_HINTS: frozenset[str] = frozenset()
+
+SliceKey = tuple[str, str]  # (namespace, slice name)
+
+
+# One endpoint of a slice before a port number is attached: (sort key, ip, ready, serving, terminating, nodeName,
+# zone, is_local, zone hints, node hints). A tuple, not an object: there are 100k of them at bench scale.
+RawEndpoint = tuple[int, str, bool, bool, bool, "str | None", "str | None", bool, frozenset[str], frozenset[str]]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class SliceInfo:
+    """An EndpointSlice reduced to what the proxy reads; its endpoints get a port number per service port."""
+
+    service: NamespacedName
+    family: IPFamily
+    ports: dict[tuple[str, Protocol], int]  # (port name, protocol) -> port number
+    endpoints: tuple[RawEndpoint, ...]  # sorted by address
+    trigger_time: float | None
+    warning: str | None
+    memo: dict[int, tuple[Endpoint, ...]] = dataclasses.field(default_factory=dict)
+
+    def same_as(self, other: SliceInfo) -> bool:
+        return (
+            self.service == other.service
+            and self.family == other.family
+            and self.ports == other.ports
+            and self.endpoints == other.endpoints
+        )
+
+    def endpoints_for(self, port: int) -> tuple[Endpoint, ...]:
+        """The slice's endpoints with ``port`` attached, built once: every snapshot shares the same objects."""
+        eps = self.memo.get(port)
+        if eps is None:
+            eps = tuple(Endpoint(r[1], port, r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]) for r in self.endpoints)
+            self.memo[port] = eps
+        return eps
+
+
+def parse_slice(
+    obj: Mapping[str, Any], families: Sequence[IPFamily], node_name: str, since: float
+) -> tuple[SliceKey, SliceInfo]:
+    """An EndpointSlice into its compact form; ``Ignored`` when it is not ours, ValueError when bad."""
+    obj = v.mapping(obj, "EndpointSlice")
+    meta = v.mapping(obj.get("metadata"), "metadata")
+    namespace = v.dns1123_label(meta.get("namespace"), "metadata.namespace")
+    name = v.dns1123_subdomain(meta.get("name"), "metadata.name")
+    labels = v.string_map(meta.get("labels"), "metadata.labels")
+    service_name = labels.get(LABEL_SERVICE_NAME)
+    if service_name is None:
+        raise Ignored(f"no {LABEL_SERVICE_NAME} label")
+    v.dns1035_label(service_name, f"metadata.labels[{LABEL_SERVICE_NAME}]")
+    address_type = v.string(obj.get("addressType"), "addressType")
+    if address_type == "FQDN":
+        raise Ignored("addressType FQDN")
+    family = v.ip_family(address_type, "addressType")
+    if family not in families:
+        raise Ignored(f"addressType {family.value} is not served here")
+
+    raw_ports = v.optional_sequence(obj.get("ports"), "ports")
+    if len(raw_ports) > _MAX_SLICE_PORTS:
+        raise ValueError(f"ports: {len(raw_ports)} entries, more than {_MAX_SLICE_PORTS}")
+    ports: dict[tuple[str, Protocol], int] = {}
+    for i, raw in enumerate(raw_ports):
+        what = f"ports[{i}]"
+        p = v.mapping(raw, what)
+        pname = v.port_name(p.get("name"), f"{what}.name")
+        proto = v.protocol(p.get("protocol"), f"{what}.protocol")
+        if (pname, proto) in ports:
+            raise ValueError(f"{what}: duplicate port {pname!r}/{proto.value}")
+        if p.get("port") is None:
+            continue  # "all ports": upstream's proxy has nothing to program for it either
+        ports[(pname, proto)] = v.port_number(p.get("port"), f"{what}.port")
+
+    raw_endpoints = v.optional_sequence(obj.get("endpoints"), "endpoints")
+    if len(raw_endpoints) > _MAX_SLICE_ENDPOINTS:
+        raise ValueError(f"endpoints: {len(raw_endpoints)} entries, more than {_MAX_SLICE_ENDPOINTS}")
+    by_ip: dict[str, RawEndpoint] = {}
+    duplicates: list[str] = []
+    for i, raw in enumerate(raw_endpoints):
+        entry = _endpoint_fast(raw, family, node_name)
+        if entry is None:
+            entry = _endpoint_checked(raw, f"endpoints[{i}]", family, node_name)
+        ip, is_local = entry[1], entry[7]
+        if ip in by_ip:
+            duplicates.append(f"endpoints[{i}]: duplicate address {ip} (counted once)")
+            if not is_local:
+                continue  # as upstream: of two copies, prefer the one that says it is local
+        by_ip[ip] = entry
+
+    trigger_time = None
+    annotations = meta.get("annotations")
+    if isinstance(annotations, Mapping):
+        stamp = annotations.get(ANNOTATION_TRIGGER_TIME)
+        if isinstance(stamp, str):
+            when = parse_time(stamp)
+            # Older than our start: the change was programmed by someone else (an earlier kproxy), not us.
+            if when is not None and when > since:
+                trigger_time = when
+
+    endpoints = tuple(sorted(by_ip.values(), key=lambda r: r[0]))
+    return (namespace, name), SliceInfo(
+        service=NamespacedName(namespace, service_name),
+        family=family,
+        ports=ports,
+        endpoints=endpoints,
+        trigger_time=trigger_time,
+        warning="; ".join(duplicates) or None,
+    )
+
+
+# Names and zones already validated: a cluster has few of them and every slice repeats them.
+_known_node_names: set[str] = set()
+_known_zones: set[str] = set()
+_KNOWN_LIMIT = 100_000
+
+
+def _endpoint_fast(raw: Any, family: IPFamily, node_name: str) -> RawEndpoint | None:
+    """The common, well-formed IPv4 endpoint without building a single message string; None: use the checked
+    path (which gives the precise error, or parses the unusual-but-valid case)."""
+    if type(raw) is not dict or family is not IPFamily.V4 or "hints" in raw:
+        return None
+    addresses = raw.get("addresses")
+    if type(addresses) is not list or len(addresses) != 1 or type(addresses[0]) is not str:
+        return None
+    ip = addresses[0]
+    try:
+        sort_key = int.from_bytes(socket.inet_pton(socket.AF_INET, ip), "big")
+    except OSError:
+        return None
+    cond = raw.get("conditions")
+    if cond is None:
+        cond = {}
+    elif type(cond) is not dict:
+        return None
+    ready, serving, terminating = cond.get("ready"), cond.get("serving"), cond.get("terminating")
+    if ready is None:
+        ready = True
+    elif ready is not True and ready is not False:
+        return None
+    if serving is None:  # upstream (endpointslicecache.go) and the v1 API: a missing serving condition is true
+        serving = True
+    elif serving is not True and serving is not False:
+        return None
+    if terminating is None:
+        terminating = False
+    elif terminating is not True and terminating is not False:
+        return None
+    ep_node = raw.get("nodeName")
+    if ep_node is not None and (type(ep_node) is not str or ep_node not in _known_node_names):
+        return None
+    zone = raw.get("zone")
+    if zone is not None and (type(zone) is not str or zone not in _known_zones):
+        return None
+    return (sort_key, ip, ready, serving, terminating, ep_node, zone, ep_node == node_name, _NO_HINTS, _NO_HINTS)
+
+
+def _endpoint_checked(raw: Any, what: str, family: IPFamily, node_name: str) -> RawEndpoint:
+    ep = v.mapping(raw, what)
+    addresses = v.sequence(ep.get("addresses"), f"{what}.addresses")
+    if not addresses:
+        raise ValueError(f"{what}.addresses: empty")
+    parsed = [v.ip_address(a, f"{what}.addresses[{j}]") for j, a in enumerate(addresses)]
+    for j, (text, fam, _) in enumerate(parsed):
+        if fam is not family:
+            raise ValueError(f"{what}.addresses[{j}]: {fam.value} address {text} in an {family.value} slice")
+    ip, _, sort_key = parsed[0]
+    cond = v.optional_mapping(ep.get("conditions"), f"{what}.conditions")
+    ready_c = v.optional_bool(cond.get("ready"), f"{what}.conditions.ready")
+    serving_c = v.optional_bool(cond.get("serving"), f"{what}.conditions.serving")
+    terminating_c = v.optional_bool(cond.get("terminating"), f"{what}.conditions.terminating")
+    ready = True if ready_c is None else ready_c
+    serving = True if serving_c is None else serving_c
+    terminating = False if terminating_c is None else terminating_c
+    ep_node = ep.get("nodeName")
+    if ep_node is not None:
+        ep_node = v.dns1123_subdomain(ep_node, f"{what}.nodeName")
+        if len(_known_node_names) < _KNOWN_LIMIT:
+            _known_node_names.add(ep_node)
+    zone = ep.get("zone")
+    if zone is not None:
+        zone = v.label_value(zone, f"{what}.zone")
+        if len(_known_zones) < _KNOWN_LIMIT:
+            _known_zones.add(zone)
+    zone_hints, node_hints = _NO_HINTS, _NO_HINTS
+    hints = ep.get("hints")
+    if hints is not None:
+        hints = v.mapping(hints, f"{what}.hints")
+        zone_hints = _hint_names(hints.get("forZones"), f"{what}.hints.forZones")
+        node_hints = _hint_names(hints.get("forNodes"), f"{what}.hints.forNodes")
+    return (sort_key, ip, ready, serving, terminating, ep_node, zone, ep_node == node_name, zone_hints, node_hints)
+
+
+def _hint_names(value: Any, what: str) -> frozenset[str]:
+    names = []
+    for i, raw in enumerate(v.optional_sequence(value, what)):
+        hint = v.mapping(raw, f"{what}[{i}]")
+        names.append(v.string(hint.get("name"), f"{what}[{i}].name"))
+    return frozenset(names) if names else _NO_HINTS
+
+
+class EndpointSliceCache:
+    """Every accepted slice by the service it belongs to (upstream's EndpointSliceCache, without its pending/applied
+    split: ``ServiceCache.snapshot`` is the check-out). Not locked: the owning ``ServiceCache`` holds its lock."""
+
+    def __init__(self) -> None:
+        self._by_service: dict[NamespacedName, dict[str, SliceInfo]] = {}  # service -> slice name -> slice
+        self._owner: dict[SliceKey, NamespacedName] = {}
+        self.endpoint_count = 0
+
+    def update(self, key: SliceKey, parsed: SliceInfo) -> tuple[bool, NamespacedName | None]:
+        """Store a slice: (changed, the service it belonged to before if that was another one)."""
+        owner = self._owner.get(key)
+        moved_from = None
+        if owner is not None:
+            old = self._by_service[owner][key[1]]
+            if old.same_as(parsed):
+                return False, None
+            if owner != parsed.service:
+                self.remove(key)
+                moved_from = owner
+            else:
+                self.endpoint_count -= len(old.endpoints)
+        self._by_service.setdefault(parsed.service, {})[key[1]] = parsed
+        self._owner[key] = parsed.service
+        self.endpoint_count += len(parsed.endpoints)
+        return True, moved_from
+
+    def remove(self, key: SliceKey) -> NamespacedName | None:
+        """Forget a slice: the service it belonged to, None if it was unknown."""
+        owner = self._owner.pop(key, None)
+        if owner is None:
+            return None
+        slices = self._by_service[owner]
+        old = slices.pop(key[1])
+        if not slices:
+            del self._by_service[owner]
+        self.endpoint_count -= len(old.endpoints)
+        return owner
+
+    def for_service(self, service: NamespacedName) -> list[SliceInfo]:
+        """The service's slices sorted by name (so a merge is the same whatever order they arrived in)."""
+        by_name = self._by_service.get(service)
+        return [by_name[n] for n in sorted(by_name)] if by_name else []
+
+    def keys(self) -> Iterable[SliceKey]:
+        return self._owner.keys()
+
+    def services(self) -> Iterable[NamespacedName]:
+        """Services with at least one slice."""
+        return self._by_service.keys()
+
+
+def merge_endpoints(slices: list[SliceInfo], tmpl: ServicePort) -> tuple[Endpoint, ...]:
+    """The endpoints of one service port merged over all the service's slices of its family (sorted by name)."""
+    want = (tmpl.name.port, tmpl.name.protocol)
+    parts = []
+    for sl in slices:
+        if sl.family is not tmpl.family:
+            continue
+        num = sl.ports.get(want)
+        if num is not None and sl.endpoints:
+            parts.append(sl.endpoints_for(num))
+    if not parts:
+        return ()
+    if len(parts) == 1:
+        return parts[0]
+    merged: dict[tuple[str, int], Endpoint] = {}
+    for part in parts:
+        for ep in part:
+            k = (ep.ip, ep.port)
+            # The same ip:port in two slices counts once; as upstream, prefer the copy that says it is local.
+            if ep.is_local or k not in merged:
+                merged[k] = ep
+    return tuple(sorted(merged.values(), key=_sort_key))
+
+
+def _sort_key(ep: Endpoint) -> tuple[bytes, int]:
+    fam = socket.AF_INET6 if ":" in ep.ip else socket.AF_INET
+    return socket.inet_pton(fam, ep.ip), ep.port

@@ -1,0 +1,222 @@
+"""What a Service means for the proxy: its ServicePort templates, one per port and IP family, or why it is refused.
+
+Upstream's ``pkg/proxy/serviceport.go`` (``newBaseServiceInfo``) and the skip rules of ``ShouldSkipService``: a
+Service object, exactly as the API returns it, is validated field by field (``kproxy.validation``; one bad field
+rejects the object with a ValueError naming it) and reduced to ``ServicePort`` values whose endpoints are not yet
+filled in. ``with_endpoints`` completes a template once ``kproxy.topology`` has chosen the endpoints. Nothing here
+knows what changed: that is ``kproxy.cache``'s part (upstream's ``servicechangetracker.go``).
+
+Who uses it: ``kproxy.cache`` (its tests reach it through the cache). Pure; imports ``objects``, ``topology``,
+``validation`` and ``model``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kproxy import validation as v
+from kproxy.model import (
+    DEFAULT_AFFINITY_TIMEOUT,
+    Endpoint,
+    IPFamily,
+    NamespacedName,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+)
+from kproxy.objects import LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, Ignored
+from kproxy.topology import Categorized
+
+_SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+_POLICIES = ("Cluster", "Local")
+_MAX_AFFINITY_TIMEOUT = 86400
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServiceInfo:
+    """A Service reduced to its ServicePort templates (one per port and family, endpoints not yet filled in)."""
+
+    ports: tuple[ServicePort, ...]
+
+
+def parse_service(
+    obj: Mapping[str, Any], families: Sequence[IPFamily], proxy_name: str
+) -> tuple[NamespacedName, ServiceInfo]:
+    """A Service object into its ServicePort templates; ``Ignored`` when it is not ours, ValueError when bad."""
+    obj = v.mapping(obj, "Service")
+    meta = v.mapping(obj.get("metadata"), "metadata")
+    namespace = v.dns1123_label(meta.get("namespace"), "metadata.namespace")
+    name = v.dns1035_label(meta.get("name"), "metadata.name")
+    key = NamespacedName(namespace, name)
+    labels = v.string_map(meta.get("labels"), "metadata.labels")
+    if LABEL_SERVICE_PROXY_NAME in labels and not (proxy_name and labels[LABEL_SERVICE_PROXY_NAME] == proxy_name):
+        raise Ignored(f"labelled {LABEL_SERVICE_PROXY_NAME}={labels[LABEL_SERVICE_PROXY_NAME]}")
+    if LABEL_HEADLESS in labels:
+        raise Ignored(f"labelled {LABEL_HEADLESS}")
+
+    spec = v.mapping(obj.get("spec"), "spec")
+    svc_type = v.one_of(spec.get("type"), _SERVICE_TYPES, "spec.type", "ClusterIP")
+    if svc_type == "ExternalName":
+        raise Ignored("type ExternalName")
+
+    cluster_ip = v.optional_string(spec.get("clusterIP"), "spec.clusterIP")
+    cluster_ips = [
+        v.string(x, f"spec.clusterIPs[{i}]")
+        for i, x in enumerate(v.optional_sequence(spec.get("clusterIPs"), "spec.clusterIPs"))
+    ]
+    first = cluster_ips[0] if cluster_ips else cluster_ip
+    if first in ("", "None"):
+        raise Ignored("headless (clusterIP None)")
+    if len(cluster_ips) > 2:
+        raise ValueError(f"spec.clusterIPs: {len(cluster_ips)} addresses, at most 2 (one per family)")
+    by_family: dict[IPFamily, str] = {}
+    ordered_families: list[IPFamily] = []
+    for i, raw in enumerate(cluster_ips or [cluster_ip]):
+        what = f"spec.clusterIPs[{i}]" if cluster_ips else "spec.clusterIP"
+        text, fam, _ = v.ip_address(raw, what)
+        if fam in by_family:
+            raise ValueError(f"spec.clusterIPs: two {fam.value} addresses ({by_family[fam]} and {text})")
+        by_family[fam] = text
+        ordered_families.append(fam)
+    if cluster_ip and cluster_ips and v.ip_address(cluster_ip, "spec.clusterIP")[0] != by_family[ordered_families[0]]:
+        raise ValueError(f"spec.clusterIP {cluster_ip!r} differs from spec.clusterIPs[0] {cluster_ips[0]!r}")
+    seen_families: set[IPFamily] = set()
+    for i, raw in enumerate(v.optional_sequence(spec.get("ipFamilies"), "spec.ipFamilies")):
+        fam = v.ip_family(raw, f"spec.ipFamilies[{i}]")
+        if fam in seen_families:
+            raise ValueError(f"spec.ipFamilies: {fam.value} listed twice")
+        seen_families.add(fam)
+        if i < len(ordered_families) and ordered_families[i] != fam:
+            raise ValueError(
+                f"spec.ipFamilies[{i}] is {fam.value} but the cluster IP in that position is"
+                f" {ordered_families[i].value}"
+            )
+
+    raw_ports = spec.get("ports")
+    if raw_ports is None:
+        raise ValueError("spec.ports: missing")
+    raw_ports = v.sequence(raw_ports, "spec.ports")
+    if not raw_ports:
+        raise ValueError("spec.ports: empty")
+    ports: list[tuple[str, Protocol, int, int]] = []
+    names: set[str] = set()
+    numbers: set[tuple[int, Protocol]] = set()
+    for i, raw in enumerate(raw_ports):
+        what = f"spec.ports[{i}]"
+        p = v.mapping(raw, what)
+        pname = v.port_name(p.get("name"), f"{what}.name")
+        proto = v.protocol(p.get("protocol"), f"{what}.protocol")
+        if p.get("port") is None:
+            raise ValueError(f"{what}.port: missing")
+        num = v.port_number(p.get("port"), f"{what}.port")
+        node_port = v.port_number(p.get("nodePort") or 0, f"{what}.nodePort", allow_zero=True)
+        if pname in names:
+            raise ValueError(f"{what}.name: duplicate port name {pname!r}")
+        if (num, proto) in numbers:
+            raise ValueError(f"{what}: duplicate port {num}/{proto.value}")
+        names.add(pname)
+        numbers.add((num, proto))
+        ports.append((pname, proto, num, node_port))
+
+    external_ips = [
+        v.ip_address(x, f"spec.externalIPs[{i}]")
+        for i, x in enumerate(v.optional_sequence(spec.get("externalIPs"), "spec.externalIPs"))
+    ]
+    affinity = v.one_of(spec.get("sessionAffinity"), ("None", "ClientIP"), "spec.sessionAffinity", "None")
+    affinity_timeout = 0
+    if affinity == "ClientIP":
+        config = v.optional_mapping(spec.get("sessionAffinityConfig"), "spec.sessionAffinityConfig")
+        client = v.optional_mapping(config.get("clientIP"), "spec.sessionAffinityConfig.clientIP")
+        timeout = client.get("timeoutSeconds")
+        affinity_timeout = DEFAULT_AFFINITY_TIMEOUT
+        if timeout is not None:
+            affinity_timeout = v.integer(timeout, "spec.sessionAffinityConfig.clientIP.timeoutSeconds")
+            if not 0 < affinity_timeout <= _MAX_AFFINITY_TIMEOUT:
+                raise ValueError(
+                    f"spec.sessionAffinityConfig.clientIP.timeoutSeconds: {affinity_timeout} not in"
+                    f" 1..{_MAX_AFFINITY_TIMEOUT}"
+                )
+    etp = v.one_of(spec.get("externalTrafficPolicy"), _POLICIES, "spec.externalTrafficPolicy", "Cluster")
+    itp = v.one_of(spec.get("internalTrafficPolicy"), _POLICIES, "spec.internalTrafficPolicy", "Cluster")
+    hcnp = v.port_number(spec.get("healthCheckNodePort") or 0, "spec.healthCheckNodePort", allow_zero=True)
+
+    # Only the spec field, as upstream's newBaseServiceInfo: the service.beta.kubernetes.io/load-balancer-source-ranges
+    # annotation is for cloud load-balancer controllers, not for the proxy.
+    raw_ranges: Sequence[Any] = v.optional_sequence(
+        spec.get("loadBalancerSourceRanges"), "spec.loadBalancerSourceRanges"
+    )
+    source_ranges = [v.cidr(x, f"spec.loadBalancerSourceRanges[{i}]") for i, x in enumerate(raw_ranges)]
+
+    lb_ips: list[tuple[str, IPFamily, int]] = []
+    status = v.optional_mapping(obj.get("status"), "status")
+    lb_status = v.optional_mapping(status.get("loadBalancer"), "status.loadBalancer")
+    for i, raw in enumerate(v.optional_sequence(lb_status.get("ingress"), "status.loadBalancer.ingress")):
+        what = f"status.loadBalancer.ingress[{i}]"
+        ingress = v.mapping(raw, what)
+        ip = v.optional_string(ingress.get("ip"), f"{what}.ip")
+        mode = v.one_of(ingress.get("ipMode"), ("VIP", "Proxy"), f"{what}.ipMode", "VIP")
+        if ip:
+            parsed = v.ip_address(ip, f"{what}.ip")
+            # ipMode Proxy: the load balancer itself proxies to the node, so the VIP must not be captured here.
+            if mode == "VIP":
+                lb_ips.append(parsed)
+
+    is_lb = svc_type == "LoadBalancer"
+    has_node_ports = svc_type in ("NodePort", "LoadBalancer")
+    # Upstream apiservice.ExternallyAccessible / ExternalPolicyLocal / NeedsHealthCheck (service-level).
+    externally_accessible = has_node_ports or bool(external_ips)
+    external_local = etp == "Local" and externally_accessible
+    internal_local = itp == "Local"
+    health_port = hcnp if is_lb and external_local else 0
+
+    templates: list[ServicePort] = []
+    for fam in families:
+        cip = by_family.get(fam)
+        if cip is None:
+            continue
+        ext = tuple(dict.fromkeys(ip for ip, f, _ in external_ips if f is fam))
+        lbs = tuple(dict.fromkeys(ip for ip, f, _ in lb_ips if f is fam)) if is_lb else ()
+        src = tuple(dict.fromkeys(c for c, f in source_ranges if f is fam))
+        for pname, proto, num, node_port in ports:
+            templates.append(
+                ServicePort(
+                    name=ServicePortName(namespace, name, pname, proto),
+                    family=fam,
+                    cluster_ip=cip,
+                    port=num,
+                    node_port=node_port if has_node_ports else 0,
+                    external_ips=ext,
+                    load_balancer_ips=lbs,
+                    load_balancer_source_ranges=src,
+                    affinity_timeout=affinity_timeout,
+                    external_policy_local=external_local,
+                    internal_policy_local=internal_local,
+                    health_check_node_port=health_port,
+                )
+            )
+    return key, ServiceInfo(tuple(templates))
+
+
+def with_endpoints(t: ServicePort, cat: Categorized, eps: tuple[Endpoint, ...]) -> ServicePort:
+    # Spelled out rather than dataclasses.replace: this runs once per service port on a full rebuild, and
+    # replace's field introspection costs more than the rest of the rebuild together.
+    return ServicePort(
+        name=t.name,
+        family=t.family,
+        cluster_ip=t.cluster_ip,
+        port=t.port,
+        node_port=t.node_port,
+        external_ips=t.external_ips,
+        load_balancer_ips=t.load_balancer_ips,
+        load_balancer_source_ranges=t.load_balancer_source_ranges,
+        affinity_timeout=t.affinity_timeout,
+        external_policy_local=t.external_policy_local,
+        internal_policy_local=t.internal_policy_local,
+        health_check_node_port=t.health_check_node_port,
+        cluster_endpoints=cat.cluster,
+        local_endpoints=cat.local,
+        has_any_endpoints=cat.has_any,
+        serving_endpoints=eps if all(e.serving for e in eps) else tuple(e for e in eps if e.serving),
+    )
