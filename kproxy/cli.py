@@ -342,14 +342,6 @@ def render_trace_table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    print(
-        "kproxy compare: not implemented yet (it comes with the compare issue, after the other backends)",
-        file=sys.stderr,
-    )
-    return 2
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kproxy",
@@ -388,10 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_apiserver(sub)
     register_lab(sub)
     register_conformance(sub)
-    register_bench(sub)
+    register_bench(sub)  # also registers `compare` (kproxy.bench.compare)
     register_demo(sub)
-    cmp_ = sub.add_parser("compare", help="compare every available backend (later issue)")
-    cmp_.set_defaults(func=cmd_compare)
     return parser
 
 

@@ -53,10 +53,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     s.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # already in the bench namespace
     s.set_defaults(func=cmd_sync)
 
-    d = sub.add_parser("datapath", help="connections/s and latency through a ClusterIP in the lab (not yet)")
-    d.add_argument("--mode", default="iptables")
-    d.add_argument("--services", type=int, default=0)
+    d = sub.add_parser(
+        "datapath",
+        help="connections/s, latency, UDP and throughput through a ClusterIP in the lab, against the pod IP on nodes"
+        " without proxy rules (measured in the same run)",
+    )
+    d.add_argument(
+        "--mode",
+        action="append",
+        required=True,
+        help="a backend, or 'none' (no proxy: the lab's own baseline); repeat or comma-separate for several",
+    )
+    d.add_argument("--services", default="1,1000", metavar="N[,N...]", help="service counts (default %(default)s)")
+    d.add_argument("--endpoints", type=int, default=10, metavar="E", help="endpoints of each synthetic service")
+    d.add_argument("--rounds", type=int, default=3, help="rounds per size; figures are their medians")
+    d.add_argument("--seconds", type=float, default=1.0, help="measured seconds of each traffic phase")
+    d.add_argument("--iperf-seconds", type=float, default=2.0, help="seconds of each iperf3 run")
+    d.add_argument("--lab-prefix", default="kpd-", help="the lab's namespace prefix (default %(default)s)")
+    d.add_argument("--format", choices=("json", "table"), default="table")
     d.set_defaults(func=cmd_datapath)
+
+    register_compare(subparsers)
 
 
 def _sync_argv(args: argparse.Namespace) -> list[str]:
@@ -123,8 +140,61 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 
 def cmd_datapath(args: argparse.Namespace) -> int:
-    print("kproxy bench datapath: not implemented yet (comes with the compare issue)", file=sys.stderr)
-    return 2
+    import json
+    import os
+
+    from kproxy.bench.datapath import (
+        DatapathConfig,
+        DatapathError,
+        LabError,
+        check_modes,
+        format_table,
+        parse_sizes,
+        run_datapath,
+    )
+
+    modes = [m.strip() for arg in args.mode for m in arg.split(",") if m.strip()]
+    try:
+        sizes = parse_sizes(args.services)
+    except ValueError as exc:
+        print(f"kproxy bench datapath: --services: {exc}", file=sys.stderr)
+        return 2
+    if args.rounds < 1 or args.seconds <= 0 or args.iperf_seconds < 1 or args.endpoints < 1:
+        print("kproxy bench datapath: --rounds, --endpoints and --iperf-seconds >= 1, --seconds > 0", file=sys.stderr)
+        return 2
+    problems = check_modes(modes)
+    if problems:
+        print("kproxy bench datapath: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    if os.geteuid() != 0:
+        print("kproxy bench datapath: needs root (it builds a lab of network namespaces)", file=sys.stderr)
+        return 2
+    config = DatapathConfig(
+        rounds=args.rounds,
+        seconds=args.seconds,
+        iperf_seconds=args.iperf_seconds,
+        endpoints=args.endpoints,
+        prefix=args.lab_prefix,
+    )
+
+    def progress(msg: str, advance: int = 0) -> None:
+        if msg:
+            print(f"kproxy bench datapath: {msg}", file=sys.stderr, flush=True)
+
+    try:
+        result = run_datapath(modes, sizes, config, progress)
+    except (DatapathError, LabError) as exc:
+        print(f"kproxy bench datapath: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result.to_json(), indent=2) if args.format == "json" else format_table(result))
+    return 0
+
+
+def register_compare(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``kproxy compare``: registered here so kproxy.cli wires it like the other tools."""
+    from kproxy.bench.compare import register
+
+    register(subparsers)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,404 @@
+"""``kproxy compare``: the sync and data-path benchmarks for every available backend, with upstream kube-proxy's
+nftables layout as a reference, written up as ``report.md``, ``results.json`` and PNG plots.
+
+Steps, each shown on a progress display (rich: one bar over every benchmark step, with the step running now):
+
+1. the sync benchmark (``kproxy bench sync --mode M --services N --endpoints E --format json``, in its own throwaway
+   namespace) for every mode and size, ``--sync-runs`` times each (medians), and once per size ``kproxy bench sync
+   --mode fake --reference upstream-nftables`` (the cache alone, and upstream's layout timed with ``nft -f`` in a
+   namespace of its own; above ``--reference-max-endpoints`` services x endpoints it is skipped and the report says
+   so);
+2. the data-path benchmark (kproxy.bench.datapath) in one lab for every mode and size, plus mode ``none`` at the
+   smallest size (the lab's own baseline: pod IP against the limit with no proxy anywhere);
+3. ``results.json`` (every figure and the exact command behind it), plots (kproxy.bench.plots) and ``report.md``
+   (machine, kernel, versions, tables, plots, how to read them).
+
+Modes come from ``kproxy.proxier.installed_backends()`` filtered by ``availability()``: a backend that lands later
+appears without a change here. Who uses it: ``kproxy.cli`` (through kproxy.bench.cli), a person comparing backends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kproxy import __version__
+from kproxy.bench.reference_nft import DEFAULT_MAX_ENDPOINTS
+from kproxy.bench.reference_nft import NAME as REFERENCE_NAME
+
+SYNC_TIMEOUT = 3600.0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    c = subparsers.add_parser(
+        "compare",
+        help="sync and data-path benchmarks of every available backend (upstream's nftables layout beside):"
+        " report.md, results.json, PNG plots",
+    )
+    c.add_argument("--modes", default=None, help="comma-separated modes (default: every installed, available one)")
+    c.add_argument("--services", default="100,1000,10000", metavar="N[,N...]", help="sizes (default %(default)s)")
+    c.add_argument("--endpoints", type=int, default=10, metavar="E", help="endpoints per service")
+    c.add_argument("--out", default="kproxy-compare", metavar="DIR", help="where to write (default %(default)s)")
+    c.add_argument("--sync-runs", type=int, default=3, help="runs of each sync benchmark (medians)")
+    c.add_argument("--repeat", type=int, default=3, help="partial syncs per sync benchmark run")
+    c.add_argument("--no-reference", action="store_true", help="skip upstream's nftables layout")
+    c.add_argument(
+        "--reference-max-endpoints",
+        type=int,
+        default=DEFAULT_MAX_ENDPOINTS,
+        metavar="N",
+        help="time the reference only up to services x endpoints = N (default %(default)s; 10,000 x 10 took 68 s)",
+    )
+    c.add_argument(
+        "--datapath-services", default=None, metavar="N[,N...]", help="data-path sizes (default: --services)"
+    )
+    c.add_argument("--rounds", type=int, default=3, help="data-path rounds per size (medians)")
+    c.add_argument("--seconds", type=float, default=1.0, help="seconds per data-path traffic phase")
+    c.add_argument("--iperf-seconds", type=float, default=2.0, help="seconds per iperf3 run")
+    c.add_argument("--no-sync", action="store_true", help="skip the sync benchmark")
+    c.add_argument("--no-datapath", action="store_true", help="skip the data-path benchmark")
+    c.add_argument("--no-baseline", action="store_true", help="skip mode none (no proxy) in the data-path run")
+    c.add_argument("--lab-prefix", default="kpd-", help="the data-path lab's prefix (default %(default)s)")
+    c.set_defaults(func=cmd_compare)
+
+
+# --- facts about the machine ---------------------------------------------------------------------------------------
+
+
+def _first_line(argv: Sequence[str]) -> str:
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "(not found)"
+    text = (proc.stdout or proc.stderr).strip()
+    return text.splitlines()[0] if text else "(no output)"
+
+
+def machine_facts() -> dict[str, Any]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = 0.0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = int(line.split()[1]) / 1024 / 1024
+    except OSError:
+        pass
+    os_name = ""
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                os_name = line.split("=", 1)[1].strip('"')
+    except OSError:
+        pass
+    repo = Path(__file__).resolve().parent.parent.parent
+    commit = _first_line(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"])
+    dirty = subprocess.run(
+        ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_gib, 1),
+        "os": os_name,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "kproxy": __version__,
+        "commit": commit + (" (with uncommitted changes)" if dirty else ""),
+        "iptables": _first_line(["iptables", "--version"]),
+        "nft": _first_line(["nft", "--version"]),
+        "iperf3": _first_line(["iperf3", "--version"]),
+        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def selected_modes(requested: str | None) -> tuple[list[str], dict[str, str]]:
+    """(modes to run, modes skipped -> why). Default: every installed backend that is available here."""
+    from kproxy.proxier import MODE_NAMES, availability, installed_backends
+
+    names = [m.strip() for m in requested.split(",") if m.strip()] if requested else list(installed_backends())
+    skipped = {}
+    if not requested:
+        for m in MODE_NAMES:
+            if m not in names:
+                skipped[m] = "not installed in this build"
+    run = []
+    for m in names:
+        avail = availability(m)
+        if avail:
+            run.append(m)
+        else:
+            skipped[m] = avail.reason
+    return run, skipped
+
+
+# --- the sync benchmark ---------------------------------------------------------------------------------------------
+
+
+def sync_argv(mode: str, n: int, e: int, repeat: int, reference: bool = False, ref_max: int = 0) -> list[str]:
+    argv = ["bench", "sync", "--mode", mode, "--services", str(n), "--endpoints", str(e), "--repeat", str(repeat)]
+    argv += ["--format", "json"]
+    if reference:
+        argv += ["--reference", REFERENCE_NAME, "--reference-max-endpoints", str(ref_max)]
+    return argv
+
+
+def run_sync(argv: Sequence[str]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "kproxy", *argv], capture_output=True, text=True, timeout=SYNC_TIMEOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"kproxy {' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
+    return dict(json.loads(proc.stdout))
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
+def summarize_sync(mode: str, n: int, e: int, runs: list[dict[str, Any]], argv: Sequence[str]) -> dict[str, Any]:
+    """Medians over the runs of one mode and size, with the command that produced them."""
+    return {
+        "mode": mode,
+        "services": n,
+        "endpoints": e,
+        "runs": len(runs),
+        "full_sync_s": _median([r["full_sync_s"] for r in runs]),
+        "partial_sync_s": _median([r["partial_sync_s"] for r in runs]),
+        "floor_s": _median([r.get("floor_s") for r in runs]),
+        "partial_floor_s": _median([r.get("partial_floor_s") for r in runs]),
+        "ratio": _median([r.get("ratio") for r in runs]),
+        "rss_mb": _median([r["rss_mb"] for r in runs]),
+        "full_sync_runs": [r["full_sync_s"] for r in runs],
+        "command": "kproxy " + shlex.join(argv),
+        "raw": runs,
+    }
+
+
+# --- the command ----------------------------------------------------------------------------------------------------
+
+
+class _Display:
+    """The progress display: one rich bar over all steps, and the step running now (stderr)."""
+
+    def __init__(self, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("[bold]kproxy compare[/bold]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+            console=self.console,
+        )
+        self.task = self.progress.add_task("starting", total=total)
+
+    def __enter__(self) -> _Display:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def say(self, msg: str, advance: int = 0) -> None:
+        if msg:
+            self.progress.update(self.task, description=msg)
+        if advance:
+            self.progress.advance(self.task, advance)
+
+    def log(self, msg: str) -> None:
+        self.console.print(msg)
+
+
+def _parse_sizes(text: str) -> list[int]:
+    from kproxy.bench.datapath import parse_sizes
+
+    return parse_sizes(text)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        print("kproxy compare: needs root (network namespaces for every benchmark)", file=sys.stderr)
+        return 2
+    try:
+        sizes = _parse_sizes(args.services)
+        dp_sizes = _parse_sizes(args.datapath_services) if args.datapath_services else sizes
+    except ValueError as exc:
+        print(f"kproxy compare: {exc}", file=sys.stderr)
+        return 2
+    modes, skipped = selected_modes(args.modes)
+    if not modes:
+        print("kproxy compare: no mode can run here: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+        return 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "command": "kproxy compare " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["compare"] else sys.argv[1:]),
+        "machine": machine_facts(),
+        "modes": modes,
+        "skipped_modes": skipped,
+        "sizes": sizes,
+        "datapath_sizes": [] if args.no_datapath else dp_sizes,
+        "endpoints": args.endpoints,
+        "sync": [],
+        "reference": [],
+        "cache_alone": [],
+        "datapath": None,
+        "notes": [],
+    }
+    baseline = not args.no_baseline
+    n_sync = 0 if args.no_sync else len(sizes) * (len(modes) * args.sync_runs + (0 if args.no_reference else 1))
+    n_dp = 0
+    if not args.no_datapath:
+        n_dp = len(dp_sizes) * len(modes) * args.rounds * 3 + (args.rounds * 2 if baseline else 0)
+    t_start = time.monotonic()
+    try:
+        with _Display(n_sync + n_dp) as display:
+            if not args.no_sync:
+                _sync_steps(args, modes, sizes, results, display)
+                _write_results(out, results)
+            if not args.no_datapath:
+                _datapath_steps(args, modes, dp_sizes, baseline, results, display, out)
+    except KeyboardInterrupt:
+        results["notes"].append("interrupted: the figures are those measured until then")
+        _write_results(out, results)
+        print("kproxy compare: interrupted; partial results in " + str(out / "results.json"), file=sys.stderr)
+        return 130
+    except Exception as exc:
+        results["notes"].append(f"stopped by an error: {exc}")
+        _write_results(out, results)
+        print(f"kproxy compare: {exc}", file=sys.stderr)
+        return 1
+    results["elapsed_s"] = round(time.monotonic() - t_start, 1)
+    _write_results(out, results)
+    from kproxy.bench import plots, report
+
+    files = plots.write_all(results, out)
+    (out / "report.md").write_text(report.render(results, files))
+    print(f"kproxy compare: wrote {out / 'report.md'}, {out / 'results.json'} and {', '.join(files)}")
+    return 0
+
+
+def _write_results(out: Path, results: dict[str, Any]) -> None:
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    tmp.replace(out / "results.json")
+
+
+def _sync_steps(
+    args: argparse.Namespace, modes: list[str], sizes: list[int], results: dict[str, Any], display: _Display
+) -> None:
+    e = args.endpoints
+    for n in sizes:
+        if not args.no_reference:
+            argv = sync_argv("fake", n, e, args.repeat, reference=True, ref_max=args.reference_max_endpoints)
+            display.say(f"sync: cache alone + {REFERENCE_NAME} @ {n} x {e}")
+            doc = run_sync(argv)
+            display.say("", 1)
+            results["cache_alone"].append(summarize_sync("fake", n, e, [doc], argv))
+            ref = doc.get("reference")
+            entry: dict[str, Any] = {"services": n, "endpoints": e, "command": "kproxy " + shlex.join(argv)}
+            if ref:
+                entry.update(ref)
+            else:
+                entry["note"] = doc.get("reference_note") or "not run"
+            results["reference"].append(entry)
+        for mode in modes:
+            argv = sync_argv(mode, n, e, args.repeat)
+            runs = []
+            for r in range(args.sync_runs):
+                display.say(f"sync: {mode} @ {n} x {e}, run {r + 1}/{args.sync_runs}")
+                runs.append(run_sync(argv))
+                display.say("", 1)
+            results["sync"].append(summarize_sync(mode, n, e, runs, argv))
+
+
+def _datapath_steps(
+    args: argparse.Namespace,
+    modes: list[str],
+    sizes: list[int],
+    baseline: bool,
+    results: dict[str, Any],
+    display: _Display,
+    out: Path,
+) -> None:
+    from kproxy.bench.datapath import NONE_MODE, DatapathConfig, DatapathRun
+
+    config = DatapathConfig(
+        rounds=args.rounds,
+        seconds=args.seconds,
+        iperf_seconds=args.iperf_seconds,
+        endpoints=args.endpoints,
+        prefix=args.lab_prefix,
+    )
+    runs: list[dict[str, Any]] = []
+    results["datapath"] = {"config": config.describe(), "runs": runs, "commands": {}}
+    for mode in modes:
+        results["datapath"]["commands"][mode] = "kproxy " + shlex.join(_datapath_argv(mode, sizes, args))
+    if baseline:
+        results["datapath"]["commands"][NONE_MODE] = "kproxy " + shlex.join(_datapath_argv(NONE_MODE, sizes[:1], args))
+    # the baseline runs once, at the smallest size: with no proxy the service count cannot matter
+    plan: list[tuple[int, list[str]]] = []
+    for i, n in enumerate(sizes):
+        plan.append((n, ([NONE_MODE] if baseline and i == 0 else []) + modes))
+
+    def on_run(run: DatapathRun) -> None:
+        runs.append(run.to_json())
+        _write_results(out, results)
+
+    def progress(msg: str, advance: int = 0) -> None:
+        display.say(f"datapath: {msg}" if msg else "", advance)
+
+    # one lab for every size and mode (sizes ascending: services are only ever added)
+    _run_plan(plan, config, progress, on_run)
+
+
+def _run_plan(
+    plan: list[tuple[int, list[str]]],
+    config: Any,
+    progress: Callable[..., None],
+    on_run: Callable[[Any], None],
+) -> None:
+    from kproxy.bench.datapath import DatapathLab, run_in_lab
+
+    with DatapathLab(config, progress) as dl:
+        for n, modes in plan:
+            run_in_lab(dl, modes, n, on_run)
+
+
+def _datapath_argv(mode: str, sizes: Sequence[int], args: argparse.Namespace) -> list[str]:
+    return [
+        "bench",
+        "datapath",
+        "--mode",
+        mode,
+        "--services",
+        ",".join(map(str, sizes)),
+        "--endpoints",
+        str(args.endpoints),
+        "--rounds",
+        str(args.rounds),
+        "--seconds",
+        str(args.seconds),
+        "--iperf-seconds",
+        str(args.iperf_seconds),
+    ]

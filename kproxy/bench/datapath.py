@@ -1,0 +1,681 @@
+"""``kproxy bench datapath``: what a backend's rules cost the traffic that crosses them, in the lab (PERFORMANCE.md).
+
+From a pod to a ClusterIP whose only endpoint is a pod on the other node, with N services programmed on both nodes,
+and the same traffic to that pod's IP directly, against **the limit**: the same traffic between two pods on two
+nodes that have no proxy rules at all, measured in the same run. The lab has four nodes (prefix ``kpd-``, one pod
+each, IPv4): kproxy runs on node-1 and node-2 only; node-3 and node-4 never get a rule, so pod-3-1 -> pod-4-1 is the
+limit at every size. (The pod IP on the loaded node is not the limit: a proxy's rules also tax traffic that never
+touches a service, e.g. iptables' KUBE-SERVICES walk on every new connection, on both nodes.)
+
+Targets, measured in rounds whose order rotates (so drift on a shared machine spreads over all three):
+
+* ``limit``: pod-3-1 -> pod-4-1's IP (no proxy rules anywhere on the path);
+* ``podip``: pod-1-1 -> pod-2-1's IP across the loaded nodes;
+* ``clusterip``: pod-1-1 -> the target service's ClusterIP, DNATed to pod-2-1.
+
+Metrics, per target and round (kproxy.bench.dpclient against the pods' echo servers; iperf3 for throughput):
+new TCP connections per second (connect, one request/response, close with RST) with the p50/p99 of a whole
+connection; request/response p50/p99 on one established TCP connection; UDP request/response p50/p99; bulk TCP
+throughput (``iperf3 -c``, Gbit/s). Each figure is the median over the rounds; each ratio is against the limit,
+oriented so that 1.0 means "as fast as without a proxy" and smaller is slower (rates: target / limit; latencies:
+limit / target).
+
+Pinning (2 cores): every client (dpclient, iperf3 -c) runs under ``taskset -c 0``; the servers (the echo servers of
+pod-2-1 and pod-4-1, re-pinned with ``taskset -a -p -c 1``, and ``iperf3 -s``) on CPU 1. The kproxy processes and
+the lab's API stand-in are not pinned: they are idle while traffic runs (their sync is finished and checked first).
+
+Services: size N means N services programmed in total: the target plus N - 1 synthetic ones (kproxy.bench.synthetic:
+namespace ``bench``, ClusterIPs from 198.19.0.0/16, E endpoints each on node-1/node-2, every tenth UDP), written to
+the lab's API stand-in over its HTTP API before kproxy starts, so each size costs one full sync per node. Sizes run in
+ascending order; each mode is started on both loaded nodes, waited for (``/healthz`` 200, then the ClusterIP answers
+over TCP and UDP), measured, stopped, and its rules removed (``kproxy cleanup --mode all`` in both nodes).
+
+Mode ``none`` starts no proxy: ``podip`` against ``limit`` then shows what the lab itself contributes (about 1.0).
+
+Who uses it: ``kproxy.bench.cli`` (``kproxy bench datapath``) and ``kproxy.bench.compare``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from kproxy.bench import synthetic
+from kproxy.lab import netns
+from kproxy.lab.cluster import Lab, LabError, LabPod
+
+LAB_PREFIX = "kpd-"
+NONE_MODE = "none"
+TARGET_NAMESPACE = "datapath"
+TARGET_NAME = "target"
+TARGET_CLUSTER_IP = "198.19.200.10"
+ECHO_PORT = 8080
+SERVICE_PORT = 80
+IPERF_PORT = 5201
+CLIENT_CPU = "0"
+SERVER_CPU = "1"
+TARGETS = ("limit", "podip", "clusterip")
+WRITE_THREADS = 4
+KPROXY_READY_TIMEOUT = 600.0  # seconds: a full sync of 10,000 services on two nodes sharing 2 cores
+
+#: (metric, where it comes from, higher is better, unit)
+METRICS: tuple[tuple[str, str, bool, str], ...] = (
+    ("conn_rate", "crr.rate", True, "conn/s"),
+    ("conn_p50_us", "crr.p50_us", False, "us"),
+    ("conn_p99_us", "crr.p99_us", False, "us"),
+    ("rr_rate", "rr.rate", True, "req/s"),
+    ("rr_p50_us", "rr.p50_us", False, "us"),
+    ("rr_p99_us", "rr.p99_us", False, "us"),
+    ("udp_rate", "udp.rate", True, "req/s"),
+    ("udp_p50_us", "udp.p50_us", False, "us"),
+    ("udp_p99_us", "udp.p99_us", False, "us"),
+    ("tcp_gbps", "iperf.gbps", True, "Gbit/s"),
+)
+HIGHER_IS_BETTER = {m: hib for m, _, hib, _ in METRICS}
+UNITS = {m: unit for m, _, _, unit in METRICS}
+
+
+class DatapathError(RuntimeError):
+    """The benchmark could not run or a measurement failed; the message says what and where."""
+
+
+@dataclass
+class DatapathRun:
+    """One mode at one size: medians per target, the ratios against the limit, and every round's figures."""
+
+    mode: str
+    services: int
+    ready_s: float = 0.0  # kproxy started on both nodes -> both healthy and the ClusterIP answering
+    kproxy_rss_mb: dict[str, float] = field(default_factory=dict)
+    kproxy_peak_rss_mb: dict[str, float] = field(default_factory=dict)
+    sync_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    medians: dict[str, dict[str, float]] = field(default_factory=dict)
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)
+    rounds: list[dict[str, dict[str, float]]] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class DatapathConfig:
+    rounds: int = 3
+    seconds: float = 1.0
+    iperf_seconds: float = 2.0
+    endpoints: int = 10
+    prefix: str = LAB_PREFIX
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "pinning": f"clients taskset -c {CLIENT_CPU}; echo servers and iperf3 -s taskset -c {SERVER_CPU}",
+            "limit": "pod-3-1 -> pod-4-1 on nodes 3 and 4, which never run a proxy",
+            "client_close": "RST (SO_LINGER 0)",
+        }
+
+
+@dataclass
+class DatapathResult:
+    config: dict[str, Any]
+    runs: list[DatapathRun] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"config": self.config, "runs": [r.to_json() for r in self.runs]}
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"1,1000,10000"`` -> [1, 1000, 10000] (sorted, unique); ValueError for anything else."""
+    sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    if not sizes or sizes[0] < 1 or sizes[-1] > synthetic.MAX_SERVICES:
+        raise ValueError(f"service counts must be 1..{synthetic.MAX_SERVICES}: {text!r}")
+    return sizes
+
+
+def ratio(metric: str, target: float, limit: float) -> float | None:
+    """Fraction of the limit's performance (1.0 = as fast as without proxy rules; smaller is slower)."""
+    if target <= 0 or limit <= 0:
+        return None
+    return target / limit if HIGHER_IS_BETTER[metric] else limit / target
+
+
+def flatten(client: dict[str, Any], iperf: dict[str, Any] | None) -> dict[str, float]:
+    """One round's dpclient JSON (and iperf3's figure) as metric -> value."""
+    out: dict[str, float] = {}
+    for metric, source, _, _ in METRICS:
+        phase, key = source.split(".")
+        if phase == "iperf":
+            if iperf is not None:
+                out[metric] = float(iperf[key])
+            continue
+        part = client.get(phase)
+        if isinstance(part, dict) and part.get("ops"):
+            out[metric] = float(part[key])
+    return out
+
+
+def medians(rounds: Iterable[dict[str, float]]) -> dict[str, float]:
+    values: dict[str, list[float]] = {}
+    for r in rounds:
+        for k, v in r.items():
+            values.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in values.items()}
+
+
+def iperf_gbps(doc: dict[str, Any]) -> float:
+    """Receiver-side throughput of an ``iperf3 -J`` run, in Gbit/s."""
+    try:
+        return float(doc["end"]["sum_received"]["bits_per_second"]) / 1e9
+    except (KeyError, TypeError, ValueError):
+        raise DatapathError(f"iperf3 gave no throughput: {str(doc.get('error') or doc)[:300]}") from None
+
+
+# --- writing services to the lab's API (its public HTTP API, as any client would) ----------------------------------
+
+
+def _strip(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = {k: v for k, v in obj["metadata"].items() if k not in ("uid", "resourceVersion", "generateName")}
+    return {**obj, "metadata": meta}
+
+
+def target_objects(pod: LabPod) -> list[dict[str, Any]]:
+    """The target Service (TCP and UDP 80 -> 8080, TCP 5201 -> iperf3) and its EndpointSlice: pod ``pod`` only."""
+    svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": TARGET_NAME, "namespace": TARGET_NAMESPACE},
+        "spec": {
+            "type": "ClusterIP",
+            "clusterIP": TARGET_CLUSTER_IP,
+            "clusterIPs": [TARGET_CLUSTER_IP],
+            "ipFamilies": ["IPv4"],
+            "ipFamilyPolicy": "SingleStack",
+            "ports": [
+                {"name": "tcp", "protocol": "TCP", "port": SERVICE_PORT, "targetPort": ECHO_PORT},
+                {"name": "udp", "protocol": "UDP", "port": SERVICE_PORT, "targetPort": ECHO_PORT},
+                {"name": "iperf", "protocol": "TCP", "port": IPERF_PORT, "targetPort": IPERF_PORT},
+            ],
+        },
+    }
+    eps = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{TARGET_NAME}-1",
+            "namespace": TARGET_NAMESPACE,
+            "labels": {"kubernetes.io/service-name": TARGET_NAME},
+        },
+        "addressType": "IPv4",
+        "endpoints": [
+            {
+                "addresses": [pod.ip4],
+                "conditions": {"ready": True, "serving": True, "terminating": False},
+                "nodeName": pod.node,
+                "targetRef": {"kind": "Pod", "namespace": TARGET_NAMESPACE, "name": pod.name},
+            }
+        ],
+        "ports": [
+            {"name": "tcp", "protocol": "TCP", "port": ECHO_PORT},
+            {"name": "udp", "protocol": "UDP", "port": ECHO_PORT},
+            {"name": "iperf", "protocol": "TCP", "port": IPERF_PORT},
+        ],
+    }
+    return [svc, eps]
+
+
+def _collection_path(obj: dict[str, Any]) -> str:
+    ns = obj["metadata"]["namespace"]
+    if obj["kind"] == "Service":
+        return f"/api/v1/namespaces/{ns}/services"
+    return f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+
+
+class ApiWriter:
+    """Creates objects through the API stand-in's HTTP API with a few keep-alive connections."""
+
+    def __init__(self, api_url: str, threads: int = WRITE_THREADS) -> None:
+        u = urlsplit(api_url)
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+        self.threads = threads
+        self._local = threading.local()
+
+    def _conn(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
+            self._local.conn = conn
+        return conn
+
+    def create(self, obj: dict[str, Any]) -> None:
+        body = json.dumps(obj)
+        for attempt in range(3):
+            conn = self._conn()
+            try:
+                conn.request("POST", _collection_path(obj), body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                data = resp.read()
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                self._local.conn = None
+                if attempt == 2:
+                    raise
+                continue
+            if resp.status in (200, 201, 409):  # 409: already there from an earlier size
+                return
+            raise DatapathError(
+                f"the lab API refused {obj['kind']} {obj['metadata']['name']}: {resp.status} {data[:300]!r}"
+            )
+
+    def create_all(self, objs: Iterable[dict[str, Any]]) -> int:
+        n = 0
+        with ThreadPoolExecutor(max_workers=self.threads) as pool:
+            for _ in pool.map(self.create, objs):
+                n += 1
+        return n
+
+
+def synthetic_objects(first: int, last: int, endpoints: int) -> Iterable[dict[str, Any]]:
+    """Services ``first..last`` of the synthetic set (and their slices), as the API's create takes them."""
+    for i in range(first, last + 1):
+        yield _strip(synthetic.service(i))
+        yield _strip(synthetic.endpoint_slice(i, endpoints))
+
+
+# --- the lab ------------------------------------------------------------------------------------------------------
+
+
+#: ``progress(message, advance=0)``: the step starting now ("" keeps the last), and how many measurements just ended
+Progress = Callable[..., None]
+
+
+class DatapathLab:
+    """The four-node lab of this benchmark; use as a context manager (the lab goes down on exit, also on error)."""
+
+    def __init__(self, config: DatapathConfig, progress: Progress | None = None) -> None:
+        self.config = config
+        self.progress: Progress = progress or (lambda _msg, _advance=0: None)
+        self.lab: Lab | None = None
+        self.written = 0  # synthetic services in the API
+        self._servers: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> DatapathLab:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # lifecycle
+
+    def up(self) -> None:
+        if Lab.live(self.config.prefix) is not None:
+            raise DatapathError(
+                f"a lab with prefix {self.config.prefix!r} is running: take it down first (kproxy lab down --prefix"
+                f" {self.config.prefix})"
+            )
+        self.progress(f"lab up ({self.config.prefix}: 4 nodes, 1 pod each)")
+        self.lab = Lab.up(nodes=4, pods_per_node=1, mode=None, ipv6=False, prefix=self.config.prefix, timeout=90)
+        lab = self.lab
+        for pod in (self.server_pod, self.limit_server_pod):
+            self._pin_echo(pod)
+            self._start_iperf(pod)
+        ApiWriter(lab.api_url).create_all(target_objects(self.server_pod))
+
+    def down(self) -> None:
+        for proc in self._servers:
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        self._servers.clear()
+        if self.lab is not None:
+            self.progress("lab down")
+            Lab.down(prefix=self.config.prefix)
+            self.lab = None
+
+    # who is who
+
+    @property
+    def _lab(self) -> Lab:
+        if self.lab is None:
+            raise DatapathError("the lab is not up")
+        return self.lab
+
+    @property
+    def client_pod(self) -> LabPod:
+        return self._lab.pod("pod-1-1")
+
+    @property
+    def server_pod(self) -> LabPod:
+        return self._lab.pod("pod-2-1")
+
+    @property
+    def limit_client_pod(self) -> LabPod:
+        return self._lab.pod("pod-3-1")
+
+    @property
+    def limit_server_pod(self) -> LabPod:
+        return self._lab.pod("pod-4-1")
+
+    @property
+    def loaded_nodes(self) -> list[Any]:
+        return [self._lab.node("node-1"), self._lab.node("node-2")]
+
+    def _pin_echo(self, pod: LabPod) -> None:
+        pid = next((p.get("echo_pid") for p in self._lab.status()["pods"] if p["name"] == pod.name), None)
+        if not pid:
+            raise DatapathError(f"no echo server found for {pod.name}")
+        subprocess.run(["taskset", "-a", "-p", "-c", SERVER_CPU, str(pid)], check=True, capture_output=True, timeout=10)
+
+    def _start_iperf(self, pod: LabPod) -> None:
+        argv = netns.exec_argv(pod.ns, ["taskset", "-c", SERVER_CPU, "iperf3", "-s", "-p", str(IPERF_PORT)])
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=netns.cgroup_preexec(self._lab.cgroup_path(pod.node)),
+        )
+        self._servers.append(proc)
+
+    # services and proxies
+
+    def ensure_services(self, n: int) -> float:
+        """Program ``n`` services in total (the target and ``n - 1`` synthetic ones); seconds the writes took."""
+        want = n - 1
+        if want <= self.written:
+            if want < self.written:
+                raise DatapathError("sizes must grow within one run (services are only ever added)")
+            return 0.0
+        self.progress(f"writing services {self.written + 1}..{want} to the lab API")
+        t0 = time.monotonic()
+        ApiWriter(self._lab.api_url).create_all(synthetic_objects(self.written + 1, want, self.config.endpoints))
+        self.written = want
+        return time.monotonic() - t0
+
+    def start_mode(self, mode: str) -> float:
+        """Start kproxy ``mode`` on both loaded nodes; seconds until both are healthy and the ClusterIP answers."""
+        lab = self._lab
+        t0 = time.monotonic()
+        for node in self.loaded_nodes:
+            lab.start_kproxy(node, mode)
+        for node in self.loaded_nodes:
+            lab.wait_kproxy(node, timeout=KPROXY_READY_TIMEOUT)
+        deadline = time.monotonic() + 60
+        last = ""
+        while time.monotonic() < deadline:
+            tcp = lab.probe(self.client_pod.ns, "tcp", TARGET_CLUSTER_IP, SERVICE_PORT, timeout=1.0)[0]
+            udp = lab.probe(self.client_pod.ns, "udp", TARGET_CLUSTER_IP, SERVICE_PORT, timeout=1.0)[0]
+            if tcp.ok and udp.ok and tcp.pod == self.server_pod.name:
+                return time.monotonic() - t0
+            last = f"tcp {tcp!r}, udp {udp!r}"
+            time.sleep(0.5)
+        raise DatapathError(f"mode {mode}: the ClusterIP {TARGET_CLUSTER_IP} does not answer from pod-1-1: {last}")
+
+    def stop_mode(self) -> None:
+        lab = self._lab
+        for node in self.loaded_nodes:
+            lab.stop_kproxy(node)
+        for node in self.loaded_nodes:
+            res = lab.exec(node.ns, [*Lab.kproxy_command(), "cleanup", "--mode", "all"], timeout=300)
+            if res.returncode != 0:
+                raise DatapathError(f"kproxy cleanup in {node.name} failed: {res.stderr.decode(errors='replace')}")
+
+    def kproxy_memory(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(resident MB, peak resident MB) of each loaded node's kproxy."""
+        rss, peak = {}, {}
+        for node in self.loaded_nodes:
+            pid = self._lab.kproxy_pid(node)
+            if pid is None:
+                continue
+            try:
+                fields = dict(
+                    line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line
+                )
+            except OSError:
+                continue
+            rss[node.name] = int(fields["VmRSS"].split()[0]) / 1024
+            peak[node.name] = int(fields["VmHWM"].split()[0]) / 1024
+        return rss, peak
+
+    def sync_metrics(self) -> dict[str, dict[str, float]]:
+        """Each loaded node's sync-duration histogram (sum, count) from its /metrics, parsed by prometheus_client."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        code = (
+            "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen("
+            "'http://127.0.0.1:10249/metrics', timeout=10).read().decode())"
+        )
+        out: dict[str, dict[str, float]] = {}
+        for node in self.loaded_nodes:
+            res = self._lab.exec(node.ns, [sys.executable, "-c", code], timeout=30)
+            if res.returncode != 0:
+                continue
+            figures: dict[str, float] = {}
+            for fam in text_string_to_metric_families(res.stdout.decode(errors="replace")):
+                if fam.name not in (
+                    "kubeproxy_sync_proxy_rules_duration_seconds",
+                    "kubeproxy_sync_full_proxy_rules_duration_seconds",
+                ):
+                    continue
+                short = fam.name.removeprefix("kubeproxy_").removesuffix("_duration_seconds")
+                for s in fam.samples:
+                    if s.name.endswith("_sum"):
+                        figures[f"{short}_sum_s"] = figures.get(f"{short}_sum_s", 0.0) + s.value
+                    elif s.name.endswith("_count"):
+                        figures[f"{short}_count"] = figures.get(f"{short}_count", 0.0) + s.value
+            out[node.name] = figures
+        return out
+
+    # traffic
+
+    def _client(self, pod: LabPod, host: str, port: int) -> dict[str, Any]:
+        c = self.config
+        argv = ["taskset", "-c", CLIENT_CPU, sys.executable, "-m", "kproxy.bench.dpclient", host, str(port)]
+        argv += ["--seconds", str(c.seconds), "--warmup", "0.1", "--timeout", "1.0"]
+        res = self._lab.exec(pod.ns, argv, timeout=3 * (c.seconds + 0.1) + 60)
+        if res.returncode != 0:
+            raise DatapathError(f"dpclient in {pod.name} -> {host}:{port}: {res.stderr.decode(errors='replace')}")
+        return dict(json.loads(res.stdout.decode().strip().splitlines()[-1]))
+
+    def _iperf(self, pod: LabPod, host: str) -> dict[str, Any]:
+        c = self.config
+        argv = ["taskset", "-c", CLIENT_CPU, "iperf3", "-c", host, "-p", str(IPERF_PORT)]
+        argv += ["-t", str(c.iperf_seconds), "-J", "--connect-timeout", "2000"]
+        last: dict[str, Any] = {}
+        for _ in range(3):  # the server may still be finishing the previous test ("server is busy")
+            res = self._lab.exec(pod.ns, argv, timeout=c.iperf_seconds + 60)
+            try:
+                last = json.loads(res.stdout.decode() or "{}")
+            except ValueError:
+                last = {"error": res.stdout.decode(errors="replace")[-300:]}
+            if res.returncode == 0 and "end" in last:
+                return {"gbps": iperf_gbps(last)}
+            time.sleep(0.5)
+        raise DatapathError(f"iperf3 in {pod.name} -> {host}: {str(last.get('error') or last)[:300]}")
+
+    def endpoints_of(self, target: str) -> tuple[LabPod, str]:
+        if target == "limit":
+            return self.limit_client_pod, self.limit_server_pod.ip4
+        if target == "podip":
+            return self.client_pod, self.server_pod.ip4
+        if target == "clusterip":
+            return self.client_pod, TARGET_CLUSTER_IP
+        raise ValueError(target)
+
+    def measure(self, target: str) -> tuple[dict[str, float], int]:
+        """One round against one target: (metric -> value, errors seen)."""
+        pod, host = self.endpoints_of(target)
+        port = SERVICE_PORT if target == "clusterip" else ECHO_PORT
+        client = self._client(pod, host, port)
+        iperf = self._iperf(pod, host)
+        errors = sum(int(client[p].get("errors", 0)) for p in ("crr", "rr", "udp") if isinstance(client.get(p), dict))
+        return flatten(client, iperf), errors
+
+
+def measure_run(dl: DatapathLab, mode: str, services: int, targets: Sequence[str]) -> DatapathRun:
+    """Rounds over ``targets`` (rotating their order) with whatever is programmed now; medians and ratios."""
+    run = DatapathRun(mode=mode, services=services)
+    per_target: dict[str, list[dict[str, float]]] = {t: [] for t in targets}
+    for r in range(dl.config.rounds):
+        order = list(targets[r % len(targets) :]) + list(targets[: r % len(targets)])
+        this_round: dict[str, dict[str, float]] = {}
+        for t in order:
+            dl.progress(f"{mode} @ {services}: round {r + 1}/{dl.config.rounds}, {t}")
+            figures, errors = dl.measure(t)
+            dl.progress("", 1)
+            per_target[t].append(figures)
+            this_round[t] = figures
+            run.errors[t] = run.errors.get(t, 0) + errors
+        run.rounds.append(this_round)
+    run.medians = {t: medians(v) for t, v in per_target.items()}
+    limit = run.medians.get("limit", {})
+    for t in targets:
+        if t == "limit":
+            continue
+        run.ratios[t] = {}
+        for m, v in run.medians[t].items():
+            q = ratio(m, v, limit.get(m, 0.0))
+            if q is not None:
+                run.ratios[t][m] = q
+    return run
+
+
+def run_in_lab(
+    dl: DatapathLab, modes: Sequence[str], n: int, on_run: Callable[[DatapathRun], None] | None = None
+) -> list[DatapathRun]:
+    """Every mode at size ``n`` in a running DatapathLab (mode ``none``: no proxy at all)."""
+    dl.ensure_services(n)
+    runs = []
+    for mode in modes:
+        if mode == NONE_MODE:
+            run = measure_run(dl, mode, n, ("limit", "podip"))
+        else:
+            dl.progress(f"{mode} @ {n}: starting kproxy on node-1 and node-2")
+            ready = dl.start_mode(mode)
+            try:
+                rss, peak = dl.kproxy_memory()
+                run = measure_run(dl, mode, n, TARGETS)
+                run.ready_s = ready
+                run.kproxy_rss_mb, run.kproxy_peak_rss_mb = rss, peak
+                run.sync_metrics = dl.sync_metrics()
+            finally:
+                dl.stop_mode()
+        runs.append(run)
+        if on_run is not None:
+            on_run(run)
+    return runs
+
+
+def run_datapath(
+    modes: Sequence[str],
+    sizes: Sequence[int],
+    config: DatapathConfig | None = None,
+    progress: Progress | None = None,
+    on_run: Callable[[DatapathRun], None] | None = None,
+) -> DatapathResult:
+    """Every mode at every size (ascending) in one lab, taken down afterwards. Modes must be available here."""
+    config = config or DatapathConfig()
+    result = DatapathResult(config=config.describe())
+    with DatapathLab(config, progress) as dl:
+        for n in sorted(set(sizes)):
+            result.runs += run_in_lab(dl, modes, n, on_run)
+    return result
+
+
+# --- output -------------------------------------------------------------------------------------------------------
+
+
+def _fmt(metric: str, v: float | None) -> str:
+    if v is None:
+        return "-"
+    if metric == "tcp_gbps":
+        return f"{v:.2f}"
+    return f"{v:,.0f}"
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    """Rows as aligned text: the first column left, the others right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]
+
+
+def format_table(result: DatapathResult) -> str:
+    """One block per run: each metric's limit, pod IP and ClusterIP medians and the two ratios."""
+    lines = []
+    c = result.config
+    lines.append(
+        f"medians of {c['rounds']} rounds ({c['seconds']} s per phase, iperf3 {c['iperf_seconds']} s);"
+        f" pinning: {c['pinning']}; limit: {c['limit']}; ratio 1.0 = as fast as the limit"
+    )
+    for run in result.runs:
+        lines.append("")
+        head = f"mode {run.mode}, {run.services} services"
+        if run.ready_s:
+            head += f" (ready {run.ready_s:.1f} s after start"
+            if run.kproxy_rss_mb:
+                head += ", kproxy RSS " + ", ".join(f"{k} {v:.0f} MB" for k, v in sorted(run.kproxy_rss_mb.items()))
+            head += ")"
+        lines.append(head)
+        targets = [t for t in TARGETS if t in run.medians]
+        cols = ["metric", *targets, *(f"{t}/limit" for t in targets if t != "limit")]
+        rows = []
+        for metric, _, _, unit in METRICS:
+            row = [f"{metric} ({unit})"]
+            row += [_fmt(metric, run.medians[t].get(metric)) for t in targets]
+            row += [
+                "-" if run.ratios.get(t, {}).get(metric) is None else f"{run.ratios[t][metric]:.2f}"
+                for t in targets
+                if t != "limit"
+            ]
+            rows.append(row)
+        lines += _columns([cols, *rows])
+        if any(run.errors.values()):
+            lines.append("errors: " + ", ".join(f"{t} {n}" for t, n in sorted(run.errors.items()) if n))
+    return "\n".join(lines)
+
+
+def check_modes(modes: Sequence[str]) -> list[str]:
+    """Problems with the requested modes (unknown, not installed, not available here): empty when all can run."""
+    from kproxy.proxier import availability
+
+    problems = []
+    for mode in modes:
+        if mode == NONE_MODE:
+            continue
+        avail = availability(mode)
+        if not avail:
+            problems.append(f"mode {mode}: {avail.reason}")
+    return problems
+
+
+__all__ = [
+    "DatapathConfig",
+    "DatapathError",
+    "DatapathLab",
+    "DatapathResult",
+    "DatapathRun",
+    "LabError",
+    "METRICS",
+    "check_modes",
+    "format_table",
+    "parse_sizes",
+    "run_datapath",
+    "run_in_lab",
+]

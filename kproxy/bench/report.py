@@ -1,0 +1,242 @@
+"""``report.md`` of a ``kproxy compare`` run, from its ``results.json`` document: the machine, kernel and versions,
+one table per benchmark with the exact command behind each figure, the plots, and how to read them.
+
+Who uses it: kproxy.bench.compare; ``python -m kproxy.bench.report results.json`` prints it again.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kproxy.bench.datapath import METRICS, UNITS
+
+RATIO_COLUMNS = (
+    ("conn_rate", "conn/s"),
+    ("conn_p99_us", "conn p99"),
+    ("rr_p50_us", "RR p50"),
+    ("rr_p99_us", "RR p99"),
+    ("udp_p99_us", "UDP p99"),
+    ("tcp_gbps", "Gbit/s"),
+)
+
+
+def _s(v: Any, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def _num(metric: str, v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f}" if metric == "tcp_gbps" else f"{v:,.0f}"
+
+
+def sync_section(results: dict[str, Any]) -> list[str]:
+    rows = results.get("sync") or []
+    refs = {r["services"]: r for r in results.get("reference") or []}
+    cache = {r["services"]: r for r in results.get("cache_alone") or []}
+    if not rows and not refs:
+        return []
+    lines = ["## Sync benchmark (control plane)", ""]
+    lines.append(
+        "Medians of the runs; `full` is empty -> N services, `partial` one endpoint of one service changed,"
+        " `floor` the kernel alone taking the same payload. The reference is upstream kube-proxy's nftables"
+        " layout for the same state, timed with `nft -f` into a namespace of its own (a yardstick, never a mode);"
+        " `ref / full` says how many times longer upstream's layout takes than kproxy's whole full sync."
+    )
+    lines.append("")
+    table = []
+    for r in rows:
+        ref = refs.get(r["services"]) or {}
+        ref_full = ref.get("full_s")
+        table.append(
+            [
+                r["mode"],
+                f"{r['services']:,} x {r['endpoints']}",
+                _s(r["full_sync_s"]),
+                _s(r.get("floor_s")),
+                _s(r.get("ratio"), 2),
+                _s(r["partial_sync_s"], 4),
+                _s(r.get("partial_floor_s"), 4),
+                f"{r['rss_mb']:.0f} MB" if r.get("rss_mb") else "-",
+                _s(ref_full) if ref_full else "-",
+                f"{ref_full / r['full_sync_s']:.1f}x" if ref_full and r["full_sync_s"] else "-",
+                f"{r['runs']}",
+            ]
+        )
+    head = ["mode", "services x E", "full s", "floor s", "full/floor", "partial s", "partial floor s", "peak RSS"]
+    head += ["reference full s", "ref / full", "runs"]
+    lines += _table(head, table)
+    lines.append("")
+    if refs:
+        lines.append("Reference (upstream nftables layout) and the cache alone (`--mode fake`):")
+        lines.append("")
+        t2 = []
+        for n in sorted(refs):
+            ref = refs[n]
+            c = cache.get(n) or {}
+            if ref.get("full_s"):
+                t2.append(
+                    [
+                        f"{n:,} x {ref.get('endpoints')}",
+                        _s(ref["full_s"]),
+                        _s(ref.get("partial_s"), 4),
+                        _s(ref.get("partial_cleanup_s"), 4),
+                        f"{ref.get('chains'):,}",
+                        _s(ref.get("render_s")),
+                        _s(c.get("full_sync_s"), 4),
+                    ]
+                )
+            else:
+                t2.append([f"{n:,} x {ref.get('endpoints')}", "not run: " + str(ref.get("note", "")), "", "", "", ""])
+                t2[-1].append(_s(c.get("full_sync_s"), 4))
+        head2 = ["services x E", "ref full (nft -f) s", "ref partial s", "ref stale-chain delete s", "chains"]
+        head2 += ["ref render s", "cache alone full s"]
+        lines += _table(head2, t2)
+        lines.append("")
+    lines.append("Commands:")
+    lines.append("")
+    for r in rows:
+        lines.append(f"- `{r['command']}` (x{r['runs']})")
+    for n in sorted(refs):
+        lines.append(f"- `{refs[n]['command']}`")
+    lines.append("")
+    return lines
+
+
+def datapath_section(results: dict[str, Any]) -> list[str]:
+    dp = results.get("datapath") or {}
+    runs = dp.get("runs") or []
+    if not runs:
+        return []
+    c = dp.get("config", {})
+    lines = ["## Data-path benchmark (the lab)", ""]
+    lines.append(
+        f"Medians of {c.get('rounds')} rounds, {c.get('seconds')} s per traffic phase, iperf3 {c.get('iperf_seconds')}"
+        f" s. Limit: {c.get('limit')}. Pinning: {c.get('pinning')}. Client close: {c.get('client_close')}."
+        " Ratios are fractions of the limit's performance: rates target / limit, latencies limit / target,"
+        " so 1.0 = as fast as without any proxy and 0.5 = half as fast (or twice the latency)."
+    )
+    lines.append("")
+    lines.append("### Ratios against the limit")
+    lines.append("")
+    head = ["mode", "services", "target", *(label for _, label in RATIO_COLUMNS)]
+    table = []
+    for r in runs:
+        for target in ("clusterip", "podip"):
+            ratios = (r.get("ratios") or {}).get(target)
+            if not ratios:
+                continue
+            name = "ClusterIP" if target == "clusterip" else "pod IP"
+            table.append([r["mode"], f"{r['services']:,}", name, *(_s(ratios.get(m), 2) for m, _ in RATIO_COLUMNS)])
+    lines += _table(head, table)
+    lines.append("")
+    lines.append("### Absolute medians")
+    lines.append("")
+    head = ["mode", "services", "target", *(f"{m} ({UNITS[m]})" for m, _, _, _ in METRICS)]
+    table = []
+    for r in runs:
+        for target in ("limit", "podip", "clusterip"):
+            med = (r.get("medians") or {}).get(target)
+            if med:
+                table.append(
+                    [r["mode"], f"{r['services']:,}", target, *(_num(m, med.get(m)) for m, _, _, _ in METRICS)]
+                )
+    lines += _table(head, table)
+    lines.append("")
+    extra = []
+    for r in runs:
+        if r.get("ready_s"):
+            rss = ", ".join(f"{k} {v:.0f} MB" for k, v in sorted((r.get("kproxy_rss_mb") or {}).items()))
+            errs = ", ".join(f"{k} {v}" for k, v in sorted((r.get("errors") or {}).items()) if v) or "none"
+            extra.append([r["mode"], f"{r['services']:,}", f"{r['ready_s']:.1f}", rss, errs])
+    if extra:
+        lines.append(
+            "kproxy in the lab: seconds from start on both nodes to healthy and the ClusterIP answering,"
+            " resident memory, and failed operations during the measurements:"
+        )
+        lines.append("")
+        lines += _table(["mode", "services", "ready s", "kproxy RSS", "errors"], extra)
+        lines.append("")
+    lines.append("Commands (each mode's figures are what this command measures; compare ran them in one lab):")
+    lines.append("")
+    for mode, cmd in (dp.get("commands") or {}).items():
+        lines.append(f"- {mode}: `{cmd}`")
+    lines.append("")
+    return lines
+
+
+HOW_TO_READ = """## How to read this
+
+- **Sync** (`sync.png`, left: full, right: partial; log-log): lower is better. A line parallel to the reference's
+  but below it is a constant factor ahead; a flatter partial line means a change costs less as the table grows.
+- **Data path** (`datapath.png`): each panel is one metric, as a fraction of the limit (the same traffic between two
+  pods on two nodes that run no proxy, measured in the same run). Solid lines are traffic to the ClusterIP, dotted
+  lines traffic to the server pod's IP on the nodes the proxy runs on: a proxy's rules tax that too. 1.0 means no
+  cost; the dashed line at 0.9 is the nftables target. A line falling with the service count is a per-packet cost
+  that grows with services (iptables walks KUBE-SERVICES for every new connection, on both nodes).
+- **Connections** (`datapath_conn.png`): the same connection rates in absolute terms, limit in black.
+- **Memory** (`memory.png`): the sync benchmark's peak resident memory (cache + backend in one process) and kproxy's
+  resident memory on node-1 of the lab.
+- The machine is shared (2 cores): expect +-10-20 % noise between runs in the data-path figures; each figure is a
+  median and each ratio is taken within one run. Latency p99 is the noisiest figure.
+"""
+
+
+def render(results: dict[str, Any], plot_files: list[str]) -> str:
+    m = results.get("machine") or {}
+    lines = ["# kproxy compare", ""]
+    lines.append(f"`{results.get('command', 'kproxy compare')}` — {m.get('date_utc', '')}")
+    if results.get("elapsed_s"):
+        lines[-1] += f", took {results['elapsed_s'] / 60:.1f} min"
+    lines.append("")
+    lines.append("## Machine")
+    lines.append("")
+    facts = [
+        ("CPU", f"{m.get('cpu')} ({m.get('cores')} cores), {m.get('memory_gib')} GiB"),
+        ("OS / kernel", f"{m.get('os')} / {m.get('kernel')}"),
+        ("kproxy", f"{m.get('kproxy')} at {m.get('commit')}, Python {m.get('python')}"),
+        ("tools", f"{m.get('iptables')}; {m.get('nft')}; {m.get('iperf3')}"),
+        ("modes", ", ".join(results.get("modes") or [])),
+    ]
+    for mode, why in (results.get("skipped_modes") or {}).items():
+        facts.append((f"not compared: {mode}", why))
+    lines += _table(["", ""], [[k, v] for k, v in facts])
+    lines.append("")
+    for note in results.get("notes") or []:
+        lines.append(f"> {note}")
+        lines.append("")
+    lines += sync_section(results)
+    lines += datapath_section(results)
+    if plot_files:
+        lines.append("## Plots")
+        lines.append("")
+        for f in plot_files:
+            lines.append(f"![{f}]({f})")
+            lines.append("")
+    lines.append(HOW_TO_READ)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m kproxy.bench.report RESULTS.json", file=sys.stderr)
+        return 2
+    path = Path(args[0])
+    results = json.loads(path.read_text())
+    files = [f for f in ("sync.png", "datapath.png", "datapath_conn.png", "memory.png") if (path.parent / f).exists()]
+    print(render(results, files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
