@@ -360,6 +360,10 @@ class Lab:
     """A running lab (see the module docstring). Build with :meth:`up`, find from elsewhere with :meth:`attach`."""
 
     PREFIX = "kpl-"
+    # How kproxy is started and signalled on a node: None runs it natively (``ip netns exec``); a
+    # kproxy.lab.container.ContainerLauncher runs it in the kproxy image, as its DaemonSet would (tests/integration/
+    # test_image.py). It has ``argv(lab, node, kproxy_argv) -> argv`` and ``kill(lab, node, sig)``.
+    launcher: Any = None
 
     def __init__(self, state: dict[str, Any]) -> None:
         self.state = state
@@ -859,7 +863,8 @@ class Lab:
         n = node if isinstance(node, LabNode) else self.node(node)
         if self.kproxy_running(n):
             raise LabError(f"kproxy already runs on {n.name}; stop it first")
-        argv = netns.exec_argv(n.ns, self.kproxy_argv(n, mode, extra_args))
+        native = self.kproxy_argv(n, mode, extra_args)
+        argv = self.launcher.argv(self, n, native) if self.launcher is not None else netns.exec_argv(n.ns, native)
         log = self.state_dir / f"kproxy-{n.name}.log"
         with open(log, "ab") as f:
             f.write(f"--- {time.strftime('%H:%M:%S')} start: {' '.join(argv)}\n".encode())
@@ -880,8 +885,11 @@ class Lab:
             pidfile.unlink(missing_ok=True)
             return
         pid = rec[0]
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
+        if self.launcher is not None:  # the signal is for kproxy in its container; the recorded pid is its client's
+            self.launcher.kill(self, n, sig)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._reap(f"kproxy-{n.name}")
