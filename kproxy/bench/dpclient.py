@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import socket
 import struct
 import sys
@@ -38,7 +39,7 @@ def percentile(sorted_values: list[float], q: float) -> float:
     """The q-quantile (0..1) of an ascending list, nearest-rank; 0.0 for an empty list."""
     if not sorted_values:
         return 0.0
-    k = min(len(sorted_values) - 1, max(0, int(round(q * len(sorted_values) + 0.5)) - 1))
+    k = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
     return sorted_values[k]
 
 

@@ -1,0 +1,267 @@
+"""The pieces of ``kproxy bench datapath`` and ``kproxy compare`` that need no root: the traffic generator against a
+loopback echo server, ratios and medians, the objects written to the lab's API, upstream's nftables layout as text
+(chain names checked against upstream's own documented examples), the report and the plots."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from kproxy.bench import datapath, dpclient, plots, reference_nft, report, synthetic
+from kproxy.bench.reference_nft import Counts, hash_and_truncate, render_full, render_partial
+from kproxy.cache import ServiceCache
+from kproxy.cli import build_parser
+from kproxy.lab.cluster import LabPod
+from kproxy.lab.echo import EchoServer
+from kproxy.model import IPFamily
+
+# --- the traffic generator ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def echo_port() -> Iterator[int]:
+    """The lab's echo server on a free loopback port, served from a thread for the test's duration."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    server = EchoServer("pod-t", [port], ipv6=False)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    yield port
+    for key in list(server.sel.get_map().values()):
+        key.fileobj.close()  # type: ignore[union-attr]
+
+
+def test_dpclient_measures_every_phase_on_loopback(echo_port: int, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = dpclient.main(["127.0.0.1", str(echo_port), "--seconds", "0.2", "--warmup", "0.02"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    for phase in ("crr", "rr", "udp"):
+        fig = doc[phase]
+        assert fig["ops"] > 10 and fig["errors"] == 0, fig
+        assert 0 < fig["p50_us"] <= fig["p99_us"] and fig["rate"] > 0
+        assert fig["seconds"] == pytest.approx(0.2, abs=0.15)
+
+
+def test_dpclient_counts_failures_instead_of_crashing() -> None:
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens: every connection is refused
+    fig = dpclient.crr("127.0.0.1", port, 0.05, 50, 0.2, 0.0)
+    assert fig["ops"] == 0 and 0 < int(fig["errors"]) <= 50  # type: ignore[call-overload]
+    assert dpclient.rr("127.0.0.1", port, 0.05, 50, 0.2, 0.0)["errors"] == 1
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(i) for i in range(1, 101)]
+    assert dpclient.percentile(values, 0.5) == 50.0
+    assert dpclient.percentile(values, 0.99) == 99.0
+    assert dpclient.percentile([7.0], 0.99) == 7.0
+    assert dpclient.percentile([], 0.5) == 0.0
+
+
+# --- figures -----------------------------------------------------------------------------------------------------
+
+
+def test_ratios_are_oriented_so_one_means_no_cost() -> None:
+    assert datapath.ratio("conn_rate", 900.0, 1000.0) == pytest.approx(0.9)  # a rate: target / limit
+    assert datapath.ratio("rr_p99_us", 200.0, 100.0) == pytest.approx(0.5)  # a latency: limit / target
+    assert datapath.ratio("tcp_gbps", 10.0, 10.0) == 1.0
+    assert datapath.ratio("conn_rate", 0.0, 1000.0) is None
+
+
+def test_flatten_and_medians() -> None:
+    client = {
+        "crr": {"ops": 10, "rate": 5000.0, "p50_us": 150.0, "p99_us": 400.0},
+        "rr": {"ops": 10, "rate": 20000.0, "p50_us": 45.0, "p99_us": 90.0},
+        "udp": {"ops": 0, "rate": 0.0, "p50_us": 0.0, "p99_us": 0.0},  # no answers: no figure rather than zero
+    }
+    flat = datapath.flatten(client, {"gbps": 12.5})
+    assert flat["conn_rate"] == 5000.0 and flat["rr_p99_us"] == 90.0 and flat["tcp_gbps"] == 12.5
+    assert "udp_p50_us" not in flat
+    assert datapath.medians([{"a": 1.0}, {"a": 3.0}, {"a": 2.0, "b": 5.0}]) == {"a": 2.0, "b": 5.0}
+    assert datapath.iperf_gbps({"end": {"sum_received": {"bits_per_second": 2.5e9}}}) == 2.5
+    with pytest.raises(datapath.DatapathError):
+        datapath.iperf_gbps({"error": "unable to connect"})
+
+
+def test_parse_sizes() -> None:
+    assert datapath.parse_sizes("1000,1, 10000,1000") == [1, 1000, 10000]
+    for bad in ("", "0", "70000", "x"):
+        with pytest.raises(ValueError):
+            datapath.parse_sizes(bad)
+
+
+def test_objects_written_to_the_lab_api_are_valid() -> None:
+    pod = LabPod(name="pod-2-1", ns="kpd-n2-p1", node="node-2", ip4="198.18.66.11", ip6="")
+    svc, eps = datapath.target_objects(pod)
+    for obj in (svc, eps):
+        kubernetes_validate.validate(obj, "1.32", strict=True)
+    assert eps["endpoints"][0]["addresses"] == ["198.18.66.11"]
+    assert {(p["protocol"], p["port"]) for p in svc["spec"]["ports"]} == {("TCP", 80), ("UDP", 80), ("TCP", 5201)}
+    objs = list(datapath.synthetic_objects(3, 4, 2))
+    assert [o["kind"] for o in objs] == ["Service", "EndpointSlice"] * 2
+    for o in objs:  # what the API server assigns on create is not sent
+        assert not {"uid", "resourceVersion", "generateName"} & set(o["metadata"])
+        kubernetes_validate.validate(o, "1.32", strict=True)
+    assert objs[0]["spec"]["clusterIP"] == synthetic.cluster_ip(3)
+
+
+def _result() -> datapath.DatapathResult:
+    res = datapath.DatapathResult(config=datapath.DatapathConfig(rounds=1).describe())
+    lim = {"conn_rate": 5000.0, "rr_p99_us": 100.0, "tcp_gbps": 10.0}
+    for n, slow in ((1, 1.0), (1000, 0.8)):
+        run = datapath.DatapathRun(mode="iptables", services=n, ready_s=2.0, kproxy_rss_mb={"node-1": 80.0})
+        cip = {"conn_rate": 5000.0 * slow, "rr_p99_us": 100.0 / slow, "tcp_gbps": 10.0}
+        run.medians = {"limit": lim, "podip": dict(cip), "clusterip": cip}
+        run.ratios = {
+            t: {m: datapath.ratio(m, v, lim[m]) or 0.0 for m, v in cip.items()} for t in ("podip", "clusterip")
+        }
+        res.runs.append(run)
+    return res
+
+
+def test_datapath_table() -> None:
+    text = datapath.format_table(_result())
+    assert "mode iptables, 1000 services" in text
+    assert "conn_rate (conn/s)" in text and "0.80" in text and "pinning: clients taskset -c 0" in text
+
+
+def _compare_results() -> dict[str, object]:
+    dp = _result().to_json()
+    dp["commands"] = {"iptables": "kproxy bench datapath --mode iptables --services 1,1000"}
+    sync = [
+        {
+            "mode": "iptables",
+            "services": n,
+            "endpoints": 10,
+            "runs": 3,
+            "full_sync_s": 0.1 * n / 100,
+            "partial_sync_s": 0.02,
+            "floor_s": 0.09 * n / 100,
+            "partial_floor_s": 0.02,
+            "ratio": 1.1,
+            "rss_mb": 40.0 + n / 100,
+            "command": f"kproxy bench sync --mode iptables --services {n}",
+        }
+        for n in (100, 1000)
+    ]
+    refs = [
+        {"services": 100, "endpoints": 10, "full_s": 0.07, "partial_s": 0.015, "chains": 1116, "command": "kproxy x"},
+        {"services": 1000, "endpoints": 10, "note": "not run: too big", "command": "kproxy y"},
+    ]
+    return {
+        "command": "kproxy compare --services 100,1000",
+        "machine": {"cpu": "test cpu", "cores": 2, "kernel": "6.18", "nft": "nftables v1.0.6"},
+        "modes": ["iptables"],
+        "skipped_modes": {"bpf": "not installed in this build"},
+        "endpoints": 10,
+        "sync": sync,
+        "reference": refs,
+        "cache_alone": [],
+        "datapath": dp,
+        "notes": [],
+    }
+
+
+def test_report_names_machine_commands_and_plots() -> None:
+    text = report.render(_compare_results(), ["sync.png", "datapath.png"])
+    assert "test cpu" in text and "6.18" in text and "nftables v1.0.6" in text
+    assert "not compared: bpf" in text
+    assert "`kproxy bench sync --mode iptables --services 1000`" in text
+    assert "kproxy bench datapath --mode iptables --services 1,1000" in text
+    assert "![sync.png](sync.png)" in text and "not run: too big" in text
+    assert "| iptables | 1,000 | ClusterIP | 0.80 |" in text
+
+
+def test_plots_are_pngs(tmp_path: Path) -> None:
+    files = plots.write_all(_compare_results(), tmp_path)
+    assert files == ["sync.png", "datapath.png", "datapath_conn.png", "memory.png"]
+    for f in files:
+        data = (tmp_path / f).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+# --- upstream's nftables layout ------------------------------------------------------------------------------------
+
+
+def test_chain_names_match_upstreams_documented_examples() -> None:
+    # pkg/proxy/nftables/proxier.go documents these two names in its comments
+    assert hash_and_truncate("ns1/svc1/tcp/p80") == "ULMVA6XW-ns1/svc1/tcp/p80"
+    assert hash_and_truncate("ns1/svc1/tcp/p80__10.180.0.1/80") == "5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80"
+    assert len(hash_and_truncate("x" * 300)) == 240
+
+
+def _state(n: int, e: int, variant_of: int = 0) -> tuple[ServiceCache, object]:
+    cache = ServiceCache(node_name="node-1", ip_families=(IPFamily.V4,))
+    for svc in synthetic.services(n):
+        cache.upsert_service(svc)
+    for eps in synthetic.endpoint_slices(n, e):
+        cache.upsert_slice(eps)
+    cache.mark_synced("services")
+    cache.mark_synced("endpointslices")
+    state, changes = cache.snapshot()
+    cache.commit(changes)
+    return cache, state
+
+
+def test_reference_renders_a_chain_per_service_and_per_endpoint() -> None:
+    _, state = _state(20, 3)
+    counts = Counts()
+    lines = render_full(state, counts)  # type: ignore[arg-type]
+    assert counts.chains == 16 + 20 * (1 + 3) and counts.elements == 40 and counts.skipped == 0
+    svc_rules = [ln for ln in lines if "numgen random mod 3 vmap" in ln]
+    assert len(svc_rules) == 20 and " : goto endpoint-" in svc_rules[0]
+    assert sum("dnat to 198.18." in ln for ln in lines) == 60
+    assert any("services ip daddr . meta l4proto . th dport vmap @service-ips" in ln for ln in lines)
+    assert "add element ip kube-proxy service-ips { 198.19.0.1 . tcp . 80 : goto service-" in "\n".join(lines)
+    assert "198.19.0.10 . udp . 53" in "\n".join(lines)  # every tenth synthetic service is UDP
+
+
+def test_reference_partial_rewrites_one_service_and_retires_the_stale_endpoint_chain() -> None:
+    cache, state = _state(5, 3)
+    old = {sp.name: sp for sp in state}  # type: ignore[attr-defined]
+    cache.upsert_slice(synthetic.endpoint_slice(2, 3, variant=1))
+    new_state, changes = cache.snapshot()
+    (spn,) = changes.services
+    tx, later = render_partial(old[spn], new_state.get(spn, IPFamily.V4))  # type: ignore[arg-type]
+    assert sum(ln.startswith("flush chain") for ln in tx) == 1 + 3 + 1  # service, its 3 chains, the stale one
+    assert len(later) == 1 and later[0].startswith("delete chain ip kube-proxy endpoint-")
+    assert reference_nft.REFERENCES == ("upstream-nftables",)
+
+
+def test_reference_refuses_unsafe_words() -> None:
+    with pytest.raises(reference_nft.ReferenceError_):
+        reference_nft._check("1.2.3.4; flush ruleset")
+
+
+# --- the command line ----------------------------------------------------------------------------------------------
+
+
+def test_compare_and_datapath_are_registered() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["compare", "--services", "100,1000", "--out", "/tmp/x"])
+    assert args.func.__module__ == "kproxy.bench.compare" and args.services == "100,1000"
+    args = parser.parse_args(["bench", "datapath", "--mode", "iptables", "--services", "1"])
+    assert args.func.__name__ == "cmd_datapath"
+    args = parser.parse_args(["bench", "sync", "--mode", "fake", "--reference", "upstream-nftables"])
+    assert args.reference == "upstream-nftables"
+
+
+def test_compare_takes_modes_from_the_installed_backends() -> None:
+    from kproxy.bench.compare import selected_modes
+    from kproxy.proxier import MODE_NAMES, availability, installed_backends
+
+    run, skipped = selected_modes(None)
+    assert set(run) | set(skipped) == set(MODE_NAMES)
+    assert run == [m for m in installed_backends() if availability(m)]
+    run, skipped = selected_modes("no-such-mode")
+    assert run == [] and "no-such-mode" in skipped
