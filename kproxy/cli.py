@@ -27,7 +27,7 @@ from kproxy.bench.cli import register as register_bench
 from kproxy.config import ConfigError, ProxyConfig, build_config, load_config_file, parse_duration, parse_hostport
 from kproxy.conformance.cli import register as register_conformance
 from kproxy.demo import register as register_demo
-from kproxy.lab.apiserver import register as register_apiserver
+from kproxy.lab.apicli import register as register_apiserver
 from kproxy.lab.cli import register as register_lab
 from kproxy.proxier import MODE_NAMES, MODES, BackendError, Proxier, availability, backend_class, installed_backends
 
