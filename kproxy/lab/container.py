@@ -11,10 +11,11 @@ seccomp profile, read-only root filesystem, memory limit and volume mounts (host
 the ConfigMap written to files and mounted read-only). The lab adds only what a real node has and the lab lacks:
 
 * ``hostNetwork: true`` becomes the node's network namespace (``--network ns:/run/netns/NODE``);
-* the service account: ``KUBERNETES_SERVICE_HOST``/``PORT`` (the lab's API stand-in, 198.18.0.1:6443) and
-  ``token``/``ca.crt``/``namespace`` files mounted read-only at the service-account path, so kproxy loads its
-  in-cluster configuration exactly as in a pod. The stand-in speaks plain HTTP, so ``--master`` (which the lab
-  passes anyway) points the loaded configuration at ``http://``; the token is sent and ignored, the CA unused;
+* credentials: a kubeconfig for the lab's API stand-in (``http://198.18.0.1:6443``, as seen from the node),
+  mounted read-only the way a pod's service-account secret is (a folder under /var/run/secrets), and
+  ``--kubeconfig`` naming it. Not the in-cluster files themselves: the stand-in speaks plain HTTP, which only
+  ``--master`` can select, and the kubernetes client's in-cluster token refresh resets the server to
+  ``https://KUBERNETES_SERVICE_HOST:PORT`` before every request, so ``--master`` does not stick there;
 * the lab's own flags after the DaemonSet's command (``--mode``, ``--cluster-cidr``, sync periods; flags override
   the ``--config`` file, as for kube-proxy), with the lab's cgroup2 mount standing in for the bpf overlay's;
 * ``--ulimit`` within this machine's limits (root here cannot raise them, HOST.md), ``--runtime runc``.
@@ -40,11 +41,11 @@ from typing import Any
 
 import yaml
 
-from kproxy.lab.cluster import API_PORT_IN_LAB, CGROUP_MOUNT, Lab, LabError, LabNode
+from kproxy.lab.cluster import CGROUP_MOUNT, Lab, LabError, LabNode
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ROOT / "deploy" / "overlays"
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+CREDENTIALS_DIR = "/var/run/secrets/kproxy.io/lab"
 PODMAN = ("podman", "--runtime", "runc")  # crun refuses this machine's hybrid cgroup layout (HOST.md)
 LAB_LABEL = "io.kproxy.lab"
 # hostPath volumes the lab provides somewhere else than a real node: the bpf overlay's cgroup2 mount point
@@ -179,11 +180,13 @@ def _memory(quantity: str) -> str:
 
 
 def _ulimits() -> list[str]:
-    """Soft = hard = this process's hard limit: podman would raise them, which root lacks the capability for."""
+    """Soft = hard, no higher than this process's hard limit: podman would raise them, which root here lacks the
+    capability for. nproc is capped lower still: runc's init could not set 65536 (32768 worked) although the shell's
+    hard limit was 96364."""
     out = []
-    for name, res in (("nofile", resource.RLIMIT_NOFILE), ("nproc", resource.RLIMIT_NPROC)):
+    for name, res, cap in (("nofile", resource.RLIMIT_NOFILE, 1 << 20), ("nproc", resource.RLIMIT_NPROC, 32768)):
         _soft, hard = resource.getrlimit(res)
-        n = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+        n = min(hard if hard != resource.RLIM_INFINITY else cap, cap)
         out += ["--ulimit", f"{name}={n}:{n}"]
     return out
 
@@ -239,13 +242,19 @@ class ContainerLauncher:
             self._dir = Path(tempfile.mkdtemp(prefix="kproxy-image-"))
         return self._dir
 
-    def _write_service_account(self, lab: Lab) -> Path:
-        d = self._files_dir() / f"{lab.prefix}serviceaccount"
+    def _write_credentials(self, lab: Lab) -> Path:
+        """A kubeconfig for the lab's API as a node sees it (Lab.kubeconfig is for this machine's namespace)."""
+        d = self._files_dir() / f"{lab.prefix}credentials"
         d.mkdir(exist_ok=True)
-        (d / "token").write_text("kproxy-lab-service-account-token\n")
-        # The lab's API stand-in is plain HTTP (--master): the in-cluster loader wants the file, nothing reads it.
-        (d / "ca.crt").write_text("# the lab's API stand-in speaks plain HTTP; no CA\n")
-        (d / "namespace").write_text("kube-system")
+        doc = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "lab", "cluster": {"server": lab.lab_api_url}}],
+            "users": [{"name": "kproxy", "user": {"token": "lab-service-account-token"}}],
+            "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "kproxy", "namespace": "kube-system"}}],
+            "current-context": "lab",
+        }
+        (d / "kubeconfig").write_text(json.dumps(doc, indent=2) + "\n")
         return d
 
     def _write_config_map(self, mount: Mount, mode: str) -> Path:
@@ -269,8 +278,6 @@ class ContainerLauncher:
         unknown = [k for k, v in env.items() if v.startswith("fieldRef:")]
         if unknown:
             raise ContainerError(f"env {unknown} of mode {mode}: fieldRef not known to the lab")
-        env["KUBERNETES_SERVICE_HOST"] = lab.lab_api_url.split("//", 1)[1].rsplit(":", 1)[0]
-        env["KUBERNETES_SERVICE_PORT"] = str(API_PORT_IN_LAB)
         out = [*self.podman, "run", "--rm", "--replace", "--pull", "never", "--name", name]
         out += ["--label", f"{LAB_LABEL}={lab.prefix}", "--hostname", node.name]
         out += ["--network", f"ns:/run/netns/{node.ns}"]
@@ -303,9 +310,10 @@ class ContainerLauncher:
         rewrites: dict[str, str] = {}
         for m in spec.mounts:
             out += ["--volume", self._volume(m, mode, rewrites)]
-        out += ["--volume", f"{self._write_service_account(lab)}:{SERVICE_ACCOUNT_DIR}:ro"]
+        out += ["--volume", f"{self._write_credentials(lab)}:{CREDENTIALS_DIR}:ro"]
         command = [_expand(a, env) for a in spec.command]
         out += [self.image, *command, *self._lab_flags(kproxy_argv, rewrites)]
+        out += ["--kubeconfig", f"{CREDENTIALS_DIR}/kubeconfig"]
         return out
 
     def _volume(self, m: Mount, mode: str, rewrites: dict[str, str]) -> str:
