@@ -24,12 +24,31 @@ from typing import Any
 
 from kproxy import __version__
 from kproxy.bench.cli import register as register_bench
-from kproxy.config import ConfigError, ProxyConfig, build_config, load_config_file, parse_duration, parse_hostport
+from kproxy.config import (
+    DETECT_LOCAL_MODES,
+    ConfigError,
+    ProxyConfig,
+    build_config,
+    load_config_file,
+    parse_duration,
+    parse_hostport,
+)
 from kproxy.conformance.cli import register as register_conformance
 from kproxy.demo import register as register_demo
 from kproxy.lab.apicli import register as register_apiserver
 from kproxy.lab.cli import register as register_lab
-from kproxy.proxier import MODE_NAMES, MODES, BackendError, Proxier, availability, backend_class, installed_backends
+from kproxy.proxier import (
+    DEFAULT_MODE,
+    MODE_NAMES,
+    MODES,
+    BackendError,
+    LocalProbe,
+    Proxier,
+    availability,
+    backend_class,
+    cleanup_other_modes,
+    installed_backends,
+)
 
 log = logging.getLogger("kproxy")
 
@@ -40,6 +59,8 @@ _CONFIG_FLAGS = {
     "hostname_override": "hostname_override",
     "cluster_cidr": "cluster_cidrs",
     "detect_local_mode": "detect_local_mode",
+    "pod_bridge_interface": "pod_bridge_interface",
+    "pod_interface_name_prefix": "pod_interface_name_prefix",
     "nodeport_addresses": "nodeport_addresses",
     "masquerade_all": "masquerade_all",
     "iptables_masquerade_bit": "masquerade_bit",
@@ -72,7 +93,13 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--manifests", default=S, help="read Services/EndpointSlices/Node from this folder instead")
     p.add_argument("--hostname-override", default=S, help="this node's Node name (default: the host name)")
     p.add_argument("--cluster-cidr", action="append", default=S, help="pod CIDR(s) of the cluster, comma-separated")
-    p.add_argument("--detect-local-mode", default=S, choices=("ClusterCIDR", "NodeCIDR"))
+    p.add_argument("--detect-local-mode", default=S, choices=DETECT_LOCAL_MODES)
+    p.add_argument("--pod-bridge-interface", default=S, help="the pods' bridge (--detect-local-mode BridgeInterface)")
+    p.add_argument(
+        "--pod-interface-name-prefix",
+        default=S,
+        help="pods' interface prefix (--detect-local-mode InterfaceNamePrefix)",
+    )
     p.add_argument(
         "--nodeport-addresses",
         action="append",
@@ -99,13 +126,20 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--no-cleanup-other-modes", action="store_true", help="do not remove other modes' leftovers at start-up"
     )
+    p.set_defaults(func=cmd_run, backend_flags=_add_backend_flags(p))
+
+
+def _add_backend_flags(p: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """Every installed backend's typed options as flags, in a group per mode; mode -> the flags' dests."""
     backend_flags: dict[str, list[str]] = {}
     for mode, cls in installed_backends().items():
-        group = p.add_argument_group(f"{mode} mode")
-        before = len(group._group_actions)
-        cls.add_arguments(group)
-        backend_flags[mode] = [a.dest for a in group._group_actions[before:]]
-    p.set_defaults(func=cmd_run, backend_flags=backend_flags)
+        if cls.options:
+            backend_flags[mode] = cls.add_arguments(p.add_argument_group(f"{mode} mode"))
+    return backend_flags
+
+
+def _backend_options(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    return {dest: getattr(args, dest) for dest in args.backend_flags.get(mode, []) if hasattr(args, dest)}
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -114,21 +148,18 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     for dest, field_name in _CONFIG_FLAGS.items():
         if hasattr(args, dest):
             flags[field_name] = getattr(args, dest)
-    mode = flags.get("mode", file_values.get("mode", "iptables"))
-    options = {dest: getattr(args, dest) for dest in args.backend_flags.get(mode, []) if hasattr(args, dest)}
-    flags["backend_options"] = options
+    flags["mode"] = flags.get("mode") or file_values.get("mode") or DEFAULT_MODE
+    flags["backend_options"] = _backend_options(args, flags["mode"])
     return build_config(file_values, flags)
 
 
 def _cleanup_other_modes(config: ProxyConfig) -> None:
-    for mode, cls in installed_backends().items():
-        if mode == config.mode or not cls.available():
-            continue
-        try:
-            cls(config).cleanup()
+    # another mode's cleanup failing must not stop this one from starting
+    for mode, error in cleanup_other_modes(config).items():
+        if error is None:
             log.info("removed leftovers of mode %s (if any)", mode)
-        except Exception as exc:  # another mode's cleanup failing must not stop this one from starting
-            log.warning("could not remove leftovers of mode %s: %s", mode, exc)
+        else:
+            log.warning("could not remove leftovers of mode %s: %s", mode, error)
 
 
 def _make_source_factory(config: ProxyConfig) -> tuple[Any, Any]:
@@ -198,6 +229,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cleanup(modes: Sequence[str], config: ProxyConfig) -> int:
+    """Remove everything of each mode, then check the kernel with the mode's ``remnants`` (what is left is an
+    error, listed)."""
     rc = 0
     for mode in modes:
         try:
@@ -206,22 +239,34 @@ def _cleanup(modes: Sequence[str], config: ProxyConfig) -> int:
             print(f"kproxy cleanup: {exc}", file=sys.stderr)
             rc = 1
             continue
-        avail = cls.available()
+        avail = availability(mode)
         if not avail:
             print(f"kproxy cleanup: skipping {mode}: {avail.reason}", file=sys.stderr)
             continue
         try:
-            cls(config.with_(mode=mode)).cleanup()
-            print(f"kproxy cleanup: removed everything of mode {mode}")
+            cfg = config.with_(mode=mode)
+            cls.cleanup_leftovers(cfg)
+            left = cls.remnants(LocalProbe(options=cls.option_values(cfg.backend_options)))
         except Exception as exc:
             print(f"kproxy cleanup: {mode}: {exc}", file=sys.stderr)
             rc = 1
+            continue
+        if left:
+            print(f"kproxy cleanup: {mode}: {len(left)} object(s) remain:", file=sys.stderr)
+            for line in left[:20]:
+                print(f"  {line}", file=sys.stderr)
+            rc = 1
+        else:
+            print(f"kproxy cleanup: removed everything of mode {mode}")
     return rc
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
     modes = list(installed_backends()) if args.mode == "all" else [args.mode]
-    return _cleanup(modes, ProxyConfig())
+    options: dict[str, Any] = {}
+    for mode in modes:
+        options.update(_backend_options(args, mode))
+    return _cleanup(modes, ProxyConfig(backend_options=options))
 
 
 def _fetch_json(url: str, timeout: float = 5.0) -> Any:
@@ -353,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parser(sub)
     c = sub.add_parser("cleanup", help="remove every rule, map and chain a mode wrote, then exit")
     c.add_argument("--mode", default="all", choices=(*MODE_NAMES, "all"), help="the mode to clean up (default: all)")
+    c.set_defaults(backend_flags=_add_backend_flags(c))
     c.set_defaults(func=cmd_cleanup)
     s = sub.add_parser("show", help="how each service is programmed on this node (reads the running kproxy)")
     s.add_argument(

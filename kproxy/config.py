@@ -26,7 +26,11 @@ from kproxy.model import IPFamily
 DEFAULT_HEALTHZ = "0.0.0.0:10256"
 DEFAULT_METRICS = "127.0.0.1:10249"
 FULL_SYNC_PERIOD = 3600.0  # upstream proxyutil.FullSyncPeriod: the runner's max interval
-DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR")
+DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
+
+
+# an interface name as the kernel allows it (IFNAMSIZ 16 with the NUL), in the characters rules can carry unquoted
+_IFNAME = re.compile(r"[A-Za-z0-9_.@-]{1,15}")
 
 
 class ConfigError(ValueError):
@@ -99,10 +103,12 @@ def _cidrs(values: list[str] | tuple[str, ...], what: str, keywords: tuple[str, 
 class ProxyConfig:
     """Everything kproxy's core and backends are told at start-up."""
 
-    mode: str = "iptables"
+    mode: str = ""  # empty: the mode table's default (kproxy.proxier.DEFAULT_MODE), resolved by the CLI
     hostname_override: str = ""
     cluster_cidrs: tuple[str, ...] = ()
     detect_local_mode: str = "ClusterCIDR"
+    pod_bridge_interface: str = ""  # detectLocal.bridgeInterface (BridgeInterface mode)
+    pod_interface_name_prefix: str = ""  # detectLocal.interfaceNamePrefix (InterfaceNamePrefix mode)
     nodeport_addresses: tuple[str, ...] = ()  # CIDRs, or ("primary",); empty = every local address
     masquerade_all: bool = False
     masquerade_bit: int = 14
@@ -139,6 +145,10 @@ class ProxyConfig:
     def validate(self) -> ProxyConfig:
         if self.detect_local_mode not in DETECT_LOCAL_MODES:
             raise ConfigError(f"detectLocalMode: {self.detect_local_mode!r} not one of {DETECT_LOCAL_MODES}")
+        if self.detect_local_mode == "BridgeInterface" and not _IFNAME.fullmatch(self.pod_bridge_interface):
+            raise ConfigError("detectLocalMode BridgeInterface needs --pod-bridge-interface (an interface name)")
+        if self.detect_local_mode == "InterfaceNamePrefix" and not _IFNAME.fullmatch(self.pod_interface_name_prefix):
+            raise ConfigError("detectLocalMode InterfaceNamePrefix needs --pod-interface-name-prefix (a name prefix)")
         if not 0 <= self.masquerade_bit <= 31:
             raise ConfigError(f"masqueradeBit: {self.masquerade_bit} not in 0..31")
         if self.min_sync_period < 0 or self.sync_period <= 0:
@@ -169,6 +179,11 @@ def _yaml_fields(doc: Mapping[str, Any]) -> dict[str, Any]:
     for key, (name, conv) in simple.items():
         if doc.get(key) not in (None, ""):
             out[name] = conv(doc[key])
+    detect = doc.get("detectLocal") or {}
+    if detect.get("bridgeInterface"):
+        out["pod_bridge_interface"] = str(detect["bridgeInterface"])
+    if detect.get("interfaceNamePrefix"):
+        out["pod_interface_name_prefix"] = str(detect["interfaceNamePrefix"])
     if doc.get("clusterCIDR"):
         out["cluster_cidrs"] = _cidrs([doc["clusterCIDR"]], "clusterCIDR")
     if doc.get("nodePortAddresses"):
@@ -236,6 +251,10 @@ def to_kube_proxy_configuration(cfg: ProxyConfig) -> dict[str, Any]:
         "hostnameOverride": cfg.hostname_override,
         "clusterCIDR": ",".join(cfg.cluster_cidrs),
         "detectLocalMode": cfg.detect_local_mode,
+        "detectLocal": {
+            "bridgeInterface": cfg.pod_bridge_interface,
+            "interfaceNamePrefix": cfg.pod_interface_name_prefix,
+        },
         "nodePortAddresses": list(cfg.nodeport_addresses),
         "healthzBindAddress": cfg.healthz_bind_address,
         "metricsBindAddress": cfg.metrics_bind_address,

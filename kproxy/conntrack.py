@@ -20,10 +20,11 @@ service into account"), the allowed set of a service port is every serving endpo
 counts as gone. Entries whose original destination is not a service address, and
 non-UDP entries, are never touched.
 
-Node ports are matched on the node's addresses that the caller passes plus every address of the network
-namespace (nodePortAddresses empty means "every local address", 127.0.0.1 included for iptables' localhost node
-ports). Upstream matches the node port alone, on any destination; restricting it to local addresses keeps forwarded
-pod traffic to some remote host's port 30053 out of it.
+Node ports are matched on the node context's NodePort addresses (``kproxy.nodeaddr``: what ``--nodeport-addresses``
+selects of this namespace's addresses) and the Node's own addresses. Upstream matches the node port alone, on any
+destination; restricting it to local addresses keeps forwarded pod traffic to some remote host's port 30053 out of
+it. Who may answer a flow is the backend's to say (``Proxier.conntrack_answerers``): every serving endpoint for the
+NAT modes, the node itself for a proxy that answers from its own sockets.
 
 Who uses it: the daemon, after a successful sync of a backend whose ``uses_conntrack_nat`` is True (backends
 never call it); it reports the returned counts and ``last_duration`` as
@@ -37,15 +38,16 @@ import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pyroute2 import Conntrack, IPRoute
+from pyroute2 import Conntrack
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
-from kproxy.model import Changes, Endpoint, IPFamily, Protocol, ProxyState, ServicePort
+from kproxy.model import Changes, IPFamily, Protocol, ProxyState, ServicePort
+from kproxy.nodeaddr import NodeContext, local_addresses
 
 log = logging.getLogger(__name__)
 
@@ -71,19 +73,26 @@ class _Target:
         return bool(self.endpoints)
 
 
-def _endpoint_set(endpoints: Iterable[Endpoint]) -> frozenset[AddrPort]:
-    return frozenset((_canon(ep.ip), ep.port) for ep in endpoints)
+#: who may answer a flow to a service port: the backend's ``Proxier.conntrack_answerers`` (default: every serving
+#: endpoint; a userspace proxy answers from the node instead)
+Answerers = Callable[[ServicePort], Iterable[tuple[str, int]]]
 
 
-def service_targets(state: ProxyState, family: IPFamily, node_ips: Collection[str]) -> dict[AddrPort, _Target]:
+def serving_endpoints(sp: ServicePort) -> Iterable[tuple[str, int]]:
+    return ((ep.ip, ep.port) for ep in sp.serving_endpoints)
+
+
+def service_targets(
+    state: ProxyState, family: IPFamily, node_ips: Collection[str], answerers: Answerers = serving_endpoints
+) -> dict[AddrPort, _Target]:
     """Every UDP service address:port of one family (ClusterIP, externalIPs, LB IPs, node IP:nodePort) mapped to
-    the endpoints that may answer for it. Pure; the reconciler's view of the state, exposed for tests."""
+    what may answer for it (``answerers``). Pure; the reconciler's view of the state, exposed for tests."""
     nodes = [_canon(ip) for ip in node_ips if IPFamily.of(ip) == family]
     out: dict[AddrPort, set[AddrPort]] = {}
     for sp in state.family(family).values():
         if sp.protocol is not Protocol.UDP:
             continue
-        allowed = _endpoint_set(sp.serving_endpoints)
+        allowed = frozenset((_canon(ip), port) for ip, port in answerers(sp))
         for key in _addresses(sp, nodes):
             # Two service ports cannot own one address:port/UDP in a valid cluster; if a broken state says they
             # do, the union keeps either one's endpoints alive rather than deleting a live flow.
@@ -135,10 +144,15 @@ class ConntrackReconciler:
             kwargs["netns"] = self.netns
         return Conntrack(**kwargs)
 
-    def reconcile(self, state: ProxyState, node_ips: Collection[str]) -> dict[IPFamily, int]:
+    def reconcile(
+        self, state: ProxyState, node_ips: NodeContext | Collection[str], answerers: Answerers = serving_endpoints
+    ) -> dict[IPFamily, int]:
         """Delete the stale UDP entries of every family; returns how many were deleted per family.
 
-        ``node_ips`` are the addresses node ports answer on (the node's addresses, as the backend uses them).
+        ``node_ips`` is this sync's node context (node ports answer on its NodePort addresses and on the Node's own
+        addresses), or a plain list of addresses to which every address of the namespace is added (nodePortAddresses
+        empty: every local address); ``answerers`` says who may answer a service port's
+        flows (the backend's ``conntrack_answerers``).
         A family whose dump or deletes fail is logged and counted as far as it got, and ``last_ok`` turns False so
         the caller knows a reconciliation is still owed (the daemon retries it on its next sync).
         """
@@ -146,19 +160,32 @@ class ConntrackReconciler:
         self.last_ok = True
         deleted: dict[IPFamily, int] = {}
         try:
+            if isinstance(node_ips, NodeContext):
+                ctx = node_ips
+                addrs: Collection[str] = {
+                    *ctx.nodeport_addresses,
+                    *(ip for f in ctx.families.values() for ip in f.node_ips),
+                }
+                local = False
+            else:
+                addrs, local = node_ips, True
             for family in self.families:
-                deleted[family] = self._reconcile_family(state, family, node_ips)
+                deleted[family] = self._reconcile_family(state, family, addrs, answerers, local)
         finally:
             self.last_duration = time.monotonic() - start
         return deleted
 
-    def _reconcile_family(self, state: ProxyState, family: IPFamily, node_ips: Collection[str]) -> int:
+    def _reconcile_family(
+        self, state: ProxyState, family: IPFamily, node_ips: Collection[str], answerers: Answerers, local: bool
+    ) -> int:
         if not any(sp.protocol is Protocol.UDP for sp in state.family(family).values()):
             return 0
-        nodes = set(node_ips)
-        if any(sp.node_port and sp.protocol is Protocol.UDP for sp in state.family(family).values()):
-            nodes |= self._local_addresses(family)
-        targets = service_targets(state, family, nodes)
+        if local and any(sp.node_port and sp.protocol is Protocol.UDP for sp in state.family(family).values()):
+            try:
+                node_ips = {*node_ips, *local_addresses(self.netns)}
+            except (NetlinkError, OSError) as exc:
+                log.warning("conntrack: listing local addresses failed, node ports matched on node IPs only: %s", exc)
+        targets = service_targets(state, family, node_ips, answerers)
         if not targets:
             return 0
         af = _AF[family]
@@ -192,13 +219,3 @@ class ConntrackReconciler:
             ct.close()
         log.debug("conntrack: deleted %d stale %s UDP entries", count, family.value)
         return count
-
-    def _local_addresses(self, family: IPFamily) -> set[str]:
-        """Every address of the namespace in one family (where node ports answer when nodePortAddresses is empty)."""
-        kwargs: dict[str, Any] = {} if self.netns is None else {"netns": self.netns}
-        try:
-            with IPRoute(**kwargs) as ipr:
-                return {str(a.get("IFA_ADDRESS")) for a in ipr.get_addr(family=_AF[family]) if a.get("IFA_ADDRESS")}
-        except (NetlinkError, OSError) as exc:
-            log.warning("conntrack: listing local addresses failed, node ports matched on node IPs only: %s", exc)
-            return set()

@@ -7,15 +7,17 @@ ProxyServer plus the shared-runner refactor (reference/upstream-kube-proxy.md §
     runner thread: snapshot -> backend.sync(state, changes) -> commit | retry    (health: updated; metrics)
                    -> service health servers, conntrack reconciler
 
-Threads, in one place: the sources' list/watch threads only write into the cache; one runner thread calls the
-backend; the HTTP servers answer from their own threads and read only thread-safe objects (health, metrics, the
-backend's ``describe``). SIGTERM stops everything *without* touching kernel state, so established connections
-survive a restart or an upgrade.
+Threads, in one place: the sources' list/watch threads only write into the cache; one runner thread resolves the
+node context (``kproxy.nodeaddr``, once per sync, for the backend, the health servers and the conntrack reconciler)
+and calls the backend; the HTTP servers answer from their own threads and read only thread-safe objects (health,
+metrics, the backend's ``describe``, which reads the ledger's published snapshot and never waits for a sync). The
+backend's ``start`` runs in the main thread before the first sync, its ``close`` after the runner thread has ended.
+SIGTERM stops everything *without* touching kernel state, so established connections survive a restart or an
+upgrade.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 import time
@@ -37,6 +39,7 @@ from kproxy.model import (
     Verdict,
     parse_ip,
 )
+from kproxy.nodeaddr import NodeContext, health_check_addresses, local_addresses, resolve
 from kproxy.proxier import Proxier
 from kproxy.runner import BoundedFrequencyRunner
 from kproxy.server.health import ProxyHealth
@@ -45,6 +48,8 @@ from kproxy.server.service_health import ServiceHealthServer
 
 log = logging.getLogger(__name__)
 
+STOP_TIMEOUT = 120.0  # seconds stop() waits for a sync in progress (a full sync at 10k services takes ~12 s)
+
 
 class Source(Protocol):
     def start(self) -> Any: ...
@@ -52,20 +57,6 @@ class Source(Protocol):
 
 
 SourceFactory = Callable[[ServiceCache], Source]
-
-
-def local_addresses() -> list[str]:
-    """This network namespace's addresses (pyroute2, netlink)."""
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ipr:
-        out = []
-        for msg in ipr.get_addr():
-            # IFA_LOCAL is the address itself; IFA_ADDRESS is the peer's on point-to-point links (tunnels)
-            addr = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")
-            if addr:
-                out.append(str(addr))
-        return out
 
 
 def health_check_ports(state: ProxyState) -> dict[NamespacedName, int]:
@@ -155,6 +146,8 @@ class Daemon:
         self.service_health = ServiceHealthServer(
             self._nodeport_addresses(), self.health, on_listen_error=self._listen_error
         )
+        self.node: NodeContext | None = None  # resolved at the start of each sync
+        backend.register_metrics(self.metrics.registry, self.families)
         self.reconciler = reconciler if reconciler is not None else ConntrackReconciler()
         self.source = source_factory(self.cache)
         self.status = SyncStatus()
@@ -177,6 +170,7 @@ class Daemon:
         self.metrics_server.start()
         if before_sync is not None:
             before_sync()
+        self.backend.start()
         self.runner.start()
         self.source.start()
         log.info("kproxy started: mode=%s node=%s", self.backend.mode, self.config.node_name)
@@ -187,11 +181,14 @@ class Daemon:
             return
         self._stopped.set()
         self.source.stop()
-        self.runner.stop()
+        self.runner.stop(timeout=STOP_TIMEOUT)  # a full sync in progress finishes first (bounded by its length)
         self.service_health.close()
         self.healthz.close()
         self.metrics_server.close()
-        self.backend.close()
+        if self.runner.stopped:
+            self.backend.close()
+        else:  # never tear down what a running sync uses; the process is about to exit anyway
+            log.error("the sync did not end within %gs: backend left open", STOP_TIMEOUT)
         log.info("kproxy stopped; rules left in place")
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -217,12 +214,9 @@ class Daemon:
 
     def _nodeport_addresses(self) -> list[str]:
         """Where healthCheckNodePort servers listen: every address (empty list) unless ``--nodeport-addresses``
-        names CIDRs, then this node's addresses inside them, as upstream. ``primary`` (the Node's addresses, known
-        only once the Node is listed) keeps the wildcard."""
-        cidrs = [ipaddress.ip_network(c) for c in self.config.nodeport_addresses if c != "primary"]
-        if not cidrs:
-            return []
-        return [a for a in local_addresses() if any(ipaddress.ip_address(a) in net for net in cidrs)]
+        names CIDRs, then this node's addresses inside them, as upstream (the node context decides). ``primary``
+        (the Node's addresses, known only once the Node is listed) keeps the wildcard."""
+        return health_check_addresses(self.config.nodeport_addresses, local_addresses())
 
     def _listen_error(self, svc: NamespacedName, port: int, why: str) -> None:
         msg = f"failed to start healthcheck {svc} on port {port}: {why}"
@@ -244,7 +238,8 @@ class Daemon:
             state, changes = self.cache.snapshot(full=full)
             start = time.perf_counter()
             try:
-                result = self.backend.sync(state, changes)
+                self.node = resolve(self.config, state.node, local_addresses())
+                result = self.backend.sync(state, changes, self.node)
             except Exception as exc:  # a backend bug must not kill the runner; retry as a full sync
                 log.exception("sync failed with an exception")
                 result = SyncResult(ok=False, full=changes.full, error=f"{type(exc).__name__}: {exc}")
@@ -271,16 +266,12 @@ class Daemon:
                     # this family was programmed (as upstream's per-family proxiers, it is healthy on its own)
                     self.health.updated(fam)
                     m.observe_sync(fam, elapsed, full)
-                    m.count_sync_failure(self.backend.mode, fam, full, _refusals(result, fam, 0))
                     m.observe_phases(fam, result.timings.items())
                     m.set_last_synced(fam, now_wall)
-                    m.observe_counts(fam, result.counts)
+                    self.backend.observe_sync(fam, result, full=full, ok=True)
                     continue
                 m.observe_sync(fam, elapsed, full, ok=False)
-                # a backend that names the failed families counts its refused restores itself (0: it failed before)
-                m.count_sync_failure(
-                    self.backend.mode, fam, full, _refusals(result, fam, 0 if result.failed_families else 1)
-                )
+                self.backend.observe_sync(fam, result, full=full, ok=False)
             return False
 
         failed: dict[ServicePortName, str] = dict(result.failed)
@@ -305,7 +296,7 @@ class Daemon:
             self.health.updated(fam)
             full = _family_full(result, fam, changes.full)
             m.observe_sync(fam, elapsed, full)
-            m.count_sync_failure(self.backend.mode, fam, full, _refusals(result, fam, 0))
+            self.backend.observe_sync(fam, result, full=full, ok=True)
             m.observe_phases(fam, result.timings.items())
             m.set_last_synced(fam, now_wall)
             m.observe_network_programming(fam, [t for f, t in changes.trigger_times if f is fam], now_wall)
@@ -316,7 +307,6 @@ class Daemon:
                 internal=sum(sp.internal_policy_local and sp.internal_verdict is Verdict.DROP for sp in ports),
                 external=sum(sp.external_policy_local and sp.external_verdict is Verdict.DROP for sp in ports),
             )
-            m.observe_counts(fam, result.counts)
         m.set_pending(stats.get("service_changes_pending", 0), stats.get("endpoint_changes_pending", 0))
         m.set_sync_failed_services(len(failed))
         m.set_invalid_objects("all", stats.get("invalid_objects", 0))
@@ -334,10 +324,10 @@ class Daemon:
     def _reconcile_conntrack(self, state: ProxyState) -> bool:
         """Reconcile UDP conntrack with the state just programmed; False when it could not finish (then the next
         sync, at the latest the periodic one, tries again: a stale entry must not wait for the next UDP change)."""
-        node_ips = list(state.node.addresses)
+        node = self.node or resolve(self.config, state.node)
         start = time.perf_counter()
         try:
-            deleted = self.reconciler.reconcile(state, node_ips)
+            deleted = self.reconciler.reconcile(state, node, self.backend.conntrack_answerers)
         except Exception:  # conntrack trouble must not fail the sync: rules are already in place
             log.exception("conntrack reconciliation failed")
             return False
@@ -353,11 +343,13 @@ class Daemon:
         """``/trace``: the backend's packet explainer over what it last programmed."""
         src, proto, dst, dport, src_local, dst_local = parse_trace_query(query)
         if not (src_local and dst_local):  # an address of this node is the node, whether or not the flag says so
-            try:
-                mine = set(local_addresses())
-            except Exception as exc:  # netlink errors are not OSErrors; the flags still work
-                log.debug("trace: cannot read this node's addresses: %s", exc)
-                mine = set()
+            node = self.node
+            if node is None:
+                try:
+                    node = resolve(self.config, self.cache.node_info(), local_addresses())
+                except Exception as exc:  # netlink errors are not OSErrors; the flags still work
+                    log.debug("trace: cannot read this node's addresses: %s", exc)
+            mine = set(node.local_addresses) if node is not None else set()
             src_local = src_local or src in mine
             dst_local = dst_local or dst in mine
         out = self.backend.trace(src, proto, dst, dport, src_local=src_local, dst_local=dst_local)
@@ -383,8 +375,9 @@ class Daemon:
         service when those are left out. A malformed one is a ValueError (400), one that names nothing programmed
         a LookupError (404)."""
         wanted = ServiceFilter.parse(service) if service else None
+        described: dict[str, Any]
         try:
-            described = self.backend.describe(wanted.exact if wanted else None)
+            described = dict(self.backend.describe(wanted.exact if wanted else None))
         except Exception as exc:
             described = {"error": f"describe failed: {exc}"}
         if wanted is not None and isinstance(described.get("services"), Mapping):
@@ -392,6 +385,10 @@ class Daemon:
             if not matched:
                 raise LookupError(f"no service port matches {service!r} on this node")
             described = {**described, "services": matched}
+            detail = described.get("detail")
+            if isinstance(detail, Mapping) and isinstance(detail.get("services"), Mapping):
+                kept = {k: v for k, v in detail["services"].items() if k in matched}
+                described["detail"] = {**detail, "services": kept}
         return {
             "mode": self.backend.mode,
             "node": self.config.node_name,
@@ -417,12 +414,6 @@ def _family_full(result: SyncResult, fam: IPFamily, default: bool) -> bool:
     failure of that family or a flush), else ``default``."""
     value = result.counts.get(f"{fam.value}/full")
     return default if value is None else bool(value)
-
-
-def _refusals(result: SyncResult, fam: IPFamily, default: int) -> int:
-    """Kernel transactions refused for ``fam`` during a sync (``SyncResult.counts``), or ``default`` when the
-    backend does not say (a failed sync is one failure)."""
-    return int(result.counts.get(f"{fam.value}/kernel_refusals", default))
 
 
 def parse_trace_query(query: Mapping[str, str]) -> tuple[str, str, str, int, bool, bool]:

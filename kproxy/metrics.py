@@ -1,10 +1,11 @@
 """Upstream kube-proxy's Prometheus metrics, on a registry of kproxy's own.
 
 Names, types, label names and buckets are upstream's (``pkg/proxy/metrics/metrics.go``, v1.34 metric reference),
-so dashboards, alerts and runbooks written for kube-proxy read kproxy unchanged. Every metric is registered for
-every mode: an iptables-only counter simply stays at zero under nftables, which is simpler for dashboards than
-series that come and go with ``--mode`` and costs nothing. A few kproxy-only metrics live under the ``kproxy_``
-prefix and are documented where they are defined.
+so dashboards, alerts and runbooks written for kube-proxy read kproxy unchanged. This module holds the metrics every
+mode has; a mode's own (upstream's ``sync_proxy_rules_iptables_*``, ``sync_proxy_rules_nftables_*``, ...) are declared
+by its backend (``Proxier.register_metrics`` on this registry, fed by ``Proxier.observe_sync``), as upstream's
+``RegisterMetrics(mode)`` registers them only for the mode that runs. A few kproxy-only metrics live under the
+``kproxy_`` prefix and are documented where they are defined.
 
 The registry is not prometheus-client's global one, so tests (and several kproxy instances in one process, as the
 lab runs them) never share counters. It hides prometheus-client's ``*_created`` series, which upstream does not
@@ -12,14 +13,14 @@ expose. Counters are declared without the ``_total`` suffix because prometheus-c
 the exposed names equal upstream's exactly.
 
 Who uses it: the daemon (sync durations, timestamps, pending changes, network-programming latency), backends
-through the daemon (``SyncResult.counts``), the conntrack reconciler, the HTTP servers (healthz/livez counters,
+(their own metrics, on ``Metrics.registry``), the conntrack reconciler, the HTTP servers (healthz/livez counters,
 ``/metrics``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
@@ -132,43 +133,6 @@ class Metrics:
             PREFIX + "sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes", registry=r
         )
 
-        # Backend figures.
-        self.sync_proxy_rules_iptables_total = Gauge(
-            PREFIX + "sync_proxy_rules_iptables_total",
-            "Total number of iptables rules owned by kube-proxy",
-            ["ip_family", "table"],
-            registry=r,
-        )
-        self.sync_proxy_rules_iptables_last = Gauge(
-            PREFIX + "sync_proxy_rules_iptables_last",
-            "Number of iptables rules written by kube-proxy in last sync",
-            ["ip_family", "table"],
-            registry=r,
-        )
-        self.sync_proxy_rules_iptables_restore_failures_total = Counter(
-            PREFIX + "sync_proxy_rules_iptables_restore_failures",
-            "Cumulative proxy iptables restore failures",
-            fam,
-            registry=r,
-        )
-        self.sync_proxy_rules_iptables_partial_restore_failures_total = Counter(
-            PREFIX + "sync_proxy_rules_iptables_partial_restore_failures",
-            "Cumulative proxy iptables partial restore failures",
-            fam,
-            registry=r,
-        )
-        self.sync_proxy_rules_nftables_sync_failures_total = Counter(
-            PREFIX + "sync_proxy_rules_nftables_sync_failures",
-            "Cumulative proxy nftables sync failures",
-            fam,
-            registry=r,
-        )
-        self.sync_proxy_rules_nftables_cleanup_failures_total = Counter(
-            PREFIX + "sync_proxy_rules_nftables_cleanup_failures",
-            "Cumulative proxy nftables cleanup failures",
-            fam,
-            registry=r,
-        )
         self.sync_proxy_rules_no_local_endpoints_total = Gauge(
             PREFIX + "sync_proxy_rules_no_local_endpoints_total",
             "Number of services with a Local traffic policy and no endpoints",
@@ -227,14 +191,7 @@ class Metrics:
 
         for family in families:
             label = family.label
-            for counter in (
-                self.sync_proxy_rules_iptables_restore_failures_total,
-                self.sync_proxy_rules_iptables_partial_restore_failures_total,
-                self.sync_proxy_rules_nftables_sync_failures_total,
-                self.sync_proxy_rules_nftables_cleanup_failures_total,
-                self.conntrack_reconciler_deleted_entries_total,
-            ):
-                counter.labels(label)
+            self.conntrack_reconciler_deleted_entries_total.labels(label)
             for policy in ("internal", "external"):
                 self.sync_proxy_rules_no_local_endpoints_total.labels(label, policy).set(0)
 
@@ -291,38 +248,6 @@ class Metrics:
         """Services with a Local traffic policy and no local endpoints, per policy (upstream's labels)."""
         self.sync_proxy_rules_no_local_endpoints_total.labels(family.label, "internal").set(internal)
         self.sync_proxy_rules_no_local_endpoints_total.labels(family.label, "external").set(external)
-
-    def set_iptables_rules(self, family: IPFamily, table: str, total: int, last: int) -> None:
-        """Rules owned in ``table`` and rules written to it by the last sync."""
-        self.sync_proxy_rules_iptables_total.labels(family.label, table).set(total)
-        self.sync_proxy_rules_iptables_last.labels(family.label, table).set(last)
-
-    def observe_counts(self, family: IPFamily, counts: Mapping[str, int]) -> None:
-        """Backend figures from ``SyncResult.counts``: keys ``<family>/<table>/total`` and ``<family>/<table>/last``
-        feed the iptables rule gauges for that family (other keys are ignored here)."""
-        for key, value in counts.items():
-            parts = key.split("/")
-            if len(parts) != 3 or parts[0] != family.label:
-                continue
-            _, table, kind = parts
-            if kind == "total":
-                self.sync_proxy_rules_iptables_total.labels(family.label, table).set(value)
-            elif kind == "last":
-                self.sync_proxy_rules_iptables_last.labels(family.label, table).set(value)
-
-    def count_sync_failure(self, mode: str, family: IPFamily, full: bool, times: int = 1) -> None:
-        """A failed sync of ``family``: upstream's per-mode failure counters (iptables: every failed restore, and
-        the partial ones counted apart as well; nftables: sync failures). ``observe_sync(ok=False)`` counts it in
-        ``kproxy_syncs_total``."""
-        label = family.label
-        if times <= 0:
-            return
-        if mode == "iptables":
-            self.sync_proxy_rules_iptables_restore_failures_total.labels(label).inc(times)
-            if not full:
-                self.sync_proxy_rules_iptables_partial_restore_failures_total.labels(label).inc(times)
-        elif mode == "nftables":
-            self.sync_proxy_rules_nftables_sync_failures_total.labels(label).inc(times)
 
     def observe_conntrack(self, family: IPFamily, seconds: float, deleted: int) -> None:
         """One conntrack reconcile of ``family``: its duration and the flows it deleted."""

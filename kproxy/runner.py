@@ -275,3 +275,9 @@ class BoundedFrequencyRunner:
             thread.join(timeout)
             if thread.is_alive():
                 log.warning("runner %s: still running after %gs", self.name, timeout)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the loop thread has ended (or never started): what runs in it may be torn down."""
+        thread = self._thread
+        return thread is None or not thread.is_alive()

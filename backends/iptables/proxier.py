@@ -1,22 +1,20 @@
-"""The iptables backend's Proxier: renders with ``render``, applies with ``iptables-restore --noflush --counters``.
+"""The iptables backend's Proxier: the ledger's hooks over ``render``, applied with ``iptables-restore --noflush``.
 
-Each family is synced on its own, as upstream runs one proxier per family: a family the kernel refuses is reported
-(``ok`` False, the error names it) and needs a full sync next time, while the other family is still programmed and
-goes on with partial syncs. One restore per family per sync (several on the nf_tables flavour when a change is big, see
-``render.build_restores``; a big full sync renders each chunk while the previous one is applied, ``_stream``).
-Partial syncs (upstream's KEP-3453) write only the dirty services' own chains and
-rewrite a shared chain (KUBE-SERVICES ...) only when a dirty service's lines in it changed, which the per-service
-fragments kept from the last successful restore make cheap to decide. Full syncs (first sync, ``changes.full``, a
-missing canary, after a failure) read the nat table once (``iptables-save -t nat``) to adopt what is in the
-kernel: they rewrite the shared chains and every service whose chains differ from what the kernel holds (see
-``adopt.py``; unchanged services keep their rules and counters), insert the jumps from the built-in chains that are
-missing and delete stale service chains, but never flush a table, so a restarted kproxy converges without
-disturbing established connections.
+The core's ledger (``kproxy.ledger``) keeps what is programmed, turns each sync into per-service deltas, runs the
+refusal rounds (a refused service keeps its old rules, or is left out) and syncs each family on its own. This module
+supplies one round of it for iptables (``apply``): the payloads (one per family, several on the nf_tables flavour
+when a change is big, see ``render.build_restores``), and which service a refused payload line belongs to.
 
-A restore the kernel refuses is traced back to the service whose lines it names; that service keeps the rules it
-had before (or, new or refused again, is left out, treated as absent) and the rest is applied, up to ``MAX_ROUNDS``
-times; it is reported in ``SyncResult.failed``. A retry rewrites the shared chains earlier rounds wrote as well,
-because a refused payload's earlier tables (filter before nat) have already committed.
+Partial batches (upstream's KEP-3453) write only the dirty services' own chains and rewrite a shared chain
+(KUBE-SERVICES ...) only when a dirty service's lines in it changed, which the fragments the ledger keeps make cheap
+to decide. Full batches (first sync, periodically, a missing canary, after a failure) read the nat table once
+(``adopt``: ``iptables-save -t nat``): services whose chains the kernel holds exactly get no delta (``adopt.py``),
+the shared chains are rewritten, missing jumps from the built-in chains are inserted and stale service chains
+deleted, but no table is ever flushed, so a restarted kproxy converges without disturbing established connections.
+
+Within one sync, rounds after a refusal rewrite the services an earlier (committed) payload of that sync wrote and
+the shared chains it changed, because a refused payload's earlier tables (filter before nat) and earlier chunks have
+committed; a refused stale-chain deletion (another program's chain still jumps to it) is retried without deletions.
 
 Who uses it: the daemon (through the ``kproxy.backends`` entry point ``iptables``), ``kproxy bench sync``, the lab,
 and tests/integration/test_iptables_backend.py.
@@ -24,32 +22,36 @@ and tests/integration/test_iptables_backend.py.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
 import shutil
 import subprocess
-import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+from prometheus_client import Counter, Gauge
+
 from kproxy.config import ProxyConfig
-from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
-from kproxy.proxier import Availability, Proxier
+from kproxy.ledger import Applied, Batch, LedgerProxier
+from kproxy.metrics import PREFIX
+from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
+from kproxy.nodeaddr import FamilyContext
+from kproxy.proxier import Availability, BackendError, KernelProbe, Option
 
 from . import adopt, render
 from . import cleanup as cleanup_mod
 from . import trace as trace_mod
 from .kernel import FLAVOURS, Kernel, Run, binary, detect_flavour, missing_binaries
+from .render import Context, Fragment, JumpRule, Restore
 
 log = logging.getLogger(__name__)
 
-MAX_ROUNDS = 4  # restores per family per sync when the kernel refuses services one after another
+MAX_DELETION_RETRIES = 1  # a refused stale-chain deletion: one more try without deletions, within the same round
 CHUNK_LINES = 3000  # lines per payload on the nf_tables flavour (see render.build_restores)
 # Upstream's monitor polls mangle (small, cheap). The nf_tables flavour looks one chain up by name, so nat (the table
 # a flush hurts) is cheap to check too; the legacy flavour reads a whole table per check (1 s for nat at 10k services).
@@ -58,46 +60,55 @@ _LINE = re.compile(r"line:? (\d+)")
 
 
 @dataclass(slots=True)
-class _Family:
-    """What was applied for one family by the last successful restore."""
+class Adoption:
+    """What a full batch read from the kernel before writing: the nat table's service chains (canonical rules), the
+    jump rules present in the built-in chains ("table/-A CHAIN spec"), how many nat rules there are; or the error."""
 
-    ctx: render.Context | None = None
-    fragments: dict[ServicePortName, render.Fragment] = field(default_factory=dict)
-    services: dict[ServicePortName, ServicePort] = field(default_factory=dict)
-    failed: dict[ServicePortName, str] = field(default_factory=dict)
-    last_payloads: list[str] = field(default_factory=list)  # every payload of the last sync (for tests and /rules)
-    last_was_full: bool = True  # whether those came from a full sync
-    # what the last full sync wanted (for measure_floor: the payloads that write it all into an empty table)
-    last_full: tuple[render.Context, dict[ServicePortName, render.Fragment]] | None = None
-    last_rules: dict[str, int] = field(default_factory=dict)
-    need_full: bool = True  # first sync, or the last sync of this family failed
+    chains: dict[str, list[adopt.Canon]] = field(default_factory=dict)
+    jumps: set[str] = field(default_factory=set)
+    rules: int = 0
+    error: str | None = None
 
 
-class IptablesProxier(Proxier):
+@dataclass(slots=True)
+class _Written:
+    """What the last successful batch of one family wrote (tests, ``/rules`` counts, the floor measurements)."""
+
+    payloads: list[str] = field(default_factory=list)
+    was_full: bool = True
+    rules: dict[str, int] = field(default_factory=dict)
+    # what the last full batch wanted: the payloads that write it all into an empty table (measure_floor)
+    full: tuple[Context, dict[ServicePortName, Fragment]] | None = None
+
+
+class IptablesProxier(LedgerProxier[Fragment, Context]):
     """Upstream kube-proxy's iptables layout, applied through iptables-restore (nf_tables or legacy flavour)."""
 
     mode: ClassVar[str] = "iptables"
     uses_conntrack_nat: ClassVar[bool] = True
+    options: ClassVar[tuple[Option, ...]] = (
+        Option(
+            "iptables_flavour",
+            str,
+            "auto",
+            "iptables binaries: auto (what the node already uses, as iptables-wrapper decides), nft, legacy",
+            ("auto", *FLAVOURS),
+        ),
+    )
 
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
-        """``netns`` aims every iptables command at a named namespace (tests and benchmarks); the daemon leaves it
-        None and programs the namespace it runs in, as upstream does."""
-        super().__init__(config)
-        self.netns = netns
+        super().__init__(config, netns=netns)
         self.flavour_option = str(config.backend_options.get("iptables_flavour") or "auto")
         if self.flavour_option not in ("auto", *FLAVOURS):
             raise ValueError(f"--iptables-flavour {self.flavour_option!r}: choose auto, nft or legacy")
-        self.families = tuple(f for f in (IPFamily.V4, IPFamily.V6) if f in config.ip_families)
         self._kernel: Kernel | None = None
-        self._lock = threading.Lock()
-        self._fam: dict[IPFamily, _Family] = {f: _Family() for f in self.families}
+        self._written: dict[IPFamily, _Written] = {f: _Written() for f in self.families}
         self._canary_checked = float("-inf")  # time.monotonic() of the last canary check (or full sync)
-        # chains of the services written by the current round's payloads: if a later payload of the same sync fails
-        # because of one of them, the chains an earlier payload created for it must be deleted again
-        self._pending_chains: dict[ServicePortName, tuple[str, ...]] = {}
+        self._canary_s: dict[IPFamily, float] = {}  # seconds the last check of a family took (0.0: skipped)
         self._counts: dict[tuple[int, int, IPFamily], int] = {}
+        self._metrics: dict[str, Any] = {}
 
-    # ------------------------------------------------------------------------------------------ contract
+    # ------------------------------------------------------------------------------------------ hooks
 
     @classmethod
     def available(cls) -> Availability:
@@ -115,13 +126,72 @@ class IptablesProxier(Proxier):
         return Availability(True)
 
     @classmethod
-    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
-        group.add_argument(
-            "--iptables-flavour",
-            choices=("auto", *FLAVOURS),
-            default="auto",
-            help="iptables binaries: auto (what the node already uses, as iptables-wrapper decides), nft, legacy",
-        )
+    def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
+        """Every chain and jump of this mode, both flavours, both families (``cleanup.cleanup_leftovers``)."""
+        cleanup_mod.cleanup_leftovers(netns)
+
+    @classmethod
+    def remnants(cls, probe: KernelProbe) -> list[str]:
+        found: list[str] = _inspect().remnants(probe)
+        return found
+
+    @classmethod
+    def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
+        view: dict[str, list[str]] = _inspect().kernel_view(probe, family)
+        return view
+
+    def register_metrics(self, registry: Any, families: Sequence[IPFamily]) -> None:
+        """Upstream's iptables-mode metrics (``pkg/proxy/metrics``: registered for this mode only)."""
+        fam = ["ip_family"]
+        self._metrics = {
+            "total": Gauge(
+                PREFIX + "sync_proxy_rules_iptables_total",
+                "Total number of iptables rules owned by kube-proxy",
+                ["ip_family", "table"],
+                registry=registry,
+            ),
+            "last": Gauge(
+                PREFIX + "sync_proxy_rules_iptables_last",
+                "Number of iptables rules written by kube-proxy in last sync",
+                ["ip_family", "table"],
+                registry=registry,
+            ),
+            "failures": Counter(
+                PREFIX + "sync_proxy_rules_iptables_restore_failures",
+                "Cumulative proxy iptables restore failures",
+                fam,
+                registry=registry,
+            ),
+            "partial_failures": Counter(
+                PREFIX + "sync_proxy_rules_iptables_partial_restore_failures",
+                "Cumulative proxy iptables partial restore failures",
+                fam,
+                registry=registry,
+            ),
+        }
+        for f in families:
+            self._metrics["failures"].labels(f.label)
+            self._metrics["partial_failures"].labels(f.label)
+
+    def observe_sync(self, family: IPFamily, result: SyncResult, *, full: bool, ok: bool) -> None:
+        """Rule gauges from ``<family>/<table>/total|last`` counts; every refused restore counted as a restore failure
+        (the partial ones apart as well, as upstream), also in a sync that recovered by skipping services. A failed
+        family that names no refusal failed before any restore was refused: one failure."""
+        if not self._metrics:
+            return
+        label = family.label
+        for key, value in result.counts.items():
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == label and parts[2] in ("total", "last"):
+                self._metrics[parts[2]].labels(label, parts[1]).set(value)
+        default = 0 if ok or result.failed_families else 1
+        times = int(result.counts.get(f"{label}/kernel_refusals", default))
+        if times > 0:
+            self._metrics["failures"].labels(label).inc(times)
+            if not full:
+                self._metrics["partial_failures"].labels(label).inc(times)
+
+    # ------------------------------------------------------------------------------------------ the kernel
 
     @property
     def kernel(self) -> Kernel:
@@ -133,45 +203,264 @@ class IptablesProxier(Proxier):
             log.info("iptables flavour: %s", flavour)
         return self._kernel
 
-    def sync(self, state: ProxyState, changes: Changes) -> SyncResult:
-        with self._lock:
-            return self._sync(state, changes)
+    def last_payloads(self, family: IPFamily) -> list[str]:
+        """The restore payloads the last sync wrote for a family (tests assert on what was written)."""
+        return list(self._written[family].payloads)
 
-    def cleanup(self) -> None:
-        with self._lock:
-            if self.netns is None:
-                cleanup_mod.cleanup_leftovers()
+    def canary_present(self) -> bool:
+        k = self.kernel
+        return all(
+            k.chain_exists(fam, table, render.KUBE_PROXY_CANARY)
+            for fam in self.families
+            for table in CANARY_TABLES[k.flavour]
+        )
+
+    # ------------------------------------------------------------------------------------------ the ledger's hooks
+
+    def context(self, node: FamilyContext, state: ProxyState) -> Context:
+        large = self._endpoint_count(state, node.family) > render.LARGE_CLUSTER_ENDPOINTS
+        return render.context_for(node, large_cluster=large)
+
+    def render(self, sp: ServicePort, ctx: Context) -> Fragment:
+        return render.render_service(sp, ctx)
+
+    def needs_full(self, family: IPFamily) -> bool:
+        """The canary, checked at most once per sync period (upstream's monitor polls at that interval)."""
+        now = time.monotonic()
+        last = self._canary_checked
+        self._canary_s[family] = 0.0
+        if now - last < self.config.sync_period:
+            return False
+        if family is self.families[-1]:
+            self._canary_checked = now
+        k = self.kernel
+        c0 = time.perf_counter()
+        present = all(k.chain_exists(family, table, render.KUBE_PROXY_CANARY) for table in CANARY_TABLES[k.flavour])
+        self._canary_s[family] = time.perf_counter() - c0
+        if present:
+            return False
+        log.warning("%s KUBE-PROXY-CANARY is gone (someone flushed iptables): full resync", family.value)
+        return True
+
+    def adopt(self, family: IPFamily, ctx: Context) -> Adoption:
+        """The nat table's service chains (canonical, for adoption), the jumps present in the built-in chains and
+        the nat table's rule count, read once per full batch."""
+        kernel = self.kernel
+        # the nat jumps come with the nat table's save (on the legacy flavour every -S reads the whole table, 1 s for
+        # nat at 10,000 services)
+        jumps, err = self._filter_builtin_rules(family)
+        if err:
+            return Adoption(error=err)
+        res = kernel.save(family, "nat")
+        if not res.ok:
+            return Adoption(error=f"{binary('save', family, kernel.flavour)} -t nat: {res.stderr.strip()}")
+        builtin = ("-A PREROUTING ", "-A OUTPUT ", "-A POSTROUTING ")
+        jumps.update(f"nat/{line}" for line in res.stdout.splitlines() if line.startswith(builtin))
+        return Adoption(adopt.kernel_service_chains(res.stdout), jumps, res.stdout.count("\n-A "))
+
+    def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: Fragment) -> bool:
+        return isinstance(adopted, Adoption) and bool(adopted.chains) and adopt.unchanged(fragment, adopted.chains)
+
+    def apply(self, batch: Batch[Fragment, Context]) -> Applied:
+        """One round for one family: the payloads for ``batch``, applied in order; the first refused line's service
+        is reported refused (the ledger retries without it)."""
+        fam, ctx, sc = batch.family, batch.context, batch.scratch
+        kernel = self.kernel
+        timings = {"build": 0.0, "apply": 0.0, "save": 0.0, "canary": self._canary_s.pop(fam, 0.0)}
+        counts: dict[str, int] = {}
+        frags = dict(batch.wanted)
+        written: set[ServicePortName] = sc.setdefault("written", set())  # in a payload of this sync that committed
+        created: set[str] = sc.setdefault("created", set())  # chains this sync's payloads declared
+        tops_tried: set[str] = sc.setdefault("tops", set())  # shared chains earlier rounds wrote
+        if batch.full:
+            adoption = batch.adopted if isinstance(batch.adopted, Adoption) else Adoption()
+            if adoption.error:
+                return Applied(ok=False, error=adoption.error)
+            if "jumps" not in sc:
+                sc["jumps"] = [j for j in render.JUMP_RULES if f"{j.table}/-A {j.chain} {j.spec}" not in adoption.jumps]
+            # services an earlier round committed differ from the adoption read: they are written again
+            write: list[ServicePortName] | None = [
+                *batch.written,
+                *(spn for spn in written if spn in frags and spn not in batch.written),
+            ]
+            if not adoption.chains:
+                write = None  # nothing of ours in the kernel: everything
+            top: set[str] | None = None
+            wanted_chains = {c for f in frags.values() for c in f.chains}
+            stale = {c for c in set(adoption.chains) | created if c not in wanted_chains}
+            kernel_rules = adoption.rules
+        else:
+            sc.setdefault("jumps", [])
+            updates = {d.name: d.new_fragment for d in batch.deltas}
+            write = [spn for spn, f in updates.items() if f is not None]
+            top = render.changed_top_chains(batch.applied, updates) | tops_tried
+            old = {c for d in batch.deltas if d.old_fragment is not None for c in d.old_fragment.chains}
+            wanted_chains = {c for spn in updates if spn in frags for c in frags[spn].chains}
+            stale = (old | created) - wanted_chains
+            kernel_rules = sum(len(f.rules) for f in batch.applied.values())
+        jumps: list[JumpRule] = sc["jumps"]
+        chunk = _chunk_lines(kernel_rules) if kernel.flavour == "nft" else None
+        names = list(frags) if write is None else write
+        # a big full sync on nf_tables streams its chunks (see render.stream_restores)
+        size = 3 * (len(frags) + self._endpoint_count(batch.state, fam))
+        stream = batch.full and chunk is not None and size > 2 * chunk
+        payloads: list[str] = []
+        rules_written = {"filter": 0, "nat": 0}
+        for _try in range(MAX_DELETION_RETRIES + 1):
+            if sc.get("keep_stale"):
+                stale = set()
+            b0 = time.perf_counter()
+            created.update(c for spn in names for c in frags[spn].chains)
+            restores: Iterable[Restore]
+            if stream:
+                # a big full sync: whole services per chunk, the shared chains last, as each chunk is built (the
+                # same payloads as build_restores makes for a change bigger than a chunk)
+                writing = set(names)
+                restores = render.stream_restores(
+                    ctx,
+                    ((spn, f, spn in writing) for spn, f in frags.items()),
+                    top=top,
+                    delete_chains=lambda gone=stale: gone,  # type: ignore[misc]
+                    jump_rules=jumps,
+                    canary=True,
+                    chunk_lines=chunk or 0,
+                )
             else:
-                cleanup_mod.cleanup_leftovers(self.netns)
-            for fs in self._fam.values():
-                fs.fragments.clear()
-                fs.services.clear()
-                fs.failed.clear()
-                fs.need_full = True
+                restores = render.build_restores(
+                    ctx,
+                    frags,
+                    write=write,
+                    top=top,
+                    delete_chains=stale,
+                    jump_rules=jumps,
+                    canary=batch.full,
+                    chunk_lines=chunk,
+                )
+            timings["build"] += time.perf_counter() - b0
+            payloads = []
+            error: str | None = None
+            refused: Restore | None = None
+            bad: ServicePortName | None = None
+            line = 0
+            for restore, res, building in _apply_overlapped(kernel, fam, restores):
+                timings["build"] += building
+                timings["apply"] += res.seconds
+                payloads.append(restore.text)
+                if res.ok:
+                    for t, n in restore.rules.items():
+                        rules_written[t] += n
+                    written.update(spn for _, _, spn in restore.owners)
+                    continue
+                error = _summarise(res.stderr, restore.text)
+                key = f"{fam.value}/kernel_refusals"
+                counts[key] = counts.get(key, 0) + 1
+                m = _LINE.search(res.stderr)
+                line = int(m.group(1)) if m else 0
+                bad = restore.owner_of(line) if line else None
+                refused = restore
+                break
+            if error is None:
+                return self._applied(batch, frags, payloads, rules_written, counts, timings)
+            self._written[fam].payloads, self._written[fam].was_full = payloads, batch.full
+            deletion_refused = (
+                bad is None and not sc.get("keep_stale") and refused is not None and _deletes_at(refused.text, line)
+            )
+            if (deletion_refused or bad is not None) and any(j.table == "filter" for j in jumps):
+                # the refused payload's filter part (with its jumps) may have committed before its nat part was
+                # refused: insert only what is still missing (nat, always last, never committed)
+                s0 = time.perf_counter()
+                jumps, err = self._without_present_filter_jumps(fam, jumps)
+                timings["save"] += time.perf_counter() - s0
+                sc["jumps"] = jumps
+                if err:
+                    return Applied(ok=False, error=f"{error}; then {err}", counts=counts, timings=timings)
+            if top is not None:
+                tops_tried.update(top)
+            if deletion_refused:
+                # no service's line: most likely a chain deletion, refused because another program's chain still
+                # jumps to it (a pre-1.24 KUBE-XLB- chain is swept, others are not ours); without this the same
+                # payload would be refused at every sync and the family never programmed again
+                log.warning("iptables-restore refused the payload (%s): retrying without deleting stale chains", error)
+                sc["keep_stale"] = True
+                if batch.full and write is not None:
+                    write = [*write, *(spn for spn in written if spn in frags and spn not in write)]
+                    names = write
+                continue
+            if bad is None:
+                return Applied(ok=False, error=error, counts=counts, timings=timings)
+            return Applied(
+                ok=False, refused=MappingProxyType({bad: error}), error=error, counts=counts, timings=timings
+            )
+        return Applied(ok=False, error="a stale-chain deletion was refused again", counts=counts, timings=timings)
+
+    def _applied(
+        self,
+        batch: Batch[Fragment, Context],
+        frags: dict[ServicePortName, Fragment],
+        payloads: list[str],
+        rules_written: dict[str, int],
+        counts: dict[str, int],
+        timings: dict[str, float],
+    ) -> Applied:
+        fam = batch.family
+        w = self._written[fam]
+        w.payloads, w.was_full, w.rules = payloads, batch.full, rules_written
+        if batch.full:
+            w.full = (batch.context, frags)
+            if fam is self.families[-1]:
+                self._canary_checked = time.monotonic()  # just written
+        totals = render.total_rules(batch.context, frags)
+        for t in ("filter", "nat"):
+            counts[f"{fam.value}/{t}/total"] = totals[t]
+            counts[f"{fam.value}/{t}/last"] = rules_written[t]
+        return Applied(ok=True, counts=counts, timings=timings)
+
+    # ------------------------------------------------------------------------------------------ describe, trace
+
+    def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
+        rules = {k: list(lines) for k, lines in fragment.top.items()}
+        rules["nat/own"] = list(fragment.rules)
+        return {"chains": list(fragment.chains), "rules": rules}
+
+    def detail_global(self) -> dict[str, Any]:
+        counts = {f"{fam.value}/{t}/last": n for fam, w in self._written.items() for t, n in w.rules.items()}
+        return {"flavour": self._kernel.flavour if self._kernel else None, "counts": counts}
+
+    def trace(
+        self, src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False
+    ) -> dict[str, Any]:
+        """Where a new connection's first packet would go through the rules last applied (see ``trace.py``)."""
+        fam = IPFamily.of(dst)
+        rec = self.records.get(fam)
+        if rec is None or rec.context is None:
+            return {"error": f"no {fam.value} rules applied yet"}
+        pkt = trace_mod.Packet(src, proto.lower(), dst, dport, src_local, dst_local)
+        return trace_mod.trace(rec.context, self.applied_fragments(fam), pkt)
+
+    # ------------------------------------------------------------------------------------------ bench
 
     def measure_floor(self) -> float | None:
         """Seconds ``iptables-restore`` (same flavour, same flags) takes for the last full sync's exact payloads in a
         fresh namespace of its own (prefix ``kpb-``), deleted afterwards."""
-        with self._lock:
-            flavour = self.kernel.flavour
-            chunk = _chunk_lines(0) if flavour == "nft" else None
-            payloads = {
-                fam: [
-                    r.text
-                    for r in render.build_restores(
-                        fs.last_full[0],
-                        fs.last_full[1],
-                        write=None,
-                        top=None,
-                        jump_rules=render.JUMP_RULES,
-                        canary=True,
-                        chunk_lines=chunk,
-                    )
-                    if r.text
-                ]
-                for fam, fs in self._fam.items()
-                if fs.last_full is not None
-            }
+        flavour = self.kernel.flavour
+        chunk = _chunk_lines(0) if flavour == "nft" else None
+        payloads = {
+            fam: [
+                r.text
+                for r in render.build_restores(
+                    w.full[0],
+                    w.full[1],
+                    write=None,
+                    top=None,
+                    jump_rules=render.JUMP_RULES,
+                    canary=True,
+                    chunk_lines=chunk,
+                )
+                if r.text
+            ]
+            for fam, w in self._written.items()
+            if w.full is not None
+        }
         if not payloads or shutil.which("ip") is None:
             return None
         ns = "kpb-" + uuid.uuid4().hex[:10]
@@ -191,422 +480,47 @@ class IptablesProxier(Proxier):
         ``unhooked_s``. nf_tables validates every rule reachable from a base chain on each commit that adds a rule
         (``nf_tables_validate`` at commit), so the gap between the two is that walk over the whole service table,
         which no payload shape avoids. Benchmarks only: the node's services are unhooked for the moment it takes."""
-        with self._lock:
-            if self._kernel is None:
-                return None
-            k = self._kernel
-            payloads = {
-                fam: [_replayable(t) for t in fs.last_payloads] for fam, fs in self._fam.items() if not fs.last_was_full
-            }
-            payloads = {fam: [t for t in texts if t] for fam, texts in payloads.items()}
-            payloads = {fam: texts for fam, texts in payloads.items() if texts}
-            if not payloads:
-                return None
+        if self._kernel is None:
+            return None
+        k = self._kernel
+        payloads = {fam: [_replayable(t) for t in w.payloads] for fam, w in self._written.items() if not w.was_full}
+        payloads = {fam: [t for t in texts if t] for fam, texts in payloads.items()}
+        payloads = {fam: texts for fam, texts in payloads.items() if texts}
+        if not payloads:
+            return None
 
-            floor = _timed_restores(k, payloads, "partial floor replay")
-            if floor is None:
-                return None
-            out = {"floor_s": floor}
-            if k.flavour != "nft":
-                return out
-            tables = {fam: {m.group(1) for t in texts for m in _TABLE.finditer(t)} for fam, texts in payloads.items()}
-            jumps = {fam: [j for j in render.JUMP_RULES if j.table in tables[fam]] for fam in payloads}
-            unhooked: dict[IPFamily, list[render.JumpRule]] = {}
-            try:
-                for fam, js in jumps.items():
-                    for table in ("filter", "nat"):  # one restore per table: each is deleted whole or not at all
-                        mine = [j for j in js if j.table == table]
-                        if not mine:
-                            continue
-                        res = k.restore(fam, _jump_text(mine, "-D"))
-                        if not res.ok:
-                            log.warning("partial floor: could not unhook: %s", res.stderr.strip())
-                            return out
-                        unhooked.setdefault(fam, []).extend(mine)
-                seconds = _timed_restores(k, payloads, "partial floor replay without the jumps")
-                if seconds is not None:
-                    out["unhooked_s"] = seconds
-            finally:
-                for fam, js in unhooked.items():
-                    res = k.restore(fam, _jump_text(js, "-I"))
-                    if not res.ok:  # the next full sync inserts missing jumps anyway
-                        log.error("partial floor: could not insert the jumps again: %s", res.stderr.strip())
-                        self._fam[fam].need_full = True
+        floor = _timed_restores(k, payloads, "partial floor replay")
+        if floor is None:
+            return None
+        out = {"floor_s": floor}
+        if k.flavour != "nft":
             return out
-
-    def describe(self, key: ServicePortName | None = None) -> dict[str, Any]:
-        with self._lock:
-            out: dict[str, Any] = {}
-            for fam, fs in self._fam.items():
-                names = set(fs.services) | set(fs.failed)
-                for spn in sorted(names):
-                    if key is not None and spn != key:
+        tables = {fam: {m.group(1) for t in texts for m in _TABLE.finditer(t)} for fam, texts in payloads.items()}
+        jumps = {fam: [j for j in render.JUMP_RULES if j.table in tables[fam]] for fam in payloads}
+        unhooked: dict[IPFamily, list[JumpRule]] = {}
+        try:
+            for fam, js in jumps.items():
+                for table in ("filter", "nat"):  # one restore per table: each is deleted whole or not at all
+                    mine = [j for j in js if j.table == table]
+                    if not mine:
                         continue
-                    entry = out.setdefault(f"{spn}/{spn.protocol.value}", {})
-                    sp = fs.services.get(spn)
-                    frag = fs.fragments.get(spn)
-                    info: dict[str, Any] = {"applied": frag is not None, "failed": fs.failed.get(spn)}
-                    if sp is not None:
-                        info.update(
-                            clusterIP=sp.cluster_ip,
-                            port=sp.port,
-                            nodePort=sp.node_port,
-                            internal=sp.internal_verdict.value,
-                            external=sp.external_verdict.value,
-                            internalEndpoints=[str(e) for e in sp.internal_endpoints],
-                            externalEndpoints=[str(e) for e in sp.external_endpoints],
-                        )
-                    if frag is not None:
-                        info["chains"] = list(frag.chains)
-                        rules: dict[str, list[str]] = {}
-                        for k, lines in frag.top.items():
-                            rules[k] = list(lines)
-                        rules["nat/own"] = list(frag.rules)
-                        info["rules"] = rules
-                    entry[fam.value] = info
-            counts = {f"{fam.value}/{t}/last": n for fam, fs in self._fam.items() for t, n in fs.last_rules.items()}
-            return {
-                "mode": self.mode,
-                "flavour": self._kernel.flavour if self._kernel else None,
-                "counts": counts,
-                "services": out,
-            }
+                    res = k.restore(fam, _jump_text(mine, "-D"))
+                    if not res.ok:
+                        log.warning("partial floor: could not unhook: %s", res.stderr.strip())
+                        return out
+                    unhooked.setdefault(fam, []).extend(mine)
+            seconds = _timed_restores(k, payloads, "partial floor replay without the jumps")
+            if seconds is not None:
+                out["unhooked_s"] = seconds
+        finally:
+            for fam, js in unhooked.items():
+                res = k.restore(fam, _jump_text(js, "-I"))
+                if not res.ok:  # the next full sync inserts missing jumps anyway
+                    log.error("partial floor: could not insert the jumps again: %s", res.stderr.strip())
+                    self.records[fam].need_full = True
+        return out
 
-    def trace(
-        self, src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False
-    ) -> dict[str, Any]:
-        """Where a new connection's first packet would go through the rules last applied (see ``trace.py``)."""
-        fam = IPFamily.of(dst)
-        with self._lock:
-            fs = self._fam.get(fam)
-            if fs is None or fs.ctx is None:
-                return {"error": f"no {fam.value} rules applied yet"}
-            pkt = trace_mod.Packet(src, proto.lower(), dst, dport, src_local, dst_local)
-            return trace_mod.trace(fs.ctx, fs.fragments, pkt)
-
-    # ------------------------------------------------------------------------------------------ syncing
-
-    def last_payloads(self, family: IPFamily) -> list[str]:
-        """The restore payloads the last sync wrote for a family (tests assert on what was written)."""
-        with self._lock:
-            return list(self._fam[family].last_payloads)
-
-    def canary_present(self) -> bool:
-        k = self.kernel
-        return all(
-            k.chain_exists(fam, table, render.KUBE_PROXY_CANARY)
-            for fam in self.families
-            for table in CANARY_TABLES[k.flavour]
-        )
-
-    def _sync(self, state: ProxyState, changes: Changes) -> SyncResult:
-        """Sync every family, each on its own (as upstream runs one proxier per family): a family the kernel keeps
-        refusing does not stop the other from being programmed, and only the failed family needs a full sync next."""
-        t0 = time.perf_counter()
-        timings = {"render": 0.0, "apply": 0.0, "canary": 0.0, "save": 0.0}
-        full = {fam: changes.full or self._fam[fam].need_full for fam in self.families}
-        now = time.monotonic()
-        if not all(full.values()) and now - self._canary_checked >= self.config.sync_period:
-            # off the hot path: at most once per sync period (upstream's monitor polls at that interval)
-            self._canary_checked = now
-            c0 = time.perf_counter()
-            k = self.kernel
-            for fam in self.families:
-                if not full[fam] and not all(
-                    k.chain_exists(fam, table, render.KUBE_PROXY_CANARY) for table in CANARY_TABLES[k.flavour]
-                ):
-                    log.warning("%s KUBE-PROXY-CANARY is gone (someone flushed iptables): full resync", fam.value)
-                    full[fam] = True
-            timings["canary"] = time.perf_counter() - c0
-        failed: dict[ServicePortName, str] = {}
-        counts: dict[str, int] = {}
-        errors: list[str] = []
-        failed_families: set[IPFamily] = set()
-        did_full = False
-        for fam in self.families:
-            fs = self._fam[fam]
-            error, fam_full = self._sync_family(fam, state, changes, full[fam], failed, timings, counts)
-            did_full = did_full or fam_full
-            counts[f"{fam.value}/full"] = int(fam_full)
-            if error is not None:
-                fs.need_full = True
-                errors.append(f"{fam.value}: {error}")
-                failed_families.add(fam)
-            else:
-                fs.need_full = False
-        if all(full.values()) and not errors:
-            self._canary_checked = now  # just written in every family
-        for key in ("nat", "filter"):
-            counts[f"rules_total/{key}"] = sum(counts.get(f"{f.value}/{key}/total", 0) for f in self.families)
-            counts[f"rules_last/{key}"] = sum(counts.get(f"{f.value}/{key}/last", 0) for f in self.families)
-        timings["total"] = time.perf_counter() - t0
-        return SyncResult(
-            ok=not errors,
-            full=did_full,
-            error="; ".join(errors) or None,
-            failed=MappingProxyType(failed),
-            counts=MappingProxyType(counts),
-            timings=MappingProxyType(timings),
-            failed_families=frozenset(failed_families),
-        )
-
-    def _sync_family(
-        self,
-        fam: IPFamily,
-        state: ProxyState,
-        changes: Changes,
-        full: bool,
-        failed: dict[ServicePortName, str],
-        timings: dict[str, float],
-        counts: dict[str, int],
-    ) -> tuple[str | None, bool]:
-        """Render and apply one family: (error text when nothing sensible could be applied, whether it was a full
-        sync)."""
-        fs = self._fam[fam]
-        kernel = self.kernel
-        large = self._endpoint_count(state, fam) > render.LARGE_CLUSTER_ENDPOINTS
-        ctx = render.make_context(self.config, state.node, fam, large_cluster=large)
-        if ctx != fs.ctx:
-            full = True  # node CIDRs / addresses changed: every fragment may differ
-        services = state.family(fam)
-        skip: set[ServicePortName] = set()  # refused: left out (treated as absent)
-        keep: set[ServicePortName] = set()  # refused update: the fragment applied before stays (as upstream keeps it)
-        jumps: list[render.JumpRule] = []
-        stale: set[str] = set()
-        keep_stale = False  # a deletion was refused (something else jumps to a stale chain): leak rather than stall
-        written: set[ServicePortName] = set()  # services with lines in a payload of this sync that committed
-        created: dict[ServicePortName, set[str]] = {}  # their chains, over every round (a stale sweep needs all)
-
-        def plan() -> tuple[dict[ServicePortName, render.Fragment], list[ServicePortName] | None, set[str] | None]:
-            if full:
-                frags = {
-                    spn: fs.fragments[spn] if spn in keep else render.render_service(sp, ctx)
-                    for spn, sp in services.items()
-                    if spn not in skip
-                }
-                if not kernel_chains:
-                    return frags, None, None
-                # adoption: services whose chains the kernel already holds exactly are not rewritten; the read is from
-                # before the first round, so services a payload of an earlier round committed are written again
-                write = [spn for spn, f in frags.items() if spn in written or not adopt.unchanged(f, kernel_chains)]
-                return frags, write, None
-            frags = dict(fs.fragments)
-            updates: dict[ServicePortName, render.Fragment | None] = {}
-            for spn in changes.services:
-                sp = services.get(spn)
-                if spn in keep:
-                    new: render.Fragment | None = fs.fragments[spn]
-                else:
-                    new = render.render_service(sp, ctx) if sp is not None and spn not in skip else None
-                updates[spn] = new
-                if new is None:
-                    frags.pop(spn, None)
-                else:
-                    frags[spn] = new
-            # a kept service's old chains are written again too: an earlier payload of this sync may have changed them
-            to_write = [spn for spn, f in updates.items() if f is not None]
-            return frags, to_write, render.changed_top_chains(fs.fragments, updates) | tops_tried
-
-        # shared chains earlier rounds wrote: a table of a refused payload may have committed before the refusal
-        tops_tried: set[str] = set()
-        kernel_chains: dict[str, list[adopt.Canon]] = {}
-        if full:
-            s0 = time.perf_counter()
-            kernel_chains, present_jumps, kernel_rules, err = self._read_kernel(fam)
-            existing = set(kernel_chains)
-            timings["save"] += time.perf_counter() - s0
-            if err:
-                return err, full
-            jumps = [j for j in render.JUMP_RULES if f"{j.table}/-A {j.chain} {j.spec}" not in present_jumps]
-        else:
-            kernel_chains = {}
-            existing = set()
-            kernel_rules = sum(len(f.rules) for f in fs.fragments.values())
-        chunk = _chunk_lines(kernel_rules) if kernel.flavour == "nft" else None
-        # A big full sync on nf_tables streams: each chunk is applied while the next is rendered (see _stream).
-        stream = full and chunk is not None and 3 * (len(services) + self._endpoint_count(state, fam)) > 2 * chunk
-        r0 = time.perf_counter()
-        frags: dict[ServicePortName, render.Fragment] = {}  # a stream fills them in its first round
-        write: list[ServicePortName] | None = None
-        top: set[str] | None = None
-        if not stream:
-            frags, write, top = plan()
-        render_s = time.perf_counter() - r0
-        apply_s = 0.0
-        payloads: list[str] = []
-        rules_written: dict[str, int] = {}
-        for _round in range(MAX_ROUNDS):
-            restores: Iterable[render.Restore]
-            if stream and _round == 0:
-                # frags and write are filled as the chunks are rendered
-                frags, write, restores = self._stream(services, ctx, kernel_chains, existing, jumps, chunk or 0)
-            elif full:
-                wanted = {c for f in frags.values() for c in f.chains}
-                made = {c for spn in skip | keep for c in created.get(spn, ())}
-                stale = {c for c in existing | made if c not in wanted}
-            else:
-                old_chains = {c for spn in changes.services if spn in fs.fragments for c in fs.fragments[spn].chains}
-                for spn in skip | keep:  # refused services whose new chains an earlier chunk may have created
-                    old_chains.update(created.get(spn, ()))
-                wanted = {c for spn in changes.services if spn in frags for c in frags[spn].chains}
-                stale = old_chains - wanted
-            if not (stream and _round == 0):
-                if keep_stale:
-                    stale = set()
-                b0 = time.perf_counter()
-                restores = render.build_restores(
-                    ctx,
-                    frags,
-                    write=write,
-                    top=top,
-                    delete_chains=stale,
-                    jump_rules=jumps,
-                    canary=full,
-                    chunk_lines=chunk,
-                )
-                render_s += time.perf_counter() - b0
-                self._pending_chains = {spn: frags[spn].chains for spn in (write if write is not None else frags)}
-            payloads = []  # what this round wrote: the last round is the one that stuck
-            rules_written = {"filter": 0, "nat": 0}
-            bad: ServicePortName | None = None
-            error: str | None = None
-            refused: render.Restore | None = None
-            line = 0
-            for restore, res, rendering in _apply_overlapped(kernel, fam, restores):
-                render_s += rendering
-                apply_s += res.seconds
-                payloads.append(restore.text)
-                if res.ok:
-                    for t, n in restore.rules.items():
-                        rules_written[t] += n
-                    written.update(spn for _, _, spn in restore.owners)
-                    continue
-                error = _summarise(res.stderr, restore.text)
-                refusals = f"{fam.value}/kernel_refusals"
-                counts[refusals] = counts.get(refusals, 0) + 1
-                m = _LINE.search(res.stderr)
-                line = int(m.group(1)) if m else 0
-                bad = restore.owner_of(line) if line else None
-                refused = restore
-                break
-            for spn, chains_ in self._pending_chains.items():  # filled as the stream went, or before the round
-                created.setdefault(spn, set()).update(chains_)
-            if error is None:
-                break
-            deletion_refused = (
-                bad is None and not keep_stale and refused is not None and _deletes_at(refused.text, line)
-            )
-            if (deletion_refused or (bad is not None and bad not in skip)) and any(j.table == "filter" for j in jumps):
-                # the refused payload's filter part (with its jumps) may have committed before its nat part was
-                # refused: insert only what is still missing (nat, always last, never committed)
-                jumps, err = self._without_present_filter_jumps(fam, jumps)
-                if err:
-                    timings["render"] += render_s
-                    timings["apply"] += apply_s
-                    fs.last_payloads, fs.last_was_full = payloads, full
-                    return f"{error}; then {err}", full
-            if deletion_refused:
-                # no service's line: most likely a chain deletion, refused because another program's chain still
-                # jumps to it (a pre-1.24 KUBE-XLB- chain is swept, others are not ours); without this the same
-                # payload would be refused at every sync and the family never programmed again
-                log.warning("iptables-restore refused the payload (%s): retrying without deleting stale chains", error)
-                keep_stale = True
-                if top is not None:
-                    tops_tried.update(top)
-                if stream and _round == 0:
-                    frags, write, top = plan()  # the stream stopped early: the whole plan for the next round
-                continue
-            if bad is None or bad in skip:
-                timings["render"] += render_s
-                timings["apply"] += apply_s
-                fs.last_payloads, fs.last_was_full = payloads, full
-                return error, full
-            if bad not in keep and bad in fs.fragments:
-                log.warning("iptables-restore refused the new rules of %s (%s): keeping its old rules", bad, error)
-                keep.add(bad)
-            else:  # new, or even its old rules are refused now
-                log.warning("iptables-restore refused the rules of %s (%s): skipping that service", bad, error)
-                keep.discard(bad)
-                skip.add(bad)
-            if bad not in failed:
-                failed[bad] = error
-                fs.failed[bad] = error
-            if top is not None:
-                tops_tried.update(top)
-            if not full:
-                changes = Changes(full=False, services=changes.services | {bad}, generation=changes.generation)
-            frags, write, top = plan()
-        else:
-            timings["render"] += render_s
-            timings["apply"] += apply_s
-            fs.last_payloads, fs.last_was_full = payloads, full
-            return f"still refused after {MAX_ROUNDS} rounds: {error}", full
-        timings["render"] += render_s
-        timings["apply"] += apply_s
-        # Success: remember what the kernel now holds.
-        fs.ctx = ctx
-        fs.fragments = frags
-        applied = frags.keys()
-        if full:
-            fs.services = {
-                spn: fs.services.get(spn, sp) if spn in keep else sp for spn, sp in services.items() if spn in applied
-            }
-            fs.failed = {spn: why for spn, why in fs.failed.items() if spn in skip or spn in keep}
-            fs.last_full = (ctx, frags)
-        else:
-            for spn in changes.services:
-                sp = services.get(spn)
-                if spn in keep:
-                    continue  # still the old rules (and the old ServicePort), reported in failed
-                if sp is not None and spn in applied:
-                    fs.services[spn] = sp
-                    fs.failed.pop(spn, None)
-                else:
-                    fs.services.pop(spn, None)
-                    if sp is None:
-                        fs.failed.pop(spn, None)
-        fs.last_payloads, fs.last_was_full = payloads, full
-        fs.last_rules = rules_written
-        totals = render.total_rules(ctx, frags)
-        for t in ("filter", "nat"):
-            counts[f"{fam.value}/{t}/total"] = totals[t]
-            counts[f"{fam.value}/{t}/last"] = rules_written[t]
-        counts[f"{fam.value}/services"] = len(frags)
-        return None, full
-
-    def _stream(
-        self,
-        services: Mapping[ServicePortName, ServicePort],
-        ctx: render.Context,
-        kernel_chains: Mapping[str, list[adopt.Canon]],
-        existing: set[str],
-        jumps: list[render.JumpRule],
-        chunk: int,
-    ) -> tuple[dict[ServicePortName, render.Fragment], list[ServicePortName], Iterator[render.Restore]]:
-        """A full sync's payloads as a generator that renders each service when its chunk is asked for, with the
-        fragments and the services written (adoption: those whose chains differ from the kernel's) filled in as it
-        goes; complete once it is exhausted."""
-        frags: dict[ServicePortName, render.Fragment] = {}
-        write: list[ServicePortName] = []
-        self._pending_chains = {}
-
-        def items() -> Iterator[tuple[ServicePortName, render.Fragment, bool]]:
-            for spn, sp in services.items():
-                f = frags[spn] = render.render_service(sp, ctx)
-                w = not kernel_chains or not adopt.unchanged(f, kernel_chains)
-                if w:
-                    write.append(spn)
-                    self._pending_chains[spn] = f.chains
-                yield spn, f, w
-
-        def deletes() -> set[str]:
-            wanted = {c for f in frags.values() for c in f.chains}
-            return {c for c in existing if c not in wanted}
-
-        restores = render.stream_restores(
-            ctx, items(), top=None, delete_chains=deletes, jump_rules=jumps, canary=True, chunk_lines=chunk
-        )
-        return frags, write, restores
+    # ------------------------------------------------------------------------------------------ helpers
 
     def _endpoint_count(self, state: ProxyState, fam: IPFamily) -> int:
         """Upstream's largeClusterMode input, per family as upstream's per-family proxier counts it: the endpoints of
@@ -626,9 +540,7 @@ class IptablesProxier(Proxier):
             self._counts[key] = count
         return count
 
-    def _without_present_filter_jumps(
-        self, fam: IPFamily, jumps: list[render.JumpRule]
-    ) -> tuple[list[render.JumpRule], str | None]:
+    def _without_present_filter_jumps(self, fam: IPFamily, jumps: list[JumpRule]) -> tuple[list[JumpRule], str | None]:
         """``jumps`` without the filter ones the kernel holds now."""
         present, err = self._filter_builtin_rules(fam)
         if err:
@@ -647,30 +559,22 @@ class IptablesProxier(Proxier):
             present.update(f"filter/{line}" for line in res.stdout.splitlines() if line.startswith("-A "))
         return present, None
 
-    def _read_kernel(self, fam: IPFamily) -> tuple[dict[str, list[adopt.Canon]], set[str], int, str | None]:
-        """The nat table's service chains with their rules (canonical, for adoption), the jump rules present in the
-        built-in chains ("table/-A CHAIN spec"), and how many rules the nat table holds; error text or None."""
-        kernel = self.kernel
-        # the nat jumps come with the nat table's save (on the legacy flavour every -S reads the whole table, 1 s for
-        # nat at 10,000 services)
-        jumps, err = self._filter_builtin_rules(fam)
-        if err:
-            return {}, set(), 0, err
-        res = kernel.save(fam, "nat")
-        if not res.ok:
-            return {}, jumps, 0, f"{binary('save', fam, kernel.flavour)} -t nat: {res.stderr.strip()}"
-        builtin = ("-A PREROUTING ", "-A OUTPUT ", "-A POSTROUTING ")
-        jumps.update(f"nat/{line}" for line in res.stdout.splitlines() if line.startswith(builtin))
-        chains = adopt.kernel_service_chains(res.stdout)
-        return chains, jumps, res.stdout.count("\n-A "), None
+
+def _inspect() -> Any:
+    """The kernel-inspection module (``inspect.py``: remnants and per-service kernel views), imported on use."""
+    try:
+        from . import inspect as inspect_mod
+    except ImportError as exc:  # pragma: no cover - the module ships with the backend
+        raise BackendError(f"iptables kernel inspection unavailable: {exc}") from None
+    return inspect_mod
 
 
 _TABLE = re.compile(r"^\*(\w+)$", re.M)
 
 
 def _apply_overlapped(
-    kernel: Kernel, fam: IPFamily, restores: Iterable[render.Restore]
-) -> Iterator[tuple[render.Restore, Run, float]]:
+    kernel: Kernel, fam: IPFamily, restores: Iterable[Restore]
+) -> Iterator[tuple[Restore, Run, float]]:
     """Apply payloads in order, one at a time, each in a worker thread while the next is taken from ``restores``
     (rendered, when it is a generator): yields (payload, result, seconds spent taking the next payload) as each
     one finishes. The caller stops at the first refusal; the payload rendered meanwhile is never applied.
@@ -679,7 +583,7 @@ def _apply_overlapped(
     rendering of chunk N+1 in Python costs no wall time while chunk N is applied."""
     it = iter(restores)
 
-    def take() -> tuple[render.Restore | None, float]:
+    def take() -> tuple[Restore | None, float]:
         t0 = time.perf_counter()
         for r in it:
             if r.text:
@@ -728,7 +632,7 @@ def _replayable(text: str) -> str:
     return "".join(line for line in lines if not line.startswith("-X ") and line[: line.find(" ") + 1] not in gone)
 
 
-def _jump_text(jumps: list[render.JumpRule], op: str) -> str:
+def _jump_text(jumps: list[JumpRule], op: str) -> str:
     """A restore payload deleting (``-D``) or inserting at the top (``-I``, in the order a full sync does) jumps."""
     lines: list[str] = []
     for table in ("filter", "nat"):

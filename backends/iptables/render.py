@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kproxy.config import ProxyConfig
 from kproxy.model import Endpoint, IPFamily, NodeInfo, ServicePort, ServicePortName
+from kproxy.nodeaddr import LOOPBACK, FamilyContext, LocalDetect, resolve
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,8 @@ class Context:
     family: IPFamily
     mark: str  # upstream's masqueradeMark, e.g. 0x004000
     masquerade_all: bool = False
-    local_cidr: str | None = None  # LocalTrafficDetector: pod/cluster CIDR of this family, None = not implemented
+    if_local: str = ""  # LocalTrafficDetector's IfLocal arguments ("-s CIDR", "-i br0", "-i veth+"); "" = cannot tell
+    if_not_local: str = ""  # its IfNotLocal arguments
     nodeport_destinations: tuple[tuple[str, ...], ...] = ()  # arguments of each KUBE-SERVICES -> KUBE-NODEPORTS rule
     node_ips: tuple[str, ...] = ()  # the Node's addresses of this family (upstream's nodeIP, for FW chains)
     large_cluster: bool = False  # upstream's largeClusterMode: no per-endpoint comments (a 40% smaller payload)
@@ -230,73 +232,49 @@ def make_context(
     family: IPFamily,
     large_cluster: bool = False,
 ) -> Context:
-    """The Context of one family from the config and the Node (detect-local CIDR, nodeport addresses)."""
-    local: str | None = None
-    if config.detect_local_mode == "NodeCIDR":
-        cidrs = [c for c in node.pod_cidrs if IPFamily.of(c) == family]
-        local = cidrs[0] if cidrs else None
-    else:
-        fam_cidrs = config.cluster_cidrs_for(family)
-        local = fam_cidrs[0] if fam_cidrs else None
+    """The Context of one family from the config and the Node (tests and tools; syncs go through ``context_for``
+    with the node context the core resolved)."""
+    return context_for(resolve(config, node, families=(family,)).family(family), large_cluster=large_cluster)
+
+
+def local_matches(local: LocalDetect) -> tuple[str, str]:
+    """Upstream's LocalTrafficDetector ``IfLocal`` / ``IfNotLocal`` arguments for one family ("" when it cannot
+    tell local traffic apart). Interface names come from validated config (``kproxy.config``)."""
+    if local.kind == "cidr":
+        return f"-s {local.values[0]}", f"! -s {local.values[0]}"
+    if local.kind == "bridge":
+        return f"-i {local.values[0]}", f"! -i {local.values[0]}"
+    if local.kind == "prefix":
+        return f"-i {local.values[0]}+", f"! -i {local.values[0]}+"
+    return "", ""
+
+
+def context_for(fc: FamilyContext, large_cluster: bool = False) -> Context:
+    """The Context of one family from the node context the core resolved once for this sync."""
+    if_local, if_not_local = local_matches(fc.local)
     return Context(
-        family=family,
-        mark=config.masquerade_mark,
-        masquerade_all=config.masquerade_all,
-        local_cidr=local,
-        nodeport_destinations=nodeport_destinations(config.nodeport_addresses, node, family),
-        node_ips=tuple(ip for ip in node.addresses if IPFamily.of(ip) == family),
+        family=fc.family,
+        mark=fc.mark,
+        masquerade_all=fc.masquerade_all,
+        if_local=if_local,
+        if_not_local=if_not_local,
+        nodeport_destinations=nodeport_destinations(fc),
+        node_ips=fc.node_ips,
         large_cluster=large_cluster,
     )
 
 
-_LOOPBACK = {IPFamily.V4: ipaddress.ip_network("127.0.0.0/8"), IPFamily.V6: ipaddress.ip_network("::1/128")}
-_LOGGED: set[str] = set()
-
-
-def _log_once(key: str, msg: str, *args: object) -> None:
-    # make_context runs on every sync: say it once per process
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        log.error(msg, *args)
-
-
-def nodeport_destinations(addrs: Sequence[str], node: NodeInfo, family: IPFamily) -> tuple[tuple[str, ...], ...]:
-    """Arguments of each KUBE-SERVICES -> KUBE-NODEPORTS rule of one family, from ``--nodeport-addresses``.
-
-    As upstream: no CIDR of this family, or one that is 0.0.0.0/0 or ::/0, means every local address except
-    loopback. Loopback is never a NodePort address (localhost NodePorts are not supported, see __init__.py), so a
-    loopback CIDR (or address, with ``primary``) is skipped with an error in the log, and a CIDR around loopback is
-    split into the CIDRs around it (``-d`` can be given once per rule)."""
-    loop = _LOOPBACK[family]
-    cidrs: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
-    primary: list[str] = []  # "primary": the Node's addresses of this family (upstream's /32 or /128 of each)
-    for item in addrs:
-        if item == "primary":
-            primary.extend(ip for ip in node.addresses if IPFamily.of(ip) == family)
-            continue
-        try:
-            net = ipaddress.ip_network(item, strict=False)
-        except ValueError:
-            continue
-        if (net.version == 6) == (family == IPFamily.V6):
-            cidrs.append(net)
-    if (not cidrs and not primary) or any(n.prefixlen == 0 for n in cidrs):
-        # every local address but loopback (upstream excludes 127.0.0.0/8 only when localhostNodePorts is off)
-        return (("-m", "addrtype", "--dst-type", "LOCAL", "!", "-d", str(loop)),)
-    dests: list[tuple[str, ...]] = []
-    for ip in primary:
-        if ipaddress.ip_address(ip) in loop:
-            _log_once(ip, "--nodeport-addresses: node address %s is loopback; localhost NodePorts are unsupported", ip)
-            continue
-        dests.append(("-d", ip))
-    for net in cidrs:
-        if net.subnet_of(loop):  # type: ignore[arg-type]
-            _log_once(str(net), "--nodeport-addresses includes loopback %s; localhost NodePorts are not supported", net)
-            continue
-        # Upstream resolves the node's addresses inside each CIDR once per sync; matching the CIDR together with
-        # dst-type LOCAL selects the same addresses and follows address changes without a resync.
-        parts = sorted(net.address_exclude(loop)) if loop.subnet_of(net) else [net]  # type: ignore[arg-type]
-        dests.extend(("-d", str(p), "-m", "addrtype", "--dst-type", "LOCAL") for p in parts)
+def nodeport_destinations(fc: FamilyContext) -> tuple[tuple[str, ...], ...]:
+    """Arguments of each KUBE-SERVICES -> KUBE-NODEPORTS rule of one family, from the node context's NodePort
+    addresses (``kproxy.nodeaddr``: ``--nodeport-addresses`` with loopback left out; localhost NodePorts are not
+    supported, see __init__.py). Every local address but loopback is ``addrtype LOCAL`` minus loopback; CIDRs are
+    ``-d CIDR`` with ``addrtype LOCAL`` (upstream resolves the node's addresses inside each CIDR once per sync;
+    matching the CIDR together with dst-type LOCAL selects the same addresses and follows address changes without a
+    resync); ``primary`` addresses are ``-d IP``."""
+    if fc.nodeport_all_local:
+        return (("-m", "addrtype", "--dst-type", "LOCAL", "!", "-d", str(LOOPBACK[fc.family])),)
+    dests: list[tuple[str, ...]] = [("-d", ip) for ip in fc.nodeport_ips]
+    dests.extend(("-d", c, "-m", "addrtype", "--dst-type", "LOCAL") for c in fc.nodeport_cidrs)
     return tuple(dests)
 
 
@@ -435,8 +413,8 @@ def render_service(sp: ServicePort, ctx: Context) -> Fragment:
         args = f"-m comment --comment {quote(name + ' cluster IP')} {pmatch} -d {cip} --dport {port}"
         if ctx.masquerade_all:
             rules.append(f"-A {internal_chain} {args} -j KUBE-MARK-MASQ")
-        elif ctx.local_cidr:
-            rules.append(f"-A {internal_chain} {args} ! -s {ctx.local_cidr} -j KUBE-MARK-MASQ")
+        elif ctx.if_not_local:
+            rules.append(f"-A {internal_chain} {args} {ctx.if_not_local} -j KUBE-MARK-MASQ")
 
     if uses_ext_chain:
         chains.append(ext_chain)
@@ -446,10 +424,10 @@ def render_service(sp: ServicePort, ctx: Context) -> Fragment:
                 f"{quote('masquerade traffic for ' + name + ' external destinations')} -j KUBE-MARK-MASQ"
             )
         else:
-            if ctx.local_cidr and uses_cluster_chain:
+            if ctx.if_local and uses_cluster_chain:
                 rules.append(
                     f"-A {ext_chain} -m comment --comment {quote('pod traffic for ' + name + ' external destinations')}"
-                    f" -s {ctx.local_cidr} -j {svc_chain}"
+                    f" {ctx.if_local} -j {svc_chain}"
                 )
             rules.append(
                 f"-A {ext_chain} -m comment --comment "

@@ -135,8 +135,9 @@ def test_full_sync_programs_both_families(netns: str, flavour: str) -> None:
     assert "--to-destination [fd00:198:18:1::1]:80" in v6
     assert "! -d ::1/128" in v6 and "! -d 127.0.0.0/8" in v4
     assert res.counts["IPv4/nat/total"] > 10 and res.counts["IPv6/filter/total"] >= 4
-    described = p.describe(A)["services"]["ns1/a:http/TCP"]["IPv4"]
-    assert described["applied"] and described["internal"] == "forward" and svc in described["chains"]
+    described = p.describe(A)
+    common, detail = described["services"]["ns1/a:http/TCP"]["IPv4"], described["detail"]["services"]
+    assert common["applied"] and common["internal"] == "forward" and svc in detail["ns1/a:http/TCP"]["IPv4"]["chains"]
     outcomes = p.trace("198.18.1.50", "tcp", "198.19.0.1", 80)["outcomes"]
     assert sorted(o["verdict"] for o in outcomes) == ["DNAT 198.18.1.1:80", "DNAT 198.18.1.2:80"]
     # a second full sync adopts what is there: jumps are not duplicated, nothing is lost

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kproxy import nodeaddr
 from kproxy.backends.iptables import adopt, render
 from kproxy.backends.iptables import trace as tr
 from kproxy.backends.iptables.cleanup import cleanup_payload, cleanup_payloads
@@ -222,8 +223,8 @@ def test_nodeport_addresses_match_all_and_loopback(caplog: pytest.LogCaptureFixt
         == everything6
     )
     # loopback CIDRs are skipped, with an error in the log (once per process)
-    render._LOGGED.clear()
-    with caplog.at_level("ERROR", logger=render.__name__):
+    nodeaddr._LOGGED.clear()  # the node context decides it, once for every backend
+    with caplog.at_level("ERROR", logger=nodeaddr.__name__):
         cfg = CFG.with_(nodeport_addresses=("127.0.0.0/8", "198.19.0.0/16", "::1/128", "127.0.0.1/32"))
         assert render.make_context(cfg, NODE, IPFamily.V4).nodeport_destinations == (
             ("-d", "198.19.0.0/16", "-m", "addrtype", "--dst-type", "LOCAL"),

@@ -7,8 +7,10 @@ import re
 import pytest
 from prometheus_client import generate_latest
 
+from kproxy.backends.iptables.proxier import IptablesProxier
+from kproxy.config import ProxyConfig
 from kproxy.metrics import NETWORK_PROGRAMMING_BUCKETS, SYNC_BUCKETS, Metrics
-from kproxy.model import IPFamily
+from kproxy.model import IPFamily, SyncResult
 
 # Upstream's v1.34 metric reference for kube-proxy: exposed name -> (TYPE, label names).
 UPSTREAM = {
@@ -22,18 +24,32 @@ UPSTREAM = {
     "kubeproxy_sync_proxy_rules_endpoint_changes_total": ("counter", set()),
     "kubeproxy_sync_proxy_rules_service_changes_pending": ("gauge", set()),
     "kubeproxy_sync_proxy_rules_service_changes_total": ("counter", set()),
-    "kubeproxy_sync_proxy_rules_iptables_total": ("gauge", {"ip_family", "table"}),
-    "kubeproxy_sync_proxy_rules_iptables_last": ("gauge", {"ip_family", "table"}),
-    "kubeproxy_sync_proxy_rules_iptables_restore_failures_total": ("counter", {"ip_family"}),
-    "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total": ("counter", {"ip_family"}),
-    "kubeproxy_sync_proxy_rules_nftables_sync_failures_total": ("counter", {"ip_family"}),
-    "kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total": ("counter", {"ip_family"}),
     "kubeproxy_sync_proxy_rules_no_local_endpoints_total": ("gauge", {"ip_family", "traffic_policy"}),
     "kubeproxy_proxy_healthz_total": ("counter", {"code"}),
     "kubeproxy_proxy_livez_total": ("counter", {"code"}),
     "kubeproxy_conntrack_reconciler_deleted_entries_total": ("counter", {"ip_family"}),
     "kubeproxy_conntrack_reconciler_sync_duration_seconds": ("histogram", {"ip_family"}),
 }
+
+# Registered by the iptables backend only, as upstream's RegisterMetrics(mode) does (the nftables backend's own are
+# tested with it).
+UPSTREAM_IPTABLES = {
+    "kubeproxy_sync_proxy_rules_iptables_total": ("gauge", {"ip_family", "table"}),
+    "kubeproxy_sync_proxy_rules_iptables_last": ("gauge", {"ip_family", "table"}),
+    "kubeproxy_sync_proxy_rules_iptables_restore_failures_total": ("counter", {"ip_family"}),
+    "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total": ("counter", {"ip_family"}),
+}
+UPSTREAM.update(UPSTREAM_IPTABLES)
+
+
+def iptables_metrics(families: list[IPFamily] | None = None) -> tuple[Metrics, IptablesProxier]:
+    """The metrics a daemon in iptables mode exposes: the common ones plus the backend's own (no kernel touched)."""
+    fams = families if families is not None else [IPFamily.V4, IPFamily.V6]
+    m = Metrics(fams)
+    backend = IptablesProxier(ProxyConfig(ip_families=tuple(fams) or (IPFamily.V4,)))
+    backend.register_metrics(m.registry, fams)
+    return m, backend
+
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
 
@@ -54,7 +70,7 @@ def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     return out
 
 
-def touch_everything(m: Metrics) -> None:
+def touch_everything(m: Metrics, backend: IptablesProxier) -> None:
     v4 = IPFamily.V4
     m.observe_sync(v4, 0.02, full=True)
     m.observe_sync(v4, 0.01, full=False)
@@ -63,11 +79,8 @@ def touch_everything(m: Metrics) -> None:
     m.observe_network_programming(v4, [1699999998.0], now=1700000000.0)
     m.add_changes(services=2, endpoints=3)
     m.set_pending(services=1, endpoints=4)
-    m.set_iptables_rules(v4, "nat", total=120, last=30)
-    m.sync_proxy_rules_iptables_restore_failures_total.labels(v4.label).inc()
-    m.sync_proxy_rules_iptables_partial_restore_failures_total.labels(v4.label).inc()
-    m.sync_proxy_rules_nftables_sync_failures_total.labels(v4.label).inc()
-    m.sync_proxy_rules_nftables_cleanup_failures_total.labels(v4.label).inc()
+    counts = {"IPv4/nat/total": 120, "IPv4/nat/last": 30, "IPv4/kernel_refusals": 1}
+    backend.observe_sync(v4, SyncResult(ok=False, counts=counts), full=False, ok=False)
     m.set_no_local_endpoints(v4, internal=1, external=2)
     m.count_healthz(200)
     m.count_livez(503)
@@ -75,15 +88,15 @@ def touch_everything(m: Metrics) -> None:
 
 
 def test_every_upstream_metric_is_exposed_with_its_type() -> None:
-    text = exposition(Metrics())
+    text = exposition(iptables_metrics()[0])
     for name, (kind, _) in UPSTREAM.items():
         assert f"# TYPE {name} {kind}\n" in text, name
         assert f"# HELP {name} " in text, name
 
 
 def test_labels_match_upstream() -> None:
-    m = Metrics()
-    touch_everything(m)
+    m, backend = iptables_metrics()
+    touch_everything(m, backend)
     seen: dict[str, set[str]] = {}
     for name, labels, _ in samples(exposition(m)):
         base = re.sub(r"_(bucket|sum|count)$", "", name) if name not in UPSTREAM else name
@@ -94,8 +107,8 @@ def test_labels_match_upstream() -> None:
 
 
 def test_no_created_series_and_nothing_unexpected_under_kubeproxy_prefix() -> None:
-    m = Metrics([IPFamily.V4, IPFamily.V6])
-    touch_everything(m)
+    m, backend = iptables_metrics([IPFamily.V4, IPFamily.V6])
+    touch_everything(m, backend)
     text = exposition(m)
     assert "_created" not in text
     families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE kubeproxy_")}
@@ -118,9 +131,15 @@ def test_buckets_are_upstreams() -> None:
     assert len(les) == 16 and les[0] == "0.001" and les[-1] == "+Inf"
 
 
+def test_mode_metrics_are_the_backends_own() -> None:
+    """No mode's metrics without its backend: a node in another mode exposes none of iptables' series."""
+    text = exposition(Metrics([IPFamily.V4]))
+    assert not any(name in text for name in UPSTREAM_IPTABLES)
+
+
 def test_helpers_set_values() -> None:
-    m = Metrics()
-    touch_everything(m)
+    m, backend = iptables_metrics()
+    touch_everything(m, backend)
     v4 = {"ip_family": "IPv4"}
     assert m.value("kubeproxy_sync_proxy_rules_duration_seconds_count", v4) == 2
     assert m.value("kubeproxy_sync_full_proxy_rules_duration_seconds_count", v4) == 1
@@ -138,13 +157,12 @@ def test_helpers_set_values() -> None:
 
 
 def test_families_start_at_zero_and_counts_feed_iptables_gauges() -> None:
-    m = Metrics([IPFamily.V6])
+    m, backend = iptables_metrics([IPFamily.V6])
     v6 = {"ip_family": "IPv6"}
     assert m.value("kubeproxy_sync_proxy_rules_iptables_restore_failures_total", v6) == 0
     assert m.value("kubeproxy_sync_proxy_rules_iptables_restore_failures_total", {"ip_family": "IPv4"}) is None
-    m.observe_counts(
-        IPFamily.V6, {"IPv6/filter/total": 7, "IPv6/filter/last": 2, "IPv4/filter/total": 99, "services": 3}
-    )
+    counts = {"IPv6/filter/total": 7, "IPv6/filter/last": 2, "IPv4/filter/total": 99, "services": 3}
+    backend.observe_sync(IPFamily.V6, SyncResult(counts=counts), full=True, ok=True)
     assert m.value("kubeproxy_sync_proxy_rules_iptables_total", {**v6, "table": "filter"}) == 7
     assert m.value("kubeproxy_sync_proxy_rules_iptables_last", {**v6, "table": "filter"}) == 2
 
@@ -162,16 +180,14 @@ def test_registries_are_independent() -> None:
 
 
 def test_sync_failures_feed_the_modes_own_counters() -> None:
-    m = Metrics([IPFamily.V4])
+    m, backend = iptables_metrics([IPFamily.V4])
     v4 = {"ip_family": "IPv4"}
-    m.count_sync_failure("iptables", IPFamily.V4, full=True)
-    m.count_sync_failure("iptables", IPFamily.V4, full=False)
-    m.count_sync_failure("nftables", IPFamily.V4, full=False)
-    m.count_sync_failure("bpf", IPFamily.V4, full=True)
+    failed = SyncResult(ok=False, error="refused")  # failed before naming a refusal: one failure
+    backend.observe_sync(IPFamily.V4, failed, full=True, ok=False)
+    backend.observe_sync(IPFamily.V4, failed, full=False, ok=False)
     # as upstream: every failed restore counts, and a partial one counts in the partial counter as well
     assert m.value("kubeproxy_sync_proxy_rules_iptables_restore_failures_total", v4) == 2
     assert m.value("kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total", v4) == 1
-    assert m.value("kubeproxy_sync_proxy_rules_nftables_sync_failures_total", v4) == 1
     # the daemon reports a failed sync through observe_sync(ok=False) too: counted once there, not twice
     m.observe_sync(IPFamily.V4, 0.1, False, ok=False)
     assert m.value("kproxy_syncs_total", {**v4, "result": "failure"}) == 1

@@ -6,6 +6,8 @@ from types import MappingProxyType
 
 import pytest
 
+from kproxy.config import ProxyConfig
+from kproxy.fake import FakeProxier
 from kproxy.model import (
     Changes,
     Endpoint,
@@ -17,7 +19,7 @@ from kproxy.model import (
     ServicePortName,
     Verdict,
 )
-from kproxy.proxier import MODE_NAMES, BackendError, FakeProxier, Proxier, availability, backend_class
+from kproxy.proxier import MODE_NAMES, BackendError, Proxier, availability, backend_class
 
 
 def test_mode_table_order() -> None:
@@ -40,7 +42,7 @@ def test_missing_methods_name_themselves() -> None:
     class Half(Proxier):
         mode = "half"
 
-    p = Half.__new__(Half)
+    p = Half(ProxyConfig())
     with pytest.raises(NotImplementedError, match="'sync"):
         p.sync(ProxyState({}, NodeInfo("n")), Changes(full=True))
     with pytest.raises(NotImplementedError, match="'cleanup"):
@@ -72,7 +74,9 @@ def test_fake_records_full_and_partial() -> None:
     fake.sync(_state(a2), Changes(full=False, services=frozenset({a.name, b.name})))
     assert list(fake.programmed.values()) == [a2]
     desc = fake.describe()
-    assert desc["services"]["ns/a:http/TCP"]["IPv4"]["endpoints"] == [f"198.18.65.{i}:8080" for i in (10, 11, 12)]
+    assert desc["services"]["ns/a:http/TCP"]["IPv4"]["internalEndpoints"] == [
+        f"198.18.65.{i}:8080" for i in (10, 11, 12)
+    ]
 
 
 def test_fake_failures_and_rejections() -> None:

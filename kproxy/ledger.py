@@ -1,0 +1,473 @@
+"""What is programmed, kept by the core: the ledger every backend syncs through.
+
+A backend knows how to turn one ``ServicePort`` into kernel state and how to apply a batch of such changes. Everything
+around that is the same for every mode and lives here, once, tested once (with ``kproxy.fake.FakeProxier``):
+
+- per IP family, each service's last-applied ``ServicePort`` and the backend's *fragment* for it (whatever the backend
+  renders one service to: chain text, map elements, BPF map entries, a socket spec), the services the kernel refused
+  (kept on their old version or left out, with the reason), and whether a full sync is owed;
+- turning ``sync(state, changes)`` into ``Delta`` values (service, old port + old fragment, new port + new fragment)
+  and handing them to ``apply`` in a ``Batch``: partial batches hold the dirty services only; full batches (first
+  sync, after a failure, a changed node context, periodically, or when the backend says its state vanished) hold
+  every service whose fragment differs from what the kernel holds, which the backend's ``adopt`` reads once, so a
+  restart with nothing changed writes nothing;
+- the refusal rounds: a service the kernel refuses is retried without it, up to ``MAX_ROUNDS`` times: it keeps its
+  previously applied fragment if it had one (as upstream, whose failed restore leaves every old rule in place), else
+  it is left out (treated as absent: no reject rule either), and it is reported in ``SyncResult.failed`` (the cache
+  keeps it dirty, so the next sync retries it);
+- the published snapshot behind ``describe()``: replaced whole after every sync, read without any lock, so ``/rules``
+  answers at once while a long full sync runs.
+
+What a ledger-driven backend implements (``LedgerProxier``'s abstract methods): ``context``, ``render``, ``apply``;
+optionally ``adopt`` with ``adopted_unchanged``, ``needs_full``, ``detail`` and ``detail_global``. Threads: every one
+of them but ``detail``/``detail_global`` runs in the runner thread, inside ``sync``; those two run in HTTP threads on
+the published snapshot's fragments and must be pure.
+
+Who uses it: every backend (``backends/<mode>/proxier.py``), ``kproxy.fake``, and tests/unit/test_ledger.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Generic, TypeVar
+
+from kproxy.config import ProxyConfig
+from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
+from kproxy.nodeaddr import FamilyContext, NodeContext, resolve
+from kproxy.proxier import Description, Proxier, ServiceDescription
+
+log = logging.getLogger(__name__)
+
+MAX_ROUNDS = 4  # applies per family per sync when the kernel refuses services one after another
+
+F = TypeVar("F")  # a backend's fragment: what one service port renders to (compared with ==)
+C = TypeVar("C")  # a backend's per-family rendering context (hashable; compared with ==)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta(Generic[F]):
+    """One service port's change in one family. ``old_fragment`` is what the kernel holds (None: nothing, or unknown
+    on a full batch without adoption); ``new_fragment`` None means remove it."""
+
+    name: ServicePortName
+    old: ServicePort | None
+    old_fragment: F | None
+    new: ServicePort | None
+    new_fragment: F | None
+
+    @property
+    def removed(self) -> bool:
+        return self.new_fragment is None
+
+
+@dataclass(slots=True)
+class Batch(Generic[F, C]):
+    """What ``apply`` must make true in one family. ``full``: the kernel must hold exactly ``wanted`` (ensure the
+    base objects, write ``deltas``, remove anything of the mode's that ``wanted`` lacks); otherwise only ``deltas``.
+    ``applied`` is what the ledger records as in the kernel before this batch; ``adopted`` what ``adopt`` read (full
+    batches only, may be None). ``attempt`` counts the rounds of this family's sync (0 first); ``scratch`` is the
+    backend's own memory across those rounds (what an earlier, partly committed round wrote)."""
+
+    family: IPFamily
+    full: bool
+    context: C
+    previous_context: C | None
+    deltas: tuple[Delta[F], ...]
+    wanted: Mapping[ServicePortName, F]
+    applied: Mapping[ServicePortName, F]
+    state: ProxyState
+    adopted: Any = None
+    attempt: int = 0
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def written(self) -> tuple[ServicePortName, ...]:
+        """The services this batch (re)writes (not removals)."""
+        return tuple(d.name for d in self.deltas if d.new_fragment is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What ``apply`` reports. ``refused``: services the kernel refused (the rest of the batch may or may not have
+    been applied: the ledger retries with those services kept on their old fragment or left out); ``error`` with
+    ``ok`` False and nothing refused: the family failed as a whole (a full sync follows). ``counts``/``timings`` feed
+    metrics and ``/rules``; ``need_full`` asks for a full sync soon."""
+
+    ok: bool = True
+    refused: Mapping[ServicePortName, str] = field(default_factory=lambda: MappingProxyType({}))
+    error: str | None = None
+    counts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    timings: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    need_full: bool = False
+
+
+@dataclass(slots=True)
+class FamilyRecord(Generic[F, C]):
+    """The ledger of one family: what the last successful batches left in the kernel."""
+
+    context: C | None = None
+    services: dict[ServicePortName, ServicePort] = field(default_factory=dict)
+    fragments: dict[ServicePortName, F] = field(default_factory=dict)
+    failed: dict[ServicePortName, str] = field(default_factory=dict)
+    need_full: bool = True  # first sync, or the last sync of this family failed
+
+
+@dataclass(frozen=True, slots=True)
+class Published(Generic[F]):
+    """An immutable view of one family's record, swapped in whole after each sync (``describe`` reads it)."""
+
+    services: Mapping[ServicePortName, ServicePort]
+    fragments: Mapping[ServicePortName, F]
+    failed: Mapping[ServicePortName, str]
+
+
+def _empty_published() -> Published[Any]:
+    return Published(MappingProxyType({}), MappingProxyType({}), MappingProxyType({}))
+
+
+def describe_port(sp: ServicePort | None, applied: bool, failed: str | None) -> ServiceDescription:
+    """The common part of ``describe()`` for one service port of one family."""
+    if sp is None:
+        return {"applied": applied, "failed": failed}
+    return {
+        "clusterIP": sp.cluster_ip,
+        "port": sp.port,
+        "nodePort": sp.node_port,
+        "externalIPs": list(sp.external_ips),
+        "loadBalancerIPs": list(sp.load_balancer_ips),
+        "loadBalancerSourceRanges": list(sp.load_balancer_source_ranges),
+        "sessionAffinitySeconds": sp.affinity_timeout,
+        "internalTrafficPolicyLocal": sp.internal_policy_local,
+        "externalTrafficPolicyLocal": sp.external_policy_local,
+        "internal": sp.internal_verdict.value,
+        "external": sp.external_verdict.value,
+        "internalEndpoints": [str(e) for e in sp.internal_endpoints],
+        "externalEndpoints": [str(e) for e in sp.external_endpoints],
+        "applied": applied,
+        "failed": failed,
+    }
+
+
+def service_key(spn: ServicePortName) -> str:
+    """The key of a service port in ``describe()`` and ``kernel_view()``: ``ns/name[:port]/PROTO``."""
+    return f"{spn}/{spn.protocol.value}"
+
+
+class LedgerProxier(Proxier, Generic[F, C]):
+    """A backend that syncs through the ledger: implement ``context``, ``render`` and ``apply`` (and the optional
+    methods below); ``sync``, ``describe`` and the refusal rounds come from here."""
+
+    def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
+        super().__init__(config, netns=netns)
+        self.families: tuple[IPFamily, ...] = tuple(f for f in (IPFamily.V4, IPFamily.V6) if f in config.ip_families)
+        self.records: dict[IPFamily, FamilyRecord[F, C]] = {f: FamilyRecord() for f in self.families}
+        self._published: dict[IPFamily, Published[F]] = {f: _empty_published() for f in self.families}
+        self._published_generation = 0
+        self._node: NodeContext | None = None
+
+    # -- what a backend implements -----------------------------------------------------------------------------
+
+    def context(self, node: FamilyContext, state: ProxyState) -> C:
+        """The family's rendering context (hashable); when it differs from the last applied one, the ledger does a
+        full batch (every fragment may differ)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement 'context(node, state)'")
+
+    def render(self, sp: ServicePort, ctx: C) -> F:
+        """One service port's fragment (pure: no kernel, no shared state; tests assert on it)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement 'render(sp, ctx)'")
+
+    def apply(self, batch: Batch[F, C]) -> Applied:
+        """Make the kernel hold what ``batch`` says (see ``Batch``); report refused services or an error."""
+        raise NotImplementedError(f"{type(self).__name__} must implement 'apply(batch)'")
+
+    def adopt(self, family: IPFamily, ctx: C) -> Any:
+        """What the kernel holds now for this mode (read once per full batch), or None when unknown; services it
+        already holds exactly (``adopted_unchanged``) get no delta. Default: None (full batches rewrite all)."""
+        return None
+
+    def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: F) -> bool:
+        """Whether ``adopted`` (from ``adopt``) holds ``fragment`` for ``name`` exactly."""
+        get = getattr(adopted, "get", None)
+        return get is not None and get(name) == fragment
+
+    def needs_full(self, family: IPFamily) -> bool:
+        """A cheap check at the start of a partial sync (rate-limit it): True when this mode's state vanished from
+        the kernel (someone flushed it), so this family gets a full batch that repairs it."""
+        return False
+
+    def detail(self, name: ServicePortName, family: IPFamily, fragment: F) -> dict[str, Any]:
+        """The backend's own detail of one applied service (chains, elements, ...), for ``describe()`` (pure)."""
+        return {}
+
+    def detail_global(self) -> dict[str, Any]:
+        """The backend's own global detail for ``describe()`` (counts, flavour, ...); any thread, no lock."""
+        return {}
+
+    # -- the contract ------------------------------------------------------------------------------------------
+
+    @property
+    def node_context(self) -> NodeContext | None:
+        """The node context of the last sync."""
+        return self._node
+
+    def sync(self, state: ProxyState, changes: Changes, node: NodeContext | None = None) -> SyncResult:
+        """Sync every family through the ledger, each on its own (as upstream runs one proxier per family): a family
+        the kernel keeps refusing does not stop the other, and only the failed family needs a full sync next."""
+        t0 = time.perf_counter()
+        if node is None:  # tests and benchmarks: the daemon resolves it once per sync for everyone
+            node = resolve(self.config, state.node, families=self.families)
+        self._node = node
+        failed: dict[ServicePortName, str] = {}
+        counts: dict[str, int] = {}
+        timings: dict[str, float] = {}
+        errors: list[str] = []
+        failed_families: set[IPFamily] = set()
+        did_full = need_full = False
+        for fam in self.families:
+            error, fam_full, fam_need_full = self._sync_family(
+                fam, state, changes, node.family(fam), failed, counts, timings
+            )
+            did_full = did_full or fam_full
+            need_full = need_full or fam_need_full
+            counts[f"{fam.value}/full"] = int(fam_full)
+            if error is not None:
+                errors.append(f"{fam.value}: {error}")
+                failed_families.add(fam)
+        self._published_generation = state.generation
+        timings["total"] = time.perf_counter() - t0
+        return SyncResult(
+            ok=not errors,
+            full=did_full,
+            error="; ".join(errors) or None,
+            failed=MappingProxyType(failed),
+            counts=MappingProxyType(counts),
+            timings=MappingProxyType(timings),
+            need_full_sync=need_full,
+            failed_families=frozenset(failed_families),
+        )
+
+    def forget(self) -> None:
+        """Drop every record (after ``cleanup``): the next sync is a full one that rewrites everything."""
+        for fam in self.families:
+            self.records[fam] = FamilyRecord()
+            self._published[fam] = _empty_published()
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        self.forget()
+
+    def applied_fragments(self, family: IPFamily) -> Mapping[ServicePortName, F]:
+        """The fragments the ledger records as in the kernel (the published snapshot; any thread)."""
+        return self._published[family].fragments
+
+    def describe(self, key: ServicePortName | None = None) -> Description:
+        """The published snapshot's common part, with the backend's detail beside it; never waits for a sync."""
+        services: dict[str, dict[str, ServiceDescription]] = {}
+        detail: dict[str, dict[str, Any]] = {}
+        for fam in self.families:
+            pub = self._published[fam]  # one reference read: a consistent view even while a sync runs
+            names: Iterable[ServicePortName]
+            if key is not None:
+                names = [key] if key in pub.services or key in pub.failed else []
+            else:
+                names = sorted(set(pub.services) | set(pub.failed))
+            for spn in names:
+                frag = pub.fragments.get(spn)
+                k = service_key(spn)
+                services.setdefault(k, {})[fam.value] = describe_port(
+                    pub.services.get(spn), frag is not None, pub.failed.get(spn)
+                )
+                if frag is not None:
+                    detail.setdefault(k, {})[fam.value] = self.detail(spn, fam, frag)
+        return {
+            "mode": self.mode,
+            "generation": self._published_generation,
+            "services": services,
+            "detail": {"services": detail, **self.detail_global()},
+        }
+
+    # -- one family --------------------------------------------------------------------------------------------
+
+    def _sync_family(
+        self,
+        fam: IPFamily,
+        state: ProxyState,
+        changes: Changes,
+        node: FamilyContext,
+        failed: dict[ServicePortName, str],
+        counts: dict[str, int],
+        timings: dict[str, float],
+    ) -> tuple[str | None, bool, bool]:
+        """(error or None, whether it was a full batch, whether the backend asks for a full sync)."""
+        rec = self.records[fam]
+        r0 = time.perf_counter()
+        ctx = self.context(node, state)
+        full = changes.full or rec.need_full or ctx != rec.context
+        if not full:
+            c0 = time.perf_counter()
+            if self.needs_full(fam):
+                log.warning("%s: this mode's kernel state is gone (flushed by someone?): full resync", fam.value)
+                full = True
+            _add(timings, "check", time.perf_counter() - c0)
+        services = state.family(fam)
+        adopted: Any = None
+        if full:
+            a0 = time.perf_counter()
+            adopted = self.adopt(fam, ctx)
+            _add(timings, "adopt", time.perf_counter() - a0)
+        names = (
+            list(services.keys() | rec.fragments.keys())
+            if full
+            else [spn for spn in changes.services if spn in services or spn in rec.fragments or spn in rec.failed]
+        )
+        rendered: dict[ServicePortName, F] = {}
+        keep: set[ServicePortName] = set()  # refused update: the fragment applied before stays
+        skip: set[ServicePortName] = set()  # refused and nothing (acceptable) before: left out, treated as absent
+        refusals = 0
+        scratch: dict[str, Any] = {}
+        need_full = False
+        error: str | None = None
+        render_s = time.perf_counter() - r0
+        for attempt in range(MAX_ROUNDS):
+            r1 = time.perf_counter()
+            deltas: list[Delta[F]] = []
+            ports: dict[ServicePortName, ServicePort] = {}  # the version each wanted fragment stands for
+            wanted: dict[ServicePortName, F] = {} if full else dict(rec.fragments)
+            for spn in names:
+                sp = services.get(spn)
+                old_sp, old_frag = rec.services.get(spn), rec.fragments.get(spn)
+                new_sp: ServicePort | None
+                new_frag: F | None
+                if spn in keep:
+                    new_sp, new_frag = old_sp, old_frag
+                elif spn in skip or sp is None:
+                    new_sp, new_frag = None, None
+                else:
+                    new_sp = sp
+                    new_frag = rendered.get(spn)
+                    if new_frag is None:
+                        new_frag = rendered[spn] = self.render(sp, ctx)
+                if new_frag is None:
+                    wanted.pop(spn, None)
+                else:
+                    assert new_sp is not None
+                    wanted[spn] = new_frag
+                    ports[spn] = new_sp
+                    if full and adopted is not None and self.adopted_unchanged(adopted, spn, new_frag):
+                        continue  # the kernel holds it exactly already: nothing to write
+                if full and new_frag is None and old_frag is None and adopted is None:
+                    continue  # nothing there, nothing wanted
+                deltas.append(Delta(spn, old_sp, old_frag, new_sp, new_frag))
+            render_s += time.perf_counter() - r1
+            batch: Batch[F, C] = Batch(
+                family=fam,
+                full=full,
+                context=ctx,
+                previous_context=rec.context,
+                deltas=tuple(deltas),
+                wanted=MappingProxyType(wanted),
+                applied=MappingProxyType(rec.fragments),
+                state=state,
+                adopted=adopted,
+                attempt=attempt,
+                scratch=scratch,
+            )
+            try:
+                outcome = self.apply(batch)
+            except Exception as exc:  # a backend bug must not lose the ledger: the family fails, a full sync follows
+                log.exception("%s: apply raised", fam.value)
+                outcome = Applied(ok=False, error=f"{type(exc).__name__}: {exc}")
+            for k, n in outcome.counts.items():
+                counts[k] = counts.get(k, 0) + n if k.endswith("kernel_refusals") else n
+            for k, v in outcome.timings.items():
+                _add(timings, k, v)
+            need_full = need_full or outcome.need_full
+            if outcome.ok and not outcome.refused:
+                self._commit(rec, fam, ctx, full, deltas, ports, wanted, keep, skip)
+                error = None
+                break
+            if not outcome.refused:
+                error = outcome.error or "apply failed"
+                break
+            refusals += 1
+            progressed = False
+            for spn, why in outcome.refused.items():
+                if spn in skip:
+                    continue
+                progressed = True
+                if spn not in keep and spn in rec.fragments and spn in names:
+                    log.warning("the kernel refused the new version of %s (%s): keeping its old one", spn, why)
+                    keep.add(spn)
+                else:
+                    log.warning("the kernel refused %s (%s): leaving it out", spn, why)
+                    keep.discard(spn)
+                    skip.add(spn)
+                failed[spn] = why
+                rec.failed[spn] = why
+            if not progressed:
+                error = outcome.error or "the kernel refused services that were already left out"
+                break
+        else:
+            error = f"still refused after {MAX_ROUNDS} rounds: {outcome.error or ''}".rstrip(": ")
+        _add(timings, "render", render_s)
+        # refused transactions: the backend's own count when it keeps one (it also sees refusals it retried itself)
+        if refusals:
+            counts.setdefault(f"{fam.value}/kernel_refusals", refusals)
+        if error is not None:
+            rec.need_full = True
+            rec.context = None  # unknown now: the next full sync adopts what the kernel holds
+            self._publish(fam)
+            return error, full, need_full
+        counts[f"{fam.value}/services"] = len(rec.fragments)
+        return None, full, need_full
+
+    def _commit(
+        self,
+        rec: FamilyRecord[F, C],
+        fam: IPFamily,
+        ctx: C,
+        full: bool,
+        deltas: list[Delta[F]],
+        ports: Mapping[ServicePortName, ServicePort],
+        wanted: Mapping[ServicePortName, F],
+        keep: set[ServicePortName],
+        skip: set[ServicePortName],
+    ) -> None:
+        """Record a successful batch: the kernel now holds ``wanted``."""
+        if full:
+            rec.services = {spn: ports[spn] for spn in wanted}
+            rec.fragments = dict(wanted)
+            rec.failed = {spn: why for spn, why in rec.failed.items() if spn in keep or spn in skip}
+        else:
+            for d in deltas:
+                if d.name in keep:
+                    continue  # still the old version, reported in failed
+                if d.new_fragment is None:
+                    rec.services.pop(d.name, None)
+                    rec.fragments.pop(d.name, None)
+                    if d.name not in skip:
+                        rec.failed.pop(d.name, None)
+                else:
+                    assert d.new is not None
+                    rec.services[d.name] = d.new
+                    rec.fragments[d.name] = d.new_fragment
+                    rec.failed.pop(d.name, None)
+        rec.context = ctx
+        rec.need_full = False
+        self._publish(fam)
+
+    def _publish(self, fam: IPFamily) -> None:
+        rec = self.records[fam]
+        self._published[fam] = Published(
+            MappingProxyType(dict(rec.services)),
+            MappingProxyType(dict(rec.fragments)),
+            MappingProxyType(dict(rec.failed)),
+        )
+
+
+def _add(timings: dict[str, float], key: str, seconds: float) -> None:
+    timings[key] = timings.get(key, 0.0) + seconds

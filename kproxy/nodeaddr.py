@@ -1,0 +1,248 @@
+"""This node's context, resolved once per sync: how local traffic is told apart, where NodePorts answer, which
+addresses are this node's. Every backend, the service health servers and the conntrack reconciler read the same
+frozen value, so they can never disagree about "is this address the node" or "is this packet from a local pod".
+
+Upstream spreads this over ``pkg/proxy/util/localdetector.go`` (LocalTrafficDetector: ``--detect-local-mode``
+ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix) and ``pkg/proxy/util/nodeport_addresses.go``
+(``--nodeport-addresses``: CIDRs or ``primary``; none, or a 0.0.0.0/0 / ::/0, means every local address). The
+decisions are made here in kproxy's terms; each backend spells them in its own syntax (``-s CIDR`` / ``-i br0`` for
+iptables, ``ip saddr CIDR`` / ``iifname "veth*"`` for nftables, a prefix check in a BPF program).
+
+Localhost NodePorts are not supported by any mode (upstream's ``localhostNodePorts`` needs ``route_localnet``): a
+loopback CIDR in ``--nodeport-addresses`` is skipped with an error in the log, and a CIDR around loopback is split
+into the CIDRs around it.
+
+Who uses it: the daemon (``resolve`` once per sync, handed to the ledger, the health servers and the conntrack
+reconciler), backends (``NodeContext.family``), ``kproxy bench`` and tests.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from kproxy.config import ProxyConfig
+from kproxy.model import IPFamily, NodeInfo
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = {IPFamily.V4: ipaddress.ip_network("127.0.0.0/8"), IPFamily.V6: ipaddress.ip_network("::1/128")}
+_LOGGED: set[str] = set()
+
+
+def _log_once(key: str, msg: str, *args: object) -> None:
+    # resolve() runs on every sync: say it once per process
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.error(msg, *args)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalDetect:
+    """How traffic from this node's pods is recognised (upstream's LocalTrafficDetector), for one family.
+
+    ``kind``: ``cidr`` (source address in ``values``: the cluster CIDR, or this node's pod CIDR), ``bridge``
+    (arrives on the bridge interface ``values[0]``), ``prefix`` (arrives on an interface whose name starts with
+    ``values[0]``), or ``none`` (cannot tell: upstream's no-op detector, which masquerades nothing for off-cluster
+    sources and short-circuits nothing).
+    """
+
+    kind: str = "none"
+    values: tuple[str, ...] = ()
+
+    @property
+    def implemented(self) -> bool:
+        return self.kind != "none"
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyContext:
+    """Everything about this node that rules of one IP family depend on, besides the ServicePorts."""
+
+    family: IPFamily
+    local: LocalDetect = LocalDetect()
+    #: NodePorts answer on every local address but loopback (no ``--nodeport-addresses``, or a match-all CIDR)
+    nodeport_all_local: bool = True
+    #: otherwise: CIDRs whose local addresses accept NodePorts (loopback excluded, a CIDR around it split)
+    nodeport_cidrs: tuple[str, ...] = ()
+    #: ``primary``: the Node object's own addresses of this family (each a single address)
+    nodeport_ips: tuple[str, ...] = ()
+    #: the Node object's addresses of this family (upstream's nodeIP: load-balancer source ranges, health servers)
+    node_ips: tuple[str, ...] = ()
+    #: every address this network namespace holds in this family, loopback included
+    local_addresses: tuple[str, ...] = ()
+    masquerade_all: bool = False
+    mark: str = "0x00004000"
+
+    @property
+    def nodeport_addresses(self) -> tuple[str, ...]:
+        """The addresses of this node that accept NodePorts now (resolved against ``local_addresses``)."""
+        loop = LOOPBACK[self.family]
+        mine = [ipaddress.ip_address(a) for a in self.local_addresses]
+        if self.nodeport_all_local:
+            return tuple(str(a) for a in mine if a not in loop)
+        nets = [ipaddress.ip_network(c) for c in self.nodeport_cidrs]
+        out = [str(a) for a in mine if any(a in n for n in nets)]
+        out += [ip for ip in self.nodeport_ips if ip not in out]
+        return tuple(out)
+
+    def without_addresses(self) -> FamilyContext:
+        """This context minus the live address list: what rules that match addresses by kind (``fib daddr type
+        local``, ``addrtype LOCAL``) depend on, so an address change need not rewrite them."""
+        return FamilyContext(
+            self.family,
+            self.local,
+            self.nodeport_all_local,
+            self.nodeport_cidrs,
+            self.nodeport_ips,
+            self.node_ips,
+            (),
+            self.masquerade_all,
+            self.mark,
+        )
+
+
+def _empty() -> Mapping[IPFamily, FamilyContext]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class NodeContext:
+    """The node's context for every family kproxy runs (see the module docstring)."""
+
+    node_name: str = ""
+    families: Mapping[IPFamily, FamilyContext] = field(default_factory=_empty)
+
+    def family(self, family: IPFamily) -> FamilyContext:
+        found = self.families.get(family)
+        return found if found is not None else FamilyContext(family)
+
+    @property
+    def local_addresses(self) -> tuple[str, ...]:
+        return tuple(a for fc in self.families.values() for a in fc.local_addresses)
+
+    @property
+    def nodeport_addresses(self) -> tuple[str, ...]:
+        """Every family's NodePort addresses (the health servers' and the conntrack reconciler's)."""
+        return tuple(a for fc in self.families.values() for a in fc.nodeport_addresses)
+
+    @property
+    def nodeport_restricted(self) -> bool:
+        """Whether ``--nodeport-addresses`` narrows NodePorts (else health servers listen on the wildcard)."""
+        return any(not fc.nodeport_all_local for fc in self.families.values())
+
+    def __hash__(self) -> int:
+        return hash((self.node_name, tuple(sorted(self.families.items()))))
+
+
+def local_detect(config: ProxyConfig, node: NodeInfo, family: IPFamily) -> LocalDetect:
+    """Upstream's LocalTrafficDetector choice for one family (``--detect-local-mode``)."""
+    mode = config.detect_local_mode
+    if mode == "NodeCIDR":
+        cidrs = tuple(c for c in node.pod_cidrs if IPFamily.of(c) == family)[:1]
+        return LocalDetect("cidr", cidrs) if cidrs else LocalDetect()
+    if mode == "BridgeInterface":
+        return LocalDetect("bridge", (config.pod_bridge_interface,)) if config.pod_bridge_interface else LocalDetect()
+    if mode == "InterfaceNamePrefix":
+        prefix = config.pod_interface_name_prefix
+        return LocalDetect("prefix", (prefix,)) if prefix else LocalDetect()
+    cidrs = config.cluster_cidrs_for(family)[:1]
+    return LocalDetect("cidr", cidrs) if cidrs else LocalDetect()
+
+
+def nodeports(addrs: Sequence[str], node: NodeInfo, family: IPFamily) -> tuple[bool, tuple[str, ...], tuple[str, ...]]:
+    """``--nodeport-addresses`` for one family: (every local address but loopback, CIDRs, primary addresses).
+
+    As upstream: no CIDR of this family, or one that is 0.0.0.0/0 or ::/0, means every local address (loopback
+    excluded here, see the module docstring). ``primary`` means the Node's addresses of the family."""
+    loop = LOOPBACK[family]
+    cidrs: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+    primary: list[str] = []
+    for item in addrs:
+        if item == "primary":
+            primary.extend(ip for ip in node.addresses if IPFamily.of(ip) == family)
+            continue
+        try:
+            net = ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            continue
+        if (net.version == 6) == (family == IPFamily.V6):
+            cidrs.append(net)
+    if (not cidrs and not primary) or any(n.prefixlen == 0 for n in cidrs):
+        return True, (), ()
+    ips: list[str] = []
+    for ip in primary:
+        if ipaddress.ip_address(ip) in loop:
+            _log_once(ip, "--nodeport-addresses: node address %s is loopback; localhost NodePorts are unsupported", ip)
+            continue
+        ips.append(ip)
+    out: list[str] = []
+    for net in cidrs:
+        if net.subnet_of(loop):  # type: ignore[arg-type]
+            _log_once(str(net), "--nodeport-addresses includes loopback %s; localhost NodePorts are not supported", net)
+            continue
+        parts = sorted(net.address_exclude(loop)) if loop.subnet_of(net) else [net]  # type: ignore[arg-type]
+        out.extend(str(p) for p in parts)
+    return False, tuple(out), tuple(ips)
+
+
+def resolve(
+    config: ProxyConfig,
+    node: NodeInfo,
+    addresses: Iterable[str] = (),
+    families: Sequence[IPFamily] | None = None,
+) -> NodeContext:
+    """The node's context for ``families`` (default: the config's) from the config, the Node object and this
+    namespace's ``addresses`` (``local_addresses()``; pure, so tests pass their own)."""
+    fams = tuple(families) if families is not None else tuple(config.ip_families)
+    addrs = [str(ipaddress.ip_address(a)) for a in addresses]
+    out: dict[IPFamily, FamilyContext] = {}
+    for fam in fams:
+        all_local, cidrs, ips = nodeports(config.nodeport_addresses, node, fam)
+        out[fam] = FamilyContext(
+            family=fam,
+            local=local_detect(config, node, fam),
+            nodeport_all_local=all_local,
+            nodeport_cidrs=cidrs,
+            nodeport_ips=ips,
+            node_ips=tuple(ip for ip in node.addresses if IPFamily.of(ip) == fam),
+            local_addresses=tuple(a for a in addrs if IPFamily.of(a) == fam),
+            masquerade_all=config.masquerade_all,
+            mark=config.masquerade_mark,
+        )
+    return NodeContext(config.node_name, MappingProxyType(out))
+
+
+def health_check_addresses(nodeport_addresses: Sequence[str], addresses: Iterable[str]) -> list[str]:
+    """Where healthCheckNodePort servers listen, as upstream's service health server: every address (an empty list:
+    the wildcard) unless ``--nodeport-addresses`` names CIDRs, then this node's ``addresses`` inside any of them,
+    loopback included when a CIDR names it (health checks are plain sockets, not NodePort rules). ``primary`` (the
+    Node's addresses, known only once the Node is listed) keeps the wildcard."""
+    nets = []
+    for c in nodeport_addresses:
+        if c == "primary":
+            continue
+        try:
+            nets.append(ipaddress.ip_network(c, strict=False))
+        except ValueError:
+            continue
+    if not nets:
+        return []
+    return [a for a in addresses if any(ipaddress.ip_address(a) in n for n in nets)]
+
+
+def local_addresses(netns: str | None = None) -> list[str]:
+    """This network namespace's addresses (pyroute2, netlink), or those of the named namespace."""
+    from pyroute2 import IPRoute, NetNS
+
+    with NetNS(netns) if netns else IPRoute() as ipr:
+        out = []
+        for msg in ipr.get_addr():
+            # IFA_LOCAL is the address itself; IFA_ADDRESS is the peer's on point-to-point links (tunnels)
+            addr = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")
+            if addr:
+                out.append(str(addr))
+        return out
