@@ -1,0 +1,1 @@
+"""The nftables mode (placeholder docstring, completed below)."""

@@ -1,0 +1,455 @@
+"""The nftables backend's Proxier: renders fragments with ``render``, applies one libnftables transaction per batch.
+
+It syncs through the core's ledger (``kproxy.ledger.LedgerProxier``): the ledger hands ``apply`` the services that
+changed with what the kernel holds for them; this module turns that into one atomic transaction per family and
+keeps only what the ledger cannot know: which shared chains (``lb-i-3``), hairpin elements and context-set contents
+the kernel holds. A partial sync writes element deletes and adds of the dirty services (plus a shared chain the
+first time an endpoint count appears); a full sync also writes the fixed part where it is missing, reconciles the
+context sets, shared chains and hairpin set, and removes services the kernel holds that are no longer wanted.
+
+A refused transaction changes nothing (nft transactions are atomic); libnftables names the refused commands' lines,
+which map back to the services that own them (``Applied.refused``), and the ledger retries without them. A refusal
+no service owns fails the family (a full sync with adoption follows).
+
+Who uses it: the daemon (through the ``kproxy.backends`` entry point ``nftables``), ``kproxy bench sync``, the lab
+and conformance runs, and tests/integration/test_nftables_*.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from kproxy.config import ProxyConfig
+from kproxy.ledger import Applied, Batch, LedgerProxier
+from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName
+from kproxy.nodeaddr import FamilyContext
+from kproxy.proxier import Availability, BackendError, KernelProbe
+
+from . import adopt as adopt_mod
+from . import render
+from . import trace as trace_mod
+from .kernel import Nft, available
+from .render import Fragment
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL = 1.0  # seconds between "is my table still there" checks at the start of partial syncs
+
+
+@dataclass(slots=True)
+class _KernelState:
+    """What this process knows the kernel holds besides the ledger's fragments (None: unknown, read it)."""
+
+    shared: set[str] = field(default_factory=set)
+    hairpin: set[str] = field(default_factory=set)
+    context: dict[str, Any] | None = None
+    entries: dict[tuple[str, str], ServicePortName] = field(default_factory=dict)  # entry key -> owner
+    known: bool = False
+
+
+class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
+    """kproxy's nftables layout (see the package docstring), applied through libnftables in-process."""
+
+    mode: ClassVar[str] = "nftables"
+    uses_conntrack_nat: ClassVar[bool] = True
+
+    def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
+        super().__init__(config, netns=netns)
+        self._nft: Nft | None = None
+        self._kernel: dict[IPFamily, _KernelState] = {f: _KernelState() for f in self.families}
+        self._checked = float("-inf")
+        self._last_full_text: dict[IPFamily, str] = {}
+        self._last_text: dict[IPFamily, str] = {}
+        self._counts: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------------------------ hooks
+
+    @classmethod
+    def available(cls) -> Availability:
+        why = available()
+        return Availability(why is None, why or "")
+
+    @classmethod
+    def remnants(cls, probe: KernelProbe) -> list[str]:
+        res = probe.run(["nft", "list", "tables"])
+        if res.returncode != 0:
+            raise BackendError(f"nft list tables failed: {res.stderr.strip()}")
+        return [line.strip() for line in res.stdout.splitlines() if line.strip() in _OWN_TABLES]
+
+    @classmethod
+    def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
+        fam = render.nft_family(family)
+        res = probe.run(["nft", "-j", "list", "table", fam, render.TABLE], timeout=60)
+        if res.returncode != 0:
+            if "No such file" in res.stderr:
+                return {}
+            raise BackendError(f"nft list table {fam} {render.TABLE} failed: {res.stderr.strip()}")
+        import json
+
+        data = json.loads(res.stdout or "{}").get("nftables", [])
+        out: dict[str, list[str]] = {}
+        for obj in data:
+            body = obj.get("map") or obj.get("set")
+            if not body:
+                continue
+            for key, value, comment in adopt_mod.elements([obj]):
+                ckey, _ = adopt_mod.split_comment(comment)
+                if not ckey:
+                    continue
+                line = f"{body['name']}: {key}" + (f" : {value}" if value else "")
+                out.setdefault(ckey, []).append(line)
+        return out
+
+    @classmethod
+    def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
+        """Delete kproxy's tables (``ip kproxy``, ``ip6 kproxy``) and nothing else; errors are logged, never raised
+        (a leftover must not stop another mode from starting)."""
+        from .cleanup import cleanup_tables
+
+        for err in cleanup_tables(netns):
+            log.warning("nftables cleanup: %s", err)
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    @property
+    def nft(self) -> Nft:
+        if self._nft is None:
+            self._nft = Nft(self.netns)
+        return self._nft
+
+    def close(self) -> None:
+        if self._nft is not None:
+            self._nft.close()
+            self._nft = None
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        self._kernel = {f: _KernelState() for f in self.families}
+
+    # ------------------------------------------------------------------------------------------ ledger methods
+
+    def context(self, node: FamilyContext, state: ProxyState) -> FamilyContext:
+        # rules match local addresses by kind (fib daddr type local): an address change rewrites nothing
+        return node.without_addresses()
+
+    def render(self, sp: ServicePort, ctx: FamilyContext) -> Fragment:
+        return render.render_service(sp, ctx)
+
+    def adopt(self, family: IPFamily, ctx: FamilyContext) -> adopt_mod.Adopted | None:
+        t0 = time.perf_counter()
+        got, err = adopt_mod.read(self.nft, family, render.layout_chain(family))
+        if got is None:
+            log.warning("%s: reading kproxy's nftables table failed (%s): it will be replaced", family.value, err)
+            return None
+        got.seconds = time.perf_counter() - t0
+        return got
+
+    def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: Fragment) -> bool:
+        return isinstance(adopted, adopt_mod.Adopted) and adopted.layout_ok and adopted.unchanged(fragment)
+
+    def needs_full(self, family: IPFamily) -> bool:
+        now = time.monotonic()
+        if now - self._checked < CHECK_INTERVAL:
+            return False
+        self._checked = now
+        fam = render.nft_family(family)
+        objs, _ = self.nft.read(f"list set {fam} {render.TABLE} {render.LOCAL_CIDRS}")
+        if objs is None:
+            self._kernel[family] = _KernelState()
+            return True
+        return False
+
+    def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
+        return {
+            "table": f"{render.nft_family(family)} {render.TABLE}",
+            "elements": [f"{m}: {k}" + (f" : {v}" if v else "") for m, k, v in fragment.elements],
+            "sharedChains": list(fragment.shared),
+            "chains": {n: list(rules) for n, rules in fragment.chains},
+            "sets": [n for n, _ in fragment.sets],
+            "hairpin": list(fragment.hairpin),
+            "digest": fragment.digest,
+        }
+
+    def detail_global(self) -> dict[str, Any]:
+        return {"table": render.TABLE, "layout": render.LAYOUT, "counts": dict(self._counts)}
+
+    # ------------------------------------------------------------------------------------------ apply
+
+    def apply(self, batch: Batch[Fragment, FamilyContext]) -> Applied:
+        fam = batch.family
+        r0 = time.perf_counter()
+        ks = self._kernel[fam]
+        tx = render.Transaction(fam)
+        adopted = batch.adopted if isinstance(batch.adopted, adopt_mod.Adopted) else None
+        counts: dict[str, int] = {}
+        refused: dict[ServicePortName, str] = {}
+        # what the kernel holds after this transaction, if it commits
+        new_ks = _KernelState(known=True)
+        fresh = False  # the transaction builds the table from nothing
+
+        if batch.full:
+            if adopted is None or not adopted.table or not adopted.layout_ok:
+                fresh = True
+                if adopted is None or adopted.table:
+                    # unreadable, or another layout: replaced whole (one transaction: no moment without rules)
+                    tx.head.append(f"add table {tx.fam} {render.TABLE}")
+                    tx.head.append(f"delete table {tx.fam} {render.TABLE}")
+                tx.head.extend(render.fixed_commands(fam))
+                kernel_shared: set[str] = set()
+                kernel_hairpin: set[str] = set()
+                kernel_context: dict[str, Any] = {}
+            else:
+                kernel_shared = {c for c in adopted.chains if render.is_shared_chain(c)}
+                kernel_hairpin = set(adopted.hairpin)
+                kernel_context = dict(adopted.context)
+            wanted_ctx = render.context_elements(batch.context)
+            want_form = adopt_mod.wanted_context(wanted_ctx)
+            for name, items in wanted_ctx.items():
+                if kernel_context.get(name) != want_form[name]:
+                    if not fresh:
+                        tx.head.append(f"flush set {tx.fam} {render.TABLE} {name}")
+                    if items:
+                        tx.head.append(f"add element {tx.fam} {render.TABLE} {name} {{ {', '.join(items)} }}")
+            new_ks.context = want_form
+            # entry ownership over everything wanted: two services may not claim one address . protocol . port
+            owners: dict[tuple[str, str], ServicePortName] = {}
+            for spn, frag in batch.wanted.items():
+                for m, k, _ in frag.entries:
+                    other = owners.get((m, k))
+                    if other is not None and other != spn:
+                        refused[max(spn, other)] = f"{m} {k} is claimed by {min(spn, other)} too"
+                    else:
+                        owners[(m, k)] = spn
+            if refused:
+                return Applied(ok=False, refused=MappingProxyType(refused), error=next(iter(refused.values())))
+            new_ks.entries = owners
+            # deltas: with adoption the kernel's own skeleton is what is replaced (the ledger may not know it)
+            in_batch: set[ServicePortName] = set()
+            for d in batch.deltas:
+                in_batch.add(d.name)
+                if fresh:
+                    render.change_service(tx, d.name, None, d.new_fragment)
+                    continue
+                assert adopted is not None
+                svc = adopted.service(d.name)
+                if svc is None:
+                    render.change_service(tx, d.name, None, d.new_fragment)
+                elif d.old_fragment is not None and svc.digests_agree and svc.digest == d.old_fragment.digest:
+                    render.change_service(tx, d.name, d.old_fragment, d.new_fragment)
+                else:
+                    sid = render.service_chain_id(d.name)
+                    render.change_service(
+                        tx,
+                        d.name,
+                        None,
+                        d.new_fragment,
+                        old_keys=svc.keys(),
+                        old_chains=adopted.service_chains(sid),
+                        old_sets=adopted.service_sets(sid),
+                    )
+            if adopted is not None and not fresh:
+                # services the kernel holds that nothing wants (deleted while kproxy was down)
+                wanted_comments = {f.comment: spn for spn, f in batch.wanted.items()}
+                for ckey, svc in adopted.services.items():
+                    if ckey in wanted_comments:
+                        continue
+                    render.change_service(tx, None, None, None, old_keys=svc.keys())
+                wanted_sids = {render.service_chain_id(spn) for spn in batch.wanted}
+                stale_chains = [
+                    c for c in adopted.chains if render.is_service_chain(c) and _sid_of(c) not in wanted_sids
+                ]
+                for c in stale_chains:
+                    tx.flush_chain(c, None)
+                for c in stale_chains:
+                    tx.delete_chain(c, None)
+                for s in adopted.sets:
+                    if _sid_of(s) not in wanted_sids:
+                        tx.delete_set(s, None)
+            needed_shared = _with_deps(s for f in batch.wanted.values() for s in f.shared)
+            needed_hairpin = {h for f in batch.wanted.values() for h in f.hairpin}
+            for name in _ordered(needed_shared - kernel_shared):
+                tx.add_shared_chain(name)
+            gone = kernel_shared - needed_shared
+            for name in gone:
+                tx.flush_chain(name, None)
+            for name in gone:
+                tx.delete_chain(name, None)
+            new_ks.shared = needed_shared
+            _hairpin(tx, needed_hairpin - kernel_hairpin, kernel_hairpin - needed_hairpin)
+            new_ks.hairpin = needed_hairpin
+        else:
+            if not ks.known:
+                return Applied(ok=False, error="kernel state unknown: a full sync must come first", need_full=True)
+            new_ks.context = ks.context
+            new_ks.shared = set(ks.shared)
+            new_ks.hairpin = set(ks.hairpin)
+            new_ks.entries = dict(ks.entries)
+            changing = {d.name for d in batch.deltas}
+            for d in batch.deltas:
+                if d.old_fragment is not None:
+                    for m, k, _ in d.old_fragment.entries:
+                        if new_ks.entries.get((m, k)) == d.name:
+                            del new_ks.entries[(m, k)]
+            for d in batch.deltas:
+                if d.new_fragment is None:
+                    continue
+                for m, k, _ in d.new_fragment.entries:
+                    other = new_ks.entries.get((m, k))
+                    if other is not None and other != d.name:
+                        refused[d.name] = f"{m} {k} is claimed by {other} too"
+                    new_ks.entries[(m, k)] = d.name
+            if refused:
+                return Applied(ok=False, refused=MappingProxyType(refused), error=next(iter(refused.values())))
+            del changing
+            add_shared: set[str] = set()
+            add_hairpin: set[str] = set()
+            for d in batch.deltas:
+                render.change_service(tx, d.name, d.old_fragment, d.new_fragment)
+                if d.new_fragment is not None:
+                    add_shared.update(s for s in d.new_fragment.shared if s not in new_ks.shared)
+                    add_hairpin.update(h for h in d.new_fragment.hairpin if h not in new_ks.hairpin)
+            add_shared = _with_deps(add_shared) - new_ks.shared
+            for name in _ordered(add_shared):
+                tx.add_shared_chain(name)
+            new_ks.shared |= add_shared
+            _hairpin(tx, add_hairpin, set())
+            new_ks.hairpin |= add_hairpin
+        render_s = time.perf_counter() - r0
+
+        text = tx.text()
+        counts[f"{fam.value}/elements_added"] = tx.elements_added
+        counts[f"{fam.value}/elements_deleted"] = tx.elements_deleted
+        counts[f"{fam.value}/commands"] = text.count("\n")
+        apply_s = 0.0
+        if text:
+            res = self.nft.run(text)
+            apply_s = res.seconds
+            if not res.ok:
+                owners_ = {o for o in (tx.owner_of(n) for n in res.error_lines()) if o is not None}
+                summary = _summarise(res.error)
+                counts[f"{fam.value}/kernel_refusals"] = 1
+                self._kernel[fam] = _KernelState()  # unknown until the next full sync reads it
+                timings = {"render_apply": render_s, "apply": apply_s}
+                if owners_:
+                    return Applied(
+                        ok=False,
+                        refused=MappingProxyType({o: summary for o in owners_}),
+                        error=summary,
+                        counts=MappingProxyType(counts),
+                        timings=MappingProxyType(timings),
+                    )
+                return Applied(
+                    ok=False, error=summary, counts=MappingProxyType(counts), timings=MappingProxyType(timings)
+                )
+        self._kernel[fam] = new_ks
+        self._last_text[fam] = text
+        if batch.full and fresh:
+            self._last_full_text[fam] = text
+        counts[f"{fam.value}/shared_chains"] = len(new_ks.shared)
+        self._counts.update(counts)
+        return Applied(
+            ok=True,
+            counts=MappingProxyType(counts),
+            timings=MappingProxyType({"render_apply": render_s, "apply": apply_s}),
+        )
+
+    # ------------------------------------------------------------------------------------------ tools
+
+    def last_transaction(self, family: IPFamily) -> str:
+        """The text of the last committed transaction of a family (tests assert on what was written)."""
+        return self._last_text.get(family, "")
+
+    def trace(
+        self, src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False
+    ) -> dict[str, Any]:
+        """Where a new connection's first packet would go through what was last applied (see ``trace.py``)."""
+        fam = IPFamily.of(dst)
+        rec = self.records.get(fam)
+        if rec is None or rec.context is None:
+            return {"error": f"no {fam.value} rules applied yet"}
+        pkt = trace_mod.Packet(src, proto.lower(), dst, dport, src_local, dst_local)
+        return trace_mod.trace(rec.context, self.applied_fragments(fam), pkt)
+
+    def measure_floor(self) -> float | None:
+        """Seconds ``nft -f`` takes for the exact transaction of the last full sync that built the table from
+        nothing, into a fresh namespace of its own (``kpn-floor-…``), deleted afterwards."""
+        texts = [t for t in self._last_full_text.values() if t]
+        if not texts:
+            return None
+        ns = "kpn-floor-" + uuid.uuid4().hex[:8]
+        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
+        try:
+            total = 0.0
+            for text in texts:
+                with tempfile.NamedTemporaryFile("w", suffix=".nft", prefix="kproxy-floor-") as f:
+                    f.write(text)
+                    f.flush()
+                    t0 = time.perf_counter()
+                    res = subprocess.run(
+                        ["ip", "netns", "exec", ns, "nft", "-f", f.name],
+                        capture_output=True,
+                        text=True,
+                        timeout=600,
+                        check=False,
+                    )
+                    total += time.perf_counter() - t0
+                    if res.returncode != 0:
+                        log.warning("floor: nft -f refused the transaction: %s", res.stderr.strip()[:500])
+                        return None
+            return total
+        finally:
+            subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True, timeout=60)
+
+
+_OWN_TABLES = {f"table {f} {render.TABLE}" for f in ("ip", "ip6")}
+
+
+def _sid_of(name: str) -> str:
+    """The service id inside a per-service chain or set name (``pick-<id>-c``, ``aff-<id>-<ep>-<t>``)."""
+    parts = name.split("-")
+    if parts[0] == "fw":
+        parts = parts[1:]
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _with_deps(names: Any) -> set[str]:
+    out: set[str] = set()
+    for n in names:
+        out.add(n)
+        out.update(render.shared_chain_needs(n))
+    return out
+
+
+def _ordered(names: set[str]) -> list[str]:
+    """Shared chains in creation order: those others jump to first."""
+
+    def rank(n: str) -> int:
+        if n.startswith("fw-"):
+            return 2
+        if n.startswith(("lbl-", "npl-")):
+            return 1
+        return 0
+
+    return sorted(names, key=lambda n: (rank(n), n))
+
+
+def _hairpin(tx: render.Transaction, add: set[str], delete: set[str]) -> None:
+    fam = tx.fam
+    if delete:
+        tx.deletes.append(
+            (f"delete element {fam} {render.TABLE} {render.HAIRPIN} {{ {', '.join(sorted(delete))} }}", None)
+        )
+    if add:
+        tx.adds.append((f"add element {fam} {render.TABLE} {render.HAIRPIN} {{ {', '.join(sorted(add))} }}", None))
+
+
+def _summarise(error: str) -> str:
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip() and not set(ln.strip()) <= {"^", "~"}]
+    return "; ".join(lines[:4])[:600] or "nft refused the transaction"

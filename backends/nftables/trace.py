@@ -1,0 +1,257 @@
+"""A packet explainer over the nftables layout kproxy last applied (in the spirit of upstream's ``tracePacket``).
+
+Given the applied fragments and the family's context, ``trace`` walks a new connection's first packet the way the
+kernel would through kproxy's table: the ``services`` chain's lookups in ``service-ips`` (address . protocol . port)
+and, for a packet to one of the node's own addresses in ``nodeport-cidrs``, ``service-nodeports``; then the chain the
+element's verdict names (shared ``lb-i-3``-style chains, rendered from their names, or the service's own affinity
+chains), with ``numgen`` forking the walk into every slot of the backends maps with its probability; reject and
+drop verdicts; and nat-postrouting's masquerade (the conntrack label set on the way, or a hairpin). Only the
+matches kproxy writes are understood; an affinity set is assumed to hold no entry yet, and ``iifname`` (interface
+based local-traffic detection) cannot be known for a hypothetical packet, so it is reported as not matching.
+Pure: no kernel, so ``kproxy show --trace`` and ``/rules`` can answer anywhere.
+
+Who uses it: ``NftablesProxier.trace`` and tests/unit/test_nftables_render.py.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kproxy.model import IPFamily, ServicePortName
+from kproxy.nodeaddr import FamilyContext
+
+from . import render
+
+_MAX_DEPTH = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Packet:
+    src: str
+    proto: str  # tcp / udp / sctp
+    dst: str
+    dport: int
+    src_local: bool = False  # sent by the node itself (fib saddr type local)
+    dst_local: bool = False  # to one of the node's addresses (fib daddr type local)
+
+
+@dataclass(slots=True)
+class Outcome:
+    probability: float = 1.0
+    path: list[str] = field(default_factory=list)
+    masquerade: bool = False
+    dnat: str | None = None
+    verdict: str | None = None
+
+
+def _in_any(ip: str, cidrs: tuple[str, ...]) -> bool:
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return False
+    for c in cidrs:
+        try:
+            if addr in ipaddress.ip_network(c, strict=False):
+                return True
+        except (ValueError, TypeError):
+            continue
+    return False
+
+
+_DNAT_MAP = re.compile(r"^dnat ip6? to (.+) \. numgen random mod (\d+) map @(\S+)$")
+_DNAT_CONST = re.compile(r"^meta l4proto \w+ dnat ip6? to \[?([0-9a-fA-F:.]+?)\]?:(\d+)$")
+_VMAP = re.compile(r"^numgen random mod (\d+) vmap \{ (.*) \}$")
+
+
+class _Walker:
+    def __init__(self, ctx: FamilyContext, fragments: Mapping[ServicePortName, render.Fragment], pkt: Packet):
+        self.ctx = ctx
+        self.pkt = pkt
+        self.family = ctx.family
+        self.maps: dict[str, dict[str, str]] = {}
+        self.firewall: list[tuple[str, str]] = []
+        self.chains: dict[str, tuple[str, ...]] = {}
+        self.hairpin: set[str] = set()
+        for frag in fragments.values():
+            for m, k, v in frag.elements:
+                if m == render.FIREWALL:
+                    prefix, _, cidr = k.rpartition(" . ")
+                    self.firewall.append((prefix, cidr))
+                else:
+                    self.maps.setdefault(m, {})[k] = v
+            self.chains.update(frag.chains)
+            self.hairpin.update(frag.hairpin)
+        self.ctx_sets = render.context_elements(ctx)
+        self.notes: list[str] = []
+
+    def rules(self, chain: str) -> tuple[str, ...]:
+        if chain in self.chains:
+            return self.chains[chain]
+        if render.is_shared_chain(chain):
+            return render.shared_chain_rules(chain, self.family)
+        return render.fixed_chain_rules(self.family).get(chain, ())
+
+    def local_pod(self) -> bool:
+        return _in_any(self.pkt.src, self.ctx_sets[render.LOCAL_CIDRS])
+
+    def verdict(self, v: str, out: Outcome, depth: int) -> list[Outcome]:
+        if v == "drop":
+            out.verdict = "DROP"
+            return [out]
+        if v.startswith("goto "):
+            target = v[5:]
+            if target == render.REJECT_CHAIN:
+                out.path.append(f"{target}: reject")
+                out.verdict = "REJECT"
+                return [out]
+            return self.walk(target, out, depth + 1)
+        out.verdict = v.upper()
+        return [out]
+
+    def walk(self, chain: str, out: Outcome, depth: int) -> list[Outcome]:
+        if depth > _MAX_DEPTH:
+            out.verdict = "LOOP"
+            return [out]
+        p = self.pkt
+        fam = "ip6" if self.family == IPFamily.V6 else "ip"
+        for rule in self.rules(chain):
+            here = f"{chain}: {rule}"
+            if rule == f"jump {render.MASQ_INTERNAL}":
+                if not self.local_pod():
+                    out.masquerade = True
+                    out.path.append(f"{here} (source is not a local pod: masquerade)")
+                else:
+                    out.path.append(f"{here} (source is a local pod: no masquerade)")
+                continue
+            if rule == f"ct label set {render.MASQ_LABEL}":
+                out.masquerade = True
+                out.path.append(here)
+                continue
+            if rule.startswith(f"{fam} saddr @{render.LOCAL_CIDRS} goto "):
+                if self.local_pod():
+                    out.path.append(here)
+                    return self.walk(rule.rsplit(" ", 1)[1], out, depth + 1)
+                continue
+            if rule.startswith(f"iifname @{render.LOCAL_IFACES} "):
+                if self.ctx_sets[render.LOCAL_IFACES]:
+                    self.notes.append("interface-based local detection is not evaluated for a hypothetical packet")
+                continue
+            if rule.startswith("fib saddr type local "):
+                if p.src_local:
+                    out.masquerade = True
+                    out.path.append(here)
+                    return self.walk(rule.rsplit(" ", 1)[1], out, depth + 1)
+                continue
+            if f"@{render.FIREWALL} goto " in rule:
+                prefix = f"{p.dst} . {p.proto} . {p.dport}"
+                allowed = [c for k, c in self.firewall if k == prefix]
+                if _in_any(p.src, tuple(allowed)):
+                    out.path.append(f"{here} (source allowed)")
+                    return self.walk(rule.rsplit(" ", 1)[1], out, depth + 1)
+                out.path.append(f"{chain}: source {p.src} not in loadBalancerSourceRanges")
+                continue
+            if rule.startswith(f"{fam} saddr @aff-"):
+                continue  # no affinity entry yet
+            if rule.startswith("update @"):
+                continue
+            if rule == "drop":
+                out.path.append(here)
+                out.verdict = "DROP"
+                return [out]
+            if rule.startswith("goto "):
+                out.path.append(here)
+                return self.walk(rule[5:], out, depth + 1)
+            m = _DNAT_MAP.match(rule)
+            if m:
+                k, mapname = int(m.group(2)), m.group(3)
+                base = f"{p.dst} . {p.proto} . {p.dport}" if "daddr" in m.group(1) else f"{p.proto} . {p.dport}"
+                results = []
+                for i in range(k):
+                    value = self.maps.get(mapname, {}).get(f"{base} . {i}")
+                    o = Outcome(
+                        out.probability / k, [*out.path, here, f"@{mapname}[{base} . {i}] = {value}"], out.masquerade
+                    )
+                    if value is None:
+                        o.verdict = "no backend in slot (inconsistent map)"
+                    else:
+                        ip, _, port = value.partition(" . ")
+                        o.dnat = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+                    results.append(o)
+                return results
+            m = _DNAT_CONST.match(rule)
+            if m:
+                ip, port = m.group(1), m.group(2)
+                out.path.append(here)
+                out.dnat = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+                return [out]
+            m = _VMAP.match(rule)
+            if m:
+                k = int(m.group(1))
+                results = []
+                for item in m.group(2).split(", "):
+                    _, _, target = item.partition(" : goto ")
+                    o = Outcome(out.probability / k, [*out.path, here], out.masquerade)
+                    results.extend(self.walk(target, o, depth + 1))
+                return results
+            out.path.append(f"{here} (not understood by the explainer)")
+        return [out]
+
+
+def trace(ctx: FamilyContext, fragments: Mapping[ServicePortName, render.Fragment], pkt: Packet) -> dict[str, Any]:
+    """Where the first packet of a new connection goes: the DNAT choices with probabilities, or the verdict."""
+    w = _Walker(ctx, fragments, pkt)
+    start = Outcome()
+    key = f"{pkt.dst} . {pkt.proto} . {pkt.dport}"
+    outcomes: list[Outcome]
+    v = w.maps.get(render.SERVICE_IPS, {}).get(key)
+    if v is not None:
+        start.path.append(f"services: @{render.SERVICE_IPS}[{key}] = {v}")
+        outcomes = w.verdict(v, start, 0)
+    elif pkt.dst_local and _in_any(pkt.dst, w.ctx_sets[render.NODEPORT_CIDRS]):
+        npkey = f"{pkt.proto} . {pkt.dport}"
+        v = w.maps.get(render.SERVICE_NODEPORTS, {}).get(npkey)
+        if v is None:
+            start.path.append(f"services: no element {npkey} in @{render.SERVICE_NODEPORTS}")
+            outcomes = [start]
+        else:
+            start.path.append(f"services: @{render.SERVICE_NODEPORTS}[{npkey}] = {v}")
+            outcomes = w.verdict(v, start, 0)
+    else:
+        start.path.append(f"services: no element {key} in @{render.SERVICE_IPS}")
+        outcomes = [start]
+    results = []
+    for o in outcomes:
+        masq = o.masquerade
+        if o.dnat is not None and not masq:
+            ip = o.dnat.rsplit(":", 1)[0].strip("[]")
+            if ip == pkt.src and f"{ip} . {ip}" in w.hairpin:
+                masq = True
+                o.path.append(f"nat-postrouting: hairpin {ip} . {ip}: masquerade")
+        verdict = f"DNAT {o.dnat}" if o.dnat else (o.verdict or "no service rule")
+        results.append(
+            {
+                "probability": round(o.probability, 6),
+                "verdict": verdict,
+                "masquerade": masq and o.dnat is not None,
+                "rules": o.path,
+            }
+        )
+    out: dict[str, Any] = {
+        "packet": {
+            "src": pkt.src,
+            "proto": pkt.proto,
+            "dst": pkt.dst,
+            "dport": pkt.dport,
+            "srcLocal": pkt.src_local,
+            "dstLocal": pkt.dst_local,
+        },
+        "hook": "output" if pkt.src_local else "prerouting",
+        "outcomes": results,
+    }
+    if w.notes:
+        out["notes"] = sorted(set(w.notes))
+    return out
