@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -169,22 +170,32 @@ def test_kubectl_watch_prints_rows_as_they_come(api: ApiServer, tmp_path: Path) 
     proc = subprocess.Popen(
         [KUBECTL, "--kubeconfig", str(tmp_path / "kubeconfig"), "get", "svc", "-w"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
         text=True,
         env=env,
     )
+    lines: list[list[str]] = []
+    reader = threading.Thread(target=lambda: lines.extend(line.split() for line in proc.stdout or () if line.strip()))
+    reader.start()
+
+    def later_printed() -> bool:
+        return any(cells[:2] == ["later", "NodePort"] and cells[4] == "81:30081/TCP" for cells in list(lines)[1:])
+
     try:
         deadline = time.monotonic() + 20
         while not any(r.query.get("watch") == "true" for r in list(api.requests)) and time.monotonic() < deadline:
             time.sleep(0.05)
         api.store.create(service("later", type="NodePort", ports=[{"port": 81, "nodePort": 30081}]))
-        time.sleep(1.0)
+        while not later_printed() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
     finally:
         proc.terminate()
-        out, _err = proc.communicate(timeout=20)
-    lines = [line.split() for line in out.splitlines() if line.strip()]
+        proc.wait(timeout=20)
+        reader.join(timeout=20)
+        if proc.stdout is not None:
+            proc.stdout.close()
     assert lines[0] == ["NAME", "TYPE", "CLUSTER-IP", "EXTERNAL-IP", "PORT(S)", "AGE"]
-    assert any(cells[:2] == ["later", "NodePort"] and cells[4] == "81:30081/TCP" for cells in lines[1:]), out
+    assert later_printed(), lines
 
 
 def get_json(api: ApiServer, path: str, accept: str = TABLE_ACCEPT) -> dict[str, Any]:
