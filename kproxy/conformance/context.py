@@ -19,10 +19,12 @@ import collections
 import datetime
 import ipaddress
 import json
+import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -223,22 +225,39 @@ class Context:
         addresses: Addresses,
         timeout_s: float,
         kproxy_argv: Sequence[str] = (),
+        *,
+        options: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        api: tuple[Any, Any] | None = None,
     ) -> None:
-        from kubernetes import client as k8s  # imported here so report/cli users need no client
-
+        """``options``: the backend options kproxy runs with on the nodes (what ``kernel_probe`` hands the mode's
+        hooks). ``clock``/``sleep``/``api`` are seams for the judge's own tests (tests/unit/test_conformance_judge.py),
+        which drive a scenario on a scripted lab with a fake clock and in-memory CoreV1Api/DiscoveryV1Api stand-ins;
+        the runner leaves them at the real clock and the lab's API."""
         self.lab = lab
         self.mode = mode
         self.scenario_id = scenario_id
         self.addresses = addresses
         self.namespace = f"conf-{scenario_id}"
-        self.deadline = time.monotonic() + timeout_s
+        self.now = clock
+        self._sleep = sleep
+        self.deadline = self.now() + timeout_s
         self.timeout_s = timeout_s
         self.kproxy_argv = tuple(kproxy_argv)
-        self.api_client = lab.api_client()
-        # Any: the scenarios hand plain dicts to the client, which accepts them (pydantic validates them there)
-        self.core: Any = k8s.CoreV1Api(self.api_client)
-        self.discovery: Any = k8s.DiscoveryV1Api(self.api_client)
+        self.options: Mapping[str, Any] = MappingProxyType(dict(options or {}))
+        if api is None:
+            from kubernetes import client as k8s  # imported here so report/cli users need no client
+
+            self.api_client = lab.api_client()
+            # Any: the scenarios hand plain dicts to the client, which accepts them (pydantic validates them there)
+            api = (k8s.CoreV1Api(self.api_client), k8s.DiscoveryV1Api(self.api_client))
+        else:
+            self.api_client = None
+        self.core: Any = api[0]
+        self.discovery: Any = api[1]
         self.notes: list[str] = []
+        self.parts: list[tuple[str, str]] = []  # (part, reason): halves of the scenario that could not be exercised
         self._service_ports: dict[str, list[dict[str, Any]]] = {}
         self._slice_seq = 0
 
@@ -284,9 +303,14 @@ class Context:
         """A fact worth reporting even when the scenario passes (a figure, a caveat)."""
         self.notes.append(text)
 
+    def part_not_applicable(self, part: str, reason: str) -> None:
+        """A part of the scenario that nothing here can exercise (say, "starting another mode" with one mode
+        installed): reported as its own not-applicable row ``<scenario>/<part>``, never folded into a pass."""
+        self.parts.append((part, reason))
+
     # -- deadlines ---------------------------------------------------------------------------------------------
     def remaining(self) -> float:
-        return self.deadline - time.monotonic()
+        return self.deadline - self.now()
 
     def check_deadline(self, doing: str = "") -> None:
         if self.remaining() <= 0:
@@ -296,13 +320,13 @@ class Context:
 
     def sleep(self, seconds: float) -> None:
         self.check_deadline("sleeping")
-        time.sleep(max(0.0, min(seconds, self.remaining())))
+        self._sleep(max(0.0, min(seconds, self.remaining())))
 
     def eventually(self, check: Callable[[], T], timeout: float = 10.0, interval: float = 0.2, what: str = "") -> T:
         """Call ``check`` until it returns without raising ``ScenarioFailure``; return its value. After
         ``timeout`` seconds (capped by the scenario's budget) the last failure is raised, saying how long we
         waited. Other exceptions propagate at once: they are bugs, not "not yet"."""
-        start = time.monotonic()
+        start = self.now()
         end = min(start + timeout, self.deadline)
         attempts = 0
         while True:
@@ -310,15 +334,15 @@ class Context:
             try:
                 return check()
             except ScenarioFailure as exc:
-                if time.monotonic() >= end:
-                    waited = time.monotonic() - start
+                if self.now() >= end:
+                    waited = self.now() - start
                     raise ScenarioFailure(
                         f"{what + ': ' if what else ''}{exc.what} (still so after {waited:.1f} s, {attempts} tries)",
                         sent=exc.sent,
                         got=exc.got,
                         expected=exc.expected,
                     ) from None
-            time.sleep(max(0.0, min(interval, end - time.monotonic())))
+            self._sleep(max(0.0, min(interval, end - self.now())))
 
     # -- expectations ------------------------------------------------------------------------------------------
     def fail(self, what: str, *, sent: str = "", got: str = "", expected: str = "") -> None:
@@ -649,14 +673,16 @@ class Context:
         within: float | None = None,
     ) -> Probe:
         """Probe and demand that nothing answers. ``how``: ``"refused"`` (RST / ICMP unreachable: the error is
-        refused or unreachable), ``"timeout"`` (silently dropped) or ``"any"``. ``within``: refusals must come
-        faster than this many seconds."""
-        pr = self.probe(src, host, port, kind, count=count, timeout=timeout)
+        refused or unreachable), ``"port-unreachable"`` (for UDP: ICMP port unreachable, which the probe's connected
+        socket sees as ECONNREFUSED, "refused"; a host-unreachable or a timeout is not it), ``"timeout"`` (silently
+        dropped) or ``"any"``. ``within``: every probe must have failed faster than this many seconds."""
         expected = {
             "refused": "every probe refused (TCP RST / ICMP unreachable)",
+            "port-unreachable": "every probe answered by ICMP port unreachable (ECONNREFUSED)",
             "timeout": "every probe dropped (a timeout, not a refusal)",
             "any": "no probe answered",
         }[how]
+        pr = self.probe(src, host, port, kind, count=count, timeout=timeout)
         if within is not None:
             expected += f" in under {within:.1f} s"
         if pr.ok:
@@ -666,6 +692,13 @@ class Context:
             if how == "refused" and not _is_refusal(err):
                 self.fail(
                     f"the probe failed with {err!r}, not a refusal", sent=pr.sent, got=pr.summary(), expected=expected
+                )
+            if how == "port-unreachable" and err != "refused":
+                self.fail(
+                    f"the probe failed with {err!r}, not ICMP port unreachable",
+                    sent=pr.sent,
+                    got=pr.summary(),
+                    expected=expected,
                 )
             if how == "timeout" and err != "timeout":
                 self.fail(
@@ -717,9 +750,39 @@ class Context:
         self.check_deadline(f"running {' '.join(argv[:3])}")
         return self.lab.exec(_ns_of(where), list(argv), timeout=min(timeout, max(1.0, self.remaining())))
 
+    def kernel_probe(self, node: Any) -> KernelProbe:
+        """A ``kproxy.proxier.KernelProbe`` into ``node``'s namespace, for the mode's ``remnants``/``kernel_view``
+        hooks: what the kernel holds, read from the kernel, never from kproxy's own account (/rules)."""
+        return KernelProbe(self, node)
+
+
+class KernelProbe:
+    """Runs read-only commands in one lab node's network namespace (through the lab's exec, bounded by the
+    scenario's deadline) with the node's backend options: the conformance side of ``kproxy.proxier.KernelProbe``."""
+
+    def __init__(self, ctx: Context, node: Any) -> None:
+        self.ctx = ctx
+        self.node = node
+        self.options: Mapping[str, Any] = ctx.options
+
+    def run(self, argv: Sequence[str], *, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        res = self.ctx.exec(self.node, argv, timeout=timeout)
+        return subprocess.CompletedProcess(
+            list(argv),
+            int(getattr(res, "returncode", 0) or 0),
+            _text(getattr(res, "stdout", "")),
+            _text(getattr(res, "stderr", "")),
+        )
+
+
+def _text(data: Any) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else str(data or "")
+
 
 def _is_refusal(err: str) -> bool:
-    return err in ("refused", "unreachable", "port-unreachable", "host-unreachable", "rejected") or "refused" in err
+    """The lab probe's words for a rejection: ``refused`` (ECONNREFUSED / a reset) or ``unreachable`` (an ICMP
+    host/net unreachable or administratively prohibited). Anything else (a timeout, ``closed``) is not one."""
+    return err in ("refused", "unreachable")
 
 
 def _http_got(r: Any) -> str:

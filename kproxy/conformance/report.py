@@ -29,6 +29,9 @@ class Result:
     status: str
     detail: str = ""
     seconds: float = 0.0
+    #: rows of their own for parts of a scenario that could not be exercised (``cleanup/another-mode``), so a pass
+    #: never stands for a part nothing checked; ``run`` puts them in the report right after the scenario's row
+    parts: tuple[Result, ...] = ()
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kproxy.conformance.context import HEALTHZ_PORT, Addresses, Context, NotApplicable, ScenarioFailure
@@ -45,6 +45,41 @@ def select(scenario_ids: Sequence[str] | None) -> list[Scenario]:
     return [s for s in SCENARIOS if s.id in wanted]
 
 
+def requested_modes(spec: str, installed: Sequence[str]) -> list[str]:
+    """The modes a comma-separated request names (``KPROXY_CONFORMANCE_MODES``; empty: every installed one), in
+    the order given. ConformanceError for a name that is no installed mode, or when nothing is left to test: a typo
+    or a missing backend must fail the run, not shrink it to nothing and go green."""
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    if not wanted:
+        modes = list(installed)
+    else:
+        unknown = [w for w in wanted if w not in installed]
+        if unknown:
+            raise ConformanceError(
+                f"requested mode(s) {', '.join(unknown)} not installed here; "
+                f"installed: {', '.join(installed) or 'none'}"
+            )
+        modes = list(dict.fromkeys(wanted))
+    if not modes:
+        raise ConformanceError("no backend is installed, so there is nothing to test")
+    return modes
+
+
+def declared_not_applicable(cls: Any, options: Mapping[str, Any]) -> dict[str, str]:
+    """The mode's own ``not_applicable(options)`` (scenario id -> reason). A key that is no scenario id is a
+    ConformanceError: a typo there would otherwise leave the scenario it meant running (and failing) unnoticed, or
+    name one that no longer exists."""
+    declared = cls.not_applicable
+    found = dict(declared(options) if callable(declared) else declared)
+    unknown = sorted(set(found) - set(BY_ID))
+    if unknown:
+        raise ConformanceError(
+            f"mode {getattr(cls, 'mode', '?')} declares not-applicable scenarios that do not exist: "
+            f"{', '.join(unknown)}; known: {', '.join(BY_ID)}"
+        )
+    return found
+
+
 def lab_features(lab: Any) -> set[str]:
     out = set()
     if getattr(lab, "ipv6", False):
@@ -55,14 +90,18 @@ def lab_features(lab: Any) -> set[str]:
 class Session:
     """One lab with kproxy in one mode, running scenarios one at a time."""
 
-    def __init__(self, mode: str, lab: Any, *, owns_lab: bool = False) -> None:
+    def __init__(self, mode: str, lab: Any, *, owns_lab: bool = False, **context_kwargs: Any) -> None:
+        """``context_kwargs`` go to every scenario's ``Context`` (the judge's tests pass a fake clock and API)."""
         from kproxy.proxier import backend_class
 
         self.mode = mode
         self.lab = lab
         self.owns_lab = owns_lab
+        self.context_kwargs = context_kwargs
         self.addresses = Addresses()
-        self.not_applicable = dict(backend_class(mode).not_applicable)
+        #: the backend options kproxy runs with on the lab's nodes (what the mode's hooks are handed)
+        self.options: dict[str, Any] = dict((getattr(lab, "state", {}) or {}).get("options", {}) or {})
+        self.not_applicable = declared_not_applicable(backend_class(mode), self.options)
         self.lab_gaps: list[str] = []  # scenarios this lab could not run
         self.kproxy_args: list[str] = list(getattr(lab, "state", {}).get("kproxy_args", []) or [])
 
@@ -105,7 +144,12 @@ class Session:
             except Exception as exc:  # the lab cleans up after a failed start itself
                 raise ConformanceError(f"the lab did not come up: {type(exc).__name__}: {exc}") from exc
             owns = not reuse_lab
-        session = cls(mode, lab, owns_lab=owns)
+        try:
+            session = cls(mode, lab, owns_lab=owns)
+        except BaseException:
+            if owns:
+                Lab.down(prefix=getattr(lab, "prefix", None))
+            raise
         try:
             session.prepare()
         except BaseException:
@@ -179,7 +223,16 @@ class Session:
         ctx: Context | None = None
         status, detail = PASS, ""
         try:
-            ctx = Context(self.lab, self.mode, scenario.id, self.addresses, scenario.timeout_s, self.kproxy_args)
+            ctx = Context(
+                self.lab,
+                self.mode,
+                scenario.id,
+                self.addresses,
+                scenario.timeout_s,
+                self.kproxy_args,
+                options=self.options,
+                **self.context_kwargs,
+            )
             ctx.empty_namespace()  # leftovers of a killed earlier run
             scenario.run(ctx)
             detail = "; ".join(ctx.notes)
@@ -212,7 +265,10 @@ class Session:
                 detail += " [kproxy log: " + errors + "]"
         if revived:
             detail = (detail + "; " if detail else "") + revived
-        return Result(scenario.id, status, detail, time.monotonic() - t0)
+        parts: tuple[Result, ...] = ()
+        if status == PASS and ctx is not None:
+            parts = tuple(Result(f"{scenario.id}/{part}", NOT_APPLICABLE, why) for part, why in ctx.parts)
+        return Result(scenario.id, status, detail, time.monotonic() - t0, parts)
 
     def _revive(self) -> str:
         """Restart kproxy, in the session's mode, where it is not running (a previous scenario killed it or it
@@ -266,9 +322,10 @@ def run(
         for scenario in chosen:
             log.info("scenario %s on %s", scenario.id, mode)
             result = session.run_scenario(scenario)
-            report.results.append(result)
-            if progress is not None:
-                progress(result)
+            for row in (result, *result.parts):
+                report.results.append(row)
+                if progress is not None:
+                    progress(row)
     finally:
         session.close(keep_lab=keep_lab)
         report.wall_seconds = time.monotonic() - t0

@@ -2,7 +2,10 @@
 
 ``make test`` runs these (marker ``lab``). A scenario the backend declares impossible, or one the lab cannot
 support, is skipped with the reason; a FAIL fails with the scenario's own account of what was sent, what came
-back and what was expected. ``kproxy conformance --mode MODE`` runs the same scenarios outside pytest.
+back and what was expected; a part of a passing scenario that nothing here could exercise is printed with its
+reason. ``KPROXY_CONFORMANCE_MODES`` naming a mode that is not installed, or no backend installed at all, fails
+(``test_the_requested_modes_exist``) rather than leaving an empty, green run. ``kproxy conformance --mode MODE``
+runs the same scenarios outside pytest.
 """
 
 from __future__ import annotations
@@ -12,21 +15,29 @@ import os
 import pytest
 
 from kproxy.conformance.report import FAIL, NOT_APPLICABLE
+from kproxy.conformance.runner import ConformanceError, requested_modes
 from kproxy.conformance.scenarios import BY_ID, SCENARIOS
 from kproxy.proxier import availability, installed_backends
 
 pytestmark = pytest.mark.lab
 
 
-def _modes() -> list[str]:
-    modes = list(installed_backends())
-    wanted = os.environ.get("KPROXY_CONFORMANCE_MODES", "").strip()
-    if wanted:
-        modes = [m for m in modes if m in {w.strip() for w in wanted.split(",")}]
-    return modes
+def _modes() -> tuple[list[str], str]:
+    try:
+        return requested_modes(os.environ.get("KPROXY_CONFORMANCE_MODES", ""), list(installed_backends())), ""
+    except ConformanceError as exc:
+        return [], str(exc)
 
 
-CASES = [(mode, s.id) for mode in _modes() for s in SCENARIOS]
+MODES, MODES_ERROR = _modes()
+CASES = [(mode, s.id) for mode in MODES for s in SCENARIOS]
+
+
+def test_the_requested_modes_exist() -> None:
+    assert not MODES_ERROR, (
+        f"KPROXY_CONFORMANCE_MODES={os.environ.get('KPROXY_CONFORMANCE_MODES', '')!r}: {MODES_ERROR}"
+    )
+    assert CASES, "no conformance case to run"
 
 
 @pytest.mark.parametrize(("mode", "scenario_id"), CASES, ids=[f"{m}-{s}" for m, s in CASES])
@@ -41,3 +52,5 @@ def test_scenario(conformance_labs, mode: str, scenario_id: str) -> None:  # typ
     if result.status == FAIL:
         pytest.fail(f"{mode} {scenario_id}: {result.detail}", pytrace=False)
     print(f"{mode} {scenario_id}: pass in {result.seconds:.1f} s; {result.detail}")
+    for part in result.parts:
+        print(f"{mode} {part.scenario}: {part.status}: {part.detail}")

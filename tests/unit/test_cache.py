@@ -805,18 +805,35 @@ def test_stats() -> None:
 
 
 def test_concurrent_writers_and_snapshots() -> None:
+    """Two writers and the runner at once: snapshot generations never go back, and every slice whose upsert had
+    returned before a snapshot began is in that snapshot (its service has endpoints); at the end, all 400 are."""
     cache = make_cache()
     stop = threading.Event()
+    written: list[str] = []  # services whose slice upsert has returned (list.append is atomic)
+    problems: list[str] = []
+    snapshots = [0]
 
     def writer(offset: int) -> None:
         for i in range(200):
-            cache.upsert_service(service(f"s{offset}-{i}", cluster_ip=f"198.18.{offset}.{i}"))
-            cache.upsert_slice(endpoint_slice(f"s{offset}-{i}-x", service_name=f"s{offset}-{i}"))
+            name = f"s{offset}-{i}"
+            cache.upsert_service(service(name, cluster_ip=f"198.18.{offset}.{i}"))
+            cache.upsert_slice(endpoint_slice(f"{name}-x", service_name=name))
+            written.append(name)
 
     def runner() -> None:
-        while not stop.is_set():
+        last = -1
+        while not stop.is_set() and len(problems) < 5:
+            done = list(written)  # taken before the snapshot: each of these is complete in the cache already
             state, changes = cache.snapshot()
-            assert len(state) == sum(len(m) for m in state.services.values())
+            snapshots[0] += 1
+            if state.generation < last or changes.generation != state.generation:
+                problems.append(f"generation {last} -> state {state.generation}, changes {changes.generation}")
+            last = state.generation
+            for name in done:
+                sp = state.get(ServicePortName("default", name, "http", Protocol.TCP), V4)
+                if sp is None or not sp.has_any_endpoints:
+                    problems.append(f"{name}'s slice was written before snapshot {state.generation}, which has {sp}")
+                    break
             cache.commit(changes)
 
     threads = [threading.Thread(target=writer, args=(n,)) for n in (1, 2)]
@@ -828,6 +845,8 @@ def test_concurrent_writers_and_snapshots() -> None:
         t.join(timeout=60)
     stop.set()
     reader.join(timeout=60)
+    assert not problems, problems
+    assert snapshots[0] > 1  # the runner did run alongside the writers
     state, _ = cache.snapshot()
     assert len(state) == 400
     assert all(sp.has_any_endpoints for sp in state)

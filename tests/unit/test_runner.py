@@ -227,18 +227,26 @@ def test_stop_ends_the_loop(make, clock: FakeClock) -> None:
     assert not thread.is_alive()
 
 
-def test_loop_with_external_stop_event(clock: FakeClock) -> None:
-    rec = Recorder(clock)
-    runner = BoundedFrequencyRunner("ext", rec, MIN, RETRY, MAX, clock=clock)
+def test_loop_ends_when_its_external_stop_event_is_set() -> None:
+    """The daemon runs ``loop(stop)`` with an Event of its own and sets it without calling ``stop()``: nobody
+    notifies the runner's condition then, so the loop must notice the Event by itself (the real clock looks at it at
+    least every _STOP_POLL seconds), even with nothing due for a minute."""
+    calls: list[float] = []
+    runner = BoundedFrequencyRunner("ext", lambda: bool(calls.append(time.monotonic())) or True, MIN, RETRY, MAX)
     stop = threading.Event()
     thread = threading.Thread(target=runner.loop, args=(stop,), daemon=True)
     thread.start()
-    clock.wait_blocked()
-    clock.settle(runner.run)
-    assert rel(rec) == [0.0]
-    runner.stop()  # sets the loop's own event and wakes it
-    thread.join(5)
-    assert stop.is_set() and not thread.is_alive()
+    runner.run()
+    deadline = time.monotonic() + 5
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(calls) == 1  # the loop is running, and has nothing due for MAX seconds
+    t0 = time.monotonic()
+    stop.set()  # only the event: no stop(), no notify
+    thread.join(timeout=5)
+    assert not thread.is_alive(), "the loop did not notice its stop event"
+    assert time.monotonic() - t0 < 2.0
+    assert len(calls) == 1
 
 
 def test_real_time_min_interval_and_coalescing() -> None:
