@@ -21,6 +21,7 @@ from typing import Any
 from kproxy.conformance.context import Addresses, Context, ScenarioFailure
 from kproxy.lab.cli import live_lab_problem, mode_problem
 from kproxy.lab.cluster import Lab, LabError, check_prefix
+from kproxy.proxier import DEFAULT_MODE
 
 
 def _spread(results: Any) -> str:
@@ -130,7 +131,7 @@ def _demo(mode: str, keep_lab: bool, prefix: str | None) -> int:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("demo", help="kproxy on a 2-node lab: traffic and `kproxy show` (what `make demo` runs)")
-    p.add_argument("--mode", default="iptables")
+    p.add_argument("--mode", default=DEFAULT_MODE)
     p.add_argument("--keep-lab", action="store_true", help="leave the lab running afterwards")
     p.add_argument(
         "--replace-lab",

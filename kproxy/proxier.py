@@ -22,8 +22,8 @@ What a backend implements (a fifth mode is this list; ``kproxy.ledger.LedgerProx
    services the kernel refused), ``adopt()`` (what the kernel holds at start, so a restart rewrites nothing),
    ``needs_full()`` (a cheap "is my state still there"), ``detail()`` (its own part of ``describe``).
 3. Hooks, classmethods so that no running instance is needed: ``options`` (typed ``Option`` values, which become
-   ``--<mode>-...`` flags of every command that builds the backend), ``lab_arguments()`` (per-node ``kproxy run``
-   arguments in the lab, e.g. a cgroup and a pin folder of the node's own), ``remnants()`` (what the mode left in
+   ``--<mode>-...`` flags of every command that builds the backend), ``lab_options()`` (per-node option values in
+   the lab, e.g. a cgroup and a pin folder of the node's own), ``remnants()`` (what the mode left in
    the kernel), ``kernel_view()`` (what the kernel holds per service, for conformance checks), ``cleanup_leftovers()``
    (remove it all), ``not_applicable()`` (scenarios impossible for the mode); and on the instance
    ``register_metrics()`` (its own metrics, on the daemon's registry) fed by ``observe_sync()``.
@@ -183,7 +183,8 @@ class KernelProbe(Protocol):
     running kproxy (``remnants``, ``kernel_view``): the conformance runner's probe execs into a lab node, ``kproxy
     cleanup`` checks its own work with a local one. ``options`` are the node's backend options (pin folder, ...)."""
 
-    options: Mapping[str, Any]
+    @property
+    def options(self) -> Mapping[str, Any]: ...
 
     def run(self, argv: Sequence[str], *, timeout: float = 30.0) -> subprocess.CompletedProcess[str]: ...
 
@@ -202,7 +203,7 @@ class LocalProbe:
 
 @dataclass(frozen=True, slots=True)
 class LabNodeSpec:
-    """What a backend's ``lab_arguments`` learns about one lab node: its name and namespace, the cgroup (v2) its
+    """What a backend's ``lab_options`` learns about one lab node: its name and namespace, the cgroup (v2) its
     processes run in, and a folder of the node's own (for pins and state) that the lab removes with the node."""
 
     name: str
@@ -308,10 +309,11 @@ class Proxier:
         return MappingProxyType({})
 
     @classmethod
-    def lab_arguments(cls, node: LabNodeSpec, options: Mapping[str, Any]) -> list[str]:
-        """Extra ``kproxy run`` arguments for one lab node (a cgroup and pin folder of the node's own, ...), given
-        the options the lab was asked for; never the host's shared ones."""
-        return []
+    def lab_options(cls, node: LabNodeSpec, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Per-node option values for one lab node, on top of the ``options`` the lab was asked for (a cgroup and a
+        pin folder of the node's own, ...; never the host's shared ones). The lab passes them to ``kproxy run`` as
+        flags and to ``cleanup_leftovers`` when it takes the node down."""
+        return {}
 
     @classmethod
     def remnants(cls, probe: KernelProbe) -> list[str]:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kproxy.lab.cluster import Lab, LabError, check_prefix
+from kproxy.proxier import DEFAULT_MODE, BackendError, backend_class, parse_option_assignments
 
 
 def mode_problem(mode: str | None) -> str | None:
@@ -61,7 +62,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     up.add_argument("--nodes", type=int, default=2)
     up.add_argument("--pods-per-node", type=int, default=3)
-    up.add_argument("--mode", default="iptables", help="kproxy mode to start on every node, or 'none'")
+    up.add_argument("--mode", default=DEFAULT_MODE, help="kproxy mode to start on every node, or 'none'")
+    up.add_argument(
+        "--backend-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an option of the mode's backend for every node's kproxy (repeatable), e.g. iptables_flavour=legacy",
+    )
     up.add_argument("--no-ipv6", action="store_true", help="IPv4 only")
     up.add_argument(
         "--kproxy-arg", action="append", default=[], metavar="ARG", help="extra argument for every kproxy (repeatable)"
@@ -95,6 +103,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"kproxy lab up: {problem}", file=sys.stderr)
         return 2
     try:
+        options = parse_option_assignments(backend_class(mode), args.backend_option) if mode else {}
+    except (ValueError, BackendError) as e:
+        print(f"kproxy lab up: {e}", file=sys.stderr)
+        return 2
+    try:
         check_prefix(args.prefix)
         live = None if args.replace else Lab.live(prefix=args.prefix)
     except LabError as e:  # an invalid prefix
@@ -117,6 +130,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             ipv6=not args.no_ipv6,
             kproxy_args=args.kproxy_arg,
             prefix=args.prefix,
+            backend_options=options,
         )
     except LabError as e:  # Lab.up removes a half-built lab itself
         print(f"kproxy lab up: {e}", file=sys.stderr)

@@ -33,6 +33,7 @@ import fcntl
 import importlib
 import ipaddress
 import json
+import logging
 import os
 import re
 import signal
@@ -40,14 +41,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kproxy.config import ProxyConfig
 from kproxy.lab import netns
 from kproxy.lab.echo import DEFAULT_PORTS
 from kproxy.lab.probe import ProbeResult, build_argv
+from kproxy.proxier import DEFAULT_MODE, BackendError, LabNodeSpec, Proxier, backend_class, option_arguments
+
+log = logging.getLogger(__name__)
 
 STATE_ROOT = Path("/run/kproxy-lab")
 CGROUP_MOUNT = STATE_ROOT / "cgroup2"
@@ -323,22 +328,25 @@ def _env() -> dict[str, str]:
     return env
 
 
-BPF_CGROUP_FLAG = "--bpf-cgroup-path"
-
-
-def _backend_has_flag(mode: str, flag: str) -> bool:
-    """Whether the installed backend of ``mode`` declares ``flag`` (backends declare their own flags)."""
-    import argparse
-
-    from kproxy.proxier import backend_class
-
+def _backend(mode: str) -> type[Proxier] | None:
+    """The installed backend of ``mode``, None when it is missing or broken (kproxy run itself says so in its log)."""
     try:
-        cls = backend_class(mode)
-        parser = argparse.ArgumentParser(add_help=False)
-        cls.add_arguments(parser.add_argument_group(mode))
-    except Exception:  # a backend that is missing or broken: kproxy run itself will say so in its log
-        return False
-    return any(flag in action.option_strings for action in parser._actions)
+        return backend_class(mode)
+    except BackendError:
+        return None
+
+
+def _cleanup_node(ns: str, record: Mapping[str, Any]) -> None:
+    """Remove what a node's kproxy left outside the node's namespace (pins, cgroup attachments: bpffs and cgroups are
+    shared by the machine), with the options the node ran with; the namespace's own rules go with the namespace."""
+    mode = str(record.get("mode") or "")
+    cls = _backend(mode) if mode else None
+    if cls is None:
+        return
+    try:
+        cls.cleanup_leftovers(ProxyConfig(mode=mode, backend_options=dict(record.get("options") or {})), netns=ns)
+    except Exception as exc:  # best effort: the namespace goes anyway
+        log.warning("lab down: cleaning up %s of %s failed: %s", mode, ns, exc)
 
 
 def _venv_bin(name: str) -> str:
@@ -381,6 +389,8 @@ class Lab:
         self.api_url = f"http://127.0.0.1:{self.api_port}"
         self.lab_api_url = f"http://198.18.0.1:{API_PORT_IN_LAB}"
         self.echo_ports: list[int] = list(state.get("echo_ports", DEFAULT_PORTS))
+        #: backend options every node's kproxy gets (``kproxy lab up --backend-option``), before ``lab_options``
+        self.backend_options: dict[str, Any] = dict(state.get("backend_options") or {})
         self._children: dict[str, subprocess.Popen[bytes]] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
@@ -390,13 +400,14 @@ class Lab:
         cls,
         nodes: int = 2,
         pods_per_node: int = 3,
-        mode: str | None = "iptables",
+        mode: str | None = DEFAULT_MODE,
         ipv6: bool = True,
         kproxy_args: Sequence[str] = (),
         *,
         prefix: str | None = None,
         echo_ports: Sequence[int] = DEFAULT_PORTS,
         timeout: float = 30.0,
+        backend_options: Mapping[str, Any] | None = None,
     ) -> Lab:
         """Build a fresh lab and return it once pods answer and nodes are registered.
 
@@ -439,6 +450,7 @@ class Lab:
                 "pods": [asdict(p) for p in plan.pods],
                 "api_port": 0,
                 "echo_ports": list(echo_ports),
+                "backend_options": dict(backend_options or {}),
                 "created": time.time(),
                 # the process building it: a lab not ready yet is "being built" only while this one lives
                 "owner": {"pid": os.getpid(), "starttime": netns.proc_starttime(os.getpid()) or 0},
@@ -715,6 +727,15 @@ class Lab:
         _reap_live()
         if left:
             raise LabError(f"lab processes would not die: {sorted(left)}")
+        try:
+            old = json.loads((state_dir / "state.json").read_text())
+        except (OSError, ValueError):
+            old = {}
+        node_ns = {n.get("name"): n.get("ns") for n in old.get("nodes") or [] if isinstance(n, dict)}
+        for node_name, record in (old.get("kproxy") or {}).items():
+            ns = node_ns.get(node_name)
+            if ns in names and isinstance(record, dict):
+                _cleanup_node(str(ns), record)
         netns.delete_netns(names)
         for cg in cgroups:
             netns.remove_cgroup(cg)
@@ -838,24 +859,31 @@ class Lab:
         kproxy = _venv_bin("kproxy")
         return [kproxy] if os.access(kproxy, os.X_OK) else [sys.executable, "-m", "kproxy"]
 
-    def kproxy_argv(self, node: LabNode, mode: str, extra_args: Sequence[str] = ()) -> list[str]:
-        """The full ``kproxy run`` command line for a node (without ``ip netns exec``).
+    def node_spec(self, node: LabNode | str) -> LabNodeSpec:
+        """What a backend's ``lab_options`` learns about a node: name, namespace, cgroup and a folder of its own."""
+        n = node if isinstance(node, LabNode) else self.node(node)
+        return LabNodeSpec(n.name, n.ns, self.cgroup_path(n), self.state_dir / "nodes" / n.name)
 
-        For mode bpf the node's cgroup is passed as ``--bpf-cgroup-path`` when the installed bpf backend declares
-        that flag and ``extra_args`` do not already give it.
-        """
+    def node_options(self, node: LabNode | str, mode: str) -> dict[str, Any]:
+        """The backend options a node's kproxy runs with: the lab's (``backend_options``) plus the backend's per-node
+        values (``Proxier.lab_options``: e.g. the node's own cgroup and pin folder)."""
+        cls = _backend(mode)
+        if cls is None:
+            return {}
+        given = {k: v for k, v in self.backend_options.items() if k in {o.name for o in cls.options}}
+        return {**given, **cls.lab_options(self.node_spec(node), given)}
+
+    def kproxy_argv(self, node: LabNode, mode: str, extra_args: Sequence[str] = ()) -> list[str]:
+        """The full ``kproxy run`` command line for a node (without ``ip netns exec``), with the node's backend
+        options (``node_options``) as the backend's flags."""
         cidrs = CLUSTER_CIDR4 + (f",{CLUSTER_CIDR6}" if self.ipv6 else "")
         argv = self.kproxy_command()
         argv += ["run", "--mode", mode, "--master", self.lab_api_url, "--hostname-override", node.name]
         argv += ["--cluster-cidr", cidrs, "--min-sync-period", "0", "--sync-period", "10s"]
         argv += ["--healthz-bind-address", "0.0.0.0:10256", "--metrics-bind-address", "127.0.0.1:10249"]
-        if (
-            mode == "bpf"
-            and not any(a.startswith(BPF_CGROUP_FLAG) for a in extra_args)
-            and _backend_has_flag(mode, BPF_CGROUP_FLAG)
-        ):
-            # socket-level load balancing hooks the node's own cgroup, where all of the node's processes run
-            argv += [BPF_CGROUP_FLAG, str(self.cgroup_path(node))]
+        cls = _backend(mode)
+        if cls is not None:
+            argv += option_arguments(cls, self.node_options(node, mode))
         return argv + list(extra_args)
 
     def start_kproxy(self, node: LabNode | str, mode: str, extra_args: Sequence[str] = ()) -> None:
@@ -871,7 +899,11 @@ class Lab:
         self._spawn(f"kproxy-{n.name}", argv, log, self.cgroup_path(n), append=True)
         with _locked(self.state_dir):
             state = json.loads((self.state_dir / "state.json").read_text())
-            state.setdefault("kproxy", {})[n.name] = {"mode": mode, "args": list(extra_args)}
+            state.setdefault("kproxy", {})[n.name] = {
+                "mode": mode,
+                "args": list(extra_args),
+                "options": self.node_options(n, mode),  # for the cleanup at lab down (pins live outside the node)
+            }
             state["mode"] = mode
             _write_json(self.state_dir / "state.json", state)
             self.state, self.mode = state, mode

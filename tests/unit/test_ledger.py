@@ -1,0 +1,229 @@
+"""The ledger: deltas, adoption, the refusal rounds and the published snapshot, once for every backend.
+
+Driven through ``FakeProxier`` (no kernel) and a small recording backend, so the retry rules every mode relies on are
+tested here and not again in each backend.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+
+from kproxy.config import ProxyConfig
+from kproxy.fake import FakeProxier
+from kproxy.ledger import MAX_ROUNDS, Applied, Batch, LedgerProxier
+from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
+from kproxy.nodeaddr import FamilyContext
+
+
+def spn(name: str) -> ServicePortName:
+    return ServicePortName("ns", name, "http", Protocol.TCP)
+
+
+def sp(name: str, eps: int = 1, family: IPFamily = IPFamily.V4) -> ServicePort:
+    ip = "198.19.0.10" if family is IPFamily.V4 else "fd00:198:18:ff::10"
+    prefix = "198.18.65." if family is IPFamily.V4 else "fd00:198:18:65::"
+    endpoints = tuple(Endpoint(f"{prefix}{10 + i}", 8080) for i in range(eps))
+    return ServicePort(spn(name), family, ip, 80, cluster_endpoints=endpoints, has_any_endpoints=eps > 0)
+
+
+def state(*sps: ServicePort, generation: int = 1, node: NodeInfo | None = None) -> ProxyState:
+    fams: dict[IPFamily, dict[ServicePortName, ServicePort]] = {IPFamily.V4: {}, IPFamily.V6: {}}
+    for s in sps:
+        fams[s.family][s.name] = s
+    return ProxyState(
+        {f: MappingProxyType(m) for f, m in fams.items()}, node or NodeInfo("node-1"), generation=generation
+    )
+
+
+def partial(*names: str) -> Changes:
+    return Changes(full=False, services=frozenset(spn(n) for n in names))
+
+
+def v4_batches(fake: FakeProxier) -> list[Batch[ServicePort, FamilyContext]]:
+    return [b for b in fake.batches if b.family is IPFamily.V4]
+
+
+def test_partial_batch_carries_only_the_dirty_services_with_old_and_new() -> None:
+    fake = FakeProxier()
+    a, b = sp("a", 1), sp("b", 2)
+    assert fake.sync(state(a, b), Changes(full=True)).ok
+    a2 = sp("a", 3)
+    fake.batches.clear()
+    assert fake.sync(state(a2, b), partial("a")).ok
+    (batch,) = v4_batches(fake)
+    assert not batch.full
+    (delta,) = batch.deltas
+    assert (delta.name, delta.old, delta.old_fragment, delta.new, delta.new_fragment) == (a.name, a, a, a2, a2)
+    assert fake.programmed[("IPv4", a.name)] == a2 and fake.programmed[("IPv4", b.name)] == b
+    # a removal is a delta with no new fragment
+    fake.batches.clear()
+    assert fake.sync(state(b), partial("a")).ok
+    ((removal,),) = [bt.deltas for bt in v4_batches(fake)]
+    assert removal.removed and removal.old == a2
+    assert ("IPv4", a.name) not in fake.programmed
+
+
+def test_a_restart_that_changes_nothing_writes_nothing() -> None:
+    """A new instance adopts what the kernel holds (the fake's 'kernel' is its record): no delta at all."""
+    a, b = sp("a", 1), sp("b", 2)
+    first = FakeProxier()
+    assert first.sync(state(a, b), Changes(full=True)).ok
+    second = FakeProxier()
+    second.programmed = dict(first.programmed)  # what the kernel holds after the restart
+    assert second.sync(state(a, b), Changes(full=True)).ok
+    (batch,) = v4_batches(second)
+    assert batch.full and batch.deltas == () and dict(batch.wanted) == {a.name: a, b.name: b}
+    assert second.describe()["services"]["ns/a:http/TCP"]["IPv4"]["applied"]
+    # one changed service is the only write; one the kernel has but the state lacks is removed by the full batch
+    third = FakeProxier()
+    third.programmed = {**first.programmed, ("IPv4", spn("gone")): sp("gone")}
+    a2 = sp("a", 2)
+    assert third.sync(state(a2, b), Changes(full=True)).ok
+    (batch,) = v4_batches(third)
+    assert [d.name for d in batch.deltas] == [a.name]
+    assert ("IPv4", spn("gone")) not in third.programmed
+
+
+def test_a_refused_update_keeps_the_old_version_and_a_refused_new_service_is_left_out() -> None:
+    fake = FakeProxier()
+    a, b = sp("a", 1), sp("b", 1)
+    assert fake.sync(state(a, b), Changes(full=True)).ok
+    fake.reject[a.name] = "line 7: no such match"
+    fake.reject[spn("c")] = "line 9: bad"
+    a2, c = sp("a", 2), sp("c", 1)
+    res = fake.sync(state(a2, b, c), partial("a", "c"))
+    assert res.ok and dict(res.failed) == {a.name: "line 7: no such match", c.name: "line 9: bad"}
+    assert fake.programmed[("IPv4", a.name)] == a  # the old version stays
+    assert ("IPv4", c.name) not in fake.programmed  # nothing before: left out
+    # one refusal per apply, as a restore stops at its first bad line: three rounds here
+    assert len(v4_batches(fake)) == 1 + 3
+    desc = fake.describe()["services"]
+    assert desc["ns/a:http/TCP"]["IPv4"]["failed"] and desc["ns/a:http/TCP"]["IPv4"]["applied"]
+    assert desc["ns/a:http/TCP"]["IPv4"]["internalEndpoints"] == ["198.18.65.10:8080"]  # what runs: the old one
+    assert desc["ns/c:http/TCP"]["IPv4"]["failed"] and not desc["ns/c:http/TCP"]["IPv4"]["applied"]
+    # fixed: the update lands and the failure is forgotten
+    fake.reject.clear()
+    res = fake.sync(state(a2, b, c), partial("a", "c"))
+    assert res.ok and not res.failed
+    assert fake.programmed[("IPv4", a.name)] == a2 and fake.programmed[("IPv4", c.name)] == c
+    assert not fake.describe()["services"]["ns/a:http/TCP"]["IPv4"]["failed"]
+
+
+class Refusing(LedgerProxier[ServicePort, FamilyContext]):
+    """A backend whose 'kernel' refuses what ``refuse`` says, however often; or raises."""
+
+    mode = "refusing"
+
+    def __init__(self) -> None:
+        super().__init__(ProxyConfig(ip_families=(IPFamily.V4, IPFamily.V6)))
+        self.refuse: dict[IPFamily, set[ServicePortName]] = {IPFamily.V4: set(), IPFamily.V6: set()}
+        self.raise_in: set[IPFamily] = set()
+        self.applied: list[Batch[ServicePort, FamilyContext]] = []
+        self.gate: threading.Event | None = None
+
+    def context(self, node: FamilyContext, state: ProxyState) -> FamilyContext:
+        return node.without_addresses()
+
+    def render(self, sp: ServicePort, ctx: FamilyContext) -> ServicePort:
+        return sp
+
+    def apply(self, batch: Batch[ServicePort, FamilyContext]) -> Applied:
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.applied.append(batch)
+        if batch.family in self.raise_in:
+            raise RuntimeError("backend bug")
+        for d in batch.deltas:
+            if d.name in self.refuse[batch.family] and d.new_fragment is not None:
+                return Applied(ok=False, refused=MappingProxyType({d.name: "refused"}), error="refused")
+        return Applied()
+
+
+def test_a_service_refused_every_round_fails_the_family_and_the_other_family_syncs() -> None:
+    r = Refusing()
+    a4, a6 = sp("a", 1), sp("a", 1, IPFamily.V6)
+    assert r.sync(state(a4, a6), Changes(full=True)).ok
+    # IPv6 keeps refusing both the new and the old version of a: kept, then left out, then the round fails
+    r.refuse[IPFamily.V6] = {a6.name}
+    res = r.sync(state(sp("a", 2), sp("a", 2, IPFamily.V6)), partial("a"))
+    assert res.ok and res.failed == {a6.name: "refused"}  # kept its old version, then left out: the family goes on
+    assert a6.name not in r.records[IPFamily.V6].fragments and r.records[IPFamily.V4].fragments[a4.name] == sp("a", 2)
+    r.raise_in = {IPFamily.V6}
+    res = r.sync(state(sp("a", 3), sp("a", 3, IPFamily.V6)), partial("a"))
+    assert not res.ok and res.failed_families == {IPFamily.V6} and "backend bug" in (res.error or "")
+    assert r.records[IPFamily.V4].fragments[a4.name] == sp("a", 3)  # IPv4 was programmed all the same
+    assert r.records[IPFamily.V6].need_full and r.records[IPFamily.V6].context is None
+    r.raise_in, r.refuse[IPFamily.V6] = set(), set()
+    r.applied.clear()
+    res = r.sync(state(sp("a", 3), sp("a", 3, IPFamily.V6)), partial("a"))
+    assert [b.full for b in r.applied if b.family is IPFamily.V6] == [True]  # the failed family resyncs in full
+    assert [b.full for b in r.applied if b.family is IPFamily.V4] == [False]
+
+
+def test_rounds_are_bounded() -> None:
+    class Endless(Refusing):
+        def apply(self, batch: Batch[ServicePort, FamilyContext]) -> Applied:
+            self.applied.append(batch)
+            fresh = [d.name for d in batch.deltas if d.new_fragment is not None]
+            if fresh:
+                return Applied(ok=False, refused=MappingProxyType({fresh[0]: "refused"}), error="refused")
+            return Applied()
+
+    r = Endless()
+    names = [f"s{i}" for i in range(MAX_ROUNDS + 2)]
+    res = r.sync(state(*(sp(n) for n in names)), Changes(full=True))
+    assert not res.ok and "rounds" in (res.error or "")
+    assert len([b for b in r.applied if b.family is IPFamily.V4]) == MAX_ROUNDS
+
+
+def test_a_changed_node_context_makes_a_full_batch() -> None:
+    fake = FakeProxier(ProxyConfig(cluster_cidrs=("198.18.0.0/16",)))
+    a = sp("a")
+    assert fake.sync(state(a), Changes(full=True)).ok
+    fake.batches.clear()
+    assert fake.sync(state(a, node=NodeInfo("node-1", addresses=("198.18.0.11",))), partial()).ok
+    assert [b.full for b in v4_batches(fake)] == [True]  # the Node's addresses feed the context
+    fake.batches.clear()
+    assert fake.sync(state(a, node=NodeInfo("node-1", addresses=("198.18.0.11",))), partial()).ok
+    assert [b.full for b in v4_batches(fake)] == [False]
+
+
+def test_describe_never_waits_for_a_sync() -> None:
+    r = Refusing()
+    a = sp("a", 1)
+    assert r.sync(state(a), Changes(full=True)).ok
+    r.gate = threading.Event()
+    worker = threading.Thread(target=r.sync, args=(state(sp("a", 2)), partial("a")))
+    worker.start()
+    try:
+        time.sleep(0.05)  # the sync is inside apply now, waiting on the gate
+        t0 = time.perf_counter()
+        desc: Mapping[str, Any] = r.describe()
+        assert time.perf_counter() - t0 < 0.1
+        assert desc["services"]["ns/a:http/TCP"]["IPv4"]["internalEndpoints"] == ["198.18.65.10:8080"]
+    finally:
+        r.gate.set()
+        worker.join(10)
+    assert r.describe()["services"]["ns/a:http/TCP"]["IPv4"]["internalEndpoints"] == [
+        "198.18.65.10:8080",
+        "198.18.65.11:8080",
+    ]
+
+
+@pytest.mark.parametrize("fail", [1, 2])
+def test_whole_failures_keep_the_ledger_and_the_next_sync_is_full(fail: int) -> None:
+    fake = FakeProxier()
+    a = sp("a")
+    assert fake.sync(state(a), Changes(full=True)).ok
+    fake.fail_next = fail
+    for _ in range(fail):
+        assert not fake.sync(state(sp("a", 2)), partial("a")).ok
+    assert fake.programmed[("IPv4", a.name)] == a
+    assert fake.sync(state(sp("a", 2)), Changes(full=True)).ok
+    assert fake.programmed[("IPv4", a.name)] == sp("a", 2)
