@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 KPROXY := $(VENV)/bin/kproxy
 MODE   ?= iptables
 
-.PHONY: setup test lint unit integration conformance demo bench clean-lab
+.PHONY: setup test lint unit integration conformance demo bench clean-lab image
 
 setup:
 	@bash scripts/setup.sh
@@ -16,8 +16,13 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: lint
+# The image is built before the tests (tests/integration/test_image.py runs it; a no-op when it is up to date).
+test: lint image
 	$(PY) -m pytest
+
+# deploy/Dockerfile as localhost/kproxy:<version>, with buildah on an mmdebstrap base (scripts/image.sh)
+image: setup
+	@bash scripts/image.sh >/dev/null
 
 unit: setup
 	$(PY) -m pytest tests/unit

@@ -6,7 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PKGS=(iptables nftables python3-nftables bpfcc-tools python3-bpfcc bpftool linux-headers-amd64 conntrack iproute2
-      python3-venv iperf3 wrk socat iputils-ping kubectl)
+      python3-venv iperf3 wrk socat iputils-ping kubectl
+      # the container image (make image, tests/integration/test_image.py): built with buildah on a base made by
+      # mmdebstrap from the Debian archive (no registry), run with podman on runc (crun refuses this machine's
+      # hybrid cgroup layout); as root, the kernel's overlayfs serves as storage, so no fuse-overlayfs
+      podman buildah mmdebstrap runc)
 
 if [ "$(id -u)" != 0 ]; then
     echo "setup: kproxy programs the kernel and its tests make network namespaces: run as root" >&2
