@@ -9,7 +9,8 @@ Adding a mode ``foo`` is this list:
 
 1. ``kproxy/proxier.py``: add ``Mode("foo", "one line")`` to ``MODES`` (the only place the core names a mode).
 2. ``pyproject.toml``: ``foo = "kproxy.backends.foo.proxier:FooProxier"`` under the ``kproxy.backends``
-   entry-point group; add ``kproxy.backends.foo`` to the "Backends never import each other" contract in ``.importlinter``.
+   entry-point group; add ``kproxy.backends.foo`` to the "Backends never import each other" contract in
+   ``.importlinter``.
 3. ``backends/foo/__init__.py``: a docstring with the layout, the measured reasons for it, every deviation from
    upstream, and the conformance scenarios that are not applicable (with why).
 4. ``backends/foo/render.py`` (pure, table-tested without root): one ``ServicePort`` plus the family's context to a
