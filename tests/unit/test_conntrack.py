@@ -107,3 +107,20 @@ def test_flows_to_serving_terminating_endpoints_survive() -> None:
     (target,) = service_targets(state, IPFamily.V4, []).values()
     assert not is_stale(("198.19.0.10", 53), ("198.18.64.6", 5353), target)
     assert is_stale(("198.19.0.10", 53), ("198.18.64.7", 5353), target)
+
+
+def test_targets_follow_the_backends_answerers() -> None:
+    """Who may answer a UDP flow is the backend's to say: a proxy that answers from the node keeps its flows."""
+    from types import MappingProxyType
+
+    from kproxy.conntrack import service_targets
+    from kproxy.model import Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
+
+    name = ServicePortName("ns", "dns", "dns", Protocol.UDP)
+    ep = Endpoint("198.18.65.11", 53)
+    sp = ServicePort(name, IPFamily.V4, "198.19.0.10", 53, cluster_endpoints=(ep,), serving_endpoints=(ep,))
+    state = ProxyState({IPFamily.V4: MappingProxyType({name: sp})}, NodeInfo("n"))
+    default = service_targets(state, IPFamily.V4, [])
+    assert default[("198.19.0.10", 53)].endpoints == {("198.18.65.11", 53)}
+    proxied = service_targets(state, IPFamily.V4, [], lambda _sp: [("198.18.0.11", 40123)])
+    assert proxied[("198.19.0.10", 53)].endpoints == {("198.18.0.11", 40123)}

@@ -88,3 +88,71 @@ def test_fake_failures_and_rejections() -> None:
     res = fake.sync(_state(_sp("a", 1), _sp("b", 1)), Changes(full=True))
     assert res.ok and dict(res.failed) == {_sp("a", 1).name: "kernel says no"}
     assert [k[1].name for k in fake.programmed] == ["b"]
+
+
+def test_a_backend_that_cannot_load_is_unavailable_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bcc raises OSError (not ImportError) when libbcc is missing: that mode is unavailable, nothing else breaks."""
+    import importlib.metadata
+
+    from kproxy import proxier
+
+    class Broken(importlib.metadata.EntryPoint):
+        def load(self) -> object:
+            raise OSError("libbcc.so.0: cannot open shared object file")
+
+    real = proxier._entry_points()
+    broken = Broken("bpf", "kproxy.backends.bpf.proxier:BpfProxier", proxier.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(proxier, "_entry_points", lambda: {**real, "bpf": broken})
+    avail = availability("bpf")
+    assert not avail and "OSError" in avail.reason and "libbcc" in avail.reason
+    assert "bpf" not in proxier.installed_backends() and "iptables" in proxier.installed_backends()
+    from kproxy.cli import build_parser
+
+    assert build_parser().parse_args(["run", "--mode", "iptables"]).func is not None  # the CLI still builds
+
+
+def test_options_are_typed_flags_and_assignments() -> None:
+    from kproxy.proxier import Option, option_arguments, parse_option_assignments
+
+    class WithOptions(FakeProxier):
+        options = (Option("fake_depth", int, 3, "how deep"), Option("fake_on", bool, False, "on or off"))
+
+    assert parse_option_assignments(WithOptions, ["fake_depth=7", "fake-on=yes"]) == {"fake_depth": 7, "fake_on": True}
+    with pytest.raises(ValueError, match="--fake-depth: 'x' is not a int"):
+        parse_option_assignments(WithOptions, ["fake_depth=x"])
+    with pytest.raises(ValueError, match="has no such option"):
+        parse_option_assignments(WithOptions, ["nope=1"])
+    assert option_arguments(WithOptions, {"fake_depth": 7, "fake_on": True}) == [
+        "--fake-depth",
+        "7",
+        "--fake-on",
+        "true",
+    ]
+    assert WithOptions.option_values({"fake_on": True}) == {"fake_depth": 3, "fake_on": True}
+
+
+def test_cleanup_other_modes_runs_every_other_installed_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kproxy import proxier
+
+    calls: list[tuple[str, str | None]] = []
+
+    class Other(FakeProxier):
+        mode = "userspace"
+
+        @classmethod
+        def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
+            calls.append((config.mode, netns))
+
+    class Failing(Other):
+        mode = "bpf"
+
+        @classmethod
+        def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
+            raise RuntimeError("pins busy")
+
+    monkeypatch.setattr(
+        proxier, "installed_backends", lambda: {"userspace": Other, "bpf": Failing, "fake": FakeProxier}
+    )
+    monkeypatch.setattr(proxier, "availability", lambda mode: proxier.Availability(True))
+    out = proxier.cleanup_other_modes(ProxyConfig(mode="fake"), netns="kpx-test")
+    assert out == {"userspace": None, "bpf": "RuntimeError: pins busy"} and calls == [("userspace", "kpx-test")]
