@@ -210,7 +210,8 @@ class ContainerLauncher:
     """Starts and signals each lab node's kproxy as a container of ``image`` (see the module docstring).
 
     ``drop_caps`` removes capabilities from what the overlay grants (to show each one is needed); ``specs`` gives
-    a PodSpec per mode instead of rendering the overlay (tests of this module only).
+    a PodSpec per mode instead of rendering the overlay, and ``make_host_paths=False`` leaves hostPath volumes
+    unchecked and uncreated (both for tests that only look at the command line).
     """
 
     def __init__(
@@ -220,8 +221,10 @@ class ContainerLauncher:
         drop_caps: Sequence[str] = (),
         specs: dict[str, PodSpec] | None = None,
         podman: Sequence[str] = PODMAN,
+        make_host_paths: bool = True,
     ) -> None:
         self.image = image
+        self.make_host_paths = make_host_paths
         self.drop_caps = tuple(c.upper() for c in drop_caps)
         self.podman = list(podman)
         self._specs: dict[str, PodSpec] = dict(specs or {})
@@ -324,7 +327,9 @@ class ContainerLauncher:
             if source != m.host_path:
                 rewrites[source] = m.path
             p = Path(source)
-            if m.host_type == "FileOrCreate" and not p.exists():
+            if not self.make_host_paths:
+                pass
+            elif m.host_type == "FileOrCreate" and not p.exists():
                 p.parent.mkdir(parents=True, exist_ok=True)
                 p.touch()
             elif m.host_type == "DirectoryOrCreate" and not p.exists():
@@ -399,6 +404,10 @@ class ContainerLauncher:
                 check=False,
             )
         self.names.clear()
+        self.remove_files()
+
+    def remove_files(self) -> None:
+        """Remove the ConfigMap and credential files written for the containers."""
         if self._dir is not None:
             with contextlib.suppress(OSError):
                 shutil.rmtree(self._dir)

@@ -8,8 +8,10 @@ schemas shipped with ``kubernetes_validate``; no cluster involved.
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import subprocess
+import types
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ EXTRA_CAPS = {
     "bpf": {"BPF", "PERFMON", "SYS_ADMIN", "SYS_RESOURCE"},
 }
 EXTRA_VOLUMES = {"bpf": {"bpffs", "cgroup2", "usr-src", "hostproc"}}
+# The API server rejects allowPrivilegeEscalation: false together with an added SYS_ADMIN (or privileged).
+ESCALATION_ALLOWED = {"bpf"}
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (make setup)")
 
@@ -122,6 +126,13 @@ def test_daemonset_shape(rendered: dict[str, list[dict[str, Any]]], mode: str) -
     assert not sc.get("privileged")
     assert sc["capabilities"]["drop"] == ["ALL"]
     assert set(sc["capabilities"]["add"]) == BASE_CAPS | EXTRA_CAPS[mode]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["runAsUser"] == 0
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert sc["allowPrivilegeEscalation"] is (mode in ESCALATION_ALLOWED)
+    # the API server's own rule (pkg/apis/core/validation): no "false" beside SYS_ADMIN or privileged
+    if sc["allowPrivilegeEscalation"] is False:
+        assert "SYS_ADMIN" not in sc["capabilities"]["add"] and not sc.get("privileged")
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["lib-modules"]["hostPath"]["path"] == "/lib/modules"
     assert volumes["xtables-lock"]["hostPath"] == {"path": "/run/xtables.lock", "type": "FileOrCreate"}
@@ -159,6 +170,8 @@ def _normalised(objs: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
             c = spec["containers"][0]
             caps = c["securityContext"]["capabilities"]
             caps["add"] = sorted(set(caps["add"]) - EXTRA_CAPS[mode])
+            if mode in ESCALATION_ALLOWED:
+                c["securityContext"]["allowPrivilegeEscalation"] = False
             extra = EXTRA_VOLUMES.get(mode, set())
             spec["volumes"] = [v for v in spec["volumes"] if v["name"] not in extra]
             c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] not in extra]
@@ -171,3 +184,52 @@ def test_overlays_differ_only_in_mode_and_needs(rendered: dict[str, list[dict[st
     reference = _normalised(rendered["iptables"], "iptables")
     for mode in OVERLAYS:
         assert _normalised(rendered[mode], mode) == reference, mode
+
+
+def test_image_tag_is_the_built_version(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The DaemonSet runs the image `make image` builds (localhost/kproxy:<pyproject version>, which podman and
+    CRI-O find under the short name)."""
+    version = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert version is not None
+    for mode in OVERLAYS:
+        assert container(rendered[mode])["image"] == f"kproxy:{version.group(1)}"
+
+
+@pytest.mark.parametrize("mode", OVERLAYS)
+def test_container_argv_follows_the_overlay(
+    rendered: dict[str, list[dict[str, Any]]], mode: str, tmp_path: Path
+) -> None:
+    """The image test's podman command line grants what the rendered overlay grants, and nothing else."""
+    from kproxy.lab.cluster import CGROUP_MOUNT, LabNode
+    from kproxy.lab.container import ContainerLauncher, pod_spec
+
+    spec = pod_spec(rendered[mode], mode)
+    launcher = ContainerLauncher("localhost/kproxy:test", specs={mode: spec}, make_host_paths=False)
+    lab = types.SimpleNamespace(prefix="kpu-", lab_api_url="http://198.18.0.1:6443")
+    node = LabNode(1, "node-1", "kpu-n1", "198.18.0.11", "", "198.18.65.0/24", "", "zone-a")
+    native = ["/x/kproxy", "run", "--mode", mode, "--master", "http://198.18.0.1:6443", "--hostname-override", "node-1"]
+    if mode == "bpf":
+        native += ["--bpf-cgroup-path", f"{CGROUP_MOUNT}/kpu-n1"]
+    try:
+        argv = launcher.argv(lab, node, native)  # type: ignore[arg-type]
+    finally:
+        launcher.remove_files()
+    caps = container(rendered[mode])["securityContext"]["capabilities"]
+
+    def values(flag: str) -> list[str]:
+        return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+    assert values("--cap-drop") == ["all"]
+    assert sorted(values("--cap-add")) == sorted(caps["add"])
+    assert "--privileged" not in argv
+    assert "--read-only" in argv and "--read-only-tmpfs=false" in argv
+    assert values("--user") == ["0"]
+    assert ("no-new-privileges" in values("--security-opt")) is (mode not in ESCALATION_ALLOWED)
+    assert values("--network") == ["ns:/run/netns/kpu-n1"]
+    mounted = {v.split(":")[1] for v in values("--volume")}
+    assert {m["mountPath"] for m in container(rendered[mode])["volumeMounts"]} <= mounted
+    i = argv.index("localhost/kproxy:test")
+    assert argv[i + 1 : i + 6] == ["kproxy", "run", "--config", "/var/lib/kproxy/config.conf", "--hostname-override"]
+    assert argv[i + 6] == "node-1"  # $(NODE_NAME), as the kubelet expands it
+    if mode == "bpf":
+        assert "/run/kproxy/cgroupv2/kpu-n1" in argv  # the lab's cgroup2 mount, where the overlay mounts it
