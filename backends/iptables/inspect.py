@@ -64,7 +64,7 @@ def _save(probe: KernelProbe, tool: str, *args: str) -> str | None:
     res = probe.run([tool, *args], timeout=60.0)
     if res.returncode != 0:
         err = (res.stderr or "").strip()[:300]
-        raise BackendError(f"{tool} {' '.join(args)} failed (exit {res.returncode}): {err}")
+        raise BackendError(f"{' '.join([tool, *args])} failed (exit {res.returncode}): {err}")
     return res.stdout or ""
 
 

@@ -776,6 +776,11 @@ def ignored_services(ctx: Context) -> None:
     marked = ctx.service("marked-headless", labels={"service.kubernetes.io/headless": ""})
     headless = ctx.service("headless", cluster_ip=None)
     extname = ctx.service("extname", type="ExternalName", externalName="backend.example.invalid")
+    # one that is served first and labelled afterwards: what it had in the kernel must go too
+    late = ctx.service("late-label")
+    ctx.apply(late, ctx.slice_for(late, eps))
+    _wait_reach(ctx, client, _cip(late), 80, only=eps)
+    late["metadata"]["labels"] = {"service.kubernetes.io/service-proxy-name": "someone-else"}
     ctx.apply(
         other,
         ctx.slice_for(other, eps),
@@ -784,9 +789,10 @@ def ignored_services(ctx: Context) -> None:
         headless,
         ctx.slice_for(headless, eps),
         extname,
+        late,
     )
     (present,) = _barrier(ctx, n1)
-    for svc in (other, marked):
+    for svc in (other, marked, late):
         ctx.blocked(client, _cip(svc), 80, count=1, timeout=1.0)
     view = kernel_view(ctx, n1, "IPv4")
     if view is None:
@@ -804,7 +810,7 @@ def ignored_services(ctx: Context) -> None:
             got=f"{len(view)} service ports: {', '.join(sorted(view)[:10])}",
             expected=f"a key {ctx.namespace}/{present}:tcp/TCP and lines naming it",
         )
-        for name in ("other-proxy", "marked-headless", "headless", "extname"):
+        for name in ("other-proxy", "marked-headless", "headless", "extname", "late-label"):
             keys, found = _view_keys(view, ctx.namespace, name), _mentions(lines, ctx.namespace, name)
             ctx.expect(
                 not keys and not found,
@@ -819,7 +825,8 @@ def ignored_services(ctx: Context) -> None:
     for svc in (other, marked):
         _wait_reach(ctx, client, _cip(svc), 80, only=eps, what=f"after removing the label of {svc['metadata']['name']}")
     ctx.note(
-        "labelled services unreachable and without kernel rules until unlabelled; headless and ExternalName have none"
+        "labelled services (also one labelled after it was served) unreachable and without kernel rules until "
+        "unlabelled; headless and ExternalName have none"
     )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kproxy.backends.iptables import render
+from kproxy.backends.iptables import inspect, render
 from kproxy.backends.iptables.cleanup import cleanup_leftovers
 from kproxy.backends.iptables.kernel import detect_flavour
 from kproxy.backends.iptables.proxier import IptablesProxier
@@ -32,6 +32,7 @@ from kproxy.model import (
     ServicePort,
     ServicePortName,
 )
+from kproxy.proxier import LocalProbe
 
 from .scratch import scratch_netns
 
@@ -323,34 +324,54 @@ def test_restart_adopts_without_flushing(netns: str, flavour: str) -> None:
     assert not any(f":{render.service_chain(A)} " in text for text in p3.last_payloads(IPFamily.V4))
 
 
-def test_cleanup_leaves_nothing_of_ours(netns: str, flavour: str) -> None:
+LOCAL = ServicePortName("ns1", "local", "http", Protocol.TCP)
+LOCAL_EP = Endpoint("198.18.1.5", 80, is_local=True)
+# externalTrafficPolicy=Local with an endpoint on this node: the mode's KUBE-SVL- (and KUBE-EXT-) chains exist
+SP_LOCAL = ServicePort(
+    LOCAL,
+    IPFamily.V4,
+    "198.19.0.5",
+    80,
+    node_port=30085,
+    external_policy_local=True,
+    cluster_endpoints=(LOCAL_EP,),
+    local_endpoints=(LOCAL_EP,),
+    has_any_endpoints=True,
+)
+
+
+def kubelets_chains(netns: str, flavour: str) -> None:
+    """kubelet's own KUBE- chains (upstream's kubelet_network_linux.go), which no cleanup of ours may touch."""
     ipt = f"iptables-{flavour}"
-    ns_run(netns, ipt, "-N", "KUBE-FIREWALL")  # kubelet's chain: not ours
+    ns_run(netns, ipt, "-N", "KUBE-FIREWALL")
     ns_run(netns, ipt, "-A", "INPUT", "-j", "KUBE-FIREWALL")
-    ns_run(netns, ipt, "-t", "nat", "-N", "OTHER")
-    ns_run(netns, ipt, "-t", "nat", "-A", "PREROUTING", "-j", "OTHER")
+    for table in ("mangle", "nat", "filter"):
+        ns_run(netns, ipt, "-t", table, "-N", "KUBE-KUBELET-CANARY")
+    ns_run(netns, ipt, "-t", "mangle", "-N", "KUBE-IPTABLES-HINT")
+
+
+def test_cleanup_leaves_nothing_of_ours(netns: str, flavour: str) -> None:
+    """Nothing of the mode left, by the widest reading: every KUBE- line of both families and both flavours that
+    is not kubelet's (``inspect.remnants``), after a sync that made every kind of chain, KUBE-SVL- included."""
+    kubelets_chains(netns, flavour)
+    ns_run(netns, f"iptables-{flavour}", "-t", "nat", "-N", "OTHER")
+    ns_run(netns, f"iptables-{flavour}", "-t", "nat", "-A", "PREROUTING", "-j", "OTHER")
     p = proxier(netns, flavour)
-    assert p.sync(state(SP_A, SP_B, SP_C6), Changes(full=True)).ok
+    assert p.sync(state(SP_A, SP_B, SP_C6, SP_LOCAL), Changes(full=True)).ok
+    before = inspect.remnants(LocalProbe(netns))
+    for prefix in ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-"):
+        assert any(f":{prefix}" in ln for ln in before), f"no {prefix} chain to clean up: {before}"
     p.cleanup()
-    for v6 in (False, True):
-        text = save(netns, flavour, v6=v6)
-        ours = [
-            ln
-            for ln in text.splitlines()
-            if re.search(
-                r"KUBE-(SERVICES|SVC|SEP|EXT|FW|NODEPORTS|MARK-MASQ|"
-                r"POSTROUTING|FORWARD|PROXY|EXTERNAL)",
-                ln,
-            )
-        ]
-        assert ours == [], ours
+    assert inspect.remnants(LocalProbe(netns)) == []
     v4 = save(netns, flavour)
     assert "-A INPUT -j KUBE-FIREWALL" in v4 and "-A PREROUTING -j OTHER" in v4
+    assert ":KUBE-KUBELET-CANARY" in section(v4, "nat") and ":KUBE-IPTABLES-HINT" in section(v4, "mangle")
     # the module-level function works with no proxier, on both flavours, and is idempotent
-    assert p.sync(state(SP_A), Changes(full=True)).ok
+    assert p.sync(state(SP_A, SP_LOCAL), Changes(full=True)).ok
+    assert inspect.remnants(LocalProbe(netns))
     cleanup_leftovers(netns)
     cleanup_leftovers(netns)
-    assert "KUBE-SERVICES" not in save(netns, flavour)
+    assert inspect.remnants(LocalProbe(netns)) == []
 
 
 def test_kernel_rejected_service_is_skipped(netns: str, flavour: str, monkeypatch: pytest.MonkeyPatch) -> None:
