@@ -36,19 +36,24 @@ class Service:
     def keys(self) -> dict[tuple[str, str], str | None]:
         """Every (map, key) of its elements: entries with their verdicts, slots and firewall keys (values unknown)."""
         out: dict[tuple[str, str], str | None] = dict(self.entries)
-        for (_map, key), verdict in self.entries.items():
+        for (mapname, key), verdict in self.entries.items():
+            comps = key.split(" . ")
+            proto = comps[1] if mapname == render.SERVICE_IPS and len(comps) > 1 else comps[0]
             target = verdict[5:] if verdict.startswith("goto ") else ""
             if target.startswith("fw-"):
                 target = target[3:]
             parts = target.split("-")
             try:
                 if parts[0] in ("lb", "np") and len(parts) == 3:
-                    primary = render.BACKENDS if parts[0] == "lb" else render.NODEPORT_BACKENDS
+                    primary = render.slot_map(render.BACKENDS if parts[0] == "lb" else render.NODEPORT_BACKENDS, proto)
                     for i in range(int(parts[2])):
                         out[(primary, f"{key} . {i}")] = None
                 elif parts[0] in ("lbl", "npl") and len(parts) == 3:
-                    primary = render.BACKENDS if parts[0] == "lbl" else render.NODEPORT_BACKENDS
-                    shortcut = render.SHORTCUT_BACKENDS if parts[0] == "lbl" else render.NODEPORT_SHORTCUT_BACKENDS
+                    addr = parts[0] == "lbl"
+                    primary = render.slot_map(render.BACKENDS if addr else render.NODEPORT_BACKENDS, proto)
+                    shortcut = render.slot_map(
+                        render.SHORTCUT_BACKENDS if addr else render.NODEPORT_SHORTCUT_BACKENDS, proto
+                    )
                     for i in range(int(parts[1])):
                         out[(primary, f"{key} . {i}")] = None
                     for i in range(int(parts[2])):

@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -48,6 +49,7 @@ class _KernelState:
     """What this process knows the kernel holds besides the ledger's fragments (None: unknown, read it)."""
 
     shared: set[str] = field(default_factory=set)
+    refs: Counter[str] = field(default_factory=Counter)  # shared chain -> services using it
     hairpin: set[str] = field(default_factory=set)
     context: dict[str, Any] | None = None
     entries: dict[tuple[str, str], ServicePortName] = field(default_factory=dict)  # entry key -> owner
@@ -256,9 +258,10 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
                     )
             if adopted is not None and not fresh:
                 # services the kernel holds that nothing wants (deleted while kproxy was down)
-                wanted_comments = {f.comment: spn for spn, f in batch.wanted.items()}
+                handled = {f.comment for f in batch.wanted.values()}
+                handled.update(render.comment_key(render.service_key(spn)) for spn in in_batch)
                 for ckey, svc in adopted.services.items():
-                    if ckey in wanted_comments:
+                    if ckey in handled:
                         continue
                     render.change_service(tx, None, None, None, old_keys=svc.keys())
                 wanted_sids = {render.service_chain_id(spn) for spn in batch.wanted}
@@ -272,23 +275,15 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
                 for s in adopted.sets:
                     if _sid_of(s) not in wanted_sids:
                         tx.delete_set(s, None)
-            needed_shared = _with_deps(s for f in batch.wanted.values() for s in f.shared)
+            new_ks.refs = Counter(s for f in batch.wanted.values() for s in set(_with_deps(f.shared)))
             needed_hairpin = {h for f in batch.wanted.values() for h in f.hairpin}
-            for name in _ordered(needed_shared - kernel_shared):
-                tx.add_shared_chain(name)
-            gone = kernel_shared - needed_shared
-            for name in gone:
-                tx.flush_chain(name, None)
-            for name in gone:
-                tx.delete_chain(name, None)
-            new_ks.shared = needed_shared
+            new_ks.shared = _shared_changes(tx, kernel_shared, new_ks.refs)
             _hairpin(tx, needed_hairpin - kernel_hairpin, kernel_hairpin - needed_hairpin)
             new_ks.hairpin = needed_hairpin
         else:
             if not ks.known:
                 return Applied(ok=False, error="kernel state unknown: a full sync must come first", need_full=True)
             new_ks.context = ks.context
-            new_ks.shared = set(ks.shared)
             new_ks.hairpin = set(ks.hairpin)
             new_ks.entries = dict(ks.entries)
             changing = {d.name for d in batch.deltas}
@@ -308,17 +303,16 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             if refused:
                 return Applied(ok=False, refused=MappingProxyType(refused), error=next(iter(refused.values())))
             del changing
-            add_shared: set[str] = set()
             add_hairpin: set[str] = set()
+            new_ks.refs = Counter(ks.refs)
             for d in batch.deltas:
                 render.change_service(tx, d.name, d.old_fragment, d.new_fragment)
+                if d.old_fragment is not None:
+                    new_ks.refs.subtract(set(_with_deps(d.old_fragment.shared)))
                 if d.new_fragment is not None:
-                    add_shared.update(s for s in d.new_fragment.shared if s not in new_ks.shared)
+                    new_ks.refs.update(set(_with_deps(d.new_fragment.shared)))
                     add_hairpin.update(h for h in d.new_fragment.hairpin if h not in new_ks.hairpin)
-            add_shared = _with_deps(add_shared) - new_ks.shared
-            for name in _ordered(add_shared):
-                tx.add_shared_chain(name)
-            new_ks.shared |= add_shared
+            new_ks.shared = _shared_changes(tx, ks.shared, new_ks.refs)
             _hairpin(tx, add_hairpin, set())
             new_ks.hairpin |= add_hairpin
         render_s = time.perf_counter() - r0
@@ -438,6 +432,22 @@ def _ordered(names: set[str]) -> list[str]:
         return 0
 
     return sorted(names, key=lambda n: (rank(n), n))
+
+
+def _shared_changes(tx: render.Transaction, present: set[str], refs: Counter[str]) -> set[str]:
+    """Create the shared chains some service now uses and the kernel lacks; remove those no service uses any more
+    (emptied first: they jump to each other). Returns the shared chains the kernel holds afterwards."""
+    wanted = {n for n, c in refs.items() if c > 0}
+    for name in _ordered(wanted - present):
+        tx.add_shared_chain(name)
+    gone = present - wanted
+    for name in gone:
+        tx.flush_chain(name, None)
+    for name in _ordered(gone)[::-1]:
+        tx.delete_chain(name, None)
+    for name in [n for n, c in refs.items() if c <= 0]:
+        del refs[name]
+    return wanted
 
 
 def _hairpin(tx: render.Transaction, add: set[str], delete: set[str]) -> None:

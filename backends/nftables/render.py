@@ -45,14 +45,22 @@ LOCAL_CIDRS = "local-cidrs"
 LOCAL_IFACES = "local-ifaces"
 NODEPORT_CIDRS = "nodeport-cidrs"
 
+SLOT_BASES = (BACKENDS, SHORTCUT_BACKENDS, NODEPORT_BACKENDS, NODEPORT_SHORTCUT_BACKENDS)
+PROTOCOLS = ("tcp", "udp", "sctp")
+
+
+def slot_map(base: str, proto: str) -> str:
+    """The slot map of one protocol: ``backends-tcp``. One per protocol because nft 1.0.6 cannot read back a typeof
+    map whose data is ``ip daddr . th dport`` ("conflicting protocols specified: ip vs. th" on any later rule that
+    uses it), and data typed ``tcp dport`` makes the DNAT rule match TCP only."""
+    return f"{base}-{proto}"
+
+
 #: maps whose elements belong to one service each (keyed so that two services never share a key)
 SERVICE_MAPS = (
     SERVICE_IPS,
     SERVICE_NODEPORTS,
-    BACKENDS,
-    SHORTCUT_BACKENDS,
-    NODEPORT_BACKENDS,
-    NODEPORT_SHORTCUT_BACKENDS,
+    *(slot_map(b, p) for b in SLOT_BASES for p in PROTOCOLS),
     FIREWALL,
 )
 CONTEXT_SETS = (LOCAL_CIDRS, LOCAL_IFACES, NODEPORT_CIDRS)
@@ -155,18 +163,20 @@ def set_declarations(family: IPFamily) -> list[tuple[str, str, str]]:
     """(kind, name, spec) of every map and set of the fixed part."""
     fam = _FAM[family]
     addr = _ADDR[family]
-    slot = f"typeof {fam} daddr . meta l4proto . th dport . numgen random mod 2 : {fam} daddr . th dport"
-    np_slot = f"typeof meta l4proto . th dport . numgen random mod 2 : {fam} daddr . th dport"
+    slot = f"typeof {fam} daddr . meta l4proto . th dport . numgen random mod 2 : {fam} daddr . {{}} dport;"
+    np_slot = f"typeof meta l4proto . th dport . numgen random mod 2 : {fam} daddr . {{}} dport;"
+    slots = [
+        ("map", slot_map(base, p), (np_slot if base.startswith("nodeport") else slot).format(p))
+        for base in SLOT_BASES
+        for p in PROTOCOLS
+    ]
     return [
         ("set", LOCAL_CIDRS, f"type {addr}; flags interval;"),
         ("set", LOCAL_IFACES, "type ifname; flags interval;"),
         ("set", NODEPORT_CIDRS, f"type {addr}; flags interval;"),
         ("map", SERVICE_IPS, f"type {addr} . inet_proto . inet_service : verdict;"),
         ("map", SERVICE_NODEPORTS, "type inet_proto . inet_service : verdict;"),
-        ("map", BACKENDS, slot + ";"),
-        ("map", SHORTCUT_BACKENDS, slot + ";"),
-        ("map", NODEPORT_BACKENDS, np_slot + ";"),
-        ("map", NODEPORT_SHORTCUT_BACKENDS, np_slot + ";"),
+        *slots,
         ("set", FIREWALL, f"type {addr} . inet_proto . inet_service . {addr}; flags interval;"),
         ("set", HAIRPIN, f"type {addr} . {addr};"),
     ]
@@ -282,18 +292,20 @@ def shared_chain_rules(name: str, family: IPFamily) -> tuple[str, ...]:
         raise ValueError(f"not a kproxy shared chain: {name}")
     addr_key = f"{fam} daddr . meta l4proto . th dport"
     port_key = "meta l4proto . th dport"
+
+    def dnat(key: str, k: int, base: str) -> tuple[str, ...]:
+        return tuple(
+            f"meta l4proto {p} dnat {fam} to {key} . numgen random mod {k} map @{slot_map(base, p)}" for p in PROTOCOLS
+        )
+
     if parts[0] == "lb":
-        k = int(parts[2])
-        return (*_masq_rule(parts[1]), f"dnat {fam} to {addr_key} . numgen random mod {k} map @{BACKENDS}")
+        return (*_masq_rule(parts[1]), *dnat(addr_key, int(parts[2]), BACKENDS))
     if parts[0] == "sc":
-        k = int(parts[1])
-        return (f"dnat {fam} to {addr_key} . numgen random mod {k} map @{SHORTCUT_BACKENDS}",)
+        return dnat(addr_key, int(parts[1]), SHORTCUT_BACKENDS)
     if parts[0] == "np":
-        k = int(parts[2])
-        return (*_masq_rule(parts[1]), f"dnat {fam} to {port_key} . numgen random mod {k} map @{NODEPORT_BACKENDS}")
+        return (*_masq_rule(parts[1]), *dnat(port_key, int(parts[2]), NODEPORT_BACKENDS))
     if parts[0] == "npsc":
-        k = int(parts[1])
-        return (f"dnat {fam} to {port_key} . numgen random mod {k} map @{NODEPORT_SHORTCUT_BACKENDS}",)
+        return dnat(port_key, int(parts[1]), NODEPORT_SHORTCUT_BACKENDS)
     k, j = int(parts[1]), int(parts[2])
     if parts[0] == "lbl":
         tail = f"goto lb-n-{k}" if k else "drop"
@@ -483,7 +495,7 @@ def render_service(sp: ServicePort, ctx: FamilyContext) -> Fragment:
     )
     elements.append((SERVICE_IPS, cip_key, cip_target))
     if cip_target.startswith("goto lb-"):
-        fill(BACKENDS, cip_key, internal_eps)
+        fill(slot_map(BACKENDS, proto), cip_key, internal_eps)
 
     # external addresses: externalIPs, load-balancer IPs (behind the firewall when source ranges are set)
     ext_local_policy = ext_local and sp.has_external_addresses
@@ -507,14 +519,21 @@ def render_service(sp: ServicePort, ctx: FamilyContext) -> Fragment:
                 for lbip in sp.load_balancer_ips:
                     elements.append((FIREWALL, f"{key} . {lbip}", ""))
         elements.append((SERVICE_IPS, key, target))
-        _fill_external(elements, key, target, sp, BACKENDS, SHORTCUT_BACKENDS)
+        _fill_external(elements, key, target, sp, slot_map(BACKENDS, proto), slot_map(SHORTCUT_BACKENDS, proto))
 
     # NodePort
     if sp.node_port:
         key = f"{proto} . {sp.node_port}"
         target = service_target(external_eps, "a", nodeport=True, local_policy=ext_local_policy, verdict_empty="drop")
         elements.append((SERVICE_NODEPORTS, key, target))
-        _fill_external(elements, key, target, sp, NODEPORT_BACKENDS, NODEPORT_SHORTCUT_BACKENDS)
+        _fill_external(
+            elements,
+            key,
+            target,
+            sp,
+            slot_map(NODEPORT_BACKENDS, proto),
+            slot_map(NODEPORT_SHORTCUT_BACKENDS, proto),
+        )
 
     # dict order kept: elements are written in this order
     elements_t = tuple(dict.fromkeys(elements))

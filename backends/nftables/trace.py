@@ -62,7 +62,7 @@ def _in_any(ip: str, cidrs: tuple[str, ...]) -> bool:
     return False
 
 
-_DNAT_MAP = re.compile(r"^dnat ip6? to (.+) \. numgen random mod (\d+) map @(\S+)$")
+_DNAT_MAP = re.compile(r"^meta l4proto (\w+) dnat ip6? to (.+) \. numgen random mod (\d+) map @(\S+)$")
 _DNAT_CONST = re.compile(r"^meta l4proto \w+ dnat ip6? to \[?([0-9a-fA-F:.]+?)\]?:(\d+)$")
 _VMAP = re.compile(r"^numgen random mod (\d+) vmap \{ (.*) \}$")
 
@@ -167,8 +167,10 @@ class _Walker:
                 return self.walk(rule[5:], out, depth + 1)
             m = _DNAT_MAP.match(rule)
             if m:
-                k, mapname = int(m.group(2)), m.group(3)
-                base = f"{p.dst} . {p.proto} . {p.dport}" if "daddr" in m.group(1) else f"{p.proto} . {p.dport}"
+                if m.group(1) != p.proto:
+                    continue
+                k, mapname = int(m.group(3)), m.group(4)
+                base = f"{p.dst} . {p.proto} . {p.dport}" if "daddr" in m.group(2) else f"{p.proto} . {p.dport}"
                 results = []
                 for i in range(k):
                     value = self.maps.get(mapname, {}).get(f"{base} . {i}")

@@ -50,7 +50,7 @@ def elems(frag: render.Fragment, mapname: str) -> dict[str, str]:
 def test_cluster_ip_goes_to_a_count_indexed_chain_and_slots() -> None:
     frag = render.render_service(svc("web", THREE), CTX4)
     assert elems(frag, render.SERVICE_IPS) == {"198.18.200.1 . tcp . 80": "goto lb-i-3"}
-    assert elems(frag, render.BACKENDS) == {
+    assert elems(frag, render.slot_map(render.BACKENDS, "tcp")) == {
         "198.18.200.1 . tcp . 80 . 0": "198.18.1.2 . 8080",
         "198.18.200.1 . tcp . 80 . 1": "198.18.2.2 . 8080",
         "198.18.200.1 . tcp . 80 . 2": "198.18.2.3 . 8080",
@@ -60,7 +60,9 @@ def test_cluster_ip_goes_to_a_count_indexed_chain_and_slots() -> None:
     assert frag.key == "ns1/web:http/TCP"
     assert render.shared_chain_rules("lb-i-3", IPFamily.V4) == (
         "jump masq-internal",
-        "dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 3 map @backends",
+        "meta l4proto tcp dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 3 map @backends-tcp",
+        "meta l4proto udp dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 3 map @backends-udp",
+        "meta l4proto sctp dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 3 map @backends-sctp",
     )
 
 
@@ -74,7 +76,7 @@ def test_masquerade_all_and_no_local_detection_pick_other_chains() -> None:
         "198.18.200.1 . tcp . 80": "goto lb-n-3"
     }
     assert render.shared_chain_rules("lb-a-2", IPFamily.V4)[0] == f"ct label set {render.MASQ_LABEL}"
-    assert len(render.shared_chain_rules("lb-n-2", IPFamily.V4)) == 1
+    assert len(render.shared_chain_rules("lb-n-2", IPFamily.V4)) == 3
 
 
 def test_no_endpoints_reject_every_address_tcp_and_udp() -> None:
@@ -85,7 +87,7 @@ def test_no_endpoints_reject_every_address_tcp_and_udp() -> None:
         "198.18.100.1 . udp . 80": "goto reject-chain",
     }
     assert elems(frag, render.SERVICE_NODEPORTS) == {"udp . 30080": "goto reject-chain"}
-    assert not elems(frag, render.BACKENDS) and frag.shared == ()
+    assert not elems(frag, render.slot_map(render.BACKENDS, "tcp")) and frag.shared == ()
     rules = render.fixed_chain_rules(IPFamily.V4)[render.REJECT_CHAIN]
     assert rules == ("meta l4proto tcp reject with tcp reset", "reject")
 
@@ -97,7 +99,7 @@ def test_internal_policy_local_without_local_endpoints_drops() -> None:
     local = svc("itp", THREE, internal_policy_local=True, local_endpoints=(THREE[0],))
     frag = render.render_service(local, CTX4)
     assert elems(frag, render.SERVICE_IPS) == {"198.18.200.1 . tcp . 80": "goto lb-i-1"}
-    assert elems(frag, render.BACKENDS) == {"198.18.200.1 . tcp . 80 . 0": "198.18.1.2 . 8080"}
+    assert elems(frag, render.slot_map(render.BACKENDS, "tcp")) == {"198.18.200.1 . tcp . 80 . 0": "198.18.1.2 . 8080"}
 
 
 # ----------------------------------------------------------------------------------------------- external
@@ -108,12 +110,12 @@ def test_nodeport_and_external_ip_cluster_policy_masquerade() -> None:
     frag = render.render_service(sp, CTX4)
     assert elems(frag, render.SERVICE_NODEPORTS) == {"tcp . 30080": "goto np-a-3"}
     assert elems(frag, render.SERVICE_IPS)["198.18.100.1 . tcp . 80"] == "goto lb-a-3"
-    assert elems(frag, render.NODEPORT_BACKENDS)["tcp . 30080 . 2"] == "198.18.2.3 . 8080"
-    assert elems(frag, render.BACKENDS)["198.18.100.1 . tcp . 80 . 0"] == "198.18.1.2 . 8080"
+    assert elems(frag, render.slot_map(render.NODEPORT_BACKENDS, "tcp"))["tcp . 30080 . 2"] == "198.18.2.3 . 8080"
+    assert elems(frag, render.slot_map(render.BACKENDS, "tcp"))["198.18.100.1 . tcp . 80 . 0"] == "198.18.1.2 . 8080"
     assert set(frag.shared) == {"lb-i-3", "lb-a-3", "np-a-3"}
-    assert render.shared_chain_rules("np-a-3", IPFamily.V4) == (
+    assert render.shared_chain_rules("np-a-3", IPFamily.V4)[:2] == (
         f"ct label set {render.MASQ_LABEL}",
-        "dnat ip to meta l4proto . th dport . numgen random mod 3 map @nodeport-backends",
+        "meta l4proto tcp dnat ip to meta l4proto . th dport . numgen random mod 3 map @nodeport-backends-tcp",
     )
 
 
@@ -124,9 +126,9 @@ def test_external_policy_local_short_circuits_pods_and_the_node() -> None:
     frag = render.render_service(sp, CTX4)
     assert elems(frag, render.SERVICE_IPS)["198.18.100.2 . tcp . 80"] == "goto lbl-1-3"
     assert elems(frag, render.SERVICE_NODEPORTS) == {"tcp . 30081": "goto npl-1-3"}
-    assert elems(frag, render.BACKENDS)["198.18.100.2 . tcp . 80 . 0"] == "198.18.1.2 . 8080"
-    assert len(elems(frag, render.SHORTCUT_BACKENDS)) == 3
-    assert len([k for k in elems(frag, render.NODEPORT_BACKENDS)]) == 1
+    assert elems(frag, render.slot_map(render.BACKENDS, "tcp"))["198.18.100.2 . tcp . 80 . 0"] == "198.18.1.2 . 8080"
+    assert len(elems(frag, render.slot_map(render.SHORTCUT_BACKENDS, "tcp"))) == 3
+    assert len([k for k in elems(frag, render.slot_map(render.NODEPORT_BACKENDS, "tcp"))]) == 1
     assert {"lbl-1-3", "sc-3", "lb-n-1", "npl-1-3", "npsc-3", "np-n-1"} <= set(frag.shared)
     assert render.shared_chain_rules("lbl-1-3", IPFamily.V4) == (
         "ip saddr @local-cidrs goto sc-3",
@@ -170,7 +172,7 @@ def test_session_affinity_uses_per_service_chains_and_timeout_sets() -> None:
     assert len(eps) == 2 and all(c.endswith("-30") for c in eps)
     assert chains[eps[0]][0].startswith("update @aff-") and chains[eps[0]][1].startswith("meta l4proto tcp dnat ip to ")
     assert all(spec == "type ipv4_addr; flags dynamic,timeout; timeout 30s;" for _, spec in frag.sets)
-    assert frag.shared == () and not elems(frag, render.BACKENDS)
+    assert frag.shared == () and not elems(frag, render.slot_map(render.BACKENDS, "tcp"))
 
 
 def test_hairpin_elements_for_local_endpoints_only() -> None:
@@ -183,8 +185,10 @@ def test_ipv6_rendering() -> None:
     eps = (ep("fd00:198:18:1::2"),)
     sp = svc("six", eps, cluster_ip="fd00:198:18:ff::1", family=IPFamily.V6)
     frag = render.render_service(sp, CTX6)
-    assert elems(frag, render.BACKENDS) == {"fd00:198:18:ff::1 . tcp . 80 . 0": "fd00:198:18:1::2 . 8080"}
-    assert render.shared_chain_rules("lb-i-1", IPFamily.V6)[1].startswith("dnat ip6 to ip6 daddr")
+    assert elems(frag, render.slot_map(render.BACKENDS, "tcp")) == {
+        "fd00:198:18:ff::1 . tcp . 80 . 0": "fd00:198:18:1::2 . 8080"
+    }
+    assert render.shared_chain_rules("lb-i-1", IPFamily.V6)[1].startswith("meta l4proto tcp dnat ip6 to ip6 daddr")
     cmds = render.fixed_commands(IPFamily.V6)
     assert cmds[0] == f'add table ip6 kproxy {{ comment "{render.LAYOUT}"; }}'
 
@@ -231,8 +235,9 @@ def test_endpoint_change_writes_only_changed_slots_and_the_entry() -> None:
     text = tx.text()
     assert text.splitlines() == [
         "delete element ip kproxy service-ips { 198.18.200.1 . tcp . 80 }",
-        "delete element ip kproxy backends { 198.18.200.1 . tcp . 80 . 2 }",
-        'add element ip kproxy backends { 198.18.200.1 . tcp . 80 . 2 comment "ns1/web:http/TCP" : 198.18.3.3 . 8080 }',
+        "delete element ip kproxy backends-tcp { 198.18.200.1 . tcp . 80 . 2 }",
+        'add element ip kproxy backends-tcp { 198.18.200.1 . tcp . 80 . 2 comment "ns1/web:http/TCP" : '
+        "198.18.3.3 . 8080 }",
         f'add element ip kproxy service-ips {{ 198.18.200.1 . tcp . 80 comment "ns1/web:http/TCP #{new.digest}" : '
         "goto lb-i-3 }",
     ]
@@ -260,9 +265,9 @@ def test_adopted_skeleton_derives_slot_keys() -> None:
     s.entries[(render.SERVICE_NODEPORTS, "tcp . 30080")] = "goto npl-1-2"
     s.firewall.append("198.18.150.1 . tcp . 80 . 203.0.113.0/24")
     keys = s.keys()
-    assert (render.BACKENDS, "198.18.200.1 . tcp . 80 . 1") in keys
-    assert (render.NODEPORT_BACKENDS, "tcp . 30080 . 0") in keys
-    assert (render.NODEPORT_SHORTCUT_BACKENDS, "tcp . 30080 . 1") in keys
+    assert ("backends-tcp", "198.18.200.1 . tcp . 80 . 1") in keys
+    assert ("nodeport-backends-tcp", "tcp . 30080 . 0") in keys
+    assert ("nodeport-shortcut-backends-tcp", "tcp . 30080 . 1") in keys
     assert (render.FIREWALL, "198.18.150.1 . tcp . 80 . 203.0.113.0/24") in keys
     assert len(keys) == 2 + 2 + 1 + 2 + 1
 

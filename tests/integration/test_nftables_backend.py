@@ -1,0 +1,205 @@
+"""The nftables backend against the real kernel, in throwaway namespaces (``kpm-nft-…``): transactions the kernel
+takes, partial syncs that write only element changes, restart adoption that writes nothing, repair after someone
+deletes the table, refusal mapped to its service, cleanup, and real TCP through the DNAT and the reject."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from types import MappingProxyType
+
+import pytest
+
+from kproxy.backends.nftables import render
+from kproxy.backends.nftables.kernel import Nft, available
+from kproxy.backends.nftables.proxier import NftablesProxier
+from kproxy.config import ProxyConfig
+from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
+from kproxy.proxier import LocalProbe
+
+from .scratch import scratch_netns
+
+pytestmark = pytest.mark.root
+
+CFG = ProxyConfig(cluster_cidrs=("198.18.64.0/18",), ip_families=(IPFamily.V4, IPFamily.V6))
+NODE = NodeInfo("node-a", addresses=("198.18.0.1",))
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    if available() is not None:
+        pytest.skip(f"libnftables unusable: {available()}")
+    with scratch_netns("kpm-nft-", lo_up=True) as ns:
+        yield ns
+
+
+def spn(name: str, proto: Protocol = Protocol.TCP) -> ServicePortName:
+    return ServicePortName("ns1", name, "p", proto)
+
+
+def sp(name: str, ip: str, eps: tuple[str, ...], proto: Protocol = Protocol.TCP, **kw: object) -> ServicePort:
+    endpoints = tuple(Endpoint(e, 8080, node_name="node-b") for e in eps)
+    base: dict[str, object] = dict(
+        name=spn(name, proto),
+        family=IPFamily.V4,
+        cluster_ip=ip,
+        port=80,
+        cluster_endpoints=endpoints,
+        has_any_endpoints=bool(endpoints),
+        serving_endpoints=endpoints,
+    )
+    base.update(kw)
+    return ServicePort(**base)  # type: ignore[arg-type]
+
+
+def state(*sps: ServicePort, gen: int = 1) -> ProxyState:
+    return ProxyState(
+        services=MappingProxyType({IPFamily.V4: MappingProxyType({s.name: s for s in sps})}), node=NODE, generation=gen
+    )
+
+
+def nft_list(ns: str, *args: str) -> str:
+    return subprocess.run(["ip", "netns", "exec", ns, "nft", *args], capture_output=True, text=True, check=True).stdout
+
+
+def test_full_partial_restart_repair_cleanup(netns: str) -> None:
+    p = NftablesProxier(CFG, netns=netns)
+    try:
+        a = sp("a", "198.19.0.1", ("198.18.1.2", "198.18.1.3"))
+        b = sp("b", "198.19.0.2", (), proto=Protocol.UDP)
+        c = sp("c", "198.19.0.3", ("198.18.1.4",), node_port=30080, affinity_timeout=60)
+        res = p.sync(state(a, b, c), Changes(full=True))
+        assert res.ok, res.error
+        listing = nft_list(netns, "list", "map", "ip", "kproxy", "service-ips")
+        assert "198.19.0.1 . tcp . 80" in listing and "goto lb-i-2" in listing
+        assert "198.19.0.2 . udp . 80" in listing and "goto reject-chain" in listing
+        assert "table ip6 kproxy" in nft_list(netns, "list", "tables")
+
+        # partial: one endpoint changes -> element changes only, no chain written
+        a2 = sp("a", "198.19.0.1", ("198.18.1.2", "198.18.1.9"))
+        res = p.sync(state(a2, b, c, gen=2), Changes(full=False, services=frozenset({a.name})))
+        assert res.ok, res.error
+        tx = p.last_transaction(IPFamily.V4)
+        assert "chain" not in tx and "delete element ip kproxy backends-tcp { 198.19.0.1 . tcp . 80 . 1 }" in tx
+        assert "198.18.1.9 . 8080" in nft_list(netns, "list", "map", "ip", "kproxy", "backends-tcp")
+
+        # a new endpoint count creates its shared chain once, in the same transaction
+        a3 = sp("a", "198.19.0.1", ("198.18.1.2", "198.18.1.9", "198.18.1.10"))
+        assert p.sync(state(a3, b, c, gen=3), Changes(full=False, services=frozenset({a.name}))).ok
+        assert "add chain ip kproxy lb-i-3" in p.last_transaction(IPFamily.V4)
+
+        # restart: a fresh process adopts and writes nothing
+        q = NftablesProxier(CFG, netns=netns)
+        try:
+            res = q.sync(state(a3, b, c, gen=3), Changes(full=True))
+            assert res.ok, res.error
+            assert q.last_transaction(IPFamily.V4) == "" and q.last_transaction(IPFamily.V6) == ""
+            # a service deleted while kproxy was down is removed by the adopting full sync
+            res = NftablesProxier(CFG, netns=netns).sync(state(a3, c, gen=4), Changes(full=True))
+            assert res.ok, res.error
+            assert "198.19.0.2" not in nft_list(netns, "list", "map", "ip", "kproxy", "service-ips")
+            # someone deletes the table: noticed at the next partial sync, rebuilt
+            subprocess.run(["ip", "netns", "exec", netns, "nft", "delete", "table", "ip", "kproxy"], check=True)
+            time.sleep(1.1)
+            res = q.sync(state(a3, c, gen=5), Changes(full=False, services=frozenset({b.name})))
+            assert res.ok and res.full, res
+            assert "198.19.0.1 . tcp . 80" in nft_list(netns, "list", "map", "ip", "kproxy", "service-ips")
+        finally:
+            q.close()
+
+        # kernel view and remnants through a probe; cleanup removes both tables
+        probe = LocalProbe(netns)
+        view = NftablesProxier.kernel_view(probe, IPFamily.V4) or {}
+        assert any(line.startswith("service-ips: 198.19.0.1 . tcp . 80") for line in view["ns1/a:p/TCP"])
+        assert sorted(NftablesProxier.remnants(probe)) == ["table ip kproxy", "table ip6 kproxy"]
+        NftablesProxier.cleanup_leftovers(CFG, netns=netns)
+        assert NftablesProxier.remnants(probe) == []
+    finally:
+        p.close()
+
+
+def test_refused_service_is_named_and_the_rest_applies(netns: str) -> None:
+    p = NftablesProxier(CFG, netns=netns)
+    try:
+        good = sp("a-good", "198.19.0.1", ("198.18.1.2",))
+        clash = sp("b-clash", "198.19.0.1", ("198.18.1.3",))  # the same address . protocol . port
+        res = p.sync(state(good, clash), Changes(full=True))
+        assert res.ok
+        assert list(res.failed) == [clash.name]
+        assert "198.18.1.2 . 8080" in nft_list(netns, "list", "map", "ip", "kproxy", "backends-tcp")
+        # a command the kernel refuses is mapped back to its service through the transaction's lines
+        nft = Nft(netns)
+        try:
+            tx = render.Transaction(IPFamily.V4)
+            tx.delete_keys([(render.SERVICE_IPS, "198.19.9.9 . tcp . 80")], clash.name)
+            res2 = nft.run(tx.text())
+            assert not res2.ok and tx.owner_of(res2.error_lines()[0]) == clash.name
+        finally:
+            nft.close()
+    finally:
+        p.close()
+
+
+def _serve(ns: str, ip: str, port: int, stop: threading.Event) -> threading.Thread:
+    """A TCP server inside ``ns`` answering its own address, for ``stop``'s lifetime."""
+    from pyroute2 import netns as pr_netns
+
+    ready = threading.Event()
+
+    def run() -> None:
+        pr_netns.setns(ns, flags=0)
+        with socket.socket() as srv:
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind((ip, port))
+            srv.listen()
+            srv.settimeout(0.2)
+            ready.set()
+            while not stop.is_set():
+                try:
+                    conn, _ = srv.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.sendall(b"hello")
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert ready.wait(5)
+    return t
+
+
+def _connect(ns: str, ip: str, port: int) -> str:
+    code = (
+        "import socket,sys\n"
+        "s=socket.socket(); s.settimeout(2)\n"
+        "try:\n"
+        f"  s.connect(('{ip}',{port})); print(s.recv(10).decode())\n"
+        "except OSError as e: print(type(e).__name__)\n"
+    )
+    out = subprocess.run(["ip", "netns", "exec", ns, "python3", "-c", code], capture_output=True, text=True, timeout=20)
+    return out.stdout.strip()
+
+
+def test_real_packets_dnat_and_reject(netns: str) -> None:
+    subprocess.run(["ip", "-n", netns, "addr", "add", "198.18.0.1/24", "dev", "lo"], check=True)
+    subprocess.run(["ip", "-n", netns, "route", "add", "198.19.0.0/16", "dev", "lo"], check=True)
+    stop = threading.Event()
+    t = _serve(netns, "198.18.0.1", 8080, stop)
+    p = NftablesProxier(CFG, netns=netns)
+    try:
+        ok = sp("ok", "198.19.0.1", ("198.18.0.1",))
+        gone = sp("gone", "198.19.0.2", ())
+        assert p.sync(state(ok, gone), Changes(full=True)).ok
+        assert _connect(netns, "198.19.0.1", 80) == "hello"
+        t0 = time.monotonic()
+        assert _connect(netns, "198.19.0.2", 80) == "ConnectionRefusedError"
+        assert time.monotonic() - t0 < 2
+        tr = p.trace("198.18.0.1", "tcp", "198.19.0.1", 80, src_local=True)
+        assert tr["outcomes"][0]["verdict"] == "DNAT 198.18.0.1:8080"
+    finally:
+        stop.set()
+        t.join(5)
+        p.close()
