@@ -4,10 +4,11 @@ This is kproxy's reference backend: its rules are upstream's (``pkg/proxy/iptabl
 rule, so people who read kube-proxy's chains read these, and the conformance suite's expectations can be checked
 against the rules first.
 
-Modules: ``render`` (pure: ServicePorts -> restore text, per-service fragments, chunking), ``proxier``
-(``IptablesProxier``: partial/full syncs, failure isolation, canary, describe, floor), ``kernel`` (the only place
-that runs iptables binaries; flavour detection), ``cleanup`` (pure selection of what to delete, and
-``cleanup_leftovers()`` for the CLI).
+Modules: ``render`` (pure: a ServicePort -> its fragment, fragments -> restore text, chunking), ``proxier``
+(``IptablesProxier``: the core ledger's hooks: one round of a batch, adoption, canary, describe detail, floors; the
+ledger keeps what is applied and runs the refusal rounds), ``kernel`` (the only place that runs iptables binaries;
+flavour detection), ``cleanup`` (pure selection of what to delete, and ``cleanup_leftovers()``), ``inspect``
+(``remnants`` and the per-service ``kernel_view`` read from ``iptables-save``, for conformance and ``cleanup``).
 
 Layout (upstream's names and hashing):
 - filter: ``KUBE-SERVICES`` (REJECT/DROP for service IPs without usable endpoints), ``KUBE-EXTERNAL-SERVICES``
@@ -34,8 +35,7 @@ Where kproxy deviates from upstream, and why:
   quadratic in a payload's size: 1,000 services x 10 endpoints take 8.7 s in one payload, 2,000 take 43 s (10,000
   would take many minutes); chunked they take about 1 s per 1,000. Each service still changes atomically and each
   intermediate state is a consistent mix of old and new services. The legacy flavour gets one payload. A big full
-  sync streams: chunk N+1 is rendered while iptables-restore applies chunk N (``render.stream_restores``), so
-  rendering 10,000 services costs no wall time on two cores.
+  sync streams: chunk N+1's text is built while iptables-restore applies chunk N (``render.stream_restores``).
 - Jumps from the built-in chains are inserted (``-I CHAIN 1``) inside the full sync's payload when
   ``iptables-save`` shows them missing, instead of one ``iptables -C``/``-I`` pair per rule: the same result,
   atomically, without 24 process starts.
