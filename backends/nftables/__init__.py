@@ -9,7 +9,7 @@ Layout (table ``kproxy`` in family ``ip`` and again in ``ip6``; nothing outside 
 - ``services`` (from ``nat-prerouting`` at dstnat and ``nat-output`` at -100): ``ip daddr . meta l4proto . th dport
   vmap @service-ips`` (ClusterIPs, externalIPs, load-balancer IPs) and ``ip daddr @nodeport-cidrs fib daddr type
   local meta l4proto . th dport vmap @service-nodeports``.
-- An element's verdict is ``goto reject-chain`` (no endpoints: TCP reset, ICMP port unreachable otherwise),
+- An element's verdict is ``goto reject-chain`` (no endpoints: ICMP port unreachable, as upstream),
   ``drop`` (Local policy with no local endpoint) or a goto into a *shared* chain named by what it does and by its
   endpoint count K: ``lb-i-K`` (ClusterIP: masquerade unless a local pod sent it, then ``dnat ip to ip daddr . meta
   l4proto . th dport . numgen random mod K map @backends``), ``lb-a-K`` (always masquerade: externalIPs / LB IPs
@@ -57,8 +57,7 @@ Where kproxy deviates from upstream's nftables mode, and why:
   ``service-ips`` / ``service-nodeports`` names and key shapes.
 - Reject and drop happen in the nat chains (prerouting / output) on the first packet of a connection, not in filter
   hooks: reject in prerouting is allowed since Linux 5.9 (upstream supports older kernels), and one lookup per new
-  connection is cheaper than a filter-hook lookup on every packet. TCP gets a reset rather than ICMP port
-  unreachable (both make connect() fail at once; the reset does not depend on ICMP reaching the client).
+  connection is cheaper than a filter-hook lookup on every packet.
 - No packet mark (see above); no ``cluster-ips-check`` rule rejecting unused ports of ClusterIPs (upstream's
   nftables-only addition; the iptables modes never had it): such packets are routed as without kube-proxy.
 - Health-check node ports need no accept rule: an accept in kproxy's table cannot override another table's drop.

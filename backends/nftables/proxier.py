@@ -105,7 +105,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
                 ckey, _ = adopt_mod.split_comment(comment)
                 if not ckey:
                     continue
-                line = f"{body['name']}: {key}" + (f" : {value}" if value else "")
+                line = f'{body["name"]}: {key} comment "{comment}"' + (f" : {value}" if value else "")
                 out.setdefault(ckey, []).append(line)
         return out
 

@@ -186,7 +186,7 @@ def fixed_chain_rules(family: IPFamily) -> dict[str, tuple[str, ...]]:
     """The rules of the fixed chains, exactly as ``nft list chain`` prints them (adoption compares them)."""
     fam = _FAM[family]
     return {
-        REJECT_CHAIN: ("meta l4proto tcp reject with tcp reset", "reject"),
+        REJECT_CHAIN: ("reject",),
         MASQ_INTERNAL: (
             f"{fam} saddr @{LOCAL_CIDRS} return",
             f"iifname @{LOCAL_IFACES} return",

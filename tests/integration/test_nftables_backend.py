@@ -113,7 +113,9 @@ def test_full_partial_restart_repair_cleanup(netns: str) -> None:
         # kernel view and remnants through a probe; cleanup removes both tables
         probe = LocalProbe(netns)
         view = NftablesProxier.kernel_view(probe, IPFamily.V4) or {}
-        assert any(line.startswith("service-ips: 198.19.0.1 . tcp . 80") for line in view["ns1/a:p/TCP"])
+        assert any(
+            line.startswith('service-ips: 198.19.0.1 . tcp . 80 comment "ns1/a:p/TCP #') for line in view["ns1/a:p/TCP"]
+        )
         assert sorted(NftablesProxier.remnants(probe)) == ["table ip kproxy", "table ip6 kproxy"]
         NftablesProxier.cleanup_leftovers(CFG, netns=netns)
         assert NftablesProxier.remnants(probe) == []
@@ -184,22 +186,34 @@ def _connect(ns: str, ip: str, port: int) -> str:
 
 
 def test_real_packets_dnat_and_reject(netns: str) -> None:
-    subprocess.run(["ip", "-n", netns, "addr", "add", "198.18.0.1/24", "dev", "lo"], check=True)
-    subprocess.run(["ip", "-n", netns, "route", "add", "198.19.0.0/16", "dev", "lo"], check=True)
-    stop = threading.Event()
-    t = _serve(netns, "198.18.0.1", 8080, stop)
-    p = NftablesProxier(CFG, netns=netns)
-    try:
-        ok = sp("ok", "198.19.0.1", ("198.18.0.1",))
-        gone = sp("gone", "198.19.0.2", ())
-        assert p.sync(state(ok, gone), Changes(full=True)).ok
-        assert _connect(netns, "198.19.0.1", 80) == "hello"
-        t0 = time.monotonic()
-        assert _connect(netns, "198.19.0.2", 80) == "ConnectionRefusedError"
-        assert time.monotonic() - t0 < 2
-        tr = p.trace("198.18.0.1", "tcp", "198.19.0.1", 80, src_local=True)
-        assert tr["outcomes"][0]["verdict"] == "DNAT 198.18.0.1:8080"
-    finally:
-        stop.set()
-        t.join(5)
-        p.close()
+    """A client namespace behind the node (as a pod): DNAT to a server in the node, ICMP reject without endpoints."""
+    with scratch_netns("kpm-nftc-", lo_up=True) as client:
+        run = ["ip", "-n", netns]
+        subprocess.run(
+            [*run, "link", "add", "kpmv0", "type", "veth", "peer", "name", "kpmv1", "netns", client], check=True
+        )
+        subprocess.run([*run, "addr", "add", "198.18.0.1/24", "dev", "kpmv0"], check=True)
+        subprocess.run([*run, "link", "set", "kpmv0", "up"], check=True)
+        subprocess.run([*run, "addr", "add", "198.18.9.1/32", "dev", "lo"], check=True)
+        crun = ["ip", "-n", client]
+        subprocess.run([*crun, "addr", "add", "198.18.0.2/24", "dev", "kpmv1"], check=True)
+        subprocess.run([*crun, "link", "set", "kpmv1", "up"], check=True)
+        subprocess.run([*crun, "route", "add", "default", "via", "198.18.0.1"], check=True)
+        stop = threading.Event()
+        t = _serve(netns, "198.18.9.1", 8080, stop)
+        p = NftablesProxier(CFG, netns=netns)
+        try:
+            ok = sp("ok", "198.19.0.1", ("198.18.9.1",))
+            gone = sp("gone", "198.19.0.2", ())
+            assert p.sync(state(ok, gone), Changes(full=True)).ok
+            assert _connect(client, "198.19.0.1", 80) == "hello"
+            t0 = time.monotonic()
+            assert _connect(client, "198.19.0.2", 80) == "ConnectionRefusedError"
+            assert time.monotonic() - t0 < 2
+            tr = p.trace("198.18.0.2", "tcp", "198.19.0.1", 80)
+            assert tr["outcomes"][0]["verdict"] == "DNAT 198.18.9.1:8080"
+            assert tr["outcomes"][0]["masquerade"]  # 198.18.0.2 is outside --cluster-cidr 198.18.64.0/18
+        finally:
+            stop.set()
+            t.join(5)
+            p.close()

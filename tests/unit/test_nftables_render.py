@@ -89,7 +89,7 @@ def test_no_endpoints_reject_every_address_tcp_and_udp() -> None:
     assert elems(frag, render.SERVICE_NODEPORTS) == {"udp . 30080": "goto reject-chain"}
     assert not elems(frag, render.slot_map(render.BACKENDS, "tcp")) and frag.shared == ()
     rules = render.fixed_chain_rules(IPFamily.V4)[render.REJECT_CHAIN]
-    assert rules == ("meta l4proto tcp reject with tcp reset", "reject")
+    assert rules == ("reject",)
 
 
 def test_internal_policy_local_without_local_endpoints_drops() -> None:
