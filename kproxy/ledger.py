@@ -388,6 +388,7 @@ class LedgerProxier(Proxier, Generic[F, C]):
             need_full = need_full or outcome.need_full
             if outcome.ok and not outcome.refused:
                 self._commit(rec, fam, ctx, full, deltas, ports, wanted, keep, skip)
+                counts[f"{fam.value}/deltas"] = len(deltas)  # services written or removed (0: nothing changed)
                 error = None
                 break
             if not outcome.refused:

@@ -19,6 +19,11 @@ Phases, each timed with ``time.perf_counter``:
 - ``partial_floor_s``: ``backend.measure_partial_floor()["floor_s"]``, the kernel alone taking the last partial
   sync's change again by the most direct means; ``partial_floor_detail``: the rest of what that returned (the
   iptables backend adds ``unhooked_s``, the same replay with the jumps from the built-in chains removed);
+- ``restart_sync_s``: a fresh backend instance (a restarted kproxy) taking the same state in a full sync, adopting
+  what the kernel holds; ``restart_writes``: the services that sync wrote (0 when adoption works: nothing changed);
+- ``describe_ms``: while the full sync runs, another thread asks ``describe()`` for one service again and again
+  (what ``/rules?service=`` and ``kproxy show --service`` do): p50 and max milliseconds and how many answers, so
+  "``/rules`` never waits for a sync" is a figure;
 - ``rss_mb``: peak resident memory of the process that ran the phases; ``counts``: the backend's sizes.
 
 With ``--reference upstream-nftables`` the run also times upstream kube-proxy's nftables layout for the same state
@@ -37,6 +42,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -75,6 +81,9 @@ class SyncBench:
     partial_apply_s: float | None = None
     partial_floor_s: float | None = None
     partial_floor_detail: dict[str, float] = field(default_factory=dict)
+    restart_sync_s: float | None = None
+    restart_writes: int | None = None
+    describe_ms: dict[str, float] = field(default_factory=dict)
     rss_mb: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
     #: ``--reference``: the yardstick's figures (kproxy.bench.reference_nft.ReferenceBench.to_json()), or why not
@@ -142,11 +151,13 @@ def run_sync_bench(
             raise BenchError(f"the cache holds {len(state)} service ports, expected {n_services}: {cache.errors()}")
         if not changes.full:
             raise BenchError("the first snapshot did not ask for a full sync")
-        result = backend.sync(state, changes)
+        with _DescribeProbe(backend, next(iter(state)).name) as probe:
+            result = backend.sync(state, changes)
         if not result.ok:
             raise BenchError(f"full sync failed: {result.error}")
         cache.commit(changes, failed=tuple(result.failed))
         t3 = time.perf_counter()
+        out.describe_ms = probe.figures()
         out.absorb_s, out.snapshot_s, out.full_sync_s = t1 - t0, t2 - t1, t3 - t1
         out.render_s = result.timings.get("render")
         out.counts = {k: int(v) for k, v in result.counts.items()}
@@ -169,6 +180,19 @@ def run_sync_bench(
         out.partial_sync_s = statistics.median(out.partial_sync_runs)
         out.partial_apply_s = statistics.median(applies) if applies else None
 
+        if mode != "fake":  # a restarted kproxy: a new instance adopting what the kernel holds, nothing changed
+            fresh = cls(config)
+            try:
+                state, changes = cache.snapshot(full=True)
+                r0 = time.perf_counter()
+                result = fresh.sync(state, changes)
+                out.restart_sync_s = time.perf_counter() - r0
+                if not result.ok:
+                    raise BenchError(f"restart sync failed: {result.error}")
+                out.restart_writes = sum(v for k, v in result.counts.items() if k.endswith("/deltas"))
+            finally:
+                fresh.close()
+
         pfloor = dict(backend.measure_partial_floor() or {})
         out.partial_floor_s = pfloor.pop("floor_s", None)
         out.partial_floor_detail = pfloor
@@ -183,6 +207,37 @@ def run_sync_bench(
             finally:
                 backend.close()
     return out
+
+
+class _DescribeProbe:
+    """A thread asking ``describe(key)`` (and serialising it, as ``/rules`` does) until the ``with`` block ends."""
+
+    def __init__(self, backend: Any, key: Any, pause: float = 0.005) -> None:
+        self.backend, self.key, self.pause = backend, key, pause
+        self.seconds: list[float] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-describe", daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            t0 = time.perf_counter()
+            json.dumps(self.backend.describe(self.key), default=str)
+            self.seconds.append(time.perf_counter() - t0)
+            self._done.wait(self.pause)
+
+    def __enter__(self) -> _DescribeProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(10)
+
+    def figures(self) -> dict[str, float]:
+        if not self.seconds:
+            return {}
+        ms = sorted(1000 * s for s in self.seconds)
+        return {"p50": ms[len(ms) // 2], "max": ms[-1], "answers": float(len(ms))}
 
 
 def _ns_alive(name: str) -> bool:
@@ -231,6 +286,15 @@ def format_table(b: SyncBench) -> str:
         ("kernel floor", sec(b.floor_s)),
         ("full sync / floor", "-" if b.ratio is None else f"{b.ratio:.2f}"),
         ("render", sec(b.render_s)),
+        ("restart (fresh process, nothing changed)", sec(b.restart_sync_s)),
+        ("  services it wrote", "-" if b.restart_writes is None else str(b.restart_writes)),
+        (
+            "describe() during the full sync",
+            "-"
+            if not b.describe_ms
+            else f"p50 {b.describe_ms['p50']:.1f} ms, max {b.describe_ms['max']:.1f} ms "
+            f"({int(b.describe_ms['answers'])} answers)",
+        ),
         ("peak RSS", f"{b.rss_mb:.1f} MB"),
     ]
     rows += [(f"count {k}", str(v)) for k, v in sorted(b.counts.items())]
