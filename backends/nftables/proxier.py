@@ -451,13 +451,8 @@ def _shared_changes(tx: render.Transaction, present: set[str], refs: Counter[str
 
 
 def _hairpin(tx: render.Transaction, add: set[str], delete: set[str]) -> None:
-    fam = tx.fam
-    if delete:
-        tx.deletes.append(
-            (f"delete element {fam} {render.TABLE} {render.HAIRPIN} {{ {', '.join(sorted(delete))} }}", None)
-        )
-    if add:
-        tx.adds.append((f"add element {fam} {render.TABLE} {render.HAIRPIN} {{ {', '.join(sorted(add))} }}", None))
+    tx.delete_keys(((render.HAIRPIN, h) for h in sorted(delete)), None)
+    tx.add_elements(((render.HAIRPIN, h, "") for h in sorted(add)), None, None)
 
 
 def _summarise(error: str) -> str:

@@ -596,15 +596,17 @@ def _any_contains(cidrs: Sequence[str], ips: Sequence[str]) -> bool:
 @dataclass(slots=True)
 class Transaction:
     """One atomic ``nft`` transaction for one family, built in order: declarations, chain contents, element
-    deletes, element adds, removals. ``owners`` maps each command line (0-based) that belongs to one service to
-    that service, so a refused command names the service to leave out."""
+    deletes, element adds, removals. Elements are grouped into one ``add element`` / ``delete element`` command per
+    map with one element per line (thousands of small commands cost libnftables far more than one long one), and
+    every line that belongs to one service is recorded as its, so a refused element (libnftables names its line)
+    names the service to leave out."""
 
     family: IPFamily
     head: list[str] = field(default_factory=list)  # table, maps, fixed chains, context sets
     declare: list[tuple[str, ServicePortName | None]] = field(default_factory=list)  # chains and sets to create
     fill: list[tuple[str, ServicePortName | None]] = field(default_factory=list)  # chain rules
-    deletes: list[tuple[str, ServicePortName | None]] = field(default_factory=list)
-    adds: list[tuple[str, ServicePortName | None]] = field(default_factory=list)
+    deletes: dict[str, list[tuple[str, ServicePortName | None]]] = field(default_factory=dict)  # map -> keys
+    adds: dict[str, list[tuple[str, ServicePortName | None]]] = field(default_factory=dict)  # map -> elements
     tail: list[tuple[str, ServicePortName | None]] = field(default_factory=list)  # chain and set removals
     elements_added: int = 0
     elements_deleted: int = 0
@@ -613,8 +615,28 @@ class Transaction:
     def fam(self) -> str:
         return _FAM[self.family]
 
+    def _grouped(
+        self, verb: str, groups: dict[str, list[tuple[str, ServicePortName | None]]]
+    ) -> list[tuple[str, ServicePortName | None]]:
+        out: list[tuple[str, ServicePortName | None]] = []
+        for m, items in groups.items():
+            if not items:
+                continue
+            out.append((f"{verb} element {self.fam} {TABLE} {m} {{", None))
+            last = len(items) - 1
+            out.extend((text if i == last else text + ",", owner) for i, (text, owner) in enumerate(items))
+            out.append(("}", None))
+        return out
+
     def lines(self) -> list[tuple[str, ServicePortName | None]]:
-        return [(h, None) for h in self.head] + self.declare + self.fill + self.deletes + self.adds + self.tail
+        return (
+            [(h, None) for h in self.head]
+            + self.declare
+            + self.fill
+            + self._grouped("delete", self.deletes)
+            + self._grouped("add", self.adds)
+            + self.tail
+        )
 
     def text(self) -> str:
         return "".join(line + "\n" for line, _ in self.lines())
@@ -629,24 +651,16 @@ class Transaction:
 
     # -- building blocks
 
-    def add_elements(self, elements: Iterable[Element], comment: str, owner: ServicePortName | None) -> None:
-        fam = self.fam
-        by_map: dict[str, list[str]] = {}
+    def add_elements(self, elements: Iterable[Element], comment: str | None, owner: ServicePortName | None) -> None:
+        c = f' comment "{comment}"' if comment else ""
         for m, k, v in elements:
-            text = f'{k} comment "{comment}" : {v}' if v else f'{k} comment "{comment}"'
-            by_map.setdefault(m, []).append(text)
-        for m, items in by_map.items():
-            self.adds.append((f"add element {fam} {TABLE} {m} {{ {', '.join(items)} }}", owner))
-            self.elements_added += len(items)
+            self.adds.setdefault(m, []).append((f"{k}{c} : {v}" if v else f"{k}{c}", owner))
+            self.elements_added += 1
 
     def delete_keys(self, keys: Iterable[tuple[str, str]], owner: ServicePortName | None) -> None:
-        fam = self.fam
-        by_map: dict[str, list[str]] = {}
         for m, k in keys:
-            by_map.setdefault(m, []).append(k)
-        for m, items in by_map.items():
-            self.deletes.append((f"delete element {fam} {TABLE} {m} {{ {', '.join(items)} }}", owner))
-            self.elements_deleted += len(items)
+            self.deletes.setdefault(m, []).append((k, owner))
+            self.elements_deleted += 1
 
     def add_shared_chain(self, name: str) -> None:
         fam = self.fam

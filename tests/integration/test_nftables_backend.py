@@ -83,7 +83,7 @@ def test_full_partial_restart_repair_cleanup(netns: str) -> None:
         res = p.sync(state(a2, b, c, gen=2), Changes(full=False, services=frozenset({a.name})))
         assert res.ok, res.error
         tx = p.last_transaction(IPFamily.V4)
-        assert "chain" not in tx and "delete element ip kproxy backends-tcp { 198.19.0.1 . tcp . 80 . 1 }" in tx
+        assert "chain" not in tx and "delete element ip kproxy backends-tcp {\n198.19.0.1 . tcp . 80 . 1\n}" in tx
         assert "198.18.1.9 . 8080" in nft_list(netns, "list", "map", "ip", "kproxy", "backends-tcp")
 
         # a new endpoint count creates its shared chain once, in the same transaction

@@ -234,15 +234,21 @@ def test_endpoint_change_writes_only_changed_slots_and_the_entry() -> None:
     render.change_service(tx, spn("web"), old, new)
     text = tx.text()
     assert text.splitlines() == [
-        "delete element ip kproxy service-ips { 198.18.200.1 . tcp . 80 }",
-        "delete element ip kproxy backends-tcp { 198.18.200.1 . tcp . 80 . 2 }",
-        'add element ip kproxy backends-tcp { 198.18.200.1 . tcp . 80 . 2 comment "ns1/web:http/TCP" : '
-        "198.18.3.3 . 8080 }",
-        f'add element ip kproxy service-ips {{ 198.18.200.1 . tcp . 80 comment "ns1/web:http/TCP #{new.digest}" : '
-        "goto lb-i-3 }",
+        "delete element ip kproxy service-ips {",
+        "198.18.200.1 . tcp . 80",
+        "}",
+        "delete element ip kproxy backends-tcp {",
+        "198.18.200.1 . tcp . 80 . 2",
+        "}",
+        "add element ip kproxy backends-tcp {",
+        '198.18.200.1 . tcp . 80 . 2 comment "ns1/web:http/TCP" : 198.18.3.3 . 8080',
+        "}",
+        "add element ip kproxy service-ips {",
+        f'198.18.200.1 . tcp . 80 comment "ns1/web:http/TCP #{new.digest}" : goto lb-i-3',
+        "}",
     ]
-    assert all(o == spn("web") for _, o in tx.lines())
-    assert tx.owner_of(1) == spn("web")
+    assert [o for line, o in tx.lines() if not line.endswith(("{", "}"))] == [spn("web")] * 4
+    assert tx.owner_of(2) == spn("web") and tx.owner_of(1) is None
 
 
 def test_removal_deletes_every_key_and_affinity_chains_after_flushing() -> None:
