@@ -1130,6 +1130,16 @@ def _remnants(ctx: Context, mode: str, node: Any) -> list[str]:
         ) from None
 
 
+def _started_and_synced(ctx: Context, node: Any, mode: str | None, what: str) -> None:
+    """Start kproxy in ``mode`` on ``node`` (None: it was started already) and wait for its first sync. Reaching a
+    ClusterIP from the node's pods proves nothing here: with no rules on this node a pod's SYN leaves by the
+    default route and the lab's router hands it to node-1, whose rules answer it."""
+    if mode is not None:
+        _start_kproxy(ctx, node, mode)
+    ctx.eventually(lambda: _healthz_ok(ctx, node), timeout=SYNC_WAIT, what=f"kproxy {what}: healthy")
+    ctx.eventually(lambda: _synced_since_start(ctx, node), timeout=SYNC_WAIT, what=f"kproxy {what}: first sync")
+
+
 def cleanup(ctx: Context) -> None:
     from kproxy.proxier import availability, installed_backends
 
@@ -1173,8 +1183,10 @@ def cleanup(ctx: Context) -> None:
         got="; ".join(left[:8]),
         expected="nothing of the mode left",
     )
-    ctx.blocked(client, ip, 80, count=1, timeout=1.0)  # nothing programmed: the ClusterIP is dead on this node
-    _start_kproxy(ctx, node, ctx.mode)
+    # Nothing programmed: the NodePort is closed on this node (refused). (Not the ClusterIP: with no rules on this
+    # node a pod's SYN to it leaves by the default route, and the lab's router hands it to node-1, which has rules.)
+    ctx.blocked(ctx.external_ns, node.ip4, np_local, how="refused", count=2, timeout=1.0)
+    _started_and_synced(ctx, node, ctx.mode, "restarted after cleanup")
     _wait_reach(ctx, client, ip, 80, only=eps, what=f"kproxy {ctx.mode} restarted after cleanup")
     ctx.reach(client, ip, 80, count=6, only=eps)
     ctx.note(f"kproxy cleanup left nothing of {ctx.mode} (checked {len(before)} objects before)")
@@ -1189,10 +1201,9 @@ def cleanup(ctx: Context) -> None:
     try:
         for other in others:
             ctx.lab.stop_kproxy(node, signal.SIGTERM)
-            _start_kproxy(ctx, node, other)
-            # kproxy removes other modes' leftovers before it serves health, so a healthy one has done it (whether
-            # the other mode then proxies correctly is that mode's own conformance run).
-            ctx.eventually(lambda: _healthz_ok(ctx, node), timeout=SYNC_WAIT, what=f"kproxy started in mode {other}")
+            # kproxy removes other modes' leftovers before its first sync, so one that has synced has done it
+            # (whether the other mode then proxies correctly is that mode's own conformance run)
+            _started_and_synced(ctx, node, other, f"started in mode {other}")
             left = _remnants(ctx, ctx.mode, node)
             ctx.expect(
                 not left,
@@ -1206,6 +1217,7 @@ def cleanup(ctx: Context) -> None:
     finally:
         ctx.lab.stop_kproxy(node, signal.SIGTERM)
         _start_kproxy(ctx, node, ctx.mode)
+    _started_and_synced(ctx, node, None, "back after the other modes")
     _wait_reach(ctx, client, ip, 80, only=eps, what=f"kproxy {ctx.mode} back after the other modes")
     # ... and the mode it came back in removed what the others left
     for other in tried:
