@@ -7,7 +7,8 @@ each, IPv4): kproxy runs on node-1 and node-2 only; node-3 and node-4 never get 
 limit at every size. (The pod IP on the loaded node is not the limit: a proxy's rules also tax traffic that never
 touches a service, e.g. iptables' KUBE-SERVICES walk on every new connection, on both nodes.)
 
-Targets, measured in rounds whose order rotates (so drift on a shared machine spreads over all three):
+Targets, measured in many short rounds whose order rotates, each target's client a long-lived ``dpclient --serve``
+in its pod (so drift on a shared machine hits all three alike and no process start sits between them):
 
 * ``limit``: pod-3-1 -> pod-4-1's IP (no proxy rules anywhere on the path);
 * ``podip``: pod-1-1 -> pod-2-1's IP across the loaded nodes;
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import select
 import statistics
 import subprocess
 import sys
@@ -64,6 +66,7 @@ SERVICE_PORT = 80
 IPERF_PORT = 5201
 CLIENT_CPU = "0"
 SERVER_CPU = "1"
+PINNED_CLIENT = ("taskset", "-c", CLIENT_CPU)
 TARGETS = ("limit", "podip", "clusterip")
 WRITE_THREADS = 4
 KPROXY_READY_TIMEOUT = 600.0  # seconds: a full sync of 10,000 services on two nodes sharing 2 cores
@@ -110,9 +113,9 @@ class DatapathRun:
 
 @dataclass
 class DatapathConfig:
-    rounds: int = 3
-    seconds: float = 1.0
-    iperf_seconds: float = 2.0
+    rounds: int = 10
+    seconds: float = 0.5
+    iperf_seconds: float = 1.0
     endpoints: int = 10
     prefix: str = LAB_PREFIX
 
@@ -307,6 +310,7 @@ class DatapathLab:
         self.lab: Lab | None = None
         self.written = 0  # synthetic services in the API
         self._servers: list[subprocess.Popen[bytes]] = []
+        self._clients: dict[str, subprocess.Popen[str]] = {}
 
     def __enter__(self) -> DatapathLab:
         self.up()
@@ -320,8 +324,8 @@ class DatapathLab:
     def up(self) -> None:
         if Lab.live(self.config.prefix) is not None:
             raise DatapathError(
-                f"a lab with prefix {self.config.prefix!r} is running: take it down first (kproxy lab down --prefix"
-                f" {self.config.prefix})"
+                f"a lab with prefix {self.config.prefix!r} is running: take it down first (kproxy lab --prefix"
+                f" {self.config.prefix} down), or use another --lab-prefix"
             )
         self.progress(f"lab up ({self.config.prefix}: 4 nodes, 1 pod each)")
         self.lab = Lab.up(nodes=4, pods_per_node=1, mode=None, ipv6=False, prefix=self.config.prefix, timeout=90)
@@ -332,6 +336,21 @@ class DatapathLab:
         ApiWriter(lab.api_url).create_all(target_objects(self.server_pod))
 
     def down(self) -> None:
+        for client in self._clients.values():
+            if client.poll() is None and client.stdin is not None:
+                try:
+                    client.stdin.write("quit\n")
+                    client.stdin.close()
+                except OSError:
+                    pass
+            try:
+                client.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                client.kill()
+                client.wait(timeout=5)
+            if client.stdout is not None:
+                client.stdout.close()
+        self._clients.clear()
         for proc in self._servers:
             if proc.poll() is None:
                 proc.terminate()
@@ -482,18 +501,44 @@ class DatapathLab:
 
     # traffic
 
-    def _client(self, pod: LabPod, host: str, port: int) -> dict[str, Any]:
+    def _serve_client(self, pod: LabPod) -> subprocess.Popen[str]:
+        """The pod's long-lived ``dpclient --serve`` (pinned to the client CPU, in the pod's node's cgroup)."""
+        proc = self._clients.get(pod.name)
+        if proc is None or proc.poll() is not None:
+            argv = [*PINNED_CLIENT, sys.executable, "-m", "kproxy.bench.dpclient", "--serve"]
+            proc = subprocess.Popen(
+                netns.exec_argv(pod.ns, argv),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                bufsize=1,
+                preexec_fn=netns.cgroup_preexec(self._lab.cgroup_path(pod.node)),
+            )
+            self._clients[pod.name] = proc
+        return proc
+
+    def _phase(self, pod: LabPod, phase: str, host: str, port: int) -> dict[str, Any]:
+        """One traffic phase from ``pod`` through its persistent client."""
         c = self.config
-        argv = ["taskset", "-c", CLIENT_CPU, sys.executable, "-m", "kproxy.bench.dpclient", host, str(port)]
-        argv += ["--seconds", str(c.seconds), "--warmup", "0.1", "--timeout", "1.0"]
-        res = self._lab.exec(pod.ns, argv, timeout=3 * (c.seconds + 0.1) + 60)
-        if res.returncode != 0:
-            raise DatapathError(f"dpclient in {pod.name} -> {host}:{port}: {res.stderr.decode(errors='replace')}")
-        return dict(json.loads(res.stdout.decode().strip().splitlines()[-1]))
+        proc = self._serve_client(pod)
+        assert proc.stdin is not None and proc.stdout is not None
+        req = {"phase": phase, "host": host, "port": port, "seconds": c.seconds, "warmup": 0.05, "timeout": 1.0}
+        proc.stdin.write(json.dumps(req) + "\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], 3 * c.seconds + 30)
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            proc.kill()
+            raise DatapathError(f"dpclient in {pod.name} gave no answer to {req}")
+        answer = dict(json.loads(line))
+        if "error" in answer:
+            raise DatapathError(f"dpclient in {pod.name}, {req}: {answer['error']}")
+        return answer
 
     def _iperf(self, pod: LabPod, host: str) -> dict[str, Any]:
         c = self.config
-        argv = ["taskset", "-c", CLIENT_CPU, "iperf3", "-c", host, "-p", str(IPERF_PORT)]
+        argv = [*PINNED_CLIENT, "iperf3", "-c", host, "-p", str(IPERF_PORT)]
         argv += ["-t", str(c.iperf_seconds), "-J", "--connect-timeout", "2000"]
         last: dict[str, Any] = {}
         for _ in range(3):  # the server may still be finishing the previous test ("server is busy")
@@ -520,9 +565,9 @@ class DatapathLab:
         """One round against one target: (metric -> value, errors seen)."""
         pod, host = self.endpoints_of(target)
         port = SERVICE_PORT if target == "clusterip" else ECHO_PORT
-        client = self._client(pod, host, port)
+        client = {phase: self._phase(pod, phase, host, port) for phase in ("crr", "rr", "udp")}
         iperf = self._iperf(pod, host)
-        errors = sum(int(client[p].get("errors", 0)) for p in ("crr", "rr", "udp") if isinstance(client.get(p), dict))
+        errors = sum(int(client[p].get("errors", 0)) for p in client)
         return flatten(client, iperf), errors
 
 

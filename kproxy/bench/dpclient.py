@@ -16,6 +16,9 @@ are discarded:
 * ``rr``: one TCP connection (``TCP_NODELAY``), one line out and one in per request; requests per second, p50/p99;
 * ``udp``: a connected UDP socket, one datagram out and one in; a lost answer counts as an error after ``--timeout``.
 
+``--serve`` keeps one client running and takes one measurement request per line on stdin (see :func:`serve`): the
+lab benchmark keeps one such client per client pod and interleaves short phases between targets.
+
 Standard library only (``python -S`` works), so it starts quickly in every pod.
 """
 
@@ -28,6 +31,10 @@ import socket
 import struct
 import sys
 import time
+
+TYPE_CHECKING = False  # typing is not imported at run time: the client starts in every pod
+if TYPE_CHECKING:
+    from typing import TextIO
 
 MAX_OPS = 2_000_000
 MAX_SECONDS = 60.0
@@ -178,7 +185,43 @@ def udp(host: str, port: int, seconds: float, max_ops: int, timeout: float, warm
 PHASES = {"crr": crr, "rr": rr, "udp": udp}
 
 
+def serve(stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
+    """``--serve``: one measurement per request line, one JSON answer line each, until EOF or ``quit``.
+
+    A request is ``{"phase": "crr"|"rr"|"udp", "host": ..., "port": N, "seconds": S, "warmup": W, "timeout": T,
+    "max_ops": N}``. Staying alive between requests lets the benchmark interleave short phases against several
+    targets (from clients in different pods) without paying a process start per phase, so drift on a shared machine
+    hits every target alike."""
+    inp = stdin if stdin is not None else sys.stdin
+    out = stdout if stdout is not None else sys.stdout
+    for line in inp:
+        line = line.strip()
+        if not line:
+            continue
+        if line == "quit":
+            break
+        try:
+            req = json.loads(line)
+            fn = PHASES[req["phase"]]
+            seconds = min(max(float(req.get("seconds", 1.0)), 0.01), MAX_SECONDS)
+            answer = fn(
+                str(req["host"]),
+                int(req["port"]),
+                seconds,
+                min(max(int(req.get("max_ops", 200_000)), 1), MAX_OPS),
+                float(req.get("timeout", 1.0)),
+                min(float(req.get("warmup", 0.05)), seconds),
+            )
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) == ["--serve"]:
+        return serve()
     p = argparse.ArgumentParser(prog="kproxy.bench.dpclient", description=__doc__.splitlines()[0])
     p.add_argument("host")
     p.add_argument("port", type=int)

@@ -60,6 +60,23 @@ def test_dpclient_counts_failures_instead_of_crashing() -> None:
     assert dpclient.rr("127.0.0.1", port, 0.05, 50, 0.2, 0.0)["errors"] == 1
 
 
+def test_dpclient_serves_one_answer_per_request(echo_port: int) -> None:
+    import io
+
+    reqs = [
+        {"phase": "rr", "host": "127.0.0.1", "port": echo_port, "seconds": 0.05, "warmup": 0.0},
+        {"phase": "nope", "host": "127.0.0.1", "port": echo_port},
+        {"phase": "udp", "host": "127.0.0.1", "port": echo_port, "seconds": 0.05, "warmup": 0.0},
+    ]
+    out = io.StringIO()
+    text = "".join(json.dumps(r) + "\n" for r in reqs) + "quit\n" + json.dumps(reqs[0]) + "\n"
+    assert dpclient.serve(io.StringIO(text), out) == 0
+    answers = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(answers) == 3  # nothing after quit
+    assert answers[0]["kind"] == "rr" and answers[0]["ops"] > 0
+    assert "error" in answers[1] and answers[2]["kind"] == "udp" and answers[2]["ops"] > 0
+
+
 def test_percentile_is_nearest_rank() -> None:
     values = [float(i) for i in range(1, 101)]
     assert dpclient.percentile(values, 0.5) == 50.0
