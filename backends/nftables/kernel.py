@@ -4,10 +4,11 @@ One ``run(text)`` call is one ``nft_run_cmd_from_buffer``: the whole text is one
 without starting a process (``nft add element`` from a shell costs ~20 ms, mostly process start). Reads use JSON
 output (``libnftables-json(5)``), parsed with the standard library.
 
-libnftables talks netlink from the calling thread's network namespace. ``Nft(netns=None)`` calls it directly in the
-caller's namespace (the daemon runs inside the node's); ``Nft(netns="name")`` owns one worker thread that ``setns``es
-into ``/run/netns/<name>`` once and makes every call there (tests and benchmarks aim at their own namespaces; a
-thread is cheaper than a process per call and ``setns`` affects that thread alone).
+libnftables talks netlink from the calling thread's network namespace. ``Nft`` owns one worker thread that makes every
+call (libnftables releases the GIL, so the proxier builds the next transaction while one is applied); with
+``netns="name"`` that thread first ``setns``es into ``/run/netns/<name>`` (tests and benchmarks aim at their own
+namespaces; ``setns`` affects that thread alone), else it works in the caller's namespace (the daemon runs inside the
+node's).
 
 Who uses it: ``backends.nftables.proxier`` and ``backends.nftables.cleanup``.
 """
@@ -21,7 +22,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -62,10 +63,10 @@ class Nft:
     def __init__(self, netns: str | None = None) -> None:
         self.netns = netns
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
         self._ctx: Any = None
+        # one thread makes every call: libnftables releases the GIL, so Python builds the next transaction meanwhile
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nft")
         if netns is not None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nft-{netns}")
             self._pool.submit(self._enter, netns).result()
 
     def _enter(self, netns: str) -> None:
@@ -80,10 +81,12 @@ class Nft:
             os.close(fd)
 
     def _call(self, fn: Callable[[], T]) -> T:
+        return self._submit(fn).result()
+
+    def _submit(self, fn: Callable[[], T]) -> Future[T]:
         if self._pool is None:
-            with self._lock:
-                return fn()
-        return self._pool.submit(fn).result()
+            raise RuntimeError("libnftables context closed")
+        return self._pool.submit(fn)
 
     def _nft(self) -> Any:
         if self._ctx is None:  # made in the thread that uses it (its socket belongs to that namespace)
@@ -93,9 +96,12 @@ class Nft:
         return self._ctx
 
     def run(self, text: str, *, json_output: bool = False) -> Result:
-        """Run commands (one transaction when they change anything). The text is handed over as a memfd "file",
-        because libnftables reports a refused command's line only for file input (from a buffer it prints the first
-        line), and the proxier maps that line back to the service that owns it."""
+        return self.submit(text, json_output=json_output).result()
+
+    def submit(self, text: str, *, json_output: bool = False) -> Future[Result]:
+        """Run commands (one transaction when they change anything) in the libnftables thread. The text is handed
+        over as a memfd "file", because libnftables reports a refused command's line only for file input (from a
+        buffer it prints the first line), and the proxier maps that line back to the service that owns it."""
 
         def go() -> Result:
             nft = self._nft()
@@ -113,7 +119,7 @@ class Nft:
             finally:
                 os.close(fd)
 
-        return self._call(go)
+        return self._submit(go)
 
     def query(self, text: str, *, json_output: bool = True) -> Result:
         """A read (``list ...``) from a buffer: no transaction, nothing to map back."""

@@ -23,6 +23,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -42,6 +43,7 @@ from .render import Fragment
 log = logging.getLogger(__name__)
 
 CHECK_INTERVAL = 1.0  # seconds between "is my table still there" checks at the start of partial syncs
+CHUNK = 25_000  # elements per transaction of a big full sync (see NftablesProxier.apply)
 
 
 @dataclass(slots=True)
@@ -54,6 +56,19 @@ class _KernelState:
     context: dict[str, Any] | None = None
     entries: dict[tuple[str, str], ServicePortName] = field(default_factory=dict)  # entry key -> owner
     known: bool = False
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """One transaction and what the kernel holds once it commits."""
+
+    tx: render.Transaction
+    services: dict[ServicePortName, Fragment | None]
+    shared: set[str]
+    refs: Counter[str]
+    hairpin: set[str]
+    context: dict[str, Any] | None = None
+    stale: set[str] = field(default_factory=set)  # comment keys of unwanted services it removes
 
 
 class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
@@ -185,42 +200,90 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
     # ------------------------------------------------------------------------------------------ apply
 
     def apply(self, batch: Batch[Fragment, FamilyContext]) -> Applied:
+        """One transaction for a partial batch. A full batch is one transaction too when it replaces the table (no
+        moment without rules) or is small; a big one is split into transactions of whole services (``CHUNK``
+        elements each: libnftables holds ~2.4 kB per element it parses, 264 MB for 10,000 x 10 in one go), the
+        shared chains first and their removal last, so every service changes atomically and every intermediate state
+        is a consistent mix of old and new services, as the iptables backend's chunked restores. Each chunk is applied
+        in the libnftables thread while the next one is built. Chunks that committed before a refusal are remembered
+        in ``batch.scratch``, so the ledger's retry round starts from what the kernel holds."""
         fam = batch.family
         r0 = time.perf_counter()
-        ks = self._kernel[fam]
-        tx = render.Transaction(fam)
-        adopted = batch.adopted if isinstance(batch.adopted, adopt_mod.Adopted) else None
         counts: dict[str, int] = {}
-        refused: dict[ServicePortName, str] = {}
-        # what the kernel holds after this transaction, if it commits
-        new_ks = _KernelState(known=True)
-        fresh = False  # the transaction builds the table from nothing
-
+        timings = {"render_apply": 0.0, "apply": 0.0}
+        refused = self._collisions(batch)
+        if refused:
+            return Applied(ok=False, refused=MappingProxyType(refused), error=next(iter(refused.values())))
         if batch.full:
-            if adopted is None or not adopted.table or not adopted.layout_ok:
-                fresh = True
-                if adopted is None or adopted.table:
-                    # unreadable, or another layout: replaced whole (one transaction: no moment without rules)
-                    tx.head.append(f"add table {tx.fam} {render.TABLE}")
-                    tx.head.append(f"delete table {tx.fam} {render.TABLE}")
-                tx.head.extend(render.fixed_commands(fam))
-                kernel_shared: set[str] = set()
-                kernel_hairpin: set[str] = set()
-                kernel_context: dict[str, Any] = {}
+            chunks = self._full_chunks(batch)
+        else:
+            ks = self._kernel[fam]
+            if not ks.known:
+                return Applied(ok=False, error="kernel state unknown: a full sync must come first", need_full=True)
+            chunks = iter([self._partial(batch, ks)])
+        timings["render_apply"] += time.perf_counter() - r0
+        added = deleted = commands = 0
+        texts: list[str] = []
+        pending: tuple[_Chunk, str, Any] | None = None
+        error: tuple[_Chunk, Any] | None = None
+        while True:
+            b0 = time.perf_counter()
+            nxt = next(chunks, None)
+            text = nxt.tx.text() if nxt is not None else ""
+            timings["render_apply"] += time.perf_counter() - b0
+            if pending is not None:
+                chunk, ptext, fut = pending
+                res = fut.result()
+                timings["apply"] += res.seconds
+                if not res.ok:
+                    error = (chunk, res)
+                    break
+                self._commit_chunk(batch, chunk)
+                texts.append(ptext)
+                pending = None
+            if nxt is None:
+                break
+            added += nxt.tx.elements_added
+            deleted += nxt.tx.elements_deleted
+            commands += text.count("\n")
+            if text:
+                pending = (nxt, text, self.nft.submit(text))
             else:
-                kernel_shared = {c for c in adopted.chains if render.is_shared_chain(c)}
-                kernel_hairpin = set(adopted.hairpin)
-                kernel_context = dict(adopted.context)
-            wanted_ctx = render.context_elements(batch.context)
-            want_form = adopt_mod.wanted_context(wanted_ctx)
-            for name, items in wanted_ctx.items():
-                if kernel_context.get(name) != want_form[name]:
-                    if not fresh:
-                        tx.head.append(f"flush set {tx.fam} {render.TABLE} {name}")
-                    if items:
-                        tx.head.append(f"add element {tx.fam} {render.TABLE} {name} {{ {', '.join(items)} }}")
-            new_ks.context = want_form
-            # entry ownership over everything wanted: two services may not claim one address . protocol . port
+                self._commit_chunk(batch, nxt)
+        counts[f"{fam.value}/elements_added"] = added
+        counts[f"{fam.value}/elements_deleted"] = deleted
+        counts[f"{fam.value}/commands"] = commands
+        counts[f"{fam.value}/transactions"] = len(texts) + (1 if error else 0)
+        if error is not None:
+            chunk, res = error
+            owners = {o for o in (chunk.tx.owner_of(n) for n in res.error_lines()) if o is not None}
+            summary = _summarise(res.error)
+            counts[f"{fam.value}/kernel_refusals"] = 1
+            if owners:
+                return Applied(
+                    ok=False,
+                    refused=MappingProxyType({o: summary for o in owners}),
+                    error=summary,
+                    counts=MappingProxyType(counts),
+                    timings=MappingProxyType(timings),
+                )
+            self._kernel[fam] = _KernelState()  # not a service's fault: read the kernel again at the full sync
+            return Applied(ok=False, error=summary, counts=MappingProxyType(counts), timings=MappingProxyType(timings))
+        ks = self._kernel[fam]
+        ks.entries = batch.scratch.pop("entries", ks.entries)
+        ks.known = True
+        self._last_text[fam] = "".join(texts)
+        if batch.full and batch.scratch.get("fresh"):
+            self._last_full_text[fam] = "".join(texts)
+        counts[f"{fam.value}/shared_chains"] = len(ks.shared)
+        self._counts.update(counts)
+        return Applied(ok=True, counts=MappingProxyType(counts), timings=MappingProxyType(timings))
+
+    def _collisions(self, batch: Batch[Fragment, FamilyContext]) -> dict[ServicePortName, str]:
+        """Services claiming an address . protocol . port another one holds (the later name is refused); the entry
+        owners after this batch go to ``scratch["entries"]``."""
+        refused: dict[ServicePortName, str] = {}
+        if batch.full:
             owners: dict[tuple[str, str], ServicePortName] = {}
             for spn, frag in batch.wanted.items():
                 for m, k, _ in frag.entries:
@@ -229,130 +292,161 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
                         refused[max(spn, other)] = f"{m} {k} is claimed by {min(spn, other)} too"
                     else:
                         owners[(m, k)] = spn
-            if refused:
-                return Applied(ok=False, refused=MappingProxyType(refused), error=next(iter(refused.values())))
-            new_ks.entries = owners
-            # deltas: with adoption the kernel's own skeleton is what is replaced (the ledger may not know it)
-            in_batch: set[ServicePortName] = set()
-            for d in batch.deltas:
-                in_batch.add(d.name)
-                if fresh:
-                    render.change_service(tx, d.name, None, d.new_fragment)
-                    continue
-                assert adopted is not None
-                svc = adopted.service(d.name)
-                if svc is None:
-                    render.change_service(tx, d.name, None, d.new_fragment)
-                elif d.old_fragment is not None and svc.digests_agree and svc.digest == d.old_fragment.digest:
-                    render.change_service(tx, d.name, d.old_fragment, d.new_fragment)
-                else:
-                    sid = render.service_chain_id(d.name)
-                    render.change_service(
-                        tx,
-                        d.name,
-                        None,
-                        d.new_fragment,
-                        old_keys=svc.keys(),
-                        old_chains=adopted.service_chains(sid),
-                        old_sets=adopted.service_sets(sid),
-                    )
-            if adopted is not None and not fresh:
-                # services the kernel holds that nothing wants (deleted while kproxy was down)
-                handled = {f.comment for f in batch.wanted.values()}
-                handled.update(render.comment_key(render.service_key(spn)) for spn in in_batch)
-                for ckey, svc in adopted.services.items():
-                    if ckey in handled:
-                        continue
-                    render.change_service(tx, None, None, None, old_keys=svc.keys())
-                wanted_sids = {render.service_chain_id(spn) for spn in batch.wanted}
-                stale_chains = [
-                    c for c in adopted.chains if render.is_service_chain(c) and _sid_of(c) not in wanted_sids
-                ]
-                for c in stale_chains:
-                    tx.flush_chain(c, None)
-                for c in stale_chains:
-                    tx.delete_chain(c, None)
-                for s in adopted.sets:
-                    if _sid_of(s) not in wanted_sids:
-                        tx.delete_set(s, None)
-            new_ks.refs = Counter(s for f in batch.wanted.values() for s in set(_with_deps(f.shared)))
-            needed_hairpin = {h for f in batch.wanted.values() for h in f.hairpin}
-            new_ks.shared = _shared_changes(tx, kernel_shared, new_ks.refs)
-            _hairpin(tx, needed_hairpin - kernel_hairpin, kernel_hairpin - needed_hairpin)
-            new_ks.hairpin = needed_hairpin
         else:
-            if not ks.known:
-                return Applied(ok=False, error="kernel state unknown: a full sync must come first", need_full=True)
-            new_ks.context = ks.context
-            new_ks.hairpin = set(ks.hairpin)
-            new_ks.entries = dict(ks.entries)
-            changing = {d.name for d in batch.deltas}
+            owners = dict(self._kernel[batch.family].entries)
             for d in batch.deltas:
                 if d.old_fragment is not None:
                     for m, k, _ in d.old_fragment.entries:
-                        if new_ks.entries.get((m, k)) == d.name:
-                            del new_ks.entries[(m, k)]
+                        if owners.get((m, k)) == d.name:
+                            del owners[(m, k)]
             for d in batch.deltas:
-                if d.new_fragment is None:
-                    continue
-                for m, k, _ in d.new_fragment.entries:
-                    other = new_ks.entries.get((m, k))
+                for m, k, _ in d.new_fragment.entries if d.new_fragment is not None else ():
+                    other = owners.get((m, k))
                     if other is not None and other != d.name:
                         refused[d.name] = f"{m} {k} is claimed by {other} too"
-                    new_ks.entries[(m, k)] = d.name
-            if refused:
-                return Applied(ok=False, refused=MappingProxyType(refused), error=next(iter(refused.values())))
-            del changing
-            add_hairpin: set[str] = set()
-            new_ks.refs = Counter(ks.refs)
-            for d in batch.deltas:
-                render.change_service(tx, d.name, d.old_fragment, d.new_fragment)
-                if d.old_fragment is not None:
-                    new_ks.refs.subtract(set(_with_deps(d.old_fragment.shared)))
-                if d.new_fragment is not None:
-                    new_ks.refs.update(set(_with_deps(d.new_fragment.shared)))
-                    add_hairpin.update(h for h in d.new_fragment.hairpin if h not in new_ks.hairpin)
-            new_ks.shared = _shared_changes(tx, ks.shared, new_ks.refs)
-            _hairpin(tx, add_hairpin, set())
-            new_ks.hairpin |= add_hairpin
-        render_s = time.perf_counter() - r0
+                    owners[(m, k)] = d.name
+        batch.scratch["entries"] = owners
+        return refused
 
-        text = tx.text()
-        counts[f"{fam.value}/elements_added"] = tx.elements_added
-        counts[f"{fam.value}/elements_deleted"] = tx.elements_deleted
-        counts[f"{fam.value}/commands"] = text.count("\n")
-        apply_s = 0.0
-        if text:
-            res = self.nft.run(text)
-            apply_s = res.seconds
-            if not res.ok:
-                owners_ = {o for o in (tx.owner_of(n) for n in res.error_lines()) if o is not None}
-                summary = _summarise(res.error)
-                counts[f"{fam.value}/kernel_refusals"] = 1
-                self._kernel[fam] = _KernelState()  # unknown until the next full sync reads it
-                timings = {"render_apply": render_s, "apply": apply_s}
-                if owners_:
-                    return Applied(
-                        ok=False,
-                        refused=MappingProxyType({o: summary for o in owners_}),
-                        error=summary,
-                        counts=MappingProxyType(counts),
-                        timings=MappingProxyType(timings),
-                    )
-                return Applied(
-                    ok=False, error=summary, counts=MappingProxyType(counts), timings=MappingProxyType(timings)
+    def _partial(self, batch: Batch[Fragment, FamilyContext], ks: _KernelState) -> _Chunk:
+        tx = render.Transaction(batch.family)
+        refs = Counter(ks.refs)
+        hairpin: set[str] = set()
+        services: dict[ServicePortName, Fragment | None] = {}
+        for d in batch.deltas:
+            render.change_service(tx, d.name, d.old_fragment, d.new_fragment)
+            services[d.name] = d.new_fragment
+            if d.old_fragment is not None:
+                refs.subtract(set(_with_deps(d.old_fragment.shared)))
+            if d.new_fragment is not None:
+                refs.update(set(_with_deps(d.new_fragment.shared)))
+                hairpin.update(h for h in d.new_fragment.hairpin if h not in ks.hairpin)
+        shared = _shared_changes(tx, ks.shared, refs)
+        _hairpin(tx, hairpin, set())
+        return _Chunk(tx, services, shared=shared, refs=refs, hairpin=ks.hairpin | hairpin)
+
+    def _full_chunks(self, batch: Batch[Fragment, FamilyContext]) -> Iterator[_Chunk]:
+        """The transactions of a full batch (see ``apply``), built as they are asked for."""
+        fam = batch.family
+        scratch = batch.scratch
+        adopted = batch.adopted if isinstance(batch.adopted, adopt_mod.Adopted) else None
+        committed: dict[ServicePortName, Fragment | None] = scratch.setdefault("committed", {})
+        tx = render.Transaction(fam)
+        known: _KernelState | None = scratch.get("kernel")  # after chunks of an earlier round committed
+        replace = False
+        if known is not None:
+            present_shared, present_hairpin, present_context = known.shared, known.hairpin, known.context or {}
+        elif adopted is None or not adopted.table or not adopted.layout_ok:
+            scratch["fresh"] = True
+            replace = adopted is None or adopted.table
+            if replace:
+                # unreadable, or another layout: replaced whole in one transaction (no moment without rules)
+                tx.head.append(f"add table {tx.fam} {render.TABLE}")
+                tx.head.append(f"delete table {tx.fam} {render.TABLE}")
+            tx.head.extend(render.fixed_commands(fam))
+            present_shared, present_hairpin, present_context = set(), set(), {}
+        else:
+            present_shared = {c for c in adopted.chains if render.is_shared_chain(c)}
+            present_hairpin = set(adopted.hairpin)
+            present_context = dict(adopted.context)
+        if known is None and adopted is not None and scratch.get("fresh"):
+            adopted = None  # nothing of the old table survives
+        wanted_ctx = render.context_elements(batch.context)
+        want_form = adopt_mod.wanted_context(wanted_ctx)
+        for name, items in wanted_ctx.items():
+            if present_context.get(name) != want_form[name]:
+                if not scratch.get("fresh"):
+                    tx.head.append(f"flush set {tx.fam} {render.TABLE} {name}")
+                if items:
+                    tx.head.append(f"add element {tx.fam} {render.TABLE} {name} {{ {', '.join(items)} }}")
+        refs = Counter(s for f in batch.wanted.values() for s in set(_with_deps(f.shared)))
+        needed_shared = set(refs)
+        needed_hairpin = {h for f in batch.wanted.values() for h in f.hairpin}
+        for name in _ordered(needed_shared - present_shared):
+            tx.add_shared_chain(name)
+        _hairpin(tx, needed_hairpin - present_hairpin, set())
+        both_shared = present_shared | needed_shared
+        both_hairpin = present_hairpin | needed_hairpin
+        services: dict[ServicePortName, Fragment | None] = {}
+
+        stale: set[str] = set()
+
+        def chunk(last: bool = False) -> _Chunk:
+            return _Chunk(
+                tx,
+                services,
+                shared=needed_shared if last else both_shared,
+                refs=refs if last else Counter(),
+                hairpin=needed_hairpin if last else both_hairpin,
+                context=want_form,
+                stale=stale,
+            )
+
+        def full() -> bool:
+            return not replace and tx.elements_added + tx.elements_deleted >= CHUNK
+
+        in_batch: set[ServicePortName] = set()
+        for d in batch.deltas:
+            in_batch.add(d.name)
+            if d.name in committed:  # an earlier round's chunk wrote it
+                if committed[d.name] != d.new_fragment:
+                    render.change_service(tx, d.name, committed[d.name], d.new_fragment)
+            elif adopted is None or (svc := adopted.service(d.name)) is None:
+                render.change_service(tx, d.name, None, d.new_fragment)
+            elif d.old_fragment is not None and svc.digests_agree and svc.digest == d.old_fragment.digest:
+                render.change_service(tx, d.name, d.old_fragment, d.new_fragment)
+            else:
+                sid = render.service_chain_id(d.name)
+                render.change_service(
+                    tx,
+                    d.name,
+                    None,
+                    d.new_fragment,
+                    old_keys=svc.keys(),
+                    old_chains=adopted.service_chains(sid),
+                    old_sets=adopted.service_sets(sid),
                 )
-        self._kernel[fam] = new_ks
-        self._last_text[fam] = text
-        if batch.full and fresh:
-            self._last_full_text[fam] = text
-        counts[f"{fam.value}/shared_chains"] = len(new_ks.shared)
-        self._counts.update(counts)
-        return Applied(
-            ok=True,
-            counts=MappingProxyType(counts),
-            timings=MappingProxyType({"render_apply": render_s, "apply": apply_s}),
-        )
+            services[d.name] = d.new_fragment
+            if full():
+                yield chunk()
+                tx, services = render.Transaction(fam), {}
+        if adopted is not None:
+            # services the kernel holds that nothing wants (deleted while kproxy was down)
+            handled = {f.comment for f in batch.wanted.values()}
+            handled.update(render.comment_key(render.service_key(spn)) for spn in in_batch)
+            done = scratch.setdefault("stale_done", set())
+            for ckey, svc in adopted.services.items():
+                if ckey not in handled and ckey not in done:
+                    render.change_service(tx, None, None, None, old_keys=svc.keys())
+                    stale.add(ckey)
+            wanted_sids = {render.service_chain_id(spn) for spn in batch.wanted}
+            stale_chains = [c for c in adopted.chains if render.is_service_chain(c) and _sid_of(c) not in wanted_sids]
+            for c in stale_chains:
+                tx.flush_chain(c, None)
+            for c in stale_chains:
+                tx.delete_chain(c, None)
+            for s in adopted.sets:
+                if _sid_of(s) not in wanted_sids:
+                    tx.delete_set(s, None)
+        _shared_changes(tx, both_shared, refs)
+        _hairpin(tx, set(), both_hairpin - needed_hairpin)
+        yield chunk(last=True)
+
+    def _commit_chunk(self, batch: Batch[Fragment, FamilyContext], chunk: _Chunk) -> None:
+        """Record what a committed transaction left in the kernel."""
+        ks = self._kernel[batch.family]
+        ks.shared = set(chunk.shared)
+        ks.hairpin = set(chunk.hairpin)
+        if chunk.refs or not batch.full:
+            ks.refs = Counter(chunk.refs)
+        if chunk.context is not None:
+            ks.context = chunk.context
+        if batch.full:
+            batch.scratch.setdefault("committed", {}).update(chunk.services)
+            batch.scratch.setdefault("stale_done", set()).update(chunk.stale)
+            batch.scratch["kernel"] = _KernelState(
+                shared=set(chunk.shared), hairpin=set(chunk.hairpin), context=chunk.context, known=True
+            )
 
     # ------------------------------------------------------------------------------------------ tools
 

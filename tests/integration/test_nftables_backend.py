@@ -217,3 +217,30 @@ def test_real_packets_dnat_and_reject(netns: str) -> None:
             stop.set()
             t.join(5)
             p.close()
+
+
+def test_big_full_sync_in_chunks_of_whole_services(netns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kproxy.backends.nftables import proxier as proxier_mod
+
+    monkeypatch.setattr(proxier_mod, "CHUNK", 40)
+    sps = [sp(f"s{i:03d}", f"198.19.1.{i}", tuple(f"198.18.2.{i % 200 + j}" for j in range(3))) for i in range(60)]
+    p = NftablesProxier(CFG, netns=netns)
+    try:
+        res = p.sync(state(*sps), Changes(full=True))
+        assert res.ok, res.error
+        assert res.counts["IPv4/transactions"] > 5
+        listing = nft_list(netns, "list", "map", "ip", "kproxy", "service-ips")
+        assert all(f"198.19.1.{i} . tcp . 80" in listing for i in range(60))
+        assert listing.count("goto lb-i-3") == 60
+        # a restart adopts all of it and writes nothing; one service changed while it was down is rewritten alone
+        changed = sp("s007", "198.19.1.7", ("198.18.9.9",))
+        q = NftablesProxier(CFG, netns=netns)
+        try:
+            res = q.sync(state(*sps[:7], changed, *sps[8:], gen=2), Changes(full=True))
+            assert res.ok, res.error
+            tx = q.last_transaction(IPFamily.V4)
+            assert "198.18.9.9 . 8080" in tx and "s006" not in tx and "s008" not in tx
+        finally:
+            q.close()
+    finally:
+        p.close()
