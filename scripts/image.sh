@@ -10,7 +10,7 @@
 #    (the Dockerfile, the pinned requirements, kproxy's files, the base, the git revision).
 #
 # Prints the image reference on the last line of stdout. Needs root and the packages scripts/setup.sh installs.
-# KPROXY_IMAGE overrides the reference. PIP_INDEX_URL is passed to the build when it is an http(s) address (the
+# KPROXY_IMAGE overrides the reference, KPROXY_IMAGE_SOURCE the source label. PIP_INDEX_URL is passed to the build when it is an http(s) address (the
 # build's pip otherwise uses the public package index), and PIP_CERT (or the machine's pip.conf `cert`) as a CA
 # bundle mounted for the build only.
 set -euo pipefail
@@ -69,8 +69,10 @@ INPUTS=(deploy/Dockerfile deploy/requirements.txt pyproject.toml README.md kprox
 if [ "$REVISION" != unknown ] && [ -n "$(git status --porcelain -- "${INPUTS[@]}" 2>/dev/null)" ]; then
     REVISION="$REVISION-dirty"
 fi
-SOURCE=$(git config --get remote.origin.url 2>/dev/null || true)
-SOURCE=${SOURCE:-https://github.com/kproxy/kproxy}
+# where the source lives: KPROXY_IMAGE_SOURCE, else the clone's origin when it is a web address (a CI clone's origin
+# is a local path), else the project's home
+SOURCE=${KPROXY_IMAGE_SOURCE:-$(git config --get remote.origin.url 2>/dev/null || true)}
+case "$SOURCE" in https://*|http://*) ;; *) SOURCE=https://github.com/kproxy/kproxy ;; esac
 inputs_hash=$( {
     printf '%s\n' "$BASE" "$VERSION" "$REVISION" "$SOURCE"
     find "${INPUTS[@]}" \( -name __pycache__ -o -name '*.egg-info' \) -prune -o \( -type f -o -type l \) -print \
