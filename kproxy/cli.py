@@ -19,7 +19,7 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kproxy import __version__
@@ -274,6 +274,49 @@ def _fetch_json(url: str, timeout: float = 5.0) -> Any:
         return json.loads(resp.read().decode())
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``kproxy verify``: the running kproxy reads the kernel back and diffs it against what it wants (``/verify``):
+    exit 0 without drift, 1 with drift (listed), 2 when it cannot tell."""
+    host, port = parse_hostport(args.metrics_bind_address, "--metrics-bind-address")
+    host = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/verify"
+    try:
+        data = _fetch_json(url, timeout=args.timeout)
+    except urllib.error.HTTPError as exc:
+        body = exc.read().decode(errors="replace").strip()
+        try:
+            why = json.loads(body)["error"]
+        except (ValueError, KeyError, TypeError):
+            why = body
+        print(f"kproxy verify: {why}", file=sys.stderr)
+        return 2
+    except (OSError, urllib.error.URLError, ValueError) as exc:
+        print(f"kproxy verify: cannot read {url}: {exc} (is `kproxy run` running on this node?)", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        print(render_verify_table(data))
+    if data.get("errors"):
+        return 2
+    return 1 if data.get("drift") else 0
+
+
+def render_verify_table(data: Mapping[str, Any]) -> str:
+    lines = [f"mode {data.get('mode')}  node {data.get('node')}  generation {data.get('generation')}"]
+    drift = data.get("drift", 0)
+    lines.append(f"drift: {drift}" + ("" if drift else " (the kernel holds exactly what kproxy wants)"))
+    for key, fams in sorted((data.get("services") or {}).items()):
+        for fam, why in sorted(fams.items()):
+            lines.append(f"  {key} {fam}: {why}")
+    lines.extend(f"  extra {line}" for line in data.get("extra") or [])
+    for key, fams in sorted((data.get("refused") or {}).items()):
+        for fam, why in sorted(fams.items()):
+            lines.append(f"  {key} {fam}: {why} [known: the kernel refused it; not counted]")
+    lines.extend(f"  error {line}" for line in data.get("errors") or [])
+    return "\n".join(lines)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     host, port = parse_hostport(args.metrics_bind_address, "--metrics-bind-address")
     host = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
@@ -423,6 +466,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --trace: DST is the node (implied when DST is one of its addresses)",
     )
     s.set_defaults(func=cmd_show)
+    v = sub.add_parser(
+        "verify", help="read back what the kernel holds and diff it against what kproxy wants (exit 1 on drift)"
+    )
+    v.add_argument("--format", choices=("table", "json"), default="table")
+    v.add_argument("--metrics-bind-address", default="127.0.0.1:10249")
+    v.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (reading 10k services takes a few)")
+    v.set_defaults(func=cmd_verify)
     register_apiserver(sub)
     register_lab(sub)
     register_conformance(sub)

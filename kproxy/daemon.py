@@ -142,11 +142,13 @@ class Daemon:
             configz=lambda: to_kube_proxy_configuration(self.config),
             rules=self.rules,
             trace=self.trace,
+            verify=self.verify,
         )
         self.service_health = ServiceHealthServer(
             self._nodeport_addresses(), self.health, on_listen_error=self._listen_error
         )
         self.node: NodeContext | None = None  # resolved at the start of each sync
+        self.applied: ProxyState | None = None  # the state of the last successful sync (what /verify checks)
         backend.register_metrics(self.metrics.registry, self.families)
         self.reconciler = reconciler if reconciler is not None else ConntrackReconciler()
         self.source = source_factory(self.cache)
@@ -276,7 +278,9 @@ class Daemon:
 
         failed: dict[ServicePortName, str] = dict(result.failed)
         self.cache.commit(changes, failed=failed.keys())
+        self.applied = state
         now_wall = time.time()
+        periodic = changes.full and self.status.last_full > 0  # not the first full sync of this process
         if changes.full or result.full:
             self._last_full_at = time.monotonic()
             self.status.last_full = now_wall
@@ -313,6 +317,13 @@ class Daemon:
 
         self.service_health.sync_services(health_check_ports(state))
         self.service_health.sync_endpoints(local_ready_endpoints(state))
+
+        if periodic and hasattr(self.backend, "verify"):
+            # read the kernel back between syncs (here, in the runner thread): drift the full sync could not repair
+            try:
+                m.set_drift(int(self.backend.verify(state, self.node)["drift"]))
+            except Exception:
+                log.exception("verify after the periodic full sync failed")
 
         if self.backend.uses_conntrack_nat and (self._conntrack_owed or reconcile_needed(changes, state)):
             self._conntrack_owed = not self._reconcile_conntrack(state)
@@ -367,6 +378,19 @@ class Daemon:
             },
             "trace": out,
         }
+
+    def verify(self) -> dict[str, Any]:
+        """``/verify``: the kernel read back and diffed against the state of the last successful sync (services
+        missing, different, extra objects; ``drift`` counts them). A LookupError (404) before the first sync or for a
+        mode that cannot read its kernel state back."""
+        state = self.applied
+        verify = getattr(self.backend, "verify", None)
+        if verify is None:
+            raise LookupError(f"mode {self.backend.mode} cannot read its kernel state back")
+        if state is None:
+            raise LookupError("nothing synced yet")
+        report: dict[str, Any] = verify(state, self.node)
+        return {"node": self.config.node_name, **report}
 
     def rules(self, service: str | None = None) -> dict[str, Any]:
         """``/rules``: how each service is programmed (the backend's view) plus the cache's rejections.

@@ -199,6 +199,24 @@ class LedgerProxier(Proxier, Generic[F, C]):
         the kernel (someone flushed it), so this family gets a full batch that repairs it."""
         return False
 
+    def verify_view(self, family: IPFamily, ctx: C) -> Any:
+        """What the kernel holds, read now, for ``verify`` (default: ``adopt``); None when the mode cannot read it."""
+        return self.adopt(family, ctx)
+
+    def verify_service(self, view: Any, name: ServicePortName, fragment: F) -> str | None:
+        """None when ``view`` holds ``fragment`` exactly; else ``missing`` (nothing of the service) or ``different``
+        with what differs."""
+        if self.adopted_unchanged(view, name, fragment):
+            return None
+        get = getattr(view, "get", None)
+        return "missing" if get is not None and get(name) is None else "different"
+
+    def verify_extra(self, view: Any, wanted: Mapping[ServicePortName, F]) -> list[str]:
+        """What ``view`` holds that no wanted fragment accounts for (a service that should be gone, a stray
+        object), one line each."""
+        keys = getattr(view, "keys", None)
+        return [f"{k}: not wanted" for k in keys() if k not in wanted] if keys is not None else []
+
     def detail(self, name: ServicePortName, family: IPFamily, fragment: F) -> dict[str, Any]:
         """The backend's own detail of one applied service (chains, elements, ...), for ``describe()`` (pure)."""
         return {}
@@ -288,6 +306,49 @@ class LedgerProxier(Proxier, Generic[F, C]):
             "generation": self._published_generation,
             "services": services,
             "detail": {"services": detail, **self.detail_global()},
+        }
+
+    def verify(self, state: ProxyState, node: NodeContext | None = None) -> dict[str, Any]:
+        """Read back what the kernel holds (``verify_view``: never the ledger's memory) and diff it against what
+        ``state`` wants, per service: ``missing``, ``different`` (with what), and ``extra`` objects no wanted service
+        accounts for. Services the kernel refused (the ledger knows why) are listed apart under ``refused``: known,
+        reported in metrics, not drift. ``drift`` counts the rest. Read-only; any thread (the reads race a sync in
+        progress, so a caller that must be exact runs it between syncs)."""
+        node = node or resolve(self.config, state.node, families=self.families)
+        drifted: dict[str, dict[str, str]] = {}
+        refused: dict[str, dict[str, str]] = {}
+        extra: list[str] = []
+        errors: list[str] = []
+        for fam in self.families:
+            ctx = self.context(node.family(fam), state)
+            try:
+                view = self.verify_view(fam, ctx)
+            except Exception as exc:
+                errors.append(f"{fam.value}: reading the kernel failed: {type(exc).__name__}: {exc}")
+                continue
+            if view is None or getattr(view, "error", None):
+                errors.append(f"{fam.value}: cannot read back the kernel state: {getattr(view, 'error', '')}")
+                continue
+            failed = self._published[fam].failed
+            wanted: dict[ServicePortName, F] = {}
+            for spn, sp in state.family(fam).items():
+                frag = wanted[spn] = self.render(sp, ctx)
+                why = self.verify_service(view, spn, frag)
+                if why is None:
+                    continue
+                if spn in failed:
+                    refused.setdefault(service_key(spn), {})[fam.value] = f"{why} (refused: {failed[spn]})"
+                else:
+                    drifted.setdefault(service_key(spn), {})[fam.value] = why
+            extra.extend(f"{fam.value}: {line}" for line in self.verify_extra(view, wanted))
+        return {
+            "mode": self.mode,
+            "generation": state.generation,
+            "drift": len(drifted) + len(extra) + len(errors),
+            "services": drifted,
+            "extra": extra,
+            "refused": refused,
+            "errors": errors,
         }
 
     # -- one family --------------------------------------------------------------------------------------------

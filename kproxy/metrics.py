@@ -175,6 +175,13 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.kproxy_drift_services = Gauge(
+            "kproxy_drift_services",
+            "Service ports (and stray objects) whose kernel state differs from what kproxy wants, found by reading the "
+            "kernel back after the last periodic full sync (kproxy verify); -1 before the first check",
+            registry=r,
+        )
+        self.kproxy_drift_services.set(-1)
         self.kproxy_syncs_total = Counter(
             "kproxy_syncs",
             "Backend syncs by IP family and result (success or failure)",
@@ -260,6 +267,9 @@ class Metrics:
 
     def count_livez(self, code: int) -> None:
         self.proxy_livez_total.labels(str(code)).inc()
+
+    def set_drift(self, count: int) -> None:
+        self.kproxy_drift_services.set(count)
 
     def set_sync_failed_services(self, count: int) -> None:
         self.kproxy_sync_failed_services.set(count)

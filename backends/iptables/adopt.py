@@ -33,9 +33,14 @@ _DEFAULTS = {
 Canon = tuple[tuple[bool, str, tuple[str, ...]], ...]
 
 
+_HEX = re.compile(r"0x[0-9a-fA-F]+(?:/0x[0-9a-fA-F]+)?")
+
+
 def _value(opt: str, value: str) -> str:
     if value.startswith('"') and value.endswith('"') and len(value) >= 2:
         value = value[1:-1].replace('\\"', '"').replace("\\\\", "\\")
+    if _HEX.fullmatch(value):  # marks: iptables-save drops leading zeros (0x004000 -> 0x4000)
+        return "/".join(hex(int(part, 16)) for part in value.split("/"))
     if opt in ("-s", "-d", "--source", "--destination"):
         try:
             return str(ipaddress.ip_network(value, strict=False))
@@ -68,6 +73,8 @@ def canonical(line: str) -> tuple[str, Canon]:
         while j < n and not words[j].startswith("-") and words[j] != "!":
             vals.append(_value(w, words[j]))
             j += 1
+        if w in ("--or-mark", "--xor-mark") and len(vals) == 1:  # iptables-save spells both as --set-xmark
+            w, vals = "--set-xmark", [f"{vals[0]}/{vals[0] if w == '--or-mark' else '0x0'}"]
         item = (w, tuple(vals))
         if item not in _DEFAULTS:
             opts.append((neg, w, tuple(vals)))

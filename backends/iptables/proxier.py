@@ -22,6 +22,7 @@ and tests/integration/test_iptables_backend.py.
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import shutil
@@ -415,6 +416,79 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
             counts[f"{fam.value}/{t}/last"] = rules_written[t]
         return Applied(ok=True, counts=counts, timings=timings)
 
+    # ------------------------------------------------------------------------------------------ verify
+
+    def verify_view(self, family: IPFamily, ctx: Context) -> _KernelRules:
+        """Every rule of kproxy's chains in nat and filter, read now with ``iptables-save`` (canonical)."""
+        kernel = self.kernel
+        rules: dict[str, list[adopt.Canon]] = {}
+        for table in ("nat", "filter"):
+            res = kernel.save(family, table)
+            if not res.ok:
+                return _KernelRules(ctx, {}, f"{binary('save', family, kernel.flavour)} -t {table}: {res.stderr}")
+            for line in res.stdout.splitlines():
+                if line.startswith(":KUBE-"):
+                    rules.setdefault(f"{table}/{line[1:].split(' ', 1)[0]}", [])
+                elif line.startswith("-A KUBE-"):
+                    chain, canon = adopt.canonical(line)
+                    rules.setdefault(f"{table}/{chain}", []).append(canon)
+        return _KernelRules(ctx, rules)
+
+    def verify_service(self, view: Any, name: ServicePortName, fragment: Fragment) -> str | None:
+        """The service's own nat chains rule for rule, and each of its lines in the shared chains."""
+        assert isinstance(view, _KernelRules)
+        problems: list[str] = []
+        found = 0
+        own: dict[str, list[adopt.Canon]] = {c: [] for c in fragment.chains}
+        for line in fragment.rules:
+            chain, canon = adopt.canonical(line)
+            own.setdefault(chain, []).append(canon)
+        for chain, wanted in own.items():
+            held = view.rules.get(f"nat/{chain}")
+            if held is None:
+                problems.append(f"chain nat/{chain} missing")
+            else:
+                found += 1
+                if held != wanted:
+                    problems.append(f"chain nat/{chain}: {len(held)} rules, {len(wanted)} wanted, or in another form")
+        for key, lines in fragment.top.items():
+            held_lines = view.sets.get(key)
+            if held_lines is None:
+                held_lines = view.sets[key] = set(view.rules.get(key, []))
+            for line in lines:
+                if adopt.canonical(line)[1] in held_lines:
+                    found += 1
+                else:
+                    problems.append(f"rule missing in {key}: {line}")
+        if not problems:
+            return None
+        return "missing" if not found else "different: " + "; ".join(problems[:5])
+
+    def verify_extra(self, view: Any, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
+        """Service chains no wanted service owns, and lines in the shared chains no wanted service (or the fixed
+        part) accounts for."""
+        assert isinstance(view, _KernelRules)
+        chains = {f"nat/{c}" for f in wanted.values() for c in f.chains}
+        out = [
+            f"{key}: a service chain no service owns"
+            for key in view.rules
+            if key.startswith("nat/") and render.is_service_chain(key[4:]) and key not in chains
+        ]
+        expected: dict[str, list[adopt.Canon]] = {}
+        for key, (head, tail) in render.render_fixed(view.ctx).items():
+            expected.setdefault(key, []).extend(adopt.canonical(line)[1] for line in (*head, *tail))
+        for frag in wanted.values():
+            for key, lines in frag.top.items():
+                expected.setdefault(key, []).extend(adopt.canonical(line)[1] for line in lines)
+        for key in render.ALL_TOP:
+            left = collections.Counter(expected.get(key, []))
+            for canon in view.rules.get(key, []):
+                if left[canon] > 0:
+                    left[canon] -= 1
+                else:
+                    out.append(f"{key}: a rule no service accounts for: {_spell(key, canon)}")
+        return out
+
     # ------------------------------------------------------------------------------------------ describe, trace
 
     def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
@@ -558,6 +632,24 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
                 return present, f"{binary('', fam, kernel.flavour)} -t filter -S {chain}: {res.stderr.strip()}"
             present.update(f"filter/{line}" for line in res.stdout.splitlines() if line.startswith("-A "))
         return present, None
+
+
+@dataclass(slots=True)
+class _KernelRules:
+    """What ``verify`` read: the rules of kproxy's chains ("table/CHAIN" -> canonical rules, in order)."""
+
+    ctx: Context
+    rules: dict[str, list[adopt.Canon]]
+    error: str | None = None
+    sets: dict[str, set[adopt.Canon]] = field(default_factory=dict)  # the shared chains' rules as sets, on demand
+
+
+def _spell(key: str, canon: adopt.Canon) -> str:
+    """A canonical rule back in iptables words (for messages)."""
+    words = [f"-A {key.split('/', 1)[1]}"]
+    for neg, opt, vals in canon:
+        words.append(("! " if neg else "") + " ".join((opt, *vals)))
+    return " ".join(words)
 
 
 def _inspect() -> Any:

@@ -277,6 +277,7 @@ class MetricsServer(_BackgroundServer):
         configz: Callable[[], dict[str, Any]],
         rules: Callable[[str | None], dict[str, Any]],
         trace: Callable[[Mapping[str, str]], dict[str, Any]] | None = None,
+        verify: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(bind)
         self.metrics = metrics
@@ -284,6 +285,7 @@ class MetricsServer(_BackgroundServer):
         self.configz = configz
         self.rules = rules
         self.trace = trace
+        self.verify = verify
 
     def _handler(self) -> type[QuietHandler]:
         outer = self
@@ -304,6 +306,8 @@ class MetricsServer(_BackgroundServer):
                     values = parse_qs(parts.query).get("service") or [""]
                     service = values[0] or None
                     return _answer(lambda: outer.rules(service))
+                if parts.path == "/verify" and outer.verify is not None:
+                    return _answer(outer.verify)
                 if parts.path == "/trace" and outer.trace is not None:
                     query = {k: v[0] for k, v in parse_qs(parts.query).items() if v}
                     trace = outer.trace

@@ -227,3 +227,26 @@ def test_whole_failures_keep_the_ledger_and_the_next_sync_is_full(fail: int) -> 
     assert fake.programmed[("IPv4", a.name)] == a
     assert fake.sync(state(sp("a", 2)), Changes(full=True)).ok
     assert fake.programmed[("IPv4", a.name)] == sp("a", 2)
+
+
+def test_verify_reads_the_kernel_back_not_the_ledger() -> None:
+    """The fake's "kernel" is its ``programmed`` record: what someone else changed there is drift, the ledger's own
+    memory notwithstanding; a service the kernel refused is reported apart, not as drift."""
+    fake = FakeProxier()
+    a, b = sp("a", 1), sp("b", 2)
+    st = state(a, b)
+    assert fake.sync(st, Changes(full=True)).ok
+    assert fake.verify(st)["drift"] == 0
+    del fake.programmed[("IPv4", a.name)]  # someone deleted it
+    fake.programmed[("IPv4", b.name)] = sp("b", 1)  # someone changed it
+    fake.programmed[("IPv4", spn("ghost"))] = sp("ghost")  # someone added one
+    report = fake.verify(st)
+    assert report["services"] == {"ns/a:http/TCP": {"IPv4": "missing"}, "ns/b:http/TCP": {"IPv4": "different"}}
+    assert report["extra"] == ["IPv4: ns/ghost:http: not wanted"] and report["drift"] == 3
+    assert fake.sync(st, Changes(full=True)).ok  # the full sync adopts the kernel as it is and repairs it
+    assert fake.verify(st)["drift"] == 0
+    fake.reject[a.name] = "no"
+    st2 = state(sp("a", 3), b)
+    assert fake.sync(st2, partial("a")).failed
+    report = fake.verify(st2)
+    assert report["drift"] == 0 and "refused: no" in report["refused"]["ns/a:http/TCP"]["IPv4"]
