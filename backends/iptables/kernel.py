@@ -9,8 +9,10 @@ Who uses it: ``backends.iptables.proxier`` and ``backends.iptables.cleanup``.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 
@@ -19,8 +21,59 @@ from kproxy.model import IPFamily
 FLAVOURS = ("nft", "legacy")
 TABLES = ("mangle", "filter", "nat")
 #: wait at most 5 s for the xtables lock, as upstream's pkg/util/iptables (a held lock fails the sync, which is
-#: retried, instead of blocking the proxier, /rules and /trace until the timeout)
+#: retried, instead of blocking the proxier, /rules and /trace until the timeout): the flags of a current iptables
 WAIT = ("-w", "5")
+# Which versions take which wait flag, as upstream's pkg/util/iptables checks them (iptables.go: WaitMinVersion,
+# WaitSecondsMinVersion, WaitRestoreMinVersion): `iptables -w` exists since 1.4.20, `-w SECONDS` since 1.4.22, and
+# iptables-restore takes `-w SECONDS` since 1.6.2 (older ones fail on any -w). An unknown version counts as too old,
+# as upstream assumes its minimum then: a missing lock wait is retried by the next sync, an unknown flag never works.
+WAIT_MIN = (1, 4, 20)
+WAIT_SECONDS_MIN = (1, 4, 22)
+WAIT_RESTORE_MIN = (1, 6, 2)
+_VERSION_RE = re.compile(r"v(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """``iptables v1.8.9 (nf_tables)`` -> (1, 8, 9); None when the text carries no version."""
+    m = _VERSION_RE.search(text)
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def wait_flags(version: tuple[int, int, int] | None, *, restore: bool) -> tuple[str, ...]:
+    """The lock-wait flags an iptables (or, with ``restore``, iptables-restore) of ``version`` accepts."""
+    if version is None:
+        return ()
+    if restore:
+        return WAIT if version >= WAIT_RESTORE_MIN else ()
+    if version >= WAIT_SECONDS_MIN:
+        return WAIT
+    if version >= WAIT_MIN:
+        return ("-w",)
+    return ()
+
+
+_versions: dict[str, tuple[int, int, int] | None] = {}
+_versions_lock = threading.Lock()
+
+
+def tool_version(tool: str) -> tuple[int, int, int] | None:
+    """``TOOL --version``, asked once per binary and process (the binaries do not change under a running kproxy;
+    the namespace does not matter: it is the binary's version). None when it cannot be run or read."""
+    with _versions_lock:
+        if tool in _versions:
+            return _versions[tool]
+    try:
+        proc = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=10, check=False)
+        version = parse_version(proc.stdout + proc.stderr) if proc.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        version = None
+    with _versions_lock:
+        _versions[tool] = version
+    return version
+
+
 _TIMEOUT = 300.0  # seconds; a 420k-line restore takes ~10 s, a wedged lock must not hang the runner forever
 
 
@@ -78,9 +131,14 @@ class Kernel:
             return Run(124, "", f"{argv[0]}: timed out after {_TIMEOUT:.0f}s", time.perf_counter() - start)
         return Run(proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - start)
 
+    def wait(self, family: IPFamily, *, restore: bool = False) -> tuple[str, ...]:
+        """The lock-wait flags this flavour's iptables (or iptables-restore) takes (``wait_flags``)."""
+        # iptables-restore reports the version of the iptables package it belongs to
+        return wait_flags(tool_version(binary("restore" if restore else "", family, self.flavour)), restore=restore)
+
     def restore(self, family: IPFamily, text: str, *, noflush: bool = True) -> Run:
-        """``iptables-restore -w 5 [--noflush] --counters`` with ``text`` on stdin."""
-        argv = [binary("restore", family, self.flavour), *WAIT]
+        """``iptables-restore -w 5 [--noflush] --counters`` with ``text`` on stdin (``-w`` as the version allows)."""
+        argv = [binary("restore", family, self.flavour), *self.wait(family, restore=True)]
         if noflush:
             argv.append("--noflush")
         argv.append("--counters")
@@ -96,11 +154,11 @@ class Kernel:
 
     def chain_exists(self, family: IPFamily, table: str, chain: str) -> bool:
         """``iptables -t TABLE -S CHAIN`` succeeds (the nft flavour fetches only that chain)."""
-        return self.run([binary("", family, self.flavour), *WAIT, "-t", table, "-S", chain]).ok
+        return self.run([binary("", family, self.flavour), *self.wait(family), "-t", table, "-S", chain]).ok
 
     def list_chain(self, family: IPFamily, table: str, chain: str) -> Run:
         """``iptables -t TABLE -S CHAIN``: one chain's rules in save syntax (cheap on both flavours)."""
-        return self.run([binary("", family, self.flavour), *WAIT, "-t", table, "-S", chain])
+        return self.run([binary("", family, self.flavour), *self.wait(family), "-t", table, "-S", chain])
 
 
 def count_rules(save_text: str) -> tuple[int, bool]:
