@@ -56,7 +56,17 @@ def make_api_client(kubeconfig: str = "", master: str = "") -> ApiClient:
             "no --kubeconfig, no in-cluster service account and no ~/.kube/config: cannot reach the API server"
         )
     if master:
-        cfg.host = master.rstrip("/")
+        host = master.rstrip("/")
+        cfg.host = host
+        refresh = cfg.refresh_api_key_hook
+        if refresh is not None:
+            # the in-cluster loader refreshes the token before every request and, in doing so, sets the server
+            # back to KUBERNETES_SERVICE_HOST: --master must survive it
+            def keep_master(c: Any) -> None:
+                refresh(c)
+                c.host = host
+
+            cfg.refresh_api_key_hook = keep_master
     client = ApiClient(cfg)
     client.user_agent = "kproxy/0.1"
     return client

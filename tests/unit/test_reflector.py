@@ -360,3 +360,25 @@ def test_restarted_server_with_older_resource_versions_is_relisted(sink: Recordi
         first.close()
         if second is not None:
             second.close()
+
+
+def test_master_survives_the_in_cluster_token_refresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a pod, the client refreshes its token before requests and resets the server address with it: --master
+    (a DaemonSet pointing kproxy at an API load balancer, as kube-proxy's --master does) must stay."""
+    import kubernetes.config.incluster_config as incluster
+
+    from kproxy.sources.kube import make_api_client
+
+    (tmp_path / "token").write_text("t0k3n")
+    (tmp_path / "ca.crt").write_text("not a real certificate")
+    monkeypatch.setattr(incluster, "SERVICE_TOKEN_FILENAME", str(tmp_path / "token"))
+    monkeypatch.setattr(incluster, "SERVICE_CERT_FILENAME", str(tmp_path / "ca.crt"))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "198.18.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    client = make_api_client(master="http://198.18.0.9:6443")
+    cfg = client.configuration
+    assert cfg.host == "http://198.18.0.9:6443"
+    assert cfg.refresh_api_key_hook is not None
+    cfg.refresh_api_key_hook(cfg)  # what the client does before a request
+    assert cfg.host == "http://198.18.0.9:6443"
+    client.close()
