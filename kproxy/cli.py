@@ -223,9 +223,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"kproxy: cannot start: {exc}", file=sys.stderr)
         daemon.stop()
         return 1
-    while not daemon.wait(1.0):
-        pass
-    return 0
+    changed: list[str] = []
+    stop_watch = None
+    if args.config:
+        # as upstream: a changed --config file ends the process (non-zero) and the DaemonSet restarts it with the new
+        # file; kernel state stays, so traffic never notices
+        from kproxy.configwatch import watch
+
+        def _config_changed(why: str) -> None:
+            changed.append(why)
+            log.error("--config %s changed (%s): exiting so that kproxy restarts with it", args.config, why)
+            daemon.stop()
+
+        stop_watch = watch(args.config, _config_changed)
+    try:
+        while not daemon.wait(1.0):
+            pass
+    finally:
+        if stop_watch is not None:
+            stop_watch()
+    return 1 if changed else 0
 
 
 def _cleanup(modes: Sequence[str], config: ProxyConfig) -> int:

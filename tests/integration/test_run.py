@@ -127,3 +127,40 @@ def test_run_cleanup_flag_removes_everything(netns: str, tmp_path: Path) -> None
     assert r.returncode == 0, r.stderr
     save = sh(netns, "iptables-save", "-t", "nat").stdout
     assert "KUBE-" not in save and ":SOMEONE-ELSE" in save  # only ours goes
+
+
+def test_a_changed_config_file_ends_the_process(netns: str, tmp_path: Path) -> None:
+    """As upstream: kproxy exits (non-zero, so the DaemonSet restarts it with the new file) when its --config
+    changes, and leaves its rules in place while doing so."""
+    manifests(tmp_path)
+    conf = tmp_path / "config.conf"
+    doc = {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "mode": "iptables",
+        "clusterCIDR": "198.18.64.0/18",
+        "metricsBindAddress": "127.0.0.1:10249",
+    }
+    conf.write_text(yaml.safe_dump(doc))
+    argv = [*KPROXY, "run", "--config", str(conf), "--manifests", str(tmp_path), "--hostname-override", "node-1"]
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", netns, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # synced: the service's rules are in
+            if "198.19.0.10" in sh(netns, "iptables-save", "-t", "nat", check=False).stdout:
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        else:
+            raise AssertionError("kproxy never programmed the service")
+        assert proc.poll() is None
+        conf.write_text(yaml.safe_dump({**doc, "metricsBindAddress": "127.0.0.1:10250"}))
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 1 and "changed" in err, err[-2000:]
+        assert "198.19.0.10" in sh(netns, "iptables-save", "-t", "nat").stdout  # rules left for the restart
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
