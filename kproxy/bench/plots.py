@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kproxy.proxier import MODE_NAMES
+
 DATAPATH_PANELS = (
     ("conn_rate", "new connections/s"),
     ("conn_p99_us", "connection time p99"),
@@ -29,7 +31,10 @@ DATAPATH_PANELS = (
     ("tcp_gbps", "bulk TCP throughput"),
 )
 Y_CAP = 2.0  # ratios above this are drawn at the top edge with their value written beside
-COLORS = {"userspace": "tab:purple", "iptables": "tab:orange", "nftables": "tab:blue", "bpf": "tab:green"}
+# one colour per mode, in the mode table's order (a mode added to the table gets the next one)
+COLORS = dict(
+    zip(MODE_NAMES, ("tab:purple", "tab:orange", "tab:blue", "tab:green", "tab:red", "tab:brown"), strict=False)
+)
 
 
 def _plt() -> Any:

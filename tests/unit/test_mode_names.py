@@ -2,8 +2,10 @@
 
 A mode name in the core (a comparison such as ``mode == "bpf"``, a dict keyed by mode, a default) means behaviour
 that belongs in a backend hook has leaked into the core, and a fifth mode would need the core changed. The scan reads
-every string constant of every module under ``kproxy/`` (backends and BPF sources excluded: they are the modes);
-docstrings and comments may name modes freely.
+every module under ``kproxy/`` (backends and BPF sources excluded: they are the modes) and flags a mode name used as
+an operand of a comparison (``==``, ``!=``, ``in``), as a dict key, as a default value (an argument default or a
+``default=`` keyword) or as a plain assignment or return value. The name of a tool (``["iptables", "--version"]``)
+and docstrings and comments are not mode names.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2] / "kproxy"
 TABLE = ROOT / "proxier.py"
 # Not mode names: the KubeProxyConfiguration file format has a section called "iptables" (masqueradeAll,
 # masqueradeBit, syncPeriod), which kproxy reads and writes as upstream does whatever the mode.
-ALLOWED = {("config.py", "iptables")}
+# And the machine facts of ``kproxy compare`` name the iptables tool's version, whatever modes ran.
+ALLOWED = {("config.py", "iptables"), ("compare.py", "iptables")}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -30,15 +33,29 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return out
 
 
+def _is_mode(node: ast.AST | None) -> bool:
+    return isinstance(node, ast.Constant) and node.value in MODE_NAMES
+
+
 def mode_names_in(path: Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text(), str(path))
-    docs = _docstrings(tree)
-    found = []
+    suspects: list[ast.AST] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
-            if node.value in MODE_NAMES and (path.name, node.value) not in ALLOWED:
-                found.append((node.lineno, node.value))
-    return found
+        if isinstance(node, ast.Compare):
+            suspects += [node.left, *node.comparators]
+            for comp in node.comparators:  # x in ("iptables", "bpf")
+                if isinstance(comp, (ast.Tuple, ast.List, ast.Set)):
+                    suspects += comp.elts
+        elif isinstance(node, ast.Dict):
+            suspects += [k for k in node.keys if k is not None]
+        elif isinstance(node, ast.keyword) and node.arg == "default":
+            suspects.append(node.value)
+        elif isinstance(node, ast.arguments):
+            suspects += [*node.defaults, *(d for d in node.kw_defaults if d is not None)]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.Return)):
+            suspects.append(node.value)  # type: ignore[arg-type]
+    found = {(n.lineno, n.value) for n in suspects if _is_mode(n)}  # type: ignore[attr-defined]
+    return sorted((line, value) for line, value in found if (path.name, value) not in ALLOWED)
 
 
 def core_modules() -> list[Path]:
@@ -51,8 +68,14 @@ def core_modules() -> list[Path]:
 
 def test_the_scan_finds_a_mode_name(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
-    sample.write_text('"""a docstring that says iptables is fine"""\nMODE = "nftables"\nif MODE == "bpf":\n    pass\n')
-    assert mode_names_in(sample) == [(2, "nftables"), (3, "bpf")]
+    sample.write_text(
+        '"""a docstring that says iptables is fine"""\n'
+        'MODE = "nftables"\n'
+        'if MODE == "bpf":\n'
+        '    COLORS = {"userspace": 1}\n'
+        'def f(mode="iptables"): return ["iptables", "--version"]\n'
+    )
+    assert mode_names_in(sample) == [(2, "nftables"), (3, "bpf"), (4, "userspace"), (5, "iptables")]
 
 
 def test_no_mode_name_in_the_core_outside_the_mode_table() -> None:
