@@ -274,6 +274,10 @@ class Proxier:
     mode: ClassVar[str] = ""
     #: Whether this mode's datapath NATs through conntrack, so stale UDP entries must be reconciled after syncs.
     uses_conntrack_nat: ClassVar[bool] = True
+    #: Whether established connections keep working while kproxy restarts or another mode replaces this one (the
+    #: kernel keeps forwarding them: conntrack NAT, sockets connected straight to a backend). A proxy that relays
+    #: them through its own sockets says False: they end with the process, by nature.
+    survives_restart: ClassVar[bool] = True
     #: This mode's own typed options (flags ``--<mode>-...``); their values reach ``config.backend_options``.
     options: ClassVar[tuple[Option, ...]] = ()
 
