@@ -101,17 +101,25 @@ def service_key(spn: ServicePortName) -> str:
     return f"{spn}/{spn.protocol.value}"
 
 
-_SAFE_COMMENT = re.compile(r"^[A-Za-z0-9_./:~# -]*$")
+_SAFE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_./:-")
+_COMMENT_KEYS: dict[str, str] = {}
 
 
 def comment_key(key: str) -> str:
     """A service key short and safe enough for an nft comment (128 bytes, quoted): Kubernetes names are DNS labels,
     so a key is safe as it is; an overlong one (a 63-character namespace and name and a port name) is cut and keeps
-    a hash of the whole."""
-    if len(key) <= 110 and _SAFE_COMMENT.match(key):
-        return key
-    clean = re.sub(r"[^A-Za-z0-9_./:-]", "_", key)
-    return clean[:96] + "~" + short_hash(key, 12)
+    a hash of the whole. Memoised: called for every element written."""
+    out = _COMMENT_KEYS.get(key)
+    if out is None:
+        if len(key) <= 110 and _SAFE_CHARS.issuperset(key):
+            out = key
+        else:
+            clean = "".join(c if c in _SAFE_CHARS else "_" for c in key)
+            out = clean[:96] + "~" + short_hash(key, 12)
+        if len(_COMMENT_KEYS) > 200_000:  # bounded: services churn over a long life
+            _COMMENT_KEYS.clear()
+        _COMMENT_KEYS[key] = out
+    return out
 
 
 def service_chain_id(spn: ServicePortName) -> str:
@@ -254,8 +262,17 @@ def fixed_commands(family: IPFamily, *, chains: Iterable[str] | None = None, dec
 _SHARED = re.compile(r"^(lb-[ian]-\d+|sc-\d+|np-[an]-\d+|npsc-\d+|lbl-\d+-\d+|npl-\d+-\d+)$")
 
 
+_IS_SHARED: dict[str, bool] = {}
+
+
 def is_shared_chain(name: str) -> bool:
-    return bool(_SHARED.match(name)) or (name.startswith("fw-") and is_shared_chain(name[3:]))
+    got = _IS_SHARED.get(name)
+    if got is None:
+        got = bool(_SHARED.match(name)) or (name.startswith("fw-") and is_shared_chain(name[3:]))
+        if len(_IS_SHARED) > 10_000:
+            _IS_SHARED.clear()
+        _IS_SHARED[name] = got
+    return got
 
 
 def is_service_chain(name: str) -> bool:
@@ -367,8 +384,14 @@ class Fragment:
         return tuple(e for e in self.elements if e[0] in (SERVICE_IPS, SERVICE_NODEPORTS))
 
 
-def _digest(parts: Sequence[object]) -> str:
-    return short_hash(repr(parts), 10)
+def _digest(elements: Sequence[Element], rest: Sequence[object]) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for m, k, v in elements:
+        h.update(f"{m}|{k}|{v}\n".encode())
+    if any(rest):
+        h.update(repr(rest).encode())
+    n = int.from_bytes(h.digest(), "big")
+    return "".join(_B32[(n >> (5 * i)) & 31] for i in range(10))
 
 
 def _ep(ep: Endpoint) -> str:
@@ -537,7 +560,7 @@ def render_service(sp: ServicePort, ctx: FamilyContext) -> Fragment:
 
     # dict order kept: elements are written in this order
     elements_t = tuple(dict.fromkeys(elements))
-    parts = (elements_t, tuple(shared), tuple(chains), tuple(sets), tuple(hairpin))
+    parts = (tuple(shared), tuple(chains), tuple(sets), tuple(hairpin))
     return Fragment(
         key=service_key(spn),
         elements=elements_t,
@@ -545,7 +568,7 @@ def render_service(sp: ServicePort, ctx: FamilyContext) -> Fragment:
         chains=tuple(chains),
         sets=tuple(sets),
         hairpin=tuple(hairpin),
-        digest=_digest(parts),
+        digest=_digest(elements_t, parts),
     )
 
 
@@ -707,6 +730,16 @@ def change_service(
     """Add to ``tx`` what turns ``old`` into ``new`` for one service (None: absent). ``old_keys`` (values None when
     unknown) / ``old_chains`` / ``old_sets`` stand for ``old`` when only the kernel's skeleton of it is known (adopted
     after a restart): every element whose value is unknown is deleted and written again."""
+    if old is None and not old_keys and not old_chains and not old_sets:
+        if new is not None:  # the common case of a full sync into an empty table: no diff to make
+            kinds = (SERVICE_IPS, SERVICE_NODEPORTS)
+            tx.add_elements((e for e in new.elements if e[0] not in kinds), new.comment, spn)
+            tx.add_elements((e for e in new.elements if e[0] in kinds), new.digest_comment, spn)
+            for name, spec in new.sets:
+                tx.add_set(name, spec, spn)
+            for name, rules in new.chains:
+                tx.write_chain(name, rules, spn, exists=False)
+        return
     before: Mapping[tuple[str, str], str | None] = element_keys(old) if old is not None else (old_keys or {})
     after = element_keys(new) if new is not None else {}
     digest_changed = old is None or new is None or old.digest != new.digest

@@ -47,7 +47,7 @@ def _cache(services: int, endpoints: int) -> ServiceCache:
     return cache
 
 
-def one_sync(netns: str, services: int, endpoints: int) -> dict[str, object]:
+def one_sync(netns: str, services: int, endpoints: int, partials: int = 0) -> dict[str, object]:
     """Build the state, time snapshot + the first (full) sync of a fresh proxier, report what it wrote."""
     from kproxy.backends.nftables.proxier import NftablesProxier
 
@@ -59,20 +59,31 @@ def one_sync(netns: str, services: int, endpoints: int) -> dict[str, object]:
         res = p.sync(state, changes)
         seconds = time.perf_counter() - t0
         assert res.ok, res.error
+        cache.commit(changes, failed=tuple(res.failed))
         written = p.last_transaction(IPFamily.V4)
+        partial = []
+        for r in range(partials):  # one endpoint of one service changes, as kproxy bench sync does
+            s0 = time.perf_counter()
+            cache.upsert_slice(synthetic.endpoint_slice(1 + (r * 7919) % services, endpoints, variant=r + 1))
+            state, changes = cache.snapshot()
+            pres = p.sync(state, changes)
+            assert pres.ok and not changes.full, pres.error
+            cache.commit(changes, failed=tuple(pres.failed))
+            partial.append(time.perf_counter() - s0)
         return {
             "seconds": seconds,
             "written_commands": written.count("\n"),
             "timings": dict(res.timings),
+            "partial_sync_runs": partial,
             "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         }
     finally:
         p.close()
 
 
-def _child(netns: str, services: int, endpoints: int) -> dict[str, object]:
+def _child(netns: str, services: int, endpoints: int, partials: int = 0) -> dict[str, object]:
     cmd = [sys.executable, "-m", "tests.integration.test_nftables_restart", "--child", netns]
-    cmd += ["--services", str(services), "--endpoints", str(endpoints)]
+    cmd += ["--services", str(services), "--endpoints", str(endpoints), "--partials", str(partials)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
@@ -97,13 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--endpoints", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--child", metavar="NETNS", help=argparse.SUPPRESS)
+    ap.add_argument("--partials", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(one_sync(args.child, args.services, args.endpoints)))
+        print(json.dumps(one_sync(args.child, args.services, args.endpoints, args.partials)))
         return 0
     with scratch_netns("kpm-nftr-", lo_up=True) as ns:
         full = _child(ns, args.services, args.endpoints)
-        runs = [_child(ns, args.services, args.endpoints) for _ in range(args.repeat)]
+        # partial syncs only in the last run: they change the table the next restart would adopt
+        runs = [
+            _child(ns, args.services, args.endpoints, args.repeat if i == args.repeat - 1 else 0)
+            for i in range(args.repeat)
+        ]
     secs = [float(str(r["seconds"])) for r in runs]
     print(
         json.dumps(
@@ -118,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 "restart_written_commands": [r["written_commands"] for r in runs],
                 "restart_rss_mb": max(float(str(r["rss_mb"])) for r in runs),
                 "restart_timings": [r["timings"] for r in runs],
+                "partial_sync_after_restart_runs": runs[-1]["partial_sync_runs"],
             },
             indent=2,
         )
