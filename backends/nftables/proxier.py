@@ -85,6 +85,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         self._checked = float("-inf")
         self._last_full_text: dict[IPFamily, str] = {}
         self._last_text: dict[IPFamily, str] = {}
+        # the last partial batch's changes (service, old, new), for measure_partial_floor
+        self._last_partial: dict[IPFamily, list[tuple[ServicePortName, Fragment | None, Fragment | None]]] = {}
         self._counts: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------------ hooks
@@ -286,6 +288,10 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             self._kernel[fam] = _KernelState()  # not a service's fault: read the kernel again at the full sync
             return Applied(ok=False, error=summary, counts=MappingProxyType(counts), timings=MappingProxyType(timings))
         ks = self._kernel[fam]
+        if not batch.full and not any(f" {w} {render.nft_family(fam)} " in t for t in texts for w in ("chain", "set")):
+            self._last_partial[fam] = [(d.name, d.old_fragment, d.new_fragment) for d in batch.deltas]
+        else:
+            self._last_partial.pop(fam, None)
         ks.entries = batch.scratch.pop("entries", ks.entries)
         ks.known = True
         self._last_text[fam] = "".join(texts)
@@ -480,6 +486,30 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             return {"error": f"no {fam.value} rules applied yet"}
         pkt = trace_mod.Packet(src, proto.lower(), dst, dport, src_local, dst_local)
         return trace_mod.trace(rec.context, self.applied_fragments(fam), pkt)
+
+    def measure_partial_floor(self) -> dict[str, float] | None:
+        """The kernel's own time (libnftables in-process, the most direct means) to take the last partial sync's
+        element changes again: the change is first undone (untimed), then the same transaction is run and timed.
+        Benchmarks only. None when the last batch of every family created or removed chains (not replayable)."""
+        total = 0.0
+        done = False
+        for fam, changes in self._last_partial.items():
+            undo, redo = render.Transaction(fam), render.Transaction(fam)
+            for spn, old, new in changes:
+                render.change_service(undo, spn, new, old)
+                render.change_service(redo, spn, old, new)
+            res = self.nft.run(undo.text())
+            if not res.ok:
+                log.warning("partial floor: undoing the last change failed: %s", _summarise(res.error))
+                return None
+            res = self.nft.run(redo.text())
+            if not res.ok:
+                log.warning("partial floor: replaying the last change failed: %s", _summarise(res.error))
+                self._kernel[fam] = _KernelState()
+                return None
+            total += res.seconds
+            done = True
+        return {"floor_s": total} if done else None
 
     def measure_floor(self) -> float | None:
         """Seconds ``nft -f`` takes for the exact transaction of the last full sync that built the table from
