@@ -82,7 +82,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         super().__init__(config, netns=netns)
         self._nft: Nft | None = None
         self._kernel: dict[IPFamily, _KernelState] = {f: _KernelState() for f in self.families}
-        self._checked = float("-inf")
+        self._checked: dict[IPFamily, float] = {}
         self._last_full_text: dict[IPFamily, str] = {}
         self._last_text: dict[IPFamily, str] = {}
         # the last partial batch's changes (service, old, new), for measure_partial_floor
@@ -191,9 +191,9 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
 
     def needs_full(self, family: IPFamily) -> bool:
         now = time.monotonic()
-        if now - self._checked < CHECK_INTERVAL:
+        if now - self._checked.get(family, float("-inf")) < CHECK_INTERVAL:
             return False
-        self._checked = now
+        self._checked[family] = now
         fam = render.nft_family(family)
         objs, _ = self.nft.read(f"list set {fam} {render.TABLE} {render.LOCAL_CIDRS}")
         if objs is None:
