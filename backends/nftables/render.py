@@ -410,6 +410,10 @@ def render_service(sp: ServicePort, ctx: FamilyContext) -> Fragment:
     loadBalancerSourceRanges as a firewall, ClientIP affinity in chains of the service's own."""
     if not sp.affinity_timeout and not sp.has_external_addresses:
         return _render_cluster_ip_only(sp, ctx)
+    return _render_general(sp, ctx)
+
+
+def _render_general(sp: ServicePort, ctx: FamilyContext) -> Fragment:
     spn = sp.name
     proto = spn.protocol.lowercase
     port = sp.port

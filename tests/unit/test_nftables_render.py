@@ -375,3 +375,18 @@ def test_trace_affinity_and_local_policy() -> None:
     node = trace.trace(CTX4, frags, trace.Packet("198.19.255.1", "tcp", "198.19.255.1", 30081, src_local=True,
                                                  dst_local=True))  # fmt: skip
     assert len(node["outcomes"]) == 3 and all(o["masquerade"] for o in node["outcomes"])
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [
+        svc("a", THREE),
+        svc("b"),
+        svc("c", THREE, internal_policy_local=True),
+        svc("d", (ep("198.18.1.2", local=True), ep("198.18.2.2")), proto=Protocol.UDP),
+        svc("e", THREE, internal_policy_local=True, local_endpoints=(THREE[0],)),
+    ],
+)
+def test_the_cluster_ip_fast_path_renders_what_the_general_path_does(sp: ServicePort) -> None:
+    for ctx in (CTX4, FamilyContext(IPFamily.V4), FamilyContext(IPFamily.V4, masquerade_all=True)):
+        assert render._render_cluster_ip_only(sp, ctx) == render._render_general(sp, ctx)
