@@ -1,0 +1,620 @@
+"""The userspace backend's Proxier: proxy sockets per service port, and the redirect elements that reach them.
+
+It syncs through the core's ledger (``kproxy.ledger.LedgerProxier``): ``render`` turns a ServicePort into a
+``Fragment`` (redirect elements by role, listeners with their endpoints); ``apply`` binds a proxy socket for every
+listener that has none yet, writes the element changes as one libnftables transaction, and then hands new sockets,
+new endpoint lists and closed listeners to the data path (``datapath.Engine``) in one step of its loop. The order
+matters: a socket is listening before any redirect points at it, and is closed only after the redirect is gone.
+
+Full batches diff what every wanted service needs against what the kernel holds (``adopt`` reads this mode's maps
+back), so a restart rebinds the ports its rules name and writes nothing when it can; partial batches diff each
+dirty service's old elements against its new ones. A refused transaction changes nothing; the refused command's
+line names the service (``Applied.refused``), and the ledger retries without it.
+
+Who uses it: the daemon (entry point ``userspace``), ``kproxy bench sync``, the lab and conformance runs, and
+tests/integration/test_userspace_backend.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import random
+import resource
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from kproxy.config import ProxyConfig
+from kproxy.ledger import Applied, Batch, LedgerProxier
+from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Verdict
+from kproxy.nodeaddr import FamilyContext
+from kproxy.proxier import Availability, BackendError, KernelProbe, Option
+
+from . import render
+from .datapath import Engine, ListenerSpec
+from .kernel import Kernel, available, elements
+from .render import Fragment
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL = 1.0  # seconds between "is my table still there" checks at the start of partial syncs
+BACKLOG = 4096
+
+ElemKey = tuple[str, str]  # (map, key)
+Ident = tuple[IPFamily, ServicePortName, str]  # (family, service port, role): one proxy socket
+
+
+class Duration(float):
+    """Seconds, given as upstream's durations (``250ms``, ``1s``, ``2m``) or a plain number of seconds."""
+
+    def __new__(cls, text: str | float = 0.0) -> Duration:
+        if isinstance(text, str):
+            t = text.strip().lower()
+            for suffix, scale in (("ms", 0.001), ("s", 1.0), ("m", 60.0), ("h", 3600.0)):
+                if t.endswith(suffix) and t[: -len(suffix)].replace(".", "", 1).isdigit():
+                    return super().__new__(cls, float(t[: -len(suffix)]) * scale)
+            value = float(t)
+        else:
+            value = float(text)
+        if value < 0:
+            raise ValueError(text)
+        return super().__new__(cls, value)
+
+
+def parse_port_range(text: str) -> tuple[int, int] | None:
+    """Upstream's ``--proxy-port-range``: ``BEGIN-END`` or ``BEGIN+SIZE`` (inclusive), empty for the kernel's
+    choice. ValueError on anything else."""
+    t = (text or "").strip()
+    if not t:
+        return None
+    if "+" in t:
+        a, _, n = t.partition("+")
+        lo, hi = int(a), int(a) + int(n) - 1
+    else:
+        a, _, b = t.partition("-")
+        lo, hi = int(a), int(b)
+    if not (0 < lo <= hi <= 65535):
+        raise ValueError(f"--proxy-port-range {text!r}: expected BEGIN-END or BEGIN+SIZE within 1-65535")
+    return lo, hi
+
+
+@dataclass(slots=True)
+class Adopted:
+    """What this mode's table holds in one family (read once per full batch)."""
+
+    table: bool = False
+    layout_ok: bool = False
+    elements: dict[ElemKey, tuple[str, str]] = field(default_factory=dict)  # (map, key) -> (value, comment)
+    by_comment: dict[str, set[tuple[str, str, str]]] = field(default_factory=dict)
+    nodeport_cidrs: frozenset[tuple[int, int]] = frozenset()
+
+    def ports(self, frag: Fragment) -> dict[str, int]:
+        """The proxy port the kernel's elements name for each of ``frag``'s roles (where they agree)."""
+        out: dict[str, int] = {}
+        for e in frag.entries:
+            if not e.role:
+                continue
+            got = self.elements.get((render.PORT_MAPS[e.map], e.key))
+            if got is not None and got[0].isdigit() and got[1] == frag.comment:
+                out.setdefault(e.role, int(got[0]))
+        return out
+
+
+def _intervals(items: Iterable[str]) -> frozenset[tuple[int, int]]:
+    """Interval set elements (``a-b``, ``a/n``, ``a``) as merged integer spans, to compare kernel and wanted."""
+    spans = []
+    for item in items:
+        if "-" in item and "/" not in item:
+            a, b = item.split("-", 1)
+            spans.append((int(ipaddress.ip_address(a)), int(ipaddress.ip_address(b))))
+        else:
+            n = ipaddress.ip_network(item, strict=False)
+            spans.append((int(n.network_address), int(n.broadcast_address)))
+    spans.sort()
+    merged: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if merged and merged[-1][1] + 1 >= lo:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return frozenset(merged)
+
+
+class _Tx:
+    """One transaction's lines and, per line, the service that owns it (to map a refused line back)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.owners: list[ServicePortName | None] = []
+
+    def add(self, line: str, owner: ServicePortName | None = None) -> None:
+        self.lines.append(line)
+        self.owners.append(owner)
+
+    def owner_of(self, line: int) -> ServicePortName | None:
+        return self.owners[line - 1] if 0 < line <= len(self.owners) else None
+
+    def text(self) -> str:
+        return "".join(ln + "\n" for ln in self.lines)
+
+
+class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
+    """Proxy sockets in kproxy itself, reached through redirects in a table of this mode's own (see the package
+    docstring)."""
+
+    mode: ClassVar[str] = "userspace"
+    #: redirects are NAT through conntrack: stale UDP entries are reconciled, answered by the node's proxy ports
+    uses_conntrack_nat: ClassVar[bool] = True
+    options: ClassVar[tuple[Option, ...]] = (
+        Option(
+            "proxy_port_range",
+            str,
+            "",
+            "ports for proxy sockets (upstream's --proxy-port-range): BEGIN-END or BEGIN+SIZE; empty: the kernel's "
+            "choice",
+        ),
+        Option(
+            "udp_timeout",
+            Duration,
+            Duration(0.25),
+            "idle time after which a UDP client's session ends (upstream's --udp-timeout, default 250ms)",
+        ),
+    )
+
+    def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
+        super().__init__(config, netns=netns)
+        opts = type(self).option_values(config.backend_options)
+        self.port_range = parse_port_range(str(opts.get("proxy_port_range") or ""))
+        self.udp_timeout = float(Duration(opts.get("udp_timeout", 0.25)))
+        self._kernel: Kernel | None = None
+        self.engine = Engine(netns, udp_timeout=self.udp_timeout)
+        self._started = False
+        self._ports: dict[Ident, int] = {}  # every proxy socket the data path holds, and its port
+        self._used: set[tuple[int, str, int]] = set()  # (socket family, proto, port) taken by our sockets
+        self._written: dict[IPFamily, dict[ServicePortName, frozenset[tuple[str, str, str]]]] = {
+            f: {} for f in self.families
+        }
+        self._owners: dict[IPFamily, dict[ElemKey, ServicePortName]] = {f: {} for f in self.families}
+        self._known: dict[IPFamily, bool] = {f: False for f in self.families}
+        self._local: dict[IPFamily, tuple[str, ...]] = {f: () for f in self.families}
+        self._checked = float("-inf")
+        self._counts: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------------------------ hooks
+
+    @classmethod
+    def available(cls) -> Availability:
+        why = available()
+        return Availability(why is None, why or "")
+
+    @classmethod
+    def not_applicable(cls, options: Mapping[str, Any]) -> Mapping[str, str]:
+        node = "the endpoint sees the node (the proxy's own connection), never the client's address"
+        return MappingProxyType(
+            {
+                "source-ip": f"a userspace proxy cannot preserve the client's IP: {node}",
+                "etp-local": f"externalTrafficPolicy=Local must preserve the client's IP, which a userspace proxy "
+                f"cannot: {node} (Local endpoint selection and the drop on nodes without one are honoured)",
+                "dual-stack": f"its IPv6 check requires the remote backend to see the client pod's IPv6 address: "
+                f"{node} (IPv6 and dual-stack services themselves are served)",
+                "restart": "an established connection lives in the proxy process (it is one of the proxy's own "
+                "sockets), so it ends when that process is killed; new connections work again once the restarted "
+                "process has bound its ports",
+            }
+        )
+
+    @classmethod
+    def remnants(cls, probe: KernelProbe) -> list[str]:
+        """This mode's tables. Its proxy sockets are the process's own: they close when it exits."""
+        res = probe.run(["nft", "list", "tables"])
+        if res.returncode != 0:
+            raise BackendError(f"nft list tables failed: {res.stderr.strip()}")
+        own = {f"table {f} {render.TABLE}" for f in ("ip", "ip6")}
+        return [line.strip() for line in res.stdout.splitlines() if line.strip() in own]
+
+    @classmethod
+    def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
+        import json
+
+        fam = render.nft_family(family)
+        res = probe.run(["nft", "-j", "list", "table", fam, render.TABLE], timeout=60)
+        if res.returncode != 0:
+            if "No such file" in res.stderr:
+                return {}
+            raise BackendError(f"nft list table {fam} {render.TABLE} failed: {res.stderr.strip()}")
+        objs = [o for o in json.loads(res.stdout or "{}").get("nftables", []) if "metainfo" not in o]
+        out: dict[str, list[str]] = {}
+        for name, key, value, comment in elements(objs):
+            if not comment:
+                continue
+            line = f'{name}: {key} comment "{comment}"' + (f" : {value}" if value else "")
+            out.setdefault(comment, []).append(line)
+        return out
+
+    @classmethod
+    def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
+        """Delete this mode's tables (``ip``/``ip6 kproxy-userspace``) and nothing else; errors are logged, never
+        raised (a leftover must not stop another mode from starting)."""
+        kernel = Kernel(netns)
+        try:
+            for fam in ("ip", "ip6"):
+                objs, _ = kernel.read(f"list tables {fam}")
+                if not objs or not any((o.get("table") or {}).get("name") == render.TABLE for o in objs):
+                    continue
+                res = kernel.nft(f"delete table {fam} {render.TABLE}\n")
+                if not res.ok and "No such file" not in res.error:
+                    log.warning("userspace cleanup: delete table %s %s: %s", fam, render.TABLE, res.error.strip())
+        finally:
+            kernel.close()
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    @property
+    def kernel(self) -> Kernel:
+        if self._kernel is None:
+            self._kernel = Kernel(self.netns)
+        return self._kernel
+
+    def start(self) -> None:
+        """Raise the open-file limit (one descriptor per proxy socket, six per relayed connection: the soft limit
+        goes up to the hard one) and start the data-path thread. Idempotent; ``apply`` calls it too (``kproxy bench
+        sync`` syncs without ``start``)."""
+        if self._started:
+            return
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            except (ValueError, OSError) as exc:
+                log.warning("userspace: could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+        self.engine.start()
+        self._started = True
+
+    def close(self) -> None:
+        self.engine.stop()
+        self._started = False
+        self._ports.clear()
+        self._used.clear()
+        if self._kernel is not None:
+            self._kernel.close()
+            self._kernel = None
+
+    def cleanup(self) -> None:
+        if self._started:
+            self.engine.update([], list(self.engine_idents()))
+        self._ports.clear()
+        self._used.clear()
+        self._written = {f: {} for f in self.families}
+        self._owners = {f: {} for f in self.families}
+        self._known = {f: False for f in self.families}
+        super().cleanup()
+
+    def engine_idents(self) -> Iterable[Ident]:
+        return list(self._ports)
+
+    # ------------------------------------------------------------------------------------------ ledger methods
+
+    def context(self, node: FamilyContext, state: ProxyState) -> FamilyContext:
+        self._local[node.family] = node.local_addresses
+        return node.without_addresses()
+
+    def render(self, sp: ServicePort, ctx: FamilyContext) -> Fragment:
+        return render.render_service(sp)
+
+    def adopt(self, family: IPFamily, ctx: FamilyContext) -> Adopted | None:
+        f = render.nft_family(family)
+        objs, err = self.kernel.read(f"list table {f} {render.TABLE}")
+        if objs is None:
+            if "No such file" in err:
+                return Adopted()
+            log.warning("%s: reading the userspace table failed (%s): it will be replaced", family.value, err)
+            return None
+        got = Adopted(table=True)
+        got.layout_ok = any((o.get("chain") or {}).get("name") == render.LAYOUT for o in objs)
+        if not got.layout_ok:
+            return got
+        wanted_objs = [o for o in objs if ("map" in o or "set" in o)]
+        cidrs: list[str] = []
+        for name, key, value, comment in elements(wanted_objs):
+            if name == render.NODEPORT_CIDRS:
+                cidrs.append(key)
+                continue
+            if name not in render.SERVICE_MAPS:
+                continue
+            got.elements[(name, key)] = (value, comment)
+            got.by_comment.setdefault(comment, set()).add((name, key, value))
+        got.nodeport_cidrs = _intervals(cidrs)
+        return got
+
+    def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: Fragment) -> bool:
+        if not isinstance(adopted, Adopted) or not adopted.layout_ok:
+            return False
+        ports = adopted.ports(fragment)
+        if set(ports) != set(fragment.roles()):
+            return False
+        return adopted.by_comment.get(fragment.comment, set()) == set(fragment.kernel_elements(ports))
+
+    def needs_full(self, family: IPFamily) -> bool:
+        now = time.monotonic()
+        if now - self._checked < CHECK_INTERVAL:
+            return False
+        self._checked = now
+        objs, _ = self.kernel.read(f"list chain {render.nft_family(family)} {render.TABLE} {render.LAYOUT}")
+        if objs is None:
+            self._known[family] = False
+            return True
+        return False
+
+    def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
+        return {
+            "table": f"{render.nft_family(family)} {render.TABLE}",
+            "elements": [f"{e.map}: {e.key} : {e.verdict}" for e in fragment.entries],
+            "firewall": list(fragment.firewall),
+            "proxySockets": [
+                {
+                    "role": lst.role,
+                    "port": self._ports.get((family, name, lst.role)),
+                    "endpoints": [f"[{ip}]:{p}" if ":" in ip else f"{ip}:{p}" for ip, p in lst.endpoints],
+                    "sessionAffinitySeconds": lst.affinity,
+                }
+                for lst in fragment.listeners
+            ],
+        }
+
+    def detail_global(self) -> dict[str, Any]:
+        return {"table": render.TABLE, "layout": render.LAYOUT, "counts": dict(self._counts), **self.engine.stats()}
+
+    def conntrack_answerers(self, sp: ServicePort) -> Iterable[tuple[str, int]]:
+        """A UDP flow to a service is answered by the node: by the proxy socket of the service, from the address
+        the redirect chose (the receiving interface's first address, or loopback for the node's own traffic)."""
+        fam = sp.family
+        ports = [p for (f, spn, _), p in list(self._ports.items()) if f == fam and spn == sp.name]
+        if not ports or (sp.internal_verdict is not Verdict.FORWARD and sp.external_verdict is not Verdict.FORWARD):
+            return []
+        addrs = set(self._local.get(fam, ())) | {"127.0.0.1" if fam == IPFamily.V4 else "::1"}
+        return [(a, p) for a in addrs for p in ports]
+
+    # ------------------------------------------------------------------------------------------ sockets
+
+    def _bind(self, fam: IPFamily, proto: str, preferred: int | None) -> tuple[socket.socket, int]:
+        """A proxy socket bound (and listening, for TCP) on the wildcard address: ``preferred`` when free (a
+        restart keeps the ports its rules name), else from the port range, else the kernel's choice."""
+        af = socket.AF_INET if fam == IPFamily.V4 else socket.AF_INET6
+        kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
+        wildcard = "0.0.0.0" if fam == IPFamily.V4 else "::"
+        candidates: list[int] = []
+        if preferred:
+            candidates.append(preferred)
+        if self.port_range is None:
+            candidates.append(0)
+        else:
+            lo, hi = self.port_range
+            start = random.randint(lo, hi)
+            candidates.extend(p for p in range(start, hi + 1) if (af, proto, p) not in self._used)
+            candidates.extend(p for p in range(lo, start) if (af, proto, p) not in self._used)
+        last: OSError | None = None
+        for port in candidates:
+            sock = socket.socket(af, kind | socket.SOCK_CLOEXEC)
+            try:
+                if af == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                if kind == socket.SOCK_STREAM:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rebind over TIME_WAIT on restart
+                sock.bind((wildcard, port))
+                if kind == socket.SOCK_STREAM:
+                    sock.listen(BACKLOG)
+                got = int(sock.getsockname()[1])
+                self._used.add((af, proto, got))
+                return sock, got
+            except OSError as exc:
+                sock.close()
+                last = exc
+                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    break
+        raise OSError(last.errno if last else errno.EADDRINUSE, f"no proxy port free: {last}")
+
+    # ------------------------------------------------------------------------------------------ apply
+
+    def apply(self, batch: Batch[Fragment, FamilyContext]) -> Applied:
+        self.start()
+        fam = batch.family
+        t0 = time.perf_counter()
+        adopted = batch.adopted if isinstance(batch.adopted, Adopted) else None
+        tx = _Tx()
+        f = render.nft_family(fam)
+        refused: dict[ServicePortName, str] = {}
+
+        targets: dict[ServicePortName, Fragment | None]
+        if batch.full:
+            targets = dict(batch.wanted)
+        else:
+            if not self._known[fam]:
+                return Applied(ok=False, error="kernel state unknown: a full sync must come first", need_full=True)
+            targets = {d.name: d.new_fragment for d in batch.deltas}
+
+        # ownership: two services may not claim one address . protocol . port
+        owners: dict[ElemKey, ServicePortName] = {} if batch.full else dict(self._owners[fam])
+        if not batch.full:
+            for spn in targets:
+                for mine in [mk for mk, o in owners.items() if o == spn]:
+                    del owners[mine]
+        for spn in sorted(targets):
+            frag = targets[spn]
+            if frag is None:
+                continue
+            if frag.unsupported:
+                refused[spn] = frag.unsupported
+                continue
+            for e in frag.entries:
+                other = owners.get((e.map, e.key))
+                if other is not None and other != spn:
+                    refused[spn] = f"{e.map} {e.key} is claimed by {other} too"
+                    break
+            else:
+                for e in frag.entries:
+                    owners[(e.map, e.key)] = spn
+        if refused:
+            return Applied(ok=False, refused=MappingProxyType(refused), error=next(iter(refused.values())))
+
+        # proxy sockets: bound before any redirect names them
+        new_socks: dict[Ident, tuple[socket.socket, int]] = {}
+        ports_of: dict[ServicePortName, dict[str, int]] = {}
+
+        def bind_all() -> None:
+            for spn, frag in targets.items():
+                if frag is None:
+                    continue
+                preferred = adopted.ports(frag) if adopted is not None and adopted.layout_ok else {}
+                ports: dict[str, int] = {}
+                for lst in frag.listeners:
+                    ident = (fam, spn, lst.role)
+                    port = self._ports.get(ident)
+                    if port is None:
+                        try:
+                            sock, port = self._bind(fam, frag.proto, preferred.get(lst.role))
+                        except OSError as exc:
+                            refused[spn] = f"proxy socket: {exc}"
+                            break
+                        new_socks[ident] = (sock, port)
+                    ports[lst.role] = port
+                ports_of[spn] = ports
+
+        self.kernel.call(bind_all)
+
+        def drop_new() -> None:
+            for (ident_fam, _, _), (sock, port) in new_socks.items():
+                self._used.discard((sock.family, "tcp" if sock.type == socket.SOCK_STREAM else "udp", port))
+                del ident_fam
+                sock.close()
+
+        if refused:
+            drop_new()
+            return Applied(ok=False, refused=MappingProxyType(refused), error=next(iter(refused.values())))
+
+        want: dict[ServicePortName, frozenset[tuple[str, str, str]]] = {
+            spn: frag.kernel_elements(ports_of[spn]) for spn, frag in targets.items() if frag is not None
+        }
+        comments = {spn: frag.comment for spn, frag in targets.items() if frag is not None}
+        fresh = False
+        if batch.full:
+            kernel: dict[ElemKey, tuple[str, str]] = {}
+            if adopted is None or not adopted.layout_ok:
+                fresh = True
+                if adopted is None or adopted.table:  # unreadable or another layout: replaced in one transaction
+                    tx.add(f"add table {f} {render.TABLE}")
+                    tx.add(f"delete table {f} {render.TABLE}")
+                for line in render.fixed_commands(fam):
+                    tx.add(line)
+            else:
+                kernel = adopted.elements
+            cidrs = render.nodeport_cidrs(batch.context)
+            if fresh or adopted is None or adopted.nodeport_cidrs != _intervals(cidrs):
+                if not fresh:
+                    tx.add(f"flush set {f} {render.TABLE} {render.NODEPORT_CIDRS}")
+                if cidrs:
+                    tx.add(f"add element {f} {render.TABLE} {render.NODEPORT_CIDRS} {{ {', '.join(cidrs)} }}")
+            desired: dict[ElemKey, tuple[str, ServicePortName]] = {}
+            for spn, elems in want.items():
+                for m, k, v in elems:
+                    desired[(m, k)] = (v, spn)
+            deletes = [
+                (mk, None)
+                for mk, (v, c) in kernel.items()
+                if mk not in desired or desired[mk][0] != v or comments.get(desired[mk][1]) != c
+            ]
+            adds = [
+                (mk, spn)
+                for mk, (v, spn) in desired.items()
+                if mk not in kernel or kernel[mk][0] != v or kernel[mk][1] != comments[spn]
+            ]
+            for (m, k), owner in deletes:
+                tx.add(render.element_line(fam, "delete", m, k, "", ""), owner)
+            for (m, k), spn in adds:
+                tx.add(render.element_line(fam, "add", m, k, desired[(m, k)][0], comments[spn]), spn)
+        else:
+            dels: list[tuple[str, str, ServicePortName]] = []
+            adds2: list[tuple[str, str, str, ServicePortName]] = []
+            for spn in targets:
+                old = self._written[fam].get(spn, frozenset())
+                new = want.get(spn, frozenset())
+                old_keys = {(m, k): v for m, k, v in old}
+                new_keys = {(m, k): v for m, k, v in new}
+                for mk, v in old_keys.items():
+                    if new_keys.get(mk) != v:
+                        dels.append((mk[0], mk[1], spn))
+                for mk, v in new_keys.items():
+                    if old_keys.get(mk) != v:
+                        adds2.append((mk[0], mk[1], v, spn))
+            for m, k, spn in dels:
+                tx.add(render.element_line(fam, "delete", m, k, "", ""), spn)
+            for m, k, v, spn in adds2:
+                tx.add(render.element_line(fam, "add", m, k, v, comments[spn]), spn)
+        render_s = time.perf_counter() - t0
+
+        text = tx.text()
+        apply_s = 0.0
+        counts = {f"{fam.value}/commands": len(tx.lines)}
+        if text:
+            res = self.kernel.nft(text)
+            apply_s = res.seconds
+            if not res.ok:
+                self.kernel.call(drop_new)
+                self._known[fam] = False
+                summary = "; ".join(ln.strip() for ln in res.error.splitlines() if ln.strip() and "^" not in ln)
+                summary = summary[:600] or "nft refused the transaction"
+                bad = {o for o in (tx.owner_of(n) for n in res.error_lines()) if o is not None}
+                counts[f"{fam.value}/kernel_refusals"] = 1
+                if bad:
+                    return Applied(
+                        ok=False,
+                        refused=MappingProxyType({o: summary for o in bad}),
+                        error=summary,
+                        counts=MappingProxyType(counts),
+                    )
+                return Applied(ok=False, error=summary, counts=MappingProxyType(counts))
+
+        # the kernel holds it: hand the data path its new sockets and endpoints, close what nothing names now
+        specs: list[ListenerSpec] = []
+        wanted_idents: set[Ident] = set()
+        for spn, frag in targets.items():
+            if frag is None:
+                continue
+            for lst in frag.listeners:
+                ident = (fam, spn, lst.role)
+                wanted_idents.add(ident)
+                sock = new_socks.get(ident, (None, 0))[0]
+                specs.append(ListenerSpec(ident, frag.proto, sock, lst.endpoints, float(lst.affinity)))
+        if batch.full:
+            remove = [i for i in self._ports if i[0] == fam and i not in wanted_idents]
+        else:
+            remove = [i for i in self._ports if i[0] == fam and i[1] in targets and i not in wanted_idents]
+        self.engine.update(specs, list(remove))
+        for ident in remove:
+            port = self._ports.pop(ident)
+            proto = ident[1].protocol.lowercase
+            self._used.discard((socket.AF_INET if fam == IPFamily.V4 else socket.AF_INET6, proto, port))
+        for ident, (_, port) in new_socks.items():
+            self._ports[ident] = port
+
+        if batch.full:
+            self._written[fam] = dict(want)
+        else:
+            for spn in targets:
+                if spn in want:
+                    self._written[fam][spn] = want[spn]
+                else:
+                    self._written[fam].pop(spn, None)
+        self._owners[fam] = owners
+        self._known[fam] = True
+        counts[f"{fam.value}/proxy_sockets"] = sum(1 for i in self._ports if i[0] == fam)
+        self._counts.update(counts)
+        return Applied(
+            ok=True,
+            counts=MappingProxyType(counts),
+            timings=MappingProxyType({"render_apply": render_s, "apply": apply_s}),
+        )

@@ -1,0 +1,273 @@
+"""Pure rendering of the userspace mode: one ServicePort to a ``Fragment`` (its redirect elements and the listeners
+its proxy sockets serve), and the nftables text of this mode's own table.
+
+Nothing here touches the kernel or a socket, so unit tests assert on exact fragments and commands. The layout and
+the reasons for it are in ``backends/userspace/__init__.py``.
+
+A fragment names its listeners by *role*: ``c`` serves every address of the service (internal and external traffic
+go to the same endpoints), or ``i`` (ClusterIP) and ``e`` (NodePort, externalIPs, load-balancer IPs) when a Local
+traffic policy makes the two endpoint sets differ. Redirect elements carry the role in place of the proxy port;
+``proxier`` allocates one proxy socket (and port) per (service port, role) and writes the port.
+
+Who uses it: ``backends.userspace.proxier`` and tests/unit/test_userspace_render.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kproxy.model import IPFamily, Protocol, ServicePort, ServicePortName, Verdict
+from kproxy.nodeaddr import LOOPBACK, FamilyContext
+
+TABLE = "kproxy-userspace"
+#: bumped whenever the fixed part's shape changes: a table of another layout is replaced whole
+LAYOUT = "layout-kproxy-userspace-1"
+
+SERVICE_IPS = "service-ips"  # address . proto . port : verdict
+SERVICE_PORTS = "service-ports"  # address . proto . port : proxy port
+SERVICE_NODEPORTS = "service-nodeports"  # proto . port : verdict
+NODEPORT_PORTS = "nodeport-ports"  # proto . port : proxy port
+FIREWALL = "firewall-allow"  # address . proto . port . source interval
+NODEPORT_CIDRS = "nodeport-cidrs"
+#: maps and sets whose elements belong to one service each (comment: the service key)
+SERVICE_MAPS = (SERVICE_IPS, SERVICE_PORTS, SERVICE_NODEPORTS, NODEPORT_PORTS, FIREWALL)
+PORT_MAPS = {SERVICE_IPS: SERVICE_PORTS, SERVICE_NODEPORTS: NODEPORT_PORTS}
+
+REDIRECT_SVC = "redirect-svc"
+REDIRECT_NP = "redirect-np"
+REJECT = "reject-chain"
+FIREWALL_CHAIN = "firewall"
+
+V_REDIRECT_SVC = f"goto {REDIRECT_SVC}"
+V_REDIRECT_NP = f"goto {REDIRECT_NP}"
+V_REJECT = f"goto {REJECT}"
+V_FIREWALL = f"goto {FIREWALL_CHAIN}"
+V_DROP = "drop"
+
+ROLES = ("c", "i", "e")
+
+
+def nft_family(family: IPFamily) -> str:
+    return "ip" if family == IPFamily.V4 else "ip6"
+
+
+def _addr_type(family: IPFamily) -> str:
+    return "ipv4_addr" if family == IPFamily.V4 else "ipv6_addr"
+
+
+def _daddr(family: IPFamily) -> str:
+    return "ip daddr" if family == IPFamily.V4 else "ip6 daddr"
+
+
+def _saddr(family: IPFamily) -> str:
+    return "ip saddr" if family == IPFamily.V4 else "ip6 saddr"
+
+
+def service_key(spn: ServicePortName) -> str:
+    """``ns/name[:port]/PROTO``: a service port's key in comments, ``describe()`` and ``kernel_view()``."""
+    return f"{spn}/{spn.protocol.value}"
+
+
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_./:-")
+
+
+def comment_key(key: str) -> str:
+    """A service key safe for an nft comment (quoted, at most 128 bytes): Kubernetes names are DNS labels, so a key
+    is safe as it is; anything else is replaced, and an overlong key is cut and keeps a hash of the whole."""
+    if len(key) <= 110 and _SAFE.issuperset(key):
+        return key
+    clean = "".join(c if c in _SAFE else "_" for c in key)
+    return clean[:96] + "~" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    """One proxy socket's work: where its connections go and how they are balanced."""
+
+    role: str
+    endpoints: tuple[tuple[str, int], ...]
+    affinity: int  # ClientIP affinity timeout in seconds, 0 = none
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One redirect element: in ``map`` (``service-ips`` / ``service-nodeports``), ``key`` (nft text), the verdict,
+    and for a redirect the role of the listener whose port goes into the port map under the same key."""
+
+    map: str
+    key: str
+    verdict: str
+    role: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Fragment:
+    """What one service port renders to (compared with ``==`` by the ledger)."""
+
+    key: str  # ns/name[:port]/PROTO
+    family: IPFamily
+    proto: str  # tcp / udp
+    entries: tuple[Entry, ...]
+    firewall: tuple[str, ...]  # firewall-allow keys
+    listeners: tuple[Listener, ...]
+    unsupported: str = ""  # why the mode cannot serve it (SCTP)
+
+    @property
+    def comment(self) -> str:
+        return comment_key(self.key)
+
+    def roles(self) -> tuple[str, ...]:
+        return tuple(lst.role for lst in self.listeners)
+
+    def kernel_elements(self, ports: dict[str, int]) -> frozenset[tuple[str, str, str]]:
+        """The (map, key, value) elements this service owns in the kernel, with its listeners' ``ports``."""
+        out: set[tuple[str, str, str]] = set()
+        for e in self.entries:
+            out.add((e.map, e.key, e.verdict))
+            if e.role:
+                out.add((PORT_MAPS[e.map], e.key, str(ports[e.role])))
+        out.update((FIREWALL, k, "") for k in self.firewall)
+        return frozenset(out)
+
+
+def _eps(sp_eps: Iterable[object]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted({(str(getattr(e, "ip")), int(getattr(e, "port"))) for e in sp_eps}))  # noqa: B009
+
+
+def render_service(sp: ServicePort) -> Fragment:
+    """One service port's fragment (see the module docstring)."""
+    fam = sp.family
+    proto = sp.protocol.lowercase
+    key = service_key(sp.name)
+    if sp.protocol is Protocol.SCTP:
+        return Fragment(key, fam, proto, (), (), (), unsupported="SCTP is not supported by the userspace mode")
+    internal = _eps(sp.internal_endpoints)
+    external = _eps(sp.external_endpoints)
+    listeners: list[Listener] = []
+    i_role = e_role = ""
+    if sp.internal_verdict is Verdict.FORWARD and sp.external_verdict is Verdict.FORWARD and internal == external:
+        i_role = e_role = "c"
+        listeners.append(Listener("c", internal, sp.affinity_timeout))
+    else:
+        if sp.internal_verdict is Verdict.FORWARD:
+            i_role = "i"
+            listeners.append(Listener("i", internal, sp.affinity_timeout))
+        if sp.has_external_addresses and sp.external_verdict is Verdict.FORWARD:
+            e_role = "e"
+            listeners.append(Listener("e", external, sp.affinity_timeout))
+
+    def verdict(v: Verdict, redirect: str) -> str:
+        if v is Verdict.FORWARD:
+            return redirect
+        return V_REJECT if v is Verdict.REJECT else V_DROP
+
+    entries: list[Entry] = []
+    firewall: list[str] = []
+    if sp.cluster_ip:
+        int_v = verdict(sp.internal_verdict, V_REDIRECT_SVC)
+        entries.append(Entry(SERVICE_IPS, f"{sp.cluster_ip} . {proto} . {sp.port}", int_v, i_role))
+    ext_v = verdict(sp.external_verdict, V_REDIRECT_SVC)
+    for ip in sp.external_ips:
+        entries.append(Entry(SERVICE_IPS, f"{ip} . {proto} . {sp.port}", ext_v, e_role))
+    for ip in sp.load_balancer_ips:
+        k = f"{ip} . {proto} . {sp.port}"
+        if sp.load_balancer_source_ranges and sp.external_verdict is not Verdict.REJECT:
+            entries.append(Entry(SERVICE_IPS, k, V_FIREWALL, e_role))
+            firewall.extend(f"{k} . {cidr}" for cidr in sorted(sp.load_balancer_source_ranges) if _fam(cidr) == fam)
+        else:
+            entries.append(Entry(SERVICE_IPS, k, ext_v, e_role))
+    if sp.node_port:
+        entries.append(
+            Entry(SERVICE_NODEPORTS, f"{proto} . {sp.node_port}", verdict(sp.external_verdict, V_REDIRECT_NP), e_role)
+        )
+    # roles only where the verdict redirects (a reject/drop element has no port)
+    redirects = (V_REDIRECT_SVC, V_REDIRECT_NP, V_FIREWALL)
+    entries = [e if e.verdict in redirects else Entry(e.map, e.key, e.verdict) for e in entries]
+    # two addresses of one service can coincide (an externalIP equal to an LB IP): the first wins
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    for e in entries:
+        if (e.map, e.key) not in seen:
+            seen.add((e.map, e.key))
+            unique.append(e)
+    return Fragment(key, fam, proto, tuple(unique), tuple(firewall), tuple(listeners))
+
+
+def _fam(cidr: str) -> IPFamily:
+    return IPFamily.V6 if ":" in cidr else IPFamily.V4
+
+
+# ------------------------------------------------------------------------------------------------ the table
+
+
+def fixed_commands(family: IPFamily) -> list[str]:
+    """The table's fixed part (maps, chains, hooks): ``add`` commands, harmless when they exist already."""
+    f, t = nft_family(family), TABLE
+    at = _addr_type(family)
+    d, s = _daddr(family), _saddr(family)
+    return [
+        f"add table {f} {t}",
+        f"add chain {f} {t} {LAYOUT}",
+        f"add map {f} {t} {SERVICE_IPS} {{ type {at} . inet_proto . inet_service : verdict; }}",
+        f"add map {f} {t} {SERVICE_PORTS} {{ type {at} . inet_proto . inet_service : inet_service; }}",
+        f"add map {f} {t} {SERVICE_NODEPORTS} {{ type inet_proto . inet_service : verdict; }}",
+        f"add map {f} {t} {NODEPORT_PORTS} {{ type inet_proto . inet_service : inet_service; }}",
+        f"add set {f} {t} {NODEPORT_CIDRS} {{ type {at}; flags interval; }}",
+        f"add set {f} {t} {FIREWALL} {{ type {at} . inet_proto . inet_service . {at}; flags interval; }}",
+        f"add chain {f} {t} {REDIRECT_SVC}",
+        f"add rule {f} {t} {REDIRECT_SVC} meta l4proto {{ tcp, udp }} redirect to : {d} . meta l4proto . th dport "
+        f"map @{SERVICE_PORTS}",
+        f"add chain {f} {t} {REDIRECT_NP}",
+        f"add rule {f} {t} {REDIRECT_NP} meta l4proto {{ tcp, udp }} redirect to : meta l4proto . th dport "
+        f"map @{NODEPORT_PORTS}",
+        f"add chain {f} {t} {REJECT}",
+        f"add rule {f} {t} {REJECT} reject",
+        f"add chain {f} {t} {FIREWALL_CHAIN}",
+        f"add rule {f} {t} {FIREWALL_CHAIN} {d} . meta l4proto . th dport . {s} @{FIREWALL} goto {REDIRECT_SVC}",
+        f"add rule {f} {t} {FIREWALL_CHAIN} drop",
+        f"add chain {f} {t} services",
+        f"add rule {f} {t} services {d} . meta l4proto . th dport vmap @{SERVICE_IPS}",
+        f"add rule {f} {t} services {d} @{NODEPORT_CIDRS} fib daddr type local meta l4proto . th dport "
+        f"vmap @{SERVICE_NODEPORTS}",
+        f"add chain {f} {t} prerouting {{ type nat hook prerouting priority dstnat; policy accept; }}",
+        f"add rule {f} {t} prerouting jump services",
+        f"add chain {f} {t} output {{ type nat hook output priority -100; policy accept; }}",
+        f"add rule {f} {t} output jump services",
+    ]
+
+
+def nodeport_cidrs(ctx: FamilyContext) -> tuple[str, ...]:
+    """Where NodePorts answer, as nft interval elements: every address but loopback, or ``--nodeport-addresses``."""
+    loop = LOOPBACK[ctx.family]
+    if ctx.nodeport_all_local:
+        everything = ipaddress.ip_network("0.0.0.0/0" if ctx.family == IPFamily.V4 else "::/0")
+        nets = sorted(everything.address_exclude(loop))  # type: ignore[arg-type]
+        return _ranges(nets)  # type: ignore[arg-type]
+    out = list(ctx.nodeport_cidrs) + [f"{ip}/{32 if ctx.family == IPFamily.V4 else 128}" for ip in ctx.nodeport_ips]
+    return tuple(sorted(set(out)))
+
+
+def _ranges(nets: list[ipaddress.IPv4Network] | list[ipaddress.IPv6Network]) -> tuple[str, ...]:
+    """Adjacent networks merged into ``a-b`` ranges (nft refuses overlapping and prefers few intervals)."""
+    spans: list[list[int]] = []
+    for n in nets:
+        lo, hi = int(n.network_address), int(n.broadcast_address)
+        if spans and spans[-1][1] + 1 == lo:
+            spans[-1][1] = hi
+        else:
+            spans.append([lo, hi])
+    cls = ipaddress.IPv4Address if nets[0].version == 4 else ipaddress.IPv6Address
+    out = [f"{cls(lo)}-{cls(hi)}" if hi > lo else str(cls(lo)) for lo, hi in spans]
+    return tuple(out)
+
+
+def element_line(family: IPFamily, op: str, map_: str, key: str, value: str, comment: str) -> str:
+    """One ``add``/``delete element`` command (delete: key only)."""
+    f = nft_family(family)
+    if op == "delete":
+        return f"delete element {f} {TABLE} {map_} {{ {key} }}"
+    data = f" : {value}" if value else ""
+    return f'add element {f} {TABLE} {map_} {{ {key} comment "{comment}"{data} }}'

@@ -1,0 +1,281 @@
+"""The userspace backend with real packets, in throwaway namespaces of its own (``kpu-…``): a node namespace where the
+backend's redirects and proxy sockets live, a client "pod" and an endpoint namespace routed through it. Checks TCP
+and UDP through a ClusterIP (round robin over two endpoints), the node's own traffic, refusal with no endpoints, an
+endpoint change taking effect for new connections while an established one keeps working, ClientIP affinity, a
+failed dial moving on to the next endpoint, a restart that rebinds the ports its rules name and writes nothing,
+IPv6, and cleanup/remnants."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import pytest
+
+from kproxy.backends.userspace import render
+from kproxy.backends.userspace.kernel import available, enter_netns
+from kproxy.backends.userspace.proxier import UserspaceProxier
+from kproxy.config import ProxyConfig
+from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
+from kproxy.proxier import LocalProbe
+
+from .scratch import scratch_netns
+
+pytestmark = pytest.mark.root
+
+CFG = ProxyConfig(cluster_cidrs=("198.18.64.0/18",), ip_families=(IPFamily.V4, IPFamily.V6))
+NODE = NodeInfo("node-a", addresses=("198.18.100.1",))
+CIP = "198.18.200.10"
+CIP6 = "fd00:198:18:200::10"
+EP1, EP2 = "198.18.101.2", "198.18.101.3"
+
+
+def ip(ns: str, *args: str) -> None:
+    subprocess.run(["ip", "-n", ns, *args], check=True, timeout=30, capture_output=True)
+
+
+@dataclass
+class Lab:
+    node: str
+    client: str
+    ends: str
+    procs: list[subprocess.Popen[bytes]]
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[Lab]:
+    if available() is not None:
+        pytest.skip(f"libnftables unusable: {available()}")
+    with (
+        scratch_netns("kpu-n-", lo_up=True) as node,
+        scratch_netns("kpu-c-", lo_up=True) as client,
+        scratch_netns("kpu-e-", lo_up=True) as ends,
+    ):
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    node,
+                    "sysctl",
+                    "-qw",
+                    "net.ipv4.ip_forward=1",
+                    "net.ipv6.conf.all.forwarding=1",
+                ],
+                check=True,
+                timeout=30,
+            )
+            for peer, addr4, addr6, dev, mine in (
+                (client, "198.18.100", "fd00:198:18:100", "kpuc", ("198.18.100.2",)),
+                (ends, "198.18.101", "fd00:198:18:101", "kpue", (EP1, EP2)),
+            ):
+                ip(node, "link", "add", dev, "type", "veth", "peer", "name", "eth0", "netns", peer)
+                ip(node, "addr", "add", f"{addr4}.1/24", "dev", dev)
+                ip(node, "addr", "add", f"{addr6}::1/64", "dev", dev, "nodad")
+                ip(node, "link", "set", dev, "up")
+                for i, addr in enumerate(mine):
+                    ip(peer, "addr", "add", f"{addr}/24", "dev", "eth0")
+                    ip(peer, "addr", "add", f"{addr6}::{i + 2}/64", "dev", "eth0", "nodad")
+                ip(peer, "link", "set", "eth0", "up")
+                ip(peer, "route", "add", "default", "via", f"{addr4}.1")
+                ip(peer, "-6", "route", "add", "default", "via", f"{addr6}::1")
+            # as real nodes (and the lab's): a default route, so a ClusterIP is routable before the redirect
+            ip(node, "route", "add", "default", "via", "198.18.100.2")
+            ip(node, "-6", "route", "add", "default", "via", "fd00:198:18:100::2")
+            for i in (1, 2):
+                ready = tmp_path / f"ready{i}"
+                procs.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", ends, sys.executable, "-m", "kproxy.lab.echo", "--name", f"ep{i}"]
+                        + ["--ports", str(8080 + i), "--ready-file", str(ready)],
+                    )
+                )
+            deadline = time.monotonic() + 10
+            while not all((tmp_path / f"ready{i}").exists() for i in (1, 2)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            yield Lab(node, client, ends, procs)
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait(10)
+
+
+def spn(name: str, proto: Protocol = Protocol.TCP) -> ServicePortName:
+    return ServicePortName("ns1", name, "p", proto)
+
+
+def sp(
+    name: str,
+    eps: tuple[tuple[str, int], ...],
+    proto: Protocol = Protocol.TCP,
+    family: IPFamily = IPFamily.V4,
+    **kw: object,
+) -> ServicePort:
+    endpoints = tuple(Endpoint(a, p, node_name="node-b") for a, p in eps)
+    base: dict[str, object] = dict(
+        name=spn(name, proto),
+        family=family,
+        cluster_ip=CIP if family == IPFamily.V4 else CIP6,
+        port=80,
+        cluster_endpoints=endpoints,
+        has_any_endpoints=bool(endpoints),
+        serving_endpoints=endpoints,
+    )
+    base.update(kw)
+    return ServicePort(**base)  # type: ignore[arg-type]
+
+
+def state(*sps: ServicePort, gen: int = 1) -> ProxyState:
+    fams: dict[IPFamily, dict[ServicePortName, ServicePort]] = {IPFamily.V4: {}, IPFamily.V6: {}}
+    for s in sps:
+        fams[s.family][s.name] = s
+    return ProxyState(
+        services=MappingProxyType({f: MappingProxyType(m) for f, m in fams.items()}), node=NODE, generation=gen
+    )
+
+
+def run_in(ns: str, code: str, timeout: float = 20) -> str:
+    res = subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip()
+
+
+def tcp(ns: str, host: str, port: int = 80, count: int = 1) -> list[str]:
+    """``count`` new connections from ``ns``; the first word of each answer, or the error's name."""
+    code = f"""
+import socket
+for _ in range({count}):
+    try:
+        s = socket.create_connection(({host!r}, {port}), timeout=3)
+        s.sendall(b"hi\\n")
+        print(s.makefile().readline().split()[0])
+        s.close()
+    except OSError as e:
+        print(type(e).__name__)
+"""
+    return run_in(ns, code).split()
+
+
+def udp(ns: str, host: str, port: int = 80, count: int = 1) -> list[str]:
+    fam = "AF_INET6" if ":" in host else "AF_INET"
+    code = f"""
+import socket
+for _ in range({count}):
+    s = socket.socket(socket.{fam}, socket.SOCK_DGRAM)
+    s.settimeout(2)
+    try:
+        s.sendto(b"hi\\n", ({host!r}, {port}))
+        print(s.recv(1000).split()[0].decode())
+    except OSError as e:
+        print(type(e).__name__)
+    s.close()
+"""
+    return run_in(ns, code).split()
+
+
+@pytest.fixture
+def proxier(lab: Lab) -> Iterator[UserspaceProxier]:
+    p = UserspaceProxier(CFG, netns=lab.node)
+    p.start()
+    try:
+        yield p
+    finally:
+        p.close()
+        UserspaceProxier.cleanup_leftovers(CFG, netns=lab.node)
+
+
+TWO = ((EP1, 8081), (EP1, 8082))  # one address: a wildcard UDP server answers from the primary one
+
+
+def test_tcp_udp_round_robin_refusal_and_node_traffic(lab: Lab, proxier: UserspaceProxier) -> None:
+    web = sp("web", TWO)
+    dns = sp("dns", TWO, Protocol.UDP)
+    empty = sp("empty", (), port=81)
+    res = proxier.sync(state(web, dns, empty), Changes(full=True))
+    assert res.ok, res.error
+    assert sorted(tcp(lab.client, CIP, count=6)) == ["ep1"] * 3 + ["ep2"] * 3
+    got = udp(lab.client, CIP, count=4)
+    assert sorted(got) == ["ep1"] * 2 + ["ep2"] * 2, (got, proxier.engine.stats())
+    assert tcp(lab.client, CIP, 81) == ["ConnectionRefusedError"]
+    assert set(tcp(lab.node, CIP, count=2)) == {"ep1", "ep2"}  # the node's own processes (output hook)
+    assert set(udp(lab.node, CIP, count=2)) == {"ep1", "ep2"}
+    view = UserspaceProxier.kernel_view(LocalProbe(lab.node), IPFamily.V4) or {}
+    assert set(view) == {"ns1/web:p/TCP", "ns1/dns:p/UDP", "ns1/empty:p/TCP"}
+    assert any("goto reject-chain" in ln for ln in view["ns1/empty:p/TCP"])
+    d = proxier.describe()
+    assert d["detail"]["services"]["ns1/web:p/TCP"]["IPv4"]["proxySockets"][0]["port"]
+
+
+def test_endpoint_change_keeps_established_and_applies_to_new(lab: Lab, proxier: UserspaceProxier) -> None:
+    assert proxier.sync(state(sp("web", TWO)), Changes(full=True)).ok
+    box: list[socket.socket] = []
+
+    def connect() -> None:  # a socket belongs to the namespace of the thread that makes it
+        enter_netns(lab.node)
+        box.append(socket.create_connection((CIP, 80), timeout=3))
+
+    t = threading.Thread(target=connect)
+    t.start()
+    t.join(10)
+    with box[0] as held:
+        held.settimeout(3)
+        held.sendall(b"a\n")
+        first = held.recv(100).split()[0].decode()
+        other = "ep2" if first == "ep1" else "ep1"
+        keep = {"ep1": TWO[0], "ep2": TWO[1]}[other]
+        res = proxier.sync(state(sp("web", (keep,)), gen=2), Changes(full=False, services=frozenset({spn("web")})))
+        assert res.ok and not res.full
+        assert tcp(lab.client, CIP, count=4) == [other] * 4
+        held.sendall(b"b\n")
+        assert held.recv(100).split()[0].decode() == first
+
+
+def test_affinity_and_failed_dial(lab: Lab, proxier: UserspaceProxier) -> None:
+    dead = (EP1, 9999)  # nothing listens: refused at once, the next endpoint is tried
+    assert proxier.sync(state(sp("web", (dead, TWO[1]), affinity_timeout=60)), Changes(full=True)).ok
+    got = tcp(lab.client, CIP, count=6)
+    assert got == ["ep2"] * 6
+    assert proxier.sync(state(sp("web", TWO, affinity_timeout=60), gen=2), Changes(full=True)).ok
+    got = tcp(lab.client, CIP, count=8)
+    assert len(set(got)) == 1, got
+
+
+def test_restart_rebinds_and_writes_nothing_then_cleanup(lab: Lab) -> None:
+    first = UserspaceProxier(CFG, netns=lab.node)
+    first.start()
+    st = state(
+        sp("web", TWO), sp("dns", TWO, Protocol.UDP), sp("w6", ((("fd00:198:18:101::2", 8081),)), family=IPFamily.V6)
+    )
+    try:
+        assert first.sync(st, Changes(full=True)).ok
+        before = UserspaceProxier.kernel_view(LocalProbe(lab.node), IPFamily.V4)
+    finally:
+        first.close()
+    second = UserspaceProxier(CFG, netns=lab.node)
+    second.start()
+    try:
+        res = second.sync(st, Changes(full=True))
+        assert res.ok, res.error
+        assert res.counts["IPv4/deltas"] == 0 and res.counts["IPv6/deltas"] == 0
+        assert UserspaceProxier.kernel_view(LocalProbe(lab.node), IPFamily.V4) == before
+        assert set(tcp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
+        assert tcp(lab.client, CIP6) == ["ep1"]
+        assert UserspaceProxier.remnants(LocalProbe(lab.node)) == [
+            f"table ip {render.TABLE}",
+            f"table ip6 {render.TABLE}",
+        ]
+    finally:
+        second.close()
+    UserspaceProxier.cleanup_leftovers(CFG, netns=lab.node)
+    assert UserspaceProxier.remnants(LocalProbe(lab.node)) == []
