@@ -65,7 +65,7 @@ class Adoption:
     """What a full batch read from the kernel before writing: the nat table's service chains (canonical rules), the
     jump rules present in the built-in chains ("table/-A CHAIN spec"), how many nat rules there are; or the error."""
 
-    chains: dict[str, list[adopt.Canon]] = field(default_factory=dict)
+    chains: dict[str, list[str]] = field(default_factory=dict)
     jumps: set[str] = field(default_factory=set)
     rules: int = 0
     error: str | None = None

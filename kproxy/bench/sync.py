@@ -35,6 +35,7 @@ Who uses it: ``kproxy.bench.cli`` (``kproxy bench sync``), ``make bench`` and ``
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -180,7 +181,17 @@ def run_sync_bench(
         out.partial_sync_s = statistics.median(out.partial_sync_runs)
         out.partial_apply_s = statistics.median(applies) if applies else None
 
+        pfloor = dict(backend.measure_partial_floor() or {})
+        out.partial_floor_s = pfloor.pop("floor_s", None)
+        out.partial_floor_detail = pfloor
+        out.floor_s = backend.measure_floor()
+        if out.floor_s:
+            out.ratio = out.full_sync_s / out.floor_s
         if mode != "fake":  # a restarted kproxy: a new instance adopting what the kernel holds, nothing changed
+            forget = getattr(backend, "forget", None)
+            if forget is not None:  # the old process is gone: its memory must not count in the new one's
+                forget()
+            gc.collect()
             fresh = cls(config)
             try:
                 state, changes = cache.snapshot(full=True)
@@ -193,12 +204,6 @@ def run_sync_bench(
             finally:
                 fresh.close()
 
-        pfloor = dict(backend.measure_partial_floor() or {})
-        out.partial_floor_s = pfloor.pop("floor_s", None)
-        out.partial_floor_detail = pfloor
-        out.floor_s = backend.measure_floor()
-        if out.floor_s:
-            out.ratio = out.full_sync_s / out.floor_s
         out.rss_mb = _peak_rss_mb()
     finally:
         if mode != "fake":
