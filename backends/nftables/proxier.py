@@ -44,7 +44,7 @@ from .render import Fragment
 log = logging.getLogger(__name__)
 
 CHECK_INTERVAL = 1.0  # seconds between "is my table still there" checks at the start of partial syncs
-CHUNK = 25_000  # elements per transaction of a big full sync (see NftablesProxier.apply)
+CHUNK = 10_000  # elements per transaction of a big full sync (see NftablesProxier.apply)
 
 
 @dataclass(slots=True)
