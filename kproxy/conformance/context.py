@@ -750,20 +750,24 @@ class Context:
         self.check_deadline(f"running {' '.join(argv[:3])}")
         return self.lab.exec(_ns_of(where), list(argv), timeout=min(timeout, max(1.0, self.remaining())))
 
-    def kernel_probe(self, node: Any) -> KernelProbe:
-        """A ``kproxy.proxier.KernelProbe`` into ``node``'s namespace, for the mode's ``remnants``/``kernel_view``
-        hooks: what the kernel holds, read from the kernel, never from kproxy's own account (/rules)."""
-        return KernelProbe(self, node)
+    def kernel_probe(self, node: Any, mode: str | None = None) -> KernelProbe:
+        """A ``kproxy.proxier.KernelProbe`` into ``node``'s namespace, for ``mode``'s (default: the scenario's)
+        ``remnants``/``kernel_view`` hooks: what the kernel holds, read from the kernel, never from kproxy's own
+        account (/rules). Its options are those the node's kproxy runs with in that mode (the lab's
+        ``node_options``), else the session's."""
+        node_options = getattr(self.lab, "node_options", None)
+        options = node_options(node, mode or self.mode) if node_options is not None else self.options
+        return KernelProbe(self, node, options)
 
 
 class KernelProbe:
     """Runs read-only commands in one lab node's network namespace (through the lab's exec, bounded by the
     scenario's deadline) with the node's backend options: the conformance side of ``kproxy.proxier.KernelProbe``."""
 
-    def __init__(self, ctx: Context, node: Any) -> None:
+    def __init__(self, ctx: Context, node: Any, options: Mapping[str, Any] | None = None) -> None:
         self.ctx = ctx
         self.node = node
-        self.options: Mapping[str, Any] = ctx.options
+        self.options: Mapping[str, Any] = MappingProxyType(dict(ctx.options if options is None else options))
 
     def run(self, argv: Sequence[str], *, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
         res = self.ctx.exec(self.node, argv, timeout=timeout)

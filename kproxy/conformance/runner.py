@@ -99,9 +99,13 @@ class Session:
         self.owns_lab = owns_lab
         self.context_kwargs = context_kwargs
         self.addresses = Addresses()
-        #: the backend options kproxy runs with on the lab's nodes (what the mode's hooks are handed)
-        self.options: dict[str, Any] = dict((getattr(lab, "state", {}) or {}).get("options", {}) or {})
-        self.not_applicable = declared_not_applicable(backend_class(mode), self.options)
+        #: the backend options the lab gives every node's kproxy, as this mode reads them (``option_values``: its
+        #: declared options over their defaults); what its ``not_applicable`` is asked about
+        cls = backend_class(mode)
+        given = dict(getattr(lab, "backend_options", None) or {})
+        values = getattr(cls, "option_values", None)
+        self.options: dict[str, Any] = dict(values(given)) if values is not None else given
+        self.not_applicable = declared_not_applicable(cls, self.options)
         self.lab_gaps: list[str] = []  # scenarios this lab could not run
         self.kproxy_args: list[str] = list(getattr(lab, "state", {}).get("kproxy_args", []) or [])
 

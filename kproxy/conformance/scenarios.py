@@ -1118,7 +1118,7 @@ def _remnants(ctx: Context, mode: str, node: Any) -> list[str]:
     if hook is None:
         raise ScenarioFailure(f"mode {mode} has no remnants hook, so what it left in the kernel cannot be checked")
     try:
-        return list(hook(ctx.kernel_probe(node)))
+        return list(hook(ctx.kernel_probe(node, mode)))
     except ScenarioFailure:
         raise
     except Exception as exc:  # BackendError: a tool failed; NotImplementedError: the hook is missing
