@@ -441,7 +441,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
                 if ckey not in handled and ckey not in done:
                     render.change_service(tx, None, None, None, old_keys=svc.keys())
                     stale.add(ckey)
-            wanted_sids = {render.service_chain_id(spn) for spn in batch.wanted}
+            # chains of services the deltas handle (changed or removed) are theirs to rewrite or delete
+            wanted_sids = {render.service_chain_id(spn) for spn in (*batch.wanted, *in_batch)}
             stale_chains = [c for c in adopted.chains if render.is_service_chain(c) and _sid_of(c) not in wanted_sids]
             for c in stale_chains:
                 tx.flush_chain(c, None)

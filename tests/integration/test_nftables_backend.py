@@ -244,3 +244,30 @@ def test_big_full_sync_in_chunks_of_whole_services(netns: str, monkeypatch: pyte
             q.close()
     finally:
         p.close()
+
+
+def test_affinity_service_removed_at_a_full_sync_and_stale_chains_swept(netns: str) -> None:
+    p = NftablesProxier(CFG, netns=netns)
+    try:
+        sticky = sp("sticky", "198.19.0.5", ("198.18.1.2", "198.18.1.3"), affinity_timeout=30)
+        other = sp("other", "198.19.0.6", ("198.18.1.4",), affinity_timeout=60)
+        assert p.sync(state(sticky, other), Changes(full=True)).ok
+        chains = nft_list(netns, "list", "chains", "ip")
+        assert chains.count("chain ep-") == 3 and chains.count("chain pick-") == 2
+        # removed with a full (periodic) sync: the delta removes it, nothing is deleted twice
+        res = p.sync(state(other, gen=2), Changes(full=True))
+        assert res.ok, res.error
+        chains = nft_list(netns, "list", "chains", "ip")
+        assert chains.count("chain ep-") == 1 and chains.count("chain pick-") == 1
+        # removed while kproxy was down: a fresh process sweeps its chains and sets
+        q = NftablesProxier(CFG, netns=netns)
+        try:
+            res = q.sync(state(gen=3), Changes(full=True))
+            assert res.ok, res.error
+        finally:
+            q.close()
+        chains = nft_list(netns, "list", "chains", "ip")
+        assert "chain ep-" not in chains and "chain pick-" not in chains and "chain svc-" not in chains
+        assert "aff-" not in nft_list(netns, "list", "sets", "ip")
+    finally:
+        p.close()
