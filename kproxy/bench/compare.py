@@ -195,13 +195,16 @@ def summarize_sync(mode: str, n: int, e: int, runs: list[dict[str, Any]], argv: 
 
 
 class _Display:
-    """The progress display: one rich bar over all steps, and the step running now (stderr)."""
+    """The progress display on stderr: one rich bar over all steps with the step running now on a terminal; plain
+    ``[done/total] step`` lines otherwise (a log file, CI), where a live bar would print nothing until the end."""
 
     def __init__(self, total: int) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.console = Console(stderr=True)
+        self.live = self.console.is_terminal
+        self.total, self.done = total, 0
         self.progress = Progress(
             TextColumn("[bold]kproxy compare[/bold]"),
             BarColumn(),
@@ -211,22 +214,27 @@ class _Display:
             console=self.console,
         )
         self.task = self.progress.add_task("starting", total=total)
+        self.t0 = time.monotonic()
 
     def __enter__(self) -> _Display:
-        self.progress.start()
+        if self.live:
+            self.progress.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.progress.stop()
+        if self.live:
+            self.progress.stop()
 
     def say(self, msg: str, advance: int = 0) -> None:
-        if msg:
-            self.progress.update(self.task, description=msg)
-        if advance:
-            self.progress.advance(self.task, advance)
-
-    def log(self, msg: str) -> None:
-        self.console.print(msg)
+        self.done += advance
+        if self.live:
+            if msg:
+                self.progress.update(self.task, description=msg)
+            if advance:
+                self.progress.advance(self.task, advance)
+        elif msg:
+            elapsed = time.monotonic() - self.t0
+            print(f"kproxy compare [{self.done}/{self.total} {elapsed:4.0f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def _parse_sizes(text: str) -> list[int]:

@@ -19,7 +19,7 @@ new TCP connections per second (connect, one request/response, close with RST) w
 connection; request/response p50/p99 on one established TCP connection; UDP request/response p50/p99; bulk TCP
 throughput (``iperf3 -c``, Gbit/s). Each figure is the median over the rounds; each ratio is against the limit,
 oriented so that 1.0 means "as fast as without a proxy" and smaller is slower (rates: target / limit; latencies:
-limit / target).
+limit / target), taken within each round and then the median over rounds (:func:`paired_ratios`).
 
 Pinning (2 cores): every client (dpclient, iperf3 -c) runs under ``taskset -c 0``; the servers (the echo servers of
 pod-2-1 and pod-4-1, re-pinned with ``taskset -a -p -c 1``, and ``iperf3 -s``) on CPU 1. The kproxy processes and
@@ -173,6 +173,25 @@ def medians(rounds: Iterable[dict[str, float]]) -> dict[str, float]:
         for k, v in r.items():
             values.setdefault(k, []).append(v)
     return {k: statistics.median(v) for k, v in values.items()}
+
+
+def paired_ratios(rounds: Sequence[dict[str, dict[str, float]]], targets: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Each target's ratio to the limit per metric: the median over rounds of the ratio *within* each round (the
+    target and the limit measured seconds apart), which drift between rounds on a shared machine cannot skew the way
+    it skews a ratio of two medians."""
+    out: dict[str, dict[str, float]] = {}
+    for t in targets:
+        if t == "limit":
+            continue
+        per_metric: dict[str, list[float]] = {}
+        for r in rounds:
+            limit, this = r.get("limit", {}), r.get(t, {})
+            for m, v in this.items():
+                q = ratio(m, v, limit.get(m, 0.0))
+                if q is not None:
+                    per_metric.setdefault(m, []).append(q)
+        out[t] = {m: statistics.median(v) for m, v in per_metric.items()}
+    return out
 
 
 def iperf_gbps(doc: dict[str, Any]) -> float:
@@ -587,15 +606,7 @@ def measure_run(dl: DatapathLab, mode: str, services: int, targets: Sequence[str
             run.errors[t] = run.errors.get(t, 0) + errors
         run.rounds.append(this_round)
     run.medians = {t: medians(v) for t, v in per_target.items()}
-    limit = run.medians.get("limit", {})
-    for t in targets:
-        if t == "limit":
-            continue
-        run.ratios[t] = {}
-        for m, v in run.medians[t].items():
-            q = ratio(m, v, limit.get(m, 0.0))
-            if q is not None:
-                run.ratios[t][m] = q
+    run.ratios = paired_ratios(run.rounds, targets)
     return run
 
 

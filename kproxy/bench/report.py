@@ -123,7 +123,8 @@ def datapath_section(results: dict[str, Any]) -> list[str]:
         f"Medians of {c.get('rounds')} rounds, {c.get('seconds')} s per traffic phase, iperf3 {c.get('iperf_seconds')}"
         f" s. Limit: {c.get('limit')}. Pinning: {c.get('pinning')}. Client close: {c.get('client_close')}."
         " Ratios are fractions of the limit's performance: rates target / limit, latencies limit / target,"
-        " so 1.0 = as fast as without any proxy and 0.5 = half as fast (or twice the latency)."
+        " so 1.0 = as fast as without any proxy and 0.5 = half as fast (or twice the latency); each is taken within a"
+        " round (target and limit seconds apart) and the median over the rounds is shown."
     )
     lines.append("")
     lines.append("### Ratios against the limit")

@@ -110,6 +110,16 @@ def test_flatten_and_medians() -> None:
         datapath.iperf_gbps({"error": "unable to connect"})
 
 
+def test_ratios_are_paired_within_rounds() -> None:
+    # the machine slows down by half in round 2: both targets see it, so the paired ratio stays 0.8
+    rounds = [
+        {"limit": {"conn_rate": 1000.0}, "clusterip": {"conn_rate": 800.0}},
+        {"limit": {"conn_rate": 500.0}, "clusterip": {"conn_rate": 400.0}},
+        {"limit": {"conn_rate": 1000.0}, "clusterip": {"conn_rate": 800.0}},
+    ]
+    assert datapath.paired_ratios(rounds, ("limit", "clusterip")) == {"clusterip": {"conn_rate": pytest.approx(0.8)}}
+
+
 def test_parse_sizes() -> None:
     assert datapath.parse_sizes("1000,1, 10000,1000") == [1, 1000, 10000]
     for bad in ("", "0", "70000", "x"):
