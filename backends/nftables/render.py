@@ -529,6 +529,11 @@ def _render_general(sp: ServicePort, ctx: FamilyContext) -> Fragment:
     ext_local_policy = ext_local and sp.has_external_addresses
     uses_fw = has_endpoints and bool(sp.load_balancer_ips) and bool(sp.load_balancer_source_ranges)
     allow_lb_sources = uses_fw and _any_contains(sp.load_balancer_source_ranges, ctx.node_ips)
+    firewall_sources = (
+        _sources(sp.load_balancer_source_ranges, sp.load_balancer_ips if allow_lb_sources else (), sp.family)
+        if uses_fw
+        else ()
+    )
     for addr, is_lb in [(a, False) for a in sp.external_ips] + [(a, True) for a in sp.load_balancer_ips]:
         key = f"{addr} . {proto} . {port}"
         target = service_target(external_eps, "a", nodeport=False, local_policy=ext_local_policy, verdict_empty="drop")
@@ -541,11 +546,8 @@ def _render_general(sp: ServicePort, ctx: FamilyContext) -> Fragment:
             elif fw not in shared:
                 shared.append(fw)
             target = f"goto {fw}"
-            for cidr in sp.load_balancer_source_ranges:
-                elements.append((FIREWALL, f"{key} . {_cidr(cidr)}", ""))
-            if allow_lb_sources:
-                for lbip in sp.load_balancer_ips:
-                    elements.append((FIREWALL, f"{key} . {lbip}", ""))
+            for cidr in firewall_sources:
+                elements.append((FIREWALL, f"{key} . {cidr}", ""))
         elements.append((SERVICE_IPS, key, target))
         _fill_external(elements, key, target, sp, slot_map(BACKENDS, proto), slot_map(SHORTCUT_BACKENDS, proto))
 
@@ -629,6 +631,21 @@ def _fill_external(
             elements.append((primary, f"{key} . {i}", _ep(ep)))
         for i, ep in enumerate(sp.cluster_endpoints):
             elements.append((shortcut, f"{key} . {i}", _ep(ep)))
+
+
+def _sources(ranges: Sequence[str], ips: Sequence[str], family: IPFamily) -> tuple[str, ...]:
+    """Source ranges of one family as non-overlapping CIDRs (an interval set refuses overlapping elements:
+    ``10.0.0.0/8`` with ``10.1.0.0/16``, or an admitted LB IP inside a range), single addresses without ``/32``."""
+    version = 4 if family == IPFamily.V4 else 6
+    nets = []
+    for text in (*ranges, *ips):
+        try:
+            net = ipaddress.ip_network(text, strict=False)
+        except ValueError:
+            continue
+        if net.version == version:
+            nets.append(net)
+    return tuple(_cidr(str(n)) for n in ipaddress.collapse_addresses(nets))  # type: ignore[type-var]
 
 
 def _cidr(text: str) -> str:

@@ -271,3 +271,83 @@ def test_affinity_service_removed_at_a_full_sync_and_stale_chains_swept(netns: s
         assert "aff-" not in nft_list(netns, "list", "sets", "ip")
     finally:
         p.close()
+
+
+def _zoo(variant: int) -> list[ServicePort]:
+    """One service of every shape, its endpoints shifted by ``variant``."""
+    e = tuple(f"198.18.3.{variant + j}" for j in range(3))
+    local = (Endpoint(f"198.18.3.{variant}", 8080, is_local=True, node_name="node-a"),)
+    return [
+        sp("np", "198.19.2.1", e, node_port=30001, external_ips=("198.18.100.1",)),
+        sp(
+            "etp",
+            "198.19.2.2",
+            e,
+            node_port=30002,
+            external_policy_local=True,
+            local_endpoints=local,
+            load_balancer_ips=("198.18.150.2",),
+        ),  # fmt: skip
+        sp("etp0", "198.19.2.3", e, node_port=30003, external_policy_local=True),
+        sp(
+            "fw",
+            "198.19.2.4",
+            e,
+            load_balancer_ips=("198.18.150.4",),
+            load_balancer_source_ranges=("203.0.113.0/24", "198.18.0.0/16"),
+        ),  # fmt: skip
+        sp(
+            "aff",
+            "198.19.2.5",
+            e,
+            node_port=30005,
+            affinity_timeout=30 + variant,
+            external_policy_local=True,
+            local_endpoints=local,
+            load_balancer_ips=("198.18.150.5",),
+            load_balancer_source_ranges=("10.0.0.0/8",),
+        ),
+        sp("udp", "198.19.2.6", e, proto=Protocol.UDP, node_port=30006),
+        sp("sctp", "198.19.2.7", e, proto=Protocol.SCTP),
+        sp("itp", "198.19.2.8", e, internal_policy_local=True, local_endpoints=local),
+    ]
+
+
+def test_every_shape_through_full_partial_and_changed_restart(netns: str) -> None:
+    p = NftablesProxier(CFG, netns=netns)
+    try:
+        res = p.sync(state(*_zoo(0)), Changes(full=True))
+        assert res.ok and not res.failed, res
+        names = frozenset(s.name for s in _zoo(0))
+        res = p.sync(state(*_zoo(1), gen=2), Changes(full=False, services=names))
+        assert res.ok and not res.failed, res
+        # a fresh process finds every service changed (variant 2): it rewrites them from the adopted skeleton
+        q = NftablesProxier(CFG, netns=netns)
+        try:
+            res = q.sync(state(*_zoo(2), gen=3), Changes(full=True))
+            assert res.ok and not res.failed, res
+            assert res.counts["IPv4/deltas"] == len(names)
+            # and a second fresh process with nothing changed writes nothing
+            r = NftablesProxier(CFG, netns=netns)
+            try:
+                res = r.sync(state(*_zoo(2), gen=3), Changes(full=True))
+                assert res.ok and r.last_transaction(IPFamily.V4) == "", r.last_transaction(IPFamily.V4)
+                # everything removed while kproxy was down: only the fixed part is left
+                res = r.sync(state(gen=4), Changes(full=True))
+                assert res.ok, res.error
+            finally:
+                r.close()
+        finally:
+            q.close()
+        s = NftablesProxier(CFG, netns=netns)
+        try:
+            res = s.sync(state(gen=5), Changes(full=True))
+            assert res.ok and s.last_transaction(IPFamily.V4) == ""
+        finally:
+            s.close()
+        table = nft_list(netns, "list", "table", "ip", "kproxy")
+        assert "comment \"ns1/" not in table  # no element of any service is left
+        chains = [ln.split()[1] for ln in nft_list(netns, "list", "chains", "ip").splitlines() if "chain " in ln]
+        assert sorted(chains) == sorted([*render.FIXED_CHAINS, render.layout_chain(IPFamily.V4)])
+    finally:
+        p.close()

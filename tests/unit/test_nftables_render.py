@@ -390,3 +390,12 @@ def test_trace_affinity_and_local_policy() -> None:
 def test_the_cluster_ip_fast_path_renders_what_the_general_path_does(sp: ServicePort) -> None:
     for ctx in (CTX4, FamilyContext(IPFamily.V4), FamilyContext(IPFamily.V4, masquerade_all=True)):
         assert render._render_cluster_ip_only(sp, ctx) == render._render_general(sp, ctx)
+
+
+def test_source_ranges_never_overlap_in_the_interval_set() -> None:
+    sp = svc("lb", THREE, load_balancer_ips=("198.19.150.1",),
+             load_balancer_source_ranges=("10.0.0.0/8", "10.1.0.0/16", "198.19.0.0/16", "fd00::/8"))  # fmt: skip
+    fw = sorted(elems(render.render_service(sp, CTX4), render.FIREWALL))
+    # 10.1.0.0/16 is inside 10.0.0.0/8; the LB IP (admitted: a range holds the node's address) is inside 198.19/16;
+    # the IPv6 range is not this family's
+    assert fw == ["198.19.150.1 . tcp . 80 . 10.0.0.0/8", "198.19.150.1 . tcp . 80 . 198.19.0.0/16"]
