@@ -150,7 +150,7 @@ def plot_datapath_conn(results: dict[str, Any], path: Path) -> bool:
         return False
     plt = _plt()
     modes = list(dict.fromkeys(r["mode"] for r in runs))
-    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.2), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.2), squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
         for target, style, label in (
             ("limit", "--", "limit (no proxy rules)"),
