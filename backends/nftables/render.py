@@ -135,7 +135,7 @@ def context_elements(ctx: FamilyContext) -> dict[str, tuple[str, ...]]:
     cidrs: tuple[str, ...] = ()
     ifaces: tuple[str, ...] = ()
     if ctx.local.kind == "cidr":
-        cidrs = tuple(str(ipaddress.ip_network(c, strict=False)) for c in ctx.local.values)
+        cidrs = _sources(ctx.local.values, (), ctx.family)
     elif ctx.local.kind == "bridge":
         ifaces = tuple(f'"{_ifname(v)}"' for v in ctx.local.values)
     elif ctx.local.kind == "prefix":
@@ -150,9 +150,8 @@ def nodeport_cidrs(ctx: FamilyContext) -> tuple[str, ...]:
     if ctx.nodeport_all_local:
         everything = ipaddress.ip_network("0.0.0.0/0" if ctx.family == IPFamily.V4 else "::/0")
         return tuple(str(n) for n in sorted(everything.address_exclude(loop)))  # type: ignore[arg-type]
-    out = [str(ipaddress.ip_network(c, strict=False)) for c in ctx.nodeport_cidrs]
-    out += [str(ipaddress.ip_network(ip)) for ip in ctx.nodeport_ips]
-    return tuple(dict.fromkeys(out))
+    # collapsed: the interval set refuses overlapping elements (a CIDR inside another, a primary address in a CIDR)
+    return _sources(ctx.nodeport_cidrs, ctx.nodeport_ips, ctx.family)
 
 
 _IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")

@@ -208,7 +208,14 @@ def test_context_sets() -> None:
                            nodeport_cidrs=("198.19.0.0/16",), nodeport_ips=("198.20.0.1",))  # fmt: skip
     el = render.context_elements(prefix)
     assert el[render.LOCAL_IFACES] == ('"veth*"',)
-    assert el[render.NODEPORT_CIDRS] == ("198.19.0.0/16", "198.20.0.1/32")
+    assert el[render.NODEPORT_CIDRS] == ("198.19.0.0/16", "198.20.0.1")
+    overlapping = FamilyContext(
+        IPFamily.V4,
+        nodeport_all_local=False,
+        nodeport_cidrs=("198.19.0.0/16", "198.19.1.0/24"),
+        nodeport_ips=("198.19.2.3",),
+    )
+    assert render.context_elements(overlapping)[render.NODEPORT_CIDRS] == ("198.19.0.0/16",)
     with pytest.raises(ValueError):
         render.context_elements(FamilyContext(IPFamily.V4, local=LocalDetect("bridge", ('br"0',))))
 
