@@ -49,6 +49,7 @@ from kproxy.proxier import (
     cleanup_other_modes,
     installed_backends,
 )
+from kproxy.soak.cli import register as register_soak
 
 log = logging.getLogger("kproxy")
 
@@ -216,9 +217,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     try:
-        # other modes' leftovers go only once this kproxy can run (its ports bound, its config and kubeconfig read):
-        # a second instance or a typo must not remove a running kproxy's rules and then stop
-        daemon.start(before_sync=None if args.no_cleanup_other_modes else lambda: _cleanup_other_modes(config))
+        # other modes' leftovers go only once this kproxy runs (its ports bound, its config and kubeconfig read: a
+        # second instance or a typo must not remove a running kproxy's rules and then stop) and has programmed its
+        # own rules (a mode switch never leaves the node without rules)
+        daemon.start(after_first_sync=None if args.no_cleanup_other_modes else lambda: _cleanup_other_modes(config))
     except OSError as exc:
         print(f"kproxy: cannot start: {exc}", file=sys.stderr)
         daemon.stop()
@@ -495,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_conformance(sub)
     register_bench(sub)  # also registers `compare` (kproxy.bench.compare)
     register_demo(sub)
+    register_soak(sub)
     return parser
 
 

@@ -148,6 +148,7 @@ class Daemon:
             self._nodeport_addresses(), self.health, on_listen_error=self._listen_error
         )
         self.node: NodeContext | None = None  # resolved at the start of each sync
+        self._after_first_sync: Callable[[], None] | None = None
         self.applied: ProxyState | None = None  # the state of the last successful sync (what /verify checks)
         backend.register_metrics(self.metrics.registry, self.families)
         self.reconciler = reconciler if reconciler is not None else ConntrackReconciler()
@@ -164,12 +165,20 @@ class Daemon:
         self._seen_changes = (0, 0)  # the cache's change totals already counted in the metrics
 
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def start(self, before_sync: Callable[[], None] | None = None) -> None:
-        """Bind the health and metrics servers (an OSError when a port is taken), run ``before_sync`` (the CLI
-        removes other modes' leftovers there: only once this kproxy is sure to run, so a second instance that cannot
-        bind leaves the running one's rules alone), then start syncing."""
+    def start(
+        self,
+        before_sync: Callable[[], None] | None = None,
+        after_first_sync: Callable[[], None] | None = None,
+    ) -> None:
+        """Bind the health and metrics servers (an OSError when a port is taken), run ``before_sync``, then start
+        syncing; ``after_first_sync`` runs once, in the runner thread, right after the first successful sync and
+        before it is reported (health, metrics). The CLI removes other modes' leftovers there: only once this kproxy
+        is sure to run (a second instance that cannot bind leaves the running one's rules alone) and once its own
+        rules are in, so a mode switch has no moment without rules (each connection is NATed once, by whichever
+        mode's rules meet it first, and both were computed from the same state)."""
         self.healthz.start()
         self.metrics_server.start()
+        self._after_first_sync = after_first_sync
         if before_sync is not None:
             before_sync()
         self.backend.start()
@@ -279,6 +288,12 @@ class Daemon:
         failed: dict[ServicePortName, str] = dict(result.failed)
         self.cache.commit(changes, failed=failed.keys())
         self.applied = state
+        first, self._after_first_sync = self._after_first_sync, None
+        if first is not None:
+            try:
+                first()
+            except Exception:  # e.g. another mode's cleanup: never a reason to stop proxying
+                log.exception("after-first-sync hook failed")
         now_wall = time.time()
         periodic = changes.full and self.status.last_full > 0  # not the first full sync of this process
         if changes.full or result.full:

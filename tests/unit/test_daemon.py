@@ -16,8 +16,8 @@ import yaml
 
 from kproxy.config import ProxyConfig
 from kproxy.daemon import Daemon, ServiceFilter
-from kproxy.model import IPFamily, Protocol, ServicePortName
 from kproxy.fake import FakeProxier
+from kproxy.model import IPFamily, Protocol, ServicePortName
 from kproxy.sources.files import FilesSource
 
 
@@ -174,9 +174,8 @@ def test_restore_failures_are_counted_for_the_family_that_had_them(running: tupl
     that synced counts none; refusals in a sync that recovered (services skipped) are counted too."""
     from types import MappingProxyType
 
-    from kproxy.model import Changes, SyncResult
-
     from kproxy.backends.iptables.proxier import IptablesProxier
+    from kproxy.model import Changes, SyncResult
 
     daemon, fake, _ = running
     # the counters are the iptables mode's own: its metrics on this daemon's registry, fed as the daemon feeds them
@@ -450,3 +449,35 @@ def test_before_sync_runs_once_the_ports_are_bound_and_not_when_they_are_taken(t
             second.start(before_sync=lambda: called.append(True))
         second.stop()
         assert called == []
+
+
+def test_after_first_sync_runs_once_after_the_first_sync_and_before_it_is_reported(tmp_path: Path) -> None:
+    """The CLI removes other modes' leftovers there: once this mode's rules are in (a mode switch has no gap), and
+    before health and metrics say it synced (so "synced" means "the old mode is gone" too)."""
+    cfg = ProxyConfig(
+        mode="iptables",
+        hostname_override="node-1",
+        healthz_bind_address="127.0.0.1:0",
+        metrics_bind_address="127.0.0.1:0",
+        min_sync_period=0.0,
+        manifests=str(tmp_path),
+    )
+    fake = FakeProxier(cfg)
+    source = lambda sink: FilesSource(sink, tmp_path, cfg.node_name, poll_interval=0.1)  # noqa: E731
+    daemon = Daemon(cfg, fake, source, reconciler=NoConntrack())  # type: ignore[arg-type]
+    seen: list[tuple[int, float | None]] = []
+    synced = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
+
+    def hook() -> None:
+        seen.append((len(fake.syncs), daemon.metrics.value(synced, {"ip_family": "IPv4"})))
+        raise RuntimeError("a failing cleanup must not stop the proxy")
+
+    daemon.start(after_first_sync=hook)
+    try:
+        eventually(lambda: len(fake.syncs) >= 2 or bool(daemon.metrics.value(synced, {"ip_family": "IPv4"})))
+        daemon.runner.run()
+        eventually(lambda: len(fake.syncs) >= 2)
+        assert len(seen) == 1 and seen[0][0] == 1 and not seen[0][1]  # once, after sync 1, before it was reported
+        assert daemon.metrics.value(synced, {"ip_family": "IPv4"})
+    finally:
+        daemon.stop()
