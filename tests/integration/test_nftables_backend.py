@@ -346,7 +346,7 @@ def test_every_shape_through_full_partial_and_changed_restart(netns: str) -> Non
         finally:
             s.close()
         table = nft_list(netns, "list", "table", "ip", "kproxy")
-        assert "comment \"ns1/" not in table  # no element of any service is left
+        assert 'comment "ns1/' not in table  # no element of any service is left
         chains = [ln.split()[1] for ln in nft_list(netns, "list", "chains", "ip").splitlines() if "chain " in ln]
         assert sorted(chains) == sorted([*render.FIXED_CHAINS, render.layout_chain(IPFamily.V4)])
     finally:
