@@ -1,0 +1,58 @@
+"""The bpf mode: socket-level load balancing by cgroup programs that read BPF maps kproxy keeps current, plus a small
+nftables companion table for the packets no local socket sends.
+
+Modules: ``render`` (pure: ServicePort -> fragment of socket frontends and companion elements; the ordered plan of
+map writes; adoption's decoding), ``maps`` (byte layouts mirroring ``bpf/kproxy_lb.h``, pin names, batched ``bpf(2)``
+calls), ``loader`` (bcc compile, attach with BPF_F_ALLOW_MULTI, pin folder and cgroup per namespace), ``nft`` (the
+companion table), ``inspect`` (remnants, kernel_view, cleanup), ``proxier`` (``BpfProxier`` on the ledger).
+C sources: ``bpf/kproxy_sock.c`` (connect4/6, sendmsg4/6, recvmsg4/6, getpeername4/6) and ``bpf/kproxy_lb.h``.
+
+Maps (pinned in the pin folder, versioned names ``<role><4|6>_v1``; Cilium's and Calico's shape):
+- ``svc``: frontend address . port . protocol . slot -> slot 0 {count, flags (reject, drop, affinity, external),
+  affinity timeout, reverse-NAT id}, slots 1..count {backend id}. One frontend per ClusterIP, externalIP,
+  load-balancer IP, and NodePort on each of the node's NodePort addresses (so pods and host processes reach
+  ``<node IP>:<nodePort>`` by socket translation too).
+- ``be``: backend id -> address . port . protocol. Ids are per service (a backend of two services has two ids), so
+  an affinity entry whose backend id is gone is simply stale.
+- ``rev`` (LRU): socket cookie . backend -> frontend . reverse-NAT id, written by connect/sendmsg, read by recvmsg (UDP
+  replies come from the frontend) and getpeername; checked against the frontend's master entry on use.
+- ``aff`` (LRU): client network-namespace cookie . reverse-NAT id -> backend id, last use (ClientIP affinity for
+  sockets: there is no client address at connect time; a pod is a network namespace).
+- ``name``: reverse-NAT id -> ``ns/name:port/PROTO``, written by kproxy only: adoption, ``kproxy show`` and
+  ``kernel_view`` name what the maps hold.
+
+Map writes per batch (``render.plan_service``) in Cilium's safe order: new backends, names, slots, master entries
+(their counts last), then slots beyond the new counts and frontends gone, then backends no longer referenced. Only
+entries whose bytes change are written, each phase one ``BPF_MAP_UPDATE_BATCH`` / ``DELETE_BATCH`` call (batch calls
+are not atomic across elements, so the order is what keeps every intermediate state consistent).
+
+Semantics: no endpoints -> the connect (or UDP sendmsg) fails at once with ECONNREFUSED (``bpf_set_retval``); Local
+policy without local endpoints -> the socket is left untranslated and the companion table drops the packet (a
+timeout, as upstream's drop); ClientIP affinity with its timeout; traffic policies and terminating fallback come
+from the cache's endpoint choice. Local clients reaching an external address use the cluster endpoints (upstream's
+short-circuit for local traffic).
+
+The per-packet path: an nftables companion table, not a tc program. Packets that do not start in a socket of the
+node's cgroup (an external client to a NodePort, externalIP or LB IP; forwarded packets to a service address with no
+endpoints) go through ``kproxy-bpf``: ``ip daddr . meta l4proto . th dport vmap @svc`` and ``fib daddr type local``
+NodePorts, each element a verdict (``goto reject``, ``drop``, or an immutable per-service chain whose name carries
+the digest of its rules: masquerade mark for Cluster policy, ``dnat to numgen random mod K map {...}``; a firewall
+chain for loadBalancerSourceRanges). Why: (1) a tc program needs its own connection tracking for replies (un-DNAT,
+masquerade, ICMP errors for reject) - the kernel's conntrack and nat already do that per packet, correctly for
+fragments and ICMP; (2) plain ClusterIP services with endpoints, the bulk at scale, never enter the table (sockets
+serve them), so at 10,000 services x 10 endpoints the table holds nothing and the sync is map writes only (the bench
+figure); (3) the same datapath is measured for external traffic as the nftables mode's. Measured here: a partial
+sync of a ClusterIP service touches only the maps (no nft call at all).
+
+Where it deviates from upstream, and why:
+- ClusterIPs are load-balanced for sockets in the node's cgroup (its pods and host processes). A packet forwarded to
+  a ClusterIP with endpoints from outside the cluster is not translated (upstream DNATs and masquerades it): such
+  traffic is not a supported path of ClusterIPs; ClusterIPs with no endpoints are rejected for it, as upstream.
+- Affinity for sockets is per client network namespace (a pod), not per source address; the companion table has no
+  affinity for external clients.
+- loadBalancerSourceRanges are enforced for external packets; local sockets to a load-balancer IP are not filtered.
+- Connected UDP sockets keep the backend chosen at connect (as every socket LB); a client that reconnects, as the
+  probe does per attempt, reaches the current backends at once (the udp-conntrack scenario).
+
+Conformance scenarios not applicable to this mode: none.
+"""

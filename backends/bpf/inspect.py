@@ -1,0 +1,187 @@
+"""What the bpf mode left in the kernel, read from outside a running kproxy: ``remnants`` (pins, cgroup attachments,
+the companion table), ``kernel_view`` (the maps decoded per service port, like ``cilium bpf lb list``), and
+``cleanup`` (detach, unpin, delete the table).
+
+Where a kproxy's pins and cgroup are is decided by its options (``loader.places``). Because another mode's start-up
+(``cleanup_other_modes``) and ``kproxy cleanup`` call ``cleanup`` without the bpf options a node ran with, every
+kproxy records its places in ``/run/kproxy/bpf/net-<netns inode>.json``; ``cleanup`` and ``remnants`` without
+explicit options read that record.
+
+Who uses it: ``backends.bpf.proxier`` (its classmethod hooks), the conformance runner through them, tests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kproxy.model import IPFamily
+from kproxy.proxier import BackendError, KernelProbe
+
+from . import loader, maps, nft, render
+
+log = logging.getLogger(__name__)
+
+RECORDS = Path("/run/kproxy/bpf")
+
+
+def _record_path(netns: str | None) -> Path:
+    return RECORDS / f"net-{loader.netns_inode(netns)}.json"
+
+
+def record_places(p: loader.Places, netns: str | None) -> None:
+    """Remember where this namespace's kproxy keeps its maps and programs (for cleanup by another mode)."""
+    try:
+        RECORDS.mkdir(parents=True, exist_ok=True)
+        doc = {"pin_dir": str(p.pin_dir), "cgroup": str(p.cgroup), "own_cgroup": p.own_cgroup}
+        _record_path(netns).write_text(json.dumps(doc))
+    except OSError as exc:
+        log.warning("bpf: cannot record where the maps are (%s): cleanup by another mode may miss them", exc)
+
+
+def _places_for(options: Mapping[str, Any], netns: str | None) -> list[loader.Places]:
+    """The places the options name, plus the one this namespace's record names (when it differs)."""
+    out = [loader.places(options, netns)]
+    try:
+        doc = json.loads(_record_path(netns).read_text())
+        rec = loader.Places(Path(doc["pin_dir"]), Path(doc["cgroup"]), bool(doc["own_cgroup"]), out[0].map_size)
+        if rec.pin_dir != out[0].pin_dir or rec.cgroup != out[0].cgroup:
+            out.append(rec)
+    except (OSError, ValueError, KeyError):
+        pass
+    return out
+
+
+def _probe_netns(probe: KernelProbe) -> str | None:
+    ns = getattr(probe, "netns", None)
+    return str(ns) if ns else None
+
+
+def cleanup(options: Mapping[str, Any], netns: str | None) -> None:
+    """Detach kproxy's programs, remove its pins and default cgroup, delete the companion tables."""
+    errors = []
+    for p in _places_for(options, netns):
+        try:
+            loader.check_places(p)
+        except ValueError as exc:
+            errors.append(str(exc))
+            continue
+        try:
+            loader.detach_all(p.cgroup)
+        except Exception as exc:
+            errors.append(f"detach from {p.cgroup}: {exc}")
+        pin_dir = p.pin_real
+        if pin_dir.is_dir():
+            for f in pin_dir.iterdir():
+                if f.name in maps.all_pin_names() or f.name.startswith(("svc", "be", "rev", "aff", "name")):
+                    f.unlink(missing_ok=True)
+            try:
+                pin_dir.rmdir()
+            except OSError as exc:
+                errors.append(f"rmdir {pin_dir}: {exc}")
+        if p.own_cgroup and p.cgroup.is_dir():
+            try:
+                p.cgroup.rmdir()
+            except OSError as exc:  # processes still in it: leave the cgroup, its programs are detached
+                log.warning("bpf: cannot remove cgroup %s: %s", p.cgroup, exc)
+    try:
+        root = loader.host_view(loader.PIN_ROOT)
+        if root.is_dir() and not any(root.iterdir()):
+            root.rmdir()
+    except OSError:
+        pass
+    for fam in (IPFamily.V4, IPFamily.V6):
+        try:
+            nft.delete_table(fam, netns)
+        except nft.NftError as exc:
+            errors.append(f"nft: {exc}")
+    try:
+        _record_path(netns).unlink(missing_ok=True)
+    except OSError:
+        pass
+    if errors:
+        raise BackendError("bpf cleanup: " + "; ".join(errors))
+
+
+def remnants(probe: KernelProbe) -> list[str]:
+    """Pins, cgroup attachments of ``kp_*`` programs and the companion tables that are left, one line each."""
+    netns = _probe_netns(probe)
+    out: list[str] = []
+    for p in _places_for(probe.options, netns):
+        if p.pin_real.is_dir():
+            out += [f"pin {p.pin_dir / f.name}" for f in sorted(p.pin_real.iterdir())]
+        try:
+            progs = loader.ours(loader.attached(p.cgroup))
+        except RuntimeError as exc:
+            raise BackendError(str(exc)) from None
+        out += [f"cgroup {p.cgroup} {d.get('attach_type')} {d.get('name')} id {d.get('id')}" for d in progs]
+    for fam in ("ip", "ip6"):
+        res = probe.run(["nft", "list", "table", fam, render.TABLE])
+        if res.returncode == 0:
+            out += [f"nft {fam} {render.TABLE}: {ln.strip()}" for ln in res.stdout.splitlines() if ln.strip()]
+        elif "No such file" not in res.stderr and "does not exist" not in res.stderr:
+            raise BackendError(f"nft list table {fam} {render.TABLE}: {res.stderr.strip()}")
+    # tc: the mode attaches no tc programs (see backends/bpf/__init__.py); a kp_ filter would be a remnant all the same
+    res = probe.run(["tc", "-j", "filter", "show", "dev", "lo", "ingress"])
+    if res.returncode == 0 and "kp_" in res.stdout:
+        out.append(f"tc filter on lo: {res.stdout.strip()[:200]}")
+    return out
+
+
+def decode_maps(pin_dir: Path, family: IPFamily) -> dict[str, list[str]]:
+    """The pinned maps of one family decoded: service key -> lines (frontend, then each slot's backend)."""
+    ks = maps.key_sizes(family)
+    fds = {}
+    try:
+        for role in ("svc", "be", "name"):
+            fds[role] = maps.obj_get(str(pin_dir / maps.pin_name(role, family)))
+        svc = list(maps.lookup_all(fds["svc"], *ks["svc"]))
+        be = list(maps.lookup_all(fds["be"], *ks["be"]))
+        names = list(maps.lookup_all(fds["name"], *ks["name"]))
+    finally:
+        for fd in fds.values():
+            import os
+
+            os.close(fd)
+    index, view = render.index_from_kernel(family, svc, be, names)
+    out: dict[str, list[str]] = {}
+    for fk in sorted(index.fronts, key=lambda k: (k[0], k[1], k[2])):
+        st = index.fronts[fk]
+        name = index.rev_names.get(st.master.rev_nat_id, f"(rev_nat_id {st.master.rev_nat_id}, unnamed)")
+        m = st.master
+        verdict = "reject" if m.flags & maps.F_REJECT else "drop" if m.flags & maps.F_DROP else "forward"
+        front = f"[{fk[0]}]:{fk[1]}" if ":" in fk[0] else f"{fk[0]}:{fk[1]}"
+        lines = out.setdefault(name, [])
+        lines.append(
+            f"{front}/{maps.PROTO_NAMES.get(fk[2], fk[2])} {verdict} count={m.count} rev_nat={m.rev_nat_id}"
+            + (f" affinity={m.affinity}s" if m.flags & maps.F_AFFINITY else "")
+        )
+        for i, bid in enumerate(st.slots, start=1):
+            b = index.backends.get(bid)
+            addr = "(missing)" if b is None else (f"[{b[0]}]:{b[1]}" if ":" in b[0] else f"{b[0]}:{b[1]}")
+            lines.append(f"  {front} slot {i} -> backend {bid} {addr}")
+    return out
+
+
+def kernel_view(probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
+    """Every service port the node's pinned maps hold, with the companion table's elements of its addresses."""
+    netns = _probe_netns(probe)
+    p = loader.places(probe.options, netns)
+    if not p.pin_real.is_dir():
+        return {}
+    try:
+        return decode_maps(p.pin_real, family)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise BackendError(f"reading the bpf maps in {p.pin_dir}: {exc}") from None
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a pin folder with everything in it (tests' finalizers)."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,240 @@
+"""Compiling, loading and attaching the bpf mode's socket programs, and where they live: the pin folder and the
+cgroup (v2) they serve, chosen per network namespace unless the options name them.
+
+bpffs and cgroups belong to the whole machine, not to a network namespace, so every kproxy (a lab node, a benchmark,
+a test) needs a pin folder and a cgroup of its own: ``--bpf-pin-path`` and ``--bpf-cgroup-path`` name them; without
+them the defaults are keyed by the network namespace's inode (``/sys/fs/bpf/kproxy/net-<inode>`` and a child cgroup
+``kproxy-net-<inode>`` in a cgroup2 mount of kproxy's own at ``/run/kproxy/cgroup2``), so two namespaces never share
+maps and a restart in the same namespace finds its own. The default cgroup holds no process until someone puts them
+there: a real node passes the cgroup its pods run in (never the machine's root cgroup).
+
+Programs are loaded by bcc with their expected attach types and attached with BPF_F_ALLOW_MULTI (legacy
+``BPF_PROG_ATTACH``, so they stay attached when kproxy exits: a restart keeps serving). A new process loads its own
+copies, attaches them, then detaches the older ``kp_*`` programs from that cgroup: there is no moment without a
+program, and while both are attached the older one translates first and the newer one sees a backend address, which
+no frontend matches.
+
+Who uses it: ``backends.bpf.proxier`` (start), ``backends.bpf.inspect`` (remnants, cleanup).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kproxy.model import IPFamily
+
+from . import maps
+
+log = logging.getLogger(__name__)
+
+BPF_FS = Path("/sys/fs/bpf")
+PIN_ROOT = BPF_FS / "kproxy"
+CGROUP_ROOT = Path("/run/kproxy/cgroup2")
+SOURCE = Path(__file__).resolve().parent.parent.parent / "bpf" / "kproxy_sock.c"
+BPF_F_ALLOW_MULTI = 2
+DEFAULT_MAP_SIZE = 1 << 20  # 10,000 services x 50 endpoints need 510,000 service entries and 500,000 backends
+LRU_SIZE = 65536
+PROG_PREFIX = "kp_"
+
+#: program name -> (family, attach type name in bcc's BPFAttachType, bpftool's name for it)
+PROGRAMS: dict[str, tuple[IPFamily, str, str]] = {
+    "kp_connect4": (IPFamily.V4, "CGROUP_INET4_CONNECT", "connect4"),
+    "kp_sendmsg4": (IPFamily.V4, "CGROUP_UDP4_SENDMSG", "sendmsg4"),
+    "kp_recvmsg4": (IPFamily.V4, "CGROUP_UDP4_RECVMSG", "recvmsg4"),
+    "kp_getpeername4": (IPFamily.V4, "CGROUP_INET4_GETPEERNAME", "getpeername4"),
+    "kp_connect6": (IPFamily.V6, "CGROUP_INET6_CONNECT", "connect6"),
+    "kp_sendmsg6": (IPFamily.V6, "CGROUP_UDP6_SENDMSG", "sendmsg6"),
+    "kp_recvmsg6": (IPFamily.V6, "CGROUP_UDP6_RECVMSG", "recvmsg6"),
+    "kp_getpeername6": (IPFamily.V6, "CGROUP_INET6_GETPEERNAME", "getpeername6"),
+}
+ATTACH_TYPES = tuple(sorted({v[2] for v in PROGRAMS.values()}))
+
+
+#: a bind mount of the machine's bpffs outside /sys (see ``host_view``), made from the machine's mount namespace
+HOST_BPFFS = Path("/run/kproxy/bpffs")
+
+
+def _bpf_mounted(at: Path = BPF_FS) -> bool:
+    try:
+        with open("/proc/self/mounts") as f:
+            return any(ln.split()[1:3] == [str(at), "bpf"] for ln in f)
+    except OSError:
+        return False
+
+
+def ensure_host_bind() -> None:
+    """From a process that sees the machine's bpffs at /sys/fs/bpf (the lab, a test): bind it at ``HOST_BPFFS`` so
+    that processes started with ``ip netns exec`` (a fresh /sys without bpffs) reach the same bpffs there."""
+    if not _bpf_mounted(BPF_FS) or _bpf_mounted(HOST_BPFFS):
+        return
+    HOST_BPFFS.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(BPF_FS), str(HOST_BPFFS)], check=True, timeout=30)
+
+
+def host_view(path: Path) -> Path:
+    """``path`` (under /sys/fs/bpf) as this process reaches the machine's bpffs. ``ip netns exec`` gives its command a
+    mount namespace with a fresh /sys, where /sys/fs/bpf is not the machine's bpffs (a bpffs mounted there would be a
+    private instance whose pins vanish with the process); the bind mount at ``HOST_BPFFS``, when someone made it in
+    the machine's mount namespace (``ensure_host_bind``: the lab does), is the same bpffs."""
+    if not path.is_relative_to(BPF_FS) or _bpf_mounted(BPF_FS):
+        return path
+    if _bpf_mounted(HOST_BPFFS):
+        return HOST_BPFFS / path.relative_to(BPF_FS)
+    return path
+
+
+def netns_inode(netns: str | None) -> int:
+    path = f"/run/netns/{netns}" if netns else "/proc/self/ns/net"
+    return os.stat(path).st_ino
+
+
+@dataclass(frozen=True, slots=True)
+class Places:
+    """Where one kproxy's maps are pinned and which cgroup its programs serve; ``own_cgroup``: the default child
+    cgroup kproxy made itself (removed by cleanup)."""
+
+    pin_dir: Path
+    cgroup: Path
+    own_cgroup: bool
+    map_size: int
+
+    @property
+    def pin_real(self) -> Path:
+        """The pin folder as this process reaches it (see ``host_view``)."""
+        return host_view(self.pin_dir)
+
+    def pin(self, role: str, family: IPFamily) -> Path:
+        return self.pin_real / maps.pin_name(role, family)
+
+
+def places(options: Mapping[str, Any], netns: str | None = None) -> Places:
+    """The pin folder and cgroup for these options (or the per-namespace defaults)."""
+    size = int(options.get("bpf_map_size") or DEFAULT_MAP_SIZE)
+    pin = str(options.get("bpf_pin_path") or "")
+    cg = str(options.get("bpf_cgroup_path") or "")
+    ino = None
+    if not pin or not cg:
+        ino = netns_inode(netns)
+    pin_dir = Path(pin) if pin else PIN_ROOT / f"net-{ino}"
+    if cg:
+        return Places(pin_dir, Path(cg), False, size)
+    return Places(pin_dir, CGROUP_ROOT / f"kproxy-net-{ino}", True, size)
+
+
+def check_places(p: Places) -> None:
+    """Refuse the machine's shared places: bpffs itself, the cgroup v1/v2 roots."""
+    if p.pin_dir.resolve() in (BPF_FS, Path("/")):
+        raise ValueError(f"--bpf-pin-path {p.pin_dir}: a folder of kproxy's own is needed, not bpffs itself")
+    if p.cgroup.resolve() in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"), CGROUP_ROOT, Path("/")):
+        raise ValueError(f"--bpf-cgroup-path {p.cgroup}: never the machine's root cgroup")
+
+
+def _is_cgroup2(path: Path) -> bool:
+    try:
+        with open("/proc/self/mounts") as f:
+            return any(ln.split()[1] == str(path) and ln.split()[2] == "cgroup2" for ln in f)
+    except OSError:
+        return False
+
+
+def ensure_places(p: Places) -> None:
+    """Make the pin folder (mount bpffs when absent) and, for the default, kproxy's cgroup2 mount and child cgroup."""
+    check_places(p)
+    if p.pin_dir.is_relative_to(BPF_FS) and p.pin_real == p.pin_dir and not _bpf_mounted(BPF_FS):
+        # no way to the machine's bpffs from here (a benchmark under ip netns exec): a private bpffs, whose pins go
+        # away with this process's mount namespace
+        subprocess.run(["mount", "-t", "bpf", "bpf", str(BPF_FS)], check=True, timeout=30)
+    p.pin_real.mkdir(parents=True, exist_ok=True)
+    if p.own_cgroup:
+        CGROUP_ROOT.mkdir(parents=True, exist_ok=True)
+        if not _is_cgroup2(CGROUP_ROOT):
+            subprocess.run(["mount", "-t", "cgroup2", "none", str(CGROUP_ROOT)], check=True, timeout=30)
+        p.cgroup.mkdir(exist_ok=True)
+    elif not p.cgroup.is_dir():
+        raise FileNotFoundError(f"--bpf-cgroup-path {p.cgroup}: no such cgroup")
+
+
+def pins_present(p: Places) -> bool:
+    return all(p.pin(r, f).exists() for f in (IPFamily.V4, IPFamily.V6) for r in maps.ROLES)
+
+
+def compile_programs(p: Places) -> Any:
+    """bcc-compile bpf/kproxy_sock.c against the pin folder (creating or reopening the pinned maps); the BPF object."""
+    from bcc import BPF  # type: ignore[import-not-found,unused-ignore]
+
+    cflags = [
+        f"-I{SOURCE.parent}",
+        f"-DKP_SVC_MAX={p.map_size}",
+        f"-DKP_BE_MAX={p.map_size}",
+        f"-DKP_LRU_MAX={LRU_SIZE}",
+    ]
+    for fam in (IPFamily.V4, IPFamily.V6):
+        for role in maps.ROLES:
+            macro = f"KP_PIN_{role.upper()}{4 if fam == IPFamily.V4 else 6}"
+            cflags.append(f'-D{macro}="{p.pin(role, fam)}"')
+    t0 = time.perf_counter()
+    b = BPF(text=SOURCE.read_text(), cflags=cflags)
+    log.info("bpf: compiled %s in %.2f s (maps pinned in %s)", SOURCE.name, time.perf_counter() - t0, p.pin_dir)
+    return b
+
+
+def attached(cgroup: Path) -> list[dict[str, Any]]:
+    """Programs attached to ``cgroup`` itself (bpftool), each ``{"id", "attach_type", "name"}``."""
+    res = subprocess.run(
+        ["bpftool", "-j", "cgroup", "show", str(cgroup)], capture_output=True, text=True, timeout=30, check=False
+    )
+    if res.returncode != 0:
+        if not cgroup.exists():
+            return []
+        raise RuntimeError(f"bpftool cgroup show {cgroup}: {res.stderr.strip()}")
+    doc = json.loads(res.stdout.strip() or "[]")
+    return [d for d in doc if isinstance(d, dict)]
+
+
+def detach_ids(cgroup: Path, progs: list[dict[str, Any]]) -> None:
+    for d in progs:
+        subprocess.run(
+            ["bpftool", "cgroup", "detach", str(cgroup), str(d["attach_type"]), "id", str(d["id"])],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+
+def ours(progs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in progs if str(d.get("name", "")).startswith(PROG_PREFIX) and d.get("name") in PROGRAMS]
+
+
+def load_and_attach(b: Any, cgroup: Path) -> list[str]:
+    """Load every program with its expected attach type, attach it to ``cgroup`` (ALLOW_MULTI), then detach the
+    ``kp_*`` programs that were there before; the names attached."""
+    from bcc import BPF, BPFAttachType, BPFProgType  # type: ignore[import-not-found,unused-ignore]
+
+    before = ours(attached(cgroup))
+    fd = os.open(str(cgroup), os.O_RDONLY | os.O_DIRECTORY)
+    done = []
+    try:
+        for name, (_fam, at_name, _short) in PROGRAMS.items():
+            at = getattr(BPFAttachType, at_name)
+            fn = b.load_func(name, BPFProgType.CGROUP_SOCK_ADDR, attach_type=at)
+            BPF.attach_func(fn, fd, at, BPF_F_ALLOW_MULTI)
+            done.append(name)
+    finally:
+        os.close(fd)
+    detach_ids(cgroup, before)
+    return done
+
+
+def detach_all(cgroup: Path) -> None:
+    """Detach every ``kp_*`` program from ``cgroup``."""
+    if cgroup.is_dir():
+        detach_ids(cgroup, ours(attached(cgroup)))

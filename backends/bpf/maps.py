@@ -1,0 +1,353 @@
+"""The BPF maps of the bpf mode from Python: byte layouts mirroring ``bpf/kproxy_lb.h``, pin names, and the few
+``bpf(2)`` commands kproxy needs (open a pin, batched update/delete/lookup), called directly through libc.
+
+Why not bcc's table objects: a sync writes up to 110,000 entries, and building a ctypes object per entry costs more
+than the kernel's work; here the keys and values of a batch are ``struct.pack``ed into one buffer each and handed to
+``BPF_MAP_UPDATE_BATCH`` in one syscall. And tools that only read the maps (``kernel_view``, ``remnants``,
+adoption after a restart) open the pins without compiling anything (bcc needs ~2 s of clang for that).
+
+The ctypes ``Structure`` mirrors (``Lb4Key`` ...) exist for the unit tests, which check that every ``struct`` format
+here has the size and field offsets of the C header; encoding uses ``struct`` for speed.
+
+Who uses it: ``backends.bpf.proxier`` (apply, adopt), ``backends.bpf.inspect`` (kernel_view), ``backends.bpf.loader``
+(pin names), tests/unit/test_bpf_maps.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import socket
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kproxy.model import IPFamily
+
+#: bumped whenever a layout in bpf/kproxy_lb.h changes: every pinned map gets a new name, so a new layout never
+#: silently reuses an old map (bcc does not check the type of a pinned map it reopens)
+MAPS_VERSION = "v1"
+
+F_REJECT = 0x01
+F_DROP = 0x02
+F_AFFINITY = 0x04
+F_EXTERNAL = 0x08
+
+PROTO_NUMBERS = {"TCP": 6, "UDP": 17, "SCTP": 132}
+PROTO_NAMES = {v: k for k, v in PROTO_NUMBERS.items()}
+
+# struct formats (little-endian host fields, network-order address and port bytes), see bpf/kproxy_lb.h
+LB4_KEY = struct.Struct("<4s2sHB3x")  # address, dport, slot, proto
+LB6_KEY = struct.Struct("<16s2sHB3x")
+LB_SERVICE = struct.Struct("<IIHHB3x")  # backend_id, affinity_timeout, count, rev_nat_id, flags
+LB4_BACKEND = struct.Struct("<4s2sBB")  # address, port, proto, flags
+LB6_BACKEND = struct.Struct("<16s2sBB")
+BACKEND_ID = struct.Struct("<I")
+REV4_KEY = struct.Struct("<Q4s2sH")
+REV4_VAL = struct.Struct("<4s2sH")
+REV6_KEY = struct.Struct("<Q16s2sH")
+REV6_VAL = struct.Struct("<16s2sH")
+AFF_KEY = struct.Struct("<QHHI")
+AFF_VAL = struct.Struct("<QII")
+NAME_KEY = struct.Struct("<I")
+NAME_VAL = struct.Struct("128s")
+
+
+class Lb4Key(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [
+        ("address", ctypes.c_uint8 * 4),
+        ("dport", ctypes.c_uint8 * 2),
+        ("slot", ctypes.c_uint16),
+        ("proto", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 3),
+    ]
+
+
+class Lb6Key(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [
+        ("address", ctypes.c_uint32 * 4),
+        ("dport", ctypes.c_uint8 * 2),
+        ("slot", ctypes.c_uint16),
+        ("proto", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 3),
+    ]
+
+
+class LbService(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [
+        ("backend_id", ctypes.c_uint32),
+        ("affinity_timeout", ctypes.c_uint32),
+        ("count", ctypes.c_uint16),
+        ("rev_nat_id", ctypes.c_uint16),
+        ("flags", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 3),
+    ]
+
+
+class Lb4Backend(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [
+        ("address", ctypes.c_uint8 * 4),
+        ("port", ctypes.c_uint8 * 2),
+        ("proto", ctypes.c_uint8),
+        ("flags", ctypes.c_uint8),
+    ]
+
+
+class Lb6Backend(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [
+        ("address", ctypes.c_uint32 * 4),
+        ("port", ctypes.c_uint8 * 2),
+        ("proto", ctypes.c_uint8),
+        ("flags", ctypes.c_uint8),
+    ]
+
+
+class Rev4Key(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [
+        ("cookie", ctypes.c_uint64),
+        ("address", ctypes.c_uint8 * 4),
+        ("port", ctypes.c_uint8 * 2),
+        ("pad", ctypes.c_uint16),
+    ]
+
+
+class AffKey(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [
+        ("client_cookie", ctypes.c_uint64),
+        ("rev_nat_id", ctypes.c_uint16),
+        ("pad", ctypes.c_uint16),
+        ("pad2", ctypes.c_uint32),
+    ]
+
+
+class AffVal(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("last_used", ctypes.c_uint64), ("backend_id", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+
+
+#: each struct format with its ctypes mirror (the unit tests compare sizes and offsets)
+MIRRORS: tuple[tuple[struct.Struct, type[ctypes.Structure]], ...] = (
+    (LB4_KEY, Lb4Key),
+    (LB6_KEY, Lb6Key),
+    (LB_SERVICE, LbService),
+    (LB4_BACKEND, Lb4Backend),
+    (LB6_BACKEND, Lb6Backend),
+    (REV4_KEY, Rev4Key),
+    (AFF_KEY, AffKey),
+    (AFF_VAL, AffVal),
+)
+
+# ------------------------------------------------------------------------------------------------- pin names
+
+#: the maps of one family: role -> C name stem (the pin is ``<stem><4|6>_<MAPS_VERSION>``)
+ROLES = ("svc", "be", "rev", "aff", "name")
+
+
+def pin_name(role: str, family: IPFamily) -> str:
+    return f"{role}{4 if family == IPFamily.V4 else 6}_{MAPS_VERSION}"
+
+
+def all_pin_names() -> tuple[str, ...]:
+    return tuple(pin_name(r, f) for f in (IPFamily.V4, IPFamily.V6) for r in ROLES)
+
+
+# ------------------------------------------------------------------------------------------------ encoding
+
+
+def addr_bytes(ip: str) -> bytes:
+    return socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
+
+
+def addr_text(raw: bytes) -> str:
+    return socket.inet_ntop(socket.AF_INET6 if len(raw) == 16 else socket.AF_INET, raw)
+
+
+def port_bytes(port: int) -> bytes:
+    return port.to_bytes(2, "big")
+
+
+@dataclass(frozen=True, slots=True)
+class Master:
+    """A frontend's slot-0 entry."""
+
+    count: int
+    flags: int
+    affinity: int
+    rev_nat_id: int
+
+
+def lb_key(family: IPFamily, address: str, port: int, proto: int, slot: int) -> bytes:
+    fmt = LB4_KEY if family == IPFamily.V4 else LB6_KEY
+    return fmt.pack(addr_bytes(address), port_bytes(port), slot, proto)
+
+
+def decode_lb_key(family: IPFamily, raw: bytes) -> tuple[str, int, int, int]:
+    """(address, port, proto, slot)."""
+    fmt = LB4_KEY if family == IPFamily.V4 else LB6_KEY
+    a, p, slot, proto = fmt.unpack(raw)
+    return addr_text(a), int.from_bytes(p, "big"), proto, slot
+
+
+def master_value(m: Master) -> bytes:
+    return LB_SERVICE.pack(0, m.affinity, m.count, m.rev_nat_id, m.flags)
+
+
+def slot_value(backend_id: int) -> bytes:
+    return LB_SERVICE.pack(backend_id, 0, 0, 0, 0)
+
+
+def decode_service(raw: bytes) -> tuple[int, int, int, int, int]:
+    """(backend_id, affinity_timeout, count, rev_nat_id, flags)."""
+    return LB_SERVICE.unpack(raw)  # type: ignore[return-value]
+
+
+def backend_key(backend_id: int) -> bytes:
+    return BACKEND_ID.pack(backend_id)
+
+
+def backend_value(family: IPFamily, address: str, port: int, proto: int) -> bytes:
+    fmt = LB4_BACKEND if family == IPFamily.V4 else LB6_BACKEND
+    return fmt.pack(addr_bytes(address), port_bytes(port), proto, 0)
+
+
+def decode_backend(family: IPFamily, raw: bytes) -> tuple[str, int, int]:
+    """(address, port, proto)."""
+    fmt = LB4_BACKEND if family == IPFamily.V4 else LB6_BACKEND
+    a, p, proto, _flags = fmt.unpack(raw)
+    return addr_text(a), int.from_bytes(p, "big"), proto
+
+
+def key_sizes(family: IPFamily) -> dict[str, tuple[int, int]]:
+    """role -> (key size, value size)."""
+    v4 = family == IPFamily.V4
+    return {
+        "svc": ((LB4_KEY if v4 else LB6_KEY).size, LB_SERVICE.size),
+        "be": (BACKEND_ID.size, (LB4_BACKEND if v4 else LB6_BACKEND).size),
+        "rev": ((REV4_KEY if v4 else REV6_KEY).size, (REV4_VAL if v4 else REV6_VAL).size),
+        "aff": (AFF_KEY.size, AFF_VAL.size),
+        "name": (NAME_KEY.size, NAME_VAL.size),
+    }
+
+
+def name_key(rev_nat_id: int) -> bytes:
+    return NAME_KEY.pack(rev_nat_id)
+
+
+def name_value(text: str) -> bytes:
+    return NAME_VAL.pack(text.encode()[:127])
+
+
+def decode_name(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+
+# ------------------------------------------------------------------------------------------------ bpf(2)
+
+_SYS_BPF = 321  # x86_64
+_BPF_MAP_LOOKUP_ELEM = 1
+_BPF_OBJ_GET = 7
+_BPF_MAP_LOOKUP_BATCH = 24
+_BPF_MAP_UPDATE_BATCH = 26
+_BPF_MAP_DELETE_BATCH = 27
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class BpfError(OSError):
+    """A bpf(2) command failed; ``errno`` says why (E2BIG: a map is full)."""
+
+
+def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
+    ret = int(_libc.syscall(_SYS_BPF, cmd, attr, len(attr)))
+    if ret < 0:
+        e = ctypes.get_errno()
+        raise BpfError(e, os.strerror(e))
+    return ret
+
+
+def obj_get(path: str) -> int:
+    """An fd for the map pinned at ``path`` (FileNotFoundError when there is none)."""
+    p = ctypes.create_string_buffer(path.encode())
+    attr = ctypes.create_string_buffer(struct.pack("<QII", ctypes.addressof(p), 0, 0), 120)
+    try:
+        return _bpf(_BPF_OBJ_GET, attr)
+    except BpfError as exc:
+        if exc.errno == errno.ENOENT:
+            raise FileNotFoundError(errno.ENOENT, "no pinned map", path) from None
+        raise
+
+
+def _batch_attr(fd: int, keys: int, values: int, count: int, in_b: int = 0, out_b: int = 0) -> ctypes.Array[ctypes.c_char]:
+    return ctypes.create_string_buffer(struct.pack("<QQQQIIQQ", in_b, out_b, keys, values, count, fd, 0, 0), 120)
+
+
+def update_batch(fd: int, keys: Sequence[bytes], values: Sequence[bytes], chunk: int = 65536) -> None:
+    """Write ``keys[i] -> values[i]`` in as few BPF_MAP_UPDATE_BATCH calls as the chunk size allows."""
+    for i in range(0, len(keys), chunk):
+        kb = ctypes.create_string_buffer(b"".join(keys[i : i + chunk]))
+        vb = ctypes.create_string_buffer(b"".join(values[i : i + chunk]))
+        n = min(chunk, len(keys) - i)
+        _bpf(_BPF_MAP_UPDATE_BATCH, _batch_attr(fd, ctypes.addressof(kb), ctypes.addressof(vb), n))
+
+
+def delete_batch(fd: int, keys: Sequence[bytes], chunk: int = 65536) -> None:
+    """Delete ``keys`` (missing ones are an error of the kernel's: ENOENT; callers delete what they know exists)."""
+    for i in range(0, len(keys), chunk):
+        kb = ctypes.create_string_buffer(b"".join(keys[i : i + chunk]))
+        n = min(chunk, len(keys) - i)
+        _bpf(_BPF_MAP_DELETE_BATCH, _batch_attr(fd, ctypes.addressof(kb), 0, n))
+
+
+def lookup_all(fd: int, key_size: int, value_size: int, chunk: int = 16384) -> Iterator[tuple[bytes, bytes]]:
+    """Every (key, value) of a hash map, by BPF_MAP_LOOKUP_BATCH (no order)."""
+    kb = ctypes.create_string_buffer(key_size * chunk)
+    vb = ctypes.create_string_buffer(value_size * chunk)
+    in_b = ctypes.create_string_buffer(8)
+    out_b = ctypes.create_string_buffer(8)
+    first = True
+    while True:
+        attr = _batch_attr(
+            fd,
+            ctypes.addressof(kb),
+            ctypes.addressof(vb),
+            chunk,
+            0 if first else ctypes.addressof(in_b),
+            ctypes.addressof(out_b),
+        )
+        done = False
+        try:
+            _bpf(_BPF_MAP_LOOKUP_BATCH, attr)
+        except BpfError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            done = True
+        count = struct.unpack_from("<I", attr.raw, 32)[0]
+        kraw, vraw = kb.raw, vb.raw
+        for i in range(count):
+            yield kraw[i * key_size : (i + 1) * key_size], vraw[i * value_size : (i + 1) * value_size]
+        if done:
+            return
+        ctypes.memmove(in_b, out_b, 8)
+        first = False
+
+
+def lookup(fd: int, key: bytes, value_size: int) -> bytes | None:
+    kb = ctypes.create_string_buffer(key)
+    vb = ctypes.create_string_buffer(value_size)
+    attr = ctypes.create_string_buffer(struct.pack("<I4xQQQ", fd, ctypes.addressof(kb), ctypes.addressof(vb), 0), 120)
+    try:
+        _bpf(_BPF_MAP_LOOKUP_ELEM, attr)
+    except BpfError as exc:
+        if exc.errno == errno.ENOENT:
+            return None
+        raise
+    return vb.raw[:value_size]

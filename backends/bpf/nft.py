@@ -1,0 +1,118 @@
+"""The bpf mode's nftables companion table (``kproxy-bpf`` in ``ip`` and ``ip6``): running its transactions and
+reading it back. The table carries only what the socket programs cannot see (packets that do not start in a socket of
+the node's cgroup: external clients to NodePorts, externalIPs and load-balancer IPs, forwarded packets to a ClusterIP
+with no endpoints); see ``backends/bpf/__init__.py`` for why it is nftables and not a tc program.
+
+In the caller's network namespace libnftables runs in-process (``nftables.Nftables().cmd``); for a named namespace
+(tests) the ``nft`` command runs under ``ip netns exec``. Transactions are small (a service's elements), so neither
+is on the hot path of a sync of plain ClusterIP services, which never touches this table.
+
+Who uses it: ``backends.bpf.proxier`` and ``backends.bpf.inspect``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+from kproxy.model import IPFamily
+
+from .render import TABLE
+
+
+class NftError(RuntimeError):
+    pass
+
+
+def _ip(family: IPFamily) -> str:
+    return "ip" if family == IPFamily.V4 else "ip6"
+
+
+def run(text: str, netns: str | None = None, *, json_out: bool = False) -> str:
+    """Run ``text`` as one nft transaction (or a listing); the output; NftError with nft's message on failure."""
+    if netns is None:
+        import nftables  # type: ignore[import-not-found,unused-ignore]
+
+        nft = nftables.Nftables()
+        nft.set_json_output(json_out)
+        rc, out, err = nft.cmd(text)
+        if rc != 0:
+            raise NftError(err.strip() or f"nft failed ({rc})")
+        return str(out)
+    argv = ["ip", "netns", "exec", netns, "nft"] + (["-j"] if json_out else [])
+    listing = text.startswith("list ") and "\n" not in text.strip()
+    # nft prints a listing's JSON only when the command is given on the command line, not through -f
+    argv += text.split() if listing else ["-f", "-"]
+    res = subprocess.run(argv, input=None if listing else text, capture_output=True, text=True, timeout=60, check=False)
+    if res.returncode != 0:
+        raise NftError(res.stderr.strip() or f"nft failed ({res.returncode})")
+    return res.stdout
+
+
+@dataclass(frozen=True, slots=True)
+class NftView:
+    """What the companion table of one family holds: chain names and map elements as (map, key, verdict) text, in
+    the spelling ``render.render_nft`` uses. ``present`` is False when there is no table."""
+
+    present: bool
+    chains: frozenset[str]
+    elements: frozenset[tuple[str, str, str]]
+
+
+def _key_text(val: Any) -> str:
+    if isinstance(val, dict) and "concat" in val:
+        return " . ".join(_key_text(v) for v in val["concat"])
+    return str(val)
+
+
+def _verdict_text(data: Any) -> str:
+    if isinstance(data, dict):
+        for verb in ("goto", "jump"):
+            if verb in data:
+                return f"{verb} {data[verb]['target']}"
+        for verb in ("drop", "accept", "return"):
+            if verb in data:
+                return verb
+    return str(data)
+
+
+def read(family: IPFamily, netns: str | None = None) -> NftView:
+    """The table's chains and elements (one listing of a small table)."""
+    try:
+        out = run(f"list table {_ip(family)} {TABLE}", netns, json_out=True)
+    except NftError as exc:
+        if "No such file" in str(exc) or "does not exist" in str(exc):
+            return NftView(False, frozenset(), frozenset())
+        raise
+    doc = json.loads(out or "{}")
+    chains: set[str] = set()
+    elements: set[tuple[str, str, str]] = set()
+    for item in doc.get("nftables", []):
+        if "chain" in item:
+            chains.add(item["chain"]["name"])
+        elif "map" in item:
+            m = item["map"]
+            for el in m.get("elem", []) or []:
+                if isinstance(el, list) and len(el) == 2:
+                    k, v = el
+                    if isinstance(k, dict) and "elem" in k:
+                        k = k["elem"]["val"]
+                    elements.add((m["name"], _key_text(k), _verdict_text(v)))
+    return NftView(True, frozenset(chains), frozenset(elements))
+
+
+def delete_table(family: IPFamily, netns: str | None = None) -> None:
+    """Remove the family's companion table (nothing when it does not exist)."""
+    t = f"{_ip(family)} {TABLE}"
+    run(f"add table {t}\ndelete table {t}", netns)
+
+
+def table_lines(family: IPFamily, netns: str | None = None) -> list[str]:
+    """``nft list table`` of the companion table, one line per line ([] when absent), for remnants and show."""
+    try:
+        out = run(f"list table {_ip(family)} {TABLE}", netns)
+    except NftError:
+        return []
+    return [ln.strip() for ln in out.splitlines() if ln.strip()]

@@ -1,0 +1,494 @@
+"""``BpfProxier``: the bpf mode on the core's ledger. A service's fragment is its socket frontends (the service-map
+entries the programs read) and its share of the nftables companion table; ``apply`` turns a batch of fragment changes
+into one ordered plan of map writes (``render.plan_service``), executed as a few ``BPF_MAP_*_BATCH`` calls, and one
+nft transaction when the companion part changed.
+
+Loading: ``start()`` compiles and attaches the programs (bcc, ~2 s); a sync without ``start()`` (``kproxy bench
+sync``, tests of the maps alone) opens the pinned maps, compiling only when the pins do not exist yet. ``__init__``
+touches nothing.
+
+Adoption (full batches): the service, backend and names maps are read back (``maps.lookup_all``) and decoded; a service
+whose frontends, backends and flags match, under a reverse-NAT id the names map gives to it, is not rewritten, so a
+restart with nothing changed writes nothing. Frontends and backends nobody wants are removed at the end of a full
+batch. kproxy's index of the maps (``render.FamilyIndex``) is the allocator of backend and reverse-NAT ids; when a
+write fails the index is dropped and the next full sync rebuilds it from the kernel.
+
+Capacity (cilium#12815: a full LB map fails silently there): before writing, a service whose entries would not fit in
+``--bpf-map-size`` is refused with the reason (the ledger keeps its old version or leaves it out, reports it in
+``failed``), and ``kproxy_bpf_services_refused_total`` counts it.
+
+Who uses it: the daemon (through the ``bpf`` entry point), ``kproxy bench sync --mode bpf``, the conformance suite,
+tests/unit/test_bpf_*.py and tests/integration/test_bpf_*.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from kproxy.config import ProxyConfig
+from kproxy.ledger import Applied, Batch, LedgerProxier
+from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
+from kproxy.nodeaddr import FamilyContext
+from kproxy.proxier import Availability, KernelProbe, LabNodeSpec, Option
+
+from . import inspect, loader, maps, nft, render
+from .render import Context, FamilyIndex, Fragment, Plan
+
+log = logging.getLogger(__name__)
+
+NEEDS_FULL_CHECK_S = 1.0
+
+
+@dataclass
+class Adopted:
+    """What ``adopt`` read: the rebuilt index, the decoded view, reverse-NAT id use counts, the companion table."""
+
+    index: FamilyIndex
+    view: render.View
+    rev_counts: Counter[int]
+    nft: nft.NftView
+
+
+class BpfProxier(LedgerProxier[Fragment, Context]):
+    """The bpf mode (see ``backends/bpf/__init__.py``)."""
+
+    mode: ClassVar[str] = "bpf"
+    # the socket path translates before conntrack sees anything, but the companion table NATs external traffic
+    uses_conntrack_nat: ClassVar[bool] = True
+    options: ClassVar[tuple[Option, ...]] = (
+        Option(
+            "bpf_cgroup_path",
+            str,
+            "",
+            "cgroup (v2) whose processes' sockets are load-balanced (the node's pods and host processes); default: "
+            "a child cgroup of kproxy's own per network namespace (never the machine's root cgroup)",
+        ),
+        Option(
+            "bpf_pin_path",
+            str,
+            "",
+            "bpffs folder for the pinned maps; default /sys/fs/bpf/kproxy/net-<netns inode>",
+        ),
+        Option(
+            "bpf_map_size",
+            int,
+            loader.DEFAULT_MAP_SIZE,
+            "entries of the service and backend maps (default holds 10,000 services x 50 endpoints); a service "
+            "that does not fit is refused with the reason and counted in kproxy_bpf_services_refused_total",
+        ),
+    )
+
+    def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
+        super().__init__(config, netns=netns)
+        self._places: loader.Places | None = None
+        self._bpf: Any = None
+        self._fds: dict[tuple[str, IPFamily], int] = {}
+        self._index: dict[IPFamily, FamilyIndex | None] = {f: None for f in self.families}
+        self._nft_ready: dict[IPFamily, bool] = {f: False for f in self.families}
+        self._last_check = 0.0
+        self._refused_total: Counter[tuple[str, str]] = Counter()
+        self._metric_refused: Any = None
+        self._metric_entries: Any = None
+        self._counts: dict[str, int] = {}
+        self.attached: list[str] = []
+
+    # -- hooks ----------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def available(cls) -> Availability:
+        try:
+            import bcc  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
+        except Exception as exc:  # bcc raises OSError when libbcc is missing
+            return Availability(False, f"bcc (python3-bpfcc) is not importable: {type(exc).__name__}: {exc}")
+        if os.geteuid() != 0:
+            return Availability(False, "the bpf mode needs root (bpf(2), cgroup attachments)")
+        release = os.uname().release
+        if not Path(f"/lib/modules/{release}/build").exists() and not Path("/sys/kernel/kheaders.tar.xz").exists():
+            return Availability(False, f"no kernel headers for bcc: /lib/modules/{release}/build is missing")
+        if not Path("/sys/kernel/btf/vmlinux").exists():
+            return Availability(False, "the kernel has no BTF (/sys/kernel/btf/vmlinux): too old for the bpf mode")
+        return Availability(True)
+
+    @classmethod
+    def not_applicable(cls, options: Mapping[str, Any]) -> Mapping[str, str]:
+        return MappingProxyType({})
+
+    @classmethod
+    def lab_options(cls, node: LabNodeSpec, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The node's own cgroup, and a pin folder keyed by the node's namespace (never the host's folder)."""
+        # the node's kproxy runs under `ip netns exec` (a fresh /sys): it reaches the machine's bpffs through this
+        loader.ensure_host_bind()
+        out: dict[str, Any] = {}
+        if node.cgroup is not None and "bpf_cgroup_path" not in options:
+            out["bpf_cgroup_path"] = str(node.cgroup)
+        if "bpf_pin_path" not in options:
+            out["bpf_pin_path"] = str(loader.PIN_ROOT / f"lab-{node.netns}")
+        return out
+
+    @classmethod
+    def remnants(cls, probe: KernelProbe) -> list[str]:
+        return inspect.remnants(probe)
+
+    @classmethod
+    def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
+        return inspect.kernel_view(probe, family)
+
+    @classmethod
+    def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
+        inspect.cleanup(config.backend_options, netns)
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def _where(self) -> loader.Places:
+        if self._places is None:
+            self._places = loader.places(self.option_values(self.config.backend_options), self.netns)
+        return self._places
+
+    def _ensure_maps(self) -> None:
+        if self._fds:
+            return
+        p = self._where()
+        loader.ensure_places(p)
+        inspect.record_places(p, self.netns)
+        if not loader.pins_present(p) and self._bpf is None:
+            self._bpf = loader.compile_programs(p)
+        for fam in (IPFamily.V4, IPFamily.V6):
+            for role in maps.ROLES:
+                self._fds[(role, fam)] = maps.obj_get(str(p.pin(role, fam)))
+
+    def start(self) -> None:
+        """Compile the programs, pin or reopen the maps, attach to the cgroup (replacing an older kproxy's copies)."""
+        p = self._where()
+        loader.ensure_places(p)
+        inspect.record_places(p, self.netns)
+        if self._bpf is None:
+            self._bpf = loader.compile_programs(p)
+        self._ensure_maps()
+        self.attached = loader.load_and_attach(self._bpf, p.cgroup)
+        log.info("bpf: attached %s to %s", ", ".join(self.attached), p.cgroup)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+        if self._bpf is not None:
+            try:
+                self._bpf.close()
+            except Exception:  # closing fds of programs the cgroup still holds
+                pass
+            self._bpf = None
+
+    def cleanup(self) -> None:
+        self.close()
+        super().cleanup()
+        self._index = {f: None for f in self.families}
+        self._nft_ready = {f: False for f in self.families}
+
+    # -- ledger hooks ---------------------------------------------------------------------------------------------
+
+    def context(self, node: FamilyContext, state: ProxyState) -> Context:
+        return Context(node.family, tuple(sorted(node.nodeport_addresses)))
+
+    def render(self, sp: ServicePort, ctx: Context) -> Fragment:
+        return render.render(sp, ctx)
+
+    def adopt(self, family: IPFamily, ctx: Context) -> Adopted:
+        self._ensure_maps()
+        ks = maps.key_sizes(family)
+        entries = {
+            role: maps.lookup_all(self._fds[(role, family)], *ks[role]) for role in ("svc", "be", "name")
+        }
+        index, view = render.index_from_kernel(family, entries["svc"], entries["be"], entries["name"])
+        counts = Counter(v[3] for v in view.values())
+        return Adopted(index, view, counts, nft.read(family, self.netns))
+
+    def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: Fragment) -> bool:
+        a: Adopted = adopted
+        if not render.unchanged(a.index, a.view, a.rev_counts, name, fragment):
+            return False
+        if not a.nft.present and fragment.nft.empty:
+            return True
+        return all(c in a.nft.chains for c, _ in fragment.nft.chains) and all(
+            e in a.nft.elements for e in fragment.nft.elements
+        )
+
+    def needs_full(self, family: IPFamily) -> bool:
+        now = time.monotonic()
+        if now - self._last_check < NEEDS_FULL_CHECK_S:
+            return False
+        self._last_check = now
+        p = self._where()
+        return not loader.pins_present(p)
+
+    def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
+        return render.summary(fragment)
+
+    def detail_global(self) -> dict[str, Any]:
+        p = self._places
+        return {
+            "pinPath": str(p.pin_dir) if p else None,
+            "cgroup": str(p.cgroup) if p else None,
+            "mapSize": p.map_size if p else None,
+            "attached": list(self.attached),
+            "counts": dict(self._counts),
+        }
+
+    # -- apply ----------------------------------------------------------------------------------------------------
+
+    def _capacity(self, batch: Batch[Fragment, Context], index: FamilyIndex) -> dict[ServicePortName, str]:
+        """Services whose entries would not fit in the maps: refused before anything is written."""
+        size = self._where().map_size
+        refused: dict[ServicePortName, str] = {}
+        if batch.full:
+            svc = be = 0
+            for name in sorted(batch.wanted):
+                frag = batch.wanted[name]
+                if svc + frag.entries > size or be + frag.backend_count > size:
+                    refused[name] = (
+                        f"bpf maps full: the service map holds {size} entries (--bpf-map-size), "
+                        f"{svc} taken, this service needs {frag.entries}"
+                    )
+                    continue
+                svc += frag.entries
+                be += frag.backend_count
+            return refused
+        svc = index.svc_entries
+        be = len(index.backends)
+        for d in batch.deltas:
+            old = d.old_fragment
+            svc -= old.entries if old is not None else 0
+            be -= old.backend_count if old is not None else 0
+        for d in batch.deltas:
+            new = d.new_fragment
+            if new is None:
+                continue
+            if svc + new.entries > size or be + new.backend_count > size:
+                refused[d.name] = (
+                    f"bpf maps full: the service map holds {size} entries (--bpf-map-size), "
+                    f"{svc} taken, this service needs {new.entries}"
+                )
+                continue
+            svc += new.entries
+            be += new.backend_count
+        return refused
+
+    def apply(self, batch: Batch[Fragment, Context]) -> Applied:
+        fam = batch.family
+        t0 = time.perf_counter()
+        self._ensure_maps()
+        adopted: Adopted | None = batch.adopted
+        if batch.full:
+            index = adopted.index if adopted is not None else self.adopt(fam, batch.context).index
+        else:
+            cur = self._index[fam]
+            if cur is None:
+                return Applied(ok=False, error="the map index is unknown after a failure: a full sync rebuilds it")
+            index = cur
+        refused = self._capacity(batch, index)
+        if refused:
+            for _name, why in refused.items():
+                self._refused_total[(fam.value, "map_full")] += 1
+                if self._metric_refused is not None:
+                    self._metric_refused.labels(ip_family=fam.value, reason="map_full").inc()
+                log.warning("bpf: %s", why)
+            return Applied(ok=False, refused=MappingProxyType(refused))
+        plan = Plan()
+        delta_names = {d.name for d in batch.deltas}
+        if batch.full:
+            for name, frag in batch.wanted.items():
+                render.claim(index, name, frag)
+            for d in batch.deltas:
+                if d.name not in batch.wanted:
+                    render.claim(index, d.name, None)
+        for d in batch.deltas:
+            render.plan_service(index, d.name, d.new_fragment, plan)
+        if batch.full:
+            self._sweep(index, batch.wanted, plan)
+        render.finish_plan(plan)
+        t1 = time.perf_counter()
+        try:
+            self._execute(fam, plan)
+        except maps.BpfError as exc:
+            self._index[fam] = None
+            why = "a BPF map is full (E2BIG)" if exc.errno == errno.E2BIG else str(exc)
+            return Applied(ok=False, error=f"bpf map write failed: {why}")
+        t2 = time.perf_counter()
+        self._index[fam] = index
+        try:
+            self._apply_nft(batch, adopted, delta_names)
+        except nft.NftError as exc:
+            self._nft_ready[fam] = False
+            return Applied(ok=False, error=f"nft companion table: {exc}")
+        t3 = time.perf_counter()
+        counts = {
+            f"{fam.value}/map_writes": plan.writes,
+            f"{fam.value}/service_entries": index.svc_entries,
+            f"{fam.value}/backends": len(index.backends),
+        }
+        self._counts.update(counts)
+        if self._metric_entries is not None:
+            self._metric_entries.labels(ip_family=fam.value, map="service").set(counts[f"{fam.value}/service_entries"])
+            self._metric_entries.labels(ip_family=fam.value, map="backend").set(len(index.backends))
+        return Applied(
+            counts=MappingProxyType(counts),
+            timings=MappingProxyType({"plan": t1 - t0, "apply": t2 - t1, "nft": t3 - t2}),
+        )
+
+    def _sweep(self, index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: Plan) -> None:
+        """Full batches: remove frontends nobody owns, backends no frontend references, names of no service."""
+        fam = index.family
+        for k, st in list(index.fronts.items()):
+            if st.owner is None or st.owner not in wanted:
+                for slot in range(len(st.slots), -1, -1):
+                    plan.svc_del.append(maps.lb_key(fam, k[0], k[1], k[2], slot))
+                del index.fronts[k]
+        used = {bid for st in index.fronts.values() for bid in st.slots}
+        for bid in list(index.backends):
+            if bid not in used:
+                plan.be_del.append(maps.backend_key(bid))
+                del index.backends[bid]
+        live_revs = {st.master.rev_nat_id for st in index.fronts.values()}
+        for name in [n for n in index.rev_ids if n not in wanted]:
+            del index.rev_ids[name]
+        for rev in list(index.rev_names):
+            if rev not in live_revs and rev not in index.rev_ids.values():
+                plan.name_del.append(maps.name_key(rev))
+                del index.rev_names[rev]
+        index.free_backends.clear()
+        index.free_revs.clear()
+        index.next_backend = max(index.backends, default=0) + 1
+        index.next_rev = max([*index.rev_names, *live_revs, 0]) + 1
+
+    def _execute(self, fam: IPFamily, plan: Plan) -> None:
+        for role, op, keys, values in plan.ordered():
+            fd = self._fds[(role, fam)]
+            if op == "put":
+                maps.update_batch(fd, keys, values)
+            else:
+                self._delete(fd, keys)
+
+    @staticmethod
+    def _delete(fd: int, keys: list[bytes]) -> None:
+        try:
+            maps.delete_batch(fd, keys)
+        except maps.BpfError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            # the batch stops at a key that is already gone (a half-applied earlier round): one by one
+            for k in keys:
+                try:
+                    maps.delete_batch(fd, [k])
+                except maps.BpfError as e:
+                    if e.errno != errno.ENOENT:
+                        raise
+
+    def _apply_nft(self, batch: Batch[Fragment, Context], adopted: Adopted | None, names: set[ServicePortName]) -> None:
+        fam = batch.family
+        first: list[str] = []
+        mid: list[str] = []
+        last: list[str] = []
+        if batch.full:
+            view = adopted.nft if adopted is not None else nft.read(fam, self.netns)
+            want_chains: dict[str, tuple[str, ...]] = {}
+            want_elems: set[tuple[str, str, str]] = set()
+            for frag in batch.wanted.values():
+                want_chains.update(frag.nft.chains)
+                want_elems.update(frag.nft.elements)
+            if not view.present and not want_chains and not want_elems:
+                return
+            t = f"{'ip' if fam == IPFamily.V4 else 'ip6'} {render.TABLE}"
+            if not view.present or not self._nft_ready[fam] or "services" not in view.chains:
+                first += render.fixed_commands(fam)
+            for name, rules in want_chains.items():
+                if name not in view.chains:
+                    first.append(f"add chain {t} {name}")
+                    first += [f"add rule {t} {name} {r}" for r in rules]
+            want_keys = {(m, k): v for m, k, v in want_elems}
+            for m, k, v in view.elements:
+                if want_keys.get((m, k)) != v:
+                    mid.append(f"delete element {t} {m} {{ {k} }}")
+            for m, k, v in want_elems:
+                if (m, k, v) not in view.elements:
+                    mid.append(f"add element {t} {m} {{ {k} : {v} }}")
+            for name in view.chains:
+                if (name.startswith("s-") or name.startswith("f-")) and name not in want_chains:
+                    last.append(f"delete chain {t} {name}")
+        else:
+            for d in batch.deltas:
+                o = d.old_fragment.nft if d.old_fragment is not None else None
+                n = d.new_fragment.nft if d.new_fragment is not None else None
+                if (o is None or o.empty) and (n is None or n.empty):
+                    continue
+                a, b, c = render.nft_changes(fam, o, n)
+                first += a
+                mid += b
+                last += c
+            if (first or mid or last) and not self._nft_ready[fam]:
+                first = render.fixed_commands(fam) + first
+        if not (first or mid or last):
+            return
+        # deletes before adds inside the element phase: a changed element is deleted, then added
+        mid.sort(key=lambda c: 0 if c.startswith("delete") else 1)
+        nft.run("\n".join(first + mid + last) + "\n", self.netns)
+        self._nft_ready[fam] = True
+
+    # -- metrics, trace -------------------------------------------------------------------------------------------
+
+    def register_metrics(self, registry: Any, families: Iterable[IPFamily]) -> None:
+        from prometheus_client import Counter as PCounter
+        from prometheus_client import Gauge
+
+        self._metric_refused = PCounter(
+            "kproxy_bpf_services_refused",
+            "Service ports the bpf mode refused because its maps are full (--bpf-map-size)",
+            ["ip_family", "reason"],
+            registry=registry,
+        )
+        self._metric_entries = Gauge(
+            "kproxy_bpf_map_entries",
+            "Entries kproxy holds in the bpf mode's maps",
+            ["ip_family", "map"],
+            registry=registry,
+        )
+
+    def observe_sync(self, family: IPFamily, result: SyncResult, *, full: bool, ok: bool) -> None:
+        """The refusal counter is fed in apply (where the reason is known); nothing more per sync."""
+
+    def trace(
+        self, src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False
+    ) -> dict[str, Any] | None:
+        """Where a new connection would go, from the maps kproxy last wrote (the published fragments)."""
+        fam = IPFamily.of(dst)
+        if fam not in self.families:
+            return None
+        pnum = maps.PROTO_NUMBERS.get(proto.upper(), 0)
+        for name, frag in self.applied_fragments(fam).items():
+            for f in frag.frontends:
+                if f.address == dst and f.port == dport and f.proto == pnum:
+                    verdict = "reject" if f.flags & maps.F_REJECT else "drop" if f.flags & maps.F_DROP else "forward"
+                    return {
+                        "service": render.service_key(name),
+                        "path": "socket (connect/sendmsg)" if src_local else "nft companion / socket",
+                        "frontend": f"{dst}:{dport}/{proto.upper()}",
+                        "verdict": verdict,
+                        "backends": [f"{a}:{p}" for a, p in f.backends],
+                        "affinitySeconds": f.affinity,
+                    }
+        return {"verdict": "no frontend: not a service address", "frontend": f"{dst}:{dport}/{proto.upper()}"}
+
+
+def _dump(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True)

@@ -1,0 +1,525 @@
+"""Pure rendering of the bpf mode: one ServicePort plus the family's context to a ``Fragment`` (the frontends the
+socket programs translate, and the nftables companion's part for traffic that does not start in a local socket), and
+the ordered plan of map writes that turns one set of fragments into another.
+
+Nothing here touches the kernel: tests/unit/test_bpf_render.py asserts on fragments, on the map entries a plan
+writes and on their order (new backends, slots, then the master entries with their counts, then removals), and the
+proxier executes plans with batched ``bpf(2)`` calls. The layout and its reasons are in ``backends/bpf/__init__.py``.
+
+Who uses it: ``backends.bpf.proxier``, ``backends.bpf.trace``-style explainers in the proxier, and the unit tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kproxy.model import IPFamily, ServicePort, ServicePortName, Verdict
+
+from . import maps
+from .maps import F_AFFINITY, F_DROP, F_EXTERNAL, F_REJECT, PROTO_NUMBERS, Master
+
+TABLE = "kproxy-bpf"
+#: bumped when the companion table's fixed part changes (its chains carry it in a comment)
+NFT_LAYOUT = "kproxy-bpf-nft-1"
+MASQ_LABEL = 127
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What a family's fragments depend on besides the ServicePort: the node's NodePort addresses (each gets a
+    socket frontend per NodePort, so pods and host processes reach ``<node address>:<nodePort>`` without NAT)."""
+
+    family: IPFamily
+    nodeport_addresses: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Frontend:
+    """One socket frontend: connects to ``address:port/proto`` go to ``backends`` (or are refused / left alone)."""
+
+    address: str
+    port: int
+    proto: int
+    flags: int
+    affinity: int
+    backends: tuple[tuple[str, int], ...]
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.address, self.port, self.proto)
+
+
+@dataclass(frozen=True, slots=True)
+class NftPart:
+    """The companion table's share of one service: per-service chains (name -> rules) and map elements
+    (map, key text, verdict text). Empty for a plain ClusterIP service with endpoints (sockets serve those)."""
+
+    chains: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    elements: tuple[tuple[str, str, str], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.chains and not self.elements
+
+
+@dataclass(frozen=True, slots=True)
+class Fragment:
+    frontends: tuple[Frontend, ...]
+    nft: NftPart = field(default_factory=NftPart)
+
+    @property
+    def entries(self) -> int:
+        """Service-map entries this fragment needs (a master and one slot per backend, per frontend)."""
+        return sum(1 + len(f.backends) for f in self.frontends)
+
+    @property
+    def backend_count(self) -> int:
+        return len({b for f in self.frontends for b in f.backends})
+
+
+def _flags(verdict: Verdict, affinity: int, external: bool) -> int:
+    f = F_EXTERNAL if external else 0
+    if verdict == Verdict.REJECT:
+        f |= F_REJECT
+    elif verdict == Verdict.DROP:
+        f |= F_DROP
+    elif affinity:
+        f |= F_AFFINITY
+    return f
+
+
+def chain_id(name: ServicePortName) -> str:
+    """A short, stable id for a service port's companion chains."""
+    return hashlib.sha256(f"{name}/{name.protocol.value}".encode()).hexdigest()[:12]
+
+
+def render(sp: ServicePort, ctx: Context) -> Fragment:
+    """The fragment of one service port (see the module docstring)."""
+    proto = PROTO_NUMBERS[sp.protocol.value]
+    internal = tuple((e.ip, e.port) for e in sp.internal_endpoints)
+    fronts = [Frontend(sp.cluster_ip, sp.port, proto, _flags(sp.internal_verdict, sp.affinity_timeout, False),
+                       sp.affinity_timeout if internal else 0, internal)]
+    # Local sockets (the node's pods and host processes) reaching an external address: upstream's short-circuit for
+    # local traffic, the cluster endpoints whatever externalTrafficPolicy says.
+    cluster = tuple((e.ip, e.port) for e in sp.cluster_endpoints)
+    ext_verdict = Verdict.FORWARD if cluster else (Verdict.DROP if sp.has_any_endpoints else Verdict.REJECT)
+    ext_flags = _flags(ext_verdict, sp.affinity_timeout, True)
+    ext_aff = sp.affinity_timeout if cluster else 0
+    seen = {fronts[0].key}
+    addrs = [(a, sp.port) for a in (*sp.external_ips, *sp.load_balancer_ips)]
+    if sp.node_port:
+        addrs += [(a, sp.node_port) for a in ctx.nodeport_addresses]
+    for a, p in addrs:
+        f = Frontend(a, p, proto, ext_flags, ext_aff, cluster)
+        if f.key not in seen:
+            seen.add(f.key)
+            fronts.append(f)
+    return Fragment(tuple(fronts), render_nft(sp, ctx))
+
+
+def _ip(family: IPFamily) -> str:
+    return "ip" if family == IPFamily.V4 else "ip6"
+
+
+def _dnat(family: IPFamily, proto: str, backends: tuple[tuple[str, int], ...]) -> str:
+    """A DNAT to one of ``backends`` (nft needs the protocol matched before a port mapping)."""
+    ip = _ip(family)
+    if len(backends) == 1:
+        a, p = backends[0]
+        return f"meta l4proto {proto} dnat {ip} to {_hostport(a, p)}"
+    items = ", ".join(f"{i} : {a} . {p}" for i, (a, p) in enumerate(backends))
+    return f"meta l4proto {proto} dnat {ip} to numgen random mod {len(backends)} map {{ {items} }}"
+
+
+def _chain_name(kind: str, cid: str, rules: tuple[str, ...]) -> str:
+    """Companion chains are immutable: their name carries a digest of their rules, so a changed service gets a new
+    chain (its elements switch to it in the same transaction) and adoption compares names only."""
+    return f"{kind}-{cid}-" + hashlib.sha256("\n".join(rules).encode()).hexdigest()[:8]
+
+
+def render_nft(sp: ServicePort, ctx: Context) -> NftPart:
+    """The companion table's part: what packets arriving at the node (or from sockets outside the cgroup) need.
+    ClusterIPs appear only when their verdict is reject or drop; externalIPs, load-balancer IPs and NodePorts always
+    (with the external endpoints, masqueraded under Cluster policy, as upstream)."""
+    fam = sp.family
+    proto = sp.protocol.lowercase
+    cid = chain_id(sp.name)
+    chains: list[tuple[str, tuple[str, ...]]] = []
+    elements: list[tuple[str, str, str]] = []
+    if sp.internal_verdict != Verdict.FORWARD:
+        v = "goto kp-reject" if sp.internal_verdict == Verdict.REJECT else "drop"
+        elements.append(("svc", f"{sp.cluster_ip} . {proto} . {sp.port}", v))
+    if not sp.has_external_addresses:
+        return NftPart((), tuple(elements))
+    if sp.external_verdict == Verdict.FORWARD:
+        rules: tuple[str, ...] = ((f"ct label set {MASQ_LABEL}",) if not sp.external_policy_local else ()) + (
+            _dnat(fam, proto, tuple((e.ip, e.port) for e in sp.external_endpoints)),
+        )
+        s_chain = _chain_name("s", cid, rules)
+        chains.append((s_chain, rules))
+        verdict = f"goto {s_chain}"
+    else:
+        verdict = "goto kp-reject" if sp.external_verdict == Verdict.REJECT else "drop"
+    for a in sp.external_ips:
+        elements.append(("svc", f"{a} . {proto} . {sp.port}", verdict))
+    if sp.load_balancer_ips:
+        lb_verdict = verdict
+        if sp.load_balancer_source_ranges and sp.external_verdict == Verdict.FORWARD:
+            ranges = ", ".join(sp.load_balancer_source_ranges)
+            fw = (f"{_ip(fam)} saddr {{ {ranges} }} {verdict}", "drop")
+            f_chain = _chain_name("f", cid, fw)
+            chains.append((f_chain, fw))
+            lb_verdict = f"goto {f_chain}"
+        for a in sp.load_balancer_ips:
+            elements.append(("svc", f"{a} . {proto} . {sp.port}", lb_verdict))
+    if sp.node_port:
+        elements.append(("nodeports", f"{proto} . {sp.node_port}", verdict))
+    return NftPart(tuple(chains), tuple(elements))
+
+
+def fixed_commands(family: IPFamily) -> list[str]:
+    """The companion table's fixed part (idempotent: ``add`` of what exists is a no-op)."""
+    ip = _ip(family)
+    addr = "ipv4_addr" if family == IPFamily.V4 else "ipv6_addr"
+    t = f"{ip} {TABLE}"
+    return [
+        f"add table {t}",
+        f"add map {t} svc {{ type {addr} . inet_proto . inet_service : verdict ; }}",
+        f"add map {t} nodeports {{ type inet_proto . inet_service : verdict ; }}",
+        f"add chain {t} kp-reject",
+        f"add chain {t} services {{ comment \"{NFT_LAYOUT}\" ; }}",
+        f"add chain {t} nat-prerouting {{ type nat hook prerouting priority dstnat ; policy accept ; }}",
+        f"add chain {t} nat-output {{ type nat hook output priority -100 ; policy accept ; }}",
+        f"add chain {t} nat-postrouting {{ type nat hook postrouting priority srcnat ; policy accept ; }}",
+        f"flush chain {t} kp-reject",
+        f"flush chain {t} services",
+        f"flush chain {t} nat-prerouting",
+        f"flush chain {t} nat-output",
+        f"flush chain {t} nat-postrouting",
+        f"add rule {t} kp-reject reject",
+        f"add rule {t} services {ip} daddr . meta l4proto . th dport vmap @svc",
+        f"add rule {t} services fib daddr type local meta l4proto . th dport vmap @nodeports",
+        f"add rule {t} nat-prerouting jump services",
+        f"add rule {t} nat-output jump services",
+        f"add rule {t} nat-postrouting ct label {MASQ_LABEL} masquerade fully-random",
+    ]
+
+
+def nft_changes(family: IPFamily, old: NftPart | None, new: NftPart | None) -> tuple[list[str], list[str], list[str]]:
+    """The commands that turn one service's companion part into another, in three phases that a transaction runs in
+    order across services: (chains added or rewritten, elements deleted then added, chains deleted)."""
+    t = f"{_ip(family)} {TABLE}"
+    o = old or NftPart()
+    n = new or NftPart()
+    first: list[str] = []
+    mid: list[str] = []
+    last: list[str] = []
+    old_chains = dict(o.chains)
+    for name, rules in n.chains:
+        if name in old_chains:
+            continue  # the name carries the digest of the rules
+        first.append(f"add chain {t} {name}")
+        first += [f"add rule {t} {name} {r}" for r in rules]
+    new_elems = set(n.elements)
+    old_elems = set(o.elements)
+    for m, k, v in o.elements:
+        if (m, k, v) not in new_elems:
+            mid.append(f"delete element {t} {m} {{ {k} }}")
+    for m, k, v in n.elements:
+        if (m, k, v) not in old_elems:
+            mid.append(f"add element {t} {m} {{ {k} : {v} }}")
+    new_names = {name for name, _ in n.chains}
+    for name in old_chains:
+        if name not in new_names:
+            last.append(f"delete chain {t} {name}")
+    return first, mid, last
+
+
+# --------------------------------------------------------------------------------------------- map plans
+
+
+@dataclass
+class FrontState:
+    """What the service map holds for one frontend (as written or adopted)."""
+
+    owner: ServicePortName | None
+    master: Master
+    slots: tuple[int, ...]  # backend ids of slots 1..count
+
+
+@dataclass
+class FamilyIndex:
+    """kproxy's knowledge of one family's maps: every frontend, every backend id, and the allocators. Rebuilt from
+    the kernel on adoption, updated as plans are executed."""
+
+    family: IPFamily
+    fronts: dict[tuple[str, int, int], FrontState] = field(default_factory=dict)
+    backends: dict[int, tuple[str, int, int]] = field(default_factory=dict)
+    rev_ids: dict[ServicePortName, int] = field(default_factory=dict)
+    rev_names: dict[int, str] = field(default_factory=dict)  # the names map: rev_nat_id -> "ns/name:port/PROTO"
+    next_backend: int = 1
+    next_rev: int = 1
+    free_backends: list[int] = field(default_factory=list)
+    free_revs: list[int] = field(default_factory=list)
+
+    @property
+    def svc_entries(self) -> int:
+        return sum(1 + len(f.slots) for f in self.fronts.values())
+
+    def alloc_backend(self) -> int:
+        if self.free_backends:
+            return self.free_backends.pop()
+        i = self.next_backend
+        self.next_backend += 1
+        return i
+
+    def alloc_rev(self) -> int:
+        if self.free_revs:
+            return self.free_revs.pop()
+        i = self.next_rev
+        if i > 0xFFFF:
+            raise OverflowError("no reverse-NAT id left (65,535 service ports per family)")
+        self.next_rev += 1
+        return i
+
+
+@dataclass
+class Plan:
+    """Map writes in the safe order: ``be_put`` (new backends), ``slot_put``, ``master_put`` (counts last),
+    ``svc_del`` (slots beyond the new counts, frontends gone), ``be_del`` (backends no longer referenced)."""
+
+    be_put: dict[bytes, bytes] = field(default_factory=dict)
+    name_put: dict[bytes, bytes] = field(default_factory=dict)
+    slot_put: dict[bytes, bytes] = field(default_factory=dict)
+    master_put: dict[bytes, bytes] = field(default_factory=dict)
+    svc_del: list[bytes] = field(default_factory=list)
+    be_del: list[bytes] = field(default_factory=list)
+    name_del: list[bytes] = field(default_factory=list)
+
+    @property
+    def writes(self) -> int:
+        return sum(len(x) for x in (self.be_put, self.name_put, self.slot_put, self.master_put)) + sum(
+            len(x) for x in (self.svc_del, self.be_del, self.name_del)
+        )
+
+    def ordered(self) -> list[tuple[str, str, list[bytes], list[bytes]]]:
+        """(map role, op, keys, values) in execution order."""
+        out: list[tuple[str, str, list[bytes], list[bytes]]] = []
+        if self.be_put:
+            out.append(("be", "put", list(self.be_put), list(self.be_put.values())))
+        if self.name_put:
+            out.append(("name", "put", list(self.name_put), list(self.name_put.values())))
+        if self.slot_put:
+            out.append(("svc", "put", list(self.slot_put), list(self.slot_put.values())))
+        if self.master_put:
+            out.append(("svc", "put", list(self.master_put), list(self.master_put.values())))
+        if self.svc_del:
+            out.append(("svc", "del", list(self.svc_del), []))
+        if self.be_del:
+            out.append(("be", "del", list(self.be_del), []))
+        if self.name_del:
+            out.append(("name", "del", list(self.name_del), []))
+        return out
+
+
+def plan_service(
+    index: FamilyIndex,
+    name: ServicePortName,
+    new: Fragment | None,
+    plan: Plan,
+    *,
+    keep_fronts: Iterable[tuple[str, int, int]] = (),
+) -> None:
+    """Add to ``plan`` the writes that make ``name`` hold ``new`` (None: remove it), and update ``index`` as if they
+    were done. Frontends in ``keep_fronts`` belong to another service and are never removed here."""
+    fam = index.family
+    keep = set(keep_fronts)
+    owned = {k: st for k, st in index.fronts.items() if st.owner == name}
+    old_ids: dict[tuple[str, int], int] = {}
+    for st in owned.values():
+        for bid in st.slots:
+            be = index.backends.get(bid)
+            if be is not None:
+                old_ids.setdefault((be[0], be[1]), bid)
+    if new is None:
+        for k, st in owned.items():
+            if k in keep:
+                continue
+            for slot in range(len(st.slots), -1, -1):
+                plan.svc_del.append(maps.lb_key(fam, k[0], k[1], k[2], slot))
+            del index.fronts[k]
+        for bid in set(old_ids.values()):
+            plan.be_del.append(maps.backend_key(bid))
+            index.backends.pop(bid, None)
+            index.free_backends.append(bid)
+        rev = index.rev_ids.pop(name, None)
+        if rev is not None:
+            index.free_revs.append(rev)
+            index.rev_names.pop(rev, None)
+            plan.name_del.append(maps.name_key(rev))
+        return
+    rev = index.rev_ids.get(name)
+    if rev is None:
+        rev = index.rev_ids[name] = index.alloc_rev()
+    text = service_key(name)
+    if index.rev_names.get(rev) != text:
+        index.rev_names[rev] = text
+        plan.name_put[maps.name_key(rev)] = maps.name_value(text)
+    ids: dict[tuple[str, int], int] = {}
+    for f in new.frontends:
+        for b in f.backends:
+            if b in ids:
+                continue
+            bid = old_ids.get(b)
+            if bid is None:
+                bid = index.alloc_backend()
+                index.backends[bid] = (b[0], b[1], f.proto)
+                plan.be_put[maps.backend_key(bid)] = maps.backend_value(fam, b[0], b[1], f.proto)
+            ids[b] = bid
+    wanted = {f.key for f in new.frontends}
+    for f in new.frontends:
+        st = index.fronts.get(f.key)
+        slots = tuple(ids[b] for b in f.backends)
+        master = Master(len(slots), f.flags, f.affinity, rev)
+        old_slots = st.slots if st is not None else ()
+        for i, bid in enumerate(slots, start=1):
+            if i > len(old_slots) or old_slots[i - 1] != bid:
+                plan.slot_put[maps.lb_key(fam, f.address, f.port, f.proto, i)] = maps.slot_value(bid)
+        if st is None or st.master != master:
+            plan.master_put[maps.lb_key(fam, f.address, f.port, f.proto, 0)] = maps.master_value(master)
+        for i in range(len(old_slots), len(slots), -1):
+            plan.svc_del.append(maps.lb_key(fam, f.address, f.port, f.proto, i))
+        index.fronts[f.key] = FrontState(name, master, slots)
+    for k, st in owned.items():
+        if k in wanted or k in keep:
+            continue
+        for slot in range(len(st.slots), -1, -1):
+            plan.svc_del.append(maps.lb_key(fam, k[0], k[1], k[2], slot))
+        del index.fronts[k]
+    used = set(ids.values())
+    for bid in set(old_ids.values()) - used:
+        plan.be_del.append(maps.backend_key(bid))
+        index.backends.pop(bid, None)
+        index.free_backends.append(bid)
+
+
+def finish_plan(plan: Plan) -> None:
+    """A key both written and deleted in one plan (a frontend that moved between services) is only written."""
+    written = set(plan.slot_put) | set(plan.master_put)
+    plan.svc_del = [k for k in dict.fromkeys(plan.svc_del) if k not in written]
+    be_written = set(plan.be_put)
+    plan.be_del = [k for k in dict.fromkeys(plan.be_del) if k not in be_written]
+    names_written = set(plan.name_put)
+    plan.name_del = [k for k in dict.fromkeys(plan.name_del) if k not in names_written]
+
+
+def service_key(name: ServicePortName) -> str:
+    """``ns/name[:port]/PROTO``, as ``kproxy.ledger.service_key`` spells it (the names map holds it)."""
+    return f"{name}/{name.protocol.value}"
+
+
+def summary(fragment: Fragment) -> dict[str, object]:
+    """The backend's own ``describe()`` detail of one service (and ``kproxy show``'s lines)."""
+    return {
+        "frontends": [
+            {
+                "frontend": _hostport(f.address, f.port) + "/" + maps.PROTO_NAMES.get(f.proto, str(f.proto)),
+                "verdict": "reject" if f.flags & F_REJECT else "drop" if f.flags & F_DROP else "forward",
+                "affinitySeconds": f.affinity,
+                "backends": [_hostport(a, p) for a, p in f.backends],
+            }
+            for f in fragment.frontends
+        ],
+        "nft": [f"{m} {k} : {v}" for m, k, v in fragment.nft.elements] + [c for c, _ in fragment.nft.chains],
+    }
+
+
+def _hostport(a: str, p: int) -> str:
+    return f"[{a}]:{p}" if ":" in a else f"{a}:{p}"
+
+
+View = dict[tuple[str, int, int], tuple[int, int, tuple[tuple[str, int], ...], int]]
+
+
+def index_from_kernel(
+    family: IPFamily,
+    svc_entries: Iterable[tuple[bytes, bytes]],
+    be_entries: Iterable[tuple[bytes, bytes]],
+    name_entries: Iterable[tuple[bytes, bytes]] = (),
+) -> tuple[FamilyIndex, View]:
+    """Rebuild an index from the raw maps (owners unknown until claimed) and the decoded view adoption compares:
+    frontend -> (flags, affinity, backends, rev_nat_id)."""
+    index = FamilyIndex(family)
+    for k, v in name_entries:
+        (rev,) = maps.NAME_KEY.unpack(k)
+        index.rev_names[rev] = maps.decode_name(v)
+    for k, v in be_entries:
+        (bid,) = maps.BACKEND_ID.unpack(k)
+        index.backends[bid] = maps.decode_backend(family, v)
+    masters: dict[tuple[str, int, int], Master] = {}
+    slots: dict[tuple[str, int, int], dict[int, int]] = {}
+    for k, v in svc_entries:
+        a, p, proto, slot = maps.decode_lb_key(family, k)
+        bid, aff, count, rev, flags = maps.decode_service(v)
+        if slot == 0:
+            masters[(a, p, proto)] = Master(count, flags, aff, rev)
+        else:
+            slots.setdefault((a, p, proto), {})[slot] = bid
+    view: View = {}
+    for fk, m in masters.items():
+        sl = slots.get(fk, {})
+        ids = tuple(sl.get(i, 0) for i in range(1, m.count + 1))
+        index.fronts[fk] = FrontState(None, m, ids)
+        bes = tuple((index.backends[i][0], index.backends[i][1]) if i in index.backends else ("?", 0) for i in ids)
+        view[fk] = (m.flags, m.affinity, bes, m.rev_nat_id)
+        # slots beyond the count (a half-finished shrink) are kept in the index so a rewrite deletes them
+        extra = sorted(s for s in sl if s > m.count)
+        if extra:
+            index.fronts[fk] = FrontState(None, m, ids + tuple(sl[s] for s in range(m.count + 1, max(extra) + 1) if s in sl))
+    for fk, sl in slots.items():
+        if fk not in masters:  # orphan slots without a master: owned by nobody, removed on the next full sync
+            index.fronts[fk] = FrontState(None, Master(0, 0, 0, 0), tuple(sl[s] for s in sorted(sl)))
+    revs = {st.master.rev_nat_id for st in index.fronts.values()} | set(index.rev_names)
+    index.next_rev = max(revs, default=0) + 1
+    index.next_backend = max(index.backends, default=0) + 1
+    return index, view
+
+
+def claim(index: FamilyIndex, name: ServicePortName, fragment: Fragment | None) -> None:
+    """Mark what the kernel holds for ``name`` as its own: the frontends whose reverse-NAT id the names map gives
+    to it, and any frontend of ``fragment`` nobody owns yet (so its backend ids are reused, not duplicated)."""
+    text = service_key(name)
+    revs = [r for r, n in index.rev_names.items() if n == text]
+    if revs:
+        index.rev_ids.setdefault(name, revs[0])
+    mine = set(revs)
+    for st in index.fronts.values():
+        if st.owner is None and st.master.rev_nat_id in mine:
+            st.owner = name
+    for f in fragment.frontends if fragment is not None else ():
+        st = index.fronts.get(f.key)
+        if st is not None and st.owner is None:
+            st.owner = name
+            index.rev_ids.setdefault(name, st.master.rev_nat_id)
+
+
+def unchanged(
+    index: FamilyIndex, view: View, rev_counts: Mapping[int, int], name: ServicePortName, fragment: Fragment
+) -> bool:
+    """Whether the kernel holds ``fragment``'s frontends exactly, under a reverse-NAT id named for ``name``, and no
+    other frontend under that id."""
+    text = service_key(name)
+    revs = set()
+    for f in fragment.frontends:
+        got = view.get(f.key)
+        if got is None or got[:3] != (f.flags, f.affinity, f.backends):
+            return False
+        revs.add(got[3])
+    if len(revs) != 1:
+        return False
+    rev = revs.pop()
+    if index.rev_names.get(rev) != text:
+        return False
+    return rev_counts.get(rev, 0) == len(fragment.frontends)

@@ -1,0 +1,110 @@
+/* The map layouts of kproxy's bpf mode, shared by every program (bpf/kproxy_sock.c) and mirrored byte for byte by
+ * ctypes structures in backends/bpf/maps.py (keep both in step; bump MAPS_VERSION there when a layout changes, which
+ * renames every pinned map so a new layout never reuses an old map).
+ *
+ * The shape is Cilium's (bpf/lib/lb.h) and Calico's: a service map keyed by frontend address . port . protocol .
+ * slot, where slot 0 is the frontend's master entry (count of backends, verdict flags, affinity timeout, reverse-NAT
+ * id) and slots 1..count name backend ids; a backend map id -> address . port; LRU maps for the socket reverse
+ * translation (UDP replies, getpeername) and for ClientIP affinity. Every struct is packed with explicit padding, so
+ * Python writes exactly the bytes the programs read.
+ *
+ * Map sizes and pin paths come from kproxy as macros (KP_SVC_MAX, KP_BE_MAX, KP_LRU_MAX, KP_PIN_*), so a restarted
+ * kproxy reopens the same pinned maps.
+ */
+#ifndef KPROXY_LB_H
+#define KPROXY_LB_H
+
+/* master entry flags */
+#define KP_F_REJECT 0x01   /* no endpoints: the connect/sendmsg fails at once (ECONNREFUSED) */
+#define KP_F_DROP 0x02     /* Local policy without local endpoints: left untranslated, the nft companion drops it */
+#define KP_F_AFFINITY 0x04 /* ClientIP affinity (keyed by the client's network namespace cookie) */
+#define KP_F_EXTERNAL 0x08 /* an externalIP, load-balancer IP or NodePort frontend (informational) */
+
+struct kp_lb4_key {
+	__be32 address;
+	__be16 dport;
+	__u16 slot; /* 0: master entry; 1..count: backend slots */
+	__u8 proto;
+	__u8 pad[3];
+} __attribute__((packed));
+
+struct kp_lb6_key {
+	__u32 address[4];
+	__be16 dport;
+	__u16 slot;
+	__u8 proto;
+	__u8 pad[3];
+} __attribute__((packed));
+
+/* master entry: count, flags, affinity_timeout, rev_nat_id; slot entry: backend_id only */
+struct kp_lb_service {
+	__u32 backend_id;
+	__u32 affinity_timeout; /* seconds */
+	__u16 count;
+	__u16 rev_nat_id;
+	__u8 flags;
+	__u8 pad[3];
+} __attribute__((packed));
+
+struct kp_lb4_backend {
+	__be32 address;
+	__be16 port;
+	__u8 proto;
+	__u8 flags;
+} __attribute__((packed));
+
+struct kp_lb6_backend {
+	__u32 address[4];
+	__be16 port;
+	__u8 proto;
+	__u8 flags;
+} __attribute__((packed));
+
+/* socket reverse translation: (socket cookie, backend) -> the frontend the application asked for */
+struct kp_rev4_key {
+	__u64 cookie;
+	__be32 address;
+	__be16 port;
+	__u16 pad;
+} __attribute__((packed));
+
+struct kp_rev4_val {
+	__be32 address;
+	__be16 port;
+	__u16 rev_nat_id;
+} __attribute__((packed));
+
+struct kp_rev6_key {
+	__u64 cookie;
+	__u32 address[4];
+	__be16 port;
+	__u16 pad;
+} __attribute__((packed));
+
+struct kp_rev6_val {
+	__u32 address[4];
+	__be16 port;
+	__u16 rev_nat_id;
+} __attribute__((packed));
+
+/* affinity: (client network namespace cookie, frontend's rev_nat_id) -> the backend chosen, when */
+struct kp_aff_key {
+	__u64 client_cookie;
+	__u16 rev_nat_id;
+	__u16 pad;
+	__u32 pad2;
+} __attribute__((packed));
+
+struct kp_aff_val {
+	__u64 last_used; /* seconds of the monotonic clock */
+	__u32 backend_id;
+	__u32 pad;
+} __attribute__((packed));
+
+/* rev_nat_id -> the service port's name ("ns/name:port/PROTO"), written by kproxy only: the programs never read it;
+ * it lets a restarted kproxy, `kproxy show` and the conformance checks name what the maps hold */
+struct kp_svc_name {
+	char name[128];
+};
+
+#endif
