@@ -58,6 +58,11 @@ class NotApplicable(Exception):
     """The scenario cannot be run meaningfully on this lab or backend; the message is the reason."""
 
 
+class NotApplicableHere(NotApplicable):
+    """The scenario has nothing to judge on this host, whatever the lab (a single installed mode has no other mode to
+    switch to): reported not-applicable with the reason, and not a gap of a reused lab."""
+
+
 class ScenarioTimeout(ScenarioFailure):
     """The scenario ran past its own time budget."""
 

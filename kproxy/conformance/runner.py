@@ -19,14 +19,21 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kproxy.conformance.context import HEALTHZ_PORT, Addresses, Context, NotApplicable, ScenarioFailure
+from kproxy.conformance.context import (
+    HEALTHZ_PORT,
+    Addresses,
+    Context,
+    NotApplicable,
+    NotApplicableHere,
+    ScenarioFailure,
+)
 from kproxy.conformance.report import FAIL, NOT_APPLICABLE, PASS, Report, Result
 from kproxy.conformance.scenarios import BY_ID, SCENARIOS, Scenario
 
 log = logging.getLogger("kproxy.conformance")
 
 # Scenarios that stop kproxy themselves (and start it again): a kproxy not running afterwards is theirs to report.
-STOPS_KPROXY = frozenset({"restart", "cleanup"})
+STOPS_KPROXY = frozenset({"restart", "cleanup", "mode-switch"})
 READY_TIMEOUT_S = 40.0
 
 
@@ -240,9 +247,10 @@ class Session:
             ctx.empty_namespace()  # leftovers of a killed earlier run
             scenario.run(ctx)
             detail = "; ".join(ctx.notes)
-        except NotApplicable as exc:  # raised by scenarios for what the lab lacks
+        except NotApplicable as exc:  # raised by scenarios for what the lab (or the host) lacks
             status, detail = NOT_APPLICABLE, str(exc)
-            self.lab_gaps.append(scenario.id)
+            if not isinstance(exc, NotApplicableHere):
+                self.lab_gaps.append(scenario.id)
         except ScenarioFailure as exc:
             status, detail = FAIL, str(exc)
         except Exception as exc:

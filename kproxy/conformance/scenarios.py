@@ -41,6 +41,7 @@ from kproxy.conformance.context import (
     METRICS_PORT,
     Context,
     NotApplicable,
+    NotApplicableHere,
     Probe,
     ScenarioFailure,
     answer_pod,
@@ -1794,6 +1795,106 @@ def scale_smoke(ctx: Context) -> None:
 # The table: BEHAVIOUR.md's order.
 # --------------------------------------------------------------------------------------------------------------
 
+
+SWITCH_STEADY_S = 2.0  # seconds of traffic after each switch's first sync
+
+
+def mode_switch(ctx: Context) -> None:
+    """``kproxy run --mode B`` replaces a running ``--mode A`` on a node, under traffic, for every other available
+    mode B whose established connections outlive the process (and back to A): held TCP connections through a
+    ClusterIP (pod on the node) and a NodePort (external client to the node) stay open, no new connection fails
+    (kproxy removes A's leftovers only once B's rules are in: there is no start-up gap to forgive), and nothing of A
+    remains once B has synced."""
+    from kproxy.proxier import available_backends, backend_class
+
+    if not backend_class(ctx.mode).survives_restart:
+        raise NotApplicableHere(f"mode {ctx.mode} relays connections through its own sockets: they end with it")
+    others = [m for m, cls in available_backends().items() if m != ctx.mode and cls.survives_restart]
+    if not others:
+        raise NotApplicableHere(f"no mode besides {ctx.mode} (whose connections outlive the process) is available here")
+    n1, n2 = _two_nodes(ctx)
+    node = n2
+    client = ctx.pods_on(n2)[0]
+    eps = [ctx.pods_on(n1)[0]]  # on the other node: the node's rules carry both connections
+    svc = ctx.service("switch", type="NodePort")
+    ctx.apply(svc, ctx.slice_for(svc, eps))
+    ip = _cip(svc)
+    np_ = svc["spec"]["ports"][0]["nodePort"]
+    _wait_reach(ctx, client, ip, 80, only=eps)
+    _wait_reach(ctx, ctx.external_ns, node.ip4, np_, only=eps)
+    switches = [m for other in others for m in (other, ctx.mode)]  # A -> B -> A for every B
+    budget = max(20.0, ctx.remaining() - 15)
+    holds = {
+        "ClusterIP": ctx.lab.hold(client.ns, ip, 80, budget, HOLD_INTERVAL),
+        "NodePort": ctx.lab.hold(ctx.external_ns, node.ip4, np_, budget, HOLD_INTERVAL),
+    }
+    targets = {"ClusterIP": (client, ip, 80), "NodePort": (ctx.external_ns, node.ip4, np_)}
+    probes: list[tuple[str, str, Probe]] = []
+    phase = [f"{ctx.mode} running"]
+    stop = threading.Event()
+
+    def keep_probing() -> None:
+        while not stop.is_set() and ctx.remaining() > 5:
+            for what, (src, host, port) in targets.items():
+                try:
+                    probes.append((phase[0], what, ctx.probe(src, host, port, count=1, timeout=1.0)))
+                except Exception as exc:  # recorded, judged below
+                    probes.append((phase[0], what, Probe(str(src), "tcp", host, port, [_Err(str(exc))])))
+            time.sleep(0.2)
+
+    prober = threading.Thread(target=keep_probing, daemon=True)
+    prober.start()
+    results: dict[str, list[Any]] = {}
+    try:
+        time.sleep(1.0)
+        previous = ctx.mode
+        for mode in switches:
+            phase[0] = f"{previous} -> {mode}: starting"
+            ctx.lab.stop_kproxy(node, signal.SIGTERM)
+            _started_and_synced(ctx, node, mode, f"started in mode {mode} over {previous}")
+            phase[0] = f"{previous} -> {mode}: {mode} running"
+            left = _remnants(ctx, previous, node)
+            ctx.expect(
+                not left,
+                f"{len(left)} things of mode {previous} remain after mode {mode} started and synced",
+                sent=f"kproxy --mode {previous} stopped (SIGTERM), --mode {mode} started in {node.ns} and synced",
+                got="; ".join(left[:8]),
+                expected=f"nothing of {previous} left",
+            )
+            time.sleep(SWITCH_STEADY_S)
+            previous = mode
+    finally:
+        stop.set()
+        prober.join(timeout=5)
+        for what, proc in holds.items():
+            results[what] = list(ctx.lab.finish_hold(proc, stop=True, timeout=30))
+        if not ctx.lab.kproxy_running(node):  # a failure half-way: leave the node in the session's mode
+            _start_kproxy(ctx, node, ctx.mode)
+    for what, held in results.items():
+        src, host, port = targets[what]
+        ctx.expect(
+            held and all(getattr(r, "ok", False) for r in held),
+            f"the established {what} connection broke across the mode switches",
+            sent=f"one TCP connection {src} -> {hostport(host, port)}, an exchange every {HOLD_INTERVAL} s, through "
+            f"the switches {ctx.mode} -> " + " -> ".join(switches) + f" on {node.name}",
+            got=Probe(str(src), "tcp", host, port, held).summary(),
+            expected="every exchange answered",
+        )
+    failed = [(ph, what, p) for ph, what, p in probes if not all(getattr(r, "ok", False) for r in p.results)]
+    ctx.expect(
+        not failed,
+        f"{len(failed)} of {len(probes)} new connections failed during the mode switches",
+        sent="new TCP connections to the ClusterIP (from the node's pod) and the NodePort (from outside) every ~0.2 s",
+        got="; ".join(f"{ph} {what}: {p.summary()}" for ph, what, p in failed[:6]),
+        expected="all answered, in every phase",
+    )
+    ctx.note(
+        f"{len(switches)} switches ({ctx.mode} -> " + " -> ".join(switches) + f"): held ClusterIP and NodePort "
+        f"connections {', '.join(str(len(v)) for v in results.values())} exchanges each all answered; "
+        f"{len(probes)} new connections answered"
+    )
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("clusterip-tcp", "pod -> ClusterIP:port over TCP, 3 endpoints on 2 nodes", clusterip_tcp),
     Scenario("clusterip-udp", "the same over UDP", clusterip_udp),
@@ -1818,6 +1919,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("udp-conntrack", "UDP from a fixed source port follows a replaced backend within 2 s", udp_conntrack),
     Scenario("restart", "kproxy killed and restarted during traffic", restart, timeout_s=90),
     Scenario("cleanup", "kproxy cleanup, and starting another mode", cleanup, timeout_s=150),
+    Scenario(
+        "mode-switch", "another mode replaces the running one under traffic, and back", mode_switch, timeout_s=200
+    ),
     Scenario("servers", "/healthz, /livez, /metrics, /proxyMode, /configz", servers),
     Scenario("dual-stack", "IPv6-only and dual-stack services", dual_stack, needs=frozenset({"ipv6"}), timeout_s=90),
     Scenario(
