@@ -227,13 +227,69 @@ def render(results: dict[str, Any], plot_files: list[str]) -> str:
     return "\n".join(lines)
 
 
+def readme_section(results: dict[str, Any], folder: str) -> str:
+    """A compact summary for the project README: one row per mode and size, the plots under ``folder``."""
+    m = results.get("machine") or {}
+    sync = {(r["mode"], r["services"]): r for r in results.get("sync") or []}
+    refs = {r["services"]: r for r in results.get("reference") or []}
+    runs = {(r["mode"], r["services"]): r for r in (results.get("datapath") or {}).get("runs") or []}
+    keys = sorted(set(sync) | {k for k in runs if k[0] != "none"}, key=lambda k: (k[1], k[0]))
+    lines = [
+        "## Comparing the backends (`kproxy compare`)",
+        "",
+        f"`{results.get('command')}` on this machine ({m.get('cpu')}, {m.get('cores')} cores, kernel"
+        f" {m.get('kernel')}, {m.get('date_utc')}); the full report with every figure and the command behind it is"
+        f" [{folder}/report.md]({folder}/report.md), the raw figures [{folder}/results.json]({folder}/results.json).",
+        "",
+    ]
+    head = ["mode", "services", "full sync s", "partial sync s", "upstream nft layout full s"]
+    head += ["ClusterIP conn/s", "pod IP conn/s", "ClusterIP conn p99", "ClusterIP RR p99", "kproxy RSS (lab)"]
+    rows = []
+    for mode, n in keys:
+        s_ = sync.get((mode, n)) or {}
+        d = runs.get((mode, n)) or {}
+        ref = refs.get(n) or {}
+        cr, pr = (d.get("ratios") or {}).get("clusterip", {}), (d.get("ratios") or {}).get("podip", {})
+        rss = (d.get("kproxy_rss_mb") or {}).get("node-1")
+        rows.append(
+            [
+                mode,
+                f"{n:,}",
+                _s(s_.get("full_sync_s")),
+                _s(s_.get("partial_sync_s"), 4),
+                _s(ref.get("full_s")) if ref.get("full_s") else "-",
+                _s(cr.get("conn_rate"), 2),
+                _s(pr.get("conn_rate"), 2),
+                _s(cr.get("conn_p99_us"), 2),
+                _s(cr.get("rr_p99_us"), 2),
+                f"{rss:.0f} MB" if rss else "-",
+            ]
+        )
+    lines += _table(head, rows)
+    lines += [
+        "",
+        "Sync times are medians of the sync benchmark's runs (services x"
+        f" {results.get('endpoints')} endpoints, in a throwaway namespace); data-path columns are fractions of the"
+        " limit (the same traffic between pods on two nodes without any proxy rules, measured in the same run:"
+        " 1.0 = no cost, higher is better, latencies inverted).",
+        "",
+    ]
+    for f in ("sync.png", "datapath.png", "datapath_conn.png", "memory.png"):
+        lines += [f"![{f}]({folder}/{f})", ""]
+    lines.append(HOW_TO_READ.replace("## How to read this", "How to read them:").strip())
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m kproxy.bench.report RESULTS.json", file=sys.stderr)
+    if len(args) not in (1, 3) or (len(args) == 3 and args[1] != "--readme"):
+        print("usage: python -m kproxy.bench.report RESULTS.json [--readme FOLDER]", file=sys.stderr)
         return 2
     path = Path(args[0])
     results = json.loads(path.read_text())
+    if len(args) == 3:
+        print(readme_section(results, args[2]))
+        return 0
     files = [f for f in ("sync.png", "datapath.png", "datapath_conn.png", "memory.png") if (path.parent / f).exists()]
     print(render(results, files))
     return 0

@@ -209,6 +209,13 @@ def test_report_names_machine_commands_and_plots() -> None:
     assert "| iptables | 1,000 | ClusterIP | 0.80 |" in text
 
 
+def test_readme_section_summarises_each_mode_and_size() -> None:
+    text = report.readme_section(_compare_results(), "docs/compare")
+    assert "[docs/compare/report.md](docs/compare/report.md)" in text and "![sync.png](docs/compare/sync.png)" in text
+    assert "| iptables | 1,000 | 1.000 | 0.0200 | - | 0.80 |" in text  # the reference was not run at 1,000
+    assert "| iptables | 100 | 0.100 | 0.0200 | 0.070 |" in text
+
+
 def test_plots_are_pngs(tmp_path: Path) -> None:
     files = plots.write_all(_compare_results(), tmp_path)
     assert files == ["sync.png", "datapath.png", "datapath_conn.png", "memory.png"]
