@@ -157,13 +157,13 @@ def decode_maps(pin_dir: Path, family: IPFamily) -> dict[str, list[str]]:
         front = f"[{fk[0]}]:{fk[1]}" if ":" in fk[0] else f"{fk[0]}:{fk[1]}"
         lines = out.setdefault(name, [])
         lines.append(
-            f"{front}/{maps.PROTO_NAMES.get(fk[2], fk[2])} {verdict} count={m.count} rev_nat={m.rev_nat_id}"
+            f"{name} {front}/{maps.PROTO_NAMES.get(fk[2], fk[2])} {verdict} count={m.count} rev_nat={m.rev_nat_id}"
             + (f" affinity={m.affinity}s" if m.flags & maps.F_AFFINITY else "")
         )
         for i, bid in enumerate(st.slots, start=1):
             b = index.backends.get(bid)
             addr = "(missing)" if b is None else (f"[{b[0]}]:{b[1]}" if ":" in b[0] else f"{b[0]}:{b[1]}")
-            lines.append(f"  {front} slot {i} -> backend {bid} {addr}")
+            lines.append(f"{name} {front} slot {i} -> backend {bid} {addr}")
     return out
 
 

@@ -181,7 +181,7 @@ def compile_programs(p: Places) -> Any:
             macro = f"KP_PIN_{role.upper()}{4 if fam == IPFamily.V4 else 6}"
             cflags.append(f'-D{macro}="{p.pin(role, fam)}"')
     t0 = time.perf_counter()
-    b = BPF(text=SOURCE.read_text(), cflags=cflags)
+    b = BPF(text=SOURCE.read_bytes(), cflags=cflags)
     log.info("bpf: compiled %s in %.2f s (maps pinned in %s)", SOURCE.name, time.perf_counter() - t0, p.pin_dir)
     return b
 
@@ -225,7 +225,7 @@ def load_and_attach(b: Any, cgroup: Path) -> list[str]:
     try:
         for name, (_fam, at_name, _short) in PROGRAMS.items():
             at = getattr(BPFAttachType, at_name)
-            fn = b.load_func(name, BPFProgType.CGROUP_SOCK_ADDR, attach_type=at)
+            fn = b.load_func(name.encode(), BPFProgType.CGROUP_SOCK_ADDR, attach_type=at)
             BPF.attach_func(fn, fd, at, BPF_F_ALLOW_MULTI)
             done.append(name)
     finally:

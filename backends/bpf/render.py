@@ -234,6 +234,7 @@ def nft_changes(family: IPFamily, old: NftPart | None, new: NftPart | None) -> t
     for name in old_chains:
         if name not in new_names:
             last.append(f"delete chain {t} {name}")
+    last.sort(key=lambda c: 0 if " f-" in c else 1)  # a firewall chain jumps to its service chain: it goes first
     return first, mid, last
 
 

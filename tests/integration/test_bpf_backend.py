@@ -1,0 +1,278 @@
+"""The bpf backend against the real kernel: programs compiled by bcc and attached to a cgroup of the test's own (in a
+cgroup2 mount of its own), maps pinned in a folder of its own, clients started inside that cgroup and a throwaway
+namespace (``kpf-it-…``). Real TCP through connect4 with getpeername showing the ClusterIP, ECONNREFUSED at once
+for a service without endpoints, unconnected and connected UDP with replies from the ClusterIP, a restart that adopts
+the pinned maps and writes nothing, a service refused because the maps are full, cleanup leaving nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import MappingProxyType
+
+import pytest
+
+from kproxy.config import ProxyConfig
+from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
+from kproxy.proxier import LocalProbe
+
+from .scratch import scratch_netns
+
+pytestmark = pytest.mark.root
+
+CG_MOUNT = Path("/run/kproxy-bpf-test/cgroup2")
+BACKEND_IP = "198.18.210.1"
+NODE = NodeInfo("node-a", addresses=("198.18.210.1",))
+
+
+def _bcc_ok() -> str | None:
+    try:
+        import bcc  # noqa: F401
+    except Exception as exc:
+        return f"bcc is not importable: {exc}"
+    return None
+
+
+@pytest.fixture
+def place() -> Iterator[tuple[str, dict[str, str]]]:
+    """A namespace with an address, a cgroup of the test's own and a pin folder of its own; all removed after."""
+    why = _bcc_ok()
+    if why:
+        pytest.skip(why)
+    CG_MOUNT.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mountpoint", "-q", str(CG_MOUNT)], check=False).returncode == 0
+    if not mounted:
+        subprocess.run(["mount", "-t", "cgroup2", "none", str(CG_MOUNT)], check=True, timeout=30)
+    tag = uuid.uuid4().hex[:8]
+    cg = CG_MOUNT / f"kpf-it-{tag}"
+    cg.mkdir()
+    pin = Path(f"/sys/fs/bpf/kpf-it-{tag}")
+    opts = {"bpf_cgroup_path": str(cg), "bpf_pin_path": str(pin)}
+    from kproxy.backends.bpf import inspect
+
+    try:
+        with scratch_netns("kpf-it-", lo_up=True) as ns:
+            subprocess.run(["ip", "-n", ns, "addr", "add", f"{BACKEND_IP}/32", "dev", "lo"], check=True, timeout=30)
+            try:
+                yield ns, opts
+            finally:
+                try:
+                    inspect.cleanup(opts, ns)
+                finally:
+                    inspect.remove_tree(pin)
+    finally:
+        for _ in range(50):  # processes of the cgroup may take a moment to be reaped
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+        if not mounted:
+            subprocess.run(["umount", str(CG_MOUNT)], check=False, timeout=30)
+
+
+def _config(opts: dict[str, str], **kw: object) -> ProxyConfig:
+    return ProxyConfig(
+        mode="bpf",
+        hostname_override="node-a",
+        ip_families=(IPFamily.V4,),
+        backend_options=MappingProxyType({**opts, **kw}),
+    )
+
+
+def spn(name: str, proto: Protocol = Protocol.TCP) -> ServicePortName:
+    return ServicePortName("ns1", name, "p", proto)
+
+
+def sp(name: str, ip: str, eps: tuple[str, ...], proto: Protocol = Protocol.TCP, **kw: object) -> ServicePort:
+    endpoints = tuple(Endpoint(e, 8080, node_name="node-a", is_local=True) for e in eps)
+    base: dict[str, object] = dict(
+        name=spn(name, proto),
+        family=IPFamily.V4,
+        cluster_ip=ip,
+        port=80,
+        cluster_endpoints=endpoints,
+        local_endpoints=endpoints,
+        has_any_endpoints=bool(eps),
+    )
+    base.update(kw)
+    return ServicePort(**base)  # type: ignore[arg-type]
+
+
+def state(*ports: ServicePort, generation: int = 1) -> ProxyState:
+    return ProxyState({IPFamily.V4: MappingProxyType({p.name: p for p in ports})}, NODE, generation)
+
+
+def in_cgroup(ns: str, cg: str, code: str, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c code`` in namespace ``ns`` with the process placed in cgroup ``cg`` before it starts."""
+
+    def pre() -> None:
+        Path(cg, "cgroup.procs").write_text(str(os.getpid()))
+
+    return subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", code],
+        preexec_fn=pre,  # noqa: PLW1509 - the only way to start a process inside a cgroup before it runs
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+SERVERS = f"""
+import socket, threading, time
+t = socket.socket(); t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); t.bind(("{BACKEND_IP}", 8080)); t.listen()
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(("{BACKEND_IP}", 8080))
+def tcp():
+    while True:
+        c, a = t.accept(); c.sendall(("tcp %s:%d" % a).encode()); c.close()
+def udp():
+    while True:
+        d, a = u.recvfrom(100); u.sendto(b"udp " + d, a)
+threading.Thread(target=tcp, daemon=True).start(); threading.Thread(target=udp, daemon=True).start()
+print("ready", flush=True); time.sleep(60)
+"""
+
+
+@pytest.fixture
+def servers(place: tuple[str, dict[str, str]]) -> Iterator[None]:
+    ns, _ = place
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", SERVERS], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_tcp_udp_reject_through_the_socket_programs(place: tuple[str, dict[str, str]], servers: None) -> None:
+    from kproxy.backends.bpf.proxier import BpfProxier
+
+    ns, opts = place
+    p = BpfProxier(_config(opts), netns=ns)
+    try:
+        p.start()
+        assert len(p.attached) == 8
+        res = p.sync(
+            state(
+                sp("web", "198.19.0.10", (BACKEND_IP,)),
+                sp("dns", "198.19.0.10", (BACKEND_IP,), Protocol.UDP),
+                sp("empty", "198.19.0.11", ()),
+            ),
+            Changes(full=True),
+        )
+        assert res.ok, res.error
+        out = in_cgroup(
+            ns,
+            opts["bpf_cgroup_path"],
+            """
+import json, socket, time
+r = {}
+s = socket.create_connection(("198.19.0.10", 80), timeout=3)
+r["peer"] = s.getpeername(); r["tcp"] = s.recv(100).decode(); s.close()
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.settimeout(3)
+u.sendto(b"hi", ("198.19.0.10", 80)); d, a = u.recvfrom(100); r["udp"] = [d.decode(), list(a)]
+c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.settimeout(3); c.connect(("198.19.0.10", 80))
+c.send(b"c"); r["cudp"] = [c.recv(100).decode(), list(c.getpeername())]
+t0 = time.monotonic()
+try:
+    socket.create_connection(("198.19.0.11", 80), timeout=3); r["reject"] = "connected"
+except OSError as e:
+    r["reject"] = [e.errno, time.monotonic() - t0]
+print(json.dumps(r))
+""",
+        )
+        assert out.returncode == 0, out.stderr
+        r = json.loads(out.stdout)
+        assert r["peer"] == ["198.19.0.10", 80]  # getpeername4: the application sees the ClusterIP
+        assert r["tcp"].startswith("tcp ")  # answered by the backend through connect4
+        assert r["udp"] == ["udp hi", ["198.19.0.10", 80]]  # sendmsg4 + recvmsg4: the reply from the ClusterIP
+        assert r["cudp"] == ["udp c", ["198.19.0.10", 80]]
+        errno_, seconds = r["reject"]
+        assert errno_ == 111 and seconds < 0.5  # ECONNREFUSED at once
+    finally:
+        p.close()
+
+
+def test_restart_adopts_the_pinned_maps_and_writes_nothing(place: tuple[str, dict[str, str]]) -> None:
+    from kproxy.backends.bpf.proxier import BpfProxier
+
+    ns, opts = place
+    st = state(
+        sp("a", "198.19.0.20", ("198.18.211.1", "198.18.211.2")),
+        sp("b", "198.19.0.21", ("198.18.211.3",), node_port=30080),
+        sp("c", "198.19.0.22", ()),
+    )
+    first = BpfProxier(_config(opts), netns=ns)
+    try:
+        res = first.sync(st, Changes(full=True))
+        assert res.ok, res.error
+        assert res.counts["IPv4/map_writes"] > 0
+    finally:
+        first.close()
+    second = BpfProxier(_config(opts), netns=ns)
+    try:
+        res = second.sync(st, Changes(full=True))
+        assert res.ok, res.error
+        assert res.counts["IPv4/deltas"] == 0 and res.counts["IPv4/map_writes"] == 0
+        # a partial change after adoption writes the changed service only
+        st2 = state(*(p for p in st if p.name != spn("a")), sp("a", "198.19.0.20", ("198.18.211.1",)), generation=2)
+        res = second.sync(st2, Changes(full=False, services=frozenset({spn("a")})))
+        assert res.ok and res.counts["IPv4/deltas"] == 1
+        view = BpfProxier.kernel_view(LocalProbe(ns, MappingProxyType(opts)), IPFamily.V4)
+        assert view is not None
+        assert [ln for ln in view["ns1/a:p/TCP"] if "slot" in ln] == [
+            ln for ln in view["ns1/a:p/TCP"] if "slot 1 ->" in ln
+        ]
+        assert any("reject" in ln for ln in view["ns1/c:p/TCP"])
+    finally:
+        second.close()
+
+
+def test_a_service_that_does_not_fit_is_refused_with_the_reason(place: tuple[str, dict[str, str]]) -> None:
+    from kproxy.backends.bpf.proxier import BpfProxier
+
+    ns, opts = place
+    p = BpfProxier(_config(opts, bpf_map_size=8), netns=ns)
+    try:
+        small = sp("small", "198.19.0.30", ("198.18.212.1", "198.18.212.2"))  # 3 entries
+        big = sp("big", "198.19.0.31", tuple(f"198.18.212.{i}" for i in range(10, 20)))  # 11 entries
+        res = p.sync(state(small, big), Changes(full=True))
+        assert res.ok
+        assert set(res.failed) == {spn("big")}
+        assert "bpf maps full" in res.failed[spn("big")]
+        assert p._refused_total[("IPv4", "map_full")] >= 1
+        view = BpfProxier.kernel_view(LocalProbe(ns, MappingProxyType(opts)), IPFamily.V4)
+        assert view is not None and "ns1/small:p/TCP" in view and "ns1/big:p/TCP" not in view
+    finally:
+        p.close()
+
+
+def test_cleanup_leaves_no_pin_attachment_or_table(place: tuple[str, dict[str, str]]) -> None:
+    from kproxy.backends.bpf.proxier import BpfProxier
+
+    ns, opts = place
+    p = BpfProxier(_config(opts), netns=ns)
+    try:
+        p.start()
+        assert p.sync(state(sp("np", "198.19.0.40", ("198.18.213.1",), node_port=30090)), Changes(full=True)).ok
+        probe = LocalProbe(ns, MappingProxyType(opts))
+        before = BpfProxier.remnants(probe)
+        assert any(ln.startswith("pin ") for ln in before)
+        assert any("kp_connect4" in ln for ln in before)
+        assert any(ln.startswith("nft ip kproxy-bpf") for ln in before)
+    finally:
+        p.close()
+    BpfProxier.cleanup_leftovers(_config(opts), netns=ns)
+    assert BpfProxier.remnants(LocalProbe(ns, MappingProxyType(opts))) == []
