@@ -351,3 +351,36 @@ def test_every_shape_through_full_partial_and_changed_restart(netns: str) -> Non
         assert sorted(chains) == sorted([*render.FIXED_CHAINS, render.layout_chain(IPFamily.V4)])
     finally:
         p.close()
+
+
+def test_a_refusal_in_a_later_chunk_keeps_what_earlier_chunks_committed(
+    netns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A service the kernel refuses (here: a verdict naming a chain that does not exist) in the third of several
+    transactions: the ledger's retry round starts from what the first two committed, and everything else lands."""
+    from kproxy.backends.nftables import proxier as proxier_mod
+
+    monkeypatch.setattr(proxier_mod, "CHUNK", 40)
+    sps = [sp(f"s{i:03d}", f"198.19.1.{i}", tuple(f"198.18.2.{i % 200 + j}" for j in range(3))) for i in range(60)]
+    bad = sps[45].name
+    p = NftablesProxier(CFG, netns=netns)
+    real = p.render
+
+    def render_(s: ServicePort, ctx: object) -> render.Fragment:
+        frag = real(s, ctx)  # type: ignore[arg-type]
+        if s.name != bad:
+            return frag
+        els = tuple((m, k, "goto no-such-chain" if m == render.SERVICE_IPS else v) for m, k, v in frag.elements)
+        return render.Fragment(frag.key, els, frag.shared, frag.chains, frag.sets, frag.hairpin, frag.digest)
+
+    monkeypatch.setattr(p, "render", render_)
+    try:
+        res = p.sync(state(*sps), Changes(full=True))
+        assert res.ok, res.error
+        assert list(res.failed) == [bad]
+        listing = nft_list(netns, "list", "map", "ip", "kproxy", "service-ips")
+        assert sum(f"198.19.1.{i} . tcp . 80" in listing for i in range(60)) == 59
+        assert "198.19.1.45 . tcp . 80" not in listing
+        assert res.counts["IPv4/kernel_refusals"] == 1
+    finally:
+        p.close()
