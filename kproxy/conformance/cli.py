@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kproxy.conformance.report import FAIL, Report, Result, format_table, to_json, to_junit
 from kproxy.conformance.scenarios import SCENARIO_IDS
+from kproxy.proxier import BackendError, backend_class, parse_option_assignments
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -40,6 +41,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--reuse-lab, a running lab is left alone and the run refuses to start)",
     )
     p.add_argument("--lab-prefix", default=None, help="namespace prefix of the lab (default: the lab's own, kpl-)")
+    p.add_argument(
+        "--backend-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an option of the tested mode's backend for every node (repeatable), e.g. iptables_flavour=legacy",
+    )
     p.set_defaults(func=cmd_conformance)
 
 
@@ -87,6 +95,11 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     for mode in modes:
         print(f"--- {mode}", file=sys.stderr, flush=True)
         try:
+            options = parse_option_assignments(backend_class(mode), args.backend_option)
+        except (ValueError, BackendError) as exc:
+            print(f"kproxy conformance: {exc}", file=sys.stderr)
+            return 2
+        try:
             reports.append(
                 run(
                     mode,
@@ -96,6 +109,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
                     replace_lab=args.replace_lab,
                     prefix=args.lab_prefix,
                     progress=_progress,
+                    backend_options=options,
                 )
             )
         except ConformanceError as exc:

@@ -119,7 +119,13 @@ class Session:
     # -- lifecycle ---------------------------------------------------------------------------------------------
     @classmethod
     def open(
-        cls, mode: str, *, reuse_lab: bool = False, replace_lab: bool = False, prefix: str | None = None
+        cls,
+        mode: str,
+        *,
+        reuse_lab: bool = False,
+        replace_lab: bool = False,
+        prefix: str | None = None,
+        backend_options: Mapping[str, Any] | None = None,
     ) -> Session:
         """Check the mode, then bring up a fresh 2-node lab (or attach to the running one with ``reuse_lab``).
         A live lab under the prefix (``Lab.live``: its processes run) is someone's: bringing one up would take it
@@ -151,7 +157,9 @@ class Session:
                 )
         if lab is None:
             try:
-                lab = Lab.up(nodes=2, pods_per_node=3, mode=mode, ipv6=True, prefix=prefix)
+                lab = Lab.up(
+                    nodes=2, pods_per_node=3, mode=mode, ipv6=True, prefix=prefix, backend_options=backend_options
+                )
             except Exception as exc:  # the lab cleans up after a failed start itself
                 raise ConformanceError(f"the lab did not come up: {type(exc).__name__}: {exc}") from exc
             owns = not reuse_lab
@@ -317,11 +325,12 @@ def run(
     replace_lab: bool = False,
     prefix: str | None = None,
     progress: Callable[[Result], None] | None = None,
+    backend_options: Mapping[str, Any] | None = None,
 ) -> Report:
     """Run the scenarios (all by default) on ``lab`` (default: a fresh 2-node lab, torn down at the end unless
     ``keep_lab``; ``reuse_lab`` attaches to a running one; a ready lab already under the prefix is only replaced
-    with ``replace_lab``) with kproxy in ``mode``. ``progress`` sees each result as it comes. ConformanceError when
-    the suite cannot start."""
+    with ``replace_lab``) with kproxy in ``mode``, given ``backend_options`` (typed, the mode's own).
+    ``progress`` sees each result as it comes. ConformanceError when the suite cannot start."""
     chosen = select(scenario_ids)
     t0 = time.monotonic()
     report = Report(mode)
@@ -329,7 +338,9 @@ def run(
         session = Session(mode, lab)
         session.prepare()
     else:
-        session = Session.open(mode, reuse_lab=reuse_lab, replace_lab=replace_lab, prefix=prefix)
+        session = Session.open(
+            mode, reuse_lab=reuse_lab, replace_lab=replace_lab, prefix=prefix, backend_options=backend_options
+        )
     try:
         for scenario in chosen:
             log.info("scenario %s on %s", scenario.id, mode)
