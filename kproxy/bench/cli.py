@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from kproxy.bench.reference_nft import DEFAULT_MAX_ENDPOINTS, REFERENCES
-from kproxy.proxier import MODE_NAMES, BackendError
+from kproxy.proxier import MODE_NAMES, BackendError, backend_class, parse_option_assignments
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -103,13 +103,11 @@ def cmd_sync(args: argparse.Namespace) -> int:
     # Imported here: the cache and the backends are only needed when a benchmark actually runs.
     from kproxy.bench.sync import BenchError, render, run_in_namespace, run_sync_bench
 
-    options: dict[str, str] = {}
-    for opt in args.backend_option:
-        key, sep, value = opt.partition("=")
-        if not sep or not key:
-            print(f"kproxy bench sync: --backend-option {opt!r} is not KEY=VALUE", file=sys.stderr)
-            return 2
-        options[key.replace("-", "_")] = value
+    try:  # typed, as the backend declares them (kproxy.proxier.Option)
+        options = parse_option_assignments(backend_class(args.mode), args.backend_option)
+    except (ValueError, BackendError) as exc:
+        print(f"kproxy bench sync: {exc}", file=sys.stderr)
+        return 2
     if args.mode != "fake" and not args.inside:
         return run_in_namespace(_sync_argv(args))
     try:

@@ -114,7 +114,7 @@ def _peak_rss_mb() -> float:
 
 
 def run_sync_bench(
-    mode: str, n_services: int, n_endpoints: int, repeat: int = 5, backend_options: Mapping[str, str] | None = None
+    mode: str, n_services: int, n_endpoints: int, repeat: int = 5, backend_options: Mapping[str, Any] | None = None
 ) -> SyncBench:
     """Run the phases in the current network namespace (the caller chose it) and return the figures.
     ``backend_options`` reach the backend as ``ProxyConfig.backend_options`` (e.g. ``iptables_flavour``)."""
