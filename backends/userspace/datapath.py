@@ -10,7 +10,7 @@ them, so when a sync returns the data path already uses the new endpoints, and t
   upstream's dial timeouts (250 ms, 500 ms, 1 s, 2 s), each failure trying the next endpoint with the client's
   affinity reset; no endpoint left: the client is reset (RST). Then ``_Relay``: per direction a pipe and
   ``os.splice`` socket -> pipe -> socket (no copy through Python), driven by ``add_reader``/``add_writer``, half
-  close passed on, an error on either side resets both. ``COPY`` selects a recv_into/send relay instead (measured
+  close passed on, an error on either side resets both. ``RELAY = "copy"`` selects a recv_into/send relay (measured
   against splice, see the package docstring).
 - UDP (``_UdpListener``): per client address a session with a connected socket to its endpoint; replies go back
   through the proxy socket from the address the client's datagram was redirected to (``IP_PKTINFO``), so conntrack

@@ -184,6 +184,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         self._local: dict[IPFamily, tuple[str, ...]] = {f: () for f in self.families}
         self._checked = float("-inf")
         self._counts: dict[str, int] = {}
+        self._last_full: dict[IPFamily, tuple[str, int, int]] = {}  # text, TCP and UDP sockets of a fresh full sync
 
     # ------------------------------------------------------------------------------------------ hooks
 
@@ -558,7 +559,11 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
 
         text = tx.text()
         apply_s = 0.0
-        counts = {f"{fam.value}/commands": len(tx.lines)}
+        counts = {
+            f"{fam.value}/commands": len(tx.lines),
+            f"{fam.value}/elements_added": sum(1 for ln in tx.lines if ln.startswith("add element")),
+            f"{fam.value}/elements_deleted": sum(1 for ln in tx.lines if ln.startswith("delete element")),
+        }
         if text:
             res = self.kernel.nft(text)
             apply_s = res.seconds
@@ -603,6 +608,10 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
 
         if batch.full:
             self._written[fam] = dict(want)
+            if fresh:
+                tcp_n = sum(1 for i in self._ports if i[0] == fam and i[1].protocol.lowercase == "tcp")
+                udp_n = sum(1 for i in self._ports if i[0] == fam and i[1].protocol.lowercase == "udp")
+                self._last_full[fam] = (text, tcp_n, udp_n)
         else:
             for spn in targets:
                 if spn in want:
@@ -618,3 +627,62 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             counts=MappingProxyType(counts),
             timings=MappingProxyType({"render_apply": render_s, "apply": apply_s}),
         )
+
+    # ------------------------------------------------------------------------------------------ bench
+
+    def measure_floor(self) -> float | None:
+        """What the kernel alone takes for the last full sync that built the table from nothing: ``nft -f`` of its
+        exact transaction plus binding (and for TCP listening on) as many sockets, in a fresh namespace of its own
+        (``kpu-floor-…``), deleted afterwards."""
+        import subprocess
+        import tempfile
+        import threading
+        import uuid
+
+        from .kernel import enter_netns
+
+        work = [v for v in self._last_full.values() if v[0]]
+        if not work:
+            return None
+        ns = "kpu-floor-" + uuid.uuid4().hex[:8]
+        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
+        try:
+            total = 0.0
+            for (text, tcp_n, udp_n), fam in zip(work, self._last_full, strict=True):
+                with tempfile.NamedTemporaryFile("w", suffix=".nft", prefix="kproxy-floor-") as f:
+                    f.write(text)
+                    f.flush()
+                    t0 = time.perf_counter()
+                    res = subprocess.run(
+                        ["ip", "netns", "exec", ns, "nft", "-f", f.name], capture_output=True, text=True, timeout=600
+                    )
+                    total += time.perf_counter() - t0
+                if res.returncode != 0:
+                    log.warning("floor: nft -f refused the transaction: %s", res.stderr.strip()[:300])
+                    return None
+                box: list[float] = []
+
+                def bind(fam: IPFamily = fam, tcp_n: int = tcp_n, udp_n: int = udp_n, box: list[float] = box) -> None:
+                    enter_netns(ns)
+                    af = socket.AF_INET if fam == IPFamily.V4 else socket.AF_INET6
+                    wildcard = "0.0.0.0" if fam == IPFamily.V4 else "::"
+                    socks = []
+                    t1 = time.perf_counter()
+                    for kind, n in ((socket.SOCK_STREAM, tcp_n), (socket.SOCK_DGRAM, udp_n)):
+                        for _ in range(n):
+                            s = socket.socket(af, kind)
+                            socks.append(s)
+                            s.bind((wildcard, 0))
+                            if kind == socket.SOCK_STREAM:
+                                s.listen(BACKLOG)
+                    box.append(time.perf_counter() - t1)
+                    for s in socks:
+                        s.close()
+
+                t = threading.Thread(target=bind)
+                t.start()
+                t.join()
+                total += box[0] if box else 0.0
+            return total
+        finally:
+            subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True, timeout=60)

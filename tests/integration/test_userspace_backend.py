@@ -268,6 +268,8 @@ def test_restart_rebinds_and_writes_nothing_then_cleanup(lab: Lab) -> None:
         res = second.sync(st, Changes(full=True))
         assert res.ok, res.error
         assert res.counts["IPv4/deltas"] == 0 and res.counts["IPv6/deltas"] == 0
+        # the ports its rules name were free again: rebound, not one element written
+        assert res.counts["IPv4/elements_added"] == 0 and res.counts["IPv6/elements_added"] == 0
         assert UserspaceProxier.kernel_view(LocalProbe(lab.node), IPFamily.V4) == before
         assert set(tcp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
         assert tcp(lab.client, CIP6) == ["ep1"]
