@@ -150,6 +150,8 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     mode: ClassVar[str] = "userspace"
     #: redirects are NAT through conntrack: stale UDP entries are reconciled, answered by the node's proxy ports
     uses_conntrack_nat: ClassVar[bool] = True
+    #: established connections are the proxy's own sockets: they end with the process (restart, mode switch)
+    survives_restart: ClassVar[bool] = False
     options: ClassVar[tuple[Option, ...]] = (
         Option(
             "proxy_port_range",
