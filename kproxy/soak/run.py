@@ -1,0 +1,904 @@
+"""The soak run: a lab, churn through the API stand-in, faults on a schedule, traffic throughout, checkpoints.
+
+One ``Soak`` is one bounded run (``minutes`` of churn, then a final convergence): see ``kproxy.soak`` for what it
+proves. The schedule is a cycle of fault kinds; each turn is
+
+1. a *window* (``fault_window`` s) of churn at ``rate`` changes/s while the fault is on;
+2. the fault cleared and the churn paused: from then (or from the last write, if later) the time until every node
+   programs exactly what the API holds (``/rules`` against ``kproxy.soak.expect``) and reads its kernel back without
+   drift (``/verify``) is that fault's *convergence time*, bounded by ``converge_timeout``;
+3. a checkpoint: the differences left (lost changes if any), the drift, a sample of services probed with real
+   packets from a pod, the held connection's state.
+
+Faults (``FAULT_KINDS``): ``none`` (the baseline), ``watch_drop`` (every watch cut, twice), ``http_5xx`` (half the
+API requests answered 503 for the window, the soak's own writes retried), ``gone_410`` (history compacted and the
+watches cut: every reflector must relist), ``api_restart`` (the stand-in process stopped and started again from a
+dump of what it held, on the same addresses: the reflectors meet a server behind their resourceVersion),
+``kproxy_kill`` (SIGKILL of the traffic node's kproxy, restarted 1 s later), ``flush`` (the mode's
+``cleanup_leftovers`` run on another node after the window, as someone deleting our state, and its repair timed
+from that moment: kproxy's own check that its state is there, at the latest the periodic sync) and
+``apply_fail`` (a failed kernel apply, through a fault switch the core does not have yet: see ``FAULT_SWITCH``;
+reported as not injected when the switch is not honoured).
+
+Traffic: ``kproxy.soak.traffic`` in a pod of node 1 to the anchor service's IPv4 ClusterIP (every pod behind it):
+its held connection must survive everything, and its new connections (every 0.3 s) must all be answered; failures
+inside a kproxy-restart window of that node are counted apart.
+
+Who uses it: ``kproxy.soak.cli`` and tests/conformance/test_soak.py. Root only (the lab).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kproxy.config import ProxyConfig
+from kproxy.lab import netns
+from kproxy.lab.cluster import (
+    API_PORT_IN_LAB,
+    CLUSTER_CIDR4,
+    CLUSTER_CIDR6,
+    Lab,
+    LabError,
+    LabNode,
+    _env,
+    stdlib_module_argv,
+)
+from kproxy.model import IPFamily
+from kproxy.proxier import LocalProbe, backend_class
+from kproxy.soak.churn import ANCHOR, NAMESPACE, Churn, PodRef, Write, api_differences
+from kproxy.soak.expect import differences, expected_services
+from kproxy.soak.report import fault_summary, table
+
+log = logging.getLogger(__name__)
+
+FAULT_KINDS = ("none", "watch_drop", "http_5xx", "gone_410", "kproxy_kill", "flush", "api_restart", "apply_fail")
+DEFAULT_PREFIX = "kps-"
+METRICS_PORT = 10249
+HEALTHZ_PORT = 10256
+#: The proposed fault switch for "a failed kernel apply" (not in the core yet): with this variable set in kproxy's
+#: environment, the ledger would look for ``$KPROXY_TEST_FAULTS_DIR/<node name>/fail-apply`` before each ``apply``;
+#: a positive integer N there answers the next N applies as failed (as a refused restore) and counts down. The soak
+#: sets it for the kproxy processes it starts and writes the file; a file nobody consumed means "not supported".
+FAULT_SWITCH = "KPROXY_TEST_FAULTS_DIR"
+SOAK_ROOT = Path("/run/kproxy-soak")
+MAX_MINUTES = 120.0
+
+
+class SoakError(RuntimeError):
+    """The soak could not run (lab, API, traffic client); the message says where."""
+
+
+# ------------------------------------------------------------------------------------------------------------ API
+
+
+class Api:
+    """The lab's API stand-in over plain HTTP (JSON), with bounded retries for the 5xx the soak itself injects."""
+
+    def __init__(self, url: str, timeout: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        req.add_header("Accept", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            try:
+                payload = json.loads(exc.read() or b"null")
+            except ValueError:
+                payload = None
+            return exc.code, payload
+
+    @staticmethod
+    def path(kind: str, name: str | None = None, namespace: str | None = NAMESPACE) -> str:
+        if kind == "Service":
+            base = "/api/v1" + (f"/namespaces/{namespace}" if namespace else "") + "/services"
+        elif kind == "EndpointSlice":
+            base = "/apis/discovery.k8s.io/v1" + (f"/namespaces/{namespace}" if namespace else "") + "/endpointslices"
+        elif kind == "Node":
+            base = "/api/v1/nodes"
+        else:
+            raise ValueError(kind)
+        return base + (f"/{name}" if name else "")
+
+    def write(self, w: Write, deadline: float) -> tuple[bool, int]:
+        """Send one write, retrying 5xx and connection errors until ``deadline``: (the API took it, retries).
+        A 4xx is final (the API refused the object): False."""
+        retries = 0
+        while True:
+            try:
+                if w.verb == "delete":
+                    code, _ = self.call("DELETE", self.path(w.kind, w.name))
+                    if code in (200, 202, 404):
+                        return code != 404, retries
+                else:
+                    code, _ = self.call("PUT", self.path(w.kind, w.name), w.obj)
+                    if code == 404:
+                        code, _ = self.call("POST", self.path(w.kind), w.obj)
+                    if code in (200, 201):
+                        return True, retries
+                if 400 <= code < 500 and code not in (404, 409, 429):
+                    return False, retries
+            except (OSError, http.client.HTTPException):
+                pass
+            if time.monotonic() >= deadline:
+                return False, retries
+            retries += 1
+            time.sleep(min(0.2 * retries, 1.0))
+
+    def list(self, kind: str) -> list[dict[str, Any]]:
+        code, body = self.call("GET", self.path(kind, namespace=None))
+        if code != 200 or not isinstance(body, dict):
+            raise SoakError(f"listing {kind} failed: HTTP {code}")
+        return list(body.get("items") or [])
+
+    def node(self, name: str) -> dict[str, Any] | None:
+        code, body = self.call("GET", self.path("Node", name))
+        return body if code == 200 and isinstance(body, dict) else None
+
+    def faults(self, **body: Any) -> None:
+        code, answer = self.call("POST", "/_faults", body)
+        if code != 200:
+            raise SoakError(f"POST /_faults {body} failed: HTTP {code} {answer}")
+
+
+# ------------------------------------------------------------------------------------------------- node access
+
+
+def ns_get(ns: str, path: str, port: int = METRICS_PORT, timeout: float = 5.0) -> tuple[int, bytes]:
+    """GET http://127.0.0.1:PORT/PATH inside network namespace ``ns``: the socket is made there (setns of this
+    thread only, then back), the exchange runs here. Cheaper than a probe process per poll. Main thread only."""
+    from pyroute2 import netns as pr_netns
+
+    pr_netns.pushns(ns)
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    finally:
+        pr_netns.popns()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.sock = sock
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+@dataclass
+class NodeCheck:
+    """One node's state against the expectation at one moment."""
+
+    node: str
+    diffs: dict[str, str] = field(default_factory=dict)  # from /rules
+    drift: int = 0  # from /verify (or the kernel_view fallback)
+    drift_detail: list[str] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.diffs and self.drift == 0 and not self.error
+
+
+# ------------------------------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class SoakOptions:
+    mode: str
+    minutes: float = 1.0
+    rate: float = 5.0
+    prefix: str = DEFAULT_PREFIX
+    reuse_lab: bool = False
+    keep_lab: bool = False
+    nodes: int = 2
+    pods_per_node: int = 3
+    ipv6: bool = True
+    seed: int = 1
+    faults: tuple[str, ...] = FAULT_KINDS
+    fault_window: float = 4.0
+    converge_timeout: float = 40.0
+    initial_services: int = 12
+    sample: int = 4
+    #: how the kernel is read back: "verify" (the node's /verify, the default) or "kernel-view" (the mode's
+    #: kernel_view hook from outside: every expected service port present; coarser, for modes or builds whose
+    #: /verify is missing or wrong)
+    drift_check: str = "verify"
+
+
+class Churner(threading.Thread):
+    """Writes the churn's steps at ``rate`` per second until stopped; ``pause()`` waits for the write in flight."""
+
+    def __init__(self, api: Api, churn: Churn, rate: float) -> None:
+        super().__init__(name="soak-churn", daemon=True)
+        self.api, self.churn, self.rate = api, churn, max(0.1, rate)
+        self.stop_event = threading.Event()
+        self.run_event = threading.Event()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.lock = threading.Lock()
+        self.applied = 0
+        self.api_refused = 0
+        self.retries = 0
+        self.by_step: dict[str, int] = {}
+        self.last_write = 0.0  # monotonic time of the last write the API took
+        self.failures: list[str] = []
+        self.written: dict[tuple[str, str], Write] = {}  # (kind, name) -> the last write of it the API took
+        self.unsure: set[tuple[str, str]] = set()  # objects whose last write the API refused
+
+    def record(self, w: Write, took: bool) -> None:
+        key = (w.kind, w.name)
+        with self.lock:
+            if took:
+                self.written[key] = w
+                self.unsure.discard(key)
+            else:
+                self.unsure.add(key)
+
+    def resume(self) -> None:
+        self.run_event.set()
+
+    def pause(self, timeout: float = 30.0) -> None:
+        self.run_event.clear()
+        self.idle.wait(timeout)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.run_event.set()
+
+    def run(self) -> None:
+        interval = 1.0 / self.rate
+        nxt = time.monotonic()
+        while not self.stop_event.is_set():
+            self.run_event.wait()
+            if self.stop_event.is_set():
+                break
+            self.idle.clear()
+            try:
+                if not self.run_event.is_set():
+                    continue
+                for w in self.churn.step():
+                    took, retries = self.api.write(w, time.monotonic() + 20.0)
+                    self.record(w, took)
+                    with self.lock:
+                        self.retries += retries
+                        if took:
+                            self.applied += 1
+                            self.by_step[w.step] = self.by_step.get(w.step, 0) + 1
+                            self.last_write = time.monotonic()
+                        else:
+                            self.api_refused += 1
+                            if len(self.failures) < 20:
+                                self.failures.append(f"{w.verb} {w.kind} {w.name} ({w.step})")
+            finally:
+                self.idle.set()
+            nxt = max(nxt + interval, time.monotonic() - interval)
+            self.stop_event.wait(max(0.0, nxt - time.monotonic()))
+
+
+class Traffic:
+    """``kproxy.soak.traffic`` in a pod's namespace, read line by line into ``events``."""
+
+    def __init__(self, lab: Lab, pod_ns: str, node: LabNode, host: str, port: int, seconds: float) -> None:
+        argv = netns.exec_argv(pod_ns, [*stdlib_module_argv("kproxy.soak.traffic")])
+        argv += ["--host", host, "--port", str(port), "--seconds", str(int(seconds))]
+        self.proc = subprocess.Popen(
+            argv,
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=netns.cgroup_preexec(lab.cgroup_path(node)),
+        )
+        self.events: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.reader = threading.Thread(target=self._read, name="soak-traffic", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            try:
+                ev = json.loads(raw)
+            except ValueError:
+                continue
+            with self.lock:
+                self.events.append(ev)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return list(self.events)
+
+    def held_alive(self) -> bool:
+        holds = [e for e in self.snapshot() if e.get("kind") == "hold"]
+        return bool(holds) and all(e.get("ok") for e in holds) and time.time() - float(holds[-1]["t"]) < 3.0
+
+    def finish(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = self.proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        self.reader.join(timeout=5)
+        return (err or b"").decode(errors="replace")[-2000:]
+
+
+class Soak:
+    """One soak run (see the module docstring): ``run()`` returns the report."""
+
+    def __init__(self, opts: SoakOptions, progress: Callable[[str], None] | None = None) -> None:
+        if opts.mode not in _modes():
+            raise SoakError(f"mode {opts.mode!r} is not available here")
+        if not 0 < opts.minutes <= MAX_MINUTES:
+            raise SoakError(f"--minutes must be in (0, {MAX_MINUTES:g}]")
+        unknown = [k for k in opts.faults if k not in FAULT_KINDS]
+        if unknown:
+            raise SoakError(f"unknown fault kinds {unknown}: choose from {', '.join(FAULT_KINDS)}")
+        self.opts = opts
+        self.progress = progress or (lambda text: log.info("%s", text))
+        self.cls = backend_class(opts.mode)
+        self.lab: Lab | None = None
+        self.api: Api | None = None
+        self.owned_lab = False
+        self.convergence: dict[str, list[float]] = {}
+        self.unconverged: dict[str, int] = {}
+        self.not_injected: dict[str, str] = {}
+        self.checkpoints: list[dict[str, Any]] = []
+        self.restart_windows: list[tuple[float, float]] = []  # wall-clock spans of the traffic node's restarts
+        self.turns: list[tuple[str, float, float]] = []  # (fault kind, wall-clock start, end of its convergence)
+        self.packets = {"sent": 0, "failed": 0}
+        self.problems: list[str] = []
+        self.verify_supported = opts.drift_check == "verify"
+        self.churner: Churner | None = None
+        if opts.drift_check not in ("verify", "kernel-view"):
+            raise SoakError(f"drift check {opts.drift_check!r}: choose verify or kernel-view")
+        self.faults_dir = SOAK_ROOT / opts.prefix.rstrip("-") / "faults"
+
+    # -- lab --------------------------------------------------------------------------------------------------
+
+    def _lab(self) -> Lab:
+        o = self.opts
+        if o.reuse_lab:
+            lab = Lab.live(o.prefix)
+            if lab is not None:
+                for n in lab.nodes:
+                    if not lab.kproxy_running(n) or lab.state.get("kproxy", {}).get(n.name, {}).get("mode") != o.mode:
+                        with contextlib.suppress(Exception):
+                            lab.stop_kproxy(n)
+                        lab.start_kproxy(n, o.mode)
+                lab.wait_all(60)
+                return lab
+        self.owned_lab = True
+        lab = Lab.up(nodes=o.nodes, pods_per_node=o.pods_per_node, mode=o.mode, ipv6=o.ipv6, prefix=o.prefix)
+        lab.wait_all(90)
+        return lab
+
+    # -- expectations and checks -------------------------------------------------------------------------------
+
+    def _families(self) -> tuple[IPFamily, ...]:
+        assert self.lab is not None
+        return (IPFamily.V4, IPFamily.V6) if self.lab.ipv6 else (IPFamily.V4,)
+
+    def _api_state(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        assert self.api is not None
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return self.api.list("Service"), self.api.list("EndpointSlice")
+            except (SoakError, OSError, http.client.HTTPException) as exc:
+                if time.monotonic() > deadline:
+                    raise SoakError(f"the API did not answer lists: {exc}") from exc
+                time.sleep(0.3)
+
+    def _expected(self) -> dict[str, tuple[dict[str, Any], dict[str, str]]]:
+        assert self.lab is not None and self.api is not None
+        services, slices = self._api_state()
+        out = {}
+        for n in self.lab.nodes:
+            out[n.name] = expected_services(n.name, services, slices, self.api.node(n.name), self._families())
+        return out
+
+    def _check_node(self, node: LabNode, expected: Mapping[str, Any]) -> NodeCheck:
+        chk = NodeCheck(node.name)
+        try:
+            code, body = ns_get(node.ns, "/rules")
+            if code != 200:
+                chk.error = f"/rules answered {code}"
+                return chk
+            chk.diffs = differences(expected, json.loads(body), namespaces=[NAMESPACE])
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            chk.error = f"/rules: {type(exc).__name__}: {exc}"
+            return chk
+        if chk.diffs:
+            return chk  # the kernel is read only once the ledger agrees (a sync is still on its way)
+        self._drift(node, expected, chk)
+        return chk
+
+    def _drift(self, node: LabNode, expected: Mapping[str, Any], chk: NodeCheck) -> None:
+        if self.verify_supported:
+            try:
+                code, body = ns_get(node.ns, "/verify", timeout=30)
+            except (OSError, http.client.HTTPException) as exc:
+                chk.error = f"/verify: {type(exc).__name__}: {exc}"
+                return
+            if code == 200:
+                report = json.loads(body)
+                chk.drift = int(report.get("drift", 0))
+                for key, fams in (report.get("services") or {}).items():
+                    chk.drift_detail += [f"{key}/{f}: {why}" for f, why in fams.items()]
+                chk.drift_detail += [str(x) for x in (report.get("extra") or [])]
+                chk.drift_detail += [str(x) for x in (report.get("errors") or [])]
+                return
+            if code == 404 and b"cannot read" in body:
+                self.verify_supported = False
+                self.problems.append(f"/verify: {body.decode(errors='replace')[:200]}; kernel_view is used instead")
+            else:
+                chk.error = f"/verify answered {code}: {body.decode(errors='replace')[:200]}"
+                return
+        # The fallback reads the kernel through the mode's kernel_view: every expected service port is there.
+        assert self.lab is not None
+        probe = LocalProbe(node.ns, self.lab.node_options(node, self.opts.mode))
+        for fam in self._families():
+            view = self.cls.kernel_view(probe, fam)
+            if view is None:
+                return
+            for key, fams in expected.items():
+                if key.startswith(NAMESPACE + "/") and fam.value in fams and key not in view:
+                    chk.drift += 1
+                    chk.drift_detail.append(f"{key}/{fam.value}: missing from the kernel")
+
+    def _converge(self, since: float, timeout: float) -> tuple[float | None, list[NodeCheck]]:
+        """Poll every node until all match the API and read back without drift: (seconds from ``since`` to that
+        moment, or None on timeout; the last checks)."""
+        assert self.lab is not None
+        expected = self._expected()
+        deadline = time.monotonic() + timeout
+        checks: list[NodeCheck] = []
+        while True:
+            checks = [self._check_node(n, expected[n.name][0]) for n in self.lab.nodes]
+            now = time.monotonic()
+            if all(c.ok for c in checks):
+                return max(0.0, now - since), checks
+            if now > deadline:
+                return None, checks
+            time.sleep(0.1)
+
+    # -- real packets ------------------------------------------------------------------------------------------
+
+    def _packets(self, expected: Mapping[str, tuple[dict[str, Any], dict[str, str]]], k: int) -> list[str]:
+        """Probe ``k`` services (IPv4, TCP port 80) from a pod of each node in turn; what failed."""
+        assert self.lab is not None
+        by_ip = {p.ip4: p.name for p in self.lab.pods} | {p.ip6: p.name for p in self.lab.pods}
+        failures: list[str] = []
+        rng = self._rng_packets
+        for i, node in enumerate(itertools.islice(itertools.cycle(self.lab.nodes), k)):
+            exp = expected[node.name][0]
+            keys = sorted(
+                key
+                for key, fams in exp.items()
+                if key.startswith(f"{NAMESPACE}/")
+                and key.endswith(":p0/TCP")
+                and "IPv4" in fams
+                and fams["IPv4"]["internal"] in ("forward", "reject")
+            )
+            if not keys:
+                continue
+            key = rng.choice(keys)
+            want = exp[key]["IPv4"]
+            pod = self.lab.pods_on(node)[i % len(self.lab.pods_on(node))]
+            self.packets["sent"] += 1
+            try:
+                res = self.lab.probe(pod.ns, "tcp", want["clusterIP"], 80, timeout=1.0)[0]
+            except LabError as exc:
+                self.packets["failed"] += 1
+                failures.append(f"{key} from {pod.name}: probe failed: {exc}")
+                continue
+            if want["internal"] == "forward":
+                allowed = {by_ip.get(ep.rsplit(":", 1)[0].strip("[]"), ep) for ep in want["internalEndpoints"]}
+                if not res.ok or res.pod not in allowed:
+                    self.packets["failed"] += 1
+                    failures.append(
+                        f"{key} from {pod.name}: got {res.reply or res.error!r}, want one of {sorted(allowed)}"
+                    )
+            elif res.ok or res.error != "refused":
+                self.packets["failed"] += 1
+                failures.append(f"{key} from {pod.name}: got {res.reply or res.error!r}, want refused (no endpoints)")
+        return failures
+
+    # -- faults ------------------------------------------------------------------------------------------------
+
+    def _window(self, seconds: float) -> None:
+        time.sleep(max(0.0, seconds))
+
+    def _fault(self, kind: str) -> float:
+        """Inject ``kind`` during one window; returns the monotonic time it was cleared."""
+        assert self.lab is not None and self.api is not None
+        w = self.opts.fault_window
+        node1, other = self.lab.nodes[0], self.lab.nodes[-1]
+        if kind == "none":
+            self._window(w)
+        elif kind == "watch_drop":
+            self.api.faults(drop_watches=True)
+            self._window(w / 2)
+            self.api.faults(drop_watches=True)
+            self._window(w / 2)
+        elif kind == "http_5xx":
+            self.api.faults(error_rate=0.5, error_code=503)
+            try:
+                self._window(w)
+            finally:
+                self.api.faults(error_rate=0.0)
+        elif kind == "gone_410":
+            self._window(w / 2)
+            self.api.faults(compact=True, drop_watches=True)
+            self._window(w / 2)
+        elif kind == "api_restart":
+            self._window(w / 2)
+            # Writers wait while the server is down: the stand-in listens a moment before its --load is in, and a
+            # create then could take a ClusterIP a loaded service holds (the real server serves only from etcd).
+            assert self.churner is not None
+            self.churner.pause()
+            try:
+                self._restart_api()
+            finally:
+                self.churner.resume()
+            self._window(w / 2)
+        elif kind == "kproxy_kill":
+            t_kill = time.time()
+            self.lab.stop_kproxy(node1, signal.SIGKILL)
+            self._window(1.0)
+            self.lab.start_kproxy(node1, self.opts.mode)
+            self._window(max(0.0, w - 1.0))
+            self.lab.wait_kproxy(node1, 60)
+            self.restart_windows.append((t_kill, time.time() + 1.0))
+        elif kind == "flush":
+            # churn first, then the flush with the churn paused: what follows is kproxy's own repair (its check
+            # that the state is still there, or the periodic sync), measured from the flush itself
+            self._window(w)
+            assert self.churner is not None
+            self.churner.pause()
+            config = ProxyConfig(
+                mode=self.opts.mode,
+                hostname_override=other.name,
+                cluster_cidrs=(CLUSTER_CIDR4, CLUSTER_CIDR6) if self.lab.ipv6 else (CLUSTER_CIDR4,),
+                backend_options=self.lab.node_options(other, self.opts.mode),
+            )
+            self.cls.cleanup_leftovers(config, netns=other.ns)
+        elif kind == "apply_fail":
+            switch = self.faults_dir / other.name / "fail-apply"
+            switch.parent.mkdir(parents=True, exist_ok=True)
+            switch.write_text("2\n")
+            deadline = time.monotonic() + max(w, 5.0)  # a partial sync follows the churn within a second
+            while time.monotonic() < deadline and _pending(switch) > 0:
+                time.sleep(0.2)
+            left = _pending(switch)
+            switch.unlink(missing_ok=True)
+            if left > 0:
+                raise _NotInjected(f"the build does not honour the fault switch ({FAULT_SWITCH}; see the report)")
+        return time.monotonic()
+
+    def _restart_api(self) -> None:
+        """Stop the stand-in and start it again from a dump of what it held, on the same addresses."""
+        assert self.lab is not None and self.api is not None
+        lab = self.lab
+        dump = lab.state_dir / "soak-api-dump"
+        dump.mkdir(exist_ok=True)
+        for old in dump.glob("*.json"):
+            old.unlink()
+        objs = []
+        for kind, api_version in (("Node", "v1"), ("Service", "v1"), ("EndpointSlice", "discovery.k8s.io/v1")):
+            # a list's items carry neither (as the real API's); --load needs both to know the resource
+            objs += [{**obj, "apiVersion": api_version, "kind": kind} for obj in self.api.list(kind)]
+        for i, obj in enumerate(objs):
+            meta = obj.get("metadata", {})
+            for key in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
+                meta.pop(key, None)
+            (dump / f"{i:05d}.json").write_text(json.dumps(obj))
+        pid = lab._pids().get("apiserver")
+        if pid is None:
+            raise SoakError("the API stand-in is not running")
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while netns.alive(pid) and time.monotonic() < deadline:
+            lab._reap("apiserver")
+            time.sleep(0.05)
+        if netns.alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        port_file = lab.state_dir / "api.port"
+        port_file.unlink(missing_ok=True)
+        argv = [*stdlib_module_argv("kproxy.lab.apiserver")[:1], "-m", "kproxy.lab.apiserver"]
+        argv += ["--listen", f"127.0.0.1:{lab.api_port}", "--port-file", str(port_file), "--load", str(dump)]
+        argv += ["--listen", f"{lab.fabric_ns}/198.18.0.1:{API_PORT_IN_LAB}"]
+        if lab.ipv6:
+            argv += ["--listen", f"{lab.fabric_ns}/[fd00:198:18::1]:{API_PORT_IN_LAB}"]
+        with open(lab.state_dir / "apiserver.log", "ab") as f:
+            f.write(f"--- {time.strftime('%H:%M:%S')} soak: restart from {len(objs)} objects\n".encode())
+        proc = lab._spawn("apiserver", argv, lab.state_dir / "apiserver.log", None, append=True)
+        deadline = time.monotonic() + 30
+        while not port_file.exists():  # written once the dump is loaded
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SoakError("the restarted API stand-in did not come up; see apiserver.log")
+            time.sleep(0.05)
+        held = sum(len(self.api.list(kind)) for kind in ("Node", "Service", "EndpointSlice"))
+        if held != len(objs):
+            raise SoakError(f"the restarted API stand-in holds {held} objects of the {len(objs)} dumped")
+
+    # -- the run -----------------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        import random
+
+        o = self.opts
+        self._rng_packets = random.Random(o.seed + 1)
+        # kproxy processes started from here inherit the (proposed) fault switch's location
+        os.environ[FAULT_SWITCH] = str(self.faults_dir)
+        self.faults_dir.mkdir(parents=True, exist_ok=True)
+        t_start = time.monotonic()
+        self.progress(f"soak: bringing up the lab ({o.prefix}, mode {o.mode})")
+        self.lab = lab = self._lab()
+        traffic: Traffic | None = None
+        churner: Churner | None = None
+        try:
+            self.api = api = Api(lab.api_url)
+            pods = [PodRef(p.name, p.node, p.ip4, p.ip6) for p in lab.pods]
+            churn = Churn(pods, ipv6=lab.ipv6, seed=o.seed)
+            self.churner = churner = Churner(api, churn, o.rate)
+            setup = churn.anchor() + churn.initial(o.initial_services)
+            for w in setup:
+                took, _ = api.write(w, time.monotonic() + 30)
+                churner.record(w, took)
+                if not took:
+                    raise SoakError(f"the API refused the soak's setup object {w.kind} {w.name}")
+            anchor_ip = self._anchor_ip()
+            secs, checks = self._converge(time.monotonic(), 60)
+            if secs is None:
+                raise SoakError(f"the lab did not converge on the initial objects: {_describe(checks)}")
+            self.progress(f"soak: {len(setup)} initial objects programmed in {secs:.2f}s; traffic to {anchor_ip}:80")
+            node1 = lab.nodes[0]
+            total = o.minutes * 60 + o.converge_timeout + 120
+            traffic = Traffic(lab, lab.pods_on(node1)[0].ns, node1, anchor_ip, 80, total)
+            self._wait_traffic(traffic)
+            churner.start()
+            end = time.monotonic() + o.minutes * 60
+            for kind in itertools.cycle(o.faults):
+                if time.monotonic() >= end or all(k in self.not_injected for k in o.faults):
+                    break
+                self._turn(kind, churner, traffic)
+            churner.pause()
+            # the end: everything the soak wrote must be programmed, and read back without drift
+            secs, checks = self._converge(max(time.monotonic(), churner.last_write), max(o.converge_timeout, 60))
+            final = self._checkpoint("final", secs, checks, traffic)
+            churner.stop()
+            return self._report(churner, traffic, final, time.monotonic() - t_start)
+        finally:
+            if churner is not None and churner.is_alive():
+                churner.stop()
+            if traffic is not None:
+                err = traffic.finish()
+                if err.strip():
+                    self.problems.append(f"traffic client stderr: {err.strip()[-300:]}")
+            with contextlib.suppress(Exception):
+                if self.api is not None:
+                    self.api.faults(reset=True)
+            os.environ.pop(FAULT_SWITCH, None)
+            if self.owned_lab and not o.keep_lab:
+                self.progress("soak: taking the lab down")
+                Lab.down(prefix=o.prefix)
+
+    def _anchor_ip(self) -> str:
+        assert self.api is not None
+        code, body = self.api.call("GET", Api.path("Service", ANCHOR))
+        if code != 200:
+            raise SoakError(f"the anchor service is not in the API (HTTP {code})")
+        ips = [ip for ip in body["spec"].get("clusterIPs") or [] if ":" not in ip]
+        return str(ips[0])
+
+    def _wait_traffic(self, traffic: Traffic) -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            evs = traffic.snapshot()
+            if any(e.get("kind") == "hold" and e.get("ok") for e in evs):
+                return
+            if any(e.get("kind") == "hold" and not e.get("ok") for e in evs) or traffic.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise SoakError(f"the held connection did not come up: {traffic.snapshot()[-3:]} {traffic.finish()}")
+
+    def _turn(self, kind: str, churner: Churner, traffic: Traffic) -> None:
+        o = self.opts
+        if kind in self.not_injected:
+            return
+        self.progress(f"soak: fault {kind}")
+        t_wall = time.time()
+        churner.resume()
+        try:
+            cleared = self._fault(kind)
+        except _NotInjected as why:
+            self.not_injected[kind] = str(why)
+            churner.pause()
+            return
+        except Exception as exc:
+            churner.pause()
+            self.problems.append(f"injecting {kind} failed: {type(exc).__name__}: {exc}")
+            self.unconverged[kind] = self.unconverged.get(kind, 0) + 1
+            return
+        churner.pause()
+        since = max(cleared, churner.last_write)
+        secs, checks = self._converge(since, o.converge_timeout)
+        if secs is None:
+            self.unconverged[kind] = self.unconverged.get(kind, 0) + 1
+        else:
+            self.convergence.setdefault(kind, []).append(secs)
+        self.turns.append((kind, t_wall, time.time()))
+        self._checkpoint(kind, secs, checks, traffic)
+
+    def _checkpoint(
+        self, after: str, secs: float | None, checks: Sequence[NodeCheck], traffic: Traffic
+    ) -> dict[str, Any]:
+        expected = self._expected()
+        failures = self._packets(expected, self.opts.sample)
+        api_diffs = self._api_differences()
+        cp = {
+            "after": after,
+            "t": round(time.time(), 3),
+            "converged_s": None if secs is None else round(secs, 3),
+            # a change lost by the API (a restart that dropped objects) counts as much as one lost by a node
+            "lost": sum(len(c.diffs) for c in checks) + len(api_diffs),
+            "api_differences": dict(list(api_diffs.items())[:10]),
+            "drift": sum(c.drift for c in checks),
+            "errors": [c.error for c in checks if c.error],
+            "differences": {c.node: dict(list(c.diffs.items())[:10]) for c in checks if c.diffs},
+            "drift_detail": {c.node: c.drift_detail[:10] for c in checks if c.drift_detail},
+            "packets_failed": failures,
+            "held_alive": traffic.held_alive(),
+        }
+        self.checkpoints.append(cp)
+        if secs is None:
+            self.problems.append(f"after {after}: not converged in time: {_describe(checks)}")
+        self.problems.extend(f"after {after}: packets: {f}" for f in failures)
+        self.progress(
+            f"soak:   {after}: converged in {cp['converged_s']}s, lost {cp['lost']}, drift {cp['drift']},"
+            f" packets failed {len(failures)}, held {'open' if cp['held_alive'] else 'BROKEN'}"
+        )
+        return cp
+
+    def _api_differences(self) -> dict[str, str]:
+        """What the API holds in the soak's namespace against the last write of each object it took."""
+        assert self.churner is not None
+        services, slices = self._api_state()
+        held = {
+            (obj.get("kind") or kind, obj["metadata"]["name"]): {**obj, "kind": kind}
+            for kind, objs in (("Service", services), ("EndpointSlice", slices))
+            for obj in objs
+            if obj.get("metadata", {}).get("namespace") == NAMESPACE
+        }
+        with self.churner.lock:
+            written, unsure = dict(self.churner.written), set(self.churner.unsure)
+        return api_differences(written, unsure, held)
+
+    def _report(self, churner: Churner, traffic: Traffic, final: dict[str, Any], duration: float) -> dict[str, Any]:
+        o = self.opts
+        evs = traffic.snapshot()
+        conns = [e for e in evs if e.get("kind") == "conn"]
+        failed = [e for e in conns if not e.get("ok")]
+        in_restart = [e for e in failed if any(a <= float(e["t"]) <= b for a, b in self.restart_windows)]
+        holds = [e for e in evs if e.get("kind") == "hold"]
+        hold_errors = [e for e in holds if not e.get("ok")]
+        held_alive = bool(holds) and not hold_errors
+        report: dict[str, Any] = {
+            "mode": o.mode,
+            "minutes": o.minutes,
+            "rate": o.rate,
+            "seed": o.seed,
+            "nodes": len(self.lab.nodes) if self.lab else 0,
+            "duration_s": round(duration, 1),
+            "drift_check": "/verify" if self.verify_supported else "kernel_view",
+            "changes": {
+                "applied": churner.applied,
+                "api_refused": churner.api_refused,
+                "retries": churner.retries,
+                "by_step": dict(sorted(churner.by_step.items())),
+            },
+            "faults": fault_summary(self.convergence, self.unconverged),
+            "faults_not_injected": self.not_injected,
+            "lost_changes": final["lost"],
+            "drift_final": final["drift"],
+            "drift_checkpoints": max((int(c["drift"]) for c in self.checkpoints), default=0),
+            "packets": dict(self.packets),
+            "new_connections": {
+                "total": len(conns),
+                "failed": len(failed),
+                "failed_in_kproxy_restarts": len(in_restart),
+                "failed_outside": len(failed) - len(in_restart),
+                "errors": sorted({str(e.get("error")) for e in failed}),
+                "failed_by_fault": self._by_turn(failed),
+            },
+            "held_connection": {
+                "alive": held_alive,
+                "exchanges": sum(1 for e in holds if e.get("ok")),
+                "age_s": holds[-1].get("age") if holds and holds[-1].get("ok") else None,
+                "error": hold_errors[0].get("error") if hold_errors else None,
+            },
+            "checkpoints": self.checkpoints,
+            "api_refused_writes": churner.failures,
+            "problems": self.problems,
+        }
+        # A mode whose datapath is the kproxy process itself (a userspace proxy) cannot keep a connection through
+        # its own SIGKILL; it says so with this class attribute (proposed for the contract; default: kernel mode).
+        in_process = bool(getattr(self.cls, "datapath_in_process", False))
+        report["held_connection"]["required"] = not in_process
+        report["ok"] = (
+            report["lost_changes"] == 0
+            and report["drift_final"] == 0
+            and report["drift_checkpoints"] == 0
+            and final["converged_s"] is not None
+            and (held_alive or in_process)
+            and report["new_connections"]["failed_outside"] == 0
+            and self.packets["failed"] == 0
+            and not any(v["unconverged"] for v in report["faults"].values())
+        )
+        return report
+
+    def _by_turn(self, events: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+        """How many of ``events`` fell in each fault kind's turn (window and convergence), else ``between``."""
+        out: dict[str, int] = {}
+        for e in events:
+            t = float(e["t"])
+            kind = next((k for k, a, b in self.turns if a <= t <= b), "between")
+            out[kind] = out.get(kind, 0) + 1
+        return out
+
+
+class _NotInjected(Exception):
+    """This build cannot take the fault (the message says why)."""
+
+
+def _pending(switch: Path) -> int:
+    try:
+        return int(switch.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _describe(checks: Sequence[NodeCheck]) -> str:
+    parts = []
+    for c in checks:
+        if c.ok:
+            continue
+        bits = [c.error] if c.error else []
+        bits += [f"{k}: {v}" for k, v in list(c.diffs.items())[:3]]
+        bits += c.drift_detail[:3]
+        parts.append(f"{c.node}: " + "; ".join(bits))
+    return " | ".join(parts) or "no difference"
+
+
+def _modes() -> list[str]:
+    from kproxy.proxier import available_backends
+
+    return list(available_backends())
+
+
+def render(report: Mapping[str, Any]) -> str:
+    return table(report)
