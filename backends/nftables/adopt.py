@@ -131,6 +131,12 @@ def element_key(val: Any) -> str:
 
 def elements(objs: Iterable[dict[str, Any]]) -> Iterable[tuple[str, str, str | None]]:
     """(key, value or "", comment) of the elements of listed sets/maps."""
+    for key, value, comment, _ in elements_counted(objs):
+        yield key, value, comment
+
+
+def elements_counted(objs: Iterable[dict[str, Any]]) -> Iterable[tuple[str, str, str | None, tuple[int, int] | None]]:
+    """(key, value or "", comment, (packets, bytes) or None) of the elements of listed sets/maps."""
     for obj in objs:
         body = obj.get("map") or obj.get("set") or {}
         for e in body.get("elem", []) or []:
@@ -140,13 +146,17 @@ def elements(objs: Iterable[dict[str, Any]]) -> Iterable[tuple[str, str, str | N
             else:
                 key = e
             comment = None
+            counter: tuple[int, int] | None = None
             if isinstance(key, dict) and "elem" in key:
                 comment = key["elem"].get("comment")
+                c = key["elem"].get("counter")
+                if isinstance(c, dict):
+                    counter = (int(c.get("packets", 0)), int(c.get("bytes", 0)))
                 key = key["elem"]["val"]
             value = ""
             if data is not None:
                 value = _verdict(data) if isinstance(data, dict) and not _is_concat(data) else element_key(data)
-            yield element_key(key), value, comment
+            yield element_key(key), value, comment, counter
 
 
 def _is_concat(v: Any) -> bool:

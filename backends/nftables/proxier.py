@@ -119,11 +119,12 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             body = obj.get("map") or obj.get("set")
             if not body:
                 continue
-            for key, value, comment in adopt_mod.elements([obj]):
+            for key, value, comment, counter in adopt_mod.elements_counted([obj]):
                 ckey, _ = adopt_mod.split_comment(comment)
                 if not ckey:
                     continue
-                line = f'{body["name"]}: {key} comment "{comment}"' + (f" : {value}" if value else "")
+                ctr = f" counter packets {counter[0]} bytes {counter[1]}" if counter else ""
+                line = f'{body["name"]}: {key}{ctr} comment "{comment}"' + (f" : {value}" if value else "")
                 out.setdefault(ckey, []).append(line)
         return out
 

@@ -181,8 +181,10 @@ def set_declarations(family: IPFamily) -> list[tuple[str, str, str]]:
         ("set", LOCAL_CIDRS, f"type {addr}; flags interval;"),
         ("set", LOCAL_IFACES, "type ifname; flags interval;"),
         ("set", NODEPORT_CIDRS, f"type {addr}; flags interval;"),
-        ("map", SERVICE_IPS, f"type {addr} . inet_proto . inet_service : verdict;"),
-        ("map", SERVICE_NODEPORTS, "type inet_proto . inet_service : verdict;"),
+        # counters on the entries: new connections per service address (nat chains see only a connection's first
+        # packet), shown by `nft list map` and kernel_view; a rewritten entry starts from zero
+        ("map", SERVICE_IPS, f"type {addr} . inet_proto . inet_service : verdict; counter;"),
+        ("map", SERVICE_NODEPORTS, "type inet_proto . inet_service : verdict; counter;"),
         *slots,
         ("set", FIREWALL, f"type {addr} . inet_proto . inet_service . {addr}; flags interval;"),
         ("set", HAIRPIN, f"type {addr} . {addr};"),

@@ -113,9 +113,8 @@ def test_full_partial_restart_repair_cleanup(netns: str) -> None:
         # kernel view and remnants through a probe; cleanup removes both tables
         probe = LocalProbe(netns)
         view = NftablesProxier.kernel_view(probe, IPFamily.V4) or {}
-        assert any(
-            line.startswith('service-ips: 198.19.0.1 . tcp . 80 comment "ns1/a:p/TCP #') for line in view["ns1/a:p/TCP"]
-        )
+        entry = [line for line in view["ns1/a:p/TCP"] if line.startswith("service-ips: 198.19.0.1 . tcp . 80 counter ")]
+        assert len(entry) == 1 and 'packets 0 bytes 0 comment "ns1/a:p/TCP #' in entry[0], view
         assert sorted(NftablesProxier.remnants(probe)) == ["table ip kproxy", "table ip6 kproxy"]
         NftablesProxier.cleanup_leftovers(CFG, netns=netns)
         assert NftablesProxier.remnants(probe) == []
@@ -207,6 +206,10 @@ def test_real_packets_dnat_and_reject(netns: str) -> None:
             gone = sp("gone", "198.19.0.2", ())
             assert p.sync(state(ok, gone), Changes(full=True)).ok
             assert _connect(client, "198.19.0.1", 80) == "hello"
+            # the entry's counter counts new connections (the nat chains see a connection's first packet only)
+            assert "198.19.0.1 . tcp . 80 counter packets 1 " in nft_list(
+                netns, "list", "map", "ip", "kproxy", "service-ips"
+            )
             t0 = time.monotonic()
             assert _connect(client, "198.19.0.2", 80) == "ConnectionRefusedError"
             assert time.monotonic() - t0 < 2
