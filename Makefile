@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 KPROXY := $(VENV)/bin/kproxy
 MODE   ?= iptables
 
-.PHONY: setup test lint unit integration conformance demo bench clean-lab image
+.PHONY: setup test lint unit integration conformance demo bench clean-lab image soak
 
 setup:
 	@bash scripts/setup.sh
@@ -38,6 +38,11 @@ demo: setup
 
 bench: setup
 	$(KPROXY) bench sync --mode $(MODE) --services 10000 --endpoints 10 --repeat 5 --format json
+
+# kproxy soak: 10 minutes of churn under faults on every available mode (make test runs a short one)
+soak: setup
+	@mkdir -p reports
+	$(KPROXY) soak --mode all --minutes 10 --json reports/soak.json
 
 clean-lab: setup
 	$(KPROXY) lab down

@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "a held TCP connection and new connections through a ClusterIP throughout; at checkpoints every node must "
         "program exactly what the API holds, read back without drift, and answer real packets.",
     )
-    p.add_argument("--mode", required=True, help="the backend to soak (an available mode)")
+    p.add_argument("--mode", required=True, help="the backend to soak (an available mode), or 'all': each in turn")
     p.add_argument("--minutes", type=float, default=1.0, help="minutes of churn and faults (default 1)")
     p.add_argument("--rate", type=float, default=5.0, help="changes per second (default 5)")
     p.add_argument("--lab-prefix", default="kps-", help="namespace prefix of the soak's lab (default kps-)")
@@ -51,36 +51,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from kproxy.proxier import available_backends
     from kproxy.soak.run import FAULT_KINDS, Soak, SoakError, SoakOptions, render
 
     # the expectation runs kproxy's own cache, which warns about every bad object the churn writes, on purpose
     logging.getLogger("kproxy.cache").setLevel(logging.ERROR)
-
     faults = tuple(f.strip() for f in args.faults.split(",") if f.strip()) or FAULT_KINDS
-    try:
-        opts = SoakOptions(
-            mode=args.mode,
-            minutes=args.minutes,
-            rate=args.rate,
-            prefix=args.lab_prefix,
-            reuse_lab=args.reuse_lab,
-            keep_lab=args.keep_lab,
-            nodes=args.nodes,
-            pods_per_node=args.pods_per_node,
-            ipv6=not args.no_ipv6,
-            seed=args.seed,
-            faults=faults,
-            fault_window=args.fault_window,
-            converge_timeout=args.converge_timeout,
-            drift_check=args.drift_check,
-        )
-        soak = Soak(opts, progress=lambda text: print(text, file=sys.stderr, flush=True))
-        report = soak.run()
-    except SoakError as exc:
-        print(f"kproxy soak: {exc}", file=sys.stderr)
+    modes = list(available_backends()) if args.mode == "all" else [args.mode]
+    if not modes:
+        print("kproxy soak: no mode is available here", file=sys.stderr)
         return 2
-    text = json.dumps(report, indent=2)
+    reports = {}
+    for mode in modes:
+        try:
+            opts = SoakOptions(
+                mode=mode,
+                minutes=args.minutes,
+                rate=args.rate,
+                prefix=args.lab_prefix,
+                reuse_lab=args.reuse_lab,
+                keep_lab=args.keep_lab and len(modes) == 1,
+                nodes=args.nodes,
+                pods_per_node=args.pods_per_node,
+                ipv6=not args.no_ipv6,
+                seed=args.seed,
+                faults=faults,
+                fault_window=args.fault_window,
+                converge_timeout=args.converge_timeout,
+                drift_check=args.drift_check,
+            )
+            soak = Soak(opts, progress=lambda text: print(text, file=sys.stderr, flush=True))
+            reports[mode] = soak.run()
+        except SoakError as exc:
+            print(f"kproxy soak --mode {mode}: {exc}", file=sys.stderr)
+            return 2
+        if args.format == "table":
+            print(render(reports[mode]), flush=True)
+    text = json.dumps(reports if args.mode == "all" else reports[modes[0]], indent=2)
     if args.json_out:
         Path(args.json_out).write_text(text + "\n")
-    print(text if args.format == "json" else render(report))
-    return 0 if report["ok"] else 1
+    if args.format == "json":
+        print(text)
+    return 0 if all(r["ok"] for r in reports.values()) else 1
