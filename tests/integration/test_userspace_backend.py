@@ -2,8 +2,8 @@
 backend's redirects and proxy sockets live, a client "pod" and an endpoint namespace routed through it. Checks TCP
 and UDP through a ClusterIP (round robin over two endpoints), the node's own traffic, refusal with no endpoints, an
 endpoint change taking effect for new connections while an established one keeps working, ClientIP affinity, a
-failed dial moving on to the next endpoint, a restart that rebinds the ports its rules name and writes nothing,
-IPv6, and cleanup/remnants."""
+failed dial moving on to the next endpoint, a thousand connections open at once on the one loop thread, a restart
+that rebinds the ports its rules name and writes nothing, IPv6, and cleanup/remnants."""
 
 from __future__ import annotations
 
@@ -281,3 +281,21 @@ def test_restart_rebinds_and_writes_nothing_then_cleanup(lab: Lab) -> None:
         second.close()
     UserspaceProxier.cleanup_leftovers(CFG, netns=lab.node)
     assert UserspaceProxier.remnants(LocalProbe(lab.node)) == []
+
+
+def test_a_thousand_concurrent_connections_on_one_loop(lab: Lab, proxier: UserspaceProxier) -> None:
+    assert proxier.sync(state(sp("web", TWO)), Changes(full=True)).ok
+    code = f"""
+import resource, socket
+resource.setrlimit(resource.RLIMIT_NOFILE, (4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+conns = [socket.create_connection(({CIP!r}, 80), timeout=10) for _ in range(1000)]
+for c in conns:
+    c.sendall(b"x\\n")
+answers = [c.makefile().readline().split()[0] for c in conns]
+print(len(answers), len(set(answers)))
+"""
+    out = run_in(lab.client, code, timeout=120)
+    assert out == "1000 2"
+    # every one of them was open at once, each relayed by the one loop thread (no thread per connection)
+    assert proxier.engine.peak_connections >= 1000
+    assert threading.active_count() < 50
