@@ -108,11 +108,17 @@ class Places:
 
     @property
     def pin_real(self) -> Path:
-        """The pin folder as this process reaches it (see ``host_view``)."""
-        return host_view(self.pin_dir)
+        """The pin folder as this process reaches it (see ``host_view``; decided once per Places value)."""
+        cached = _REAL.get(self.pin_dir)
+        if cached is None:
+            cached = _REAL[self.pin_dir] = host_view(self.pin_dir)
+        return cached
 
     def pin(self, role: str, family: IPFamily) -> Path:
         return self.pin_real / maps.pin_name(role, family)
+
+
+_REAL: dict[Path, Path] = {}
 
 
 def places(options: Mapping[str, Any], netns: str | None = None) -> Places:
@@ -164,6 +170,20 @@ def ensure_places(p: Places) -> None:
 
 def pins_present(p: Places) -> bool:
     return all(p.pin(r, f).exists() for f in (IPFamily.V4, IPFamily.V6) for r in maps.ROLES)
+
+
+def open_or_create(p: Places, role: str, family: IPFamily) -> int:
+    """An fd for one pinned map: the existing pin, or a map created with the programs' exact spec and pinned (so a
+    sync needs no compiler: bcc reopens these pins when the programs are compiled in ``start``)."""
+    path = str(p.pin(role, family))
+    try:
+        return maps.obj_get(path)
+    except FileNotFoundError:
+        pass
+    spec = maps.map_spec(role, family, p.map_size, LRU_SIZE)
+    fd = maps.create_map(*spec, name=f"kp_{role}{4 if family == IPFamily.V4 else 6}")
+    maps.obj_pin(fd, path)
+    return fd
 
 
 def compile_programs(p: Places) -> Any:

@@ -252,7 +252,9 @@ def decode_name(raw: bytes) -> str:
 # ------------------------------------------------------------------------------------------------ bpf(2)
 
 _SYS_BPF = 321  # x86_64
+_BPF_MAP_CREATE = 0
 _BPF_MAP_LOOKUP_ELEM = 1
+_BPF_OBJ_PIN = 6
 _BPF_OBJ_GET = 7
 _BPF_MAP_LOOKUP_BATCH = 24
 _BPF_MAP_UPDATE_BATCH = 26
@@ -286,7 +288,44 @@ def obj_get(path: str) -> int:
         raise
 
 
-def _batch_attr(fd: int, keys: int, values: int, count: int, in_b: int = 0, out_b: int = 0) -> ctypes.Array[ctypes.c_char]:
+MAP_HASH = 1
+MAP_LRU_HASH = 9
+BPF_F_NO_PREALLOC = 1
+
+
+def create_map(map_type: int, key_size: int, value_size: int, max_entries: int, flags: int, name: str = "") -> int:
+    """A new map; its fd."""
+    attr = ctypes.create_string_buffer(
+        struct.pack("<IIIIIII16s", map_type, key_size, value_size, max_entries, flags, 0, 0, name.encode()[:15]), 120
+    )
+    return _bpf(_BPF_MAP_CREATE, attr)
+
+
+def create_hash(key_size: int, value_size: int, max_entries: int) -> int:
+    """A new, unpinned hash map (BPF_F_NO_PREALLOC, as the programs' maps) for benchmarks; its fd."""
+    return create_map(MAP_HASH, key_size, value_size, max_entries, BPF_F_NO_PREALLOC)
+
+
+def obj_pin(fd: int, path: str) -> None:
+    p = ctypes.create_string_buffer(path.encode())
+    attr = ctypes.create_string_buffer(struct.pack("<QII", ctypes.addressof(p), fd, 0), 120)
+    _bpf(_BPF_OBJ_PIN, attr)
+
+
+def map_spec(role: str, family: IPFamily, map_size: int, lru_size: int) -> tuple[int, int, int, int, int]:
+    """(type, key size, value size, max entries, flags) of one map, exactly as bpf/kproxy_sock.c declares it, so a
+    map kproxy creates and pins before the programs are compiled is the one bcc then reopens."""
+    k, v = key_sizes(family)[role]
+    if role in ("svc", "be"):
+        return (MAP_HASH, k, v, map_size, BPF_F_NO_PREALLOC)
+    if role == "name":
+        return (MAP_HASH, k, v, 65536, BPF_F_NO_PREALLOC)
+    return (MAP_LRU_HASH, k, v, lru_size, 0)
+
+
+def _batch_attr(
+    fd: int, keys: int, values: int, count: int, in_b: int = 0, out_b: int = 0
+) -> ctypes.Array[ctypes.c_char]:
     return ctypes.create_string_buffer(struct.pack("<QQQQIIQQ", in_b, out_b, keys, values, count, fd, 0, 0), 120)
 
 
@@ -336,6 +375,40 @@ def lookup_all(fd: int, key_size: int, value_size: int, chunk: int = 16384) -> I
             yield kraw[i * key_size : (i + 1) * key_size], vraw[i * value_size : (i + 1) * value_size]
         if done:
             return
+        ctypes.memmove(in_b, out_b, 8)
+        first = False
+
+
+def lookup_raw(fd: int, key_size: int, value_size: int, chunk: int = 65536) -> tuple[bytes, bytes]:
+    """Every key and every value of a hash map, each concatenated (BPF_MAP_LOOKUP_BATCH; no order)."""
+    kb = ctypes.create_string_buffer(key_size * chunk)
+    vb = ctypes.create_string_buffer(value_size * chunk)
+    in_b = ctypes.create_string_buffer(8)
+    out_b = ctypes.create_string_buffer(8)
+    keys: list[bytes] = []
+    values: list[bytes] = []
+    first = True
+    while True:
+        attr = _batch_attr(
+            fd,
+            ctypes.addressof(kb),
+            ctypes.addressof(vb),
+            chunk,
+            0 if first else ctypes.addressof(in_b),
+            ctypes.addressof(out_b),
+        )
+        done = False
+        try:
+            _bpf(_BPF_MAP_LOOKUP_BATCH, attr)
+        except BpfError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            done = True
+        count = struct.unpack_from("<I", attr.raw, 32)[0]
+        keys.append(ctypes.string_at(kb, count * key_size))
+        values.append(ctypes.string_at(vb, count * value_size))
+        if done:
+            return b"".join(keys), b"".join(values)
         ctypes.memmove(in_b, out_b, 8)
         first = False
 

@@ -47,6 +47,8 @@ from .render import Context, FamilyIndex, Fragment, Plan
 log = logging.getLogger(__name__)
 
 NEEDS_FULL_CHECK_S = 1.0
+#: a periodic full sync reads the maps back at most this often; in between it trusts kproxy's own index
+KERNEL_READ_S = 60.0
 
 
 @dataclass
@@ -57,6 +59,8 @@ class Adopted:
     view: render.View
     rev_counts: Counter[int]
     nft: nft.NftView
+    #: set when the maps were not read (see ``adopt``): what the ledger records as applied
+    trusted: Mapping[ServicePortName, Fragment] | None = None
 
 
 class BpfProxier(LedgerProxier[Fragment, Context]):
@@ -96,11 +100,14 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         self._index: dict[IPFamily, FamilyIndex | None] = {f: None for f in self.families}
         self._nft_ready: dict[IPFamily, bool] = {f: False for f in self.families}
         self._last_check = 0.0
+        self._kernel_read: dict[IPFamily, float] = {}
         self._refused_total: Counter[tuple[str, str]] = Counter()
         self._metric_refused: Any = None
         self._metric_entries: Any = None
         self._counts: dict[str, int] = {}
         self.attached: list[str] = []
+        self._last_full: tuple[IPFamily, list[tuple[str, str, list[bytes], list[bytes]]]] | None = None
+        self._last_partial: tuple[IPFamily, list[tuple[str, str, list[bytes], list[bytes]]]] | None = None
 
     # -- hooks ----------------------------------------------------------------------------------------------------
 
@@ -160,11 +167,9 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         p = self._where()
         loader.ensure_places(p)
         inspect.record_places(p, self.netns)
-        if not loader.pins_present(p) and self._bpf is None:
-            self._bpf = loader.compile_programs(p)
         for fam in (IPFamily.V4, IPFamily.V6):
             for role in maps.ROLES:
-                self._fds[(role, fam)] = maps.obj_get(str(p.pin(role, fam)))
+                self._fds[(role, fam)] = loader.open_or_create(p, role, fam)
 
     def start(self) -> None:
         """Compile the programs, pin or reopen the maps, attach to the cgroup (replacing an older kproxy's copies)."""
@@ -206,17 +211,28 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         return render.render(sp, ctx)
 
     def adopt(self, family: IPFamily, ctx: Context) -> Adopted:
+        """What the maps hold. Read from the kernel at the first sync, after a failure and at least every
+        ``KERNEL_READ_S``; in between, a periodic full sync trusts kproxy's index of what it wrote (the maps belong
+        to kproxy alone, and a vanished pin folder is noticed by ``needs_full``), so it costs a render, not a decode
+        of every entry."""
         self._ensure_maps()
+        cur = self._index[family]
+        if cur is not None and time.monotonic() - self._kernel_read.get(family, 0.0) < KERNEL_READ_S:
+            present = self._nft_ready[family]
+            return Adopted(
+                cur, {}, Counter(), nft.NftView(present, frozenset(), frozenset()), self.applied_fragments(family)
+            )
+        self._kernel_read[family] = time.monotonic()
         ks = maps.key_sizes(family)
-        entries = {
-            role: maps.lookup_all(self._fds[(role, family)], *ks[role]) for role in ("svc", "be", "name")
-        }
-        index, view = render.index_from_kernel(family, entries["svc"], entries["be"], entries["name"])
+        raw = {role: maps.lookup_raw(self._fds[(role, family)], *ks[role]) for role in ("svc", "be", "name")}
+        index, view = render.index_from_raw(family, raw["svc"], raw["be"], raw["name"])
         counts = Counter(v[3] for v in view.values())
         return Adopted(index, view, counts, nft.read(family, self.netns))
 
     def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: Fragment) -> bool:
         a: Adopted = adopted
+        if a.trusted is not None:
+            return a.trusted.get(name) == fragment
         if not render.unchanged(a.index, a.view, a.rev_counts, name, fragment):
             return False
         if not a.nft.present and fragment.nft.empty:
@@ -318,11 +334,19 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         if batch.full:
             self._sweep(index, batch.wanted, plan)
         render.finish_plan(plan)
+        if plan.writes:  # the exact payload, for the benchmark's floors
+            if batch.full:
+                self._last_full = (fam, plan.ordered())
+            else:
+                self._last_partial = (fam, plan.ordered())
         t1 = time.perf_counter()
+        # until this batch is fully in, the index may not match the kernel: a full sync then reads the maps again
+        read_at = self._kernel_read.pop(fam, None)
         try:
             self._execute(fam, plan)
         except maps.BpfError as exc:
             self._index[fam] = None
+            self._kernel_read.pop(fam, None)
             why = "a BPF map is full (E2BIG)" if exc.errno == errno.E2BIG else str(exc)
             return Applied(ok=False, error=f"bpf map write failed: {why}")
         t2 = time.perf_counter()
@@ -331,8 +355,11 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             self._apply_nft(batch, adopted, delta_names)
         except nft.NftError as exc:
             self._nft_ready[fam] = False
+            self._kernel_read.pop(fam, None)
             return Applied(ok=False, error=f"nft companion table: {exc}")
         t3 = time.perf_counter()
+        if read_at is not None:
+            self._kernel_read[fam] = read_at
         counts = {
             f"{fam.value}/map_writes": plan.writes,
             f"{fam.value}/service_entries": index.svc_entries,
@@ -354,7 +381,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             if st.owner is None or st.owner not in wanted:
                 for slot in range(len(st.slots), -1, -1):
                     plan.svc_del.append(maps.lb_key(fam, k[0], k[1], k[2], slot))
-                del index.fronts[k]
+                index.drop_front(k)
         used = {bid for st in index.fronts.values() for bid in st.slots}
         for bid in list(index.backends):
             if bid not in used:
@@ -401,7 +428,16 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         mid: list[str] = []
         last: list[str] = []
         if batch.full:
-            view = adopted.nft if adopted is not None else nft.read(fam, self.netns)
+            if adopted is not None and adopted.trusted is not None:
+                chains: set[str] = set()
+                elems: set[tuple[str, str, str]] = set()
+                for frag in adopted.trusted.values():
+                    chains.update(c for c, _ in frag.nft.chains)
+                    elems.update(frag.nft.elements)
+                base = {"services"} if adopted.nft.present else set()
+                view = nft.NftView(adopted.nft.present, frozenset(chains | base), frozenset(elems))
+            else:
+                view = adopted.nft if adopted is not None else nft.read(fam, self.netns)
             want_chains: dict[str, tuple[str, ...]] = {}
             want_elems: set[tuple[str, str, str]] = set()
             for frag in batch.wanted.values():
@@ -446,6 +482,44 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         last.sort(key=lambda c: 0 if " f-" in c else 1)
         nft.run("\n".join(first + mid + last) + "\n", self.netns)
         self._nft_ready[fam] = True
+
+    # -- benchmark floors -----------------------------------------------------------------------------------------
+
+    def measure_floor(self) -> float | None:
+        """The last full sync's exact map writes (same batches, same order) into fresh empty maps of the same shape:
+        the kernel's own time for that payload."""
+        if self._last_full is None:
+            return None
+        fam, steps = self._last_full
+        ks = maps.key_sizes(fam)
+        size = self._where().map_size
+        fds = {
+            role: maps.create_hash(*ks[role], size if role in ("svc", "be") else 65536)
+            for role in ("svc", "be", "name")
+        }
+        try:
+            t0 = time.perf_counter()
+            for role, op, keys, values in steps:
+                if op == "put":
+                    maps.update_batch(fds[role], keys, values)
+                else:
+                    self._delete(fds[role], keys)
+            return time.perf_counter() - t0
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def measure_partial_floor(self) -> Mapping[str, float] | None:
+        """The last partial sync's map writes again, into the maps as they are (rewriting the same bytes)."""
+        if self._last_partial is None or not self._fds:
+            return None
+        fam, steps = self._last_partial
+        t0 = time.perf_counter()
+        for role, op, keys, values in steps:
+            if op == "put":
+                maps.update_batch(self._fds[(role, fam)], keys, values)
+        puts = time.perf_counter() - t0
+        return {"floor_s": puts}
 
     # -- metrics, trace -------------------------------------------------------------------------------------------
 

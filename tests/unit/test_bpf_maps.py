@@ -28,7 +28,7 @@ def test_sizes_match_the_c_header() -> None:
     got = {}
     for name, body in structs.items():
         total = 0
-        for typ, field, count in re.findall(r"(\w+) (\w+)(?:\[(\d+)\])?;", body):
+        for typ, _field, count in re.findall(r"(\w+) (\w+)(?:\[(\d+)\])?;", body):
             total += sizes[typ] * (int(count) if count else 1)
         got[name] = total
     assert got["kp_lb4_key"] == maps.LB4_KEY.size == 12

@@ -73,7 +73,7 @@ def test_nodeport_is_a_socket_frontend_per_node_address_and_a_companion_element(
     keys = [f.key for f in frag.frontends]
     assert keys == [("198.19.0.10", 80, 6), ("198.18.0.11", 30080, 6), ("198.18.65.1", 30080, 6)]
     assert all(f.flags & maps.F_EXTERNAL for f in frag.frontends[1:])
-    (chain, rules), = frag.nft.chains
+    ((chain, rules),) = frag.nft.chains
     assert chain.startswith("s-")
     assert rules[0] == f"ct label set {render.MASQ_LABEL}"
     assert rules[1].startswith("meta l4proto tcp dnat ip to numgen random mod 3 map {")
@@ -83,7 +83,7 @@ def test_nodeport_is_a_socket_frontend_per_node_address_and_a_companion_element(
 def test_external_local_policy_keeps_the_client_address_and_drops_without_local_endpoints() -> None:
     local = (ep("198.18.65.11", local=True), ep("198.18.66.11"))
     frag = render.render(svc("etp", local, node_port=30081, external_policy_local=True), CTX)
-    (chain, rules), = frag.nft.chains
+    ((chain, rules),) = frag.nft.chains
     assert rules == ("meta l4proto tcp dnat ip to 198.18.65.11:8080",)  # no masquerade, local endpoint only
     # local sockets to the node port: the cluster endpoints (upstream's short-circuit for local traffic)
     assert frag.frontends[1].backends == (("198.18.65.11", 8080), ("198.18.66.11", 8080))
@@ -246,7 +246,9 @@ def test_adoption_recognises_what_was_written_and_a_change() -> None:
     assert render.unchanged(adopted, view, counts, spn("np"), render.render(np_, CTX))
     assert not render.unchanged(adopted, view, counts, spn("web"), render.render(svc("web", THREE[:2]), CTX))
     # a frontend the service no longer has (the node port) makes it changed too
-    assert not render.unchanged(adopted, view, counts, spn("np"), render.render(svc("np", cluster_ip="198.19.0.11"), CTX))
+    assert not render.unchanged(
+        adopted, view, counts, spn("np"), render.render(svc("np", cluster_ip="198.19.0.11"), CTX)
+    )
     # another service's name under the same entries is not this service
     assert not render.unchanged(adopted, view, counts, spn("other"), render.render(web, CTX))
 
