@@ -186,7 +186,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         self._owners: dict[IPFamily, dict[ElemKey, ServicePortName]] = {f: {} for f in self.families}
         self._known: dict[IPFamily, bool] = {f: False for f in self.families}
         self._local: dict[IPFamily, tuple[str, ...]] = {f: () for f in self.families}
-        self._checked = float("-inf")
+        self._checked: dict[IPFamily, float] = {}  # per family: each family's sync asks in turn
         self._counts: dict[str, int] = {}
         self._last_full: dict[IPFamily, tuple[str, int, int]] = {}  # text, TCP and UDP sockets of a fresh full sync
 
@@ -346,9 +346,9 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
 
     def needs_full(self, family: IPFamily) -> bool:
         now = time.monotonic()
-        if now - self._checked < CHECK_INTERVAL:
+        if now - self._checked.get(family, float("-inf")) < CHECK_INTERVAL:
             return False
-        self._checked = now
+        self._checked[family] = now
         objs, _ = self.kernel.read(f"list chain {render.nft_family(family)} {render.TABLE} {render.LAYOUT}")
         if objs is None:
             self._known[family] = False

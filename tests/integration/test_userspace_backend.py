@@ -299,3 +299,15 @@ print(len(answers), len(set(answers)))
     # every one of them was open at once, each relayed by the one loop thread (no thread per connection)
     assert proxier.engine.peak_connections >= 1000
     assert threading.active_count() < 50
+
+
+def test_a_deleted_table_is_rebuilt_in_both_families(lab: Lab, proxier: UserspaceProxier) -> None:
+    st = state(sp("web", TWO), sp("w6", (("fd00:198:18:101::2", 8081),), family=IPFamily.V6))
+    assert proxier.sync(st, Changes(full=True)).ok
+    UserspaceProxier.cleanup_leftovers(CFG, netns=lab.node)  # someone else's cleanup while kproxy runs
+    assert UserspaceProxier.remnants(LocalProbe(lab.node)) == []
+    res = proxier.sync(st, Changes(full=False))  # nothing dirty: the check alone finds the table gone
+    assert res.ok and res.counts["IPv4/full"] == 1 and res.counts["IPv6/full"] == 1
+    assert len(UserspaceProxier.remnants(LocalProbe(lab.node))) == 2
+    assert set(tcp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
+    assert tcp(lab.client, CIP6) == ["ep1"]
