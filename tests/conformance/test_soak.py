@@ -21,13 +21,13 @@ MODES = list(available_backends())
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_short_soak(mode: str) -> None:
+def test_short_soak(mode: str, caplog: pytest.LogCaptureFixture) -> None:
     if os.geteuid() != 0:
         pytest.skip("the soak's lab needs root")
     from kproxy.soak.report import table
     from kproxy.soak.run import Soak, SoakOptions
 
-    logging.getLogger("kproxy.cache").setLevel(logging.ERROR)  # the churn's bad objects are rejected on purpose
+    caplog.set_level(logging.ERROR, logger="kproxy.cache")  # the churn's bad objects are rejected on purpose
     report = Soak(SoakOptions(mode=mode, minutes=1.0, prefix="kps-", converge_timeout=30.0)).run()
     summary = table(report)
     assert report["lost_changes"] == 0, summary
