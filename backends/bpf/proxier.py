@@ -24,7 +24,6 @@ tests/unit/test_bpf_*.py and tests/integration/test_bpf_*.py.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import time
@@ -546,25 +545,55 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
     def trace(
         self, src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False
     ) -> dict[str, Any] | None:
-        """Where a new connection would go, from the maps kproxy last wrote (the published fragments)."""
+        """Where a new connection would go, read from the maps themselves (a few lookups, no lock): the frontend's
+        master entry, each slot's backend id and the backend's address. A socket of the node's cgroup is translated
+        at connect; other packets (``src_local`` False) meet the companion table, whose elements are listed too."""
         fam = IPFamily.of(dst)
-        if fam not in self.families:
+        if fam not in self.families or not self._fds:
             return None
         pnum = maps.PROTO_NUMBERS.get(proto.upper(), 0)
-        for name, frag in self.applied_fragments(fam).items():
-            for f in frag.frontends:
-                if f.address == dst and f.port == dport and f.proto == pnum:
-                    verdict = "reject" if f.flags & maps.F_REJECT else "drop" if f.flags & maps.F_DROP else "forward"
-                    return {
-                        "service": render.service_key(name),
-                        "path": "socket (connect/sendmsg)" if src_local else "nft companion / socket",
-                        "frontend": f"{dst}:{dport}/{proto.upper()}",
-                        "verdict": verdict,
-                        "backends": [f"{a}:{p}" for a, p in f.backends],
-                        "affinitySeconds": f.affinity,
-                    }
-        return {"verdict": "no frontend: not a service address", "frontend": f"{dst}:{dport}/{proto.upper()}"}
-
-
-def _dump(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True)
+        ks = maps.key_sizes(fam)
+        fd_svc, fd_be, fd_name = (self._fds[(r, fam)] for r in ("svc", "be", "name"))
+        front = f"{dst}:{dport}/{proto.upper()}" if fam == IPFamily.V4 else f"[{dst}]:{dport}/{proto.upper()}"
+        raw = maps.lookup(fd_svc, maps.lb_key(fam, dst, dport, pnum, 0), ks["svc"][1])
+        companion = [
+            f"nft {render.TABLE}: {m} {k} : {v}"
+            for frag in self.applied_fragments(fam).values()
+            for m, k, v in frag.nft.elements
+            if k.startswith(f"{dst} . {proto.lower()} . {dport}") or (dst_local and k == f"{proto.lower()} . {dport}")
+        ]
+        if raw is None:
+            return {"outcomes": [{"probability": 1.0, "verdict": "not a frontend: not translated", "rules": companion}]}
+        _bid, aff, count, rev, flags = maps.decode_service(raw)
+        name_raw = maps.lookup(fd_name, maps.name_key(rev), maps.NAME_VAL.size)
+        name = maps.decode_name(name_raw) if name_raw else f"rev_nat_id {rev}"
+        head = [
+            f"{render.TABLE} svc {front} slot 0: count={count} flags={flags:#x} affinity={aff}s rev_nat={rev} ({name})"
+        ]
+        if flags & maps.F_REJECT:
+            verdict = "reject: connect()/sendmsg() fail with ECONNREFUSED" if src_local else "reject (companion table)"
+            return {"service": name, "outcomes": [{"probability": 1.0, "verdict": verdict, "rules": head + companion}]}
+        if flags & maps.F_DROP or count == 0:
+            verdict = "not translated; dropped by the companion table"
+            return {"service": name, "outcomes": [{"probability": 1.0, "verdict": verdict, "rules": head + companion}]}
+        outcomes = []
+        for slot in range(1, count + 1):
+            sraw = maps.lookup(fd_svc, maps.lb_key(fam, dst, dport, pnum, slot), ks["svc"][1])
+            if sraw is None:
+                continue
+            bid = maps.decode_service(sraw)[0]
+            braw = maps.lookup(fd_be, maps.backend_key(bid), ks["be"][1])
+            if braw is None:
+                continue
+            a, p, _ = maps.decode_backend(fam, braw)
+            target = f"{a}:{p}" if fam == IPFamily.V4 else f"[{a}]:{p}"
+            rules = [*head, f"slot {slot} -> backend {bid} {target}"]
+            outcomes.append(
+                {
+                    "probability": round(1.0 / count, 4),
+                    "verdict": f"socket connected to {target}" if src_local else f"DNAT to {target}",
+                    "masquerade": False,
+                    "rules": rules if src_local else rules + companion,
+                }
+            )
+        return {"service": name, "affinitySeconds": aff if flags & maps.F_AFFINITY else 0, "outcomes": outcomes}

@@ -201,6 +201,12 @@ print(json.dumps(r))
         assert r["cudp"] == ["udp c", ["198.19.0.10", 80]]
         errno_, seconds = r["reject"]
         assert errno_ == 111 and seconds < 0.5  # ECONNREFUSED at once
+        # the explainer answers from the maps
+        tr = p.trace("198.18.210.9", "tcp", "198.19.0.10", 80, src_local=True)
+        assert tr is not None and tr["service"] == "ns1/web:p/TCP"
+        assert [o["verdict"] for o in tr["outcomes"]] == [f"socket connected to {BACKEND_IP}:8080"]
+        tr = p.trace("198.18.210.9", "tcp", "198.19.0.11", 80, src_local=True)
+        assert tr is not None and tr["outcomes"][0]["verdict"].startswith("reject")
     finally:
         p.close()
 
