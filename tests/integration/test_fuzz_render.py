@@ -53,6 +53,7 @@ SETTINGS = settings(
     max_examples=25,
     deadline=None,
     derandomize=True,
+    database=None,  # derandomized: nothing to remember between runs, and no .hypothesis folder in the tree
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )
 
