@@ -846,8 +846,8 @@ class Soak:
             "problems": self.problems,
         }
         # A mode whose datapath is the kproxy process itself (a userspace proxy) cannot keep a connection through
-        # its own SIGKILL; it says so with this class attribute (proposed for the contract; default: kernel mode).
-        in_process = bool(getattr(self.cls, "datapath_in_process", False))
+        # its own SIGKILL: the contract's ``survives_restart`` says so.
+        in_process = not self.cls.survives_restart
         report["held_connection"]["required"] = not in_process
         report["ok"] = (
             report["lost_changes"] == 0
