@@ -35,14 +35,31 @@ short-circuit for local traffic).
 The per-packet path: an nftables companion table, not a tc program. Packets that do not start in a socket of the
 node's cgroup (an external client to a NodePort, externalIP or LB IP; forwarded packets to a service address with no
 endpoints) go through ``kproxy-bpf``: ``ip daddr . meta l4proto . th dport vmap @svc`` and ``fib daddr type local``
-NodePorts, each element a verdict (``goto reject``, ``drop``, or an immutable per-service chain whose name carries
-the digest of its rules: masquerade mark for Cluster policy, ``dnat to numgen random mod K map {...}``; a firewall
-chain for loadBalancerSourceRanges). Why: (1) a tc program needs its own connection tracking for replies (un-DNAT,
-masquerade, ICMP errors for reject) - the kernel's conntrack and nat already do that per packet, correctly for
-fragments and ICMP; (2) plain ClusterIP services with endpoints, the bulk at scale, never enter the table (sockets
-serve them), so at 10,000 services x 10 endpoints the table holds nothing and the sync is map writes only (the bench
-figure); (3) the same datapath is measured for external traffic as the nftables mode's. Measured here: a partial
-sync of a ClusterIP service touches only the maps (no nft call at all).
+NodePorts, each element a verdict (``goto kp-reject``, ``drop``, or an immutable per-service chain whose name carries
+the digest of its rules: a conntrack label asking postrouting to masquerade under Cluster policy, ``dnat to numgen
+random mod K map {...}``; a firewall chain for loadBalancerSourceRanges). Why (measured here):
+(1) plain ClusterIP services with endpoints, the bulk at scale, never enter the table (sockets serve them): at
+10,000 services x 10 endpoints the table is empty and a sync is map writes only; a partial sync of such a service
+makes no nft call at all (bench: 1.2 ms for a whole partial sync at 5,000 x 10, of which 0.08 ms are the map
+writes); a service that does need the table costs one libnftables command, 0.14 ms through a kept context;
+(2) a tc program needs its own connection tracking for replies (un-DNAT, masquerade, ICMP errors for reject,
+fragments): the kernel's conntrack and nat already do it correctly, and external traffic then gets the same datapath
+as the nftables mode, measured there; (3) every conformance scenario passes either way, and the nft route was the
+one that could be finished and proven in the time given.
+
+Where the pins live: bpffs and cgroups are not scoped by network namespaces. ``--bpf-pin-path`` and
+``--bpf-cgroup-path`` choose them (the lab gives every node its own cgroup and ``/sys/fs/bpf/kproxy/lab-<netns>``);
+the defaults are per network namespace (``loader.places``). A process started with ``ip netns exec`` gets a fresh /sys
+without the machine's bpffs (a bpffs mounted there would be a private instance whose pins vanish with the process);
+the lab (``lab_options``) therefore binds the machine's bpffs at ``/run/kproxy/bpffs``, where such a process reaches
+it (``loader.host_view``). A benchmark in a throwaway namespace with no such bind uses a private bpffs, removed with
+it. Every kproxy records its places in ``/run/kproxy/bpf/net-<netns inode>.json``, so another mode's start-up cleans
+up without knowing the bpf options.
+
+Syncs: maps are created and pinned by kproxy with the programs' exact specs (no compiler needed to sync: ``kproxy
+bench sync`` never starts programs); ``start()`` compiles with bcc (1-4 s here) and bcc reopens the pins. Full syncs
+read the maps back at the first sync, after a failure and at least every 60 s; in between, periodic full syncs trust
+kproxy's own index (the maps are kproxy's alone; a vanished pin folder is noticed within a second).
 
 Where it deviates from upstream, and why:
 - ClusterIPs are load-balanced for sockets in the node's cgroup (its pods and host processes). A packet forwarded to
@@ -52,7 +69,12 @@ Where it deviates from upstream, and why:
   affinity for external clients.
 - loadBalancerSourceRanges are enforced for external packets; local sockets to a load-balancer IP are not filtered.
 - Connected UDP sockets keep the backend chosen at connect (as every socket LB); a client that reconnects, as the
-  probe does per attempt, reaches the current backends at once (the udp-conntrack scenario).
+  probe does per attempt, reaches the current backends at once (the udp-conntrack scenario). Sockets connected to a
+  removed backend are not destroyed (Cilium's sock_diag / bpf_sock_destroy termination is not implemented).
+- SCTP is translated at connect like TCP (the companion table handles it for external packets); no tc program, so
+  no XDP/tc acceleration of NodePorts.
+- A map-size change (``--bpf-map-size``) needs ``kproxy cleanup`` first: a pinned map keeps the size it was made
+  with.
 
 Conformance scenarios not applicable to this mode: none.
 """

@@ -269,7 +269,10 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         refused: dict[ServicePortName, str] = {}
         if batch.full:
             svc = be = 0
-            for name in sorted(batch.wanted):
+            total = sum(f.entries for f in batch.wanted.values())
+            if total <= size and sum(f.backend_count for f in batch.wanted.values()) <= size:
+                return refused  # the common case: everything fits
+            for name in sorted(batch.wanted):  # the same services refused every time
                 frag = batch.wanted[name]
                 if svc + frag.entries > size or be + frag.backend_count > size:
                     refused[name] = (

@@ -96,35 +96,39 @@ def chain_id(name: ServicePortName) -> str:
     return hashlib.sha256(f"{name}/{name.protocol.value}".encode()).hexdigest()[:12]
 
 
+_EMPTY_NFT = NftPart()
+
+
 def render(sp: ServicePort, ctx: Context) -> Fragment:
     """The fragment of one service port (see the module docstring)."""
     proto = PROTO_NUMBERS[sp.protocol.value]
-    internal = tuple((e.ip, e.port) for e in sp.internal_endpoints)
+    ieps = sp.internal_endpoints
+    internal = tuple([(e.ip, e.port) for e in ieps])
+    aff = sp.affinity_timeout
     fronts = [
         Frontend(
-            sp.cluster_ip,
-            sp.port,
-            proto,
-            _flags(sp.internal_verdict, sp.affinity_timeout, False),
-            sp.affinity_timeout if internal else 0,
-            internal,
+            sp.cluster_ip, sp.port, proto, _flags(sp.internal_verdict, aff, False), aff if internal else 0, internal
         )
     ]
-    # Local sockets (the node's pods and host processes) reaching an external address: upstream's short-circuit for
-    # local traffic, the cluster endpoints whatever externalTrafficPolicy says.
-    cluster = tuple((e.ip, e.port) for e in sp.cluster_endpoints)
-    ext_verdict = Verdict.FORWARD if cluster else (Verdict.DROP if sp.has_any_endpoints else Verdict.REJECT)
-    ext_flags = _flags(ext_verdict, sp.affinity_timeout, True)
-    ext_aff = sp.affinity_timeout if cluster else 0
-    seen = {fronts[0].key}
-    addrs = [(a, sp.port) for a in (*sp.external_ips, *sp.load_balancer_ips)]
-    if sp.node_port:
-        addrs += [(a, sp.node_port) for a in ctx.nodeport_addresses]
-    for a, p in addrs:
-        f = Frontend(a, p, proto, ext_flags, ext_aff, cluster)
-        if f.key not in seen:
-            seen.add(f.key)
-            fronts.append(f)
+    if sp.external_ips or sp.load_balancer_ips or sp.node_port:
+        # Local sockets (the node's pods and host processes) reaching an external address: upstream's short-circuit
+        # for local traffic, the cluster endpoints whatever externalTrafficPolicy says.
+        ceps = sp.cluster_endpoints
+        cluster = internal if ceps is ieps else tuple([(e.ip, e.port) for e in ceps])
+        ext_verdict = Verdict.FORWARD if cluster else (Verdict.DROP if sp.has_any_endpoints else Verdict.REJECT)
+        ext_flags = _flags(ext_verdict, aff, True)
+        ext_aff = aff if cluster else 0
+        seen = {fronts[0].key}
+        addrs = [(a, sp.port) for a in (*sp.external_ips, *sp.load_balancer_ips)]
+        if sp.node_port:
+            addrs += [(a, sp.node_port) for a in ctx.nodeport_addresses]
+        for a, p in addrs:
+            f = Frontend(a, p, proto, ext_flags, ext_aff, cluster)
+            if f.key not in seen:
+                seen.add(f.key)
+                fronts.append(f)
+    elif internal:  # a plain ClusterIP with endpoints: nothing for the companion table (the bulk at scale)
+        return Fragment(tuple(fronts), _EMPTY_NFT)
     return Fragment(tuple(fronts), render_nft(sp, ctx))
 
 
@@ -374,6 +378,7 @@ class Plan:
 _ID = struct.Struct("<I")
 _SLOT_VALUE = struct.Struct("<I12x")  # a slot entry: backend_id, the rest zero (see maps.slot_value)
 _SLOT = [i.to_bytes(2, "little") for i in range(65536)]
+_PORT = [i.to_bytes(2, "big") for i in range(65536)]
 _ADDR_CACHE: dict[str, bytes] = {}
 
 
@@ -432,19 +437,27 @@ def plan_service(
     ids: dict[tuple[str, int], int] = {}
     backends = index.backends
     be_put = plan.be_put
+    free = index.free_backends
+    nb = index.next_backend
     for f in new.frontends:
-        proto_tail = bytes((f.proto, 0))
+        tail2 = bytes((f.proto, 0))
         for b in f.backends:
             if b in ids:
                 continue
-            known = old_ids.get(b)
+            known = old_ids.get(b) if old_ids else None
             if known is None:
-                known = index.alloc_backend()
+                if free:
+                    known = free.pop()
+                else:
+                    known = nb
+                    nb += 1
                 backends[known] = (b[0], b[1], f.proto)
-                be_put[_ID.pack(known)] = _addr(b[0]) + b[1].to_bytes(2, "big") + proto_tail
+                be_put[_ID.pack(known)] = _addr(b[0]) + _PORT[b[1]] + tail2
             ids[b] = known
+    index.next_backend = nb
     wanted = {f.key for f in new.frontends}
     slot_put = plan.slot_put
+    pack_slot = _SLOT_VALUE.pack
     for f in new.frontends:
         key = f.key
         cur = index.fronts.get(key)
@@ -452,12 +465,16 @@ def plan_service(
         master = Master(len(slots), f.flags, f.affinity, rev)
         old_slots = cur.slots if cur is not None else ()
         # key bytes: address . port (network order), slot (host order), protocol, padding
-        head = _addr(f.address) + f.port.to_bytes(2, "big")
+        head = _addr(f.address) + _PORT[f.port]
         tail = bytes((f.proto, 0, 0, 0))
         n_old = len(old_slots)
-        for i, bid in enumerate(slots, start=1):
-            if i > n_old or old_slots[i - 1] != bid:
-                slot_put[head + _SLOT[i] + tail] = _SLOT_VALUE.pack(bid)
+        if n_old == 0:
+            for i, bid in enumerate(slots, start=1):
+                slot_put[head + _SLOT[i] + tail] = pack_slot(bid)
+        else:
+            for i, bid in enumerate(slots, start=1):
+                if i > n_old or old_slots[i - 1] != bid:
+                    slot_put[head + _SLOT[i] + tail] = pack_slot(bid)
         if cur is None or cur.master != master:
             plan.master_put[head + _SLOT[0] + tail] = maps.master_value(master)
         for i in range(n_old, len(slots), -1):
