@@ -5,6 +5,12 @@ text is one atomic transaction (as ``nft -f``), without a process per change. Th
 "file", because libnftables names a refused command's line only for file input, and the proxier maps that line back
 to the service that owns it.
 
+libnftables (1.0.6) waits for netlink answers with ``select()``, which aborts the process ("bit out of range 0 -
+FD_SETSIZE") when its socket's descriptor is 1024 or above, and this mode holds thousands of descriptors. So a
+context's socket must be opened early or on a low number: the contexts of the process's own namespace are one,
+shared and made before any proxy socket (``Kernel.call`` in ``start``), and a new context takes one of a few low
+descriptors reserved at import.
+
 ``Kernel(netns=None)`` works in the caller's namespace (the daemon runs inside the node's). ``Kernel("name")`` owns
 one worker thread that ``setns``es into ``/run/netns/<name>`` once; libnftables calls and the creation of proxy
 sockets run there (a socket belongs to the namespace of the thread that made it; tests and benchmarks aim at
@@ -80,12 +86,41 @@ def available() -> str | None:
     return None
 
 
+_RESERVE = 8
+_reserved: list[int] = []
+_reserve_lock = threading.Lock()
+_shared: list[Any] = []  # the one context of this process's own namespace
+_shared_lock = threading.Lock()
+
+
+def _refill() -> None:
+    with _reserve_lock:
+        while len(_reserved) < _RESERVE:
+            fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            if fd >= 1000:
+                os.close(fd)
+                break
+            _reserved.append(fd)
+
+
+def new_context() -> Any:
+    """A libnftables context whose netlink socket (opened right away) takes a low descriptor freed for it."""
+    with _reserve_lock:
+        if _reserved:
+            os.close(_reserved.pop(0))
+        ctx = import_nftables().Nftables()
+    ctx.set_handle_output(False)
+    return ctx
+
+
+_refill()
+
+
 class Kernel:
     """libnftables and socket creation in this namespace or a named one (see the module docstring)."""
 
     def __init__(self, netns: str | None = None) -> None:
         self.netns = netns
-        self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._ctx: Any = None
         if netns is not None:
@@ -95,15 +130,21 @@ class Kernel:
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` in the backend's namespace (this thread when none was named)."""
         if self._pool is None:
-            with self._lock:
+            with _shared_lock:  # the process namespace's context is shared by every Kernel(None)
                 return fn()
         return self._pool.submit(fn).result()
 
+    def ready(self) -> None:
+        """Open the libnftables context now (``start`` calls it before any proxy socket exists)."""
+        self.call(self._nftables)
+
     def _nftables(self) -> Any:
+        if self._pool is None:
+            if not _shared:
+                _shared.append(new_context())
+            return _shared[0]
         if self._ctx is None:  # made in the thread that uses it: its netlink socket belongs to that namespace
-            ctx = import_nftables().Nftables()
-            ctx.set_handle_output(False)
-            self._ctx = ctx
+            self._ctx = new_context()
         return self._ctx
 
     def nft(self, text: str) -> Result:
@@ -147,7 +188,9 @@ class Kernel:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self._ctx = None
+        if self._ctx is not None:
+            self._ctx = None  # its socket closes with it: the low descriptor goes back to the reserve
+            _refill()
 
 
 def elements(objs: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:

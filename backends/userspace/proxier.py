@@ -277,6 +277,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                 resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             except (ValueError, OSError) as exc:
                 log.warning("userspace: could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+        self.kernel.ready()  # libnftables' socket on a low descriptor, before the proxy sockets (see kernel.py)
         self.engine.start()
         self._started = True
 
