@@ -222,11 +222,51 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
                 cur, {}, Counter(), nft.NftView(present, frozenset(), frozenset()), self.applied_fragments(family)
             )
         self._kernel_read[family] = time.monotonic()
+        return self._read_kernel(family)
+
+    def _read_kernel(self, family: IPFamily) -> Adopted:
+        """The maps and the companion table as the kernel holds them now (read-only; any thread)."""
         ks = maps.key_sizes(family)
         raw = {role: maps.lookup_raw(self._fds[(role, family)], *ks[role]) for role in ("svc", "be", "name")}
         index, view = render.index_from_raw(family, raw["svc"], raw["be"], raw["name"])
         counts = Counter(v[3] for v in view.values())
         return Adopted(index, view, counts, nft.read(family, self.netns))
+
+    def verify_view(self, family: IPFamily, ctx: Context) -> Any:
+        """Always the kernel (never the trusted index a periodic full sync may use)."""
+        self._ensure_maps()
+        return self._read_kernel(family)
+
+    def verify_service(self, view: Any, name: ServicePortName, fragment: Fragment) -> str | None:
+        if self.adopted_unchanged(view, name, fragment):
+            return None
+        a: Adopted = view
+        fronts = render.decoded(fragment)
+        held = {k: a.view[k] for k in fronts if k in a.view}
+        if not held and not any(e in a.nft.elements for e in fragment.nft.elements):
+            return "missing"
+        for k, want in fronts.items():
+            got = a.view.get(k)
+            if got is None:
+                return f"different: frontend {k[0]}:{k[1]}/{k[2]} missing"
+            if got[:3] != want:
+                return f"different: frontend {k[0]}:{k[1]}/{k[2]} holds {got[:3]}, wanted {want}"
+        missing = [e for e in fragment.nft.elements if e not in a.nft.elements]
+        if missing:
+            return f"different: companion element {' '.join(missing[0])} missing"
+        return "different: reverse-NAT id or name"
+
+    def verify_extra(self, view: Any, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
+        a: Adopted = view
+        keys = {render.service_key(n) for n in wanted}
+        out = []
+        for k, got in a.view.items():
+            owner = a.index.rev_names.get(got[3])
+            if owner not in keys:
+                out.append(f"frontend {k[0]}:{k[1]}/{k[2]}: not wanted (rev_nat {got[3]}, {owner or 'unnamed'})")
+        want_elems = {e for f in wanted.values() for e in f.nft.elements}
+        out += [f"nft element {m} {k} : {v}: not wanted" for m, k, v in sorted(a.nft.elements - want_elems)]
+        return out
 
     def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: Fragment) -> bool:
         a: Adopted = adopted

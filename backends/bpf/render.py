@@ -508,6 +508,11 @@ def service_key(name: ServicePortName) -> str:
     return f"{name}/{name.protocol.value}"
 
 
+def decoded(fragment: Fragment) -> dict[tuple[str, int, int], tuple[int, int, tuple[tuple[str, int], ...]]]:
+    """frontend key -> (flags, affinity, backends), as ``View`` values hold them (without the reverse-NAT id)."""
+    return {f.key: (f.flags, f.affinity, f.backends) for f in fragment.frontends}
+
+
 def summary(fragment: Fragment) -> dict[str, object]:
     """The backend's own ``describe()`` detail of one service (and ``kproxy show``'s lines)."""
     return {

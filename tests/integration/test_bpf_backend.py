@@ -242,6 +242,18 @@ def test_restart_adopts_the_pinned_maps_and_writes_nothing(place: tuple[str, dic
             ln for ln in view["ns1/a:p/TCP"] if "slot 1 ->" in ln
         ]
         assert any("reject" in ln for ln in view["ns1/c:p/TCP"])
+        # verify reads the kernel back: clean, then a master entry deleted behind kproxy's back is drift
+        assert second.verify(st2)["drift"] == 0
+        from kproxy.backends.bpf import loader, maps
+
+        fd = maps.obj_get(str(Path(opts["bpf_pin_path"]) / maps.pin_name("svc", IPFamily.V4)))
+        try:
+            maps.delete_batch(fd, [maps.lb_key(IPFamily.V4, "198.19.0.21", 80, 6, 0)])
+        finally:
+            os.close(fd)
+        report = second.verify(st2)
+        assert report["drift"] >= 1 and "ns1/b:p/TCP" in report["services"], report
+        assert loader.DEFAULT_MAP_SIZE >= 10_000 * 51  # the default holds 10,000 services x 50 endpoints
     finally:
         second.close()
 
