@@ -130,6 +130,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.listeners: dict[tuple[Any, ...], _TcpListener | _UdpListener] = {}
         self.connections = 0  # open relayed TCP connections
+        self.open: set[_Relay | _Dial] = set()  # closed at stop: sockets die with the loop, never left to the GC
         self.peak_connections = 0
         self.accepted = 0
         self.failed_dials = 0
@@ -163,6 +164,9 @@ class Engine:
                 for lst in list(self.listeners.values()):
                     lst.close()
                 self.listeners.clear()
+                for item in list(self.open):
+                    item.abort()
+                self.open.clear()
                 loop.close()
 
         self._thread = threading.Thread(target=run, name="kproxy-userspace-datapath", daemon=True)
@@ -300,6 +304,20 @@ class _Dial:
         self.tries = 0
         self.server: socket.socket | None = None
         self.timer: asyncio.TimerHandle | None = None
+        listener.engine.open.add(self)
+
+    def abort(self) -> None:
+        loop = self.listener.engine.loop
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.server is not None:
+            if loop is not None and self.server.fileno() >= 0:
+                loop.remove_writer(self.server.fileno())
+            self.server.close()
+            self.server = None
+        _reset(self.client)
+        self.listener.engine.open.discard(self)
 
     def attempt(self) -> None:
         engine = self.listener.engine
@@ -307,11 +325,11 @@ class _Dial:
         assert loop is not None
         if self.tries >= len(DIAL_TIMEOUTS):
             engine.failed_dials += 1
-            _reset(self.client)
+            self.abort()
             return
         ep = self.listener.balancer.next(self.client_ip, reset=self.tries > 0)
         if ep is None:  # no endpoints (the redirect rules reject those; this is a race with a sync)
-            _reset(self.client)
+            self.abort()
             return
         fam = socket.AF_INET6 if ":" in ep[0] else socket.AF_INET
         server = socket.socket(fam, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
@@ -358,6 +376,7 @@ class _Dial:
 
     def _connected(self) -> None:
         assert self.server is not None
+        self.listener.engine.open.discard(self)
         self.client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _Relay(self.listener.engine, self.client, self.server)
 
@@ -371,6 +390,7 @@ class _Relay:
         self.engine = engine
         self.a, self.b = a, b
         engine.connections += 1
+        engine.open.add(self)
         engine.peak_connections = max(engine.peak_connections, engine.connections)
         self.open = 2
         cls = _SpliceHalf if RELAY == "splice" else _CopyHalf
@@ -400,6 +420,7 @@ class _Relay:
     def _closed(self) -> None:
         if self.open >= 0:
             self.engine.connections -= 1
+            self.engine.open.discard(self)
             self.open = -1
 
 
