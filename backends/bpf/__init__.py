@@ -4,7 +4,8 @@ nftables companion table for the packets no local socket sends.
 Modules: ``render`` (pure: ServicePort -> fragment of socket frontends and companion elements; the ordered plan of
 map writes; adoption's decoding), ``maps`` (byte layouts mirroring ``bpf/kproxy_lb.h``, pin names, batched ``bpf(2)``
 calls), ``loader`` (bcc compile, attach with BPF_F_ALLOW_MULTI, pin folder and cgroup per namespace), ``nft`` (the
-companion table), ``inspect`` (remnants, kernel_view, cleanup), ``proxier`` (``BpfProxier`` on the ledger).
+companion table), ``inspect`` (remnants, kernel_view, cleanup), ``sockets`` (ending connected UDP sockets to removed backends),
+``proxier`` (``BpfProxier`` on the ledger: apply, adopt, verify, the explainer from the maps, benchmark floors).
 C sources: ``bpf/kproxy_sock.c`` (connect4/6, sendmsg4/6, recvmsg4/6, getpeername4/6) and ``bpf/kproxy_lb.h``.
 
 Maps (pinned in the pin folder, versioned names ``<role><4|6>_v1``; Cilium's and Calico's shape):
@@ -68,9 +69,11 @@ Where it deviates from upstream, and why:
 - Affinity for sockets is per client network namespace (a pod), not per source address; the companion table has no
   affinity for external clients.
 - loadBalancerSourceRanges are enforced for external packets; local sockets to a load-balancer IP are not filtered.
-- Connected UDP sockets keep the backend chosen at connect (as every socket LB); a client that reconnects, as the
-  probe does per attempt, reaches the current backends at once (the udp-conntrack scenario). Sockets connected to a
-  removed backend are not destroyed (Cilium's sock_diag / bpf_sock_destroy termination is not implemented).
+- Connected UDP sockets keep the backend chosen at connect (as every socket LB); when a UDP service loses a backend,
+  connected UDP sockets whose peer it was are ended with ``ss -K`` in the namespaces of the cgroup's processes
+  (``sockets``; cilium#27300), and the client reconnects to a live one; a client that reconnects per attempt, as the
+  probe does, reaches the current backends at once (the udp-conntrack scenario). TCP connections to a removed
+  backend are left to end by themselves, as with conntrack NAT.
 - SCTP is translated at connect like TCP (the companion table handles it for external packets); no tc program, so
   no XDP/tc acceleration of NodePorts.
 - A map-size change (``--bpf-map-size``) needs ``kproxy cleanup`` first: a pinned map keeps the size it was made

@@ -29,6 +29,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -40,7 +41,7 @@ from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Syn
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelProbe, LabNodeSpec, Option
 
-from . import inspect, loader, maps, nft, render
+from . import inspect, loader, maps, nft, render, sockets
 from .render import Context, FamilyIndex, Fragment, Plan
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         self._metric_entries: Any = None
         self._counts: dict[str, int] = {}
         self.attached: list[str] = []
+        self._reaper = sockets.Reaper()
+        self.last_reap: Future[int] | None = None
         self._last_full: tuple[IPFamily, list[tuple[str, str, list[bytes], list[bytes]]]] | None = None
         self._last_partial: tuple[IPFamily, list[tuple[str, str, list[bytes], list[bytes]]]] | None = None
 
@@ -182,6 +185,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         log.info("bpf: attached %s to %s", ", ".join(self.attached), p.cgroup)
 
     def close(self) -> None:
+        self._reaper.close()  # it reads the reverse-NAT map: before the fds go
         for fd in self._fds.values():
             try:
                 os.close(fd)
@@ -402,6 +406,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         t3 = time.perf_counter()
         if read_at is not None:
             self._kernel_read[fam] = read_at
+        self._reap_udp(batch)
         counts = {
             f"{fam.value}/map_writes": plan.writes,
             f"{fam.value}/service_entries": index.svc_entries,
@@ -415,6 +420,23 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             counts=MappingProxyType(counts),
             timings=MappingProxyType({"plan": t1 - t0, "apply": t2 - t1, "nft": t3 - t2}),
         )
+
+    def _reap_udp(self, batch: Batch[Fragment, Context]) -> None:
+        """Connected UDP sockets to backends a UDP service just lost are ended (see ``backends.bpf.sockets``); only
+        when the programs are attached (a benchmark has no sockets to end)."""
+        if not self.attached or self._places is None:
+            return
+        gone: set[tuple[str, int]] = set()
+        for d in batch.deltas:
+            if d.name.protocol.value != "UDP" or d.old_fragment is None:
+                continue
+            old = {b for f in d.old_fragment.frontends for b in f.backends}
+            new = {b for f in d.new_fragment.frontends for b in f.backends} if d.new_fragment is not None else set()
+            gone |= old - new
+        if gone:
+            self.last_reap = self._reaper.submit(
+                self._places.cgroup, gone, self._fds.get(("rev", batch.family)), batch.family
+            )
 
     def _sweep(self, index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: Plan) -> None:
         """Full batches: remove frontends nobody owns, backends no frontend references, names of no service."""

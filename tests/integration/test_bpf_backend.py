@@ -294,3 +294,98 @@ def test_cleanup_leaves_no_pin_attachment_or_table(place: tuple[str, dict[str, s
         p.close()
     BpfProxier.cleanup_leftovers(_config(opts), netns=ns)
     assert BpfProxier.remnants(LocalProbe(ns, MappingProxyType(opts))) == []
+
+
+UDP_CLIENT = """
+import socket, sys, time
+c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.settimeout(2); c.connect(("198.19.0.50", 53))
+c.send(b"a"); print("first", c.recv(100).decode(), flush=True)
+sys.stdin.readline()  # the backend is replaced meanwhile
+t0 = time.monotonic()
+while time.monotonic() - t0 < 5:
+    try:
+        c.send(b"b"); c.recv(100)
+    except OSError as e:  # the socket was ended: reconnect, as resolvers do
+        print("ended", e.errno, flush=True)
+        c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.settimeout(2); c.connect(("198.19.0.50", 53))
+        c.send(b"c"); print("after", c.recv(100).decode(), flush=True)
+        break
+    time.sleep(0.1)
+else:
+    print("still pinned", flush=True)
+"""
+
+UDP_SERVERS = """
+import socket, threading, time
+def serve(ip):
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind((ip, 53))
+    while True:
+        d, a = u.recvfrom(100); u.sendto(ip.encode(), a)
+for ip in ("198.18.214.1", "198.18.214.2"):
+    threading.Thread(target=serve, args=(ip,), daemon=True).start()
+print("ready", flush=True); time.sleep(60)
+"""
+
+
+def test_a_connected_udp_socket_to_a_removed_backend_is_ended(place: tuple[str, dict[str, str]]) -> None:
+    """cilium#27300: a connected UDP client (a resolver) pinned to a backend that went away must not keep sending
+    into the void: kproxy ends the socket, the client reconnects to the live backend."""
+    from kproxy.backends.bpf.proxier import BpfProxier
+
+    ns, opts = place
+    for ip in ("198.18.214.1", "198.18.214.2"):
+        subprocess.run(["ip", "-n", ns, "addr", "add", f"{ip}/32", "dev", "lo"], check=True, timeout=30)
+    servers = subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", UDP_SERVERS], stdout=subprocess.PIPE, text=True
+    )
+    p = BpfProxier(_config(opts), netns=ns)
+    client = None
+    try:
+        assert servers.stdout is not None and servers.stdout.readline().strip() == "ready"
+        p.start()
+
+        def dns(ep: str, gen: int) -> ProxyState:
+            e = (Endpoint(ep, 53, node_name="node-a", is_local=True),)
+            port = ServicePort(
+                name=spn("dns", Protocol.UDP),
+                family=IPFamily.V4,
+                cluster_ip="198.19.0.50",
+                port=53,
+                cluster_endpoints=e,
+                local_endpoints=e,
+                has_any_endpoints=True,
+            )
+            return state(port, generation=gen)
+
+        assert p.sync(dns("198.18.214.1", 1), Changes(full=True)).ok
+        cg = opts["bpf_cgroup_path"]
+
+        def pre() -> None:
+            Path(cg, "cgroup.procs").write_text(str(os.getpid()))
+
+        client = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-c", UDP_CLIENT],
+            preexec_fn=pre,  # noqa: PLW1509 - the client must run inside the cgroup from its start
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert client.stdout is not None and client.stdin is not None
+        assert client.stdout.readline().strip() == "first 198.18.214.1"
+        res = p.sync(dns("198.18.214.2", 2), Changes(full=False, services=frozenset({spn("dns", Protocol.UDP)})))
+        assert res.ok
+        assert p.last_reap is not None and p.last_reap.result(timeout=30) >= 1
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        lines = [client.stdout.readline().strip() for _ in range(2)]
+        assert lines[0].startswith("ended"), lines
+        assert lines[1] == "after 198.18.214.2", lines
+    finally:
+        for proc in (client, servers):
+            if proc is not None:
+                proc.kill()
+                proc.wait(10)
+                for f in (proc.stdout, proc.stdin):
+                    if f is not None:
+                        f.close()
+        p.close()

@@ -1,0 +1,107 @@
+"""Ending connected UDP sockets pinned to a backend that is gone (cilium#27300: a connected UDP socket translated at
+connect keeps sending to the old backend forever, so DNS breaks when CoreDNS moves).
+
+When a UDP service loses a backend, kproxy destroys the *connected* UDP sockets whose peer is that backend, in every
+network namespace that has a process in the mode's cgroup (the node's pods and host processes), with iproute2's
+``ss -K`` (sock_diag SOCK_DESTROY, CONFIG_INET_DIAG_DESTROY). The application's next send fails (EDESTADDRREQ) and
+it reconnects, through connect4, to a live backend. Unconnected sockets have no peer, so the filter never matches
+them (they re-choose per datagram anyway: cilium#48564). Only when the reverse-NAT map shows that some socket was
+translated to that backend is anything done; a socket that connected to the pod address directly, with the same
+address and port, is ended too (ss cannot filter by socket cookie).
+
+Runs on a worker thread of its own, after the maps no longer lead to the backend: a sync never waits for it.
+
+Who uses it: ``backends.bpf.proxier`` (apply, start, close); tests/integration/test_bpf_backend.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from kproxy.model import IPFamily
+
+from . import maps
+
+log = logging.getLogger(__name__)
+
+
+def cgroup_namespaces(cgroup: Path) -> dict[int, int]:
+    """Network namespace inode -> one pid in it, for every process of ``cgroup`` and its children."""
+    out: dict[int, int] = {}
+    for procs in [cgroup / "cgroup.procs", *cgroup.glob("**/cgroup.procs")]:
+        try:
+            pids = [int(x) for x in procs.read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for pid in pids:
+            try:
+                ino = os.stat(f"/proc/{pid}/ns/net").st_ino
+            except OSError:
+                continue
+            out.setdefault(ino, pid)
+    return out
+
+
+def translated_peers(rev_fd: int, family: IPFamily, peers: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The ``peers`` that some socket was translated to, by the reverse-NAT map (socket cookie . backend keys)."""
+    want = set(peers)
+    ks, vs = maps.key_sizes(family)["rev"]
+    keys, _values = maps.lookup_raw(rev_fd, ks, vs)
+    fmt = maps.REV4_KEY if family == IPFamily.V4 else maps.REV6_KEY
+    seen = set()
+    for _cookie, a, p, _pad in fmt.iter_unpack(keys):
+        seen.add((maps.addr_text(a), int.from_bytes(p, "big")))
+    return sorted(want & seen)
+
+
+def destroy_connected_udp(
+    cgroup: Path, peers: Iterable[tuple[str, int]], rev_fd: int | None = None, family: IPFamily = IPFamily.V4
+) -> int:
+    """Destroy connected UDP sockets whose peer is one of ``peers`` (those the reverse-NAT map shows translated, when
+    ``rev_fd`` is given) in the cgroup's namespaces; how many ss found."""
+    targets = sorted(set(peers)) if rev_fd is None else translated_peers(rev_fd, family, peers)
+    if not targets:
+        return 0
+    killed = 0
+    for _ino, pid in cgroup_namespaces(cgroup).items():
+        for ip, port in targets:
+            argv = ["nsenter", f"--net=/proc/{pid}/ns/net", "ss", "-K", "-n", "-u", "dst", ip, "dport", "=", str(port)]
+            try:
+                res = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                log.warning("bpf: ending UDP sockets to %s:%d failed: %s", ip, port, exc)
+                continue
+            if res.returncode != 0:
+                log.warning("bpf: ss -K for %s:%d: %s", ip, port, res.stderr.strip()[:200])
+                continue
+            killed += max(0, len([ln for ln in res.stdout.splitlines() if ln.strip()]) - 1)  # minus the header
+    if killed:
+        log.info("bpf: ended %d connected UDP socket(s) to removed backends %s", killed, targets)
+    return killed
+
+
+class Reaper:
+    """One worker thread that ends stale connected UDP sockets, in submission order."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(
+        self, cgroup: Path, peers: Iterable[tuple[str, int]], rev_fd: int | None, family: IPFamily
+    ) -> Future[int] | None:
+        items = list(peers)
+        if not items:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bpf-udp-reaper")
+        return self._pool.submit(destroy_connected_udp, cgroup, items, rev_fd, family)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=False)
+            self._pool = None
