@@ -84,6 +84,9 @@ class SyncBench:
     partial_floor_detail: dict[str, float] = field(default_factory=dict)
     restart_sync_s: float | None = None
     restart_writes: int | None = None
+    #: peak RSS of the whole run, the restart phase included (``rss_mb`` is the peak before it: full and partial
+    #: syncs, as a running kproxy; a restart's adoption reads the kernel's whole state back)
+    restart_rss_mb: float | None = None
     describe_ms: dict[str, float] = field(default_factory=dict)
     rss_mb: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
@@ -187,6 +190,7 @@ def run_sync_bench(
         out.floor_s = backend.measure_floor()
         if out.floor_s:
             out.ratio = out.full_sync_s / out.floor_s
+        out.rss_mb = _peak_rss_mb()  # a running kproxy: the full and partial syncs
         if mode != "fake":  # a restarted kproxy: a new instance adopting what the kernel holds, nothing changed
             forget = getattr(backend, "forget", None)
             if forget is not None:  # the old process is gone: its memory must not count in the new one's
@@ -203,8 +207,7 @@ def run_sync_bench(
                 out.restart_writes = sum(v for k, v in result.counts.items() if k.endswith("/deltas"))
             finally:
                 fresh.close()
-
-        out.rss_mb = _peak_rss_mb()
+            out.restart_rss_mb = _peak_rss_mb()
     finally:
         if mode != "fake":
             try:  # the namespace goes away anyway; this removes what lives outside it (a BPF cgroup hook)
@@ -301,6 +304,7 @@ def format_table(b: SyncBench) -> str:
             f"({int(b.describe_ms['answers'])} answers)",
         ),
         ("peak RSS", f"{b.rss_mb:.1f} MB"),
+        ("peak RSS with the restart", "-" if b.restart_rss_mb is None else f"{b.restart_rss_mb:.1f} MB"),
     ]
     rows += [(f"count {k}", str(v)) for k, v in sorted(b.counts.items())]
     if b.reference is not None:
