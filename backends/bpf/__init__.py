@@ -4,8 +4,9 @@ nftables companion table for the packets no local socket sends.
 Modules: ``render`` (pure: ServicePort -> fragment of socket frontends and companion elements; the ordered plan of
 map writes; adoption's decoding), ``maps`` (byte layouts mirroring ``bpf/kproxy_lb.h``, pin names, batched ``bpf(2)``
 calls), ``loader`` (bcc compile, attach with BPF_F_ALLOW_MULTI, pin folder and cgroup per namespace), ``nft`` (the
-companion table), ``inspect`` (remnants, kernel_view, cleanup), ``sockets`` (ending connected UDP sockets to removed backends),
-``proxier`` (``BpfProxier`` on the ledger: apply, adopt, verify, the explainer from the maps, benchmark floors).
+companion table), ``inspect`` (remnants, kernel_view, cleanup), ``sockets`` (ending connected UDP sockets to
+removed backends), ``proxier`` (``BpfProxier`` on the ledger: apply, adopt, verify, the explainer from the maps,
+benchmark floors).
 C sources: ``bpf/kproxy_sock.c`` (connect4/6, sendmsg4/6, recvmsg4/6, getpeername4/6) and ``bpf/kproxy_lb.h``.
 
 Maps (pinned in the pin folder, versioned names ``<role><4|6>_v1``; Cilium's and Calico's shape):
