@@ -34,7 +34,7 @@ CFG = ProxyConfig(cluster_cidrs=("198.18.64.0/18",), ip_families=(IPFamily.V4, I
 NODE = NodeInfo("node-a", addresses=("198.18.100.1",))
 CIP = "198.18.200.10"
 CIP6 = "fd00:198:18:200::10"
-EP1, EP2 = "198.18.101.2", "198.18.101.3"
+EP1 = "198.18.101.2"
 
 
 def ip(ns: str, *args: str) -> None:
@@ -76,7 +76,7 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
             )
             for peer, addr4, addr6, dev, mine in (
                 (client, "198.18.100", "fd00:198:18:100", "kpuc", ("198.18.100.2",)),
-                (ends, "198.18.101", "fd00:198:18:101", "kpue", (EP1, EP2)),
+                (ends, "198.18.101", "fd00:198:18:101", "kpue", (EP1,)),  # one address: UDP answers from it
             ):
                 ip(node, "link", "add", dev, "type", "veth", "peer", "name", "eth0", "netns", peer)
                 ip(node, "addr", "add", f"{addr4}.1/24", "dev", dev)
@@ -175,7 +175,8 @@ for _ in range({count}):
     s = socket.socket(socket.{fam}, socket.SOCK_DGRAM)
     s.settimeout(2)
     try:
-        s.sendto(b"hi\\n", ({host!r}, {port}))
+        s.connect(({host!r}, {port}))
+        s.send(b"hi\\n")
         print(s.recv(1000).split()[0].decode())
     except OSError as e:
         print(type(e).__name__)
@@ -195,7 +196,7 @@ def proxier(lab: Lab) -> Iterator[UserspaceProxier]:
         UserspaceProxier.cleanup_leftovers(CFG, netns=lab.node)
 
 
-TWO = ((EP1, 8081), (EP1, 8082))  # one address: a wildcard UDP server answers from the primary one
+TWO = ((EP1, 8081), (EP1, 8082))
 
 
 def test_tcp_udp_round_robin_refusal_and_node_traffic(lab: Lab, proxier: UserspaceProxier) -> None:
@@ -311,3 +312,13 @@ def test_a_deleted_table_is_rebuilt_in_both_families(lab: Lab, proxier: Userspac
     assert len(UserspaceProxier.remnants(LocalProbe(lab.node))) == 2
     assert set(tcp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
     assert tcp(lab.client, CIP6) == ["ep1"]
+
+
+def test_ipv6_udp_answers_from_the_redirected_address(lab: Lab, proxier: UserspaceProxier) -> None:
+    ep6 = (("fd00:198:18:101::2", 8081),)
+    st = state(sp("d6", ep6, Protocol.UDP, family=IPFamily.V6), sp("t6", ep6, family=IPFamily.V6, port=81))
+    assert proxier.sync(st, Changes(full=True)).ok
+    # the client's connected socket takes only answers from the ClusterIP: conntrack must reverse the redirect
+    assert udp(lab.client, CIP6, count=2) == ["ep1", "ep1"]
+    assert udp(lab.node, CIP6) == ["ep1"]
+    assert tcp(lab.node, CIP6, 81) == ["ep1"]
