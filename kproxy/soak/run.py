@@ -266,10 +266,12 @@ class Churner(threading.Thread):
         self.stop_event.set()
         self.run_event.set()
 
+    MAX_WRITES = 200_000  # a bound in count besides the soak's in time (10 minutes at 5/s is about 4,000)
+
     def run(self) -> None:
         interval = 1.0 / self.rate
         nxt = time.monotonic()
-        while not self.stop_event.is_set():
+        while not self.stop_event.is_set() and self.applied + self.api_refused < self.MAX_WRITES:
             self.run_event.wait()
             if self.stop_event.is_set():
                 break
