@@ -322,3 +322,26 @@ def test_ipv6_udp_answers_from_the_redirected_address(lab: Lab, proxier: Userspa
     assert udp(lab.client, CIP6, count=2) == ["ep1", "ep1"]
     assert udp(lab.node, CIP6) == ["ep1"]
     assert tcp(lab.node, CIP6, 81) == ["ep1"]
+
+
+def test_proxy_port_range(lab: Lab) -> None:
+    cfg = ProxyConfig(
+        cluster_cidrs=("198.18.64.0/18",),
+        ip_families=(IPFamily.V4,),
+        backend_options=MappingProxyType({"proxy_port_range": "41000+3"}),
+    )
+    p = UserspaceProxier(cfg, netns=lab.node)
+    p.start()
+    try:
+        four = [sp(f"s{i}", TWO, port=80 + i) for i in range(4)]
+        res = p.sync(state(*four), Changes(full=True))
+        assert res.ok and len(res.failed) == 1  # three ports in the range: the fourth service is refused, said so
+        assert "no proxy port free" in next(iter(res.failed.values()))
+        assert sorted(p._ports.values()) == [41000, 41001, 41002]
+        served = [s.port for s in four if s.name not in res.failed]
+        assert len(served) == 3
+        for port in served:
+            assert tcp(lab.client, CIP, port)[0] in ("ep1", "ep2")
+    finally:
+        p.close()
+        UserspaceProxier.cleanup_leftovers(cfg, netns=lab.node)
