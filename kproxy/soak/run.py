@@ -393,7 +393,9 @@ class Soak:
                 lab.wait_all(60)
                 return lab
         self.owned_lab = True
-        lab = Lab.up(nodes=o.nodes, pods_per_node=o.pods_per_node, mode=o.mode, ipv6=o.ipv6, prefix=o.prefix)
+        lab = Lab.up(
+            nodes=o.nodes, pods_per_node=o.pods_per_node, mode=o.mode, ipv6=o.ipv6, prefix=o.prefix, timeout=90
+        )
         lab.wait_all(90)
         return lab
 
