@@ -385,6 +385,74 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         addrs = set(self._local.get(fam, ())) | {"127.0.0.1" if fam == IPFamily.V4 else "::1"}
         return [(a, p) for a in addrs for p in ports]
 
+    def trace(
+        self, src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False
+    ) -> dict[str, Any] | None:
+        """Where a new connection's first packet goes through what was last applied: the redirect element it meets
+        (or the reject / drop / firewall verdict), the proxy socket's port and the endpoints it balances over."""
+        try:
+            fam = IPFamily.of(dst)
+        except ValueError:
+            return {"error": f"not an address: {dst!r}"}
+        rec = self.records.get(fam)
+        if rec is None or rec.context is None:
+            return {"error": f"no {fam.value} rules applied yet"}
+        p = proto.lower()
+        key = f"{ipaddress.ip_address(dst)} . {p} . {dport}"
+        path: list[str] = []
+        hit: tuple[ServicePortName, render.Entry] | None = None
+        for spn, frag in self.applied_fragments(fam).items():
+            for e in frag.entries:
+                if (e.map == render.SERVICE_IPS and e.key == key) or (
+                    dst_local and e.map == render.SERVICE_NODEPORTS and e.key == f"{p} . {dport}"
+                ):
+                    hit = (spn, e)
+                    break
+            if hit is not None:
+                break
+        outcome: dict[str, Any] = {"verdict": "no service rule"}
+        if hit is None:
+            path.append(
+                f"services: no element {key} in @{render.SERVICE_IPS}" + (" or @service-nodeports" if dst_local else "")
+            )
+        else:
+            spn, e = hit
+            path.append(f"services: @{e.map}[{e.key}] = {e.verdict} ({render.service_key(spn)})")
+            if e.verdict == render.V_FIREWALL:
+                frag = self.applied_fragments(fam)[spn]
+                nets = [k.rsplit(" . ", 1)[1] for k in frag.firewall]
+                allowed = any(ipaddress.ip_address(src) in ipaddress.ip_network(n) for n in nets)
+                path.append(f"firewall: source {src} {'in' if allowed else 'not in'} {', '.join(nets) or '-'}")
+                if not allowed:
+                    e = render.Entry(e.map, e.key, render.V_DROP)
+            if e.role:
+                port = self._ports.get((fam, spn, e.role))
+                frag = self.applied_fragments(fam)[spn]
+                lst = next(x for x in frag.listeners if x.role == e.role)
+                local = "loopback" if src_local else "the receiving interface's address"
+                path.append(f"redirect to {local}:{port} (proxy socket {e.role} of {render.service_key(spn)})")
+                outcome = {
+                    "verdict": f"REDIRECT :{port}",
+                    "proxyPort": port,
+                    "endpoints": [f"[{ip}]:{pt}" if ":" in ip else f"{ip}:{pt}" for ip, pt in lst.endpoints],
+                    "balancing": "round robin" + (f", ClientIP affinity {lst.affinity} s" if lst.affinity else ""),
+                }
+            else:
+                outcome = {"verdict": "REJECT (ICMP port unreachable)" if e.verdict == render.V_REJECT else "DROP"}
+        outcome["rules"] = path
+        return {
+            "packet": {
+                "src": src,
+                "proto": p,
+                "dst": dst,
+                "dport": dport,
+                "srcLocal": src_local,
+                "dstLocal": dst_local,
+            },
+            "hook": "output" if src_local else "prerouting",
+            "outcomes": [outcome],
+        }
+
     # ------------------------------------------------------------------------------------------ sockets
 
     def _bind(self, fam: IPFamily, proto: str, preferred: int | None) -> tuple[socket.socket, int]:

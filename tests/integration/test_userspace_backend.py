@@ -215,7 +215,13 @@ def test_tcp_udp_round_robin_refusal_and_node_traffic(lab: Lab, proxier: Userspa
     assert set(view) == {"ns1/web:p/TCP", "ns1/dns:p/UDP", "ns1/empty:p/TCP"}
     assert any("goto reject-chain" in ln for ln in view["ns1/empty:p/TCP"])
     d = proxier.describe()
-    assert d["detail"]["services"]["ns1/web:p/TCP"]["IPv4"]["proxySockets"][0]["port"]
+    port = d["detail"]["services"]["ns1/web:p/TCP"]["IPv4"]["proxySockets"][0]["port"]
+    assert port
+    out = proxier.trace("198.18.100.2", "tcp", CIP, 80) or {}
+    assert out["outcomes"][0]["verdict"] == f"REDIRECT :{port}"
+    assert out["outcomes"][0]["endpoints"] == ["198.18.101.2:8081", "198.18.101.2:8082"]
+    assert (proxier.trace("198.18.100.2", "tcp", CIP, 81) or {})["outcomes"][0]["verdict"].startswith("REJECT")
+    assert (proxier.trace("198.18.100.2", "tcp", CIP, 82) or {})["outcomes"][0]["verdict"] == "no service rule"
 
 
 def test_endpoint_change_keeps_established_and_applies_to_new(lab: Lab, proxier: UserspaceProxier) -> None:
