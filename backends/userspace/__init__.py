@@ -4,8 +4,8 @@ table of this mode's own send service traffic to those sockets.
 
 Modules: ``render`` (pure: a ServicePort to a fragment of redirect elements and listeners; the table's text),
 ``proxier`` (``UserspaceProxier`` on the core's ledger: proxy sockets, one nft transaction per batch, adoption,
-cleanup, remnants, kernel_view, trace: the packet explainer), ``datapath`` (the event loop: accept, dial, relay, UDP sessions, round robin and
-affinity), ``kernel`` (libnftables in-process, in this or a named namespace).
+cleanup, remnants, kernel_view, trace: the packet explainer), ``datapath`` (the event loop: accept, dial, relay, UDP
+sessions, round robin and affinity), ``kernel`` (libnftables in-process, in this or a named namespace).
 
 Layout (table ``kproxy-userspace`` in family ``ip`` and again in ``ip6``; nothing outside it, never another table;
 the nftables mode's table is named ``kproxy``):
