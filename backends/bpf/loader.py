@@ -206,28 +206,67 @@ def compile_programs(p: Places) -> Any:
     return b
 
 
+#: bpftool's names of the attach types kproxy uses, by their numbers in the kernel's enum bpf_attach_type
+ATTACH_NUMBERS = {
+    "cgroup_inet4_connect": 10,
+    "cgroup_inet6_connect": 11,
+    "cgroup_udp4_sendmsg": 14,
+    "cgroup_udp6_sendmsg": 15,
+    "cgroup_udp4_recvmsg": 19,
+    "cgroup_udp6_recvmsg": 20,
+    "cgroup_inet4_getpeername": 29,
+    "cgroup_inet6_getpeername": 30,
+}
+
+
 def attached(cgroup: Path) -> list[dict[str, Any]]:
-    """Programs attached to ``cgroup`` itself (bpftool), each ``{"id", "attach_type", "name"}``."""
-    res = subprocess.run(
-        ["bpftool", "-j", "cgroup", "show", str(cgroup)], capture_output=True, text=True, timeout=30, check=False
-    )
-    if res.returncode != 0:
-        if not cgroup.exists():
-            return []
-        raise RuntimeError(f"bpftool cgroup show {cgroup}: {res.stderr.strip()}")
-    doc = json.loads(res.stdout.strip() or "[]")
-    return [d for d in doc if isinstance(d, dict)]
+    """Programs attached to ``cgroup`` itself for the attach types kproxy uses, each ``{"id", "attach_type",
+    "name"}`` (BPF_PROG_QUERY in-process: another mode's start-up removes kproxy's programs in a few milliseconds)."""
+    try:
+        cfd = os.open(str(cgroup), os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return []
+    out: list[dict[str, Any]] = []
+    try:
+        for at_name, at in ATTACH_NUMBERS.items():
+            try:
+                ids = maps.prog_query(cfd, at)
+            except maps.BpfError as exc:
+                raise RuntimeError(f"BPF_PROG_QUERY on {cgroup} ({at_name}): {exc}") from None
+            for pid in ids:
+                try:
+                    pfd = maps.prog_fd_by_id(pid)
+                except maps.BpfError:
+                    continue  # gone meanwhile
+                try:
+                    name = maps.prog_name(pfd)
+                finally:
+                    os.close(pfd)
+                out.append({"id": pid, "attach_type": at_name, "name": name})
+    finally:
+        os.close(cfd)
+    return out
 
 
 def detach_ids(cgroup: Path, progs: list[dict[str, Any]]) -> None:
-    for d in progs:
-        subprocess.run(
-            ["bpftool", "cgroup", "detach", str(cgroup), str(d["attach_type"]), "id", str(d["id"])],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
+    """Detach these programs (from ``attached``) from ``cgroup`` (BPF_PROG_DETACH; one already gone is fine)."""
+    if not progs:
+        return
+    cfd = os.open(str(cgroup), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for d in progs:
+            try:
+                pfd = maps.prog_fd_by_id(int(d["id"]))
+            except maps.BpfError:
+                continue
+            try:
+                maps.prog_detach(cfd, pfd, ATTACH_NUMBERS[str(d["attach_type"])])
+            except maps.BpfError as exc:
+                log.warning("bpf: detaching %s from %s: %s", d.get("name"), cgroup, exc)
+            finally:
+                os.close(pfd)
+    finally:
+        os.close(cfd)
 
 
 def ours(progs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -254,7 +293,51 @@ def load_and_attach(b: Any, cgroup: Path) -> list[str]:
     return done
 
 
+def attach_in_child(p: Places, timeout: float = 120.0) -> list[str]:
+    """Compile, load and attach the programs in a child process (``python -m kproxy.backends.bpf.loader``), which
+    reopens the pinned maps; the names attached. RuntimeError with the child's message when it fails."""
+    import sys
+
+    argv = [
+        sys.executable,
+        "-m",
+        "kproxy.backends.bpf.loader",
+        "--pin-path",
+        str(p.pin_dir),
+        "--cgroup",
+        str(p.cgroup),
+        "--map-size",
+        str(p.map_size),
+    ]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"bpf: loading the programs failed: {res.stderr.strip()[-800:]}")
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    return [str(x) for x in doc["attached"]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The child of ``attach_in_child``: compile, attach, print ``{"attached": [...]}``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kproxy.backends.bpf.loader")
+    ap.add_argument("--pin-path", required=True)
+    ap.add_argument("--cgroup", required=True)
+    ap.add_argument("--map-size", type=int, default=DEFAULT_MAP_SIZE)
+    args = ap.parse_args(argv)
+    p = Places(Path(args.pin_path), Path(args.cgroup), False, args.map_size)
+    check_places(p)
+    b = compile_programs(p)
+    names = load_and_attach(b, p.cgroup)
+    print(json.dumps({"attached": names}))
+    return 0
+
+
 def detach_all(cgroup: Path) -> None:
     """Detach every ``kp_*`` program from ``cgroup``."""
     if cgroup.is_dir():
         detach_ids(cgroup, ours(attached(cgroup)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

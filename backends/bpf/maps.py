@@ -255,6 +255,10 @@ _SYS_BPF = 321  # x86_64
 _BPF_MAP_CREATE = 0
 _BPF_MAP_LOOKUP_ELEM = 1
 _BPF_OBJ_PIN = 6
+_BPF_PROG_DETACH = 9
+_BPF_PROG_GET_FD_BY_ID = 13
+_BPF_OBJ_GET_INFO_BY_FD = 15
+_BPF_PROG_QUERY = 16
 _BPF_OBJ_GET = 7
 _BPF_MAP_LOOKUP_BATCH = 24
 _BPF_MAP_UPDATE_BATCH = 26
@@ -310,6 +314,35 @@ def obj_pin(fd: int, path: str) -> None:
     p = ctypes.create_string_buffer(path.encode())
     attr = ctypes.create_string_buffer(struct.pack("<QII", ctypes.addressof(p), fd, 0), 120)
     _bpf(_BPF_OBJ_PIN, attr)
+
+
+def prog_query(target_fd: int, attach_type: int, max_ids: int = 64) -> list[int]:
+    """Ids of the programs attached to a cgroup (``target_fd``) for one attach type (BPF_PROG_QUERY)."""
+    ids = (ctypes.c_uint32 * max_ids)()
+    attr = ctypes.create_string_buffer(
+        struct.pack("<IIIIQI", target_fd, attach_type, 0, 0, ctypes.addressof(ids), max_ids), 120
+    )
+    _bpf(_BPF_PROG_QUERY, attr)
+    count = struct.unpack_from("<I", attr.raw, 24)[0]
+    return [int(ids[i]) for i in range(min(count, max_ids))]
+
+
+def prog_fd_by_id(prog_id: int) -> int:
+    attr = ctypes.create_string_buffer(struct.pack("<I", prog_id), 120)
+    return _bpf(_BPF_PROG_GET_FD_BY_ID, attr)
+
+
+def prog_name(prog_fd: int) -> str:
+    """The program's name (bpf_prog_info.name, offset 64; 16 bytes)."""
+    info = ctypes.create_string_buffer(256)
+    attr = ctypes.create_string_buffer(struct.pack("<IIQ", prog_fd, 256, ctypes.addressof(info)), 120)
+    _bpf(_BPF_OBJ_GET_INFO_BY_FD, attr)
+    return info.raw[64:80].split(b"\0", 1)[0].decode(errors="replace")
+
+
+def prog_detach(target_fd: int, prog_fd: int, attach_type: int) -> None:
+    attr = ctypes.create_string_buffer(struct.pack("<IIII", target_fd, prog_fd, attach_type, 0), 120)
+    _bpf(_BPF_PROG_DETACH, attr)
 
 
 def map_spec(role: str, family: IPFamily, map_size: int, lru_size: int) -> tuple[int, int, int, int, int]:

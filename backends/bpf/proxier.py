@@ -3,9 +3,10 @@ entries the programs read) and its share of the nftables companion table; ``appl
 into one ordered plan of map writes (``render.plan_service``), executed as a few ``BPF_MAP_*_BATCH`` calls, and one
 nft transaction when the companion part changed.
 
-Loading: ``start()`` compiles and attaches the programs (bcc, ~2 s); a sync without ``start()`` (``kproxy bench
-sync``, tests of the maps alone) opens the pinned maps, compiling only when the pins do not exist yet. ``__init__``
-touches nothing.
+Loading: ``start()`` creates or reopens the pinned maps, then compiles, loads and attaches the programs in a child
+process (``loader.attach_in_child``: bcc and LLVM never enter kproxy's own memory, ~100 MB; the programs stay attached
+to the cgroup when the child exits). A sync without ``start()`` (``kproxy bench sync``, tests of the maps alone)
+only opens or creates the pinned maps. ``__init__`` touches nothing.
 
 Adoption (full batches): the service, backend and names maps are read back (``maps.lookup_all``) and decoded; a service
 whose frontends, backends and flags match, under a reverse-NAT id the names map gives to it, is not rewritten, so a
@@ -95,7 +96,6 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
         super().__init__(config, netns=netns)
         self._places: loader.Places | None = None
-        self._bpf: Any = None
         self._fds: dict[tuple[str, IPFamily], int] = {}
         self._index: dict[IPFamily, FamilyIndex | None] = {f: None for f in self.families}
         self._nft_ready: dict[IPFamily, bool] = {f: False for f in self.families}
@@ -178,10 +178,8 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         p = self._where()
         loader.ensure_places(p)
         inspect.record_places(p, self.netns)
-        if self._bpf is None:
-            self._bpf = loader.compile_programs(p)
-        self._ensure_maps()
-        self.attached = loader.load_and_attach(self._bpf, p.cgroup)
+        self._ensure_maps()  # created with the programs' specs: the compiler reopens them
+        self.attached = loader.attach_in_child(p)
         log.info("bpf: attached %s to %s", ", ".join(self.attached), p.cgroup)
 
     def close(self) -> None:
@@ -192,12 +190,6 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             except OSError:
                 pass
         self._fds.clear()
-        if self._bpf is not None:
-            try:
-                self._bpf.close()
-            except Exception:  # closing fds of programs the cgroup still holds
-                pass
-            self._bpf = None
 
     def cleanup(self) -> None:
         self.close()
@@ -349,6 +341,8 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
 
     def apply(self, batch: Batch[Fragment, Context]) -> Applied:
         fam = batch.family
+        if not batch.full and not batch.deltas:
+            return Applied()  # nothing of this family changed
         t0 = time.perf_counter()
         self._ensure_maps()
         adopted: Adopted | None = batch.adopted
