@@ -3,7 +3,8 @@ backend's redirects and proxy sockets live, a client "pod" and an endpoint names
 and UDP through a ClusterIP (round robin over two endpoints), the node's own traffic, refusal with no endpoints, an
 endpoint change taking effect for new connections while an established one keeps working, ClientIP affinity, a
 failed dial moving on to the next endpoint, a thousand connections open at once on the one loop thread, a restart
-that rebinds the ports its rules name and writes nothing, IPv6, and cleanup/remnants."""
+that rebinds the ports its rules name and writes nothing, IPv6, --proxy-port-range, new connections served while a
+full sync of 2,000 services runs, a deleted table rebuilt, trace, and cleanup/remnants."""
 
 from __future__ import annotations
 
@@ -351,3 +352,34 @@ def test_proxy_port_range(lab: Lab) -> None:
     finally:
         p.close()
         UserspaceProxier.cleanup_leftovers(cfg, netns=lab.node)
+
+
+def test_the_data_path_serves_while_a_large_sync_runs(lab: Lab, proxier: UserspaceProxier) -> None:
+    web = sp("web", TWO)
+    assert proxier.sync(state(web), Changes(full=True)).ok
+    code = f"""
+import socket, time
+ok = bad = 0
+end = time.monotonic() + 4
+while time.monotonic() < end:
+    try:
+        s = socket.create_connection(({CIP!r}, 80), timeout=2)
+        s.sendall(b"x\\n")
+        ok += bool(s.makefile().readline())
+        s.close()
+    except OSError:
+        bad += 1
+print(ok, bad)
+"""
+    client = subprocess.Popen(
+        ["ip", "netns", "exec", lab.client, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+    )
+    time.sleep(0.5)
+    many = [sp(f"s{i}", TWO, cluster_ip=f"198.18.{210 + i // 250}.{i % 250 + 1}") for i in range(2000)]
+    t0 = time.monotonic()
+    res = proxier.sync(state(web, *many, gen=2), Changes(full=True))
+    took = time.monotonic() - t0
+    out, _ = client.communicate(timeout=30)
+    ok, bad = map(int, out.split())
+    assert res.ok and res.counts["IPv4/proxy_sockets"] == 2001
+    assert bad == 0 and ok > 10, (ok, bad, took)
