@@ -45,6 +45,14 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _held(held: Mapping[str, Any]) -> str:
+    if held.get("alive"):
+        return "open"
+    if held.get("required") is False:
+        return "closed (not required: this mode relays connections itself, survives_restart is False)"
+    return "BROKEN"
+
+
 def table(report: Mapping[str, Any]) -> str:
     """The human summary: the headline figures, then one row per fault kind."""
     conns = report.get("new_connections", {})
@@ -62,7 +70,7 @@ def table(report: Mapping[str, Any]) -> str:
         f"{report.get('packets', {}).get('failed')} of {report.get('packets', {}).get('sent')}",
         f"  new connections        {conns.get('total')} made, {conns.get('failed')} failed "
         f"({conns.get('failed_in_kproxy_restarts')} during kproxy restarts, {conns.get('failed_outside')} outside)",
-        f"  held connection        {'open' if held.get('alive') else 'BROKEN'}: {held.get('exchanges')} exchanges"
+        f"  held connection        {_held(held)}: {held.get('exchanges')} exchanges"
         + (f", error {held.get('error')}" if held.get("error") else ""),
         "",
         f"  {'fault':<14}{'injected':>9}{'conv.':>7}{'p50 s':>8}{'p99 s':>8}{'max s':>8}  not converged",
