@@ -535,7 +535,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         if not (first or mid or last):
             return
         # deletes before adds inside the element phase: a changed element is deleted, then added
-        mid.sort(key=lambda c: 0 if c.startswith("delete") else 1)
+        mid = render.group_elements(mid)
         # a firewall chain jumps to its service chain: it goes first, or the kernel refuses (EBUSY)
         last.sort(key=lambda c: 0 if " f-" in c else 1)
         nft.run("\n".join(first + mid + last) + "\n", self.netns)

@@ -251,6 +251,26 @@ def nft_changes(family: IPFamily, old: NftPart | None, new: NftPart | None) -> t
     return first, mid, last
 
 
+def group_elements(commands: list[str]) -> list[str]:
+    """Element commands merged into one ``delete element`` and one ``add element`` command per map, deletes first
+    (nft parses and commits one command with many elements far faster than many commands: a batch of 900 services
+    that gained endpoints is two commands, not 900). Other commands are kept, in order, before them."""
+    other: list[str] = []
+    dels: dict[str, list[str]] = {}
+    adds: dict[str, list[str]] = {}
+    for c in commands:
+        verb = "delete" if c.startswith("delete element ") else "add" if c.startswith("add element ") else None
+        if verb is None or "{" not in c:
+            other.append(c)
+            continue
+        head, _, body = c.partition(" { ")
+        (dels if verb == "delete" else adds).setdefault(head.split(" ", 2)[2], []).append(body.rstrip(" }"))
+    out = list(other)
+    out += [f"delete element {m} {{ {', '.join(items)} }}" for m, items in dels.items()]
+    out += [f"add element {m} {{ {', '.join(items)} }}" for m, items in adds.items()]
+    return out
+
+
 # --------------------------------------------------------------------------------------------- map plans
 
 
@@ -281,9 +301,11 @@ class FamilyIndex:
     free_backends: list[int] = field(default_factory=list)
     free_revs: list[int] = field(default_factory=list)
 
+    entries: int = 0  # service-map entries the fronts stand for, kept as they change (read on every apply)
+
     @property
     def svc_entries(self) -> int:
-        return sum(1 + len(f.slots) for f in self.fronts.values())
+        return self.entries
 
     def revs_named(self, text: str) -> list[int]:
         """The reverse-NAT ids the names map gives to a service key (normally one)."""
@@ -297,14 +319,19 @@ class FamilyIndex:
     def put_front(self, key: tuple[str, int, int], st: FrontState) -> None:
         """Record a frontend (taking it from its previous owner, if another)."""
         old = self.fronts.get(key)
-        if old is not None and old.owner is not None and old.owner != st.owner:
-            self.owned.get(old.owner, set()).discard(key)
+        if old is not None:
+            self.entries -= 1 + len(old.slots)
+            if old.owner is not None and old.owner != st.owner:
+                self.owned.get(old.owner, set()).discard(key)
+        self.entries += 1 + len(st.slots)
         self.fronts[key] = st
         if st.owner is not None:
             self.owned.setdefault(st.owner, set()).add(key)
 
     def drop_front(self, key: tuple[str, int, int]) -> None:
         old = self.fronts.pop(key, None)
+        if old is not None:
+            self.entries -= 1 + len(old.slots)
         if old is not None and old.owner is not None:
             mine = self.owned.get(old.owner)
             if mine is not None:
@@ -609,6 +636,7 @@ def index_from_raw(
     for fk, sl in slots.items():
         if fk not in masters:  # orphan slots without a master: owned by nobody, removed on the next full sync
             index.fronts[fk] = FrontState(None, Master(0, 0, 0, 0), tuple(sl[s] for s in sorted(sl)))
+    index.entries = sum(1 + len(st.slots) for st in index.fronts.values())
     revs = {st.master.rev_nat_id for st in index.fronts.values()} | set(index.rev_names)
     index.next_rev = max(revs, default=0) + 1
     index.next_backend = max(index.backends, default=0) + 1

@@ -122,6 +122,22 @@ def test_companion_chain_names_change_with_their_rules() -> None:
     assert last == [f"delete chain ip {render.TABLE} {a.nft.chains[0][0]}"]
 
 
+def test_element_commands_are_grouped_per_map_deletes_first() -> None:
+    t = f"ip {render.TABLE}"
+    cmds = [
+        f"add element {t} svc {{ 198.19.0.1 . tcp . 80 : goto kp-reject }}",
+        f"delete element {t} svc {{ 198.19.0.2 . tcp . 80 }}",
+        f"add element {t} nodeports {{ tcp . 30080 : drop }}",
+        f"add element {t} svc {{ 198.19.0.3 . udp . 53 : drop }}",
+        f"delete element {t} svc {{ 198.19.0.1 . tcp . 80 }}",
+    ]
+    assert render.group_elements(cmds) == [
+        f"delete element {t} svc {{ 198.19.0.2 . tcp . 80, 198.19.0.1 . tcp . 80 }}",
+        f"add element {t} svc {{ 198.19.0.1 . tcp . 80 : goto kp-reject, 198.19.0.3 . udp . 53 : drop }}",
+        f"add element {t} nodeports {{ tcp . 30080 : drop }}",
+    ]
+
+
 def test_udp_and_sctp_protocol_numbers() -> None:
     assert render.render(svc("dns", proto=Protocol.UDP), CTX).frontends[0].proto == 17
     assert render.render(svc("s", proto=Protocol.SCTP), CTX).frontends[0].proto == 132
