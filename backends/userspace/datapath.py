@@ -46,6 +46,8 @@ PIPE_SIZE = 1 << 20  # F_SETPIPE_SZ: iperf3 through the proxy 15.2 Gbit/s with 1
 ACCEPT_BATCH = 64
 UPDATE_CHUNK = 256  # listeners per step of the loop when a sync hands them over
 READ_ROUNDS = 8  # splices per readable event before yielding to the loop
+EAGER_READ = True  # see _Dial._connected
+SMALL = 1 << 16  # a read shorter than this ends the rounds (spares the EAGAIN of a request/response exchange)
 UDP_BATCH = 64
 SWEEP_S = 1.0
 F_SETPIPE_SZ = 1031
@@ -381,7 +383,9 @@ class _Dial:
         assert self.server is not None
         self.listener.engine.open.discard(self)
         self.client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _Relay(self.listener.engine, self.client, self.server)
+        relay = _Relay(self.listener.engine, self.client, self.server)
+        if EAGER_READ:
+            relay.halves[0].readable()  # the client's request usually waits already: pass it on without a loop turn
 
 
 class _Relay:
@@ -543,6 +547,8 @@ class _SpliceHalf(_Half):
             if not drained:
                 self._wait_writable()
                 return
+            if n < SMALL:  # the socket most likely held no more: the level-triggered loop calls again if it did
+                return
 
     def flush(self) -> bool:
         while self.pending:
@@ -584,6 +590,8 @@ class _CopyHalf(_Half):
                 return
             if not drained:
                 self._wait_writable()
+                return
+            if n < SMALL:  # the socket most likely held no more: the level-triggered loop calls again if it did
                 return
 
     def flush(self) -> bool:
