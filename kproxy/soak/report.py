@@ -58,8 +58,9 @@ def table(report: Mapping[str, Any]) -> str:
     conns = report.get("new_connections", {})
     held = report.get("held_connection", {})
     lines = [
-        f"kproxy soak --mode {report.get('mode')}: {report.get('duration_s')} s of churn at "
-        f"{report.get('rate')}/s on {report.get('nodes')} nodes ({'PASS' if report.get('ok') else 'FAIL'})",
+        f"kproxy soak --mode {report.get('mode')}: {report.get('churn_s')} s of churn at {report.get('rate')}/s "
+        f"on {report.get('nodes')} nodes, {report.get('duration_s')} s in all "
+        f"({'PASS' if report.get('ok') else 'FAIL'})",
         f"  changes applied        {report.get('changes', {}).get('applied')}"
         f" ({report.get('changes', {}).get('api_refused', 0)} refused by the API, "
         f"{report.get('changes', {}).get('retries', 0)} retried)",

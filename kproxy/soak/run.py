@@ -13,8 +13,9 @@ proves. The schedule is a cycle of fault kinds; each turn is
 Faults (``FAULT_KINDS``): ``none`` (the baseline), ``watch_drop`` (every watch cut, twice), ``http_5xx`` (half the
 API requests answered 503 for the window, the soak's own writes retried), ``gone_410`` (history compacted and the
 watches cut: every reflector must relist), ``api_restart`` (the stand-in process stopped and started again from a
-dump of what it held, on the same addresses: the reflectors meet a server behind their resourceVersion),
-``kproxy_kill`` (SIGKILL of the traffic node's kproxy, restarted 1 s later), ``flush`` (the mode's
+dump of what it held, on the same addresses: the reflectors meet a server behind their resourceVersion; timed
+from the moment it holds everything again), ``kproxy_kill`` (SIGKILL of the traffic node's kproxy mid-window,
+changes for a second while it is down, then the restart, timed from the new process's start), ``flush`` (the mode's
 ``cleanup_leftovers`` run on another node after the window, as someone deleting our state, and its repair timed
 from that moment: kproxy's own check that its state is there, at the latest the periodic sync) and
 ``apply_fail`` (a failed kernel apply, through a fault switch the core does not have yet: see ``FAULT_SWITCH``;
@@ -374,6 +375,8 @@ class Soak:
         self.problems: list[str] = []
         self.verify_supported = opts.drift_check == "verify"
         self.churner: Churner | None = None
+        self.churn_started = 0.0
+        self.churn_s = 0.0
         if opts.drift_check not in ("verify", "kernel-view"):
             raise SoakError(f"drift check {opts.drift_check!r}: choose verify or kernel-view")
         self.faults_dir = SOAK_ROOT / opts.prefix.rstrip("-") / "faults"
@@ -559,24 +562,27 @@ class Soak:
             self.api.faults(compact=True, drop_watches=True)
             self._window(w / 2)
         elif kind == "api_restart":
-            self._window(w / 2)
-            # Writers wait while the server is down: the stand-in listens a moment before its --load is in, and a
-            # create then could take a ClusterIP a loaded service holds (the real server serves only from etcd).
+            # churn, then the restart with the writers waiting (the server is down for them too; the stand-in also
+            # listens a moment before its --load is in, and a create then could take a ClusterIP a loaded service
+            # holds): convergence is timed from the moment the new server holds everything again
+            self._window(w)
             assert self.churner is not None
             self.churner.pause()
-            try:
-                self._restart_api()
-            finally:
-                self.churner.resume()
-            self._window(w / 2)
+            self._restart_api()
         elif kind == "kproxy_kill":
+            # churn, SIGKILL mid-way, a second of changes while it is down, then the restart with the churn paused:
+            # convergence is timed from the new process's start (start-up, relist, adoption, first sync)
+            assert self.churner is not None
+            self._window(w / 2)
             t_kill = time.time()
             self.lab.stop_kproxy(node1, signal.SIGKILL)
             self._window(1.0)
+            self.churner.pause()
+            restarted = time.monotonic()
             self.lab.start_kproxy(node1, self.opts.mode)
-            self._window(max(0.0, w - 1.0))
             self.lab.wait_kproxy(node1, 60)
             self.restart_windows.append((t_kill, time.time() + 1.0))
+            return restarted
         elif kind == "flush":
             # churn first, then the flush with the churn paused: what follows is kproxy's own repair (its check
             # that the state is still there, or the periodic sync), measured from the flush itself
@@ -685,12 +691,14 @@ class Soak:
             traffic = Traffic(lab, lab.pods_on(node1)[0].ns, node1, anchor_ip, 80, total)
             self._wait_traffic(traffic)
             churner.start()
+            self.churn_started = time.monotonic()
             end = time.monotonic() + o.minutes * 60
             for kind in itertools.cycle(o.faults):
                 if time.monotonic() >= end or all(k in self.not_injected for k in o.faults):
                     break
                 self._turn(kind, churner, traffic)
             churner.pause()
+            self.churn_s = time.monotonic() - self.churn_started
             # the end: everything the soak wrote must be programmed, and read back without drift
             secs, checks = self._converge(max(time.monotonic(), churner.last_write), max(o.converge_timeout, 60))
             final = self._checkpoint("final", secs, checks, traffic)
@@ -818,6 +826,7 @@ class Soak:
             "seed": o.seed,
             "nodes": len(self.lab.nodes) if self.lab else 0,
             "duration_s": round(duration, 1),
+            "churn_s": round(self.churn_s, 1),
             "drift_check": "/verify" if self.verify_supported else "kernel_view",
             "changes": {
                 "applied": churner.applied,
