@@ -50,11 +50,15 @@ Gbit/s; through the proxy with splice 8.1 Gbit/s (0.62), with ``recv_into``/``se
 Gbit/s (0.46). Before draining several splices per wake-up, splice gave 4.9 Gbit/s; one blocking splice thread per
 direction (not used: a thread per connection) 9.0. 1 MiB pipes against the default 64 KiB: 15.2 against 13.0 Gbit/s
 (a quieter moment: direct 21.5). In the lab (``kproxy bench datapath --mode userspace --services 1,1000``, medians of
-10 rounds, ratios to pod -> pod on nodes without proxy rules): bulk TCP through a ClusterIP 1.13 (1 service) and 1.32
-(1,000 services) of the limit (upstream's Go userspace mode: 0.36); new connections per second 0.43 and 0.29,
-request/response rate 0.56 and 0.33, UDP 0.51 and 0.36. A new connection costs the proxy an accept, a second
-handshake and seven splices (the kernel's TCP work for both legs, which veth runs in the proxy's own syscalls): a
-profile of the loop thread shows it busy with syscalls, not Python, at 1,500-2,800 connections a second.
+10 rounds, ratios to pod -> pod on nodes without proxy rules, 02:27 UTC on a quieter machine): bulk TCP through a
+ClusterIP 0.81 (10.1 of 11.7 Gbit/s, 1 service) and 0.94 (10.4 of 11.5 Gbit/s, 1,000 services) of the limit
+(upstream's Go userspace mode: 0.36); new connections per second 0.38 and 0.27 (1,230 and 930 a second),
+request/response rate 0.60 and 0.43, UDP 0.44 and 0.42. An earlier run on a loaded machine: bulk 1.13 and 1.32,
+connections 0.43 and 0.29 (350 and 420 a second). A new connection costs the proxy an accept, a second handshake and
+a few splices (the kernel's TCP work for both legs, which veth runs in the proxy's own syscalls): a profile of the
+loop thread shows it busy with syscalls, not Python. Passing a new connection's waiting request on at once and
+ending the splice rounds on a short read took connections through the proxy from 2,214 to 2,684 a second in the
+namespaces above (direct: 6,849).
 
 Syncs: one libnftables transaction per family per batch, element changes only. Order: proxy sockets are bound and
 listening before a redirect names them (connections wait in the backlog until the loop takes the socket), and are
