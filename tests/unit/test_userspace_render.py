@@ -121,3 +121,48 @@ def test_options_and_not_applicable() -> None:
     na = UserspaceProxier.not_applicable({})
     assert set(na) <= set(SCENARIO_IDS)
     assert {"source-ip", "etp-local"} <= set(na)
+
+
+def test_reading_the_table_back() -> None:
+    from kproxy.backends.userspace.kernel import elements
+    from kproxy.backends.userspace.proxier import Adopted, _intervals
+
+    objs = [
+        {
+            "map": {
+                "name": "service-ports",
+                "elem": [
+                    [{"elem": {"val": {"concat": ["198.18.200.1", "tcp", 80]}, "comment": "ns/web:http/TCP"}}, 41000]
+                ],
+            }
+        },
+        {
+            "map": {
+                "name": "service-ips",
+                "elem": [
+                    [
+                        {"elem": {"val": {"concat": ["198.18.200.1", "tcp", 80]}, "comment": "ns/web:http/TCP"}},
+                        {"goto": {"target": "redirect-svc"}},
+                    ]
+                ],
+            }
+        },
+        {
+            "set": {
+                "name": "nodeport-cidrs",
+                "elem": [{"range": ["0.0.0.0", "126.255.255.255"]}, {"prefix": {"addr": "128.0.0.0", "len": 1}}],
+            }
+        },
+    ]
+    got = elements(objs)
+    assert ("service-ports", "198.18.200.1 . tcp . 80", "41000", "ns/web:http/TCP") in got
+    assert ("service-ips", "198.18.200.1 . tcp . 80", "goto redirect-svc", "ns/web:http/TCP") in got
+    cidrs = [k for n, k, _, _ in got if n == "nodeport-cidrs"]
+    assert _intervals(cidrs) == _intervals(render.nodeport_cidrs(FamilyContext(IPFamily.V4)))
+    frag = render.render_service(sp(cluster_ip="198.18.200.1"))
+    adopted = Adopted(table=True, layout_ok=True)
+    for n, k, v, c in got:
+        adopted.elements[(n, k)] = (v, c)
+        adopted.by_comment.setdefault(c, set()).add((n, k, v))
+    assert adopted.ports(frag) == {"c": 41000}
+    assert adopted.by_comment["ns/web:http/TCP"] == set(frag.kernel_elements({"c": 41000}))
