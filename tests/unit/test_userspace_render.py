@@ -3,6 +3,8 @@ NodePort intervals, element text, the balancer (round robin, affinity, stale ent
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kproxy.backends.userspace import render
@@ -127,7 +129,7 @@ def test_reading_the_table_back() -> None:
     from kproxy.backends.userspace.kernel import elements
     from kproxy.backends.userspace.proxier import Adopted, _intervals
 
-    objs = [
+    objs: list[dict[str, Any]] = [
         {
             "map": {
                 "name": "service-ports",
