@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kproxy.model import IPFamily, Protocol, ServicePort, ServicePortName, Verdict
+from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName, Verdict
 from kproxy.nodeaddr import LOOPBACK, FamilyContext
 
 TABLE = "kproxy-userspace"
@@ -133,8 +132,8 @@ class Fragment:
         return frozenset(out)
 
 
-def _eps(sp_eps: Iterable[object]) -> tuple[tuple[str, int], ...]:
-    return tuple(sorted({(str(getattr(e, "ip")), int(getattr(e, "port"))) for e in sp_eps}))  # noqa: B009
+def _eps(endpoints: tuple[Endpoint, ...]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted({(e.ip, e.port) for e in endpoints}))
 
 
 def render_service(sp: ServicePort) -> Fragment:
@@ -144,8 +143,9 @@ def render_service(sp: ServicePort) -> Fragment:
     key = service_key(sp.name)
     if sp.protocol is Protocol.SCTP:
         return Fragment(key, fam, proto, (), (), (), unsupported="SCTP is not supported by the userspace mode")
-    internal = _eps(sp.internal_endpoints)
-    external = _eps(sp.external_endpoints)
+    internal_eps, external_eps = sp.internal_endpoints, sp.external_endpoints
+    internal = _eps(internal_eps)
+    external = internal if external_eps is internal_eps else _eps(external_eps)
     listeners: list[Listener] = []
     i_role = e_role = ""
     if sp.internal_verdict is Verdict.FORWARD and sp.external_verdict is Verdict.FORWARD and internal == external:
