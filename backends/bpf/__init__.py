@@ -51,7 +51,10 @@ one that could be finished and proven in the time given.
 
 Where the pins live: bpffs and cgroups are not scoped by network namespaces. ``--bpf-pin-path`` and
 ``--bpf-cgroup-path`` choose them (the lab gives every node its own cgroup and ``/sys/fs/bpf/kproxy/lab-<netns>``);
-the defaults are per network namespace (``loader.places``). A process started with ``ip netns exec`` gets a fresh /sys
+the defaults are per network namespace (``loader.places``) and the default cgroup is an empty child of kproxy's own
+cgroup2 mount: on a real node pass the cgroup v2 directory the pods run under (the deploy overlay mounts the host's at
+``/run/kproxy/cgroupv2``: ``--bpf-cgroup-path /run/kproxy/cgroupv2``); kproxy refuses this machine's
+``/sys/fs/cgroup`` roots. A process started with ``ip netns exec`` gets a fresh /sys
 without the machine's bpffs (a bpffs mounted there would be a private instance whose pins vanish with the process);
 the lab (``lab_options``) therefore binds the machine's bpffs at ``/run/kproxy/bpffs``, where such a process reaches
 it (``loader.host_view``). A benchmark in a throwaway namespace with no such bind uses a private bpffs, removed with
