@@ -403,6 +403,8 @@ class Plan:
 
 
 _ID = struct.Struct("<I")
+_RAW_KEY4 = struct.Struct("<6sHB3x")  # a service-map key as (address . port bytes, slot, protocol)
+_RAW_KEY6 = struct.Struct("<18sHB3x")
 _SLOT_VALUE = struct.Struct("<I12x")  # a slot entry: backend_id, the rest zero (see maps.slot_value)
 _SLOT = [i.to_bytes(2, "little") for i in range(65536)]
 _PORT = [i.to_bytes(2, "big") for i in range(65536)]
@@ -608,20 +610,27 @@ def index_from_raw(
         maps.BACKEND_ID.iter_unpack(be_raw[0]), be_fmt.iter_unpack(be_raw[1]), strict=True
     ):
         backends[bid] = (text(a), int.from_bytes(p, "big"), proto)
-    key_fmt = maps.LB4_KEY if v4 else maps.LB6_KEY
-    masters: dict[tuple[str, int, int], Master] = {}
-    slots: dict[tuple[str, int, int], dict[int, int]] = {}
-    for (a, p, slot, proto), (bid, aff, count, rev, flags) in zip(
+    # keyed by the raw address . port bytes and protocol while reading: only masters are decoded to text
+    key_fmt = _RAW_KEY4 if v4 else _RAW_KEY6
+    raw_masters: dict[tuple[bytes, int], Master] = {}
+    raw_slots: dict[tuple[bytes, int], dict[int, int]] = {}
+    for (ap, slot, proto), (bid, aff, count, rev, flags) in zip(
         key_fmt.iter_unpack(svc_raw[0]), maps.LB_SERVICE.iter_unpack(svc_raw[1]), strict=True
     ):
-        fk = (text(a), int.from_bytes(p, "big"), proto)
         if slot == 0:
-            masters[fk] = Master(count, flags, aff, rev)
+            raw_masters[(ap, proto)] = Master(count, flags, aff, rev)
         else:
-            got = slots.get(fk)
+            got = raw_slots.get((ap, proto))
             if got is None:
-                got = slots[fk] = {}
+                got = raw_slots[(ap, proto)] = {}
             got[slot] = bid
+
+    def fkey(rk: tuple[bytes, int]) -> tuple[str, int, int]:
+        ap, proto = rk
+        return (text(ap[:-2]), int.from_bytes(ap[-2:], "big"), proto)
+
+    masters = {fkey(rk): m for rk, m in raw_masters.items()}
+    slots = {fkey(rk): sl for rk, sl in raw_slots.items()}
     view: View = {}
     empty: dict[int, int] = {}
     for fk, m in masters.items():
