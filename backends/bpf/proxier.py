@@ -164,22 +164,33 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             self._places = loader.places(self.option_values(self.config.backend_options), self.netns)
         return self._places
 
-    def _ensure_maps(self) -> None:
-        if self._fds:
+    #: the maps a sync reads and writes (the LRU maps belong to the programs alone)
+    SYNC_ROLES: ClassVar[tuple[str, ...]] = ("svc", "be", "name")
+
+    def _ensure_maps(self, every: bool = False) -> None:
+        """Open (or create and pin) the maps syncs use, of this kproxy's families; ``every``: all maps of both
+        families, as the programs need them (``start``). A benchmark never pays for the LRU maps' preallocation."""
+        want = (
+            [(r, f) for f in (IPFamily.V4, IPFamily.V6) for r in maps.ROLES]
+            if every
+            else [(r, f) for f in self.families for r in self.SYNC_ROLES]
+        )
+        missing = [k for k in want if k not in self._fds]
+        if not missing:
             return
         p = self._where()
-        loader.ensure_places(p)
-        inspect.record_places(p, self.netns)
-        for fam in (IPFamily.V4, IPFamily.V6):
-            for role in maps.ROLES:
-                self._fds[(role, fam)] = loader.open_or_create(p, role, fam)
+        if not self._fds:
+            loader.ensure_places(p)
+            inspect.record_places(p, self.netns)
+        for role, fam in missing:
+            self._fds[(role, fam)] = loader.open_or_create(p, role, fam)
 
     def start(self) -> None:
         """Compile the programs, pin or reopen the maps, attach to the cgroup (replacing an older kproxy's copies)."""
         p = self._where()
         loader.ensure_places(p)
         inspect.record_places(p, self.netns)
-        self._ensure_maps()  # created with the programs' specs: the compiler reopens them
+        self._ensure_maps(every=True)  # created with the programs' specs: the compiler reopens them
         self.attached = loader.attach_in_child(p)
         log.info("bpf: attached %s to %s", ", ".join(self.attached), p.cgroup)
 
@@ -290,7 +301,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             return False
         self._last_check = now
         p = self._where()
-        return not loader.pins_present(p)
+        return not all(p.pin(r, f).exists() for f in self.families for r in self.SYNC_ROLES)
 
     def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
         return render.summary(fragment)
