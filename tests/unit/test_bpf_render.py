@@ -171,6 +171,23 @@ def test_a_new_service_writes_backends_then_slots_then_the_master_last() -> None
     assert index.svc_entries == 4 and len(index.backends) == 3
 
 
+def test_plan_bytes_are_exactly_the_map_encodings() -> None:
+    """The plan builds keys and values from cached byte pieces; they must equal the maps module's encoders."""
+    index = FamilyIndex(IPFamily.V4)
+    plan = _plan(index, spn("web"), svc("web", node_port=30080))
+    want_slots = {
+        maps.lb_key(IPFamily.V4, a, p, 6, i): maps.slot_value(bid)
+        for (a, p, _proto), st in index.fronts.items()
+        for i, bid in enumerate(st.slots, start=1)
+    }
+    assert plan.slot_put == want_slots
+    assert set(plan.master_put) == {maps.lb_key(IPFamily.V4, a, p, 6, 0) for (a, p, _proto) in index.fronts}
+    assert plan.be_put == {
+        maps.backend_key(bid): maps.backend_value(IPFamily.V4, a, p, proto)
+        for bid, (a, p, proto) in index.backends.items()
+    }
+
+
 def test_an_unchanged_service_writes_nothing() -> None:
     index = FamilyIndex(IPFamily.V4)
     _plan(index, spn("web"), svc("web"))
