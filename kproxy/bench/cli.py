@@ -149,6 +149,7 @@ def cmd_datapath(args: argparse.Namespace) -> int:
         format_table,
         parse_sizes,
         run_datapath,
+        stop_on_sigterm,
     )
 
     modes = [m.strip() for arg in args.mode for m in arg.split(",") if m.strip()]
@@ -179,6 +180,7 @@ def cmd_datapath(args: argparse.Namespace) -> int:
         if msg:
             print(f"kproxy bench datapath: {msg}", file=sys.stderr, flush=True)
 
+    stop_on_sigterm()
     try:
         result = run_datapath(modes, sizes, config, progress)
     except (DatapathError, LabError) as exc:

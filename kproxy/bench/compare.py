@@ -278,6 +278,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     n_dp = 0
     if not args.no_datapath:
         n_dp = len(dp_sizes) * len(modes) * args.rounds * 3 + (args.rounds * 2 if baseline else 0)
+    from kproxy.bench.datapath import stop_on_sigterm
+
+    stop_on_sigterm()
     t_start = time.monotonic()
     try:
         with _Display(n_sync + n_dp) as display:
@@ -286,7 +289,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 _write_results(out, results)
             if not args.no_datapath:
                 _datapath_steps(args, modes, dp_sizes, baseline, results, display, out)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         results["notes"].append("interrupted: the figures are those measured until then")
         _write_results(out, results)
         print("kproxy compare: interrupted; partial results in " + str(out / "results.json"), file=sys.stderr)

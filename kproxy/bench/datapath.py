@@ -41,6 +41,7 @@ from __future__ import annotations
 import http.client
 import json
 import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -707,6 +708,17 @@ def format_table(result: DatapathResult) -> str:
     return "\n".join(lines)
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (``timeout``, a CI runner, ``kill``) unwind like Ctrl-C, so the lab goes down with the run
+    instead of being left behind with its processes (the main thread only, where Python runs signal handlers)."""
+
+    def _raise(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise)
+
+
 def check_modes(modes: Sequence[str]) -> list[str]:
     """Problems with the requested modes (unknown, not installed, not available here): empty when all can run."""
     from kproxy.proxier import availability
@@ -734,4 +746,5 @@ __all__ = [
     "parse_sizes",
     "run_datapath",
     "run_in_lab",
+    "stop_on_sigterm",
 ]
