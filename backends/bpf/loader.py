@@ -10,9 +10,10 @@ there: a real node passes the cgroup its pods run in (never the machine's root c
 
 Programs are loaded by bcc with their expected attach types and attached with BPF_F_ALLOW_MULTI (legacy
 ``BPF_PROG_ATTACH``, so they stay attached when kproxy exits: a restart keeps serving). A new process loads its own
-copies, attaches them, then detaches the older ``kp_*`` programs from that cgroup: there is no moment without a
-program, and while both are attached the older one translates first and the newer one sees a backend address, which
-no frontend matches.
+copies; where a ``kp_*`` program with the same tag (instructions) reading the same maps is attached already (a
+restart of the same build), it is kept and nothing is swapped; otherwise the new copy is attached, then the older
+one detached: there is no moment without a program, and while both are attached the older one translates first and
+the newer one sees a backend address, which no frontend matches.
 
 Who uses it: ``backends.bpf.proxier`` (start), ``backends.bpf.inspect`` (remnants, cleanup).
 """
@@ -274,22 +275,44 @@ def ours(progs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def load_and_attach(b: Any, cgroup: Path) -> list[str]:
-    """Load every program with its expected attach type, attach it to ``cgroup`` (ALLOW_MULTI), then detach the
-    ``kp_*`` programs that were there before; the names attached."""
+    """Load every program with its expected attach type; a ``kp_*`` program of the same name and tag (the same
+    instructions: a restarted kproxy of the same version) already attached to ``cgroup`` is kept as it is, else the
+    new one is attached (ALLOW_MULTI) and then the older copies are detached. The names of programs attached now."""
     from bcc import BPF, BPFAttachType, BPFProgType  # type: ignore[import-not-found,unused-ignore]
 
     before = ours(attached(cgroup))
+    # a program is the same when its instructions (tag) and the maps it reads (ids: the pinned ones, not maps of a
+    # pin folder someone removed) are
+    tags: dict[int, tuple[bytes, frozenset[int]]] = {}
+    for d in before:
+        try:
+            pfd = maps.prog_fd_by_id(int(d["id"]))
+        except maps.BpfError:
+            continue
+        try:
+            tags[int(d["id"])] = (maps.prog_tag(pfd), maps.prog_map_ids(pfd))
+        finally:
+            os.close(pfd)
     fd = os.open(str(cgroup), os.O_RDONLY | os.O_DIRECTORY)
-    done = []
+    done, kept = [], []
     try:
         for name, (_fam, at_name, _short) in PROGRAMS.items():
             at = getattr(BPFAttachType, at_name)
             fn = b.load_func(name.encode(), BPFProgType.CGROUP_SOCK_ADDR, attach_type=at)
+            tag = (maps.prog_tag(fn.fd), maps.prog_map_ids(fn.fd))
+            same = [d for d in before if d["name"] == name and tags.get(int(d["id"])) == tag]
+            if same:
+                kept.append(same[0])  # adopted: it keeps serving, nothing is swapped
+                done.append(name)
+                continue
             BPF.attach_func(fn, fd, at, BPF_F_ALLOW_MULTI)
             done.append(name)
     finally:
         os.close(fd)
-    detach_ids(cgroup, before)
+    kept_ids = {int(d["id"]) for d in kept}
+    detach_ids(cgroup, [d for d in before if int(d["id"]) not in kept_ids])
+    if kept:
+        log.info("bpf: %d programs of the same build were attached already: kept", len(kept))
     return done
 
 

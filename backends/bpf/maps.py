@@ -340,6 +340,25 @@ def prog_name(prog_fd: int) -> str:
     return info.raw[64:80].split(b"\0", 1)[0].decode(errors="replace")
 
 
+def prog_tag(prog_fd: int) -> bytes:
+    """The program's tag (bpf_prog_info.tag, offset 8: a hash of its instructions with map references zeroed)."""
+    info = ctypes.create_string_buffer(256)
+    attr = ctypes.create_string_buffer(struct.pack("<IIQ", prog_fd, 256, ctypes.addressof(info)), 120)
+    _bpf(_BPF_OBJ_GET_INFO_BY_FD, attr)
+    return info.raw[8:16]
+
+
+def prog_map_ids(prog_fd: int, max_ids: int = 32) -> frozenset[int]:
+    """The ids of the maps a program uses (bpf_prog_info.nr_map_ids/map_ids, filled by the kernel)."""
+    ids = (ctypes.c_uint32 * max_ids)()
+    info = ctypes.create_string_buffer(256)
+    struct.pack_into("<IQ", info, 52, max_ids, ctypes.addressof(ids))
+    attr = ctypes.create_string_buffer(struct.pack("<IIQ", prog_fd, 256, ctypes.addressof(info)), 120)
+    _bpf(_BPF_OBJ_GET_INFO_BY_FD, attr)
+    n = struct.unpack_from("<I", info.raw, 52)[0]
+    return frozenset(int(ids[i]) for i in range(min(n, max_ids)))
+
+
 def prog_detach(target_fd: int, prog_fd: int, attach_type: int) -> None:
     attr = ctypes.create_string_buffer(struct.pack("<IIII", target_fd, prog_fd, attach_type, 0), 120)
     _bpf(_BPF_PROG_DETACH, attr)

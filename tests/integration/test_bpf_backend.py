@@ -389,3 +389,34 @@ def test_a_connected_udp_socket_to_a_removed_backend_is_ended(place: tuple[str, 
                     if f is not None:
                         f.close()
         p.close()
+
+
+def test_a_restarted_kproxy_keeps_the_attached_programs_of_its_build(place: tuple[str, dict[str, str]]) -> None:
+    """A second start (a restarted kproxy of the same build) adopts the attached programs: same ids, nothing
+    swapped; programs whose maps are not the pinned ones any more are replaced."""
+    from kproxy.backends.bpf import inspect, loader
+    from kproxy.backends.bpf.proxier import BpfProxier
+
+    ns, opts = place
+    cg = Path(opts["bpf_cgroup_path"])
+    first = BpfProxier(_config(opts), netns=ns)
+    try:
+        first.start()
+    finally:
+        first.close()
+    ids = sorted(d["id"] for d in loader.ours(loader.attached(cg)))
+    assert len(ids) == 8
+    second = BpfProxier(_config(opts), netns=ns)
+    try:
+        second.start()
+        assert sorted(d["id"] for d in loader.ours(loader.attached(cg))) == ids
+    finally:
+        second.close()
+    inspect.remove_tree(Path(opts["bpf_pin_path"]))  # the maps the programs read are no longer the pinned ones
+    third = BpfProxier(_config(opts), netns=ns)
+    try:
+        third.start()
+        now = sorted(d["id"] for d in loader.ours(loader.attached(cg)))
+        assert len(now) == 8 and not set(now) & set(ids)
+    finally:
+        third.close()
