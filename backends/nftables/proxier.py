@@ -115,12 +115,22 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
 
         data = json.loads(res.stdout or "{}").get("nftables", [])
         out: dict[str, list[str]] = {}
+        # slots carry no comment: their key is their entry's plus a slot number, and the entry names the service
+        owner: dict[str, str] = {}
+        for obj in data:
+            body = obj.get("map") or {}
+            if body.get("name") in (render.SERVICE_IPS, render.SERVICE_NODEPORTS):
+                for key, _, comment in adopt_mod.elements([obj]):
+                    owner[key] = adopt_mod.split_comment(comment)[0]
         for obj in data:
             body = obj.get("map") or obj.get("set")
             if not body:
                 continue
             for key, value, comment, counter in adopt_mod.elements_counted([obj]):
                 ckey, _ = adopt_mod.split_comment(comment)
+                if not ckey and body["name"].startswith(tuple(render.SLOT_BASES)):
+                    ckey = owner.get(key.rpartition(" . ")[0], "")
+                    comment = ckey
                 if not ckey:
                     continue
                 ctr = f" counter packets {counter[0]} bytes {counter[1]}" if counter else ""

@@ -248,7 +248,7 @@ def test_endpoint_change_writes_only_changed_slots_and_the_entry() -> None:
         "198.18.200.1 . tcp . 80 . 2",
         "}",
         "add element ip kproxy backends-tcp {",
-        '198.18.200.1 . tcp . 80 . 2 comment "ns1/web:http/TCP" : 198.18.3.3 . 8080',
+        "198.18.200.1 . tcp . 80 . 2 : 198.18.3.3 . 8080",
         "}",
         "add element ip kproxy service-ips {",
         f'198.18.200.1 . tcp . 80 comment "ns1/web:http/TCP #{new.digest}" : goto lb-i-3',
