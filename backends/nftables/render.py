@@ -4,7 +4,7 @@ Nothing here touches the kernel, so unit tests assert on exact elements and comm
 Python's share apart from the kernel's. The layout and the reasons for it are in ``backends/nftables/__init__.py``.
 
 Shape of the output: every service port renders into one ``Fragment``: its elements in the shared maps (keyed by
-address . protocol . port, or protocol . port for NodePorts, each carrying the service's comment), the names of the
+address . protocol . port, or protocol . port for NodePorts, entries carrying the service's comment), the names of the
 shared count-indexed chains it jumps to (``lb-i-3``), and, only for ClientIP affinity, chains and dynamic sets of its
 own. ``Transaction`` turns fragment changes into one transaction: element deletes and adds, per-service chains
 written or removed, shared chains created on first use. The fixed part of the table (base chains, maps, the
