@@ -68,6 +68,13 @@ and digest match is left alone, so a restart with nothing changed writes nothing
 slot keys follow from its entries' verdicts (``lb-i-3``: slots 0..2). A table of another layout, or one that cannot
 be read, is replaced in one transaction (``add table; delete table; …``), so there is no moment without rules.
 
+Measured (``kproxy bench sync --mode nftables --services 10000 --endpoints 10 --repeat 3``, this 2-core machine
+shared with other work, Nov 2026): full sync 2.1-2.7 s with the kernel's own ``nft -f`` of the same transaction at
+1.5-1.8 s (3.3-3.6 s in runs where other load doubled every phase), partial sync 4-9 ms (libnftables 2-3 ms),
+restart with nothing changed 0.8-1.5 s writing nothing, peak RSS 168-185 MB; 5,000 x 50: full sync 4.2-6.5 s.
+Upstream's layout: 68 s for ``nft -f`` of the same state; ``--reference upstream-nftables`` at 2,000 x 10: 4x the
+full sync, 41x the partial.
+
 Where kproxy deviates from upstream's nftables mode, and why:
 - Names: table ``kproxy`` (upstream ``kube-proxy``), so both can coexist during a migration; maps keep upstream's
   ``service-ips`` / ``service-nodeports`` names and key shapes.
