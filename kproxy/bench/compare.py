@@ -3,13 +3,14 @@ nftables layout as a reference, written up as ``report.md``, ``results.json`` an
 
 Steps, each shown on a progress display (rich: one bar over every benchmark step, with the step running now):
 
-1. the sync benchmark (``kproxy bench sync --mode M --services N --endpoints E --format json``, in its own throwaway
+1. the data-path benchmark (kproxy.bench.datapath) in one lab for every mode and size (ascending, so a long run
+   reaches its biggest size last), plus mode ``none`` at the smallest size (the lab's own baseline: pod IP against
+   the limit with no proxy anywhere);
+2. the sync benchmark (``kproxy bench sync --mode M --services N --endpoints E --format json``, in its own throwaway
    namespace) for every mode and size, ``--sync-runs`` times each (medians), and once per size ``kproxy bench sync
    --mode fake --reference upstream-nftables`` (the cache alone, and upstream's layout timed with ``nft -f`` in a
    namespace of its own; above ``--reference-max-endpoints`` services x endpoints it is skipped and the report says
    so);
-2. the data-path benchmark (kproxy.bench.datapath) in one lab for every mode and size, plus mode ``none`` at the
-   smallest size (the lab's own baseline: pod IP against the limit with no proxy anywhere);
 3. ``results.json`` (every figure and the exact command behind it), plots (kproxy.bench.plots) and ``report.md``
    (machine, kernel, versions, tables, plots, how to read them).
 
@@ -284,11 +285,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     try:
         with _Display(n_sync + n_dp) as display:
-            if not args.no_sync:
-                _sync_steps(args, modes, sizes, results, display)
-                _write_results(out, results)
+            # the data path first: its lab takes the sizes in ascending order, so a long run reaches its biggest
+            # (and most expensive) size last; then the sync benchmark, each run in a namespace of its own
             if not args.no_datapath:
                 _datapath_steps(args, modes, dp_sizes, baseline, results, display, out)
+                _write_results(out, results)
+            if not args.no_sync:
+                _sync_steps(args, modes, sizes, results, display)
     except (KeyboardInterrupt, SystemExit):
         results["notes"].append("interrupted: the figures are those measured until then")
         _write_results(out, results)
