@@ -245,6 +245,13 @@ class Engine:
             lst.balancer.sweep(now)
         self.loop.call_later(SWEEP_S, self._sweep)
 
+    def detach(self, ident: tuple[Any, ...]) -> socket.socket | None:
+        """Take a listener out of the loop and return its socket, open (loop thread; see the proxier's hand-over)."""
+        lst = self.listeners.pop(ident, None)
+        if lst is None:
+            return None
+        return lst.detach()
+
     def stats(self) -> dict[str, int]:
         return {
             "listeners": len(self.listeners),
@@ -278,10 +285,13 @@ class _TcpListener:
         engine.loop.add_reader(sock.fileno(), self._accept)
 
     def close(self) -> None:
+        self.detach().close()
+
+    def detach(self) -> socket.socket:
         loop = self.engine.loop
         if loop is not None and self.sock.fileno() >= 0:
             loop.remove_reader(self.sock.fileno())
-        self.sock.close()
+        return self.sock
 
     def _accept(self) -> None:
         for _ in range(ACCEPT_BATCH):
@@ -637,13 +647,17 @@ class _UdpListener:
         self.sweeper: asyncio.TimerHandle | None = None
 
     def close(self) -> None:
+        self.detach().close()
+
+    def detach(self) -> socket.socket:
         for s in list(self.sessions.values()):
             self._close_session(s)
         if self.sweeper is not None:
             self.sweeper.cancel()
+            self.sweeper = None
         if self.sock.fileno() >= 0:
             self.loop.remove_reader(self.sock.fileno())
-        self.sock.close()
+        return self.sock
 
     def _reply_cmsg(self, anc: list[tuple[int, int, bytes]]) -> bytes:
         for level, kind, data in anc:

@@ -24,6 +24,7 @@ import random
 import resource
 import socket
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -123,6 +124,12 @@ def _intervals(items: Iterable[str]) -> frozenset[tuple[int, int]]:
         else:
             merged.append((lo, hi))
     return frozenset(merged)
+
+
+#: proxy sockets by (namespace, address family, protocol, port) -> the instance holding them, so that a second
+#: instance in one process (``kproxy bench sync``'s restart figure: a fresh backend adopting what the kernel holds
+#: while the first still runs) takes the sockets its rules name over, as a restarted process rebinds them
+_HOLDERS: dict[tuple[str | None, int, str, int], weakref.ref[UserspaceProxier]] = {}
 
 
 class _Tx:
@@ -281,9 +288,14 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         self.engine.start()
         self._started = True
 
+    def _forget_sockets(self) -> None:
+        for key in [k for k, ref in _HOLDERS.items() if ref() is self]:
+            del _HOLDERS[key]
+
     def close(self) -> None:
         self.engine.stop()
         self._started = False
+        self._forget_sockets()
         self._ports.clear()
         self._used.clear()
         if self._kernel is not None:
@@ -293,6 +305,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     def cleanup(self) -> None:
         if self._started:
             self.engine.update([], list(self.engine_idents()))
+        self._forget_sockets()
         self._ports.clear()
         self._used.clear()
         self._written = {f: {} for f in self.families}
@@ -455,6 +468,36 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
 
     # ------------------------------------------------------------------------------------------ sockets
 
+    def _take_over(self, fam: IPFamily, proto: str, port: int) -> tuple[socket.socket, int] | None:
+        """The proxy socket on ``port`` from another instance of this process that holds it (see ``_HOLDERS``)."""
+        af = int(socket.AF_INET if fam == IPFamily.V4 else socket.AF_INET6)
+        ref = _HOLDERS.get((self.netns, af, proto, port))
+        holder = ref() if ref is not None else None
+        if holder is None or holder is self:
+            return None
+        sock = holder._hand_over(fam, proto, port)
+        if sock is None:
+            return None
+        self._used.add((af, proto, port))
+        return sock, port
+
+    def _hand_over(self, fam: IPFamily, proto: str, port: int) -> socket.socket | None:
+        """Give up the proxy socket on ``port`` (its listener leaves the loop, the socket stays open) for another
+        instance of this process that adopts the rules naming it."""
+        ident = next(
+            (i for i, p in self._ports.items() if p == port and i[0] == fam and i[1].protocol.lowercase == proto), None
+        )
+        if ident is None or not self._started:
+            return None
+        sock: socket.socket | None = self.engine.run(lambda: self.engine.detach(ident))
+        if sock is None:
+            return None
+        del self._ports[ident]
+        af = int(socket.AF_INET if fam == IPFamily.V4 else socket.AF_INET6)
+        self._used.discard((af, proto, port))
+        _HOLDERS.pop((self.netns, af, proto, port), None)
+        return sock
+
     def _bind(self, fam: IPFamily, proto: str, preferred: int | None) -> tuple[socket.socket, int]:
         """A proxy socket bound (and listening, for TCP) on the wildcard address: ``preferred`` when free (a
         restart keeps the ports its rules name), else from the port range, else the kernel's choice."""
@@ -549,8 +592,10 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                     ident = (fam, spn, lst.role)
                     port = self._ports.get(ident)
                     if port is None:
+                        want_port = preferred.get(lst.role)
+                        taken = self._take_over(fam, frag.proto, want_port) if want_port else None
                         try:
-                            sock, port = self._bind(fam, frag.proto, preferred.get(lst.role))
+                            sock, port = taken or self._bind(fam, frag.proto, want_port)
                         except OSError as exc:
                             refused[spn] = f"proxy socket: {exc}"
                             break
@@ -672,12 +717,17 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         else:
             remove = [i for i in self._ports if i[0] == fam and i[1] in targets and i not in wanted_idents]
         self.engine.update(specs, list(remove))
+        af = int(socket.AF_INET if fam == IPFamily.V4 else socket.AF_INET6)
         for ident in remove:
             port = self._ports.pop(ident)
             proto = ident[1].protocol.lowercase
-            self._used.discard((socket.AF_INET if fam == IPFamily.V4 else socket.AF_INET6, proto, port))
+            self._used.discard((af, proto, port))
+            key = (self.netns, af, proto, port)
+            if key in _HOLDERS and _HOLDERS[key]() is self:
+                del _HOLDERS[key]
         for ident, (_, port) in new_socks.items():
             self._ports[ident] = port
+            _HOLDERS[(self.netns, af, ident[1].protocol.lowercase, port)] = weakref.ref(self)
 
         if batch.full:
             self._written[fam] = dict(want)
@@ -741,21 +791,27 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                     wildcard = "0.0.0.0" if fam == IPFamily.V4 else "::"
                     socks = []
                     t1 = time.perf_counter()
-                    for kind, n in ((socket.SOCK_STREAM, tcp_n), (socket.SOCK_DGRAM, udp_n)):
-                        for _ in range(n):
-                            s = socket.socket(af, kind)
-                            socks.append(s)
-                            s.bind((wildcard, 0))
-                            if kind == socket.SOCK_STREAM:
-                                s.listen(BACKLOG)
-                    box.append(time.perf_counter() - t1)
-                    for s in socks:
-                        s.close()
+                    try:
+                        for kind, n in ((socket.SOCK_STREAM, tcp_n), (socket.SOCK_DGRAM, udp_n)):
+                            for _ in range(n):
+                                s = socket.socket(af, kind)
+                                socks.append(s)
+                                s.bind((wildcard, 0))
+                                if kind == socket.SOCK_STREAM:
+                                    s.listen(BACKLOG)
+                        box.append(time.perf_counter() - t1)
+                    except OSError as exc:  # out of descriptors (this process still holds its own): no floor
+                        log.warning("floor: binding %d sockets failed: %s", tcp_n + udp_n, exc)
+                    finally:
+                        for s in socks:
+                            s.close()
 
                 t = threading.Thread(target=bind)
                 t.start()
                 t.join()
-                total += box[0] if box else 0.0
+                if not box:
+                    return None
+                total += box[0]
             return total
         finally:
             subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True, timeout=60)

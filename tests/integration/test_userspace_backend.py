@@ -383,3 +383,19 @@ print(ok, bad)
     ok, bad = map(int, out.split())
     assert res.ok and res.counts["IPv4/proxy_sockets"] == 2001
     assert bad == 0 and ok > 10, (ok, bad, took)
+
+
+def test_a_second_instance_in_one_process_takes_the_sockets_over(lab: Lab, proxier: UserspaceProxier) -> None:
+    st = state(sp("web", TWO), sp("dns", TWO, Protocol.UDP))
+    assert proxier.sync(st, Changes(full=True)).ok
+    ports = dict(proxier._ports)
+    fresh = UserspaceProxier(CFG, netns=lab.node)
+    fresh.start()
+    try:
+        res = fresh.sync(st, Changes(full=True))
+        assert res.ok and res.counts["IPv4/elements_added"] == 0  # the same ports, handed over: nothing written
+        assert fresh._ports == ports and proxier._ports == {}
+        assert set(tcp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
+        assert set(udp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
+    finally:
+        fresh.close()
