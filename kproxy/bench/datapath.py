@@ -107,6 +107,7 @@ class DatapathRun:
     ratios: dict[str, dict[str, float]] = field(default_factory=dict)
     rounds: list[dict[str, dict[str, float]]] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
+    error: str = ""  # the mode could not be measured at this size: why
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -622,7 +623,17 @@ def run_in_lab(
             run = measure_run(dl, mode, n, ("limit", "podip"))
         else:
             dl.progress(f"{mode} @ {n}: starting kproxy on node-1 and node-2")
-            ready = dl.start_mode(mode)
+            try:
+                ready = dl.start_mode(mode)
+            except (DatapathError, LabError) as exc:
+                # one mode failing at one size is a finding for the report, not the end of everyone's figures
+                run = DatapathRun(mode=mode, services=n, error=str(exc)[:2000])
+                dl.progress(f"{mode} @ {n}: FAILED: {exc}", dl.config.rounds * len(TARGETS))
+                dl.stop_mode()
+                runs.append(run)
+                if on_run is not None:
+                    on_run(run)
+                continue
             try:
                 rss, peak = dl.kproxy_memory()
                 run = measure_run(dl, mode, n, TARGETS)
@@ -690,6 +701,9 @@ def format_table(result: DatapathResult) -> str:
                 head += ", kproxy RSS " + ", ".join(f"{k} {v:.0f} MB" for k, v in sorted(run.kproxy_rss_mb.items()))
             head += ")"
         lines.append(head)
+        if run.error:
+            lines.append(f"NOT MEASURED: {run.error}")
+            continue
         targets = [t for t in TARGETS if t in run.medians]
         cols = ["metric", *targets, *(f"{t}/limit" for t in targets if t != "limit")]
         rows = []

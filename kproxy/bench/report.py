@@ -153,6 +153,12 @@ def datapath_section(results: dict[str, Any]) -> list[str]:
                 )
     lines += _table(head, table)
     lines.append("")
+    failed = [r for r in runs if r.get("error")]
+    if failed:
+        lines.append("Not measured:")
+        lines.append("")
+        lines += [f"- {r['mode']} at {r['services']:,} services: {r['error']}" for r in failed]
+        lines.append("")
     extra = []
     for r in runs:
         if r.get("ready_s"):
