@@ -24,13 +24,16 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+from prometheus_client import Counter as Counter_
+
 from kproxy.config import ProxyConfig
 from kproxy.ledger import Applied, Batch, LedgerProxier
+from kproxy.metrics import PREFIX
 from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext, NodeContext
 from kproxy.proxier import Availability, BackendError, KernelProbe
@@ -72,6 +75,15 @@ class _Chunk:
     stale: set[str] = field(default_factory=set)  # comment keys of unwanted services it removes
 
 
+@dataclass(slots=True)
+class _TableView:
+    """What ``verify`` read: every map and set of the table (name -> key -> value) and the chain names."""
+
+    maps: dict[str, dict[str, str]] = field(default_factory=dict)
+    chains: set[str] = field(default_factory=set)
+    error: str | None = None
+
+
 class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
     """kproxy's nftables layout (see the package docstring), applied through libnftables in-process."""
 
@@ -81,6 +93,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
         super().__init__(config, netns=netns)
         self._nft: Nft | None = None
+        self._metrics: dict[str, Any] = {}
         self._kernel: dict[IPFamily, _KernelState] = {f: _KernelState() for f in self.families}
         self._checked: dict[IPFamily, float] = {}
         self._last_full_text: dict[IPFamily, str] = {}
@@ -211,6 +224,96 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             self._kernel[family] = _KernelState()
             return True
         return False
+
+    # ------------------------------------------------------------------------------------------ verify, metrics
+
+    def verify_view(self, family: IPFamily, ctx: FamilyContext) -> _TableView:
+        """The whole table read back (every map and set with its elements, chain names): unlike adoption, which
+        trusts the digests in the entry comments, ``verify`` compares every element, slots included."""
+        fam = render.nft_family(family)
+        objs, err = self.nft.read(f"list table {fam} {render.TABLE}")
+        view = _TableView()
+        if objs is None:
+            if "No such file" in err or "does not exist" in err:
+                return view  # no table: everything wanted is missing
+            view.error = err or "nft list table failed"
+            return view
+        for obj in objs:
+            body = obj.get("map") or obj.get("set")
+            if body is not None and body.get("table") == render.TABLE:
+                view.maps[body["name"]] = {key: value for key, value, _ in adopt_mod.elements([obj])}
+            chain = obj.get("chain")
+            if chain is not None and chain.get("table") == render.TABLE:
+                view.chains.add(chain["name"])
+        return view
+
+    def verify_service(self, view: Any, name: ServicePortName, fragment: Fragment) -> str | None:
+        """Every element of the service in its map with its value (slots included), its own chains, its hairpin
+        elements."""
+        assert isinstance(view, _TableView)
+        problems: list[str] = []
+        found = 0
+        for m, key, value in fragment.elements:
+            held = view.maps.get(m, {}).get(key)
+            if held is None:
+                problems.append(f"{m}: {key} missing")
+            else:
+                found += 1
+                if held != value:
+                    problems.append(f"{m}: {key} is {held!r}, wanted {value!r}")
+        for chain, _rules in fragment.chains:
+            if chain in view.chains:
+                found += 1
+            else:
+                problems.append(f"chain {chain} missing")
+        hairpin = view.maps.get(render.HAIRPIN, {})
+        problems += [f"{render.HAIRPIN}: {key} missing" for key in fragment.hairpin if key not in hairpin]
+        if not problems:
+            return None
+        return "missing" if not found else "different: " + "; ".join(problems[:5])
+
+    def verify_extra(self, view: Any, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
+        """Elements of the service maps that no wanted service accounts for (the hairpin and context sets are
+        shared and kept on purpose: not counted)."""
+        assert isinstance(view, _TableView)
+        mine: dict[str, set[str]] = {}
+        for frag in wanted.values():
+            for m, key, _ in frag.elements:
+                mine.setdefault(m, set()).add(key)
+        skip = {render.HAIRPIN, *render.CONTEXT_SETS}
+        out: list[str] = []
+        for m, elements in view.maps.items():
+            if m in skip or m.startswith("aff-"):  # affinity sets: the kernel's own entries, with timeouts
+                continue
+            out += [f"{m}: {key}: an element no service accounts for" for key in elements if key not in mine.get(m, ())]
+        return out
+
+    def register_metrics(self, registry: Any, families: Sequence[IPFamily]) -> None:
+        """Upstream's nftables-mode metrics (``pkg/proxy/metrics``: registered for this mode only). Stale chains go in
+        the sync's own transaction here, so a failed cleanup is a failed sync: the cleanup counter stays at 0 and is
+        kept for dashboards written for kube-proxy."""
+        fam = ["ip_family"]
+        self._metrics = {
+            "sync": Counter_(
+                PREFIX + "sync_proxy_rules_nftables_sync_failures",
+                "Cumulative proxy nftables sync failures",
+                fam,
+                registry=registry,
+            ),
+            "cleanup": Counter_(
+                PREFIX + "sync_proxy_rules_nftables_cleanup_failures",
+                "Cumulative proxy nftables cleanup failures",
+                fam,
+                registry=registry,
+            ),
+        }
+        for f in families:
+            for counter in self._metrics.values():
+                counter.labels(f.label)
+
+    def observe_sync(self, family: IPFamily, result: SyncResult, *, full: bool, ok: bool) -> None:
+        if not ok and self._metrics:
+            self._metrics["sync"].labels(family.label).inc()
 
     def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
         return {
@@ -426,7 +529,12 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
                     render.change_service(tx, d.name, committed[d.name], d.new_fragment)
             elif adopted is None or (svc := adopted.service(d.name)) is None:
                 render.change_service(tx, d.name, None, d.new_fragment)
-            elif d.old_fragment is not None and svc.digests_agree and svc.digest == d.old_fragment.digest:
+            elif (
+                d.old_fragment is not None
+                and svc.digests_agree
+                and svc.digest == d.old_fragment.digest
+                and svc.entries == {(m, k): v for m, k, v in d.old_fragment.entries}
+            ):  # the kernel holds the old version whole (an entry deleted by hand leaves the digest in the others)
                 render.change_service(tx, d.name, d.old_fragment, d.new_fragment)
             else:
                 sid = render.service_chain_id(d.name)

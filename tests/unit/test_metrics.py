@@ -191,3 +191,21 @@ def test_sync_failures_feed_the_modes_own_counters() -> None:
     # the daemon reports a failed sync through observe_sync(ok=False) too: counted once there, not twice
     m.observe_sync(IPFamily.V4, 0.1, False, ok=False)
     assert m.value("kproxy_syncs_total", {**v4, "result": "failure"}) == 1
+
+
+def test_nftables_metrics_are_upstreams_and_its_own() -> None:
+    """The nftables mode registers upstream's nftables-mode metrics (and the iptables mode's are absent)."""
+    from kproxy.backends.nftables.proxier import NftablesProxier
+
+    m = Metrics([IPFamily.V4])
+    backend = NftablesProxier(ProxyConfig(ip_families=(IPFamily.V4,)))
+    backend.register_metrics(m.registry, [IPFamily.V4])
+    text = exposition(m)
+    for name in (
+        "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
+        "kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total",
+    ):
+        assert f"# TYPE {name} counter\n" in text, name
+    assert not any(name in text for name in UPSTREAM_IPTABLES)
+    backend.observe_sync(IPFamily.V4, SyncResult(ok=False, error="refused"), full=False, ok=False)
+    assert m.value("kubeproxy_sync_proxy_rules_nftables_sync_failures_total", {"ip_family": "IPv4"}) == 1
