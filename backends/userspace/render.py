@@ -143,19 +143,20 @@ def render_service(sp: ServicePort) -> Fragment:
     key = service_key(sp.name)
     if sp.protocol is Protocol.SCTP:
         return Fragment(key, fam, proto, (), (), (), unsupported="SCTP is not supported by the userspace mode")
+    iv, ev = sp.internal_verdict, sp.external_verdict
     internal_eps, external_eps = sp.internal_endpoints, sp.external_endpoints
     internal = _eps(internal_eps)
     external = internal if external_eps is internal_eps else _eps(external_eps)
     listeners: list[Listener] = []
     i_role = e_role = ""
-    if sp.internal_verdict is Verdict.FORWARD and sp.external_verdict is Verdict.FORWARD and internal == external:
+    if iv is Verdict.FORWARD and ev is Verdict.FORWARD and internal == external:
         i_role = e_role = "c"
         listeners.append(Listener("c", internal, sp.affinity_timeout))
     else:
-        if sp.internal_verdict is Verdict.FORWARD:
+        if iv is Verdict.FORWARD:
             i_role = "i"
             listeners.append(Listener("i", internal, sp.affinity_timeout))
-        if sp.has_external_addresses and sp.external_verdict is Verdict.FORWARD:
+        if sp.has_external_addresses and ev is Verdict.FORWARD:
             e_role = "e"
             listeners.append(Listener("e", external, sp.affinity_timeout))
 
@@ -167,22 +168,20 @@ def render_service(sp: ServicePort) -> Fragment:
     entries: list[Entry] = []
     firewall: list[str] = []
     if sp.cluster_ip:
-        int_v = verdict(sp.internal_verdict, V_REDIRECT_SVC)
+        int_v = verdict(iv, V_REDIRECT_SVC)
         entries.append(Entry(SERVICE_IPS, f"{sp.cluster_ip} . {proto} . {sp.port}", int_v, i_role))
-    ext_v = verdict(sp.external_verdict, V_REDIRECT_SVC)
+    ext_v = verdict(ev, V_REDIRECT_SVC)
     for ip in sp.external_ips:
         entries.append(Entry(SERVICE_IPS, f"{ip} . {proto} . {sp.port}", ext_v, e_role))
     for ip in sp.load_balancer_ips:
         k = f"{ip} . {proto} . {sp.port}"
-        if sp.load_balancer_source_ranges and sp.external_verdict is not Verdict.REJECT:
+        if sp.load_balancer_source_ranges and ev is not Verdict.REJECT:
             entries.append(Entry(SERVICE_IPS, k, V_FIREWALL, e_role))
             firewall.extend(f"{k} . {cidr}" for cidr in sorted(sp.load_balancer_source_ranges) if _fam(cidr) == fam)
         else:
             entries.append(Entry(SERVICE_IPS, k, ext_v, e_role))
     if sp.node_port:
-        entries.append(
-            Entry(SERVICE_NODEPORTS, f"{proto} . {sp.node_port}", verdict(sp.external_verdict, V_REDIRECT_NP), e_role)
-        )
+        entries.append(Entry(SERVICE_NODEPORTS, f"{proto} . {sp.node_port}", verdict(ev, V_REDIRECT_NP), e_role))
     # roles only where the verdict redirects (a reject/drop element has no port)
     redirects = (V_REDIRECT_SVC, V_REDIRECT_NP, V_FIREWALL)
     entries = [e if e.verdict in redirects else Entry(e.map, e.key, e.verdict) for e in entries]
