@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 CHECK_INTERVAL = 1.0  # seconds between "is my table still there" checks at the start of partial syncs
 BACKLOG = 4096
+FLOOR_BATCH = 2000  # sockets measure_floor holds at once
 
 ElemKey = tuple[str, str]  # (map, key)
 Ident = tuple[IPFamily, ServicePortName, str]  # (family, service port, role): one proxy socket
@@ -830,22 +831,29 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                     enter_netns(ns)
                     af = socket.AF_INET if fam == IPFamily.V4 else socket.AF_INET6
                     wildcard = "0.0.0.0" if fam == IPFamily.V4 else "::"
-                    socks = []
-                    t1 = time.perf_counter()
+                    # explicit ports, as _bind picks them; in batches closed in between, since this process
+                    # still holds its own proxy sockets and the descriptor limit is shared
+                    lo = 20000
+                    spent = 0.0
                     try:
                         for kind, n in ((socket.SOCK_STREAM, tcp_n), (socket.SOCK_DGRAM, udp_n)):
-                            for _ in range(n):
-                                s = socket.socket(af, kind)
-                                socks.append(s)
-                                s.bind((wildcard, 0))
-                                if kind == socket.SOCK_STREAM:
-                                    s.listen(BACKLOG)
-                        box.append(time.perf_counter() - t1)
-                    except OSError as exc:  # out of descriptors (this process still holds its own): no floor
+                            for first in range(0, n, FLOOR_BATCH):
+                                socks = []
+                                t1 = time.perf_counter()
+                                try:
+                                    for i in range(first, min(n, first + FLOOR_BATCH)):
+                                        s = socket.socket(af, kind)
+                                        socks.append(s)
+                                        s.bind((wildcard, lo + i % 40000))
+                                        if kind == socket.SOCK_STREAM:
+                                            s.listen(BACKLOG)
+                                    spent += time.perf_counter() - t1
+                                finally:
+                                    for s in socks:
+                                        s.close()
+                        box.append(spent)
+                    except OSError as exc:
                         log.warning("floor: binding %d sockets failed: %s", tcp_n + udp_n, exc)
-                    finally:
-                        for s in socks:
-                            s.close()
 
                 t = threading.Thread(target=bind)
                 t.start()
