@@ -62,8 +62,17 @@ namespaces above (direct: 6,849).
 
 Syncs: one libnftables transaction per family per batch, element changes only. Order: proxy sockets are bound and
 listening before a redirect names them (connections wait in the backlog until the loop takes the socket), and are
-closed only after the redirect is gone. Full batches diff everything wanted against what ``adopt`` read, so a
-restart rebinds the ports its rules name (``SO_REUSEADDR``) and writes nothing when it can.
+closed only after the redirect is gone; an endpoint change writes nothing to the kernel (the loop's balancer takes
+the new list). Full batches diff everything wanted against what ``adopt`` read, so a restart rebinds the ports its
+rules name (``SO_REUSEADDR``) and writes nothing when it can; a second instance in the same process (``kproxy bench
+sync``'s restart figure) takes the sockets over from the first. kproxy picks proxy ports itself, walking the range
+(``--proxy-port-range``, else the namespace's ``ip_local_port_range``): the kernel's bind(0) searches for a free
+port and took 4.4 s for 10,000 sockets, explicit ports 0.1 s. libnftables (1.0.6) ``select()``s on its netlink
+socket and aborts the process when that descriptor is 1024 or above, so its context is opened before any proxy
+socket (``kernel.py``). ``kproxy bench sync --mode userspace --services 10000 --endpoints 10 --repeat 3`` here
+(02:51 UTC, load average 5): full sync 2.07 s (20,001 elements, 10,000 proxy sockets open), partial sync 0.007 s,
+floor 0.49 s (``nft -f`` of the same transaction plus binding as many sockets), restart 2.17 s writing nothing,
+peak RSS 188 MB (218 MB with the restart's second instance).
 
 Restart: established connections are the proxy process's own sockets, so they end when it stops (by nature of this
 mode; upstream's userspace proxier behaved the same); the redirect rules stay, and new connections are refused from
