@@ -83,7 +83,8 @@ Where kproxy deviates from upstream's userspace mode, and why:
 - nftables instead of iptables ``KUBE-PORTALS-*`` chains: one lookup per new connection whatever the number of
   services, and atomic element changes; reject and drop happen in the nat chains on the first packet.
 - Upstream relayed in two goroutines per connection with ``io.Copy``; this relays with splice in one event loop.
-- Local traffic policies are honoured (upstream's userspace mode predates them); SCTP is refused (as upstream).
+- Local traffic policies are honoured (upstream's userspace mode predates them). SCTP is not proxied (as upstream;
+  this kernel has no SCTP sockets either): its service addresses reject new associations, with a warning.
 - Localhost NodePorts are not supported (as in every kproxy mode). The proxy ports are reachable directly on the
   node's addresses, as upstream's were.
 

@@ -190,6 +190,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         self._started = False
         self._ports: dict[Ident, int] = {}  # every proxy socket the data path holds, and its port
         self._used: set[tuple[int, str, int]] = set()  # (socket family, proto, port) taken by our sockets
+        self._warned: set[ServicePortName] = set()  # unsupported services already logged
         self._cursor: dict[tuple[int, str], int] = {}  # where the next port search starts, per family and protocol
         self._auto_range: tuple[int, int] | None = None
         self._written: dict[IPFamily, dict[ServicePortName, frozenset[tuple[str, str, str]]]] = {
@@ -377,6 +378,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
         return {
             "table": f"{render.nft_family(family)} {render.TABLE}",
+            **({"unsupported": fragment.unsupported} if fragment.unsupported else {}),
             "elements": [f"{e.map}: {e.key} : {e.verdict}" for e in fragment.entries],
             "firewall": list(fragment.firewall),
             "proxySockets": [
@@ -600,9 +602,9 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             frag = targets[spn]
             if frag is None:
                 continue
-            if frag.unsupported:
-                refused[spn] = frag.unsupported
-                continue
+            if frag.unsupported and spn not in self._warned:
+                self._warned.add(spn)
+                log.warning("%s: %s", render.service_key(spn), frag.unsupported)
             for e in frag.entries:
                 other = owners.get((e.map, e.key))
                 if other is not None and other != spn:

@@ -142,7 +142,20 @@ def render_service(sp: ServicePort) -> Fragment:
     proto = sp.protocol.lowercase
     key = service_key(sp.name)
     if sp.protocol is Protocol.SCTP:
-        return Fragment(key, fam, proto, (), (), (), unsupported="SCTP is not supported by the userspace mode")
+        # no SCTP proxy socket (as upstream's userspace mode; this kernel has no SCTP sockets either): the service's
+        # addresses reject new associations, so clients fail fast instead of leaking out by the default route
+        keys = [(SERVICE_IPS, f"{a} . {proto} . {sp.port}") for a in dict.fromkeys(sp.addresses) if a]
+        if sp.node_port:
+            keys.append((SERVICE_NODEPORTS, f"{proto} . {sp.node_port}"))
+        return Fragment(
+            key,
+            fam,
+            proto,
+            tuple(Entry(m, k, V_REJECT) for m, k in keys),
+            (),
+            (),
+            unsupported="SCTP is not supported by the userspace mode: its traffic is rejected",
+        )
     iv, ev = sp.internal_verdict, sp.external_verdict
     internal_eps, external_eps = sp.internal_endpoints, sp.external_endpoints
     internal = _eps(internal_eps)

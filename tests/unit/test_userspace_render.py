@@ -72,8 +72,13 @@ def test_source_ranges_go_through_the_firewall() -> None:
     assert frag.firewall == ("198.18.220.1 . tcp . 80 . 198.18.99.0/24",)
 
 
-def test_sctp_is_unsupported() -> None:
-    assert render.render_service(sp(Protocol.SCTP)).unsupported
+def test_sctp_is_unsupported_and_rejected() -> None:
+    frag = render.render_service(sp(Protocol.SCTP, node_port=30099))
+    assert frag.unsupported and frag.listeners == ()
+    assert {(e.key, e.verdict) for e in frag.entries} == {
+        ("198.18.200.1 . sctp . 80", render.V_REJECT),
+        ("sctp . 30099", render.V_REJECT),
+    }
 
 
 def test_fixed_part_and_element_text() -> None:
