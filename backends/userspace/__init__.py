@@ -72,7 +72,10 @@ socket and aborts the process when that descriptor is 1024 or above, so its cont
 socket (``kernel.py``). ``kproxy bench sync --mode userspace --services 10000 --endpoints 10 --repeat 3`` here
 (02:51 UTC, load average 5): full sync 2.07 s (20,001 elements, 10,000 proxy sockets open), partial sync 0.007 s,
 floor 0.49 s (``nft -f`` of the same transaction plus binding as many sockets), restart 2.17 s writing nothing,
-peak RSS 188 MB (218 MB with the restart's second instance).
+peak RSS 188 MB (218 MB with the restart's second instance). On the same machine at load average 7.6 (everything
+about 4x slower: the cache's own snapshot took 1.58 s instead of 0.39) the same run gave 5.28 s full and 0.045 s
+partial. The "is my table still there" check before a partial sync lists the small ``nodeport-cidrs`` set, at most
+once a second per family: nft 1.0.6 lists a chain by fetching the whole table (0.3-0.5 s at 10,000 services).
 
 Restart: established connections are the proxy process's own sockets, so they end when it stops (by nature of this
 mode; upstream's userspace proxier behaved the same); the redirect rules stay, and new connections are refused from
