@@ -138,6 +138,7 @@ def run_sync_bench(
     if not avail:
         raise BenchError(f"mode {mode} is not available here: {avail.reason}")
     backend = cls(config)
+    backend.start()  # as the daemon does before the first sync (loaders, data-path loops)
     out = SyncBench(mode=mode, services=n_services, endpoints=n_endpoints, repeat=repeat)
     cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
     try:
@@ -197,6 +198,7 @@ def run_sync_bench(
                 forget()
             gc.collect()
             fresh = cls(config)
+            fresh.start()
             try:
                 state, changes = cache.snapshot(full=True)
                 r0 = time.perf_counter()
