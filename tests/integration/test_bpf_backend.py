@@ -75,6 +75,11 @@ def place() -> Iterator[tuple[str, dict[str, str]]]:
                 time.sleep(0.1)
         if not mounted:
             subprocess.run(["umount", str(CG_MOUNT)], check=False, timeout=30)
+            for d in (CG_MOUNT, CG_MOUNT.parent):
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
 
 
 def _config(opts: dict[str, str], **kw: object) -> ProxyConfig:
