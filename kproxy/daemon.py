@@ -255,8 +255,10 @@ class Daemon:
                 log.exception("sync failed with an exception")
                 result = SyncResult(ok=False, full=changes.full, error=f"{type(exc).__name__}: {exc}")
             elapsed = time.perf_counter() - start
-            self.status.syncs += 1
-            return self._after_sync(state, changes, result, elapsed)
+            try:
+                return self._after_sync(state, changes, result, elapsed)
+            finally:  # counted once it is done, the after-first-sync hook included (/rules' "synced")
+                self.status.syncs += 1
 
     def _after_sync(self, state: ProxyState, changes: Changes, result: SyncResult, elapsed: float) -> bool:
         m = self.metrics
