@@ -64,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     c.add_argument(
         "--datapath-services", default=None, metavar="N[,N...]", help="data-path sizes (default: --services)"
     )
-    c.add_argument("--rounds", type=int, default=10, help="data-path rounds per size (medians)")
+    c.add_argument("--rounds", type=int, default=8, help="data-path rounds per size (medians)")
     c.add_argument("--seconds", type=float, default=0.5, help="seconds per data-path traffic phase")
     c.add_argument("--iperf-seconds", type=float, default=1.0, help="seconds per iperf3 run")
     c.add_argument("--no-sync", action="store_true", help="skip the sync benchmark")
