@@ -670,6 +670,7 @@ class Soak:
         self.lab = lab = self._lab()
         traffic: Traffic | None = None
         churner: Churner | None = None
+        failed = True
         try:
             self.api = api = Api(lab.api_url)
             pods = [PodRef(p.name, p.node, p.ip4, p.ip6) for p in lab.pods]
@@ -703,7 +704,9 @@ class Soak:
             secs, checks = self._converge(max(time.monotonic(), churner.last_write), max(o.converge_timeout, 60))
             final = self._checkpoint("final", secs, checks, traffic)
             churner.stop()
-            return self._report(churner, traffic, final, time.monotonic() - t_start)
+            report = self._report(churner, traffic, final, time.monotonic() - t_start)
+            failed = False
+            return report
         finally:
             if churner is not None and churner.is_alive():
                 churner.stop()
@@ -716,8 +719,8 @@ class Soak:
                     self.api.faults(reset=True)
             os.environ.pop(FAULT_SWITCH, None)
             if self.owned_lab and not o.keep_lab:
-                self.progress("soak: taking the lab down")
-                Lab.down(prefix=o.prefix)
+                self.progress("soak: taking the lab down" + (" (logs kept in the state folder)" if failed else ""))
+                Lab.down(prefix=o.prefix, keep_logs=failed)
 
     def _anchor_ip(self) -> str:
         assert self.api is not None
