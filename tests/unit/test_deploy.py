@@ -28,7 +28,7 @@ K8S_VERSION = "1.32"
 BASE_CAPS = {"NET_ADMIN", "NET_RAW"}
 # What each mode declares it needs beyond the base (deploy/overlays/<mode>/kustomization.yaml says why).
 EXTRA_CAPS = {
-    "userspace": {"NET_BIND_SERVICE"},
+    "userspace": set(),  # proxy ports from the local port range: no NET_BIND_SERVICE unless a range below 1024
     "iptables": set(),
     "nftables": set(),
     "bpf": {"BPF", "PERFMON", "SYS_ADMIN", "SYS_RESOURCE"},
