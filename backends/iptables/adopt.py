@@ -28,6 +28,9 @@ _DEFAULTS = {
     ("--mask", ("255.255.255.255",)),
     ("--mask", ("ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",)),
     ("--rsource", ()),
+    # iptables-save spells REJECT's default out; kproxy's rules (as upstream's) leave it implicit
+    ("--reject-with", ("icmp-port-unreachable",)),
+    ("--reject-with", ("icmp6-port-unreachable",)),
 }
 
 Canon = tuple[tuple[bool, str, tuple[str, ...]], ...]

@@ -97,3 +97,18 @@ def test_verify_finds_hand_made_drift_and_a_full_sync_repairs_it(netns: str) -> 
     # it has a rule nothing explains; here the flush took it)
     assert p.sync(STATE, Changes(full=True)).ok
     assert p.verify(STATE)["drift"] == 0
+
+
+def test_a_service_without_endpoints_is_no_drift(netns: str) -> None:
+    """iptables-save spells REJECT's default (``--reject-with icmp-port-unreachable``) where kproxy leaves it out."""
+    config = ProxyConfig(
+        cluster_cidrs=("198.18.0.0/16",), backend_options=MappingProxyType({"iptables_flavour": "nft"})
+    )
+    p = IptablesProxier(config, netns=netns)
+    lonely = ServicePort(ServicePortName("ns1", "c", "dns", Protocol.UDP), IPFamily.V4, "198.19.0.3", 53)
+    st = ProxyState(
+        {IPFamily.V4: MappingProxyType({A: SP_A, lonely.name: lonely}), IPFamily.V6: MappingProxyType({})}, NODE
+    )
+    assert p.sync(st, Changes(full=True)).ok
+    report = p.verify(st)
+    assert report["drift"] == 0, report
