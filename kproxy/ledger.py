@@ -29,9 +29,11 @@ Who uses it: every backend (``backends/<mode>/proxier.py``), ``kproxy.fake``, an
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
@@ -43,6 +45,10 @@ from kproxy.proxier import Description, Proxier, ServiceDescription
 log = logging.getLogger(__name__)
 
 MAX_ROUNDS = 4  # applies per family per sync when the kernel refuses services one after another
+#: A fault switch for tests and ``kproxy soak`` ("a failed kernel apply"): with this variable set, a positive integer N
+#: in ``$KPROXY_TEST_FAULTS_DIR/<node name>/fail-apply`` answers the next N applies as failed (as a refused
+#: transaction would) and counts down. Unset (production), it costs one environment lookup per apply.
+FAULT_SWITCH = "KPROXY_TEST_FAULTS_DIR"
 
 F = TypeVar("F")  # a backend's fragment: what one service port renders to (compared with ==)
 C = TypeVar("C")  # a backend's per-family rendering context (hashable; compared with ==)
@@ -438,7 +444,7 @@ class LedgerProxier(Proxier, Generic[F, C]):
                 scratch=scratch,
             )
             try:
-                outcome = self.apply(batch)
+                outcome = _injected_failure(self.config.node_name) or self.apply(batch)
             except Exception as exc:  # a backend bug must not lose the ledger: the family fails, a full sync follows
                 log.exception("%s: apply raised", fam.value)
                 outcome = Applied(ok=False, error=f"{type(exc).__name__}: {exc}")
@@ -529,6 +535,23 @@ class LedgerProxier(Proxier, Generic[F, C]):
             MappingProxyType(dict(rec.fragments)),
             MappingProxyType(dict(rec.failed)),
         )
+
+
+def _injected_failure(node: str) -> Applied | None:
+    """The test fault switch (``FAULT_SWITCH``): a failed apply when one is owed, else None."""
+    folder = os.environ.get(FAULT_SWITCH)
+    if not folder:
+        return None
+    switch = Path(folder) / node / "fail-apply"
+    try:
+        owed = int(switch.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return None
+    if owed <= 0:
+        return None
+    switch.write_text(f"{owed - 1}\n")
+    log.warning("fault switch %s: failing this apply (%d more owed)", switch, owed - 1)
+    return Applied(ok=False, error="injected apply failure (test fault switch)")
 
 
 def _add(timings: dict[str, float], key: str, seconds: float) -> None:

@@ -72,8 +72,8 @@ FAULT_KINDS = ("none", "watch_drop", "http_5xx", "gone_410", "kproxy_kill", "flu
 DEFAULT_PREFIX = "kps-"
 METRICS_PORT = 10249
 HEALTHZ_PORT = 10256
-#: The proposed fault switch for "a failed kernel apply" (not in the core yet): with this variable set in kproxy's
-#: environment, the ledger would look for ``$KPROXY_TEST_FAULTS_DIR/<node name>/fail-apply`` before each ``apply``;
+#: The fault switch for "a failed kernel apply" (kproxy.ledger.FAULT_SWITCH): with this variable set in kproxy's
+#: environment, the ledger looks for ``$KPROXY_TEST_FAULTS_DIR/<node name>/fail-apply`` before each ``apply``;
 #: a positive integer N there answers the next N applies as failed (as a refused restore) and counts down. The soak
 #: sets it for the kproxy processes it starts and writes the file; a file nobody consumed means "not supported".
 FAULT_SWITCH = "KPROXY_TEST_FAULTS_DIR"

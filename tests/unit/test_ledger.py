@@ -250,3 +250,21 @@ def test_verify_reads_the_kernel_back_not_the_ledger() -> None:
     assert fake.sync(st2, partial("a")).failed
     report = fake.verify(st2)
     assert report["drift"] == 0 and "refused: no" in report["refused"]["ns/a:http/TCP"]["IPv4"]
+
+
+def test_the_fault_switch_fails_applies_and_counts_down(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kproxy soak's "failed kernel apply": N owed failures, each a failed family (a full sync follows), then none."""
+    from kproxy.ledger import FAULT_SWITCH
+
+    fake = FakeProxier(ProxyConfig(hostname_override="node-9", ip_families=(IPFamily.V4,)))
+    a = sp("a")
+    assert fake.sync(state(a), Changes(full=True)).ok
+    (tmp_path / "node-9").mkdir()
+    switch = tmp_path / "node-9" / "fail-apply"
+    switch.write_text("1\n")
+    monkeypatch.setenv(FAULT_SWITCH, str(tmp_path))
+    res = fake.sync(state(sp("a", 2)), partial("a"))
+    assert not res.ok and "injected" in (res.error or "") and switch.read_text().strip() == "0"
+    assert fake.programmed[("IPv4", a.name)] == a  # nothing applied
+    res = fake.sync(state(sp("a", 2)), partial("a"))
+    assert res.ok and res.full and fake.programmed[("IPv4", a.name)] == sp("a", 2)
