@@ -50,7 +50,7 @@ CFG = ProxyConfig(
     ip_families=(IPFamily.V4, IPFamily.V6),
 )
 SETTINGS = settings(
-    max_examples=25,
+    max_examples=50,  # about 30 accepted services per mode (derandomized: the same examples on every run)
     deadline=None,
     derandomize=True,
     database=None,  # derandomized: nothing to remember between runs, and no .hypothesis folder in the tree
@@ -230,8 +230,14 @@ def test_kernel_takes_every_accepted_object(
             finally:
                 backend.close()
         assert result.ok, f"{mode}: the kernel refused the sync: {result.error}"
-        # a mode may refuse what it cannot do by design (the userspace mode: SCTP) and must say so; nothing else
-        unsupported = {spn for spn, why in result.failed.items() if "not supported" in why}
+        # a mode may refuse what it cannot do by design (the userspace mode: SCTP) and must say so, and a map-based
+        # mode refuses the second of two services claiming one address . protocol . port (no valid cluster has
+        # that; the generators make it), naming the other: nothing else
+        unsupported = {
+            spn
+            for spn, why in result.failed.items()
+            if "not supported" in why or ("is claimed by" in why and why.rstrip().endswith("too"))
+        }
         others = {str(spn): why for spn, why in result.failed.items() if spn not in unsupported}
         assert not others, f"{mode}: services refused: {others}"
         wanted = {
