@@ -79,7 +79,10 @@ def save(netns: str, flavour: str) -> str:
 
 
 def section(text: str, table: str) -> str:
-    return text.split(f"*{table}\n", 1)[1].split("COMMIT", 1)[0]
+    """One table's part of an iptables-save text; "" when the table is not there (yet: a save taken right after
+    the first payload of a fresh namespace may come before the nat table exists)."""
+    parts = text.split(f"*{table}\n", 1)
+    return parts[1].split("COMMIT", 1)[0] if len(parts) > 1 else ""
 
 
 def chains(text: str, table: str = "nat") -> set[str]:
