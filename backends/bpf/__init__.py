@@ -83,11 +83,8 @@ Where it deviates from upstream, and why:
 - A map-size change (``--bpf-map-size``) needs ``kproxy cleanup`` first: a pinned map keeps the size it was made
   with.
 
-Start-up over another mode: the daemon's ``after_first_sync`` hook removes other modes' leftovers, but the core
-counts the first sync in ``/rules`` before that hook runs; so the running bpf daemon removes them itself once its
-first sync has every family in the kernel, before that sync is counted (``--no-cleanup-other-modes`` honoured), and
-the hook then finds nothing (``BpfProxier._other_modes_after_first_apply``; to be dropped when the core counts the
-sync after the hook).
+Start-up over another mode: the daemon's ``after_first_sync`` hook removes other modes' leftovers before the first
+sync is counted, as for every mode.
 
 Conformance scenarios not applicable to this mode: none (dual-stack's counter half is reported not-applicable by
 the suite itself: the maps carry no packet counters).

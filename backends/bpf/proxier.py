@@ -27,7 +27,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -41,7 +40,7 @@ from kproxy.config import ProxyConfig
 from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext
-from kproxy.proxier import Availability, KernelProbe, LabNodeSpec, Option, cleanup_other_modes
+from kproxy.proxier import Availability, KernelProbe, LabNodeSpec, Option
 
 from . import inspect, loader, maps, nft, render, sockets
 from .render import Context, FamilyIndex, Fragment, Plan
@@ -108,8 +107,6 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         self._counts: dict[str, int] = {}
         self.attached: list[str] = []
         self._reaper = sockets.Reaper()
-        self._others_cleaned = False
-        self._applied_families: set[IPFamily] = set()
         self._memo: dict[tuple[ServicePortName, IPFamily], tuple[ServicePort, Context, Fragment]] = {}
         self.last_reap: Future[int] | None = None
         self._last_full: tuple[IPFamily, list[tuple[str, str, list[bytes], list[bytes]]]] | None = None
@@ -425,7 +422,6 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         if read_at is not None:
             self._kernel_read[fam] = read_at
         self._reap_udp(batch)
-        self._other_modes_after_first_apply(batch)
         counts = {
             f"{fam.value}/map_writes": plan.writes,
             f"{fam.value}/service_entries": index.svc_entries,
@@ -439,26 +435,6 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             counts=MappingProxyType(counts),
             timings=MappingProxyType({"plan": t1 - t0, "apply": t2 - t1, "nft": t3 - t2}),
         )
-
-    def _other_modes_after_first_apply(self, batch: Batch[Fragment, Context]) -> None:
-        """Workaround for the core (see the report of issue 11): the daemon counts a sync in ``/rules`` before its
-        ``after_first_sync`` hook removes the other modes' leftovers, so for a moment the node says "synced" while an
-        old mode's rules are still being removed (the mode-switch scenario sees it: the hook takes ~0.6 s here). So
-        the running daemon (``start()`` done, its own namespace) removes them itself once this process's first sync
-        has every family in the kernel, before that sync is counted, exactly what the hook would do next (which then
-        finds nothing). ``kproxy run --no-cleanup-other-modes`` is honoured. Remove once the core counts the sync
-        after the hook."""
-        if self._others_cleaned or not self.attached or self.netns is not None:
-            return
-        self._applied_families.add(batch.family)
-        if set(self.families) - self._applied_families:
-            return
-        self._others_cleaned = True
-        if "--no-cleanup-other-modes" in sys.argv:
-            return
-        for mode, error in cleanup_other_modes(self.config).items():
-            if error:
-                log.warning("bpf: removing leftovers of mode %s failed: %s", mode, error)
 
     def _reap_udp(self, batch: Batch[Fragment, Context]) -> None:
         """Connected UDP sockets to backends a UDP service just lost are ended (see ``backends.bpf.sockets``); only
