@@ -1,9 +1,9 @@
 """The nftables mode: verdict maps in a table of kproxy's own, a number of chains that does not grow with services.
 
 Modules: ``render`` (pure: ServicePorts -> fragments of map elements, shared chains named by endpoint count, the
-fixed part, transactions), ``proxier`` (``NftablesProxier`` on the core's ledger: apply, adopt, describe, floor),
-``kernel`` (libnftables in-process, in this or a named namespace), ``adopt`` (reading the table back cheaply),
-``trace`` (the packet explainer), ``cleanup`` (delete the two tables).
+fixed part, transactions), ``proxier`` (``NftablesProxier`` on the core's ledger: apply, adopt, describe, floor;
+libnftables in-process through the core's ``kproxy.nftkernel``), ``adopt`` (reading the table back cheaply), ``trace``
+(the packet explainer), ``cleanup`` (delete the two tables).
 
 Layout (table ``kproxy`` in family ``ip`` and again in ``ip6``; nothing outside it):
 - ``services`` (from ``nat-prerouting`` at dstnat and ``nat-output`` at -100): ``ip daddr . meta l4proto . th dport

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kproxy.model import IPFamily, ServicePortName
+from kproxy.nftkernel import Nft
 
 from . import render
-from .kernel import Nft
 
 
 @dataclass(slots=True)

@@ -10,8 +10,9 @@ Who uses it: ``NftablesProxier.cleanup_leftovers`` (``kproxy cleanup``, and anot
 
 from __future__ import annotations
 
+from kproxy.nftkernel import Nft
+
 from . import render
-from .kernel import Nft
 
 
 def cleanup_tables(netns: str | None = None) -> list[str]:

@@ -35,13 +35,13 @@ from kproxy.config import ProxyConfig
 from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.metrics import PREFIX
 from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
+from kproxy.nftkernel import Nft, available
 from kproxy.nodeaddr import FamilyContext, NodeContext
 from kproxy.proxier import Availability, BackendError, KernelProbe
 
 from . import adopt as adopt_mod
 from . import render
 from . import trace as trace_mod
-from .kernel import Nft, available
 from .render import Fragment
 
 log = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from types import MappingProxyType
 import pytest
 
 from kproxy.backends.nftables import render
-from kproxy.backends.nftables.kernel import Nft, available
 from kproxy.backends.nftables.proxier import NftablesProxier
 from kproxy.config import ProxyConfig
 from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
+from kproxy.nftkernel import Nft, available
 from kproxy.proxier import LocalProbe
 
 from .scratch import scratch_netns

@@ -1,0 +1,270 @@
+"""libnftables for the modes that speak nftables (the nftables mode, the userspace mode's redirect table, the bpf
+mode's companion table): one context per worker, transactions from a memfd, JSON reads, network-namespace entry.
+
+One ``Nft.run(text)`` is one ``nft_run_cmd_from_file`` call of Debian's python3-nftables: the whole text is one
+atomic transaction, as ``nft -f``, without starting a process (``nft add element`` from a shell costs ~20 ms, mostly
+process start). The text goes through a memfd "file" because libnftables names a refused command's line only for file
+input (from a buffer it prints the first line), and the backends map that line back to the service that owns it.
+Reads use JSON output (``libnftables-json(5)``), parsed with the standard library.
+
+Threads and namespaces: libnftables talks netlink from the calling thread's network namespace, and a context's socket
+belongs to the namespace it was opened in. ``Nft(netns="name")`` owns one worker thread that first ``setns``es into
+``/run/netns/<name>`` (tests and benchmarks aim at namespaces of their own; ``setns`` moves that thread alone).
+``Nft()`` also has a worker thread by default, in the caller's namespace: libnftables releases the GIL, so a backend
+builds its next transaction while one is applied. ``Nft(worker=False)`` calls in the caller's thread, with one
+context per process shared under a lock (the userspace mode opens it before any proxy socket, see below).
+``Nft.call(fn)`` runs any function where the context lives (the userspace mode makes its proxy sockets there).
+
+Descriptors: libnftables 1.0.6 waits for netlink answers with ``select()``, which aborts the process ("bit out of
+range 0 - FD_SETSIZE") when its socket's descriptor is 1024 or above. The userspace mode holds thousands of
+descriptors, so every context here is opened on a low descriptor freed for it from a small reserve taken at import.
+
+Who uses it: ``backends.nftables`` (kernel access for syncs, adoption, cleanup), ``backends.userspace`` and
+``backends.bpf`` (their tables).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_CLONE_NEWNET = 0x40000000
+_LOCATION = re.compile(r"^(?:/dev/stdin|internal|<cmdline>|[^:\s]*):(\d+):\d+", re.M)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What one libnftables call returned: rc 0 is success; ``seconds`` is the call's wall time."""
+
+    rc: int
+    output: str
+    error: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0
+
+    def error_lines(self) -> list[int]:
+        """1-based lines of the input the error names (libnftables reports each refused command's location)."""
+        return [int(m.group(1)) for m in _LOCATION.finditer(self.error)]
+
+
+def import_nftables() -> Any:
+    """The ``nftables`` module (Debian's python3-nftables; the venv sees it through --system-site-packages)."""
+    import nftables  # type: ignore[import-not-found,unused-ignore]
+
+    return nftables
+
+
+def available() -> str | None:
+    """None when libnftables loads and lists tables here, else why not (with the packages to install)."""
+    try:
+        nftables = import_nftables()
+    except ImportError as exc:
+        return f"python3-nftables is not importable ({exc}): apt-get install python3-nftables nftables"
+    try:
+        rc, _, err = nftables.Nftables().cmd("list tables")
+    except OSError as exc:
+        return f"libnftables cannot be loaded: {exc}"
+    if rc != 0:
+        return f"nft list tables failed: {str(err).strip()}"
+    return None
+
+
+def enter_netns(netns: str) -> None:
+    """Move the calling thread into ``/run/netns/<netns>`` (os.setns arrives in Python 3.12; this is 3.11)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {netns}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+_RESERVE = 8
+_reserved: list[int] = []
+_reserve_lock = threading.Lock()
+
+
+def _refill() -> None:
+    with _reserve_lock:
+        while len(_reserved) < _RESERVE:
+            fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            if fd >= 1000:
+                os.close(fd)
+                break
+            _reserved.append(fd)
+
+
+def new_context() -> Any:
+    """A libnftables context whose netlink socket (opened right away) takes a low descriptor freed for it."""
+    with _reserve_lock:
+        if _reserved:
+            os.close(_reserved.pop(0))
+        ctx = import_nftables().Nftables()
+    ctx.set_handle_output(False)
+    return ctx
+
+
+_refill()
+_shared: list[Any] = []  # the context of Nft(worker=False): one per process
+_shared_lock = threading.Lock()
+
+
+class Nft:
+    """A libnftables context in this namespace or in a named one (see the module docstring)."""
+
+    def __init__(self, netns: str | None = None, *, worker: bool = True, name: str = "nft") -> None:
+        self.netns = netns
+        self._ctx: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        if netns is not None or worker:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+            if netns is not None:
+                self._pool.submit(enter_netns, netns).result()
+        self._closed = False
+
+    def _submit(self, fn: Callable[[], T]) -> Future[T]:
+        if self._closed:
+            raise RuntimeError("libnftables context closed")
+        if self._pool is None:
+            fut: Future[T] = Future()
+            try:
+                with _shared_lock:  # the process's shared context: one caller at a time
+                    fut.set_result(fn())
+            except BaseException as exc:  # handed to the caller through the future, as a worker would
+                fut.set_exception(exc)
+            return fut
+        return self._pool.submit(fn)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` where the context lives (the worker thread, in the namespace), and return what it returns."""
+        return self._submit(fn).result()
+
+    def ready(self) -> None:
+        """Open the context now (the userspace mode does it before any proxy socket exists)."""
+        self.call(self._nft)
+
+    def _nft(self) -> Any:
+        if self._pool is None:
+            if not _shared:
+                _shared.append(new_context())
+            return _shared[0]
+        if self._ctx is None:  # made in the thread that uses it (its socket belongs to that namespace)
+            self._ctx = new_context()
+        return self._ctx
+
+    def run(self, text: str, *, json_output: bool = False) -> Result:
+        """Run commands as one transaction (when they change anything) and wait for the answer."""
+        return self.submit(text, json_output=json_output).result()
+
+    def submit(self, text: str, *, json_output: bool = False) -> Future[Result]:
+        """``run`` without waiting: the caller builds the next transaction meanwhile (see the module docstring)."""
+
+        def go() -> Result:
+            nft = self._nft()
+            nft.set_json_output(json_output)
+            fd = os.memfd_create("kproxy-nft", os.MFD_CLOEXEC)
+            try:
+                view = memoryview(text.encode())
+                while view:
+                    view = view[os.write(fd, view) :]
+                t0 = time.perf_counter()
+                rc, out, err = nft.cmd_from_file(f"/proc/self/fd/{fd}")
+                return Result(int(rc), out or "", err or "", time.perf_counter() - t0)
+            finally:
+                os.close(fd)
+
+        return self._submit(go)
+
+    def query(self, text: str, *, json_output: bool = True) -> Result:
+        """A read (``list ...``) from a buffer: no transaction, nothing to map back."""
+
+        def go() -> Result:
+            nft = self._nft()
+            nft.set_json_output(json_output)
+            t0 = time.perf_counter()
+            rc, out, err = nft.cmd(text)
+            return Result(int(rc), out or "", err or "", time.perf_counter() - t0)
+
+        return self.call(go)
+
+    def read(self, command: str) -> tuple[list[dict[str, Any]] | None, str]:
+        """A ``list ...`` command's JSON objects (the ``nftables`` array without metainfo), or (None, error)."""
+        res = self.query(command)
+        if not res.ok:
+            return None, res.error.strip()
+        try:
+            data = json.loads(res.output) if res.output else {"nftables": []}
+        except ValueError as exc:
+            return None, f"unreadable JSON from libnftables: {exc}"
+        return [o for o in data.get("nftables", []) if "metainfo" not in o], ""
+
+    def close(self) -> None:
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._ctx is not None:
+            self._ctx = None  # its socket closes with it: a low descriptor goes back to the reserve
+            _refill()
+
+
+def elements(objs: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    """(map or set name, key text, value text, comment) of every element in ``list map/set/table`` JSON objects, in
+    nft's text spelling (``198.18.0.1 . tcp . 80``, ``goto svc-x``, ``41000``, ``198.18.0.0/16``)."""
+    out: list[tuple[str, str, str, str]] = []
+    for obj in objs:
+        body = obj.get("map") or obj.get("set")
+        if not body:
+            continue
+        for item in body.get("elem") or []:
+            value = ""
+            if isinstance(item, list):  # a map element: [key, value]
+                key_obj, val = item
+                value = value_text(val)
+            else:
+                key_obj = item
+            comment = ""
+            if isinstance(key_obj, dict) and "elem" in key_obj:
+                comment = str(key_obj["elem"].get("comment") or "")
+                key_obj = key_obj["elem"].get("val")
+            out.append((str(body["name"]), key_text(key_obj), value, comment))
+    return out
+
+
+def key_text(obj: Any) -> str:
+    """An element key of libnftables' JSON in nft's text spelling."""
+    if isinstance(obj, dict):
+        if "concat" in obj:
+            return " . ".join(key_text(x) for x in obj["concat"])
+        if "prefix" in obj:
+            return f"{obj['prefix']['addr']}/{obj['prefix']['len']}"
+        if "range" in obj:
+            lo, hi = obj["range"]
+            return f"{key_text(lo)}-{key_text(hi)}"
+    return str(obj)
+
+
+def value_text(obj: Any) -> str:
+    """A map element's value (a verdict or data) of libnftables' JSON in nft's text spelling."""
+    if isinstance(obj, dict):
+        for verdict in ("goto", "jump"):
+            if verdict in obj:
+                return f"{verdict} {obj[verdict]['target']}"
+        for verdict in ("drop", "accept", "return", "continue"):
+            if verdict in obj:
+                return verdict
+    return str(obj)
