@@ -7,11 +7,14 @@ Golden files live in tests/unit/golden/iptables/; regenerate with ``KPROXY_UPDAT
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kproxy import nodeaddr
 from kproxy.backends.iptables import adopt, render
@@ -732,6 +735,19 @@ def test_adoption_canonical_form_matches_iptables_save_spelling() -> None:
         "-A C -s 198.18.0.2 -d 198.18.0.1 -j X"
     )
     assert adopt.canonical("-A C ! -s 198.18.0.0/16 -j X") != adopt.canonical("-A C -s 198.18.0.0/16 -j X")
+
+
+@given(st.integers(min_value=0, max_value=2**32 - 1), st.sampled_from(["", "/32", "/24", "/0", "/33", "/x"]))
+def test_adoption_address_fast_path_agrees_with_ipaddress(n: int, suffix: str) -> None:
+    """The dotted-quad shortcut of the canonical form gives exactly what ipaddress gives (or the text as it was,
+    where ipaddress refuses it), for every address and for spellings it must leave to ipaddress."""
+    addr = str(ipaddress.IPv4Address(n))
+    for value in (addr + suffix, "0" + addr + suffix, addr.replace(".", ".0", 1) + suffix):
+        try:
+            expected = str(ipaddress.ip_network(value, strict=False))
+        except ValueError:
+            expected = value
+        assert adopt._network(value) == expected
 
 
 def test_adoption_unchanged_needs_every_chain_and_rule_in_order() -> None:
