@@ -70,6 +70,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     c.add_argument("--no-sync", action="store_true", help="skip the sync benchmark")
     c.add_argument("--no-datapath", action="store_true", help="skip the data-path benchmark")
     c.add_argument("--no-baseline", action="store_true", help="skip mode none (no proxy) in the data-path run")
+    c.add_argument(
+        "--no-conntrack-limits",
+        action="store_true",
+        help="skip the diagnostic limits (the limit's path with conntrack on, and with conntrack and nat on)",
+    )
     c.add_argument("--lab-prefix", default="kpd-", help="the data-path lab's prefix (default %(default)s)")
     c.set_defaults(func=cmd_compare)
 
@@ -278,7 +283,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     n_sync = 0 if args.no_sync else len(sizes) * (len(modes) * args.sync_runs + (0 if args.no_reference else 1))
     n_dp = 0
     if not args.no_datapath:
-        n_dp = len(dp_sizes) * len(modes) * args.rounds * 3 + (args.rounds * 2 if baseline else 0)
+        from kproxy.bench.datapath import CONNTRACK_LIMITS
+
+        per_round = 3 + (0 if args.no_conntrack_limits else len(CONNTRACK_LIMITS))
+        n_dp = len(dp_sizes) * len(modes) * args.rounds * per_round
+        n_dp += args.rounds * (per_round - 1) if baseline else 0
     from kproxy.bench.datapath import stop_on_sigterm
 
     stop_on_sigterm()
@@ -363,6 +372,7 @@ def _datapath_steps(
         iperf_seconds=args.iperf_seconds,
         endpoints=args.endpoints,
         prefix=args.lab_prefix,
+        conntrack_limits=not args.no_conntrack_limits,
     )
     runs: list[dict[str, Any]] = []
     results["datapath"] = {"config": config.describe(), "runs": runs, "commands": {}}

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import select
 import signal
 import statistics
@@ -69,6 +70,33 @@ CLIENT_CPU = "0"
 SERVER_CPU = "1"
 PINNED_CLIENT = ("taskset", "-c", CLIENT_CPU)
 TARGETS = ("limit", "podip", "clusterip")
+#: diagnostic limits (DatapathConfig.conntrack_limits): the limit's path with conntrack turned on in nodes 3 and 4
+#: by a minimal table, and with nat base chains and a DNAT rule that never matches (conntrack + the nat hooks),
+#: loaded just before
+#: the measurement and deleted just after (so the plain limit, measured in the same round, has neither)
+CONNTRACK_LIMITS = ("limit_ct", "limit_nat")
+LIMIT_TARGETS = ("limit", *CONNTRACK_LIMITS)
+DIAG_TABLE = "kpdiag"
+DIAG_RULESETS = {
+    # a ct expression makes the kernel register conntrack's hooks in this namespace (nf_ct_netns_get)
+    "limit_ct": (
+        f"table inet {DIAG_TABLE} {{\n"
+        "  chain pre { type filter hook prerouting priority 0; policy accept; ct state established accept; }\n"
+        "}\n"
+    ),
+    # nat base chains alone register the nat hooks but not conntrack (without a connection the nat hooks return at
+    # once): it is a NAT rule (nft_nat's init) that turns conntrack on. So one DNAT rule that never matches (an
+    # address nothing uses) in prerouting: conntrack, the nat hooks, the nat chain walked by every new connection
+    # and a null binding made for it, as in every NAT-based proxy, and no translation
+    "limit_nat": (
+        f"table ip {DIAG_TABLE} {{\n"
+        "  chain pre { type nat hook prerouting priority dstnat; policy accept;"
+        " ip daddr 198.19.255.254 tcp dport 1 dnat to 198.19.255.253; }\n"
+        "  chain out { type nat hook output priority -100; policy accept; }\n"
+        "  chain post { type nat hook postrouting priority srcnat; policy accept; }\n"
+        "}\n"
+    ),
+}
 WRITE_THREADS = 4
 CLEANUP_TIMEOUT = 120.0
 KPROXY_READY_TIMEOUT = 600.0  # seconds: a full sync of 10,000 services on two nodes sharing 2 cores
@@ -107,6 +135,14 @@ class DatapathRun:
     medians: dict[str, dict[str, float]] = field(default_factory=dict)
     ratios: dict[str, dict[str, float]] = field(default_factory=dict)
     rounds: list[dict[str, dict[str, float]]] = field(default_factory=list)
+    #: target -> metric -> [first quartile, third quartile] of the per-round ratios against the limit (the noise)
+    ratio_spread: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    #: ratios of pod IP and ClusterIP against the diagnostic limits: limit name -> target -> metric -> ratio
+    ratios_vs: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    #: target -> median of the conntrack entries in its client's and server's node right after each round
+    conntrack_entries: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: CPU seconds each loaded node's kproxy used while traffic ran (it should be idle; a busy proxy taxes everyone)
+    kproxy_cpu_s: dict[str, float] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     error: str = ""  # the mode could not be measured at this size: why
     note: str = ""  # measured, but something around it went wrong (e.g. the cleanup afterwards)
@@ -122,10 +158,20 @@ class DatapathConfig:
     iperf_seconds: float = 1.0
     endpoints: int = 10
     prefix: str = LAB_PREFIX
+    conntrack_limits: bool = True  # also measure CONNTRACK_LIMITS every round (the floor of a NAT-based proxy)
 
     def describe(self) -> dict[str, Any]:
         return {
             **asdict(self),
+            "conntrack_limits_detail": {
+                "limit_ct": "the limit's path with conntrack on in nodes 3 and 4 (an inet filter prerouting chain"
+                " with 'ct state established accept'), loaded just before its measurement, deleted after",
+                "limit_nat": "the limit's path with nat base chains (prerouting, output, postrouting) in nodes 3"
+                " and 4 and one DNAT rule that never matches: conntrack, the nat hooks and a null binding per"
+                " connection, as every NAT-based proxy has (empty nat chains alone do not turn conntrack on)",
+            }
+            if self.conntrack_limits
+            else {},
             "pinning": f"clients taskset -c {CLIENT_CPU}; echo servers and iperf3 -s taskset -c {SERVER_CPU}",
             "limit": "pod-3-1 -> pod-4-1 on nodes 3 and 4, which never run a proxy",
             "client_close": "RST (SO_LINGER 0)",
@@ -179,23 +225,53 @@ def medians(rounds: Iterable[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in values.items()}
 
 
-def paired_ratios(rounds: Sequence[dict[str, dict[str, float]]], targets: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Each target's ratio to the limit per metric: the median over rounds of the ratio *within* each round (the
-    target and the limit measured seconds apart), which drift between rounds on a shared machine cannot skew the way
-    it skews a ratio of two medians."""
-    out: dict[str, dict[str, float]] = {}
+def per_round_ratios(
+    rounds: Sequence[dict[str, dict[str, float]]], targets: Sequence[str], base: str = "limit"
+) -> dict[str, dict[str, list[float]]]:
+    """Each target's ratio to ``base`` per metric, one per round (target and base measured seconds apart)."""
+    out: dict[str, dict[str, list[float]]] = {}
     for t in targets:
-        if t == "limit":
+        if t == base:
             continue
         per_metric: dict[str, list[float]] = {}
         for r in rounds:
-            limit, this = r.get("limit", {}), r.get(t, {})
+            limit, this = r.get(base, {}), r.get(t, {})
             for m, v in this.items():
                 q = ratio(m, v, limit.get(m, 0.0))
                 if q is not None:
                     per_metric.setdefault(m, []).append(q)
-        out[t] = {m: statistics.median(v) for m, v in per_metric.items()}
+        out[t] = per_metric
     return out
+
+
+def paired_ratios(
+    rounds: Sequence[dict[str, dict[str, float]]], targets: Sequence[str], base: str = "limit"
+) -> dict[str, dict[str, float]]:
+    """Each target's ratio to the limit (or ``base``) per metric: the median over rounds of the ratio *within* each
+    round (the target and the limit measured seconds apart), which drift between rounds on a shared machine cannot
+    skew the way it skews a ratio of two medians."""
+    return {
+        t: {m: statistics.median(v) for m, v in per_metric.items()}
+        for t, per_metric in per_round_ratios(rounds, targets, base).items()
+    }
+
+
+def quartiles(values: Sequence[float]) -> list[float]:
+    """[first quartile, third quartile] (the spread the report shows beside a median); one value: [v, v]."""
+    if len(values) < 2:
+        return [values[0], values[0]] if values else []
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return [q[0], q[2]]
+
+
+def ratio_spread(
+    rounds: Sequence[dict[str, dict[str, float]]], targets: Sequence[str], base: str = "limit"
+) -> dict[str, dict[str, list[float]]]:
+    """The interquartile range of each target's per-round ratios to ``base``: how noisy the median beside it is."""
+    return {
+        t: {m: [round(x, 4) for x in quartiles(v)] for m, v in per_metric.items()}
+        for t, per_metric in per_round_ratios(rounds, targets, base).items()
+    }
 
 
 def iperf_gbps(doc: dict[str, Any]) -> float:
@@ -353,6 +429,10 @@ class DatapathLab:
         self.progress(f"lab up ({self.config.prefix}: 4 nodes, 1 pod each)")
         self.lab = Lab.up(nodes=4, pods_per_node=1, mode=None, ipv6=False, prefix=self.config.prefix, timeout=90)
         lab = self.lab
+        for node in self.limit_nodes:  # the limit is only a limit if nothing in its nodes hooks netfilter
+            res = lab.exec(node.ns, ["nft", "list", "ruleset"], timeout=30)
+            if res.stdout.strip():
+                raise DatapathError(f"{node.name} has nftables rules before any proxy ran: {res.stdout[:300]!r}")
         for pod in (self.server_pod, self.limit_server_pod):
             self._pin_echo(pod)
             self._start_iperf(pod)
@@ -415,6 +495,57 @@ class DatapathLab:
     @property
     def loaded_nodes(self) -> list[Any]:
         return [self._lab.node("node-1"), self._lab.node("node-2")]
+
+    @property
+    def limit_nodes(self) -> list[Any]:
+        return [self._lab.node("node-3"), self._lab.node("node-4")]
+
+    def path_nodes(self, target: str) -> list[Any]:
+        """The two nodes a target's traffic crosses (client's, server's)."""
+        return self.limit_nodes if target in LIMIT_TARGETS else self.loaded_nodes
+
+    def _nft(self, ns: str, text: str) -> None:
+        res = self._lab.exec(ns, ["nft", "-f", "-"], input=text.encode(), timeout=30)
+        if res.returncode != 0:
+            raise DatapathError(f"nft in {ns}: {res.stderr.decode(errors='replace')[-300:]}")
+
+    def load_diag(self, target: str) -> None:
+        """Load the diagnostic limit's table into nodes 3 and 4 (replacing one left by an interrupted round)."""
+        for node in self.limit_nodes:
+            self.drop_diag(node.ns)
+            self._nft(node.ns, DIAG_RULESETS[target])
+
+    def drop_diag(self, ns: str | None = None) -> None:
+        """Delete the diagnostic tables (both families) from one limit node, or from both, and flush the entries they
+        made: the plain limit then starts from an empty table, and its count after a round (0) shows that nothing
+        tracks its connections."""
+        for n in [ns] if ns else [x.ns for x in self.limit_nodes]:
+            for fam in ("inet", "ip"):
+                self._lab.exec(n, ["nft", "delete", "table", fam, DIAG_TABLE], timeout=30)
+            self._lab.exec(n, ["conntrack", "-F"], timeout=30)
+
+    def conntrack_count(self, ns: str) -> float | None:
+        """Connections conntrack tracks in a node's namespace now (None: conntrack is not loaded at all)."""
+        res = self._lab.exec(ns, ["cat", "/proc/sys/net/netfilter/nf_conntrack_count"], timeout=10)
+        try:
+            return float(res.stdout.decode().strip()) if res.returncode == 0 else None
+        except ValueError:
+            return None
+
+    def kproxy_cpu(self) -> dict[str, float]:
+        """CPU seconds (user + system) each loaded node's kproxy has used so far."""
+        out = {}
+        tick = os.sysconf("SC_CLK_TCK")
+        for node in self.loaded_nodes:
+            pid = self._lab.kproxy_pid(node)
+            if pid is None:
+                continue
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[node.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15)
+        return out
 
     def _pin_echo(self, pod: LabPod) -> None:
         pid = next((p.get("echo_pid") for p in self._lab.status()["pods"] if p["name"] == pod.name), None)
@@ -584,7 +715,7 @@ class DatapathLab:
         raise DatapathError(f"iperf3 in {pod.name} -> {host}: {str(last.get('error') or last)[:300]}")
 
     def endpoints_of(self, target: str) -> tuple[LabPod, str]:
-        if target == "limit":
+        if target in LIMIT_TARGETS:
             return self.limit_client_pod, self.limit_server_pod.ip4
         if target == "podip":
             return self.client_pod, self.server_pod.ip4
@@ -596,29 +727,56 @@ class DatapathLab:
         """One round against one target: (metric -> value, errors seen)."""
         pod, host = self.endpoints_of(target)
         port = SERVICE_PORT if target == "clusterip" else ECHO_PORT
-        client = {phase: self._phase(pod, phase, host, port) for phase in ("crr", "rr", "udp")}
-        iperf = self._iperf(pod, host)
+        if target in CONNTRACK_LIMITS:
+            self.load_diag(target)
+        try:
+            client = {phase: self._phase(pod, phase, host, port) for phase in ("crr", "rr", "udp")}
+            iperf = self._iperf(pod, host)
+        finally:
+            if target in CONNTRACK_LIMITS:
+                self.drop_diag()
         errors = sum(int(client[p].get("errors", 0)) for p in client)
         return flatten(client, iperf), errors
+
+
+def targets_for(mode: str, config: DatapathConfig) -> tuple[str, ...]:
+    """What a run measures: the limit, the pod IP on the loaded nodes, the ClusterIP (not without a proxy), and the
+    diagnostic limits when asked for."""
+    base = ("limit", "podip") if mode == NONE_MODE else TARGETS
+    return base + (CONNTRACK_LIMITS if config.conntrack_limits else ())
 
 
 def measure_run(dl: DatapathLab, mode: str, services: int, targets: Sequence[str]) -> DatapathRun:
     """Rounds over ``targets`` (rotating their order) with whatever is programmed now; medians and ratios."""
     run = DatapathRun(mode=mode, services=services)
     per_target: dict[str, list[dict[str, float]]] = {t: [] for t in targets}
+    ct: dict[str, dict[str, list[float]]] = {}
+    cpu0 = dl.kproxy_cpu()
     for r in range(dl.config.rounds):
         order = list(targets[r % len(targets) :]) + list(targets[: r % len(targets)])
         this_round: dict[str, dict[str, float]] = {}
         for t in order:
             dl.progress(f"{mode} @ {services}: round {r + 1}/{dl.config.rounds}, {t}")
             figures, errors = dl.measure(t)
+            for side, node in zip(("client_node", "server_node"), dl.path_nodes(t), strict=True):
+                n = dl.conntrack_count(node.ns)
+                if n is not None:
+                    ct.setdefault(t, {}).setdefault(side, []).append(n)
             dl.progress("", 1)
             per_target[t].append(figures)
             this_round[t] = figures
             run.errors[t] = run.errors.get(t, 0) + errors
         run.rounds.append(this_round)
+    cpu1 = dl.kproxy_cpu()
+    run.kproxy_cpu_s = {k: round(cpu1[k] - cpu0[k], 2) for k in cpu1 if k in cpu0}
     run.medians = {t: medians(v) for t, v in per_target.items()}
     run.ratios = paired_ratios(run.rounds, targets)
+    run.ratio_spread = ratio_spread(run.rounds, targets)
+    run.conntrack_entries = {t: {side: statistics.median(v) for side, v in d.items()} for t, d in ct.items()}
+    for base in CONNTRACK_LIMITS:
+        if base in targets:
+            both = [t for t in ("podip", "clusterip") if t in targets]
+            run.ratios_vs[base] = paired_ratios(run.rounds, [base, *both], base)
     return run
 
 
@@ -630,7 +788,7 @@ def run_in_lab(
     runs = []
     for mode in modes:
         if mode == NONE_MODE:
-            run = measure_run(dl, mode, n, ("limit", "podip"))
+            run = measure_run(dl, mode, n, targets_for(mode, dl.config))
         else:
             dl.progress(f"{mode} @ {n}: starting kproxy on node-1 and node-2")
             try:
@@ -638,7 +796,7 @@ def run_in_lab(
             except (DatapathError, LabError) as exc:
                 # one mode failing at one size is a finding for the report, not the end of everyone's figures
                 run = DatapathRun(mode=mode, services=n, error=str(exc)[:2000])
-                dl.progress(f"{mode} @ {n}: FAILED: {exc}", dl.config.rounds * len(TARGETS))
+                dl.progress(f"{mode} @ {n}: FAILED: {exc}", dl.config.rounds * len(targets_for(mode, dl.config)))
                 dl.stop_mode(mode)
                 runs.append(run)
                 if on_run is not None:
@@ -646,7 +804,7 @@ def run_in_lab(
                 continue
             try:
                 rss, peak = dl.kproxy_memory()
-                run = measure_run(dl, mode, n, TARGETS)
+                run = measure_run(dl, mode, n, targets_for(mode, dl.config))
                 run.ready_s = ready
                 run.kproxy_rss_mb, run.kproxy_peak_rss_mb = rss, peak
                 run.sync_metrics = dl.sync_metrics()
@@ -696,14 +854,29 @@ def _columns(rows: list[list[str]]) -> list[str]:
     ]
 
 
+ALL_TARGETS = (*TARGETS, *CONNTRACK_LIMITS)
+
+
+def _ratio_cell(ratios: dict[str, float], spread: dict[str, list[float]], metric: str) -> str:
+    v = ratios.get(metric)
+    if v is None:
+        return "-"
+    q = spread.get(metric)
+    return f"{v:.2f} [{q[0]:.2f}-{q[1]:.2f}]" if q else f"{v:.2f}"
+
+
 def format_table(result: DatapathResult) -> str:
-    """One block per run: each metric's limit, pod IP and ClusterIP medians and the two ratios."""
+    """One block per run: each metric's medians per target and the ratios to the limit (with the interquartile range
+    of the per-round ratios in brackets: the noise), then the ratios against the diagnostic limits."""
     lines = []
     c = result.config
     lines.append(
         f"medians of {c['rounds']} rounds ({c['seconds']} s per phase, iperf3 {c['iperf_seconds']} s);"
-        f" pinning: {c['pinning']}; limit: {c['limit']}; ratio 1.0 = as fast as the limit"
+        f" pinning: {c['pinning']}; limit: {c['limit']}; ratio 1.0 = as fast as the limit, [q1-q3] of the"
+        " per-round ratios beside each"
     )
+    for name, text in (c.get("conntrack_limits_detail") or {}).items():
+        lines.append(f"{name}: {text}")
     for run in result.runs:
         lines.append("")
         head = f"mode {run.mode}, {run.services} services"
@@ -711,24 +884,51 @@ def format_table(result: DatapathResult) -> str:
             head += f" (ready {run.ready_s:.1f} s after start"
             if run.kproxy_rss_mb:
                 head += ", kproxy RSS " + ", ".join(f"{k} {v:.0f} MB" for k, v in sorted(run.kproxy_rss_mb.items()))
+            if run.kproxy_cpu_s:
+                head += ", kproxy CPU while measuring " + ", ".join(
+                    f"{k} {v:.1f} s" for k, v in sorted(run.kproxy_cpu_s.items())
+                )
             head += ")"
         lines.append(head)
         if run.error:
             lines.append(f"NOT MEASURED: {run.error}")
             continue
-        targets = [t for t in TARGETS if t in run.medians]
+        targets = [t for t in ALL_TARGETS if t in run.medians]
         cols = ["metric", *targets, *(f"{t}/limit" for t in targets if t != "limit")]
         rows = []
         for metric, _, _, unit in METRICS:
             row = [f"{metric} ({unit})"]
             row += [_fmt(metric, run.medians[t].get(metric)) for t in targets]
             row += [
-                "-" if run.ratios.get(t, {}).get(metric) is None else f"{run.ratios[t][metric]:.2f}"
-                for t in targets
-                if t != "limit"
+                _ratio_cell(run.ratios.get(t, {}), run.ratio_spread.get(t, {}), metric) for t in targets if t != "limit"
             ]
             rows.append(row)
         lines += _columns([cols, *rows])
+        for base, per_target in run.ratios_vs.items():
+            against = [t for t in ("podip", "clusterip") if t in per_target]
+            if not against:
+                continue
+            lines.append(f"against {base}:")
+            rows = [["metric", *(f"{t}/{base}" for t in against)]]
+            for metric, _, _, unit in METRICS:
+                rows.append(
+                    [
+                        f"{metric} ({unit})",
+                        *(
+                            "-" if per_target[t].get(metric) is None else f"{per_target[t][metric]:.2f}"
+                            for t in against
+                        ),
+                    ]
+                )
+            lines += _columns(rows)
+        if run.conntrack_entries:
+            lines.append(
+                "conntrack entries after a round (client node, server node): "
+                + "; ".join(
+                    f"{t} {d.get('client_node', 0):.0f}, {d.get('server_node', 0):.0f}"
+                    for t, d in run.conntrack_entries.items()
+                )
+            )
         if any(run.errors.values()):
             lines.append("errors: " + ", ".join(f"{t} {n}" for t, n in sorted(run.errors.items()) if n))
     return "\n".join(lines)

@@ -120,6 +120,32 @@ def test_ratios_are_paired_within_rounds() -> None:
     assert datapath.paired_ratios(rounds, ("limit", "clusterip")) == {"clusterip": {"conn_rate": pytest.approx(0.8)}}
 
 
+def test_ratios_against_a_diagnostic_limit_and_their_spread() -> None:
+    rounds = [
+        {"limit": {"conn_rate": 1000.0}, "limit_nat": {"conn_rate": 900.0}, "podip": {"conn_rate": 880.0}},
+        {"limit": {"conn_rate": 1000.0}, "limit_nat": {"conn_rate": 800.0}, "podip": {"conn_rate": 800.0}},
+        {"limit": {"conn_rate": 1000.0}, "limit_nat": {"conn_rate": 900.0}, "podip": {"conn_rate": 900.0}},
+    ]
+    vs_nat = datapath.paired_ratios(rounds, ("limit_nat", "podip"), base="limit_nat")
+    assert vs_nat == {"podip": {"conn_rate": pytest.approx(1.0)}}  # all of the pod IP's cost is the NAT floor
+    spread = datapath.ratio_spread(rounds, ("limit", "podip"))
+    assert spread["podip"]["conn_rate"] == pytest.approx([0.84, 0.89])  # quartiles of 0.88, 0.80, 0.90
+    assert datapath.quartiles([0.5]) == [0.5, 0.5] and datapath.quartiles([]) == []
+
+
+def test_diagnostic_limits_are_measured_by_default_and_can_be_left_out() -> None:
+    cfg = datapath.DatapathConfig()
+    assert datapath.targets_for("nftables", cfg) == ("limit", "podip", "clusterip", "limit_ct", "limit_nat")
+    assert datapath.targets_for("none", cfg) == ("limit", "podip", "limit_ct", "limit_nat")
+    off = datapath.DatapathConfig(conntrack_limits=False)
+    assert datapath.targets_for("iptables", off) == datapath.TARGETS and not off.describe()["conntrack_limits_detail"]
+    # the diagnostic tables: conntrack via a ct expression; conntrack and nat via nat base chains and a DNAT rule
+    # whose address nothing uses (so it never translates anything)
+    assert "ct state established" in datapath.DIAG_RULESETS["limit_ct"]
+    nat = datapath.DIAG_RULESETS["limit_nat"]
+    assert nat.count("type nat hook") == 3 and "ip daddr 198.19.255.254 tcp dport 1 dnat" in nat
+
+
 def test_parse_sizes() -> None:
     assert datapath.parse_sizes("1000,1, 10000,1000") == [1, 1000, 10000]
     for bad in ("", "0", "70000", "x"):
