@@ -5,7 +5,9 @@ table of this mode's own send service traffic to those sockets.
 Modules: ``render`` (pure: a ServicePort to a fragment of redirect elements and listeners; the table's text),
 ``proxier`` (``UserspaceProxier`` on the core's ledger: proxy sockets, one nft transaction per batch, adoption,
 cleanup, remnants, kernel_view, trace: the packet explainer), ``datapath`` (the event loop: accept, dial, relay, UDP
-sessions, round robin and affinity), ``kernel`` (libnftables in-process, in this or a named namespace).
+sessions, round robin and affinity), ``kernel`` (libnftables in-process, in this or a named namespace), ``inspect``
+(what ``kproxy verify`` and a full sync's repair read back: the table with its fixed rules, the namespace's listening
+sockets from the kernel, which are this process's own and which service each serves in the data path).
 
 Layout (table ``kproxy-userspace`` in family ``ip`` and again in ``ip6``; nothing outside it, never another table;
 the nftables mode's table is named ``kproxy``):
@@ -76,6 +78,15 @@ peak RSS 188 MB (218 MB with the restart's second instance). On the same machine
 about 4x slower: the cache's own snapshot took 1.58 s instead of 0.39) the same run gave 5.28 s full and 0.045 s
 partial. The "is my table still there" check before a partial sync lists the small ``nodeport-cidrs`` set, at most
 once a second per family: nft 1.0.6 lists a chain by fetching the whole table (0.3-0.5 s at 10,000 services).
+
+Verify and repair: ``verify`` names a service whose elements, verdicts or marks differ, whose fixed rules (the
+redirect, the ``services`` vmap, the hooks) are gone (a rule deleted by hand, a flushed table), or whose proxy port
+has no socket of this process listening, one serving another service, or one another process took; stray elements,
+foreign rules and sockets serving unwanted services are ``extra``. A full sync replaces a table whose fixed part is
+damaged (in one transaction, the sockets kept) and binds new sockets for those no longer listening (from the
+kernel's socket table); the data path notices a listener destroyed under it (``ss -K``: accept fails with EINVAL)
+and the next partial sync becomes a full one. A flushed table is not seen by the cheap check before partial syncs
+(its ``nodeport-cidrs`` set survives a flush): the periodic full sync repairs it.
 
 Restart: established connections are the proxy process's own sockets, so they end when it stops (by nature of this
 mode; upstream's userspace proxier behaved the same); the redirect rules stay, and new connections are refused from

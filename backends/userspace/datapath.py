@@ -138,6 +138,9 @@ class Engine:
         self.accepted = 0
         self.failed_dials = 0
         self.udp_sessions = 0
+        #: listeners whose socket stopped listening under the loop (``ss -K``, a closed descriptor): the loop stops
+        #: reading them and the proxier's next sync (``needs_full``) binds new ones; written by the loop thread only
+        self.dead: set[tuple[Any, ...]] = set()
 
     # -- lifecycle (main / runner thread) --------------------------------------------------------------------
 
@@ -224,6 +227,7 @@ class Engine:
     def _update(self, specs: list[ListenerSpec], remove: list[tuple[Any, ...]]) -> None:
         assert self.loop is not None
         for ident in remove:
+            self.dead.discard(ident)
             lst = self.listeners.pop(ident, None)
             if lst is not None:
                 lst.close()
@@ -232,7 +236,8 @@ class Engine:
             if lst is None:
                 if spec.sock is None:
                     continue
-                lst = _TcpListener(self, spec.sock) if spec.proto == "tcp" else _UdpListener(self, spec.sock)
+                kind = _TcpListener if spec.proto == "tcp" else _UdpListener
+                lst = kind(self, spec.sock, spec.ident)
                 self.listeners[spec.ident] = lst
             gone = lst.balancer.update(spec.endpoints, spec.affinity)
             if gone and isinstance(lst, _UdpListener):
@@ -245,8 +250,35 @@ class Engine:
             lst.balancer.sweep(now)
         self.loop.call_later(SWEEP_S, self._sweep)
 
+    def died(self, ident: tuple[Any, ...], why: str) -> None:
+        """A listener's socket stopped listening under the loop (loop thread): stop reading it, remember it."""
+        if ident not in self.dead:
+            log.warning("userspace: proxy socket %s stopped listening (%s): bound anew at the next sync", ident, why)
+        self.dead.add(ident)
+
+    def table(self) -> dict[int, tuple[tuple[Any, ...], frozenset[Addr], float, bool]]:
+        """What the loop serves, by socket inode: (ident, endpoints, affinity timeout, dead). Any thread (it runs in
+        the loop); ``verify`` reads it (the data path itself, not a record of what was written)."""
+
+        def go() -> dict[int, tuple[tuple[Any, ...], frozenset[Addr], float, bool]]:
+            out = {}
+            for ident, lst in self.listeners.items():
+                try:
+                    inode = os.fstat(lst.sock.fileno()).st_ino
+                except (OSError, ValueError):
+                    continue
+                bal = lst.balancer
+                out[inode] = (ident, frozenset(bal.endpoints), float(bal.timeout), ident in self.dead)
+            return out
+
+        if self.loop is None:
+            return {}
+        result: dict[int, tuple[tuple[Any, ...], frozenset[Addr], float, bool]] = self.run(go)
+        return result
+
     def detach(self, ident: tuple[Any, ...]) -> socket.socket | None:
         """Take a listener out of the loop and return its socket, open (loop thread; see the proxier's hand-over)."""
+        self.dead.discard(ident)
         lst = self.listeners.pop(ident, None)
         if lst is None:
             return None
@@ -275,8 +307,9 @@ def _reset(sock: socket.socket) -> None:
 
 
 class _TcpListener:
-    def __init__(self, engine: Engine, sock: socket.socket) -> None:
+    def __init__(self, engine: Engine, sock: socket.socket, ident: tuple[Any, ...] = ()) -> None:
         self.engine = engine
+        self.ident = ident
         self.sock = sock
         self.balancer = Balancer()
         self.family = sock.family
@@ -299,7 +332,12 @@ class _TcpListener:
                 client, addr = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and friends: the client waits in the backlog, try again soon
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:  # not listening any more (ss -K): readable for ever, stop reading
+                    self.detach()
+                    self.engine.died(self.ident, str(exc))
+                    return
+                # EMFILE and friends: the client waits in the backlog, try again soon
                 log.warning("userspace: accept failed: %s", exc)
                 return
             self.engine.accepted += 1
@@ -630,8 +668,9 @@ class _UdpSession:
 
 
 class _UdpListener:
-    def __init__(self, engine: Engine, sock: socket.socket) -> None:
+    def __init__(self, engine: Engine, sock: socket.socket, ident: tuple[Any, ...] = ()) -> None:
         self.engine = engine
+        self.ident = ident
         self.sock = sock
         self.balancer = Balancer()
         self.sessions: dict[Any, _UdpSession] = {}
@@ -674,7 +713,10 @@ class _UdpListener:
                 data, anc, _flags, addr = self.sock.recvmsg(65535, 256)
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:
+                if exc.errno == errno.ECONNABORTED:  # destroyed under us (ss -K): unbound, nothing arrives any more
+                    self.detach()
+                    self.engine.died(self.ident, str(exc))
                 return
             session = self.sessions.get(addr)
             if session is None:

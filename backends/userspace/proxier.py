@@ -38,7 +38,7 @@ from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Ver
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, BackendError, KernelProbe, Option
 
-from . import render
+from . import inspect, render
 from .datapath import Engine, ListenerSpec
 from .kernel import Kernel, available, elements
 from .render import Fragment
@@ -96,6 +96,8 @@ class Adopted:
     elements: dict[ElemKey, tuple[str, str]] = field(default_factory=dict)  # (map, key) -> (value, comment)
     by_comment: dict[str, set[tuple[str, str, str]]] = field(default_factory=dict)
     nodeport_cidrs: frozenset[tuple[int, int]] = frozenset()
+    #: (proto, port) of the wildcard sockets listening now that are this process's own (None: not read)
+    live: set[tuple[str, int]] | None = None
 
     def ports(self, frag: Fragment) -> dict[str, int]:
         """The proxy port the kernel's elements name for each of ``frag``'s roles (where they agree)."""
@@ -336,11 +338,19 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         objs, err = self.kernel.read(f"list table {f} {render.TABLE}")
         if objs is None:
             if "No such file" in err:
-                return Adopted()
+                return Adopted(live=self._live_sockets(family))
             log.warning("%s: reading the userspace table failed (%s): it will be replaced", family.value, err)
             return None
-        got = Adopted(table=True)
+        got = Adopted(table=True, live=self._live_sockets(family))
         got.layout_ok = any((o.get("chain") or {}).get("name") == render.LAYOUT for o in objs)
+        if got.layout_ok:
+            # a fixed rule deleted, a flushed table (rules gone, maps left), a rule someone added: replaced whole
+            damaged = inspect.fixed_problems(objs, family)
+            if damaged:
+                log.warning(
+                    "%s: this mode's table is damaged (%s): it is replaced", family.value, "; ".join(damaged.values())
+                )
+                got.layout_ok = False
         if not got.layout_ok:
             return got
         wanted_objs = [o for o in objs if ("map" in o or "set" in o)]
@@ -356,6 +366,15 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         got.nodeport_cidrs = _intervals(cidrs)
         return got
 
+    def _live_sockets(self, family: IPFamily) -> set[tuple[str, int]]:
+        """(proto, port) of the wildcard sockets listening in the backend's namespace that this process holds."""
+
+        def read() -> set[tuple[str, int]]:
+            socks, mine = inspect.listening(family), inspect.own_socket_inodes()
+            return {pp for pp, inodes in socks.items() if any(i in mine for i in inodes)}
+
+        return self.kernel.call(read)
+
     def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: Fragment) -> bool:
         if not isinstance(adopted, Adopted) or not adopted.layout_ok:
             return False
@@ -365,6 +384,8 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         return adopted.by_comment.get(fragment.comment, set()) == set(fragment.kernel_elements(ports))
 
     def needs_full(self, family: IPFamily) -> bool:
+        if any(i[0] == family for i in list(self.engine.dead)):  # the loop saw a proxy socket stop listening
+            return True
         now = time.monotonic()
         if now - self._checked.get(family, float("-inf")) < CHECK_INTERVAL:
             return False
@@ -376,6 +397,39 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             self._known[family] = False
             return True
         return False
+
+    # ------------------------------------------------------------------------------------------ verify
+
+    def verify_view(self, family: IPFamily, ctx: FamilyContext) -> inspect.View:
+        """The table (elements, chains, the fixed rules), the namespace's listening sockets from the kernel, which
+        of them this process holds, and what the data path serves on each (see ``inspect``)."""
+        view = inspect.View(family, want_cidrs=render.nodeport_cidrs(ctx))
+        objs, err = self.kernel.read(f"list table {render.nft_family(family)} {render.TABLE}")
+        if objs is None:
+            if "No such file" not in err:
+                view.error = err or "nft list table failed"
+                return view
+        else:
+            inspect.parse_table(view, objs)
+        view.sockets, view.mine = self.kernel.call(lambda: (inspect.listening(family), inspect.own_socket_inodes()))
+        if self._started:
+            view.served = {
+                inode: inspect.Served(ident, endpoints, affinity, dead)
+                for inode, (ident, endpoints, affinity, dead) in self.engine.table().items()
+                if ident[0] == family
+            }
+        return view
+
+    def verify_service(self, view: Any, name: ServicePortName, fragment: Fragment) -> str | None:
+        """Its elements with their verdicts and marks, the fixed rules its traffic passes, and for each proxy port
+        its elements name: a socket of this process listening there that the data path serves for this service
+        and role, balancing over the wanted endpoints."""
+        assert isinstance(view, inspect.View)
+        return inspect.service_problems(view, name, fragment)
+
+    def verify_extra(self, view: Any, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
+        assert isinstance(view, inspect.View)
+        return inspect.extra(view, wanted)
 
     def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
         return {
@@ -618,6 +672,23 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         if refused:
             return Applied(ok=False, refused=MappingProxyType(refused), error=next(iter(refused.values())))
 
+        # proxy sockets that stopped listening under us (closed by hand, ss -K; the port perhaps taken by someone
+        # else since): dropped here, so bind_all binds new ones and the redirects name those
+        dead = [i for i in list(self.engine.dead) if i[0] == fam and i in self._ports]
+        if batch.full and adopted is not None and adopted.live is not None:
+            dead += [
+                i
+                for i, port in self._ports.items()
+                if i[0] == fam and i not in dead and (i[1].protocol.lowercase, port) not in adopted.live
+            ]
+        if dead:
+            log.warning(
+                "%s: proxy sockets no longer listening, bound anew: %s",
+                fam.value,
+                ", ".join(f"{render.service_key(i[1])} {i[2]} port {self._ports[i]}" for i in dead),
+            )
+            self._forget(dead)
+
         # proxy sockets: bound before any redirect names them
         new_socks: dict[Ident, tuple[socket.socket, int]] = {}
         ports_of: dict[ServicePortName, dict[str, int]] = {}
@@ -762,15 +833,9 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             remove = [i for i in self._ports if i[0] == fam and i not in wanted_idents]
         else:
             remove = [i for i in self._ports if i[0] == fam and i[1] in targets and i not in wanted_idents]
-        self.engine.update(specs, list(remove))
+        self.engine.update(specs, [])
+        self._forget(remove)
         af = int(socket.AF_INET if fam == IPFamily.V4 else socket.AF_INET6)
-        for ident in remove:
-            port = self._ports.pop(ident)
-            proto = ident[1].protocol.lowercase
-            self._used.discard((af, proto, port))
-            key = (self.netns, af, proto, port)
-            if key in _HOLDERS and _HOLDERS[key]() is self:
-                del _HOLDERS[key]
         for ident, (_, port) in new_socks.items():
             self._ports[ident] = port
             _HOLDERS[(self.netns, af, ident[1].protocol.lowercase, port)] = weakref.ref(self)
@@ -796,6 +861,21 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             counts=MappingProxyType(counts),
             timings=MappingProxyType({"render_apply": render_s, "apply": apply_s}),
         )
+
+    def _forget(self, idents: Iterable[Ident]) -> None:
+        """Close these listeners (the loop lets go of them) and free their ports."""
+        idents = list(idents)
+        if not idents:
+            return
+        self.engine.update([], idents)
+        for ident in idents:
+            port = self._ports.pop(ident)
+            af = int(socket.AF_INET if ident[0] == IPFamily.V4 else socket.AF_INET6)
+            proto = ident[1].protocol.lowercase
+            self._used.discard((af, proto, port))
+            key = (self.netns, af, proto, port)
+            if key in _HOLDERS and _HOLDERS[key]() is self:
+                del _HOLDERS[key]
 
     # ------------------------------------------------------------------------------------------ bench
 
