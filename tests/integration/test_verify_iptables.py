@@ -1,7 +1,8 @@
 """``verify`` on the iptables mode: the kernel read back with iptables-save and diffed against what the state wants.
 
-It must find a rule deleted by hand, a shared-chain line deleted by hand, a stray chain, and a table someone else
-flushed, and say nothing once a full sync has repaired them (real rules, in a namespace of the test's own).
+It must find a rule deleted by hand, a rule changed by hand (another DNAT destination), a shared-chain line deleted by
+hand, a stray chain, and a table someone else flushed, and say nothing once a full sync has repaired them (real rules,
+in a namespace of the test's own).
 """
 
 from __future__ import annotations
@@ -60,6 +61,20 @@ def test_verify_finds_hand_made_drift_and_a_full_sync_repairs_it(netns: str) -> 
     # a rule deleted by hand in a service's own chain: A differs, B does not
     sep = render.endpoint_chain(A, "198.18.1.2:80")
     ipt(netns, "-t", "nat", "-F", sep)
+    report = p.verify(STATE)
+    assert set(report["services"]) == {"ns1/a:http/TCP"} and report["drift"] == 1, report
+    assert sep in report["services"]["ns1/a:http/TCP"]["IPv4"]
+
+    # a rule changed by hand: A's second endpoint now DNATs to another pod (the iptables form of a changed element)
+    assert p.sync(STATE, Changes(full=True)).ok and p.verify(STATE)["drift"] == 0
+    out = subprocess.run(
+        ["ip", "netns", "exec", netns, "iptables-nft", "-w", "-t", "nat", "-S", sep],
+        capture_output=True, text=True, check=True, timeout=30,
+    ).stdout  # fmt: skip
+    lines = [ln for ln in out.splitlines() if ln.startswith(f"-A {sep} ")]
+    index, dnat = next((i, ln) for i, ln in enumerate(lines, 1) if "--to-destination 198.18.1.2:80" in ln)
+    changed = dnat.split(" ", 2)[2].replace("198.18.1.2:80", "198.18.1.9:80")
+    ipt(netns, "-t", "nat", "-R", sep, str(index), *shlex.split(changed))
     report = p.verify(STATE)
     assert set(report["services"]) == {"ns1/a:http/TCP"} and report["drift"] == 1, report
     assert sep in report["services"]["ns1/a:http/TCP"]["IPv4"]
