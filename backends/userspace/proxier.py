@@ -366,14 +366,15 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         got.nodeport_cidrs = _intervals(cidrs)
         return got
 
-    def _live_sockets(self, family: IPFamily) -> set[tuple[str, int]]:
-        """(proto, port) of the wildcard sockets listening in the backend's namespace that this process holds."""
-
-        def read() -> set[tuple[str, int]]:
-            socks, mine = inspect.listening(family), inspect.own_socket_inodes()
-            return {pp for pp, inodes in socks.items() if any(i in mine for i in inodes)}
-
-        return self.kernel.call(read)
+    def _live_sockets(self, family: IPFamily) -> set[tuple[str, int]] | None:
+        """(proto, port) of the data path's proxy sockets that the kernel's socket table shows listening (TCP) or
+        bound (UDP) now; None before the data path runs. The data path's own inodes stand for "this process's"
+        here (``verify`` reads the descriptors: 0.1 s at 10,000 sockets, against 0.01 s for these fstats)."""
+        if not self._started:
+            return None
+        mine = {inode for inode, (ident, _, _, dead) in self.engine.table().items() if ident[0] == family and not dead}
+        socks = self.kernel.call(lambda: inspect.listening(family))
+        return {pp for pp, inodes in socks.items() if any(i in mine for i in inodes)}
 
     def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: Fragment) -> bool:
         if not isinstance(adopted, Adopted) or not adopted.layout_ok:
