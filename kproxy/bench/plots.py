@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,16 @@ def _dp_runs(results: dict[str, Any]) -> list[dict[str, Any]]:
     return list(dp.get("runs") or [])
 
 
+def _floor_points(runs: list[dict[str, Any]], metric: str) -> list[tuple[int, float]]:
+    """The NAT floor (limit_nat against the limit) per size, the median over the modes measured at that size."""
+    by_size: dict[int, list[float]] = {}
+    for r in runs:
+        v = (r.get("ratios") or {}).get("limit_nat", {}).get(metric)
+        if v is not None:
+            by_size.setdefault(r["services"], []).append(v)
+    return sorted((n, statistics.median(v)) for n, v in by_size.items())
+
+
 def plot_datapath(results: dict[str, Any], path: Path) -> bool:
     runs = [r for r in _dp_runs(results) if r.get("ratios") and r["mode"] != "none"]
     if not runs:
@@ -123,6 +134,16 @@ def plot_datapath(results: dict[str, Any], path: Path) -> bool:
             for x, y in pts:
                 if y > top:  # off the scale (noise on a shared machine): say so rather than stretch the axis
                     ax.annotate(f"{y:.1f}", (x, top), textcoords="offset points", xytext=(4, -10), fontsize=7)
+        floor = _floor_points(runs, metric)
+        if floor:
+            ax.plot(
+                [x for x, _ in floor],
+                [min(y, top) for _, y in floor],
+                ls="-.",
+                color="black",
+                lw=1.2,
+                label="conntrack+NAT floor (no proxy rule)",
+            )
         ax.axhline(1.0, color="black", lw=0.8)
         ax.axhline(0.9, color="gray", lw=0.8, ls="--")
         ax.set_xscale("log")
@@ -134,11 +155,13 @@ def plot_datapath(results: dict[str, Any], path: Path) -> bool:
     for ax in axes[:, 0]:
         ax.set_ylabel("fraction of the limit (1.0 = no proxy)")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=8)
+    ncol = max(1, min(len(labels), 5))
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
     fig.suptitle(
         "kproxy bench datapath: against the pod IP on nodes without proxy rules (higher is better; dashed 0.9)"
     )
-    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    legend_rows = -(-len(labels) // ncol)
+    fig.tight_layout(rect=(0, 0.03 + 0.03 * legend_rows, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -154,6 +177,7 @@ def plot_datapath_conn(results: dict[str, Any], path: Path) -> bool:
     for ax, mode in zip(axes[0], modes, strict=True):
         for target, style, label in (
             ("limit", "--", "limit (no proxy rules)"),
+            ("limit_nat", "-.", "limit + conntrack/NAT (floor)"),
             ("podip", ":", "pod IP, loaded nodes"),
             ("clusterip", "-", "ClusterIP"),
         ):
@@ -163,7 +187,7 @@ def plot_datapath_conn(results: dict[str, Any], path: Path) -> bool:
                 if r["mode"] == mode and "conn_rate" in r["medians"].get(target, {})
             )
             if pts:
-                color = "black" if target == "limit" else _color(mode)
+                color = "black" if target == "limit" else "gray" if target == "limit_nat" else _color(mode)
                 ax.plot(*zip(*pts, strict=True), ls=style, marker="o", color=color, label=label)
         ax.set_xscale("log")
         ax.set_ylim(bottom=0)

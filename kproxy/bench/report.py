@@ -112,6 +112,73 @@ def sync_section(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _spread_cell(v: float | None, q: list[float] | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f} ({q[0]:.2f}-{q[1]:.2f})" if q and len(q) == 2 else f"{v:.2f}"
+
+
+FLOOR_COLUMNS = (
+    ("conn_rate", "conn/s"),
+    ("conn_p99_us", "conn p99"),
+    ("rr_p99_us", "RR p99"),
+    ("udp_p99_us", "UDP p99"),
+    ("tcp_gbps", "Gbit/s"),
+)
+
+
+def floor_section(runs: list[dict[str, Any]]) -> list[str]:
+    """The diagnostic limits (when measured): what conntrack and NAT alone cost the limit's path, each target against
+    the NAT floor, and whether a mode's nodes track connections at all."""
+    rows = [r for r in runs if (r.get("ratios") or {}).get("limit_nat")]
+    if not rows:
+        return []
+    lines = ["### The conntrack floor", ""]
+    lines.append(
+        "Measured in the same rounds: `limit_ct` is the limit's path with conntrack turned on in its two nodes (a"
+        " chain with `ct state established accept`), `limit_nat` the same with nat base chains and one DNAT rule that"
+        " never matches (conntrack, the nat hooks and a null binding per connection: what every NAT-based proxy"
+        " pays, before any rule of its own). Nodes without netfilter rules track nothing at all (conntrack's hooks"
+        " register per network namespace, only when a rule needs them; `conntrack entries` below is 0 on the limit's"
+        " nodes), so the plain limit is lower than any NAT-based proxy can reach. `X / NAT floor` is a target"
+        " against `limit_nat`: 1.0 means the proxy's own rules cost nothing beyond the floor."
+    )
+    lines.append("")
+    head = ["mode", "services", "ratio"] + [label for _, label in FLOOR_COLUMNS]
+    table = []
+    for r in rows:
+        ratios, spread, vs = r.get("ratios") or {}, r.get("ratio_spread") or {}, r.get("ratios_vs") or {}
+        n = f"{r['services']:,}"
+        for t, label in (("limit_ct", "conntrack on / limit"), ("limit_nat", "NAT floor / limit")):
+            if ratios.get(t):
+                cells = [_spread_cell(ratios[t].get(m), (spread.get(t) or {}).get(m)) for m, _ in FLOOR_COLUMNS]
+                table.append([r["mode"], n, label, *cells])
+        for t, label in (("clusterip", "ClusterIP / NAT floor"), ("podip", "pod IP / NAT floor")):
+            got = (vs.get("limit_nat") or {}).get(t)
+            if got:
+                table.append([r["mode"], n, label, *(_s(got.get(m), 2) for m, _ in FLOOR_COLUMNS)])
+    lines += _table(head, table)
+    lines.append("")
+    ct_rows = []
+    for r in rows:
+        ce = r.get("conntrack_entries") or {}
+        if ce:
+            cells = []
+            for t in ("limit", "limit_ct", "limit_nat", "podip", "clusterip"):
+                d = ce.get(t)
+                cells.append(f"{d.get('client_node', 0):,.0f} / {d.get('server_node', 0):,.0f}" if d else "-")
+            ct_rows.append([r["mode"], f"{r['services']:,}", *cells])
+    if ct_rows:
+        lines.append(
+            "Conntrack entries in the client's node / the server's node right after each round (median; connections"
+            " closed with RST linger 10 s in conntrack): 0 means that node tracks no connection at all."
+        )
+        lines.append("")
+        lines += _table(["mode", "services", "limit", "limit_ct", "limit_nat", "pod IP", "ClusterIP"], ct_rows)
+        lines.append("")
+    return lines
+
+
 def datapath_section(results: dict[str, Any]) -> list[str]:
     dp = results.get("datapath") or {}
     runs = dp.get("runs") or []
@@ -129,6 +196,11 @@ def datapath_section(results: dict[str, Any]) -> list[str]:
     lines.append("")
     lines.append("### Ratios against the limit")
     lines.append("")
+    lines.append(
+        "Each cell: the median of the per-round ratios, and in brackets their first and third quartiles (half the"
+        " rounds fall inside): the noise of this shared machine, and how far apart two figures must be to differ."
+    )
+    lines.append("")
     head = ["mode", "services", "target", *(label for _, label in RATIO_COLUMNS)]
     table = []
     for r in runs:
@@ -136,16 +208,19 @@ def datapath_section(results: dict[str, Any]) -> list[str]:
             ratios = (r.get("ratios") or {}).get(target)
             if not ratios:
                 continue
+            spread = (r.get("ratio_spread") or {}).get(target) or {}
             name = "ClusterIP" if target == "clusterip" else "pod IP"
-            table.append([r["mode"], f"{r['services']:,}", name, *(_s(ratios.get(m), 2) for m, _ in RATIO_COLUMNS)])
+            cells = [_spread_cell(ratios.get(m), spread.get(m)) for m, _ in RATIO_COLUMNS]
+            table.append([r["mode"], f"{r['services']:,}", name, *cells])
     lines += _table(head, table)
     lines.append("")
+    lines += floor_section(runs)
     lines.append("### Absolute medians")
     lines.append("")
     head = ["mode", "services", "target", *(f"{m} ({UNITS[m]})" for m, _, _, _ in METRICS)]
     table = []
     for r in runs:
-        for target in ("limit", "podip", "clusterip"):
+        for target in ("limit", "limit_ct", "limit_nat", "podip", "clusterip"):
             med = (r.get("medians") or {}).get(target)
             if med:
                 table.append(
@@ -164,14 +239,16 @@ def datapath_section(results: dict[str, Any]) -> list[str]:
         if r.get("ready_s"):
             rss = ", ".join(f"{k} {v:.0f} MB" for k, v in sorted((r.get("kproxy_rss_mb") or {}).items()))
             errs = ", ".join(f"{k} {v}" for k, v in sorted((r.get("errors") or {}).items()) if v) or "none"
-            extra.append([r["mode"], f"{r['services']:,}", f"{r['ready_s']:.1f}", rss, errs])
+            cpu = ", ".join(f"{k} {v:.1f} s" for k, v in sorted((r.get("kproxy_cpu_s") or {}).items())) or "-"
+            extra.append([r["mode"], f"{r['services']:,}", f"{r['ready_s']:.1f}", rss, cpu, errs])
     if extra:
         lines.append(
             "kproxy in the lab: seconds from start on both nodes to healthy and the ClusterIP answering,"
-            " resident memory, and failed operations during the measurements:"
+            " resident memory, CPU it used while the traffic ran (it should be idle: a busy proxy slows every"
+            " target on this 2-core machine, the limit too), and failed operations during the measurements:"
         )
         lines.append("")
-        lines += _table(["mode", "services", "ready s", "kproxy RSS", "errors"], extra)
+        lines += _table(["mode", "services", "ready s", "kproxy RSS", "kproxy CPU while measuring", "errors"], extra)
         lines.append("")
     lines.append("Commands (each mode's figures are what this command measures; compare ran them in one lab):")
     lines.append("")
@@ -190,6 +267,12 @@ HOW_TO_READ = """## How to read this
   lines traffic to the server pod's IP on the nodes the proxy runs on: a proxy's rules tax that too. 1.0 means no
   cost; the dashed line at 0.9 is the nftables target. A line falling with the service count is a per-packet cost
   that grows with services (iptables walks KUBE-SERVICES for every new connection, on both nodes).
+- **The conntrack floor**: the limit's nodes have no netfilter rule, and on this kernel conntrack's hooks register
+  per network namespace only when a rule needs them, so the limit pays no connection tracking at all. Every
+  NAT-based proxy (iptables, nftables: DNAT needs conntrack) pays it on every packet, on both nodes, plus the nat
+  hooks on each new connection: the kernel's floor for a NAT proxy, measured in the same rounds as `limit_nat`
+  (the limit's path with conntrack and a DNAT rule that never matches) and drawn dash-dotted. A NAT proxy at that
+  line costs nothing of its own; only a proxy that translates without conntrack (bpf: at connect()) can reach 1.0.
 - **Connections** (`datapath_conn.png`): the same connection rates in absolute terms, limit in black.
 - **Memory** (`memory.png`): the sync benchmark's peak resident memory (cache + backend in one process) and kproxy's
   resident memory on node-1 of the lab.
@@ -249,7 +332,11 @@ def readme_section(results: dict[str, Any], folder: str) -> str:
         "",
     ]
     head = ["mode", "services", "full sync s", "partial sync s", "upstream nft layout full s"]
-    head += ["ClusterIP conn/s", "pod IP conn/s", "ClusterIP conn p99", "ClusterIP RR p99", "kproxy RSS (lab)"]
+    head += ["ClusterIP conn/s", "pod IP conn/s", "ClusterIP conn p99", "ClusterIP RR p99"]
+    floor = any((r.get("ratios_vs") or {}).get("limit_nat") for r in runs.values())
+    if floor:
+        head += ["ClusterIP conn/s vs NAT floor", "pod IP conn/s vs NAT floor"]
+    head += ["kproxy RSS (lab)"]
     rows = []
     for mode, n in keys:
         s_ = sync.get((mode, n)) or {}
@@ -268,6 +355,14 @@ def readme_section(results: dict[str, Any], folder: str) -> str:
                 _s(pr.get("conn_rate"), 2),
                 _s(cr.get("conn_p99_us"), 2),
                 _s(cr.get("rr_p99_us"), 2),
+                *(
+                    [
+                        _s(((d.get("ratios_vs") or {}).get("limit_nat") or {}).get(t, {}).get("conn_rate"), 2)
+                        for t in ("clusterip", "podip")
+                    ]
+                    if floor
+                    else []
+                ),
                 f"{rss:.0f} MB" if rss else "-",
             ]
         )

@@ -235,6 +235,21 @@ def test_report_names_machine_commands_and_plots() -> None:
     assert "| iptables | 1,000 | ClusterIP | 0.80 |" in text
 
 
+def test_report_shows_the_noise_and_the_conntrack_floor() -> None:
+    results = _compare_results()
+    run = results["datapath"]["runs"][1]  # type: ignore[index]
+    run["ratio_spread"] = {"clusterip": {"conn_rate": [0.75, 0.85]}}
+    run["ratios"]["limit_nat"] = {"conn_rate": 0.8}
+    run["ratios_vs"] = {"limit_nat": {"clusterip": {"conn_rate": 1.0}, "podip": {"conn_rate": 0.98}}}
+    run["conntrack_entries"] = {"limit": {"client_node": 0, "server_node": 0}, "limit_nat": {"client_node": 1500}}
+    text = report.render(results, [])
+    assert "| iptables | 1,000 | ClusterIP | 0.80 (0.75-0.85) |" in text
+    assert "### The conntrack floor" in text and "| iptables | 1,000 | NAT floor / limit | 0.80 |" in text
+    assert "| iptables | 1,000 | ClusterIP / NAT floor | 1.00 |" in text and "| 0 / 0 | - | 1,500 / 0 |" in text
+    readme = report.readme_section(results, "docs/compare")
+    assert "ClusterIP conn/s vs NAT floor" in readme and "| 1.00 | 0.98 |" in readme and "conntrack floor" in readme
+
+
 def test_readme_section_summarises_each_mode_and_size() -> None:
     text = report.readme_section(_compare_results(), "docs/compare")
     assert "[docs/compare/report.md](docs/compare/report.md)" in text and "![sync.png](docs/compare/sync.png)" in text
