@@ -98,7 +98,10 @@ struct kp_aff_key {
 struct kp_aff_val {
 	__u64 last_used; /* seconds of the monotonic clock */
 	__u32 backend_id;
-	__u32 pad;
+	/* the frontend slot the backend was chosen from: the entry is used only while that slot still holds this
+	 * backend id (ids and reverse-NAT ids are reused after removals, so an id alone may name another service's
+	 * backend by then) */
+	__u32 slot;
 } __attribute__((packed));
 
 /* rev_nat_id -> the service port's name ("ns/name:port/PROTO"), written by kproxy only: the programs never read it;

@@ -68,11 +68,14 @@ static __always_inline __u32 kp_pick(struct bpf_sock_addr *ctx, struct kp_lb_ser
 		ak.rev_nat_id = svc->rev_nat_id;
 		now = kp_now();
 		av = is6 ? kp_aff6.lookup(&ak) : kp_aff4.lookup(&ak);
-		if (av && av->last_used + svc->affinity_timeout > now) {
-			void *be = is6 ? (void *)kp_be6.lookup(&av->backend_id) : (void *)kp_be4.lookup(&av->backend_id);
-			if (be) {
+		if (av && av->last_used + svc->affinity_timeout > now && av->slot >= 1 && av->slot <= svc->count) {
+			/* still this service's backend: the frontend's slot it came from holds it (see kp_aff_val) */
+			__u32 id = av->backend_id;
+			*slot_field = (__u16)av->slot;
+			slot = is6 ? kp_svc6.lookup(key) : kp_svc4.lookup(key);
+			if (slot && slot->backend_id == id) {
 				av->last_used = now;
-				return av->backend_id;
+				return id;
 			}
 		}
 	}
@@ -85,6 +88,7 @@ static __always_inline __u32 kp_pick(struct bpf_sock_addr *ctx, struct kp_lb_ser
 		struct kp_aff_val nv = {};
 		nv.last_used = now;
 		nv.backend_id = backend_id;
+		nv.slot = *slot_field;
 		if (is6)
 			kp_aff6.update(&ak, &nv);
 		else

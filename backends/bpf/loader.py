@@ -356,6 +356,70 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def map_id(fd: int) -> int:
+    """The kernel's id of the map behind ``fd`` (bpf_map_info.id, offset 4): two fds of one map share it, and a map
+    pinned again by someone else after a flush has another."""
+    import ctypes
+    import struct
+
+    info = ctypes.create_string_buffer(96)
+    attr = ctypes.create_string_buffer(struct.pack("<IIQ", fd, 96, ctypes.addressof(info)), 120)
+    maps._bpf(maps._BPF_OBJ_GET_INFO_BY_FD, attr)
+    return int(struct.unpack_from("<I", info.raw, 4)[0])
+
+
+def pinned_ids(p: Places, roles: tuple[str, ...] = maps.ROLES) -> dict[tuple[str, IPFamily], int]:
+    """(role, family) -> id of the map pinned in the pin folder now (what is absent is left out). Read through the
+    pins themselves, never through a kproxy's own fds: those keep a map alive after someone unpinned it."""
+    out: dict[tuple[str, IPFamily], int] = {}
+    for fam in (IPFamily.V4, IPFamily.V6):
+        for role in roles:
+            try:
+                fd = maps.obj_get(str(p.pin(role, fam)))
+            except FileNotFoundError:
+                continue
+            try:
+                out[(role, fam)] = map_id(fd)
+            finally:
+                os.close(fd)
+    return out
+
+
+def programs_problem(p: Places, pinned: dict[tuple[str, IPFamily], int], families: tuple[IPFamily, ...]) -> str | None:
+    """None when every program of ``families`` is attached to the cgroup and reads the maps pinned now; else what is
+    wrong, in one line (a program detached by someone, or one still reading maps that were unpinned: it serves
+    state kproxy no longer writes). A few BPF_PROG_QUERY/GET_INFO calls: cheap enough for a check every second."""
+    try:
+        progs = ours(attached(p.cgroup))
+    except RuntimeError as exc:
+        return str(exc)
+    by_name: dict[str, list[int]] = {}
+    for d in progs:
+        by_name.setdefault(str(d["name"]), []).append(int(d["id"]))
+    ids = set(pinned.values())
+    for name, (fam, _at, short) in PROGRAMS.items():
+        if fam not in families:
+            continue
+        got = by_name.get(name)
+        if not got:
+            return f"program {name} is not attached to {p.cgroup} ({short})"
+        svc = pinned.get(("svc", fam))
+        reading = []
+        for pid in got:
+            try:
+                pfd = maps.prog_fd_by_id(pid)
+            except maps.BpfError:
+                continue
+            try:
+                reading.append(maps.prog_map_ids(pfd))
+            finally:
+                os.close(pfd)
+        # a program of the old maps alone is attached: it translates from state nobody writes any more
+        if not any(svc is not None and svc in m and m <= ids for m in reading):
+            return f"program {name} attached to {p.cgroup} does not read the pinned maps in {p.pin_dir}"
+    return None
+
+
 def detach_all(cgroup: Path) -> None:
     """Detach every ``kp_*`` program from ``cgroup``."""
     if cgroup.is_dir():

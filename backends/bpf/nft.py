@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from kproxy.model import IPFamily
@@ -67,11 +69,13 @@ def run(text: str, netns: str | None = None, *, json_out: bool = False) -> str:
 @dataclass(frozen=True, slots=True)
 class NftView:
     """What the companion table of one family holds: chain names and map elements as (map, key, verdict) text, in
-    the spelling ``render.render_nft`` uses. ``present`` is False when there is no table."""
+    the spelling ``render.render_nft`` uses. ``present`` is False when there is no table. ``rules``: how many rules
+    each chain holds (a table someone flushed keeps its chains and map elements but no rule); empty when not read."""
 
     present: bool
     chains: frozenset[str]
     elements: frozenset[tuple[str, str, str]]
+    rules: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def _key_text(val: Any) -> str:
@@ -102,9 +106,14 @@ def read(family: IPFamily, netns: str | None = None) -> NftView:
     doc = json.loads(out or "{}")
     chains: set[str] = set()
     elements: set[tuple[str, str, str]] = set()
+    rules: dict[str, int] = {}
     for item in doc.get("nftables", []):
         if "chain" in item:
             chains.add(item["chain"]["name"])
+            rules.setdefault(item["chain"]["name"], 0)
+        elif "rule" in item:
+            name = item["rule"].get("chain", "")
+            rules[name] = rules.get(name, 0) + 1
         elif "map" in item:
             m = item["map"]
             for el in m.get("elem", []) or []:
@@ -113,7 +122,14 @@ def read(family: IPFamily, netns: str | None = None) -> NftView:
                     if isinstance(k, dict) and "elem" in k:
                         k = k["elem"]["val"]
                     elements.add((m["name"], _key_text(k), _verdict_text(v)))
-    return NftView(True, frozenset(chains), frozenset(elements))
+    return NftView(True, frozenset(chains), frozenset(elements), MappingProxyType(rules))
+
+
+def table_present(family: IPFamily, netns: str | None = None) -> bool:
+    """Whether the family's companion table exists: ``list tables`` fetches table names only (no chain, rule or
+    element), so the bpf mode's check every second stays cheap however big the table is."""
+    out = run(f"list tables {_ip(family)}", netns)
+    return any(ln.split()[-1:] == [TABLE] for ln in out.splitlines())
 
 
 def delete_table(family: IPFamily, netns: str | None = None) -> None:

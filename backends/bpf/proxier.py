@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -38,8 +39,8 @@ from typing import Any, ClassVar
 
 from kproxy.config import ProxyConfig
 from kproxy.ledger import Applied, Batch, LedgerProxier
-from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
-from kproxy.nodeaddr import FamilyContext
+from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
+from kproxy.nodeaddr import FamilyContext, NodeContext
 from kproxy.proxier import Availability, KernelProbe, LabNodeSpec, Option
 
 from . import inspect, loader, maps, nft, render, sockets
@@ -48,8 +49,14 @@ from .render import Context, FamilyIndex, Fragment, Plan
 log = logging.getLogger(__name__)
 
 NEEDS_FULL_CHECK_S = 1.0
-#: a periodic full sync reads the maps back at most this often; in between it trusts kproxy's own index
-KERNEL_READ_S = 60.0
+#: the maps and the companion table are read back (a full sync that adopts what the kernel holds, repairing what
+#: someone changed by hand) at least this often; in between syncs trust kproxy's own index. Under the default 30 s
+#: sync period every periodic sync reads them (0.2-0.5 s at 10,000 x 10 services here).
+KERNEL_READ_S = 25.0
+#: after a failed re-attach of the programs, the next attempt waits this long (a compile costs 1-4 s)
+REATTACH_RETRY_S = 30.0
+#: rules each fixed chain of the companion table holds (``render.fixed_commands``); fewer: someone flushed it
+FIXED_RULES = {"kp-reject": 1, "services": 2, "nat-prerouting": 1, "nat-output": 1, "nat-postrouting": 1}
 
 
 @dataclass
@@ -62,6 +69,10 @@ class Adopted:
     nft: nft.NftView
     #: set when the maps were not read (see ``adopt``): what the ledger records as applied
     trusted: Mapping[ServicePortName, Fragment] | None = None
+    #: (verify) why no socket is translated from these maps: pins gone, programs detached or reading other maps
+    problem: str | None = None
+    #: (verify) why the companion table does not work: a fixed chain lost its rules
+    nft_problem: str | None = None
 
 
 class BpfProxier(LedgerProxier[Fragment, Context]):
@@ -101,6 +112,13 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         self._nft_ready: dict[IPFamily, bool] = {f: False for f in self.families}
         self._last_check = 0.0
         self._kernel_read: dict[IPFamily, float] = {}
+        # the repair of someone else's flush (``_check_kernel``): families owed a full sync that reads the kernel,
+        # the map ids kproxy's fds hold, fds of unpinned maps (closed once the UDP reaper is idle), programs to attach
+        self._owed: set[IPFamily] = set()
+        self._held_ids: dict[tuple[str, IPFamily], int] = {}
+        self._retired: list[int] = []
+        self._reattach = False
+        self._reattach_after = 0.0
         self._refused_total: Counter[tuple[str, str]] = Counter()
         self._metric_refused: Any = None
         self._metric_entries: Any = None
@@ -196,12 +214,14 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
 
     def close(self) -> None:
         self._reaper.close()  # it reads the reverse-NAT map: before the fds go
-        for fd in self._fds.values():
+        for fd in [*self._fds.values(), *self._retired]:
             try:
                 os.close(fd)
             except OSError:
                 pass
         self._fds.clear()
+        self._retired.clear()
+        self._held_ids.clear()
 
     def cleanup(self) -> None:
         self.close()
@@ -245,21 +265,73 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         raw = {role: maps.lookup_raw(self._fds[(role, family)], *ks[role]) for role in ("svc", "be", "name")}
         index, view = render.index_from_raw(family, raw["svc"], raw["be"], raw["name"])
         counts = Counter(v[3] for v in view.values())
-        return Adopted(index, view, counts, nft.read(family, self.netns))
+        table, _why = self._nft_checked(family)
+        return Adopted(index, view, counts, table)
+
+    def _nft_checked(self, family: IPFamily) -> tuple[nft.NftView, str | None]:
+        """The companion table as read, less the chains that lost rules (a flushed table keeps chains and elements,
+        not rules): a fixed chain short of rules drops ``services`` (the fixed part is written again), a service
+        chain whose rule count differs from what its (digest-named) rules say is written again; and why, if so."""
+        v = nft.read(family, self.netns)
+        if not v.present:
+            return v, None
+        drop: set[str] = set()
+        why = None
+        short = [c for c, n in FIXED_RULES.items() if v.rules.get(c, 0) != n]
+        if short:
+            drop.add("services")
+            why = f"companion chain {short[0]} holds {v.rules.get(short[0], 0)} rules, wanted {FIXED_RULES[short[0]]}"
+        # a chain's name carries the digest of its rules, so any fragment naming it says how many it holds; a chain
+        # no applied service names is left as it is (a full sync deletes it when nobody wants it)
+        want = {c: len(rules) for frag in self.applied_fragments(family).values() for c, rules in frag.nft.chains}
+        drop.update(c for c in v.chains if c in want and v.rules.get(c, 0) != want[c])
+        if not drop:
+            return v, None
+        return nft.NftView(True, v.chains - drop, v.elements, v.rules), why
+
+    def _read_pinned(self, family: IPFamily) -> Adopted:
+        """What the pins hold now, read through fds of its own (never kproxy's: those keep a map alive after someone
+        unpinned it), with the programs' state when kproxy attached them (read-only; any thread)."""
+        p = self._where()
+        ks = maps.key_sizes(family)
+        raw: dict[str, tuple[bytes, bytes]] = {}
+        gone = []
+        for role in self.SYNC_ROLES:
+            try:
+                fd = maps.obj_get(str(p.pin(role, family)))
+            except FileNotFoundError:
+                gone.append(maps.pin_name(role, family))
+                raw[role] = (b"", b"")
+                continue
+            try:
+                raw[role] = maps.lookup_raw(fd, *ks[role])
+            finally:
+                os.close(fd)
+        index, view = render.index_from_raw(family, raw["svc"], raw["be"], raw["name"])
+        counts = Counter(v[3] for v in view.values())
+        table, nft_problem = self._nft_checked(family)
+        problem = f"pinned map {gone[0]} missing in {p.pin_dir}" if gone else None
+        if problem is None and self.attached:
+            problem = loader.programs_problem(p, loader.pinned_ids(p), (family,))
+        return Adopted(index, view, counts, table, problem=problem, nft_problem=nft_problem)
 
     def verify_view(self, family: IPFamily, ctx: Context) -> Any:
-        """Always the kernel (never the trusted index a periodic full sync may use)."""
-        self._ensure_maps()
-        return self._read_kernel(family)
+        """Always the kernel through the pins (never the trusted index, never kproxy's own fds), the programs'
+        attachments and the companion table's rules."""
+        return self._read_pinned(family)
 
     def verify_service(self, view: Any, name: ServicePortName, fragment: Fragment) -> str | None:
-        if self.adopted_unchanged(view, name, fragment):
-            return None
         a: Adopted = view
         fronts = render.decoded(fragment)
         held = {k: a.view[k] for k in fronts if k in a.view}
         if not held and not any(e in a.nft.elements for e in fragment.nft.elements):
             return "missing"
+        if a.problem is not None:  # the maps may be right, but no socket is translated from them
+            return f"different: {a.problem}"
+        if a.nft_problem is not None and not fragment.nft.empty:
+            return f"different: {a.nft_problem}"
+        if self.adopted_unchanged(view, name, fragment):
+            return None
         for k, want in fronts.items():
             got = a.view.get(k)
             if got is None:
@@ -269,6 +341,9 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         missing = [e for e in fragment.nft.elements if e not in a.nft.elements]
         if missing:
             return f"different: companion element {' '.join(missing[0])} missing"
+        lost = [c for c, _ in fragment.nft.chains if c not in a.nft.chains]
+        if lost:
+            return f"different: companion chain {lost[0]} missing or not holding its rules"
         return "different: reverse-NAT id or name"
 
     def verify_extra(self, view: Any, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
@@ -296,12 +371,99 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         )
 
     def needs_full(self, family: IPFamily) -> bool:
+        """Owed by ``_check_kernel``: someone flushed or deleted this mode's state."""
+        if family in self._owed:
+            self._owed.discard(family)
+            return True
+        return False
+
+    def sync(self, state: ProxyState, changes: Changes, node: NodeContext | None = None) -> SyncResult:
+        """The ledger's sync, with the check that this mode's kernel state is still there before it and the
+        programs attached again after it when someone detached them (once the maps hold everything again)."""
+        self._check_kernel()
         now = time.monotonic()
-        if now - self._last_check < NEEDS_FULL_CHECK_S:
-            return False
+        for fam in self.families:
+            read = self._kernel_read.get(fam)
+            if read is not None and now - read >= KERNEL_READ_S:
+                # the read-back is due: a full batch of this family, whose adopt reads the kernel and whose writes
+                # put back what someone edited in place (a flush is ``needs_full``'s, with its warning)
+                self.records[fam].need_full = True
+        result = super().sync(state, changes, node)
+        for fam in self.families:
+            if result.counts.get(f"{fam.value}/full"):
+                self._owed.discard(fam)
+        if self._reattach and result.ok and time.monotonic() >= self._reattach_after:
+            self._repair_programs()
+        return result
+
+    def _check_kernel(self) -> None:
+        """At most every ``NEEDS_FULL_CHECK_S`` (runner thread): are the pinned maps the ones kproxy writes, are its
+        programs attached and reading them, is the companion table there? What someone flushed or deleted (the pins,
+        the attachments, the table: ``kproxy cleanup`` of another process does all three) is put back: the maps
+        made and pinned again (empty) and their family owed a full sync that reads the kernel and writes everything,
+        the programs attached again after that sync. A few bpf(2) calls and one ``list tables``."""
+        now = time.monotonic()
+        if now - self._last_check < NEEDS_FULL_CHECK_S or not self._fds:
+            return
         self._last_check = now
+        try:
+            self._check_kernel_now()
+        except (OSError, RuntimeError, ValueError, nft.NftError) as exc:  # never a reason to fail the sync itself
+            log.warning("bpf: checking that the kernel state is still there failed: %s", exc)
+
+    def _check_kernel_now(self) -> None:
+        if self._retired and (self.last_reap is None or self.last_reap.done()):
+            for fd in self._retired:
+                os.close(fd)
+            self._retired.clear()
         p = self._where()
-        return not all(p.pin(r, f).exists() for f in self.families for r in self.SYNC_ROLES)
+        for k, fd in self._fds.items():
+            if k not in self._held_ids:
+                self._held_ids[k] = loader.map_id(fd)
+        pinned = loader.pinned_ids(p)
+        lost = sorted({k for k, i in self._held_ids.items() if pinned.get(k) != i}, key=str)
+        if lost:
+            log.warning(
+                "bpf: pinned maps gone or replaced in %s (%s): pinning new ones, full resync",
+                p.pin_dir,
+                ", ".join(maps.pin_name(r, f) for r, f in lost),
+            )
+            # the old maps stay alive while an fd holds them: retired, closed once the reaper cannot use them
+            self._retired += self._fds.values()
+            self._fds.clear()
+            self._held_ids.clear()
+            self._ensure_maps(every=bool(self.attached))
+            for f in self.families:
+                self._index[f] = None
+                self._kernel_read.pop(f, None)
+                self._owed.add(f)
+            pinned = loader.pinned_ids(p)
+        if self.attached and not self._reattach:
+            why = loader.programs_problem(p, pinned, self.families)
+            if why is not None:
+                log.warning("bpf: %s: attaching the programs again after the next sync", why)
+                self._reattach = True
+                self._reattach_after = 0.0
+                self._owed.update(self.families)  # a sync now, so the programs come back at once
+        for f in self.families:
+            if self._nft_ready[f] and not nft.table_present(f, self.netns):
+                log.warning("bpf: the companion table %s (%s) is gone: full resync", render.TABLE, f.value)
+                self._nft_ready[f] = False
+                self._kernel_read.pop(f, None)
+                self._owed.add(f)
+
+    def _repair_programs(self) -> None:
+        """Compile and attach the programs again (``loader.attach_in_child``: the same as ``start``)."""
+        p = self._where()
+        try:
+            self._ensure_maps(every=True)
+            self.attached = loader.attach_in_child(p)
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
+            self._reattach_after = time.monotonic() + REATTACH_RETRY_S
+            log.error("bpf: attaching the programs again failed (next try in %.0f s): %s", REATTACH_RETRY_S, exc)
+            return
+        self._reattach = False
+        log.info("bpf: attached %s to %s again", ", ".join(self.attached), p.cgroup)
 
     def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
         return render.summary(fragment)
@@ -529,7 +691,8 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
                 first += render.fixed_commands(fam)
             for name, rules in want_chains.items():
                 if name not in view.chains:
-                    first.append(f"add chain {t} {name}")
+                    # flushed too: a chain someone emptied (or cut short) gets its rules once, not appended twice
+                    first += [f"add chain {t} {name}", f"flush chain {t} {name}"]
                     first += [f"add rule {t} {name} {r}" for r in rules]
             want_keys = {(m, k): v for m, k, v in want_elems}
             for m, k, v in view.elements:
