@@ -429,10 +429,11 @@ class DatapathLab:
         self.progress(f"lab up ({self.config.prefix}: 4 nodes, 1 pod each)")
         self.lab = Lab.up(nodes=4, pods_per_node=1, mode=None, ipv6=False, prefix=self.config.prefix, timeout=90)
         lab = self.lab
-        for node in self.limit_nodes:  # the limit is only a limit if nothing in its nodes hooks netfilter
-            res = lab.exec(node.ns, ["nft", "list", "ruleset"], timeout=30)
-            if res.stdout.strip():
-                raise DatapathError(f"{node.name} has nftables rules before any proxy ran: {res.stdout[:300]!r}")
+        # the limit is only a limit if nothing in its nodes hooks netfilter; the loaded nodes start as bare (and are
+        # returned to that after each mode: stop_mode)
+        for node in [*self.limit_nodes, *self.loaded_nodes]:
+            if self.tables(node.ns):
+                raise DatapathError(f"{node.name} has nftables tables before any proxy ran: {self.tables(node.ns)}")
         for pod in (self.server_pod, self.limit_server_pod):
             self._pin_echo(pod)
             self._start_iperf(pod)
@@ -599,8 +600,8 @@ class DatapathLab:
         raise DatapathError(f"mode {mode}: the ClusterIP {TARGET_CLUSTER_IP} does not answer from pod-1-1: {last}")
 
     def stop_mode(self, mode: str) -> str:
-        """Stop kproxy on both loaded nodes and remove what ``mode`` wrote; "" or what went wrong (not fatal: the
-        next mode's start removes other modes' leftovers anyway)."""
+        """Stop kproxy on both loaded nodes, remove what ``mode`` wrote (its cleanup, then whatever tables are left)
+        and the conntrack entries; "" or what went wrong or was left (not fatal: noted beside the run)."""
         lab = self._lab
         for node in self.loaded_nodes:
             lab.stop_kproxy(node)
@@ -613,7 +614,21 @@ class DatapathLab:
                 continue
             if res.returncode != 0:
                 problems.append(f"kproxy cleanup in {node.name}: {res.stderr.decode(errors='replace')[-300:]}")
+        # What the mode's cleanup leaves (iptables-nft's empty built-in tables and chains: a filter chain hooked at
+        # forward taxes every packet of the next mode measured here) goes too, and the conntrack entries: each mode
+        # starts on nodes as bare as the limit's were when the lab came up (up() checked they had no rules).
+        for node in self.loaded_nodes:
+            left = self.tables(node.ns)
+            if left:
+                problems.append(f"left in {node.name} after the cleanup (removed): {', '.join(left)}")
+            lab.exec(node.ns, ["nft", "flush", "ruleset"], timeout=CLEANUP_TIMEOUT)
+            lab.exec(node.ns, ["conntrack", "-F"], timeout=30)
         return "; ".join(problems)
+
+    def tables(self, ns: str) -> list[str]:
+        """The nftables tables in a namespace ("ip filter", ...)."""
+        res = self._lab.exec(ns, ["nft", "list", "tables"], timeout=30)
+        return [line.removeprefix("table ").strip() for line in res.stdout.decode().splitlines() if line.strip()]
 
     def kproxy_memory(self) -> tuple[dict[str, float], dict[str, float]]:
         """(resident MB, peak resident MB) of each loaded node's kproxy."""

@@ -340,3 +340,16 @@ def test_compare_takes_modes_from_the_installed_backends() -> None:
     assert run == [m for m in installed_backends() if availability(m)]
     run, skipped = selected_modes("no-such-mode")
     assert run == [] and "no-such-mode" in skipped
+
+
+def test_rulecost_reads_a_chain_back_and_rewrites_base_chains() -> None:
+    from kproxy.bench import rulecost
+
+    listing = (
+        "table ip kproxy {\n\tchain nat-postrouting {\n\t\ttype nat hook postrouting priority srcnat; policy accept;\n"
+        "\t\tct label 127 masquerade fully-random # handle 7\n\t}\n}\n"
+    )
+    assert rulecost.chain_rules(listing) == ("ct label 127 masquerade fully-random",)
+    text = rulecost.variant_commands(rulecost.VARIANTS["bare"])
+    assert "flush chain ip kproxy nat-prerouting\nadd rule ip kproxy nat-prerouting ip daddr" in text
+    assert "nodeport" not in text and "hairpin" not in text  # bare: the map lookup and the masquerade only
