@@ -12,14 +12,24 @@ in its pod (so drift on a shared machine hits all three alike and no process sta
 
 * ``limit``: pod-3-1 -> pod-4-1's IP (no proxy rules anywhere on the path);
 * ``podip``: pod-1-1 -> pod-2-1's IP across the loaded nodes;
-* ``clusterip``: pod-1-1 -> the target service's ClusterIP, DNATed to pod-2-1.
+* ``clusterip``: pod-1-1 -> the target service's ClusterIP, DNATed to pod-2-1;
+* diagnostic limits (``DatapathConfig.conntrack_limits``, on by default here, ``kproxy compare --conntrack-limits``):
+  ``limit_ct``, the limit's path with conntrack turned on in nodes 3 and 4 by a one-rule table, and ``limit_nat``,
+  the same with nat base chains and a DNAT rule that never matches (conntrack + the nat hooks + a null binding per
+  connection: what every NAT-based proxy pays before any rule of its own). Each table is loaded just before its
+  measurement and deleted (and the conntrack entries flushed) just after, so the plain limit in the same round has
+  neither. Why they exist: on this kernel conntrack's hooks register per network namespace only when a rule needs
+  them (a ct expression, a NAT rule; a nat chain alone does not), so the plain limit tracks nothing, and a NAT proxy
+  cannot reach it; the pod IP and the ClusterIP are also reported against ``limit_nat`` (``DatapathRun.ratios_vs``).
+  The conntrack entries in each path's nodes after every round are recorded: 0 on the limit's nodes shows it.
 
 Metrics, per target and round (kproxy.bench.dpclient against the pods' echo servers; iperf3 for throughput):
 new TCP connections per second (connect, one request/response, close with RST) with the p50/p99 of a whole
 connection; request/response p50/p99 on one established TCP connection; UDP request/response p50/p99; bulk TCP
 throughput (``iperf3 -c``, Gbit/s). Each figure is the median over the rounds; each ratio is against the limit,
 oriented so that 1.0 means "as fast as without a proxy" and smaller is slower (rates: target / limit; latencies:
-limit / target), taken within each round and then the median over rounds (:func:`paired_ratios`).
+limit / target), taken within each round and then the median over rounds (:func:`paired_ratios`), with the
+interquartile range of the per-round ratios beside it (:func:`ratio_spread`: the noise of a shared machine).
 
 Pinning (2 cores): every client (dpclient, iperf3 -c) runs under ``taskset -c 0``; the servers (the echo servers of
 pod-2-1 and pod-4-1, re-pinned with ``taskset -a -p -c 1``, and ``iperf3 -s``) on CPU 1. The kproxy processes and
@@ -29,7 +39,9 @@ Services: size N means N services programmed in total: the target plus N - 1 syn
 namespace ``bench``, ClusterIPs from 198.19.0.0/16, E endpoints each on node-1/node-2, every tenth UDP), written to
 the lab's API stand-in over its HTTP API before kproxy starts, so each size costs one full sync per node. Sizes run in
 ascending order; each mode is started on both loaded nodes, waited for (``/healthz`` 200, then the ClusterIP answers
-over TCP and UDP), measured, stopped, and its rules removed (``kproxy cleanup --mode all`` in both nodes).
+over TCP and UDP), measured, stopped, and its rules removed (``kproxy cleanup --mode MODE`` in both nodes, then any
+table left, e.g. iptables-nft's empty built-in ones, whose forward chain would tax the next mode's every packet, and
+the conntrack entries). kproxy's CPU time while the traffic runs is recorded (it should be idle).
 
 Mode ``none`` starts no proxy: ``podip`` against ``limit`` then shows what the lab itself contributes (about 1.0).
 
