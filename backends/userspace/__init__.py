@@ -85,8 +85,9 @@ has no socket of this process listening, one serving another service, or one ano
 foreign rules and sockets serving unwanted services are ``extra``. A full sync replaces a table whose fixed part is
 damaged (in one transaction, the sockets kept) and binds new sockets for those no longer listening (from the
 kernel's socket table); the data path notices a listener destroyed under it (``ss -K``: accept fails with EINVAL)
-and the next partial sync becomes a full one. A flushed table is not seen by the cheap check before partial syncs
-(its ``nodeport-cidrs`` set survives a flush): the periodic full sync repairs it.
+and the next partial sync becomes a full one. Before partial syncs, at most once a second, kproxy lists the small
+``nodeport-cidrs`` set (a deleted table), and at most once per sync period the table without elements (0.15 s at
+10,000 services) to compare the fixed rules (a flushed table keeps its sets; a deleted rule).
 
 Restart: established connections are the proxy process's own sockets, so they end when it stops (by nature of this
 mode; upstream's userspace proxier behaved the same); the redirect rules stay, and new connections are refused from

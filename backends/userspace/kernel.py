@@ -166,13 +166,18 @@ class Kernel:
 
         return self.call(go)
 
-    def read(self, command: str) -> tuple[list[dict[str, Any]] | None, str]:
-        """A ``list ...`` command's JSON objects (without metainfo), or (None, the error)."""
+    def read(self, command: str, *, terse: bool = False) -> tuple[list[dict[str, Any]] | None, str]:
+        """A ``list ...`` command's JSON objects (without metainfo), or (None, the error). ``terse``: without set
+        and map elements (libnftables then does not fetch them either)."""
 
         def go() -> tuple[int, str, str]:
             ctx = self._nftables()
             ctx.set_json_output(True)
-            rc, out, err = ctx.cmd(command)
+            ctx.set_terse_output(terse)
+            try:
+                rc, out, err = ctx.cmd(command)
+            finally:
+                ctx.set_terse_output(False)
             return int(rc), out or "", err or ""
 
         rc, out, err = self.call(go)

@@ -202,6 +202,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         self._known: dict[IPFamily, bool] = {f: False for f in self.families}
         self._local: dict[IPFamily, tuple[str, ...]] = {f: () for f in self.families}
         self._checked: dict[IPFamily, float] = {}  # per family: each family's sync asks in turn
+        self._rules_checked: dict[IPFamily, float] = {}  # the fixed rules' check, per family
         self._counts: dict[str, int] = {}
         self._last_full: dict[IPFamily, tuple[str, int, int]] = {}  # text, TCP and UDP sockets of a fresh full sync
 
@@ -395,6 +396,18 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         # 0.3-0.5 s) to list a chain, and only the set itself to list a set
         objs, _ = self.kernel.read(f"list set {render.nft_family(family)} {render.TABLE} {render.NODEPORT_CIDRS}")
         if objs is None:
+            self._known[family] = False
+            return True
+        # the fixed rules, at most once per sync period (as the iptables mode's canary): a flushed table keeps its
+        # sets, and the periodic full sync that would see it comes once an hour. Listed terse (no elements): 0.15 s
+        # at 10,000 services against 1 s for the whole table
+        if now - self._rules_checked.get(family, float("-inf")) < max(self.config.sync_period, CHECK_INTERVAL):
+            return False
+        self._rules_checked[family] = now
+        objs, _ = self.kernel.read(f"list table {render.nft_family(family)} {render.TABLE}", terse=True)
+        damaged = inspect.fixed_problems(objs, family) if objs is not None else {"table": "unreadable"}
+        if damaged:
+            log.warning("%s: this mode's fixed rules are damaged: %s", family.value, "; ".join(damaged.values()))
             self._known[family] = False
             return True
         return False
