@@ -253,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: python -m kproxy.bench.plots RESULTS.json OUTDIR", file=sys.stderr)
         return 2
-    results = json.loads(Path(args[0]).read_text())
+    from kproxy.bench.report import as_results
+
+    results = as_results(json.loads(Path(args[0]).read_text()))
     out = Path(args[1])
     out.mkdir(parents=True, exist_ok=True)
     print("\n".join(write_all(results, out)))

@@ -6,6 +6,7 @@ Who uses it: kproxy.bench.compare; ``python -m kproxy.bench.report results.json`
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -381,15 +382,30 @@ def readme_section(results: dict[str, Any], folder: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def as_results(doc: dict[str, Any], command: str = "") -> dict[str, Any]:
+    """A ``kproxy compare`` results document as is; a ``kproxy bench datapath --format json`` document wrapped as one
+    (its data-path part only, with this machine's facts and the command given), so both render the same way."""
+    if "datapath" in doc or "runs" not in doc:
+        return doc
+    from kproxy.bench.compare import machine_facts
+
+    return {"command": command or "kproxy bench datapath", "machine": machine_facts(), "datapath": doc}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) not in (1, 3) or (len(args) == 3 and args[1] != "--readme"):
-        print("usage: python -m kproxy.bench.report RESULTS.json [--readme FOLDER]", file=sys.stderr)
-        return 2
-    path = Path(args[0])
-    results = json.loads(path.read_text())
-    if len(args) == 3:
-        print(readme_section(results, args[2]))
+    p = argparse.ArgumentParser(
+        prog="python -m kproxy.bench.report",
+        description="print report.md (or the README summary) of a kproxy compare results.json, or of a kproxy bench"
+        " datapath --format json document",
+    )
+    p.add_argument("results")
+    p.add_argument("--readme", metavar="FOLDER", help="print the README summary, with links into FOLDER")
+    p.add_argument("--command", default="", help="the command behind a bench datapath document")
+    args = p.parse_args(argv)
+    path = Path(args.results)
+    results = as_results(json.loads(path.read_text()), args.command)
+    if args.readme:
+        print(readme_section(results, args.readme))
         return 0
     files = [f for f in ("sync.png", "datapath.png", "datapath_conn.png", "memory.png") if (path.parent / f).exists()]
     print(render(results, files))
