@@ -4,9 +4,10 @@
   layout (the reference) dashed in black beside them;
 - ``datapath.png``: data-path ratio against the limit (pod IP on nodes without proxy rules) per metric, against
   service count: solid = ClusterIP, dotted = pod IP on the loaded nodes; 1.0 = as fast as without a proxy, the grey
-  line at 0.9 is the nftables target;
-- ``datapath_conn.png``: new connections per second in absolute terms (limit, pod IP, ClusterIP) per mode, so a
-  proxy's cost that grows with services (iptables' KUBE-SERVICES walk) is visible as a slope;
+  line at 0.9 is the nftables target, the black dash-dotted line (when measured) the conntrack + NAT floor
+  (``limit_nat`` against the limit: where a NAT-based proxy with no cost of its own would be);
+- ``datapath_conn.png``: new connections per second in absolute terms (limit, NAT floor, pod IP, ClusterIP) per
+  mode, so a proxy's cost that grows with services (iptables' KUBE-SERVICES walk) is visible as a slope;
 - ``memory.png``: peak resident memory of the sync benchmark's process, and kproxy's resident memory in the lab.
 
 Who uses it: kproxy.bench.compare (``write_all``); ``python -m kproxy.bench.plots results.json OUTDIR`` redraws.
