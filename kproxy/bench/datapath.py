@@ -831,7 +831,10 @@ def run_in_lab(
                 continue
             try:
                 rss, peak = dl.kproxy_memory()
-                run = measure_run(dl, mode, n, targets_for(mode, dl.config))
+                try:
+                    run = measure_run(dl, mode, n, targets_for(mode, dl.config))
+                except DatapathError as exc:  # a measurement that failed: this run's finding, not everyone's end
+                    run = DatapathRun(mode=mode, services=n, error=f"measuring: {str(exc)[:2000]}")
                 run.ready_s = ready
                 run.kproxy_rss_mb, run.kproxy_peak_rss_mb = rss, peak
                 run.sync_metrics = dl.sync_metrics()
