@@ -94,6 +94,8 @@ def cleanup(options: Mapping[str, Any], netns: str | None) -> None:
             root.rmdir()
     except OSError:
         pass
+    # the lab's bind of the machine's bpffs (``lab_options``) goes with the last pins nobody uses any more
+    loader.release_host_bind()
     for fam in (IPFamily.V4, IPFamily.V6):
         try:
             nft.delete_table(fam, netns)

@@ -80,6 +80,50 @@ def ensure_host_bind() -> None:
     subprocess.run(["mount", "--bind", str(BPF_FS), str(HOST_BPFFS)], check=True, timeout=30)
 
 
+def _bind_in_use() -> bool:
+    """Whether a process in another mount namespace (a lab node's kproxy or pod under ``ip netns exec``, of any lab)
+    still sees the bind at ``HOST_BPFFS``: unmounting it would propagate into theirs and cut them off the pins."""
+    try:
+        ours = os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return True
+    want = str(HOST_BPFFS)
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.readlink(d / "ns" / "mnt") == ours:
+                continue
+            with open(d / "mountinfo") as f:
+                if any(ln.split()[4:5] == [want] for ln in f):
+                    return True
+        except OSError:  # gone meanwhile, or a kernel thread
+            continue
+    return False
+
+
+def release_host_bind() -> None:
+    """Undo ``ensure_host_bind`` (lab down and ``cleanup`` call it, from the machine's mount namespace) once no
+    kproxy keeps pins under ``PIN_ROOT`` and no process of another mount namespace sees the bind; else leave it."""
+    if not _bpf_mounted(BPF_FS) or not _bpf_mounted(HOST_BPFFS):
+        return
+    if PIN_ROOT.is_dir() and any(PIN_ROOT.iterdir()):
+        return
+    if _bind_in_use():
+        return
+    for _ in range(4):  # a bind made twice (two labs racing) is two mounts
+        if not _bpf_mounted(HOST_BPFFS):
+            break
+        res = subprocess.run(["umount", str(HOST_BPFFS)], capture_output=True, text=True, timeout=30, check=False)
+        if res.returncode != 0:
+            log.warning("bpf: cannot unmount %s: %s", HOST_BPFFS, res.stderr.strip())
+            return
+    try:
+        HOST_BPFFS.rmdir()
+    except OSError:
+        pass
+
+
 def host_view(path: Path) -> Path:
     """``path`` (under /sys/fs/bpf) as this process reaches the machine's bpffs. ``ip netns exec`` gives its command a
     mount namespace with a fresh /sys, where /sys/fs/bpf is not the machine's bpffs (a bpffs mounted there would be a

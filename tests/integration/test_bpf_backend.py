@@ -425,3 +425,64 @@ def test_a_restarted_kproxy_keeps_the_attached_programs_of_its_build(place: tupl
         assert len(now) == 8 and not set(now) & set(ids)
     finally:
         third.close()
+
+
+HOST_BIND_SCRIPT = """
+import json, subprocess, sys, time
+from pathlib import Path
+from kproxy.backends.bpf import loader
+loader.HOST_BPFFS = Path(sys.argv[1])
+loader.PIN_ROOT = Path(sys.argv[2])
+out = {}
+loader.ensure_host_bind()
+out["bound"] = loader._bpf_mounted(loader.HOST_BPFFS)
+# a process of another mount namespace that sees the bind (a lab node's kproxy under ip netns exec): kept
+child = subprocess.Popen(["unshare", "--mount", "--propagation", "slave", "sleep", "20"])
+for _ in range(100):
+    if loader._bind_in_use():
+        break
+    time.sleep(0.05)
+loader.release_host_bind()
+out["kept_in_use"] = loader._bpf_mounted(loader.HOST_BPFFS)
+child.kill(); child.wait()
+# pins left under the pin root: kept
+loader.PIN_ROOT.mkdir(parents=True, exist_ok=True)
+(loader.PIN_ROOT / "x").mkdir()
+loader.release_host_bind()
+out["kept_pins"] = loader._bpf_mounted(loader.HOST_BPFFS)
+(loader.PIN_ROOT / "x").rmdir(); loader.PIN_ROOT.rmdir()
+loader.release_host_bind()
+out["released"] = not loader._bpf_mounted(loader.HOST_BPFFS) and not loader.HOST_BPFFS.exists()
+print(json.dumps(out))
+"""
+
+
+def test_the_labs_bpffs_bind_goes_with_the_last_user() -> None:
+    """``lab_options`` binds the machine's bpffs outside /sys (``loader.ensure_host_bind``); ``cleanup`` (lab down)
+    undoes it once no pins are left and no process of another mount namespace sees it. Run in a private mount
+    namespace with a bind point and pin root of the test's own, so the machine's mounts are never touched."""
+    tag = uuid.uuid4().hex[:8]
+    bind = f"/run/kpf-it-bpffs-{tag}"
+    root = f"/sys/fs/bpf/kpf-it-root-{tag}"
+    res = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", HOST_BIND_SCRIPT, bind, root],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    try:
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout.splitlines()[-1]) == {
+            "bound": True,
+            "kept_in_use": True,
+            "kept_pins": True,
+            "released": True,
+        }
+    finally:
+        inspect_root = Path(root)
+        if inspect_root.is_dir():
+            for d in sorted(inspect_root.rglob("*"), reverse=True):
+                d.rmdir()
+            inspect_root.rmdir()
+        Path(bind).rmdir() if Path(bind).is_dir() and not os.path.ismount(bind) else None
