@@ -422,6 +422,7 @@ class DatapathLab:
         self.written = 0  # synthetic services in the API
         self._servers: list[subprocess.Popen[bytes]] = []
         self._clients: dict[str, subprocess.Popen[str]] = {}
+        self.client_restarts = 0  # dpclients that died or hung and were started again
 
     def __enter__(self) -> DatapathLab:
         self.up()
@@ -708,18 +709,30 @@ class DatapathLab:
         return proc
 
     def _phase(self, pod: LabPod, phase: str, host: str, port: int) -> dict[str, Any]:
-        """One traffic phase from ``pod`` through its persistent client."""
+        """One traffic phase from ``pod`` through its persistent client (started again once if it died or hung:
+        on a shared machine a client lost now and then is not the proxy's figure)."""
         c = self.config
-        proc = self._serve_client(pod)
-        assert proc.stdin is not None and proc.stdout is not None
         req = {"phase": phase, "host": host, "port": port, "seconds": c.seconds, "warmup": 0.05, "timeout": 1.0}
-        proc.stdin.write(json.dumps(req) + "\n")
-        proc.stdin.flush()
-        ready, _, _ = select.select([proc.stdout], [], [], 3 * c.seconds + 30)
-        line = proc.stdout.readline() if ready else ""
-        if not line:
+        line = ""
+        for attempt in range(2):
+            proc = self._serve_client(pod)
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                proc.stdin.write(json.dumps(req) + "\n")
+                proc.stdin.flush()
+                ready, _, _ = select.select([proc.stdout], [], [], 3 * c.seconds + 30)
+                line = proc.stdout.readline() if ready else ""
+            except OSError:
+                line = ""
+            if line:
+                break
             proc.kill()
-            raise DatapathError(f"dpclient in {pod.name} gave no answer to {req}")
+            proc.wait(timeout=10)
+            self._clients.pop(pod.name, None)
+            self.client_restarts += 1
+            self.progress(f"dpclient in {pod.name} gave no answer to {req} (exit {proc.returncode}); attempt {attempt}")
+        if not line:
+            raise DatapathError(f"dpclient in {pod.name} gave no answer to {req}, twice")
         answer = dict(json.loads(line))
         if "error" in answer:
             raise DatapathError(f"dpclient in {pod.name}, {req}: {answer['error']}")
@@ -858,6 +871,14 @@ def run_datapath(
     """Every mode at every size (ascending) in one lab, taken down afterwards. Modes must be available here."""
     config = config or DatapathConfig()
     result = DatapathResult(config=config.describe())
+    if on_run is None and progress is not None:
+        # each run's whole figures as one line on the progress stream as soon as it is measured, so a run that
+        # ends early (a crash, a kill) still leaves what it measured
+        report = progress
+
+        def on_run(run: DatapathRun) -> None:
+            report("measured: " + json.dumps(run.to_json(), separators=(",", ":")))
+
     with DatapathLab(config, progress) as dl:
         for n in sorted(set(sizes)):
             result.runs += run_in_lab(dl, modes, n, on_run)
