@@ -22,16 +22,15 @@ Who uses it: sources write into it; the runner and daemon read snapshots, commit
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 from kproxy.endpointslices import EndpointSliceCache, SliceKey, merge_endpoints, parse_slice
+from kproxy.gcpause import collector_paused as _gc_paused
 from kproxy.model import Changes, IPFamily, NamespacedName, NodeInfo, ProxyState, ServicePort, ServicePortName
 from kproxy.objects import (
     ANNOTATION_TRIGGER_TIME,
@@ -69,65 +68,6 @@ log = logging.getLogger(__name__)
 SYNC_KINDS = ("services", "endpointslices", "nodes")
 
 _GC_PAUSE_OVER = 500  # services recomputed in one snapshot
-
-
-class _CollectorPause:
-    """Hold off the cyclic garbage collector's walks over the old heap during a bulk rebuild or relist.
-
-    Those allocate ~10 acyclic objects per endpoint while the process holds a large heap (at 10k services, the API
-    client's list of objects too); the collector would walk that heap again and again for nothing, a third to a
-    half of the time. Sources (one thread per kind) and the runner pause at the same time, so the pause is shared:
-    a lock-protected count of holders, the first one in starts it and the last one out ends it. (It was a
-    ``gc.disable()``/``gc.enable()`` pair per caller, and one thread's ``enable`` ended another's pause.)
-
-    How it pauses: ``gc.freeze()`` on every entry moves everything alive into the permanent generation, so the
-    collector's walks see only what was allocated since, and ``gc.unfreeze()`` by the last holder gives it all
-    back. The collector stays enabled throughout: cycles made meanwhile by other threads (HTTP servers, the
-    API client) are still collected, and nobody's ``gc.isenabled()`` ever changes. If someone else froze objects
-    before us (a pre-fork freeze), we neither freeze nor unfreeze: their choice is left alone.
-
-    Measured (2 shared cores, Python 3.11, medians of 5 runs; ``kproxy bench sync --mode fake --services 10000
-    --endpoints 10 --repeat 3``, plus a relist of the same objects through ``replace_services``/``replace_slices``
-    and the snapshot after it), seconds:
-
-        pause                          first snapshot  full sync (snapshot+sync+commit)  relist  its snapshot
-        none                           0.48            0.49                              0.85    0.53
-        per-caller disable (before)    0.30            0.37                              0.58    0.31
-        shared, gc.disable()           0.31            0.38                              0.59    0.38
-        shared, gc.freeze() (chosen)   0.32            0.34                              0.62    0.36
-
-    Both shared pauses keep the old pause's gain; freeze is chosen for the enabled collector (above). The CLI bench
-    alone, before/after: first snapshot 0.31/0.34, full sync 0.41/0.35. Services and slices relisted by two
-    threads at once, then a snapshot: 1.24 s before, 1.01 s with freeze, 1.52 s with no pause.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holders = 0
-        self._owned = False  # this pause froze objects (nobody else had) and must unfreeze them
-
-    @contextlib.contextmanager
-    def __call__(self, active: bool = True) -> Iterator[None]:
-        if not active:
-            yield
-            return
-        with self._lock:
-            if self._holders == 0:
-                self._owned = gc.get_freeze_count() == 0
-            self._holders += 1
-            if self._owned:
-                gc.freeze()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._holders -= 1
-                if self._holders == 0 and self._owned:
-                    gc.unfreeze()
-                    self._owned = False
-
-
-_gc_paused = _CollectorPause()
 
 
 class ServiceCache:

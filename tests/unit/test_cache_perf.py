@@ -1,0 +1,69 @@
+"""The cache's fast constructors (kproxy.endpointslices._new_endpoint, kproxy.serviceport.with_endpoints) build
+exactly what the dataclass constructors build, and the shared collector pause leaves the collector's settings as they
+were."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+from kproxy.endpointslices import _new_endpoint
+from kproxy.gcpause import collector_paused
+from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
+from kproxy.serviceport import with_endpoints
+from kproxy.topology import Categorized
+
+
+def test_fast_endpoint_equals_the_constructor() -> None:
+    raw = (1, "198.18.0.7", True, False, True, "node-a", "zone-1", True, frozenset({"zone-1"}), frozenset({"node-a"}))
+    fast = _new_endpoint(raw, 8080)
+    slow = Endpoint("198.18.0.7", 8080, True, False, True, "node-a", "zone-1", True, raw[8], raw[9])
+    assert type(fast) is Endpoint
+    assert fast == slow and hash(fast) == hash(slow)
+    assert dataclasses.astuple(fast) == dataclasses.astuple(slow)
+
+
+def test_with_endpoints_equals_replace() -> None:
+    spn = ServicePortName("ns", "web", "http", Protocol.UDP)
+    tmpl = ServicePort(
+        spn,
+        IPFamily.V4,
+        "198.18.0.10",
+        53,
+        node_port=30053,
+        external_ips=("198.18.1.1",),
+        load_balancer_ips=("198.18.2.2",),
+        load_balancer_source_ranges=("198.18.3.0/24",),
+        affinity_timeout=30,
+        external_policy_local=True,
+        internal_policy_local=False,
+        health_check_node_port=31000,
+    )
+    a = Endpoint("198.18.0.7", 5353, node_name="node-a", is_local=True)
+    b = Endpoint("198.18.0.8", 5353, ready=False, serving=False, terminating=True)
+    c = Endpoint("198.18.0.9", 5353, ready=False, serving=True, terminating=True)
+    cat = Categorized(cluster=(a,), local=(a,), all_reachable=(a,), has_any=True)
+    for eps in ((a, b, c), (a, c), ()):
+        fast = with_endpoints(tmpl, cat, eps)
+        slow = dataclasses.replace(
+            tmpl,
+            cluster_endpoints=cat.cluster,
+            local_endpoints=cat.local,
+            has_any_endpoints=cat.has_any,
+            serving_endpoints=tuple(e for e in eps if e.serving),
+        )
+        assert type(fast) is ServicePort
+        assert fast == slow and hash(fast) == hash(slow)
+    assert with_endpoints(tmpl, cat, (a, c)).serving_endpoints == (a, c)
+
+
+def test_pause_restores_thresholds_and_moves_its_objects_out_of_the_young_generation() -> None:
+    before = gc.get_threshold()
+    with collector_paused(True):
+        assert gc.isenabled()
+        assert gc.get_threshold()[0] == collector_paused.PAUSED_YOUNG
+        made = [[i] for i in range(5000)]  # tracked objects allocated during the pause
+        assert gc.get_count()[0] >= 4000  # no young collection ran over them (the count nets out frees)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0 and gc.isenabled()
+    assert gc.get_count()[0] < 1000  # they went to the oldest generation unwalked, not left in the young one
+    assert len(made) == 5000
