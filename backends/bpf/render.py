@@ -11,6 +11,7 @@ Who uses it: ``backends.bpf.proxier``, ``backends.bpf.trace``-style explainers i
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
 from collections.abc import Iterable, Mapping
@@ -375,15 +376,28 @@ class Plan:
     svc_del: list[bytes] = field(default_factory=list)
     be_del: list[bytes] = field(default_factory=list)
     name_del: list[bytes] = field(default_factory=list)
+    #: put phases handed to the kernel already (``drain_puts``), kept so ``finish_plan`` and ``writes`` see them
+    drained: list[Plan] = field(default_factory=list)
 
     @property
     def writes(self) -> int:
-        return sum(len(x) for x in (self.be_put, self.name_put, self.slot_put, self.master_put)) + sum(
-            len(x) for x in (self.svc_del, self.be_del, self.name_del)
+        return (
+            sum(len(x) for x in (self.be_put, self.name_put, self.slot_put, self.master_put))
+            + sum(len(x) for x in (self.svc_del, self.be_del, self.name_del))
+            + sum(p.writes for p in self.drained)
         )
 
+    def drain_puts(self) -> list[tuple[str, str, list[bytes], list[bytes]]]:
+        """The put phases planned so far, in execution order, to be written now (a large full sync writes one chunk
+        of services while it plans the next); deletes stay until ``finish_plan``. Per service the order holds:
+        its backends, name and slots before its master, every delete after every put."""
+        done = Plan(self.be_put, self.name_put, self.slot_put, self.master_put)
+        self.drained.append(done)
+        self.be_put, self.name_put, self.slot_put, self.master_put = {}, {}, {}, {}
+        return done.ordered()
+
     def ordered(self) -> list[tuple[str, str, list[bytes], list[bytes]]]:
-        """(map role, op, keys, values) in execution order."""
+        """(map role, op, keys, values) in execution order (not the drained phases)."""
         out: list[tuple[str, str, list[bytes], list[bytes]]] = []
         if self.be_put:
             out.append(("be", "put", list(self.be_put), list(self.be_put.values())))
@@ -403,12 +417,25 @@ class Plan:
 
 
 _ID = struct.Struct("<I")
+# backend values decoded for adoption: address, port (network order, as an int), protocol; the flags byte skipped
+_BE4_DECODE = struct.Struct(">4sHBx")
+_BE6_DECODE = struct.Struct(">16sHBx")
 _RAW_KEY4 = struct.Struct("<6sHB3x")  # a service-map key as (address . port bytes, slot, protocol)
 _RAW_KEY6 = struct.Struct("<18sHB3x")
 _SLOT_VALUE = struct.Struct("<I12x")  # a slot entry: backend_id, the rest zero (see maps.slot_value)
 _SLOT = [i.to_bytes(2, "little") for i in range(65536)]
 _PORT = [i.to_bytes(2, "big") for i in range(65536)]
 _ADDR_CACHE: dict[str, bytes] = {}
+#: per protocol, the tail of a service-map key after address . port: slot (host order), protocol, padding
+_KEY_TAILS: dict[int, list[bytes]] = {}
+
+
+def _key_tails(proto: int) -> list[bytes]:
+    tails = _KEY_TAILS.get(proto)
+    if tails is None:
+        end = bytes((proto, 0, 0, 0))
+        tails = _KEY_TAILS[proto] = [s + end for s in _SLOT]
+    return tails
 
 
 def _addr(ip: str) -> bytes:
@@ -420,6 +447,14 @@ def _addr(ip: str) -> bytes:
     return raw
 
 
+def _remove_front(plan: Plan, index: FamilyIndex, key: tuple[str, int, int], st: FrontState) -> None:
+    head = _addr(key[0]) + _PORT[key[1]]
+    tails = _key_tails(key[2])
+    for slot in range(len(st.slots), -1, -1):
+        plan.svc_del.append(head + tails[slot])
+    index.drop_front(key)
+
+
 def plan_service(
     index: FamilyIndex,
     name: ServicePortName,
@@ -429,26 +464,28 @@ def plan_service(
     keep_fronts: Iterable[tuple[str, int, int]] = (),
 ) -> None:
     """Add to ``plan`` the writes that make ``name`` hold ``new`` (None: remove it), and update ``index`` as if they
-    were done. Frontends in ``keep_fronts`` belong to another service and are never removed here."""
-    fam = index.family
-    keep = set(keep_fronts)
-    owned = {k: index.fronts[k] for k in index.owned.get(name, ()) if k in index.fronts}
+    were done. Frontends in ``keep_fronts`` belong to another service and are never removed here.
+
+    Written for speed (a full sync at 10,000 x 10 plans 220,000 writes): key bytes from cached address, port and
+    slot pieces, one concatenation per entry."""
+    keep = set(keep_fronts) if keep_fronts else ()
+    mine = index.owned.get(name)
+    fronts = index.fronts
+    backends = index.backends
+    owned = {k: fronts[k] for k in mine if k in fronts} if mine else {}
     old_ids: dict[tuple[str, int], int] = {}
     for st in owned.values():
         for bid in st.slots:
-            be = index.backends.get(bid)
+            be = backends.get(bid)
             if be is not None:
                 old_ids.setdefault((be[0], be[1]), bid)
     if new is None:
         for k, st in owned.items():
-            if k in keep:
-                continue
-            for slot in range(len(st.slots), -1, -1):
-                plan.svc_del.append(maps.lb_key(fam, k[0], k[1], k[2], slot))
-            index.drop_front(k)
+            if k not in keep:
+                _remove_front(plan, index, k, st)
         for bid in set(old_ids.values()):
-            plan.be_del.append(maps.backend_key(bid))
-            index.backends.pop(bid, None)
+            plan.be_del.append(_ID.pack(bid))
+            backends.pop(bid, None)
             index.free_backends.append(bid)
         rev = index.rev_ids.pop(name, None)
         if rev is not None:
@@ -464,10 +501,12 @@ def plan_service(
         index.rev_names[rev] = text
         plan.name_put[maps.name_key(rev)] = maps.name_value(text)
     ids: dict[tuple[str, int], int] = {}
-    backends = index.backends
     be_put = plan.be_put
     free = index.free_backends
     nb = index.next_backend
+    addr_cache = _ADDR_CACHE
+    port_bytes = _PORT
+    pack_id = _ID.pack
     for f in new.frontends:
         tail2 = bytes((f.proto, 0))
         for b in f.backends:
@@ -480,61 +519,70 @@ def plan_service(
                 else:
                     known = nb
                     nb += 1
-                backends[known] = (b[0], b[1], f.proto)
-                be_put[_ID.pack(known)] = _addr(b[0]) + _PORT[b[1]] + tail2
+                a = b[0]
+                backends[known] = (a, b[1], f.proto)
+                raw = addr_cache.get(a)
+                if raw is None:
+                    raw = _addr(a)
+                be_put[pack_id(known)] = raw + port_bytes[b[1]] + tail2
             ids[b] = known
     index.next_backend = nb
-    wanted = {f.key for f in new.frontends}
     slot_put = plan.slot_put
     pack_slot = _SLOT_VALUE.pack
     for f in new.frontends:
         key = f.key
-        cur = index.fronts.get(key)
+        cur = fronts.get(key)
         slots = tuple([ids[b] for b in f.backends])
         master = Master(len(slots), f.flags, f.affinity, rev)
         old_slots = cur.slots if cur is not None else ()
-        # key bytes: address . port (network order), slot (host order), protocol, padding
-        head = _addr(f.address) + _PORT[f.port]
-        tail = bytes((f.proto, 0, 0, 0))
+        # key bytes: address . port (network order), then slot (host order), protocol, padding
+        head = _addr(f.address) + port_bytes[f.port]
+        tails = _key_tails(f.proto)
         n_old = len(old_slots)
         if n_old == 0:
             for i, bid in enumerate(slots, start=1):
-                slot_put[head + _SLOT[i] + tail] = pack_slot(bid)
+                slot_put[head + tails[i]] = pack_slot(bid)
         else:
             for i, bid in enumerate(slots, start=1):
                 if i > n_old or old_slots[i - 1] != bid:
-                    slot_put[head + _SLOT[i] + tail] = pack_slot(bid)
+                    slot_put[head + tails[i]] = pack_slot(bid)
         if cur is None or cur.master != master:
-            plan.master_put[head + _SLOT[0] + tail] = maps.master_value(master)
+            plan.master_put[head + tails[0]] = maps.master_value(master)
         for i in range(n_old, len(slots), -1):
-            plan.svc_del.append(head + _SLOT[i] + tail)
+            plan.svc_del.append(head + tails[i])
         index.put_front(key, FrontState(name, master, slots))
-    for k, st in owned.items():
-        if k in wanted or k in keep:
-            continue
-        for slot in range(len(st.slots), -1, -1):
-            plan.svc_del.append(maps.lb_key(fam, k[0], k[1], k[2], slot))
-        index.drop_front(k)
-    used = set(ids.values())
-    for bid in set(old_ids.values()) - used:
-        plan.be_del.append(maps.backend_key(bid))
-        index.backends.pop(bid, None)
-        index.free_backends.append(bid)
+    if owned:
+        wanted = {f.key for f in new.frontends}
+        for k, st in owned.items():
+            if k not in wanted and k not in keep:
+                _remove_front(plan, index, k, st)
+        used = set(ids.values())
+        for bid in set(old_ids.values()) - used:
+            plan.be_del.append(_ID.pack(bid))
+            backends.pop(bid, None)
+            index.free_backends.append(bid)
 
 
 def finish_plan(plan: Plan) -> None:
-    """A key both written and deleted in one plan (a frontend that moved between services) is only written."""
-    written = set(plan.slot_put) | set(plan.master_put)
-    plan.svc_del = [k for k in dict.fromkeys(plan.svc_del) if k not in written]
-    be_written = set(plan.be_put)
-    plan.be_del = [k for k in dict.fromkeys(plan.be_del) if k not in be_written]
-    names_written = set(plan.name_put)
-    plan.name_del = [k for k in dict.fromkeys(plan.name_del) if k not in names_written]
+    """A key both written and deleted in one plan (a frontend that moved between services) is only written (drained
+    phases included)."""
+    parts = [plan, *plan.drained]
+    if plan.svc_del:
+        plan.svc_del = [
+            k for k in dict.fromkeys(plan.svc_del) if not any(k in p.slot_put or k in p.master_put for p in parts)
+        ]
+    if plan.be_del:
+        plan.be_del = [k for k in dict.fromkeys(plan.be_del) if not any(k in p.be_put for p in parts)]
+    if plan.name_del:
+        plan.name_del = [k for k in dict.fromkeys(plan.name_del) if not any(k in p.name_put for p in parts)]
 
 
 def service_key(name: ServicePortName) -> str:
-    """``ns/name[:port]/PROTO``, as ``kproxy.ledger.service_key`` spells it (the names map holds it)."""
-    return f"{name}/{name.protocol.value}"
+    """``ns/name[:port]/PROTO``, as ``kproxy.ledger.service_key`` spells it (the names map holds it). Spelled out
+    (no ``str(name)``, no enum ``.value`` property): three calls per service in a full sync."""
+    p = name.port
+    proto = name.protocol._value_
+    return f"{name.namespace}/{name.name}:{p}/{proto}" if p else f"{name.namespace}/{name.name}/{proto}"
 
 
 def decoded(fragment: Fragment) -> dict[tuple[str, int, int], tuple[int, int, tuple[tuple[str, int], ...]]]:
@@ -593,23 +641,29 @@ def index_from_raw(
     v4 = family == IPFamily.V4
     index = FamilyIndex(family)
     texts: dict[bytes, str] = {}
+    addr_text = maps.addr_text
 
     def text(a: bytes) -> str:
         t = texts.get(a)
         if t is None:
-            t = texts[a] = maps.addr_text(a)
+            t = texts[a] = addr_text(a)
         return t
 
     for (rev,), (nm,) in zip(
         maps.NAME_KEY.iter_unpack(name_raw[0]), maps.NAME_VAL.iter_unpack(name_raw[1]), strict=True
     ):
         index.rev_names[rev] = nm.split(b"\0", 1)[0].decode(errors="replace")
-    be_fmt = maps.LB4_BACKEND if v4 else maps.LB6_BACKEND
     backends = index.backends
-    for (bid,), (a, p, proto, _flags) in zip(
-        maps.BACKEND_ID.iter_unpack(be_raw[0]), be_fmt.iter_unpack(be_raw[1]), strict=True
-    ):
-        backends[bid] = (text(a), int.from_bytes(p, "big"), proto)
+    be_ap: dict[int, tuple[str, int]] = {}  # backend id -> (address, port), as the view holds them
+    be_ids = array.array("I")
+    be_ids.frombytes(be_raw[0])
+    be_dec = _BE4_DECODE if v4 else _BE6_DECODE
+    for bid, (a, p, proto) in zip(be_ids, be_dec.iter_unpack(be_raw[1]), strict=True):
+        t = texts.get(a)
+        if t is None:
+            t = texts[a] = addr_text(a)
+        backends[bid] = (t, p, proto)
+        be_ap[bid] = (t, p)
     # keyed by the raw address . port bytes and protocol while reading: only masters are decoded to text
     key_fmt = _RAW_KEY4 if v4 else _RAW_KEY6
     raw_masters: dict[tuple[bytes, int], Master] = {}
@@ -633,15 +687,22 @@ def index_from_raw(
     slots = {fkey(rk): sl for rk, sl in raw_slots.items()}
     view: View = {}
     empty: dict[int, int] = {}
+    unknown = ("?", 0)
+    by_rev = index.by_rev
+    fronts = index.fronts
     for fk, m in masters.items():
         sl = slots.get(fk, empty)
-        ids = tuple([sl.get(i, 0) for i in range(1, m.count + 1)])
-        bes = tuple([(backends[i][0], backends[i][1]) if i in backends else ("?", 0) for i in ids])
-        view[fk] = (m.flags, m.affinity, bes, m.rev_nat_id)
-        index.by_rev.setdefault(m.rev_nat_id, []).append(fk)
-        if len(sl) > m.count:  # slots beyond the count (a half-finished shrink): kept so a rewrite deletes them
-            ids += tuple(sl[s] for s in range(m.count + 1, max(sl) + 1) if s in sl)
-        index.fronts[fk] = FrontState(None, m, ids)
+        count = m.count
+        ids = tuple([sl.get(i, 0) for i in range(1, count + 1)])
+        view[fk] = (m.flags, m.affinity, tuple([be_ap.get(i, unknown) for i in ids]), m.rev_nat_id)
+        got_rev = by_rev.get(m.rev_nat_id)
+        if got_rev is None:
+            by_rev[m.rev_nat_id] = [fk]
+        else:
+            got_rev.append(fk)
+        if len(sl) > count:  # slots beyond the count (a half-finished shrink): kept so a rewrite deletes them
+            ids += tuple(sl[s] for s in range(count + 1, max(sl) + 1) if s in sl)
+        fronts[fk] = FrontState(None, m, ids)
     for fk, sl in slots.items():
         if fk not in masters:  # orphan slots without a master: owned by nobody, removed on the next full sync
             index.fronts[fk] = FrontState(None, Master(0, 0, 0, 0), tuple(sl[s] for s in sorted(sl)))
