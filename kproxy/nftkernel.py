@@ -29,6 +29,7 @@ import ctypes
 import json
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -211,6 +212,35 @@ class Nft:
         except ValueError as exc:
             return None, f"unreadable JSON from libnftables: {exc}"
         return [o for o in data.get("nftables", []) if "metainfo" not in o], ""
+
+    def rule_comments(self, family: str, table: str) -> tuple[dict[str, list[str | None]] | None, str]:
+        """Every rule of ``table`` (family ``ip`` or ``ip6``), chain -> the rules' comments in order (None for a rule
+        without one), or (None, error). Read with one netlink rule dump (pyroute2), where the namespace's context
+        lives: libnftables' ``list chain`` fetches every set element of the table first (seconds at 10,000
+        services), a rule dump carries no elements (~2 ms). Chains without rules are not in the answer."""
+
+        def go() -> dict[str, list[str | None]]:
+            from pyroute2.nftables.main import NFTables
+
+            nl = NFTables(nfgen_family=socket.AF_INET6 if family == "ip6" else socket.AF_INET)
+            try:
+                out: dict[str, list[str | None]] = {}
+                for msg in nl.get_rules():
+                    if msg.get_attr("NFTA_RULE_TABLE") != table:
+                        continue
+                    data = msg.get_attr("NFTA_RULE_USERDATA")
+                    comment = data.decode(errors="replace") if isinstance(data, bytes) else data
+                    out.setdefault(str(msg.get_attr("NFTA_RULE_CHAIN")), []).append(
+                        comment if isinstance(comment, str) else None
+                    )
+                return out
+            finally:
+                nl.close()
+
+        try:
+            return self.call(go), ""
+        except Exception as exc:  # noqa: BLE001 - any failure of the read is reported as the read's error
+            return None, f"netlink rule dump of {family} {table}: {type(exc).__name__}: {exc}"
 
     def close(self) -> None:
         self._closed = True

@@ -60,8 +60,11 @@ alone, 440 MB for the whole process, against ~190 MB in chunks of 10,000 (230 MB
 no time difference above this machine's noise); each chunk is applied in the
 libnftables thread (it releases the GIL) while the next is built. A table being replaced (another layout, or
 unreadable) is always one transaction. A
-full sync (start, after a failure, periodically, or when the table vanished: a set is probed at most once a
-second at the start of partial syncs) adopts first: it reads chain names and the small maps (``service-ips``,
+full sync (start, after a failure, periodically, or when the table vanished or was flushed: the fixed chains'
+rules are checked at most once a second at the start of partial syncs) adopts first: it reads chain names, every
+chain's rules by the comment kproxy writes on each (a digest of the rule: one netlink rule dump, no set elements, ~2
+ms; a rule deleted, added or replaced by hand, or a flushed table, is seen and rewritten), and the small maps
+(``service-ips``,
 ``service-nodeports``, firewall, hairpin, context sets), never the 100,000-slot maps (listing the whole table takes
 4-6 s at 10k x 10; ``nft list tables`` and ``list chain`` fetch all of it too in nft 1.0.6). A service whose entries
 and digest match is left alone, so a restart with nothing changed writes nothing; a changed or vanished service's

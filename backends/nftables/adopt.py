@@ -2,7 +2,9 @@
 
 Listing the whole table at 10,000 services x 10 endpoints takes 4-6 s (libnftables formats every element of the
 100,000-element ``backends`` map), and ``nft list chain`` or ``list tables`` fetch the whole table too (nft 1.0.6).
-So adoption reads only what is small: chain names (``list chains``), the ``service-ips`` and ``service-nodeports``
+So adoption reads only what is small: chain names (``list chains``), every chain's rules by the comment kproxy
+writes on each (``render.rule_tag``; one netlink rule dump, which carries no set elements: a deleted rule, a flushed
+chain or table and a rule added by hand are seen), the ``service-ips`` and ``service-nodeports``
 maps (one element per service address, each commented ``<service key> #<fragment digest>``), the firewall and
 hairpin sets and the three context sets. A service whose entries and digest equal the new fragment's is unchanged;
 for any other, the keys of its big-map elements follow from its entries (an entry's verdict names the shared chain,
@@ -14,7 +16,7 @@ Who uses it: ``backends.nftables.proxier`` (``adopt``, ``kernel_view``).
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,8 @@ from kproxy.model import IPFamily, ServicePortName
 from kproxy.nftkernel import Nft
 
 from . import render
+
+Tags = tuple[str | None, ...]  # the comments of a chain's rules, in order (None: a rule without one)
 
 
 @dataclass(slots=True)
@@ -75,6 +79,7 @@ class Adopted:
     layout_ok: bool = False
     services: dict[str, Service] = field(default_factory=dict)
     chains: set[str] = field(default_factory=set)
+    rules: dict[str, Tags] = field(default_factory=dict)  # chain -> its rules' comments (render.rule_tag)
     sets: set[str] = field(default_factory=set)
     hairpin: set[str] = field(default_factory=set)
     context: dict[str, tuple[tuple[int, int], ...] | tuple[str, ...]] = field(default_factory=dict)
@@ -93,9 +98,13 @@ class Adopted:
     def service_sets(self, sid: str) -> list[str]:
         return [s for s in self.sets if s.startswith(f"aff-{sid}-")]
 
+    def chains_hold(self, frag: render.Fragment) -> bool:
+        """Whether the kernel holds every per-service chain of ``frag`` with exactly its rules."""
+        return all(self.rules.get(name, ()) == tags(rules) for name, rules in frag.chains)
+
     def unchanged(self, frag: render.Fragment) -> bool:
         svc = self.services.get(frag.comment)
-        if svc is None or not svc.digests_agree or svc.digest != frag.digest:
+        if svc is None or not svc.digests_agree or svc.digest != frag.digest or not self.chains_hold(frag):
             return False
         return svc.entries == {(m, k): v for m, k, v in frag.entries}
 
@@ -215,7 +224,12 @@ def read(nft: Nft, family: IPFamily, layout_chain: str) -> tuple[Adopted | None,
         out.layout_ok = False
         return out, ""
     out.table = True
-    out.layout_ok = layout_chain in out.chains and all(c in out.chains for c in render.FIXED_CHAINS)
+    rules, err = read_rules(nft, family)
+    if rules is None:
+        return None, err
+    out.rules = rules
+    # the fixed chains' rules, not only their names: a flushed table keeps chains, sets and elements, and nothing works
+    out.layout_ok = layout_chain in out.chains and not fixed_problems(family, rules)
     if not out.layout_ok:
         return out, ""
     for name in (render.SERVICE_IPS, render.SERVICE_NODEPORTS):
@@ -252,6 +266,41 @@ def read(nft: Nft, family: IPFamily, layout_chain: str) -> tuple[Adopted | None,
     # endpoint chains instead (ep-<id>-<ep>-<timeout> uses aff-<id>-<ep>-<timeout>)
     out.sets = {"aff-" + c[3:] for c in out.chains if c.startswith("ep-")}
     return out, ""
+
+
+def tags(rules: Sequence[str]) -> Tags:
+    """The comments kproxy writes on ``rules`` (``render.rule_tag``): what a chain holding them exactly reads back."""
+    return tuple(render.rule_tag(r) for r in rules)
+
+
+def read_rules(nft: Nft, family: IPFamily) -> tuple[dict[str, Tags] | None, str]:
+    """Chain -> the comments of its rules, in order, for kproxy's table (chains without rules are absent)."""
+    got, err = nft.rule_comments(render.nft_family(family), render.TABLE)
+    if got is None:
+        return None, err
+    return {chain: tuple(found) for chain, found in got.items()}, ""
+
+
+def fixed_problems(family: IPFamily, rules: Mapping[str, Tags]) -> list[str]:
+    """How the fixed chains' rules in the kernel differ from the layout's ([] when they are exactly it)."""
+    out: list[str] = []
+    for chain, wanted in render.fixed_chain_rules(family).items():
+        held = rules.get(chain, ())
+        if held != tags(wanted):
+            out.append(
+                f"chain {chain} holds {len(held)} of its {len(wanted)} rules"
+                if len(held) != len(wanted)
+                else f"chain {chain}: its rules differ"
+            )
+    return out
+
+
+def shared_ok(name: str, family: IPFamily, rules: Mapping[str, Tags]) -> bool:
+    """Whether the kernel holds shared chain ``name`` with exactly the rules its name stands for."""
+    try:
+        return rules.get(name, ()) == tags(render.shared_chain_rules(name, family))
+    except ValueError:
+        return False
 
 
 def wanted_context(ctx_elements: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:

@@ -77,10 +77,14 @@ class _Chunk:
 
 @dataclass(slots=True)
 class _TableView:
-    """What ``verify`` read: every map and set of the table (name -> key -> value) and the chain names."""
+    """What ``verify`` read: every map and set of the table (name -> key -> value), the chain names, the comments of
+    every chain's rules (``render.rule_tag``) and how the fixed chains differ from the layout."""
 
+    family: IPFamily = IPFamily.V4
     maps: dict[str, dict[str, str]] = field(default_factory=dict)
     chains: set[str] = field(default_factory=set)
+    rules: dict[str, adopt_mod.Tags] = field(default_factory=dict)
+    fixed: list[str] = field(default_factory=list)
     error: str | None = None
 
 
@@ -168,6 +172,11 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             self._nft = Nft(self.netns)
         return self._nft
 
+    def start(self) -> None:
+        # the netlink rule reads (adoption, the check before partial syncs) import pyroute2's nftables part: ~0.1 s
+        # once, paid here rather than inside the first sync that checks
+        import pyroute2.nftables.main  # noqa: F401
+
     def close(self) -> None:
         if self._nft is not None:
             self._nft.close()
@@ -218,9 +227,16 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         if now - self._checked.get(family, float("-inf")) < CHECK_INTERVAL:
             return False
         self._checked[family] = now
-        fam = render.nft_family(family)
-        objs, _ = self.nft.read(f"list set {fam} {render.TABLE} {render.LOCAL_CIDRS}")
-        if objs is None:
+        # the fixed chains' rules, read by their comments over netlink (no set elements: ~2 ms): a deleted table
+        # has none, and so has a flushed one (its chains, maps and elements stay, and nothing is reached)
+        rules, _ = adopt_mod.read_rules(self.nft, family)
+        problems = adopt_mod.fixed_problems(family, rules) if rules is not None else ["unreadable"]
+        if problems:
+            log.warning(
+                "%s: kproxy's nftables table was changed by someone else (%s): full resync",
+                family.value,
+                "; ".join(problems[:3]),
+            )
             self._kernel[family] = _KernelState()
             return True
         return False
@@ -232,7 +248,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         trusts the digests in the entry comments, ``verify`` compares every element, slots included."""
         fam = render.nft_family(family)
         objs, err = self.nft.read(f"list table {fam} {render.TABLE}")
-        view = _TableView()
+        view = _TableView(family)
         if objs is None:
             if "No such file" in err or "does not exist" in err:
                 return view  # no table: everything wanted is missing
@@ -245,6 +261,12 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             chain = obj.get("chain")
             if chain is not None and chain.get("table") == render.TABLE:
                 view.chains.add(chain["name"])
+        rules, err = adopt_mod.read_rules(self.nft, family)
+        if rules is None:
+            view.error = err
+            return view
+        view.rules = rules
+        view.fixed = adopt_mod.fixed_problems(family, rules)
         return view
 
     def verify_service(self, view: Any, name: ServicePortName, fragment: Fragment) -> str | None:
@@ -261,11 +283,19 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
                 found += 1
                 if held != value:
                     problems.append(f"{m}: {key} is {held!r}, wanted {value!r}")
-        for chain, _rules in fragment.chains:
-            if chain in view.chains:
-                found += 1
-            else:
+        for chain, rules in fragment.chains:
+            if chain not in view.chains:
                 problems.append(f"chain {chain} missing")
+            elif (kept := view.rules.get(chain, ())) != adopt_mod.tags(rules):
+                problems.append(f"chain {chain}: {len(kept)} rules held, {len(rules)} wanted, or others")
+            else:
+                found += 1
+        for chain in _with_deps(fragment.shared):
+            if chain not in view.chains:
+                problems.append(f"shared chain {chain} missing")
+            elif not adopt_mod.shared_ok(chain, view.family, view.rules):
+                problems.append(f"shared chain {chain}: its rules differ")
+        problems += view.fixed  # every service goes through the fixed chains
         hairpin = view.maps.get(render.HAIRPIN, {})
         problems += [f"{render.HAIRPIN}: {key} missing" for key in fragment.hairpin if key not in hairpin]
         if not problems:
@@ -470,6 +500,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         tx = render.Transaction(fam)
         known: _KernelState | None = scratch.get("kernel")  # after chunks of an earlier round committed
         replace = False
+        damaged: set[str] = set()
         if known is not None:
             present_shared, present_hairpin, present_context = known.shared, known.hairpin, known.context or {}
         elif adopted is None or not adopted.table or not adopted.layout_ok:
@@ -483,6 +514,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             present_shared, present_hairpin, present_context = set(), set(), {}
         else:
             present_shared = {c for c in adopted.chains if render.is_shared_chain(c)}
+            # a shared chain whose rules were changed by hand is written again (flushed first)
+            damaged = {c for c in present_shared if not adopt_mod.shared_ok(c, fam, adopted.rules)}
             present_hairpin = set(adopted.hairpin)
             present_context = dict(adopted.context)
         if known is None and adopted is not None and scratch.get("fresh"):
@@ -498,8 +531,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         refs = Counter(s for f in batch.wanted.values() for s in set(_with_deps(f.shared)))
         needed_shared = set(refs)
         needed_hairpin = {h for f in batch.wanted.values() for h in f.hairpin}
-        for name in _ordered(needed_shared - present_shared):
-            tx.add_shared_chain(name)
+        for name in _ordered(needed_shared - (present_shared - damaged)):
+            tx.add_shared_chain(name, exists=name in present_shared)
         _hairpin(tx, needed_hairpin - present_hairpin, set())
         both_shared = present_shared | needed_shared
         both_hairpin = present_hairpin | needed_hairpin
@@ -534,6 +567,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
                 and svc.digests_agree
                 and svc.digest == d.old_fragment.digest
                 and svc.entries == {(m, k): v for m, k, v in d.old_fragment.entries}
+                and adopted.chains_hold(d.old_fragment)
             ):  # the kernel holds the old version whole (an entry deleted by hand leaves the digest in the others)
                 render.change_service(tx, d.name, d.old_fragment, d.new_fragment)
             else:

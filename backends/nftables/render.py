@@ -228,6 +228,17 @@ def layout_chain(family: IPFamily) -> str:
     return "layout-" + short_hash(text, 10)
 
 
+def rule_tag(rule: str) -> str:
+    """The comment kproxy writes on a rule: a digest of its text. Adoption and ``verify`` read the comments back over
+    netlink (no set elements fetched, unlike any ``nft list``), so a rule deleted, added or replaced by hand, or a
+    flushed chain, is seen without parsing nft's printed rules."""
+    return "k" + short_hash(rule, 10)
+
+
+def _rule(fam: str, chain: str, rule: str) -> str:
+    return f'add rule {fam} {TABLE} {chain} {rule} comment "{rule_tag(rule)}"'
+
+
 def fixed_commands(family: IPFamily, *, chains: Iterable[str] | None = None, declare: bool = True) -> list[str]:
     """Commands that create the table, its maps and sets, and (re)write the fixed chains named in ``chains`` (None:
     all). ``add`` of an existing table, map or chain changes nothing, so this is safe on a loaded table."""
@@ -246,7 +257,7 @@ def fixed_commands(family: IPFamily, *, chains: Iterable[str] | None = None, dec
             out.append(f"add chain {fam} {TABLE} {chain}" + (f" {{ {base} }}" if base else ""))
     for chain in todo:
         out.append(f"flush chain {fam} {TABLE} {chain}")
-        out.extend(f"add rule {fam} {TABLE} {chain} {r}" for r in rules[chain])
+        out.extend(_rule(fam, chain, r) for r in rules[chain])
     return out
 
 
@@ -743,10 +754,14 @@ class Transaction:
             self.deletes.setdefault(m, []).append((k, owner))
             self.elements_deleted += 1
 
-    def add_shared_chain(self, name: str) -> None:
+    def add_shared_chain(self, name: str, *, exists: bool = False) -> None:
+        """Declare and fill a shared chain; ``exists``: the kernel holds it with other rules (edited by hand), which
+        are flushed first."""
         fam = self.fam
         self.declare.append((f"add chain {fam} {TABLE} {name}", None))
-        self.fill.extend((f"add rule {fam} {TABLE} {name} {r}", None) for r in shared_chain_rules(name, self.family))
+        if exists:
+            self.fill.append((f"flush chain {fam} {TABLE} {name}", None))
+        self.fill.extend((_rule(fam, name, r), None) for r in shared_chain_rules(name, self.family))
 
     def delete_chain(self, name: str, owner: ServicePortName | None) -> None:
         fam = self.fam
@@ -757,7 +772,7 @@ class Transaction:
         self.declare.append((f"add chain {fam} {TABLE} {name}", owner))
         if exists:
             self.fill.append((f"flush chain {fam} {TABLE} {name}", owner))
-        self.fill.extend((f"add rule {fam} {TABLE} {name} {r}", owner) for r in rules)
+        self.fill.extend((_rule(fam, name, r), owner) for r in rules)
 
     def flush_chain(self, name: str, owner: ServicePortName | None) -> None:
         """Emptied before anything is deleted (a removed service's chains jump to each other)."""

@@ -1,19 +1,20 @@
 """``verify`` on the nftables mode: the whole table read back (slot elements included, which adoption's digests do
-not look at) and diffed against what the state wants. It must find a map element changed by hand, an entry deleted
-by hand, a stray element, a table someone deleted, a rule deleted by hand and a table someone flushed (these two: an
-expected failure until the mode reads rules back), and say nothing once a full sync repaired them (real kernel
-state, in a namespace of the test's own)."""
+not look at; every chain's rules by their comments) and diffed against what the state wants. It must find a map
+element changed by hand, an entry deleted by hand, a stray element, a table someone deleted, a rule deleted by hand
+and a table someone flushed, and say nothing once a full sync repaired them (real kernel state, in a namespace of
+the test's own)."""
 
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator
 from types import MappingProxyType
 
 import pytest
 
 from kproxy.backends.nftables import render
-from kproxy.backends.nftables.proxier import NftablesProxier
+from kproxy.backends.nftables.proxier import CHECK_INTERVAL, NftablesProxier
 from kproxy.config import ProxyConfig
 from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
 
@@ -94,12 +95,6 @@ def test_verify_finds_hand_made_drift_and_a_full_sync_repairs_it(netns: str) -> 
         p.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the nftables mode's verify reads chain names, never their rules (NftablesProxier.verify_view/_TableView), "
-    "and adoption's layout_ok checks chain names only (adopt.read): a deleted rule or a flushed table (rules gone, "
-    "maps and chains left) shows no drift and no full sync repairs it; reported to the lead",
-)
 def test_verify_finds_a_deleted_rule_and_a_flushed_table(netns: str) -> None:
     p = NftablesProxier(ProxyConfig(cluster_cidrs=("198.18.0.0/16",), ip_families=(IPFamily.V4,)), netns=netns)
     try:
@@ -127,5 +122,20 @@ def test_verify_finds_a_deleted_rule_and_a_flushed_table(netns: str) -> None:
             capture_output=True, text=True, check=True, timeout=30,
         ).stdout  # fmt: skip
         assert "vmap @service-ips" in rules, rules
+    finally:
+        p.close()
+
+
+def test_a_partial_sync_notices_a_flushed_table_and_repairs_it(netns: str) -> None:
+    """The check before a partial sync (at most every CHECK_INTERVAL) reads the fixed chains' rules by their comments:
+    a flushed table (chains, maps and elements left, no rule) makes that sync a full one, which writes it again."""
+    p = NftablesProxier(ProxyConfig(cluster_cidrs=("198.18.0.0/16",), ip_families=(IPFamily.V4,)), netns=netns)
+    try:
+        assert p.sync(STATE, Changes(full=True)).ok
+        nft(netns, f"flush table ip {render.TABLE}")
+        time.sleep(CHECK_INTERVAL + 0.1)
+        res = p.sync(STATE, Changes(full=False, services=frozenset({A})))
+        assert res.ok and res.counts.get("IPv4/full") == 1, res
+        assert p.verify(STATE)["drift"] == 0
     finally:
         p.close()

@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[2] / "kproxy"
 TABLE = ROOT / "proxier.py"
 # Not mode names: the KubeProxyConfiguration file format has a section called "iptables" (masqueradeAll,
 # masqueradeBit, syncPeriod), which kproxy reads and writes as upstream does whatever the mode.
-# And the machine facts of ``kproxy compare`` name the iptables tool's version, whatever modes ran.
-ALLOWED = {("config.py", "iptables"), ("compare.py", "iptables")}
+# And the machine facts of ``kproxy compare`` name the iptables tool's version, whatever modes ran; libnftables'
+# JSON output is a document whose top key is "nftables" (nftkernel.py reads it for every mode that uses nft).
+ALLOWED = {("config.py", "iptables"), ("compare.py", "iptables"), ("nftkernel.py", "nftables")}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
