@@ -218,6 +218,37 @@ def test_cli_registers() -> None:
     assert args.minutes == 0.5 and args.faults == "none,flush" and args.lab_prefix == "kps-"
 
 
+def test_mode_all_goes_on_after_a_mode_that_cannot_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """``make soak`` (``--mode all``): one mode whose lab cannot start must not cost the other modes' reports."""
+    import json
+
+    import kproxy.proxier
+    import kproxy.soak.run as run_mod
+
+    class FakeSoak:
+        def __init__(self, opts: Any, progress: Any = None) -> None:
+            self.mode = opts.mode
+
+        def run(self) -> dict[str, Any]:
+            if self.mode == "broken":
+                raise run_mod.SoakError("the lab did not come up")
+            return {"mode": self.mode, "ok": True}
+
+    monkeypatch.setattr(kproxy.proxier, "available_backends", lambda: {"broken": None, "fine": None})
+    monkeypatch.setattr(run_mod, "Soak", FakeSoak)
+    monkeypatch.setattr(run_mod, "render", lambda report: f"table of {report['mode']}")
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    out = tmp_path / "soak.json"
+    args = parser.parse_args(["soak", "--mode", "all", "--json", str(out)])
+    assert args.func(args) == 2
+    reports = json.loads(out.read_text())
+    assert reports["fine"]["ok"] is True
+    assert reports["broken"] == {"mode": "broken", "ok": False, "error": "the lab did not come up"}
+    args = parser.parse_args(["soak", "--mode", "broken"])
+    assert args.func(args) == 2
+
+
 def test_soak_options_are_checked() -> None:
     from kproxy.soak.run import Soak, SoakError, SoakOptions
 
