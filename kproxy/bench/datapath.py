@@ -53,6 +53,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import select
 import signal
 import statistics
@@ -176,10 +177,10 @@ class DatapathConfig:
         return {
             **asdict(self),
             "conntrack_limits_detail": {
-                "limit_ct": "the limit's path with conntrack on in nodes 3 and 4 (an inet filter prerouting chain"
-                " with 'ct state established accept'), loaded just before its measurement, deleted after",
-                "limit_nat": "the limit's path with nat base chains (prerouting, output, postrouting) in nodes 3"
-                " and 4 and one DNAT rule that never matches: conntrack, the nat hooks and a null binding per"
+                "limit_ct": "pod-5-1 -> pod-6-1 on nodes 5 and 6, whose only rule turns conntrack on (an inet"
+                " filter prerouting chain with 'ct state established accept')",
+                "limit_nat": "pod-7-1 -> pod-8-1 on nodes 7 and 8, with nat base chains (prerouting, output,"
+                " postrouting) and one DNAT rule that never matches: conntrack, the nat hooks and a null binding per"
                 " connection, as every NAT-based proxy has (empty nat chains alone do not turn conntrack on)",
             }
             if self.conntrack_limits
@@ -187,6 +188,10 @@ class DatapathConfig:
             "pinning": f"clients taskset -c {CLIENT_CPU}; echo servers and iperf3 -s taskset -c {SERVER_CPU}",
             "limit": "pod-3-1 -> pod-4-1 on nodes 3 and 4, which never run a proxy",
             "client_close": "RST (SO_LINGER 0)",
+            "interleaving": "each round's connection, request/response and UDP phases run every target in turn, one"
+            " operation each, from one client (sockets made in each target's client pod); rates are operations over"
+            " their own time, the slowest 1 % left out (preemption); target order shuffled per round; iperf3 per"
+            " target after them",
         }
 
 
@@ -439,15 +444,20 @@ class DatapathLab:
                 f"a lab with prefix {self.config.prefix!r} is running: take it down first (kproxy lab --prefix"
                 f" {self.config.prefix} down), or use another --lab-prefix"
             )
-        self.progress(f"lab up ({self.config.prefix}: 4 nodes, 1 pod each)")
-        self.lab = Lab.up(nodes=4, pods_per_node=1, mode=None, ipv6=False, prefix=self.config.prefix, timeout=90)
+        nodes = 8 if self.config.conntrack_limits else 4
+        self.progress(f"lab up ({self.config.prefix}: {nodes} nodes, 1 pod each)")
+        self.lab = Lab.up(nodes=nodes, pods_per_node=1, mode=None, ipv6=False, prefix=self.config.prefix, timeout=120)
         lab = self.lab
         # the limit is only a limit if nothing in its nodes hooks netfilter; the loaded nodes start as bare (and are
         # returned to that after each mode: stop_mode)
-        for node in [*self.limit_nodes, *self.loaded_nodes]:
+        for node in lab.nodes:
             if self.tables(node.ns):
                 raise DatapathError(f"{node.name} has nftables tables before any proxy ran: {self.tables(node.ns)}")
-        for pod in (self.server_pod, self.limit_server_pod):
+        for target in CONNTRACK_LIMITS if self.config.conntrack_limits else ():
+            for node in self.path_nodes(target):  # for the whole run: these nodes are that limit's
+                self._nft(node.ns, DIAG_RULESETS[target])
+        for target in ("podip", *LIMIT_TARGETS[: 3 if self.config.conntrack_limits else 1]):
+            pod = self.server_of(target)
             self._pin_echo(pod)
             self._start_iperf(pod)
         ApiWriter(lab.api_url).create_all(target_objects(self.server_pod))
@@ -514,29 +524,23 @@ class DatapathLab:
     def limit_nodes(self) -> list[Any]:
         return [self._lab.node("node-3"), self._lab.node("node-4")]
 
+    #: the node pair of each target: the loaded nodes for the pod IP and the ClusterIP, a pair of its own for each limit
+    PAIRS = {"podip": (1, 2), "clusterip": (1, 2), "limit": (3, 4), "limit_ct": (5, 6), "limit_nat": (7, 8)}
+
     def path_nodes(self, target: str) -> list[Any]:
         """The two nodes a target's traffic crosses (client's, server's)."""
-        return self.limit_nodes if target in LIMIT_TARGETS else self.loaded_nodes
+        return [self._lab.node(f"node-{i}") for i in self.PAIRS[target]]
+
+    def client_of(self, target: str) -> LabPod:
+        return self._lab.pod(f"pod-{self.PAIRS[target][0]}-1")
+
+    def server_of(self, target: str) -> LabPod:
+        return self._lab.pod(f"pod-{self.PAIRS[target][1]}-1")
 
     def _nft(self, ns: str, text: str) -> None:
         res = self._lab.exec(ns, ["nft", "-f", "-"], input=text.encode(), timeout=30)
         if res.returncode != 0:
             raise DatapathError(f"nft in {ns}: {res.stderr.decode(errors='replace')[-300:]}")
-
-    def load_diag(self, target: str) -> None:
-        """Load the diagnostic limit's table into nodes 3 and 4 (replacing one left by an interrupted round)."""
-        for node in self.limit_nodes:
-            self.drop_diag(node.ns)
-            self._nft(node.ns, DIAG_RULESETS[target])
-
-    def drop_diag(self, ns: str | None = None) -> None:
-        """Delete the diagnostic tables (both families) from one limit node, or from both, and flush the entries they
-        made: the plain limit then starts from an empty table, and its count after a round (0) shows that nothing
-        tracks its connections."""
-        for n in [ns] if ns else [x.ns for x in self.limit_nodes]:
-            for fam in ("inet", "ip"):
-                self._lab.exec(n, ["nft", "delete", "table", fam, DIAG_TABLE], timeout=30)
-            self._lab.exec(n, ["conntrack", "-F"], timeout=30)
 
     def conntrack_count(self, ns: str) -> float | None:
         """Connections conntrack tracks in a node's namespace now (None: conntrack is not loaded at all)."""
@@ -755,26 +759,85 @@ class DatapathLab:
         raise DatapathError(f"iperf3 in {pod.name} -> {host}: {str(last.get('error') or last)[:300]}")
 
     def endpoints_of(self, target: str) -> tuple[LabPod, str]:
-        if target in LIMIT_TARGETS:
-            return self.limit_client_pod, self.limit_server_pod.ip4
-        if target == "podip":
-            return self.client_pod, self.server_pod.ip4
         if target == "clusterip":
             return self.client_pod, TARGET_CLUSTER_IP
-        raise ValueError(target)
+        return self.client_of(target), self.server_of(target).ip4
+
+    def _multi_client(self) -> subprocess.Popen[str]:
+        """The one ``dpclient --serve`` that measures every target in turn (:func:`dpclient.interleaved`), making
+        each target's sockets in its client pod's namespace. Pinned to the client CPU, in node-1's cgroup: the bpf
+        mode translates a ClusterIP at connect() for sockets of that cgroup (for the other targets its hook is one
+        map lookup that misses; without the bpf mode the cgroup changes nothing)."""
+        proc = self._clients.get("multi")
+        if proc is None or proc.poll() is not None:
+            argv = [*PINNED_CLIENT, sys.executable, "-m", "kproxy.bench.dpclient", "--serve"]
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                bufsize=1,
+                preexec_fn=netns.cgroup_preexec(self._lab.cgroup_path(self.client_pod.node)),
+            )
+            self._clients["multi"] = proc
+        return proc
+
+    def _multi_phase(self, phase: str, targets: Sequence[str]) -> list[dict[str, Any]]:
+        c = self.config
+        spec = []
+        for t in targets:
+            pod, host = self.endpoints_of(t)
+            spec.append({"netns": pod.ns, "host": host, "port": SERVICE_PORT if t == "clusterip" else ECHO_PORT})
+        seconds = c.seconds * len(targets)  # the same operations per target as a phase of its own
+        req = {"phase": phase, "targets": spec, "seconds": seconds, "warmup": 0.05, "timeout": 1.0}
+        line = ""
+        for attempt in range(2):
+            proc = self._multi_client()
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                proc.stdin.write(json.dumps(req) + "\n")
+                proc.stdin.flush()
+                ready, _, _ = select.select([proc.stdout], [], [], 3 * seconds + 30)
+                line = proc.stdout.readline() if ready else ""
+            except OSError:
+                line = ""
+            if line:
+                break
+            proc.kill()
+            proc.wait(timeout=10)
+            self._clients.pop("multi", None)
+            self.client_restarts += 1
+            self.progress(
+                f"the interleaved dpclient gave no answer to {phase} (exit {proc.returncode}); attempt {attempt}"
+            )
+        if not line:
+            raise DatapathError(f"the interleaved dpclient gave no answer to {req}, twice")
+        answer = dict(json.loads(line))
+        if "error" in answer:
+            raise DatapathError(f"the interleaved dpclient, {req}: {answer['error']}")
+        return list(answer["targets"])
+
+    def measure_round(self, targets: Sequence[str]) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
+        """One round over ``targets``: each request/response phase interleaved across all of them (one operation
+        per target in turn), then iperf3 per target in the order given. (figures per target, errors per target)"""
+        client: dict[str, dict[str, Any]] = {t: {} for t in targets}
+        for phase in ("crr", "rr", "udp"):
+            for t, figures in zip(targets, self._multi_phase(phase, targets), strict=True):
+                client[t][phase] = figures
+        out, errors = {}, {}
+        for t in targets:
+            pod, host = self.endpoints_of(t)
+            out[t] = flatten(client[t], self._iperf(pod, host))
+            errors[t] = sum(int(client[t][p].get("errors", 0)) for p in client[t])
+        return out, errors
 
     def measure(self, target: str) -> tuple[dict[str, float], int]:
         """One round against one target: (metric -> value, errors seen)."""
         pod, host = self.endpoints_of(target)
         port = SERVICE_PORT if target == "clusterip" else ECHO_PORT
-        if target in CONNTRACK_LIMITS:
-            self.load_diag(target)
-        try:
-            client = {phase: self._phase(pod, phase, host, port) for phase in ("crr", "rr", "udp")}
-            iperf = self._iperf(pod, host)
-        finally:
-            if target in CONNTRACK_LIMITS:
-                self.drop_diag()
+        client = {phase: self._phase(pod, phase, host, port) for phase in ("crr", "rr", "udp")}
+        iperf = self._iperf(pod, host)
         errors = sum(int(client[p].get("errors", 0)) for p in client)
         return flatten(client, iperf), errors
 
@@ -786,6 +849,16 @@ def targets_for(mode: str, config: DatapathConfig) -> tuple[str, ...]:
     return base + (CONNTRACK_LIMITS if config.conntrack_limits else ())
 
 
+def round_order(targets: Sequence[str], r: int) -> list[str]:
+    """The targets' order in round ``r``: a shuffle seeded by the round, the same in every run. An interleaved
+    operation runs a little faster after one from the same pod (warm caches), so a fixed cyclic order (a rotation
+    keeps each target's predecessor) would favour one target for the whole run; shuffled, each has every
+    predecessor in turn."""
+    order = list(targets)
+    random.Random(r).shuffle(order)
+    return order
+
+
 def measure_run(dl: DatapathLab, mode: str, services: int, targets: Sequence[str]) -> DatapathRun:
     """Rounds over ``targets`` (rotating their order) with whatever is programmed now; medians and ratios."""
     run = DatapathRun(mode=mode, services=services)
@@ -793,19 +866,17 @@ def measure_run(dl: DatapathLab, mode: str, services: int, targets: Sequence[str
     ct: dict[str, dict[str, list[float]]] = {}
     cpu0 = dl.kproxy_cpu()
     for r in range(dl.config.rounds):
-        order = list(targets[r % len(targets) :]) + list(targets[: r % len(targets)])
-        this_round: dict[str, dict[str, float]] = {}
+        order = round_order(targets, r)
+        dl.progress(f"{mode} @ {services}: round {r + 1}/{dl.config.rounds}, {', '.join(order)} interleaved")
+        this_round, errors = dl.measure_round(order)
         for t in order:
-            dl.progress(f"{mode} @ {services}: round {r + 1}/{dl.config.rounds}, {t}")
-            figures, errors = dl.measure(t)
             for side, node in zip(("client_node", "server_node"), dl.path_nodes(t), strict=True):
                 n = dl.conntrack_count(node.ns)
                 if n is not None:
                     ct.setdefault(t, {}).setdefault(side, []).append(n)
-            dl.progress("", 1)
-            per_target[t].append(figures)
-            this_round[t] = figures
-            run.errors[t] = run.errors.get(t, 0) + errors
+            per_target[t].append(this_round[t])
+            run.errors[t] = run.errors.get(t, 0) + errors[t]
+        dl.progress("", len(order))
         run.rounds.append(this_round)
     cpu1 = dl.kproxy_cpu()
     run.kproxy_cpu_s = {k: round(cpu1[k] - cpu0[k], 2) for k in cpu1 if k in cpu0}

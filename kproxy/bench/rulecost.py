@@ -98,11 +98,9 @@ def run(services: int, rounds: int, prefix: str) -> dict[str, Any]:
                 for node in dl.loaded_nodes:
                     dl._nft(node.ns, text)
                     lab.exec(node.ns, ["conntrack", "-F"], timeout=30)
-                this: dict[str, dict[str, float]] = {}
                 targets = MEASURED[r % len(MEASURED) :] + MEASURED[: r % len(MEASURED)]
-                for t in targets:
-                    progress(f"round {r + 1}/{rounds}, variant {v}, {t}")
-                    this[t], _ = dl.measure(t)
+                progress(f"round {r + 1}/{rounds}, variant {v}: {', '.join(targets)} interleaved")
+                this, _ = dl.measure_round(targets)
                 per_variant[v].append(this)
         for v, rs in per_variant.items():
             both = ("podip", "clusterip")
