@@ -39,7 +39,7 @@ from kproxy.model import (
     Verdict,
     parse_ip,
 )
-from kproxy.nodeaddr import NodeContext, health_check_addresses, local_addresses, resolve
+from kproxy.nodeaddr import AddressWatch, NodeContext, health_check_addresses, local_addresses, resolve
 from kproxy.proxier import Proxier
 from kproxy.runner import BoundedFrequencyRunner
 from kproxy.server.health import ProxyHealth
@@ -163,6 +163,7 @@ class Daemon:
         self._lock = threading.Lock()
         self._lock_counts = threading.Lock()
         self._seen_changes = (0, 0)  # the cache's change totals already counted in the metrics
+        self._addresses = AddressWatch()  # this namespace's addresses, read again only when the kernel says so
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(
@@ -196,6 +197,7 @@ class Daemon:
         self.service_health.close()
         self.healthz.close()
         self.metrics_server.close()
+        self._addresses.close()
         if self.runner.stopped:
             self.backend.close()
         else:  # never tear down what a running sync uses; the process is about to exit anyway
@@ -249,7 +251,7 @@ class Daemon:
             state, changes = self.cache.snapshot(full=full)
             start = time.perf_counter()
             try:
-                self.node = resolve(self.config, state.node, local_addresses())
+                self.node = resolve(self.config, state.node, self._addresses.current())
                 result = self.backend.sync(state, changes, self.node)
             except Exception as exc:  # a backend bug must not kill the runner; retry as a full sync
                 log.exception("sync failed with an exception")

@@ -266,14 +266,23 @@ _BPF_MAP_DELETE_BATCH = 27
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
+# The same syscall() without releasing the GIL (ctypes.PyDLL): for calls of a few microseconds. Releasing it costs
+# nothing by itself, but getting it back waits for whichever thread holds it then, up to the 5 ms switch interval:
+# in the lab, with the sources parsing a burst of objects, a partial sync's four or five map calls waited that long
+# each (a sync's "apply" of < 0.1 ms of kernel work took 1-100 ms).
+_libc_held = ctypes.PyDLL(None, use_errno=True)
+_libc_held.syscall.restype = ctypes.c_long
+#: batches of at most this many entries are written without releasing the GIL (~1 us of kernel time each)
+HOLD_GIL_ENTRIES = 4096
 
 
 class BpfError(OSError):
     """A bpf(2) command failed; ``errno`` says why (E2BIG: a map is full)."""
 
 
-def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
-    ret = int(_libc.syscall(_SYS_BPF, cmd, attr, len(attr)))
+def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char], *, hold_gil: bool = True) -> int:
+    """One bpf(2) command; ``hold_gil`` False for long ones (a large batch: other threads run meanwhile)."""
+    ret = int((_libc_held if hold_gil else _libc).syscall(_SYS_BPF, cmd, attr, len(attr)))
     if ret < 0:
         e = ctypes.get_errno()
         raise BpfError(e, os.strerror(e))
@@ -361,7 +370,7 @@ def prog_map_ids(prog_fd: int, max_ids: int = 32) -> frozenset[int]:
 
 def prog_detach(target_fd: int, prog_fd: int, attach_type: int) -> None:
     attr = ctypes.create_string_buffer(struct.pack("<IIII", target_fd, prog_fd, attach_type, 0), 120)
-    _bpf(_BPF_PROG_DETACH, attr)
+    _bpf(_BPF_PROG_DETACH, attr, hold_gil=False)  # may wait for an RCU grace period
 
 
 def map_spec(role: str, family: IPFamily, map_size: int, lru_size: int) -> tuple[int, int, int, int, int]:
@@ -387,7 +396,8 @@ def update_batch(fd: int, keys: Sequence[bytes], values: Sequence[bytes], chunk:
         kb = ctypes.create_string_buffer(b"".join(keys[i : i + chunk]))
         vb = ctypes.create_string_buffer(b"".join(values[i : i + chunk]))
         n = min(chunk, len(keys) - i)
-        _bpf(_BPF_MAP_UPDATE_BATCH, _batch_attr(fd, ctypes.addressof(kb), ctypes.addressof(vb), n))
+        attr = _batch_attr(fd, ctypes.addressof(kb), ctypes.addressof(vb), n)
+        _bpf(_BPF_MAP_UPDATE_BATCH, attr, hold_gil=n <= HOLD_GIL_ENTRIES)
 
 
 def delete_batch(fd: int, keys: Sequence[bytes], chunk: int = 65536) -> None:
@@ -395,7 +405,7 @@ def delete_batch(fd: int, keys: Sequence[bytes], chunk: int = 65536) -> None:
     for i in range(0, len(keys), chunk):
         kb = ctypes.create_string_buffer(b"".join(keys[i : i + chunk]))
         n = min(chunk, len(keys) - i)
-        _bpf(_BPF_MAP_DELETE_BATCH, _batch_attr(fd, ctypes.addressof(kb), 0, n))
+        _bpf(_BPF_MAP_DELETE_BATCH, _batch_attr(fd, ctypes.addressof(kb), 0, n), hold_gil=n <= HOLD_GIL_ENTRIES)
 
 
 def lookup_all(fd: int, key_size: int, value_size: int, chunk: int = 16384) -> Iterator[tuple[bytes, bytes]]:
@@ -416,7 +426,7 @@ def lookup_all(fd: int, key_size: int, value_size: int, chunk: int = 16384) -> I
         )
         done = False
         try:
-            _bpf(_BPF_MAP_LOOKUP_BATCH, attr)
+            _bpf(_BPF_MAP_LOOKUP_BATCH, attr, hold_gil=False)
         except BpfError as exc:
             if exc.errno != errno.ENOENT:
                 raise
@@ -451,7 +461,7 @@ def lookup_raw(fd: int, key_size: int, value_size: int, chunk: int = 65536) -> t
         )
         done = False
         try:
-            _bpf(_BPF_MAP_LOOKUP_BATCH, attr)
+            _bpf(_BPF_MAP_LOOKUP_BATCH, attr, hold_gil=False)
         except BpfError as exc:
             if exc.errno != errno.ENOENT:
                 raise
