@@ -223,7 +223,11 @@ def _open_conn(kind: str, host: str, port: int, timeout: float) -> socket.socket
     else:
         s = socket.socket(family, socket.SOCK_DGRAM)
     s.settimeout(timeout)
-    s.connect((host, port))
+    try:
+        s.connect((host, port))
+    except OSError:
+        s.close()
+        raise
     return s
 
 

@@ -1,7 +1,8 @@
 """Upstream's nftables layout really loads with ``nft -f`` (and is timed) in a namespace of its own that is gone
 afterwards; ``kproxy bench sync --reference`` puts it beside a backend's figures; ``kproxy compare`` without the lab
 writes its report, results and plots; and a smoke ``kproxy bench datapath`` at one service in a lab of its own
-(prefix ``kpdt-``) measures all three targets with short phases."""
+(prefix ``kpdt-``) measures all five targets (the limit, the diagnostic limits, the pod IP and the ClusterIP) with
+short phases."""
 
 from __future__ import annotations
 
@@ -120,11 +121,16 @@ def test_datapath_smoke_at_one_service() -> None:
     doc = json.loads(res.stdout)
     (run,) = doc["runs"]
     assert run["mode"] == mode and run["services"] == 1 and run["ready_s"] > 0
-    for target in ("limit", "podip", "clusterip"):
+    for target in ("limit", "podip", "clusterip", "limit_ct", "limit_nat"):
         med = run["medians"][target]
         assert med["conn_rate"] > 0 and med["rr_p50_us"] > 0 and med["udp_p50_us"] > 0 and med["tcp_gbps"] > 0
         # an operation times out after 1 s: on a loaded 2-core machine a SYN retransmit now and then is not a defect
         assert run["errors"].get(target, 0) <= 3, run["errors"]
-    assert set(run["ratios"]) == {"podip", "clusterip"} and run["ratios"]["clusterip"]["conn_rate"] > 0
+    assert set(run["ratios"]) == {"podip", "clusterip", "limit_ct", "limit_nat"}
+    assert run["ratios"]["clusterip"]["conn_rate"] > 0 and run["ratios_vs"]["limit_nat"]["clusterip"]["conn_rate"] > 0
+    # the limit's nodes track nothing; the diagnostic limits' nodes do (that is what they are for)
+    ct = run["conntrack_entries"]
+    assert ct["limit"] == {"client_node": 0, "server_node": 0}, ct
+    assert ct["limit_ct"]["client_node"] > 0 and ct["limit_nat"]["client_node"] > 0, ct
     assert run["kproxy_rss_mb"].get("node-1", 0) > 0
     assert not [ns for ns in _netns() if ns.startswith("kpdt-")]  # the lab is gone
