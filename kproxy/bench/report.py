@@ -317,8 +317,11 @@ def render(results: dict[str, Any], plot_files: list[str]) -> str:
     return "\n".join(lines)
 
 
-def readme_section(results: dict[str, Any], folder: str) -> str:
-    """A compact summary for the project README: one row per mode and size, the plots under ``folder``."""
+def readme_section(
+    results: dict[str, Any], folder: str, floor_doc: dict[str, Any] | None = None, floor_folder: str = ""
+) -> str:
+    """A compact summary for the project README: one row per mode and size, the plots under ``folder``; with
+    ``floor_doc`` (a data-path run with the diagnostic limits, its files under ``floor_folder``) its table too."""
     m = results.get("machine") or {}
     sync = {(r["mode"], r["services"]): r for r in results.get("sync") or []}
     refs = {r["services"]: r for r in results.get("reference") or []}
@@ -378,8 +381,63 @@ def readme_section(results: dict[str, Any], folder: str) -> str:
     ]
     for f in ("sync.png", "datapath.png", "datapath_conn.png", "memory.png"):
         lines += [f"![{f}]({folder}/{f})", ""]
+    if floor_doc is not None:
+        lines += floor_summary(floor_doc, floor_folder or folder)
     lines.append(HOW_TO_READ.replace("## How to read this", "How to read them:").strip())
     return "\n".join(lines) + "\n"
+
+
+def _loaded_tracks(run: dict[str, Any]) -> str:
+    ce = (run.get("conntrack_entries") or {}).get("podip") or {}
+    if not ce:
+        return "-"
+    return "yes" if ce.get("client_node", 0) > 0 or ce.get("server_node", 0) > 0 else "no"
+
+
+def floor_summary(doc: dict[str, Any], folder: str) -> list[str]:
+    """The README's data-path table from a ``kproxy bench datapath`` run with the diagnostic limits: each mode and
+    size against the limit and against the NAT floor, and whether the loaded nodes track connections at all."""
+    results = as_results(doc)
+    dp = results.get("datapath") or {}
+    runs = [r for r in dp.get("runs") or [] if (r.get("ratios") or {}).get("limit_nat")]
+    if not runs:
+        return []
+    lines = [
+        "### The data path at 1, 1,000 and 10,000 services, and the conntrack floor",
+        "",
+        f"`{results.get('command')}` ({(results.get('machine') or {}).get('date_utc', '')}; report"
+        f" [{folder}/report.md]({folder}/report.md), figures [{folder}/results.json]({folder}/results.json), plots"
+        f" [{folder}/datapath.png]({folder}/datapath.png)). Medians of {(dp.get('config') or {}).get('rounds')}"
+        " interleaved rounds; in brackets the first and third quartiles of the per-round ratios (the noise).",
+        "",
+    ]
+    head = ["mode", "services", "ClusterIP conn/s", "pod IP conn/s", "ClusterIP conn p50", "ClusterIP RR p99"]
+    head += ["NAT floor conn/s", "ClusterIP / floor", "pod IP / floor", "loaded nodes track connections"]
+    rows = []
+    for r in runs:
+        ratios, spread = r.get("ratios") or {}, r.get("ratio_spread") or {}
+        vs = (r.get("ratios_vs") or {}).get("limit_nat") or {}
+
+        def cell(t: str, m: str, ratios: dict[str, Any] = ratios, spread: dict[str, Any] = spread) -> str:
+            return _spread_cell((ratios.get(t) or {}).get(m), (spread.get(t) or {}).get(m))
+
+        rows.append(
+            [
+                r["mode"],
+                f"{r['services']:,}",
+                cell("clusterip", "conn_rate"),
+                cell("podip", "conn_rate"),
+                cell("clusterip", "conn_p50_us"),
+                cell("clusterip", "rr_p99_us"),
+                cell("limit_nat", "conn_rate"),
+                _s((vs.get("clusterip") or {}).get("conn_rate"), 2),
+                _s((vs.get("podip") or {}).get("conn_rate"), 2),
+                _loaded_tracks(r),
+            ]
+        )
+    lines += _table(head, rows)
+    lines.append("")
+    return lines
 
 
 def as_results(doc: dict[str, Any], command: str = "") -> dict[str, Any]:
@@ -389,7 +447,8 @@ def as_results(doc: dict[str, Any], command: str = "") -> dict[str, Any]:
         return doc
     from kproxy.bench.compare import machine_facts
 
-    return {"command": command or "kproxy bench datapath", "machine": machine_facts(), "datapath": doc}
+    command = command or doc.get("command") or "kproxy bench datapath"
+    return {"command": command, "machine": doc.get("machine") or machine_facts(), "datapath": doc}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,11 +460,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results")
     p.add_argument("--readme", metavar="FOLDER", help="print the README summary, with links into FOLDER")
     p.add_argument("--command", default="", help="the command behind a bench datapath document")
+    p.add_argument("--floor", metavar="JSON", help="with --readme: a bench datapath run with the diagnostic limits")
+    p.add_argument("--floor-folder", default="", metavar="FOLDER", help="where --floor's report and plots are")
     args = p.parse_args(argv)
     path = Path(args.results)
     results = as_results(json.loads(path.read_text()), args.command)
     if args.readme:
-        print(readme_section(results, args.readme))
+        floor = json.loads(Path(args.floor).read_text()) if args.floor else None
+        print(readme_section(results, args.readme, floor, args.floor_folder))
         return 0
     files = [f for f in ("sync.png", "datapath.png", "datapath_conn.png", "memory.png") if (path.parent / f).exists()]
     print(render(results, files))

@@ -353,3 +353,18 @@ def test_rulecost_reads_a_chain_back_and_rewrites_base_chains() -> None:
     text = rulecost.variant_commands(rulecost.VARIANTS["bare"])
     assert "flush chain ip kproxy nat-prerouting\nadd rule ip kproxy nat-prerouting ip daddr" in text
     assert "nodeport" not in text and "hairpin" not in text  # bare: the map lookup and the masquerade only
+
+
+def test_readme_takes_the_floor_table_from_a_bench_datapath_run() -> None:
+    doc = _result().to_json()
+    doc["command"] = "kproxy bench datapath --mode iptables --services 1,1000"
+    doc["machine"] = {"date_utc": "today"}
+    run = doc["runs"][1]
+    run["ratios"]["limit_nat"] = {"conn_rate": 0.85}
+    run["ratios_vs"] = {"limit_nat": {"clusterip": {"conn_rate": 0.94}, "podip": {"conn_rate": 0.97}}}
+    run["conntrack_entries"] = {"podip": {"client_node": 3000, "server_node": 2990}}
+    text = report.readme_section(_compare_results(), "docs/compare", doc, "docs/compare/datapath")
+    assert "`kproxy bench datapath --mode iptables --services 1,1000`" in text
+    assert "| iptables | 1,000 | 0.80 | 0.80 | - | 0.80 | 0.85 | 0.94 | 0.97 | yes |" in text
+    assert "[docs/compare/datapath/report.md](docs/compare/datapath/report.md)" in text
+    assert report.as_results(doc)["datapath"] is doc  # a bench document renders like a compare one
