@@ -500,13 +500,44 @@ def plan_service(
     if index.rev_names.get(rev) != text:
         index.rev_names[rev] = text
         plan.name_put[maps.name_key(rev)] = maps.name_value(text)
-    ids: dict[tuple[str, int], int] = {}
     be_put = plan.be_put
     free = index.free_backends
     nb = index.next_backend
     addr_cache = _ADDR_CACHE
     port_bytes = _PORT
     pack_id = _ID.pack
+    if not owned and not free and len(new.frontends) == 1:
+        # the bulk of a first sync: a new service with one frontend (a ClusterIP) and fresh ids in a row; the same
+        # entries as below, built with C-level loops (dict.update over zip and map; ~10% of the plan's time)
+        f = new.frontends[0]
+        bes = f.backends
+        n = len(bes)
+        if len(set(bes)) == n:
+            proto = f.proto
+            bids = range(nb, nb + n)
+            index.next_backend = nb + n
+            tail2 = bytes((proto, 0))
+            backends.update(zip(bids, [(a, p, proto) for a, p in bes], strict=True))
+            be_put.update(
+                zip(
+                    map(pack_id, bids),
+                    [(addr_cache.get(a) or _addr(a)) + port_bytes[p] + tail2 for a, p in bes],
+                    strict=True,
+                )
+            )
+            slots = tuple(bids)
+            head = _addr(f.address) + port_bytes[f.port]
+            tails = _key_tails(proto)
+            plan.slot_put.update(zip([head + t for t in tails[1 : n + 1]], map(_SLOT_VALUE.pack, slots), strict=True))
+            master = Master(n, f.flags, f.affinity, rev)
+            cur = fronts.get(f.key)
+            if cur is None or cur.master != master:
+                plan.master_put[head + tails[0]] = maps.master_value(master)
+            for i in range(len(cur.slots) if cur is not None else 0, n, -1):  # a frontend taken from another
+                plan.svc_del.append(head + tails[i])
+            index.put_front(f.key, FrontState(name, master, slots))
+            return
+    ids: dict[tuple[str, int], int] = {}
     for f in new.frontends:
         tail2 = bytes((f.proto, 0))
         for b in f.backends:

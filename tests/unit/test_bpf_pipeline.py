@@ -79,3 +79,19 @@ def test_removals_and_reused_ids_across_chunks() -> None:
         if key[6:8] != b"\0\0":  # a slot entry: its first 4 bytes are the backend id
             assert value[:4] in be_keys
     assert a.backends == b.backends
+
+
+def test_fresh_single_frontend_fast_path_plans_what_the_general_path_plans() -> None:
+    changes = [frag(i, 1 + i % 5) for i in range(30)]
+    fast, general = FamilyIndex(IPFamily.V4), FamilyIndex(IPFamily.V4)
+    total = sum(len(f.frontends[0].backends) for _, f in changes)
+    # a free list handing out 1, 2, 3, ... (popped from its end) sends every service down the general path
+    general.free_backends = list(range(total, 0, -1))
+    general.next_backend = total + 1
+    a, b = Plan(), Plan()
+    for name, f in changes:
+        render.plan_service(fast, name, f, a)
+        render.plan_service(general, name, f, b)
+    assert (a.be_put, a.name_put, a.slot_put, a.master_put) == (b.be_put, b.name_put, b.slot_put, b.master_put)
+    assert fast.backends == general.backends and fast.fronts == general.fronts and fast.owned == general.owned
+    assert fast.svc_entries == general.svc_entries
