@@ -32,6 +32,7 @@ from kproxy.bench.datapath import (
     DatapathLab,
     paired_ratios,
     ratio_spread,
+    round_order,
     stop_on_sigterm,
 )
 
@@ -98,7 +99,7 @@ def run(services: int, rounds: int, prefix: str) -> dict[str, Any]:
                 for node in dl.loaded_nodes:
                     dl._nft(node.ns, text)
                     lab.exec(node.ns, ["conntrack", "-F"], timeout=30)
-                targets = MEASURED[r % len(MEASURED) :] + MEASURED[: r % len(MEASURED)]
+                targets = round_order(MEASURED, r * len(names) + names.index(v))
                 progress(f"round {r + 1}/{rounds}, variant {v}: {', '.join(targets)} interleaved")
                 this, _ = dl.measure_round(targets)
                 per_variant[v].append(this)
