@@ -430,11 +430,15 @@ _ADDR_CACHE: dict[str, bytes] = {}
 _KEY_TAILS: dict[int, list[bytes]] = {}
 
 
-def _key_tails(proto: int) -> list[bytes]:
+def _key_tails(proto: int, upto: int) -> list[bytes]:
+    """The key tails of ``proto`` for slots 0..``upto`` at least, built as far as a service needs them (a slot count
+    is an endpoint count: all 65,536 up front cost ~3 MB per protocol)."""
     tails = _KEY_TAILS.get(proto)
     if tails is None:
+        tails = _KEY_TAILS[proto] = []
+    if len(tails) <= upto:
         end = bytes((proto, 0, 0, 0))
-        tails = _KEY_TAILS[proto] = [s + end for s in _SLOT]
+        tails.extend(s + end for s in _SLOT[len(tails) : max(upto + 1, 2 * len(tails), 64)])
     return tails
 
 
@@ -449,7 +453,7 @@ def _addr(ip: str) -> bytes:
 
 def _remove_front(plan: Plan, index: FamilyIndex, key: tuple[str, int, int], st: FrontState) -> None:
     head = _addr(key[0]) + _PORT[key[1]]
-    tails = _key_tails(key[2])
+    tails = _key_tails(key[2], len(st.slots))
     for slot in range(len(st.slots), -1, -1):
         plan.svc_del.append(head + tails[slot])
     index.drop_front(key)
@@ -527,10 +531,10 @@ def plan_service(
             )
             slots = tuple(bids)
             head = _addr(f.address) + port_bytes[f.port]
-            tails = _key_tails(proto)
+            cur = fronts.get(f.key)
+            tails = _key_tails(proto, max(n, len(cur.slots) if cur is not None else 0))
             plan.slot_put.update(zip([head + t for t in tails[1 : n + 1]], map(_SLOT_VALUE.pack, slots), strict=True))
             master = Master(n, f.flags, f.affinity, rev)
-            cur = fronts.get(f.key)
             if cur is None or cur.master != master:
                 plan.master_put[head + tails[0]] = maps.master_value(master)
             for i in range(len(cur.slots) if cur is not None else 0, n, -1):  # a frontend taken from another
@@ -568,8 +572,8 @@ def plan_service(
         old_slots = cur.slots if cur is not None else ()
         # key bytes: address . port (network order), then slot (host order), protocol, padding
         head = _addr(f.address) + port_bytes[f.port]
-        tails = _key_tails(f.proto)
         n_old = len(old_slots)
+        tails = _key_tails(f.proto, max(n_old, len(slots)))
         if n_old == 0:
             for i, bid in enumerate(slots, start=1):
                 slot_put[head + tails[i]] = pack_slot(bid)

@@ -95,3 +95,17 @@ def test_fresh_single_frontend_fast_path_plans_what_the_general_path_plans() -> 
     assert (a.be_put, a.name_put, a.slot_put, a.master_put) == (b.be_put, b.name_put, b.slot_put, b.master_put)
     assert fast.backends == general.backends and fast.fronts == general.fronts and fast.owned == general.owned
     assert fast.svc_entries == general.svc_entries
+
+
+def test_slot_keys_of_a_large_service_are_the_maps_keys() -> None:
+    from kproxy.backends.bpf import maps
+
+    name, f = frag(7, 200)
+    index, plan = FamilyIndex(IPFamily.V4), Plan()
+    render.plan_service(index, name, f, plan)
+    a, p, proto = f.frontends[0].key
+    assert set(plan.slot_put) == {maps.lb_key(IPFamily.V4, a, p, proto, s) for s in range(1, 201)}
+    assert set(plan.master_put) == {maps.lb_key(IPFamily.V4, a, p, proto, 0)}
+    shrunk = Plan()
+    render.plan_service(index, name, frag(7, 3)[1], shrunk)
+    assert set(shrunk.svc_del) == {maps.lb_key(IPFamily.V4, a, p, proto, s) for s in range(4, 201)}
