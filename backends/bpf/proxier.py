@@ -304,9 +304,9 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
 
     def adopt(self, family: IPFamily, ctx: Context) -> Adopted:
         """What the maps hold. Read from the kernel at the first sync, after a failure and at least every
-        ``KERNEL_READ_S``; in between, a periodic full sync trusts kproxy's index of what it wrote (the maps belong
-        to kproxy alone, and a vanished pin folder is noticed by ``needs_full``), so it costs a render, not a decode
-        of every entry."""
+        ``KERNEL_READ_S`` (``sync`` owes it); in between, a full sync trusts kproxy's index of what it wrote (what
+        someone else flushed or deleted, pins, programs or the companion table, is noticed by ``_check_kernel``
+        within a second of the next sync), so it costs a render, not a decode of every entry."""
         self._ensure_maps()
         cur = self._index[family]
         if cur is not None and time.monotonic() - self._kernel_read.get(family, 0.0) < KERNEL_READ_S:
