@@ -33,6 +33,9 @@ def _record_path(netns: str | None) -> Path:
     return RECORDS / f"net-{loader.netns_inode(netns)}.json"
 
 
+_warned: set[str] = set()
+
+
 def record_places(p: loader.Places, netns: str | None) -> None:
     """Remember where this namespace's kproxy keeps its maps and programs (for cleanup by another mode)."""
     try:
@@ -40,7 +43,10 @@ def record_places(p: loader.Places, netns: str | None) -> None:
         doc = {"pin_dir": str(p.pin_dir), "cgroup": str(p.cgroup), "own_cgroup": p.own_cgroup}
         _record_path(netns).write_text(json.dumps(doc))
     except OSError as exc:
-        log.warning("bpf: cannot record where the maps are (%s): cleanup by another mode may miss them", exc)
+        # once per process (a container's read-only /run refuses it every time; its options name the places)
+        level = logging.DEBUG if str(RECORDS) in _warned else logging.WARNING
+        _warned.add(str(RECORDS))
+        log.log(level, "bpf: cannot record where the maps are (%s): cleanup by another mode may miss them", exc)
 
 
 def _places_for(options: Mapping[str, Any], netns: str | None) -> list[loader.Places]:
