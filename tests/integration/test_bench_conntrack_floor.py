@@ -2,7 +2,7 @@
 netfilter rule, connection tracking is off (no connection is tracked), the ``limit_ct`` table turns it on, the
 ``limit_nat`` table (nat base chains and one DNAT rule that never matches) turns it on too, and deleting the table
 turns it off again. Nat base chains with no rule do not turn it on: it is a NAT rule that does (so ``limit_nat``
-has one).
+has one), a masquerade rule that never applies included (as in the bpf mode's companion table).
 
 This is the mechanism behind the benchmark's "conntrack floor": the limit nodes pay no conntrack at all, while any
 NAT-based proxy (iptables, nftables) needs it on every packet of every connection on its nodes. Namespaces are this
@@ -77,3 +77,9 @@ def test_conntrack_is_off_without_rules_and_on_with_each_diagnostic_table(ns: st
     )
     _run(ns, "nft", "-f", "-", stdin=empty_nat).check_returncode()
     assert _tracked_after_connections(ns) == 0  # a nat chain alone registers the nat hooks, not conntrack
+    # a masquerade rule that never applies (nothing carries the label), as the bpf mode's companion table has in
+    # its nat-postrouting chain: conntrack is on for every connection of the namespace
+    masq = f"table ip {DIAG_TABLE} {{\n chain post {{ type nat hook postrouting priority srcnat; policy accept;"
+    masq += " ct label 127 masquerade fully-random; }\n}\n"
+    _run(ns, "nft", "-f", "-", stdin=masq).check_returncode()
+    assert _tracked_after_connections(ns) >= 5
