@@ -10,8 +10,18 @@
  *             sees an answer from the address it asked (strict resolvers drop others).
  * getpeername4/6  the application sees the frontend as its peer.
  *
- * Maps: bpf/kproxy_lb.h. The reverse entries are written on every translation (keyed by socket cookie and backend)
- * and checked against the frontend's master entry on use, so a deleted or recreated service is never answered for.
+ * IPv4-mapped IPv6 (::ffff:a.b.c.d): a dual-stack AF_INET6 socket (Java's default) reaching an IPv4 frontend runs
+ * the *6 hooks with a mapped address; those hooks look the IPv4 maps up with its last word and write a mapped
+ * backend back (Cilium's sock6_xlate_v4_in_v6 and sock6_xlate_rev_v4_in_v6). (An unconnected mapped sendmsg runs
+ * sendmsg4 itself: udpv6_sendmsg hands mapped destinations to udp_sendmsg.)
+ *
+ * A frontend's slot or backend that vanishes between the program's lookups (kproxy shrank or changed the service
+ * meanwhile) is looked up again once from a fresh master entry; when it is still missing the connect/sendmsg fails
+ * at once with EHOSTUNREACH instead of going out untranslated to an address nothing answers.
+ *
+ * Maps: bpf/kproxy_lb.h. The reverse entries are written on every translation (keyed by socket cookie and backend,
+ * rewritten only when they change) and checked against the frontend's master entry on use, so a deleted or
+ * recreated service is never answered for.
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/in.h>
@@ -20,6 +30,12 @@
 
 #define SYS_REJECT 0
 #define SYS_PROCEED 1
+
+/* outcomes of one translation attempt (kp_try4/6) and of a whole translation (kp_fwd4/6) */
+#define KP_REJECTED 0 /* bpf_set_retval done: the program returns SYS_REJECT */
+#define KP_UNTOUCHED 1 /* not a frontend, or left alone (Local policy without local endpoints) */
+#define KP_XLATED 2 /* the address and port were rewritten to a backend */
+#define KP_MISS 3 /* a slot or backend vanished between lookups: try once more from the master entry */
 
 BPF_TABLE_PINNED("hash", struct kp_lb4_key, struct kp_lb_service, kp_svc4, KP_SVC_MAX, KP_PIN_SVC4, BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", __u32, struct kp_lb4_backend, kp_be4, KP_BE_MAX, KP_PIN_BE4, BPF_F_NO_PREALLOC);
@@ -31,6 +47,15 @@ BPF_TABLE_PINNED("hash", struct kp_lb6_key, struct kp_lb_service, kp_svc6, KP_SV
 BPF_TABLE_PINNED("hash", __u32, struct kp_lb6_backend, kp_be6, KP_BE_MAX, KP_PIN_BE6, BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("lru_hash", struct kp_rev6_key, struct kp_rev6_val, kp_rev6, KP_LRU_MAX, KP_PIN_REV6);
 BPF_TABLE_PINNED("lru_hash", struct kp_aff_key, struct kp_aff_val, kp_aff6, KP_LRU_MAX, KP_PIN_AFF6);
+
+/* The master entry's fields, copied out of the map value at once: kproxy may rewrite the entry in place while a
+ * program runs, and every decision of one attempt must come from one reading of it. */
+struct kp_master {
+	__u32 affinity_timeout;
+	__u16 count;
+	__u16 rev_nat_id;
+	__u8 flags;
+};
 
 static __always_inline __u64 kp_cookie(void *ctx)
 {
@@ -53,9 +78,24 @@ static __always_inline __u64 kp_now(void)
 	return bpf_ktime_get_ns() / 1000000000ULL;
 }
 
-/* The backend id for a frontend whose master entry is svc: from affinity when it is still valid, else a slot. */
-static __always_inline __u32 kp_pick(struct bpf_sock_addr *ctx, struct kp_lb_service *svc, __u32 slot_seed,
-				     void *key, __u16 *slot_field, int is6)
+static __always_inline void kp_read_master(struct kp_master *m, struct kp_lb_service *svc)
+{
+	m->affinity_timeout = svc->affinity_timeout;
+	m->count = svc->count;
+	m->rev_nat_id = svc->rev_nat_id;
+	m->flags = svc->flags;
+}
+
+/* ::ffff:a.b.c.d: an IPv4 peer of a dual-stack IPv6 socket */
+static __always_inline int kp_v4_mapped(struct bpf_sock_addr *ctx)
+{
+	return ctx->user_ip6[0] == 0 && ctx->user_ip6[1] == 0 && ctx->user_ip6[2] == bpf_htonl(0x0000ffff);
+}
+
+/* The backend id for a frontend whose master entry is m (key: its slot-0 key, slot_field: the key's slot): from
+ * affinity when it is still valid, else a slot; 0 when the slot is gone. */
+static __always_inline __u32 kp_pick(struct bpf_sock_addr *ctx, struct kp_master *m, __u32 slot_seed, void *key,
+				     __u16 *slot_field, int is6)
 {
 	struct kp_lb_service *slot;
 	__u32 backend_id = 0;
@@ -63,12 +103,12 @@ static __always_inline __u32 kp_pick(struct bpf_sock_addr *ctx, struct kp_lb_ser
 	struct kp_aff_val *av;
 	__u64 now = 0;
 
-	if (svc->flags & KP_F_AFFINITY) {
+	if (m->flags & KP_F_AFFINITY) {
 		ak.client_cookie = bpf_get_netns_cookie(ctx);
-		ak.rev_nat_id = svc->rev_nat_id;
+		ak.rev_nat_id = m->rev_nat_id;
 		now = kp_now();
 		av = is6 ? kp_aff6.lookup(&ak) : kp_aff4.lookup(&ak);
-		if (av && av->last_used + svc->affinity_timeout > now && av->slot >= 1 && av->slot <= svc->count) {
+		if (av && av->last_used + m->affinity_timeout > now && av->slot >= 1 && av->slot <= m->count) {
 			/* still this service's backend: the frontend's slot it came from holds it (see kp_aff_val) */
 			__u32 id = av->backend_id;
 			*slot_field = (__u16)av->slot;
@@ -79,12 +119,12 @@ static __always_inline __u32 kp_pick(struct bpf_sock_addr *ctx, struct kp_lb_ser
 			}
 		}
 	}
-	*slot_field = (slot_seed % svc->count) + 1;
+	*slot_field = (slot_seed % m->count) + 1;
 	slot = is6 ? kp_svc6.lookup(key) : kp_svc4.lookup(key);
 	if (!slot)
 		return 0;
 	backend_id = slot->backend_id;
-	if (svc->flags & KP_F_AFFINITY) {
+	if (m->flags & KP_F_AFFINITY) {
 		struct kp_aff_val nv = {};
 		nv.last_used = now;
 		nv.backend_id = backend_id;
@@ -97,52 +137,79 @@ static __always_inline __u32 kp_pick(struct bpf_sock_addr *ctx, struct kp_lb_ser
 	return backend_id;
 }
 
-static __always_inline int kp_xlate4(struct bpf_sock_addr *ctx, int by_cookie)
+/* One attempt for the IPv4 frontend *addr:*port (network order): KP_XLATED with *addr, *port the backend, or
+ * KP_UNTOUCHED, KP_REJECTED, KP_MISS. */
+static __always_inline int kp_try4(struct bpf_sock_addr *ctx, __be32 *addr, __be16 *port, __u8 proto, __u32 seed)
 {
 	struct kp_lb4_key key = {};
 	struct kp_lb_service *svc;
 	struct kp_lb4_backend *be;
-	__u32 backend_id, seed;
-	__u8 proto = kp_proto(ctx);
+	struct kp_master m = {};
+	__u32 backend_id;
 
-	if (!proto)
-		return SYS_PROCEED;
-	key.address = ctx->user_ip4;
-	key.dport = (__be16)ctx->user_port;
+	key.address = *addr;
+	key.dport = *port;
 	key.proto = proto;
 	svc = kp_svc4.lookup(&key);
 	if (!svc)
-		return SYS_PROCEED;
-	if (svc->flags & KP_F_REJECT) {
+		return KP_UNTOUCHED;
+	kp_read_master(&m, svc);
+	if (m.flags & KP_F_REJECT) {
 		bpf_set_retval(-ECONNREFUSED);
-		return SYS_REJECT;
+		return KP_REJECTED;
 	}
-	if ((svc->flags & KP_F_DROP) || svc->count == 0)
-		return SYS_PROCEED;
-	seed = by_cookie ? (__u32)kp_cookie(ctx) : bpf_get_prandom_u32();
-	backend_id = kp_pick(ctx, svc, seed, &key, &key.slot, 0);
+	if ((m.flags & KP_F_DROP) || m.count == 0)
+		return KP_UNTOUCHED;
+	backend_id = kp_pick(ctx, &m, seed, &key, &key.slot, 0);
 	if (!backend_id)
-		return SYS_PROCEED;
+		return KP_MISS;
 	be = kp_be4.lookup(&backend_id);
 	if (!be)
-		return SYS_PROCEED;
+		return KP_MISS;
 	{
 		struct kp_rev4_key rk = {};
 		struct kp_rev4_val rv = {};
+		struct kp_rev4_val *old;
 		rk.cookie = kp_cookie(ctx);
 		rk.address = be->address;
 		rk.port = be->port;
-		rv.address = ctx->user_ip4;
-		rv.port = (__be16)ctx->user_port;
-		rv.rev_nat_id = svc->rev_nat_id;
-		kp_rev4.update(&rk, &rv);
+		rv.address = *addr;
+		rv.port = *port;
+		rv.rev_nat_id = m.rev_nat_id;
+		/* an LRU update takes a fresh node even for an existing key: rewriting the same entry per datagram
+		 * would churn the map and push other sockets' entries out */
+		old = kp_rev4.lookup(&rk);
+		if (!old || old->address != rv.address || old->port != rv.port || old->rev_nat_id != rv.rev_nat_id)
+			kp_rev4.update(&rk, &rv);
 	}
-	ctx->user_ip4 = be->address;
-	ctx->user_port = be->port;
-	return SYS_PROCEED;
+	*addr = be->address;
+	*port = be->port;
+	return KP_XLATED;
 }
 
-static __always_inline void kp_rev_xlate4(struct bpf_sock_addr *ctx)
+/* The whole translation of an IPv4 frontend: one retry after a miss, then EHOSTUNREACH (never untranslated). */
+static __always_inline int kp_fwd4(struct bpf_sock_addr *ctx, __be32 *addr, __be16 *port, int by_cookie)
+{
+	__u8 proto = kp_proto(ctx);
+	__u32 seed;
+	int r;
+
+	if (!proto)
+		return KP_UNTOUCHED;
+	seed = by_cookie ? (__u32)kp_cookie(ctx) : bpf_get_prandom_u32();
+	r = kp_try4(ctx, addr, port, proto, seed);
+	if (r == KP_MISS)
+		r = kp_try4(ctx, addr, port, proto, seed);
+	if (r == KP_MISS) {
+		bpf_set_retval(-EHOSTUNREACH);
+		return KP_REJECTED;
+	}
+	return r;
+}
+
+/* The frontend for a reply from (or the peer) *addr:*port, when this socket was translated to it; 1 when
+ * rewritten. */
+static __always_inline int kp_rev4_lookup(struct bpf_sock_addr *ctx, __be32 *addr, __be16 *port)
 {
 	struct kp_rev4_key rk = {};
 	struct kp_rev4_val *rv;
@@ -150,21 +217,48 @@ static __always_inline void kp_rev_xlate4(struct bpf_sock_addr *ctx)
 	struct kp_lb_service *svc;
 
 	rk.cookie = kp_cookie(ctx);
-	rk.address = ctx->user_ip4;
-	rk.port = (__be16)ctx->user_port;
+	rk.address = *addr;
+	rk.port = *port;
 	rv = kp_rev4.lookup(&rk);
 	if (!rv)
-		return;
+		return 0;
 	key.address = rv->address;
 	key.dport = rv->port;
 	key.proto = kp_proto(ctx);
 	svc = kp_svc4.lookup(&key);
 	if (!svc || svc->rev_nat_id != rv->rev_nat_id) {
 		kp_rev4.delete(&rk);
-		return;
+		return 0;
 	}
-	ctx->user_ip4 = rv->address;
-	ctx->user_port = rv->port;
+	*addr = rv->address;
+	*port = rv->port;
+	return 1;
+}
+
+static __always_inline int kp_xlate4(struct bpf_sock_addr *ctx, int by_cookie)
+{
+	__be32 addr = ctx->user_ip4;
+	__be16 port = (__be16)ctx->user_port;
+	int r = kp_fwd4(ctx, &addr, &port, by_cookie);
+
+	if (r == KP_REJECTED)
+		return SYS_REJECT;
+	if (r == KP_XLATED) {
+		ctx->user_ip4 = addr;
+		ctx->user_port = port;
+	}
+	return SYS_PROCEED;
+}
+
+static __always_inline void kp_rev_xlate4(struct bpf_sock_addr *ctx)
+{
+	__be32 addr = ctx->user_ip4;
+	__be16 port = (__be16)ctx->user_port;
+
+	if (kp_rev4_lookup(ctx, &addr, &port)) {
+		ctx->user_ip4 = addr;
+		ctx->user_port = port;
+	}
 }
 
 int kp_connect4(struct bpf_sock_addr *ctx)
@@ -191,16 +285,15 @@ int kp_getpeername4(struct bpf_sock_addr *ctx)
 
 /* ---------------------------------------------------------------------------------------------------- IPv6 */
 
-static __always_inline int kp_xlate6(struct bpf_sock_addr *ctx, int by_cookie)
+/* One attempt for the IPv6 frontend in ctx: KP_XLATED (ctx rewritten), KP_UNTOUCHED, KP_REJECTED or KP_MISS. */
+static __always_inline int kp_try6(struct bpf_sock_addr *ctx, __u8 proto, __u32 seed)
 {
 	struct kp_lb6_key key = {};
 	struct kp_lb_service *svc;
 	struct kp_lb6_backend *be;
-	__u32 backend_id, seed;
-	__u8 proto = kp_proto(ctx);
+	struct kp_master m = {};
+	__u32 backend_id;
 
-	if (!proto)
-		return SYS_PROCEED;
 	key.address[0] = ctx->user_ip6[0];
 	key.address[1] = ctx->user_ip6[1];
 	key.address[2] = ctx->user_ip6[2];
@@ -209,43 +302,81 @@ static __always_inline int kp_xlate6(struct bpf_sock_addr *ctx, int by_cookie)
 	key.proto = proto;
 	svc = kp_svc6.lookup(&key);
 	if (!svc)
-		return SYS_PROCEED;
-	if (svc->flags & KP_F_REJECT) {
+		return KP_UNTOUCHED;
+	kp_read_master(&m, svc);
+	if (m.flags & KP_F_REJECT) {
 		bpf_set_retval(-ECONNREFUSED);
-		return SYS_REJECT;
+		return KP_REJECTED;
 	}
-	if ((svc->flags & KP_F_DROP) || svc->count == 0)
-		return SYS_PROCEED;
-	seed = by_cookie ? (__u32)kp_cookie(ctx) : bpf_get_prandom_u32();
-	backend_id = kp_pick(ctx, svc, seed, &key, &key.slot, 1);
+	if ((m.flags & KP_F_DROP) || m.count == 0)
+		return KP_UNTOUCHED;
+	backend_id = kp_pick(ctx, &m, seed, &key, &key.slot, 1);
 	if (!backend_id)
-		return SYS_PROCEED;
+		return KP_MISS;
 	be = kp_be6.lookup(&backend_id);
 	if (!be)
-		return SYS_PROCEED;
+		return KP_MISS;
 	{
 		struct kp_rev6_key rk = {};
 		struct kp_rev6_val rv = {};
+		struct kp_rev6_val *old;
 		rk.cookie = kp_cookie(ctx);
 		rk.address[0] = be->address[0];
 		rk.address[1] = be->address[1];
 		rk.address[2] = be->address[2];
 		rk.address[3] = be->address[3];
 		rk.port = be->port;
-		rv.address[0] = ctx->user_ip6[0];
-		rv.address[1] = ctx->user_ip6[1];
-		rv.address[2] = ctx->user_ip6[2];
-		rv.address[3] = ctx->user_ip6[3];
-		rv.port = (__be16)ctx->user_port;
-		rv.rev_nat_id = svc->rev_nat_id;
-		kp_rev6.update(&rk, &rv);
+		rv.address[0] = key.address[0];
+		rv.address[1] = key.address[1];
+		rv.address[2] = key.address[2];
+		rv.address[3] = key.address[3];
+		rv.port = key.dport;
+		rv.rev_nat_id = m.rev_nat_id;
+		old = kp_rev6.lookup(&rk);
+		if (!old || old->address[0] != rv.address[0] || old->address[1] != rv.address[1] ||
+		    old->address[2] != rv.address[2] || old->address[3] != rv.address[3] || old->port != rv.port ||
+		    old->rev_nat_id != rv.rev_nat_id)
+			kp_rev6.update(&rk, &rv);
 	}
 	ctx->user_ip6[0] = be->address[0];
 	ctx->user_ip6[1] = be->address[1];
 	ctx->user_ip6[2] = be->address[2];
 	ctx->user_ip6[3] = be->address[3];
 	ctx->user_port = be->port;
-	return SYS_PROCEED;
+	return KP_XLATED;
+}
+
+static __always_inline int kp_xlate6(struct bpf_sock_addr *ctx, int by_cookie)
+{
+	__u8 proto;
+	__u32 seed;
+	int r;
+
+	if (kp_v4_mapped(ctx)) {
+		/* an IPv4 frontend reached from a dual-stack socket: the IPv4 maps, a mapped backend written back */
+		__be32 addr = ctx->user_ip6[3];
+		__be16 port = (__be16)ctx->user_port;
+		r = kp_fwd4(ctx, &addr, &port, by_cookie);
+		if (r == KP_REJECTED)
+			return SYS_REJECT;
+		if (r == KP_XLATED) {
+			ctx->user_ip6[3] = addr;
+			ctx->user_port = port;
+		}
+		return SYS_PROCEED;
+	}
+	proto = kp_proto(ctx);
+	if (!proto)
+		return SYS_PROCEED;
+	seed = by_cookie ? (__u32)kp_cookie(ctx) : bpf_get_prandom_u32();
+	r = kp_try6(ctx, proto, seed);
+	if (r == KP_MISS)
+		r = kp_try6(ctx, proto, seed);
+	if (r == KP_MISS) {
+		bpf_set_retval(-EHOSTUNREACH);
+		return SYS_REJECT;
+	}
+	return r == KP_REJECTED ? SYS_REJECT : SYS_PROCEED;
 }
 
 static __always_inline void kp_rev_xlate6(struct bpf_sock_addr *ctx)
@@ -255,6 +386,16 @@ static __always_inline void kp_rev_xlate6(struct bpf_sock_addr *ctx)
 	struct kp_lb6_key key = {};
 	struct kp_lb_service *svc;
 
+	if (kp_v4_mapped(ctx)) {
+		/* the peer is a mapped IPv4 backend: the frontend is a mapped IPv4 one */
+		__be32 addr = ctx->user_ip6[3];
+		__be16 port = (__be16)ctx->user_port;
+		if (kp_rev4_lookup(ctx, &addr, &port)) {
+			ctx->user_ip6[3] = addr;
+			ctx->user_port = port;
+		}
+		return;
+	}
 	rk.cookie = kp_cookie(ctx);
 	rk.address[0] = ctx->user_ip6[0];
 	rk.address[1] = ctx->user_ip6[1];

@@ -1,0 +1,336 @@
+"""The bpf mode's socket programs (bpf/kproxy_sock.c) on the real kernel, for the cases the review found broken:
+dual-stack IPv6 sockets reaching an IPv4 service through an IPv4-mapped address (``::ffff:a.b.c.d``: the *6 hooks
+run, and must use the IPv4 maps), and a master entry whose count points at a slot that is gone (kproxy shrinking the
+service while a program runs) failing the connect at once instead of letting it out untranslated.
+
+Each test compiles and attaches the programs (bcc) to a cgroup of its own in a cgroup2 mount of its own, pins the
+maps in a folder of its own and runs clients inside that cgroup in a throwaway namespace ``kpsk-it-…`` whose route
+to the service range leads nowhere (a veth whose peer drops everything), so an untranslated connect hangs as it
+would on a real node instead of failing with "network unreachable". Helpers (service ports, config, the client
+runner, the echo servers) come from test_bpf_backend.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kproxy.model import Changes, IPFamily, Protocol
+
+from .scratch import scratch_netns
+from .test_bpf_backend import BACKEND_IP, SERVERS, _bcc_ok, _config, in_cgroup, sp, state
+
+pytestmark = pytest.mark.root
+
+CG_MOUNT = Path("/run/kproxy-bpf-sock-test/cgroup2")
+VIP = "198.19.0.10"
+EMPTY_VIP = "198.19.0.11"
+GAP_VIP = "198.19.0.12"
+
+
+@pytest.fixture
+def place() -> Iterator[tuple[str, dict[str, str]]]:
+    """A namespace with the backend address and a dead-end route to 198.19.0.0/16, a cgroup and a pin folder of the
+    test's own; all removed after, also on failure."""
+    why = _bcc_ok()
+    if why:
+        pytest.skip(why)
+    CG_MOUNT.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mountpoint", "-q", str(CG_MOUNT)], check=False).returncode == 0
+    if not mounted:
+        subprocess.run(["mount", "-t", "cgroup2", "none", str(CG_MOUNT)], check=True, timeout=30)
+    tag = uuid.uuid4().hex[:8]
+    cg = CG_MOUNT / f"kpsk-it-{tag}"
+    cg.mkdir()
+    pin = Path(f"/sys/fs/bpf/kpsk-it-{tag}")
+    opts = {"bpf_cgroup_path": str(cg), "bpf_pin_path": str(pin)}
+    from kproxy.backends.bpf import inspect
+
+    try:
+        with scratch_netns("kpsk-it-", lo_up=True) as ns:
+
+            def ip(*args: str) -> None:
+                subprocess.run(["ip", "-n", ns, *args], check=True, timeout=30)
+
+            ip("addr", "add", f"{BACKEND_IP}/32", "dev", "lo")
+            # an untranslated packet to a service address goes out here and is dropped by the peer (no address,
+            # no forwarding): a connect that escapes translation hangs, as on a node with a default route
+            ip("link", "add", "kpc0", "type", "veth", "peer", "name", "kpc1")
+            ip("addr", "add", "198.18.215.1/30", "dev", "kpc0")
+            ip("link", "set", "kpc0", "up")
+            ip("link", "set", "kpc1", "up")
+            ip("neigh", "add", "198.18.215.2", "lladdr", "02:00:00:00:00:02", "dev", "kpc0", "nud", "permanent")
+            ip("route", "add", "198.19.0.0/16", "via", "198.18.215.2", "dev", "kpc0")
+            try:
+                yield ns, opts
+            finally:
+                try:
+                    inspect.cleanup(opts, ns)
+                finally:
+                    inspect.remove_tree(pin)
+    finally:
+        for _ in range(50):  # processes of the cgroup may take a moment to be reaped
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+        if not mounted:
+            subprocess.run(["umount", str(CG_MOUNT)], check=False, timeout=30)
+            for d in (CG_MOUNT, CG_MOUNT.parent):
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+
+
+@pytest.fixture
+def servers(place: tuple[str, dict[str, str]]) -> Iterator[None]:
+    """TCP and UDP echo servers on the backend address (outside the cgroup: backends are not translated)."""
+    ns, _ = place
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", SERVERS], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+MAPPED_CLIENT = f"""
+import json, socket, time
+V6ONLY = getattr(socket, "IPV6_V6ONLY", 26)
+def sock(kind):
+    s = socket.socket(socket.AF_INET6, kind); s.setsockopt(socket.IPPROTO_IPV6, V6ONLY, 0); s.settimeout(2); return s
+r = {{}}
+t0 = time.monotonic()
+s = sock(socket.SOCK_STREAM)
+try:
+    s.connect(("::ffff:{VIP}", 80)); r["peer"] = list(s.getpeername()[:2]); r["tcp"] = s.recv(100).decode()
+except OSError as e:
+    r["tcp"] = ["error", e.errno, round(time.monotonic() - t0, 2)]
+s.close()
+u = sock(socket.SOCK_DGRAM)
+try:
+    u.sendto(b"hi", ("::ffff:{VIP}", 80)); d, a = u.recvfrom(100); r["udp"] = [d.decode(), list(a[:2])]
+except OSError as e:
+    r["udp"] = ["error", e.errno]
+c = sock(socket.SOCK_DGRAM)
+try:
+    c.connect(("::ffff:{VIP}", 80)); c.send(b"c"); r["cudp"] = [c.recv(100).decode(), list(c.getpeername()[:2])]
+except OSError as e:
+    r["cudp"] = ["error", e.errno]
+t0 = time.monotonic()
+try:
+    sock(socket.SOCK_STREAM).connect(("::ffff:{EMPTY_VIP}", 80)); r["reject"] = "connected"
+except OSError as e:
+    r["reject"] = [e.errno, time.monotonic() - t0]
+print(json.dumps(r))
+"""
+
+
+def test_a_dual_stack_socket_reaches_an_ipv4_service_through_a_mapped_address(
+    place: tuple[str, dict[str, str]], servers: None
+) -> None:
+    """An AF_INET6 socket (IPV6_V6ONLY off, Java's default) to ::ffff:<ClusterIP> runs connect6/recvmsg6/
+    getpeername6 with a mapped address: it reaches the IPv4 backend and sees the mapped ClusterIP as its peer and as
+    the source of UDP replies; a service without endpoints is refused at once there too."""
+    from kproxy.backends.bpf.proxier import BpfProxier
+
+    ns, opts = place
+    p = BpfProxier(_config(opts), netns=ns)
+    try:
+        p.start()
+        res = p.sync(
+            state(
+                sp("web", VIP, (BACKEND_IP,)),
+                sp("dns", VIP, (BACKEND_IP,), Protocol.UDP),
+                sp("empty", EMPTY_VIP, ()),
+            ),
+            Changes(full=True),
+        )
+        assert res.ok, res.error
+        out = in_cgroup(ns, opts["bpf_cgroup_path"], MAPPED_CLIENT)
+        assert out.returncode == 0, out.stderr
+        r = json.loads(out.stdout)
+        assert str(r["tcp"]).startswith(f"tcp {BACKEND_IP}:"), r  # answered by the IPv4 backend through connect6
+        assert r["peer"] == [f"::ffff:{VIP}", 80]  # getpeername6: the mapped ClusterIP, not the backend
+        assert r["udp"] == ["udp hi", [f"::ffff:{VIP}", 80]]  # recvmsg6: the reply from the mapped ClusterIP
+        assert r["cudp"] == ["udp c", [f"::ffff:{VIP}", 80]]  # connect6 (connected UDP) + getpeername6
+        errno_, seconds = r["reject"]
+        assert errno_ == errno.ECONNREFUSED and seconds < 0.5
+    finally:
+        p.close()
+
+
+GAP_CLIENT = f"""
+import json, socket, time
+r = {{}}
+def attempt(name, family, kind, addr, send=False):
+    s = socket.socket(family, kind); s.settimeout(2)
+    if family == socket.AF_INET6:
+        s.setsockopt(socket.IPPROTO_IPV6, getattr(socket, "IPV6_V6ONLY", 26), 0)
+    t0 = time.monotonic()
+    try:
+        if send:
+            s.sendto(b"x", addr); s.recvfrom(100)
+        else:
+            s.connect(addr)
+        r[name] = ["ok", round(time.monotonic() - t0, 2)]
+    except OSError as e:
+        r[name] = [e.errno, round(time.monotonic() - t0, 2)]
+    s.close()
+attempt("tcp4", socket.AF_INET, socket.SOCK_STREAM, ("{GAP_VIP}", 80))
+attempt("udp4", socket.AF_INET, socket.SOCK_DGRAM, ("{GAP_VIP}", 80))
+attempt("sendto4", socket.AF_INET, socket.SOCK_DGRAM, ("{GAP_VIP}", 80), send=True)
+attempt("tcp_mapped", socket.AF_INET6, socket.SOCK_STREAM, ("::ffff:{GAP_VIP}", 80))
+attempt("ok4", socket.AF_INET, socket.SOCK_STREAM, ("{VIP}", 80))
+print(json.dumps(r))
+"""
+
+
+def test_a_master_entry_pointing_at_a_missing_slot_fails_the_connect_at_once(
+    place: tuple[str, dict[str, str]], servers: None
+) -> None:
+    """kproxy shrinking a service deletes slots beyond the new count after writing the new count; a program that
+    read the old count meanwhile looks up a slot that is gone. It looks the master up again and retries once; a
+    master whose count still points at a missing slot (written here by hand) fails the connect and the UDP send with
+    EHOSTUNREACH at once, never letting the socket out untranslated (it would hang: nothing answers a ClusterIP)."""
+    from kproxy.backends.bpf import maps
+    from kproxy.backends.bpf.proxier import BpfProxier
+
+    ns, opts = place
+    p = BpfProxier(_config(opts), netns=ns)
+    try:
+        p.start()
+        res = p.sync(
+            state(
+                sp("web", VIP, (BACKEND_IP,)),
+                sp("gap", GAP_VIP, (BACKEND_IP,)),
+                sp("gapu", GAP_VIP, (BACKEND_IP,), Protocol.UDP),
+            ),
+            Changes(full=True),
+        )
+        assert res.ok, res.error
+        fd = maps.obj_get(str(Path(opts["bpf_pin_path"]) / maps.pin_name("svc", IPFamily.V4)))
+        try:
+            for proto in (6, 17):  # the master entries (count 1) stay; the slot they count is gone
+                master = maps.lookup(fd, maps.lb_key(IPFamily.V4, GAP_VIP, 80, proto, 0), maps.LB_SERVICE.size)
+                assert master is not None and maps.decode_service(master)[2] == 1
+                slot = maps.lb_key(IPFamily.V4, GAP_VIP, 80, proto, 1)
+                assert maps.lookup(fd, slot, maps.LB_SERVICE.size) is not None
+                maps.delete_batch(fd, [slot])
+        finally:
+            os.close(fd)
+        out = in_cgroup(ns, opts["bpf_cgroup_path"], GAP_CLIENT)
+        assert out.returncode == 0, out.stderr
+        r = json.loads(out.stdout)
+        for name in ("tcp4", "udp4", "sendto4", "tcp_mapped"):
+            got, seconds = r[name]
+            assert got == errno.EHOSTUNREACH and seconds < 0.5, (name, r)
+        assert r["ok4"][0] == "ok"  # the consistent service next to it is untouched
+    finally:
+        p.close()
+
+
+VIP6 = "fd00:198:18:ffff::10"
+GAP_VIP6 = "fd00:198:18:ffff::12"
+BACKEND6 = "fd00:198:18:210::1"
+
+SERVER6 = f"""
+import socket, threading, time
+t = socket.socket(socket.AF_INET6); t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+t.bind(("{BACKEND6}", 8080)); t.listen()
+def tcp():
+    while True:
+        c, a = t.accept(); c.sendall(("tcp6 %s" % a[0]).encode()); c.close()
+threading.Thread(target=tcp, daemon=True).start()
+print("ready", flush=True); time.sleep(60)
+"""
+
+GAP6_CLIENT = f"""
+import json, socket, time
+r = {{}}
+for name, addr in (("gap6", "{GAP_VIP6}"), ("ok6", "{VIP6}")):
+    s = socket.socket(socket.AF_INET6); s.settimeout(2); t0 = time.monotonic()
+    try:
+        s.connect((addr, 80)); r[name] = ["ok", list(s.getpeername()[:2]), s.recv(100).decode()]
+    except OSError as e:
+        r[name] = [e.errno, round(time.monotonic() - t0, 2)]
+    s.close()
+print(json.dumps(r))
+"""
+
+
+def test_an_ipv6_master_entry_pointing_at_a_missing_slot_fails_the_connect_at_once(
+    place: tuple[str, dict[str, str]],
+) -> None:
+    """The IPv6 path (connect6 with a native address) retries and fails the same way, and still translates a
+    consistent IPv6 service (getpeername6 showing its ClusterIP)."""
+    from types import MappingProxyType
+
+    from kproxy.backends.bpf import maps
+    from kproxy.backends.bpf.proxier import BpfProxier
+    from kproxy.config import ProxyConfig
+    from kproxy.model import ProxyState
+
+    from .test_bpf_backend import NODE
+
+    ns, opts = place
+    for args in (
+        ["addr", "add", f"{BACKEND6}/128", "dev", "lo", "nodad"],
+        ["addr", "add", "fd00:198:18:215::1/64", "dev", "kpc0", "nodad"],
+        ["neigh", "add", "fd00:198:18:215::2", "lladdr", "02:00:00:00:00:02", "dev", "kpc0", "nud", "permanent"],
+        ["route", "add", "fd00:198:18:ffff::/64", "via", "fd00:198:18:215::2", "dev", "kpc0"],
+    ):
+        subprocess.run(["ip", "-n", ns, "-6", *args], check=True, timeout=30)
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", SERVER6], stdout=subprocess.PIPE, text=True
+    )
+    cfg = ProxyConfig(
+        mode="bpf",
+        hostname_override="node-a",
+        ip_families=(IPFamily.V4, IPFamily.V6),
+        backend_options=MappingProxyType(opts),
+    )
+    p = BpfProxier(cfg, netns=ns)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        p.start()
+        v6 = [sp(n, ip, (BACKEND6,), family=IPFamily.V6) for n, ip in (("web6", VIP6), ("gap6", GAP_VIP6))]
+        st = ProxyState(
+            {IPFamily.V4: MappingProxyType({}), IPFamily.V6: MappingProxyType({x.name: x for x in v6})}, NODE, 1
+        )
+        res = p.sync(st, Changes(full=True))
+        assert res.ok, res.error
+        fd = maps.obj_get(str(Path(opts["bpf_pin_path"]) / maps.pin_name("svc", IPFamily.V6)))
+        try:
+            slot = maps.lb_key(IPFamily.V6, GAP_VIP6, 80, 6, 1)
+            assert maps.lookup(fd, slot, maps.LB_SERVICE.size) is not None
+            maps.delete_batch(fd, [slot])
+        finally:
+            os.close(fd)
+        out = in_cgroup(ns, opts["bpf_cgroup_path"], GAP6_CLIENT)
+        assert out.returncode == 0, out.stderr
+        r = json.loads(out.stdout)
+        got, seconds = r["gap6"]
+        assert got == errno.EHOSTUNREACH and seconds < 0.5, r
+        assert r["ok6"] == ["ok", [VIP6, 80], f"tcp6 {BACKEND6}"], r
+    finally:
+        p.close()
+        server.kill()
+        server.wait(10)
+        if server.stdout is not None:
+            server.stdout.close()
