@@ -5,8 +5,8 @@
  * The shape is Cilium's (bpf/lib/lb.h) and Calico's: a service map keyed by frontend address . port . protocol .
  * slot, where slot 0 is the frontend's master entry (count of backends, verdict flags, affinity timeout, reverse-NAT
  * id) and slots 1..count name backend ids; a backend map id -> address . port; LRU maps for the socket reverse
- * translation (UDP replies, getpeername) and for ClientIP affinity. Every struct is packed with explicit padding, so
- * Python writes exactly the bytes the programs read.
+ * translation (UDP replies, getpeername) and for ClientIP affinity; optionally socket storage for connected TCP
+ * sockets. Every struct is packed with explicit padding, so Python writes exactly the bytes the programs read.
  *
  * Map sizes and pin paths come from kproxy as macros (KP_SVC_MAX, KP_BE_MAX, KP_LRU_MAX, KP_PIN_*), so a restarted
  * kproxy reopens the same pinned maps.
@@ -85,6 +85,28 @@ struct kp_rev6_val {
 	__u32 address[4];
 	__be16 port;
 	__u16 rev_nat_id;
+} __attribute__((packed));
+
+/* per-socket storage of a connected TCP socket (BPF_MAP_TYPE_SK_STORAGE, only when kproxy defines KP_PIN_PEER4 and
+ * KP_PIN_PEER6): the backend it was sent to and the frontend it asked for, freed with the socket, so TCP connections
+ * never fill the reverse-NAT LRU that UDP replies and connected-UDP reaping depend on. Read by the programs only
+ * (userspace cannot list socket storage), so maps.py needs no mirror of these. */
+struct kp_peer4_val {
+	__be32 backend;
+	__be16 backend_port;
+	__u16 rev_nat_id;
+	__be32 frontend;
+	__be16 frontend_port;
+	__u16 pad;
+} __attribute__((packed));
+
+struct kp_peer6_val {
+	__u32 backend[4];
+	__be16 backend_port;
+	__u16 rev_nat_id;
+	__u32 frontend[4];
+	__be16 frontend_port;
+	__u16 pad;
 } __attribute__((packed));
 
 /* affinity: (client network namespace cookie, frontend's rev_nat_id) -> the backend chosen, when */

@@ -17,11 +17,15 @@
  *
  * A frontend's slot or backend that vanishes between the program's lookups (kproxy shrank or changed the service
  * meanwhile) is looked up again once from a fresh master entry; when it is still missing the connect/sendmsg fails
- * at once with EHOSTUNREACH instead of going out untranslated to an address nothing answers.
+ * at once with EHOSTUNREACH instead of going out untranslated to an address nothing answers. EHOSTUNREACH, not the
+ * no-endpoints ECONNREFUSED: the service has endpoints (its master entry counts them), the failure is a transient
+ * of kproxy's update that a retry gets past, and the distinct errno tells it apart when someone debugs a client
+ * (newer Cilium answers a missing backend the same way).
  *
  * Maps: bpf/kproxy_lb.h. The reverse entries are written on every translation (keyed by socket cookie and backend,
  * rewritten only when they change) and checked against the frontend's master entry on use, so a deleted or
- * recreated service is never answered for.
+ * recreated service is never answered for. When kproxy passes KP_PIN_PEER4/6, connected TCP sockets keep theirs in
+ * socket storage instead (freed with the socket), so the reverse-NAT LRU holds only UDP sockets' entries.
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/in.h>
@@ -47,6 +51,13 @@ BPF_TABLE_PINNED("hash", struct kp_lb6_key, struct kp_lb_service, kp_svc6, KP_SV
 BPF_TABLE_PINNED("hash", __u32, struct kp_lb6_backend, kp_be6, KP_BE_MAX, KP_PIN_BE6, BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("lru_hash", struct kp_rev6_key, struct kp_rev6_val, kp_rev6, KP_LRU_MAX, KP_PIN_REV6);
 BPF_TABLE_PINNED("lru_hash", struct kp_aff_key, struct kp_aff_val, kp_aff6, KP_LRU_MAX, KP_PIN_AFF6);
+#if defined(KP_PIN_PEER4) && defined(KP_PIN_PEER6)
+/* connected TCP sockets keep their frontend in socket storage (kproxy_lb.h: kp_peer4_val), not in the reverse-NAT
+ * LRU: one entry per live connection would push out the UDP entries recvmsg and connected-UDP reaping need */
+#define KP_PEER 1
+BPF_TABLE_PINNED("sk_storage", int, struct kp_peer4_val, kp_peer4, 0, KP_PIN_PEER4, BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("sk_storage", int, struct kp_peer6_val, kp_peer6, 0, KP_PIN_PEER6, BPF_F_NO_PREALLOC);
+#endif
 
 /* The master entry's fields, copied out of the map value at once: kproxy may rewrite the entry in place while a
  * program runs, and every decision of one attempt must come from one reading of it. */
@@ -137,6 +148,54 @@ static __always_inline __u32 kp_pick(struct bpf_sock_addr *ctx, struct kp_master
 	return backend_id;
 }
 
+#ifdef KP_PEER
+/* The frontend of a connected TCP socket, in its socket storage; 0 when there is no storage to be had. */
+static __always_inline int kp_peer_put4(struct bpf_sock_addr *ctx, struct kp_lb4_backend *be, __be32 front,
+					__be16 front_port, __u16 rev_nat_id)
+{
+	struct bpf_sock *sk = ctx->sk;
+	struct kp_peer4_val pv = {};
+	struct kp_peer4_val *pp;
+
+	if (!sk)
+		return 0;
+	pv.backend = be->address;
+	pv.backend_port = be->port;
+	pv.rev_nat_id = rev_nat_id;
+	pv.frontend = front;
+	pv.frontend_port = front_port;
+	pp = kp_peer4.sk_storage_get(sk, &pv, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!pp)
+		return 0;
+	*pp = pv; /* a socket that connects again (after a failed attempt) overwrites */
+	return 1;
+}
+
+/* getpeername of a connected TCP socket from its storage: 1 when *addr:*port (the backend) was rewritten */
+static __always_inline int kp_peer_get4(struct bpf_sock_addr *ctx, __be32 *addr, __be16 *port)
+{
+	struct bpf_sock *sk = ctx->sk;
+	struct kp_peer4_val *pp;
+	struct kp_lb4_key key = {};
+	struct kp_lb_service *svc;
+
+	if (!sk)
+		return 0;
+	pp = kp_peer4.sk_storage_get(sk, 0, 0);
+	if (!pp || pp->backend != *addr || pp->backend_port != *port)
+		return 0;
+	key.address = pp->frontend;
+	key.dport = pp->frontend_port;
+	key.proto = IPPROTO_TCP;
+	svc = kp_svc4.lookup(&key);
+	if (!svc || svc->rev_nat_id != pp->rev_nat_id)
+		return 0; /* the service was deleted or recreated: the peer is the backend */
+	*addr = pp->frontend;
+	*port = pp->frontend_port;
+	return 1;
+}
+#endif
+
 /* One attempt for the IPv4 frontend *addr:*port (network order): KP_XLATED with *addr, *port the backend, or
  * KP_UNTOUCHED, KP_REJECTED, KP_MISS. */
 static __always_inline int kp_try4(struct bpf_sock_addr *ctx, __be32 *addr, __be16 *port, __u8 proto, __u32 seed)
@@ -166,6 +225,13 @@ static __always_inline int kp_try4(struct bpf_sock_addr *ctx, __be32 *addr, __be
 	be = kp_be4.lookup(&backend_id);
 	if (!be)
 		return KP_MISS;
+#ifdef KP_PEER
+	if (proto == IPPROTO_TCP && kp_peer_put4(ctx, be, *addr, *port, m.rev_nat_id)) {
+		*addr = be->address;
+		*port = be->port;
+		return KP_XLATED;
+	}
+#endif
 	{
 		struct kp_rev4_key rk = {};
 		struct kp_rev4_val rv = {};
@@ -216,6 +282,10 @@ static __always_inline int kp_rev4_lookup(struct bpf_sock_addr *ctx, __be32 *add
 	struct kp_lb4_key key = {};
 	struct kp_lb_service *svc;
 
+#ifdef KP_PEER
+	if (kp_proto(ctx) == IPPROTO_TCP && kp_peer_get4(ctx, addr, port))
+		return 1;
+#endif
 	rk.cookie = kp_cookie(ctx);
 	rk.address = *addr;
 	rk.port = *port;
@@ -285,6 +355,66 @@ int kp_getpeername4(struct bpf_sock_addr *ctx)
 
 /* ---------------------------------------------------------------------------------------------------- IPv6 */
 
+#ifdef KP_PEER
+static __always_inline int kp_peer_put6(struct bpf_sock_addr *ctx, struct kp_lb6_backend *be, struct kp_lb6_key *front,
+					__u16 rev_nat_id)
+{
+	struct bpf_sock *sk = ctx->sk;
+	struct kp_peer6_val pv = {};
+	struct kp_peer6_val *pp;
+
+	if (!sk)
+		return 0;
+	pv.backend[0] = be->address[0];
+	pv.backend[1] = be->address[1];
+	pv.backend[2] = be->address[2];
+	pv.backend[3] = be->address[3];
+	pv.backend_port = be->port;
+	pv.rev_nat_id = rev_nat_id;
+	pv.frontend[0] = front->address[0];
+	pv.frontend[1] = front->address[1];
+	pv.frontend[2] = front->address[2];
+	pv.frontend[3] = front->address[3];
+	pv.frontend_port = front->dport;
+	pp = kp_peer6.sk_storage_get(sk, &pv, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!pp)
+		return 0;
+	*pp = pv;
+	return 1;
+}
+
+static __always_inline int kp_peer_get6(struct bpf_sock_addr *ctx)
+{
+	struct bpf_sock *sk = ctx->sk;
+	struct kp_peer6_val *pp;
+	struct kp_lb6_key key = {};
+	struct kp_lb_service *svc;
+
+	if (!sk)
+		return 0;
+	pp = kp_peer6.sk_storage_get(sk, 0, 0);
+	if (!pp || pp->backend[0] != ctx->user_ip6[0] || pp->backend[1] != ctx->user_ip6[1] ||
+	    pp->backend[2] != ctx->user_ip6[2] || pp->backend[3] != ctx->user_ip6[3] ||
+	    pp->backend_port != (__be16)ctx->user_port)
+		return 0;
+	key.address[0] = pp->frontend[0];
+	key.address[1] = pp->frontend[1];
+	key.address[2] = pp->frontend[2];
+	key.address[3] = pp->frontend[3];
+	key.dport = pp->frontend_port;
+	key.proto = IPPROTO_TCP;
+	svc = kp_svc6.lookup(&key);
+	if (!svc || svc->rev_nat_id != pp->rev_nat_id)
+		return 0;
+	ctx->user_ip6[0] = pp->frontend[0];
+	ctx->user_ip6[1] = pp->frontend[1];
+	ctx->user_ip6[2] = pp->frontend[2];
+	ctx->user_ip6[3] = pp->frontend[3];
+	ctx->user_port = pp->frontend_port;
+	return 1;
+}
+#endif
+
 /* One attempt for the IPv6 frontend in ctx: KP_XLATED (ctx rewritten), KP_UNTOUCHED, KP_REJECTED or KP_MISS. */
 static __always_inline int kp_try6(struct bpf_sock_addr *ctx, __u8 proto, __u32 seed)
 {
@@ -316,6 +446,10 @@ static __always_inline int kp_try6(struct bpf_sock_addr *ctx, __u8 proto, __u32 
 	be = kp_be6.lookup(&backend_id);
 	if (!be)
 		return KP_MISS;
+#ifdef KP_PEER
+	if (proto == IPPROTO_TCP && kp_peer_put6(ctx, be, &key, m.rev_nat_id))
+		goto rewrite;
+#endif
 	{
 		struct kp_rev6_key rk = {};
 		struct kp_rev6_val rv = {};
@@ -338,6 +472,9 @@ static __always_inline int kp_try6(struct bpf_sock_addr *ctx, __u8 proto, __u32 
 		    old->rev_nat_id != rv.rev_nat_id)
 			kp_rev6.update(&rk, &rv);
 	}
+#ifdef KP_PEER
+rewrite:
+#endif
 	ctx->user_ip6[0] = be->address[0];
 	ctx->user_ip6[1] = be->address[1];
 	ctx->user_ip6[2] = be->address[2];
@@ -396,6 +533,10 @@ static __always_inline void kp_rev_xlate6(struct bpf_sock_addr *ctx)
 		}
 		return;
 	}
+#ifdef KP_PEER
+	if (kp_proto(ctx) == IPPROTO_TCP && kp_peer_get6(ctx))
+		return;
+#endif
 	rk.cookie = kp_cookie(ctx);
 	rk.address[0] = ctx->user_ip6[0];
 	rk.address[1] = ctx->user_ip6[1];

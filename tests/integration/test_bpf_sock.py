@@ -274,11 +274,57 @@ print(json.dumps(r))
 """
 
 
+def attach_with_peer(opts: dict[str, str], ns: str, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Compile the programs with KP_PIN_PEER4/6 (socket storage for connected TCP sockets; kproxy's loader does not
+    pass them yet) and attach them to the test's cgroup in this process; the peer maps' pins (bcc makes them)."""
+    import bcc  # type: ignore[import-not-found,unused-ignore]
+
+    from kproxy.backends.bpf import loader, maps
+
+    pin = Path(opts["bpf_pin_path"])
+    peer_pins = [pin / f"peer{n}_{maps.MAPS_VERSION}" for n in (4, 6)]
+    real = bcc.BPF
+
+    class WithPeer(real):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: object, cflags: list[str] | None = None, **kw: object) -> None:
+            extra = [f'-DKP_PIN_PEER{n}="{path}"' for n, path in zip((4, 6), peer_pins, strict=True)]
+            super().__init__(*args, cflags=[*(cflags or []), *extra], **kw)
+
+    monkeypatch.setattr(bcc, "BPF", WithPeer)
+    places = loader.places(opts, ns)
+    b = loader.compile_programs(places)
+    assert len(loader.load_and_attach(b, places.cgroup)) == 8
+    assert all(x.exists() for x in peer_pins)
+    return peer_pins
+
+
+def drop_peer(opts: dict[str, str]) -> None:
+    """Detach the programs and remove the peer pins, which kproxy's cleanup does not know yet."""
+    from kproxy.backends.bpf import loader, maps
+
+    loader.detach_all(Path(opts["bpf_cgroup_path"]))
+    for n in (4, 6):
+        (Path(opts["bpf_pin_path"]) / f"peer{n}_{maps.MAPS_VERSION}").unlink(missing_ok=True)
+
+
+def rev_entries(opts: dict[str, str], family: IPFamily) -> int:
+    from kproxy.backends.bpf import maps
+
+    fd = maps.obj_get(str(Path(opts["bpf_pin_path"]) / maps.pin_name("rev", family)))
+    try:
+        ks, vs = maps.key_sizes(family)["rev"]
+        return len(list(maps.lookup_all(fd, ks, vs)))
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("peer", [False, True], ids=["rev-lru", "peer-storage"])
 def test_an_ipv6_master_entry_pointing_at_a_missing_slot_fails_the_connect_at_once(
-    place: tuple[str, dict[str, str]],
+    place: tuple[str, dict[str, str]], monkeypatch: pytest.MonkeyPatch, peer: bool
 ) -> None:
     """The IPv6 path (connect6 with a native address) retries and fails the same way, and still translates a
-    consistent IPv6 service (getpeername6 showing its ClusterIP)."""
+    consistent IPv6 service (getpeername6 showing its ClusterIP: from the reverse-NAT LRU, or from socket storage
+    when the peer maps are given, leaving the LRU empty)."""
     from types import MappingProxyType
 
     from kproxy.backends.bpf import maps
@@ -308,13 +354,16 @@ def test_an_ipv6_master_entry_pointing_at_a_missing_slot_fails_the_connect_at_on
     p = BpfProxier(cfg, netns=ns)
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        p.start()
         v6 = [sp(n, ip, (BACKEND6,), family=IPFamily.V6) for n, ip in (("web6", VIP6), ("gap6", GAP_VIP6))]
         st = ProxyState(
             {IPFamily.V4: MappingProxyType({}), IPFamily.V6: MappingProxyType({x.name: x for x in v6})}, NODE, 1
         )
         res = p.sync(st, Changes(full=True))
         assert res.ok, res.error
+        if peer:
+            attach_with_peer(opts, ns, monkeypatch)
+        else:
+            p.start()
         fd = maps.obj_get(str(Path(opts["bpf_pin_path"]) / maps.pin_name("svc", IPFamily.V6)))
         try:
             slot = maps.lb_key(IPFamily.V6, GAP_VIP6, 80, 6, 1)
@@ -328,9 +377,54 @@ def test_an_ipv6_master_entry_pointing_at_a_missing_slot_fails_the_connect_at_on
         got, seconds = r["gap6"]
         assert got == errno.EHOSTUNREACH and seconds < 0.5, r
         assert r["ok6"] == ["ok", [VIP6, 80], f"tcp6 {BACKEND6}"], r
+        assert rev_entries(opts, IPFamily.V6) == (0 if peer else 1)
     finally:
         p.close()
+        if peer:
+            drop_peer(opts)
         server.kill()
         server.wait(10)
         if server.stdout is not None:
             server.stdout.close()
+
+
+PEER_CLIENT = f"""
+import json, socket
+r = {{"peers": []}}
+for _ in range(5):
+    s = socket.create_connection(("{VIP}", 80), timeout=2); r["peers"].append(list(s.getpeername())); s.recv(100)
+    s.close()
+m = socket.socket(socket.AF_INET6); m.setsockopt(socket.IPPROTO_IPV6, getattr(socket, "IPV6_V6ONLY", 26), 0)
+m.settimeout(2); m.connect(("::ffff:{VIP}", 80)); r["mapped"] = list(m.getpeername()[:2]); m.close()
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.settimeout(2)
+u.sendto(b"hi", ("{VIP}", 80)); d, a = u.recvfrom(100); r["udp"] = [d.decode(), list(a)]
+print(json.dumps(r))
+"""
+
+
+def test_tcp_peers_live_in_socket_storage_when_the_peer_maps_are_given(
+    place: tuple[str, dict[str, str]], servers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built with KP_PIN_PEER4/6 (socket storage for connected TCP sockets), getpeername still shows the ClusterIP
+    (plain and mapped), UDP replies still come from it, and the TCP connections leave nothing in the reverse-NAT LRU:
+    only the UDP socket's entry is there (without the peer maps every connect adds one)."""
+    from kproxy.backends.bpf.proxier import BpfProxier
+
+    ns, opts = place
+    p = BpfProxier(_config(opts), netns=ns)
+    try:
+        res = p.sync(
+            state(sp("web", VIP, (BACKEND_IP,)), sp("dns", VIP, (BACKEND_IP,), Protocol.UDP)), Changes(full=True)
+        )
+        assert res.ok, res.error
+        attach_with_peer(opts, ns, monkeypatch)
+        out = in_cgroup(ns, opts["bpf_cgroup_path"], PEER_CLIENT)
+        assert out.returncode == 0, out.stderr
+        r = json.loads(out.stdout)
+        assert r["peers"] == [[VIP, 80]] * 5
+        assert r["mapped"] == [f"::ffff:{VIP}", 80]
+        assert r["udp"] == ["udp hi", [VIP, 80]]
+        assert rev_entries(opts, IPFamily.V4) == 1  # the UDP socket's; no TCP connection's
+    finally:
+        p.close()
+        drop_peer(opts)
