@@ -1,7 +1,9 @@
 """The bpf mode's socket programs (bpf/kproxy_sock.c) on the real kernel, for the cases the review found broken:
 dual-stack IPv6 sockets reaching an IPv4 service through an IPv4-mapped address (``::ffff:a.b.c.d``: the *6 hooks
 run, and must use the IPv4 maps), and a master entry whose count points at a slot that is gone (kproxy shrinking the
-service while a program runs) failing the connect at once instead of letting it out untranslated.
+service while a program runs) failing the connect at once instead of letting it out untranslated; and the build with
+socket storage for connected TCP sockets (KP_PIN_PEER4/6, compiled here by the test until the loader passes them),
+whose TCP connections leave nothing in the reverse-NAT LRU.
 
 Each test compiles and attaches the programs (bcc) to a cgroup of its own in a cgroup2 mount of its own, pins the
 maps in a folder of its own and runs clients inside that cgroup in a throwaway namespace ``kpsk-it-…`` whose route
