@@ -64,31 +64,38 @@ class _CollectorPause:
         self._holders = 0
         self._owned = False  # this pause froze objects (nobody else had) and must unfreeze them
         self._thresholds: tuple[int, int, int] | None = None  # the thresholds before the pause, restored at its end
+        self._froze = False  # a holder that was not light froze objects: the last one out unfreezes them
 
     @contextlib.contextmanager
-    def __call__(self, active: bool = True) -> Iterator[None]:
+    def __call__(self, active: bool = True, *, light: bool = False) -> Iterator[None]:
+        """Pause while the block runs. ``light``: only defer collections (the young threshold), freeze nothing: for a
+        small sync, so a collection of the whole heap never lands inside it, while what it allocated stays young and
+        is collected as usual afterwards (objects of frequent small syncs must not bypass the young collections)."""
         if not active:
             yield
             return
         with self._lock:
             if self._holders == 0:
                 self._owned = gc.get_freeze_count() == 0
+                self._froze = False
                 if self._owned:
                     before = gc.get_threshold()
                     if 0 < before[0] < self.PAUSED_YOUNG:  # threshold 0: someone disabled collections
                         self._thresholds = before
                         gc.set_threshold(self.PAUSED_YOUNG, before[1], before[2])
             self._holders += 1
-            if self._owned:
+            if self._owned and not light:
                 gc.freeze()
+                self._froze = True
         try:
             yield
         finally:
             with self._lock:
                 self._holders -= 1
                 if self._holders == 0 and self._owned:
-                    gc.freeze()  # what the pause allocated joins the rest: into the oldest generation, unwalked
-                    gc.unfreeze()
+                    if self._froze:
+                        gc.freeze()  # what the pause allocated joins the rest: into the oldest generation, unwalked
+                        gc.unfreeze()
                     self._owned = False
                     if self._thresholds is not None:
                         if gc.get_threshold()[0] == self.PAUSED_YOUNG:  # nobody changed them since

@@ -67,3 +67,20 @@ def test_pause_restores_thresholds_and_moves_its_objects_out_of_the_young_genera
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0 and gc.isenabled()
     assert gc.get_count()[0] < 1000  # they went to the oldest generation unwalked, not left in the young one
     assert len(made) == 5000
+
+
+def test_light_pause_defers_collections_and_freezes_nothing() -> None:
+    before = gc.get_threshold()
+    gc.collect()
+    with collector_paused(True, light=True):
+        assert gc.get_threshold()[0] == collector_paused.PAUSED_YOUNG and gc.get_freeze_count() == 0
+        made = [[i] for i in range(3000)]
+        with collector_paused(True):  # a bulk pause inside a light one (another thread's relist) freezes
+            assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > 0  # until the last holder leaves
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0 and gc.isenabled()
+    assert len(made) == 3000
+    with collector_paused(True, light=True):
+        young = [[i] for i in range(3000)]
+        assert gc.get_count()[0] >= 2000  # no young collection inside; they stay young, collected afterwards
+    assert len(young) == 3000 and gc.get_freeze_count() == 0
