@@ -16,6 +16,7 @@ from kproxy.bench.datapath import METRICS, UNITS
 
 RATIO_COLUMNS = (
     ("conn_rate", "conn/s"),
+    ("conn_p50_us", "conn p50"),
     ("conn_p99_us", "conn p99"),
     ("rr_p50_us", "RR p50"),
     ("rr_p99_us", "RR p99"),
@@ -121,9 +122,11 @@ def _spread_cell(v: float | None, q: list[float] | None) -> str:
 
 FLOOR_COLUMNS = (
     ("conn_rate", "conn/s"),
+    ("conn_p50_us", "conn p50"),
     ("conn_p99_us", "conn p99"),
+    ("rr_p50_us", "RR p50"),
     ("rr_p99_us", "RR p99"),
-    ("udp_p99_us", "UDP p99"),
+    ("udp_p50_us", "UDP p50"),
     ("tcp_gbps", "Gbit/s"),
 )
 
@@ -277,8 +280,12 @@ HOW_TO_READ = """## How to read this
 - **Connections** (`datapath_conn.png`): the same connection rates in absolute terms, limit in black.
 - **Memory** (`memory.png`): the sync benchmark's peak resident memory (cache + backend in one process) and kproxy's
   resident memory on node-1 of the lab.
-- The machine is shared (2 cores): expect +-10-20 % noise between runs in the data-path figures; each figure is a
-  median and each ratio is taken within one run. Latency p99 is the noisiest figure.
+- Noise: the machine is shared (2 cores, other benchmarks running). Each round measures every target interleaved,
+  one operation each in turn, so load hits all alike; the brackets give the quartiles of the per-round ratios:
+  about +-2-5 % for rates and p50 latencies, +-10-30 % for p99 (preemption of the client or server for
+  milliseconds, not the proxy) and for bulk throughput (iperf3 runs one target at a time). Read p50 and rates for
+  the proxy's cost, p99 for gross regressions only. `kproxy CPU while measuring` should be near 0: a proxy busy
+  during the traffic slows every target, the limit too, and its ratios then say little.
 """
 
 
@@ -448,7 +455,12 @@ def as_results(doc: dict[str, Any], command: str = "") -> dict[str, Any]:
     from kproxy.bench.compare import machine_facts
 
     command = command or doc.get("command") or "kproxy bench datapath"
-    return {"command": command, "machine": doc.get("machine") or machine_facts(), "datapath": doc}
+    return {
+        "command": command,
+        "machine": doc.get("machine") or machine_facts(),
+        "datapath": doc,
+        "notes": list(doc.get("notes") or []),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
