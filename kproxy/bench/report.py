@@ -291,7 +291,8 @@ HOW_TO_READ = """## How to read this
 
 def render(results: dict[str, Any], plot_files: list[str]) -> str:
     m = results.get("machine") or {}
-    lines = ["# kproxy compare", ""]
+    title = "kproxy bench datapath" if str(results.get("command", "")).startswith("kproxy bench") else "kproxy compare"
+    lines = [f"# {title}", ""]
     lines.append(f"`{results.get('command', 'kproxy compare')}` — {m.get('date_utc', '')}")
     if results.get("elapsed_s"):
         lines[-1] += f", took {results['elapsed_s'] / 60:.1f} min"
@@ -460,6 +461,7 @@ def as_results(doc: dict[str, Any], command: str = "") -> dict[str, Any]:
         "machine": doc.get("machine") or machine_facts(),
         "datapath": doc,
         "notes": list(doc.get("notes") or []),
+        "modes": list(dict.fromkeys(r["mode"] for r in doc.get("runs") or [])),
     }
 
 
