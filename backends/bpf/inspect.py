@@ -4,8 +4,9 @@ the companion table), ``kernel_view`` (the maps decoded per service port, like `
 
 Where a kproxy's pins and cgroup are is decided by its options (``loader.places``). Because another mode's start-up
 (``cleanup_other_modes``) and ``kproxy cleanup`` call ``cleanup`` without the bpf options a node ran with, every
-kproxy records its places in ``/run/kproxy/bpf/net-<netns inode>.json``; ``cleanup`` and ``remnants`` without
-explicit options read that record.
+kproxy records its places in ``/run/kproxy/bpf/net-<netns inode>.json`` with the namespace's cookie (inodes are
+reused, cookies are not); ``cleanup`` and ``remnants`` read that record only when the cookie is this namespace's,
+and act on every place in it (a kproxy restarted with another pin folder or cgroup leaves the older ones there).
 
 Who uses it: ``backends.bpf.proxier`` (its classmethod hooks), the conformance runner through them, tests.
 """
@@ -36,12 +37,58 @@ def _record_path(netns: str | None) -> Path:
 _warned: set[str] = set()
 
 
+def _doc_places(doc: Mapping[str, Any], map_size: int) -> list[loader.Places]:
+    out = []
+    for d in doc.get("places", []):
+        out.append(loader.Places(Path(d["pin_dir"]), Path(d["cgroup"]), bool(d["own_cgroup"]), map_size))
+    return out
+
+
+def _read_record(netns: str | None, map_size: int = loader.DEFAULT_MAP_SIZE) -> list[loader.Places]:
+    """The places this namespace's record names, newest first; [] when there is none, or when it belongs to another
+    namespace: a record is named by the namespace's inode, which the kernel reuses once a namespace is gone, so it
+    also carries the namespace's cookie (``loader.netns_cookie``, never reused), and only a matching one counts (a
+    record of the older layout, without a cookie, cannot be told apart and never counts)."""
+    try:
+        doc = json.loads(_record_path(netns).read_text())
+        if not isinstance(doc, dict) or doc.get("netns_cookie") != loader.netns_cookie(netns):
+            return []
+        return _doc_places(doc, map_size)
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 def record_places(p: loader.Places, netns: str | None) -> None:
-    """Remember where this namespace's kproxy keeps its maps and programs (for cleanup by another mode)."""
+    """Remember where this namespace's kproxy keeps its maps and programs (for cleanup by another mode). Places an
+    earlier kproxy of this namespace recorded stay in the record (cleanup removes their pins too); its programs on
+    another cgroup (``--bpf-cgroup-path`` changed) are detached first: they would keep translating from maps nobody
+    writes any more."""
+    old = _read_record(netns, p.map_size)
+    for q in old:
+        if q.cgroup != p.cgroup:
+            try:
+                loader.check_places(q)
+                progs = loader.ours(loader.attached(q.cgroup))
+                if progs:
+                    loader.detach_ids(q.cgroup, progs)
+                    log.warning(
+                        "bpf: the cgroup changed (%s -> %s): detached kproxy's programs from the old one",
+                        q.cgroup,
+                        p.cgroup,
+                    )
+            except (OSError, RuntimeError, ValueError) as exc:
+                log.warning("bpf: cannot detach kproxy's programs from the old cgroup %s: %s", q.cgroup, exc)
+    keep = [p] + [q for q in old if (q.pin_dir, q.cgroup) != (p.pin_dir, p.cgroup)]
     try:
         RECORDS.mkdir(parents=True, exist_ok=True)
-        doc = {"pin_dir": str(p.pin_dir), "cgroup": str(p.cgroup), "own_cgroup": p.own_cgroup}
-        _record_path(netns).write_text(json.dumps(doc))
+        doc = {
+            "netns_cookie": loader.netns_cookie(netns),
+            "places": [{"pin_dir": str(q.pin_dir), "cgroup": str(q.cgroup), "own_cgroup": q.own_cgroup} for q in keep],
+        }
+        path = _record_path(netns)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(path)
     except OSError as exc:
         # once per process (a container's read-only /run refuses it every time; its options name the places)
         level = logging.DEBUG if str(RECORDS) in _warned else logging.WARNING
@@ -50,15 +97,11 @@ def record_places(p: loader.Places, netns: str | None) -> None:
 
 
 def _places_for(options: Mapping[str, Any], netns: str | None) -> list[loader.Places]:
-    """The places the options name, plus the one this namespace's record names (when it differs)."""
+    """The places the options name, plus those this namespace's record names (when they differ)."""
     out = [loader.places(options, netns)]
-    try:
-        doc = json.loads(_record_path(netns).read_text())
-        rec = loader.Places(Path(doc["pin_dir"]), Path(doc["cgroup"]), bool(doc["own_cgroup"]), out[0].map_size)
-        if rec.pin_dir != out[0].pin_dir or rec.cgroup != out[0].cgroup:
+    for rec in _read_record(netns, out[0].map_size):
+        if all((rec.pin_dir, rec.cgroup) != (q.pin_dir, q.cgroup) for q in out):
             out.append(rec)
-    except (OSError, ValueError, KeyError):
-        pass
     return out
 
 
@@ -83,7 +126,7 @@ def cleanup(options: Mapping[str, Any], netns: str | None) -> None:
         pin_dir = p.pin_real
         if pin_dir.is_dir():
             for f in pin_dir.iterdir():
-                if f.name in maps.all_pin_names() or f.name.startswith(("svc", "be", "rev", "aff", "name")):
+                if f.name in maps.all_pin_names() or f.name.startswith(("svc", "be", "rev", "aff", "name", "peer")):
                     f.unlink(missing_ok=True)
             try:
                 pin_dir.rmdir()
@@ -108,7 +151,8 @@ def cleanup(options: Mapping[str, Any], netns: str | None) -> None:
         except nft.NftError as exc:
             errors.append(f"nft: {exc}")
     try:
-        _record_path(netns).unlink(missing_ok=True)
+        if _read_record(netns):  # ours: a record of another namespace with the same inode is left alone
+            _record_path(netns).unlink(missing_ok=True)
     except OSError:
         pass
     if errors:

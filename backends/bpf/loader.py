@@ -44,6 +44,11 @@ BPF_F_ALLOW_MULTI = 2
 DEFAULT_MAP_SIZE = 1 << 20  # 10,000 services x 50 endpoints need 510,000 service entries and 500,000 backends
 LRU_SIZE = 65536
 PROG_PREFIX = "kp_"
+#: the socket-storage maps (``peer4_v1``, ``peer6_v1``): made and pinned by bcc (``compile_programs``), read by the
+#: programs alone; not in ``maps.ROLES`` (nothing in userspace reads or adopts them), but pinned like the others, so
+#: ``pinned_ids``, ``programs_problem`` and cleanup know them
+PEER_ROLE = "peer"
+PINNED_ROLES = (*maps.ROLES, PEER_ROLE)
 
 #: program name -> (family, attach type name in bcc's BPFAttachType, bpftool's name for it)
 PROGRAMS: dict[str, tuple[IPFamily, str, str]] = {
@@ -141,6 +146,52 @@ def netns_inode(netns: str | None) -> int:
     return os.stat(path).st_ino
 
 
+SO_NETNS_COOKIE = 71  # asm-generic/socket.h (Linux 5.14+)
+_CLONE_NEWNET = 0x40000000
+
+
+def netns_cookie(netns: str | None) -> int:
+    """The network namespace's cookie (SO_NETNS_COOKIE of a socket made in it): unlike its inode, which the kernel
+    gives to a later namespace once this one is gone, a cookie is never reused while the machine runs. A named
+    namespace is entered by a short-lived thread of its own (setns changes the calling thread only)."""
+    import socket
+    import struct
+    import threading
+
+    def cookie() -> int:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as so:
+            return int(struct.unpack("<Q", so.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8))[0])
+
+    if not netns:
+        return cookie()
+    out: list[int] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        import ctypes
+
+        try:
+            fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.setns(fd, _CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns into {netns}")
+            finally:
+                os.close(fd)
+            out.append(cookie())
+        except BaseException as exc:  # handed to the caller
+            errors.append(exc)
+
+    t = threading.Thread(target=run, name="bpf-netns-cookie", daemon=True)
+    t.start()
+    t.join(10)
+    if errors:
+        raise errors[0]
+    if not out:
+        raise OSError(f"reading the cookie of network namespace {netns} timed out")
+    return out[0]
+
+
 @dataclass(frozen=True, slots=True)
 class Places:
     """Where one kproxy's maps are pinned and which cgroup its programs serve; ``own_cgroup``: the default child
@@ -232,7 +283,10 @@ def open_or_create(p: Places, role: str, family: IPFamily) -> int:
 
 
 def compile_programs(p: Places) -> Any:
-    """bcc-compile bpf/kproxy_sock.c against the pin folder (creating or reopening the pinned maps); the BPF object."""
+    """bcc-compile bpf/kproxy_sock.c against the pin folder (creating or reopening the pinned maps); the BPF object.
+    The peer maps (``PEER_ROLE``: socket storage of connected TCP sockets, which keeps them out of the reverse-NAT
+    LRU) are created and pinned by bcc itself: kproxy's own map creation cannot make SK_STORAGE maps (they need
+    BTF), and userspace cannot list them, so no sync, adoption or ``pins_present`` ever opens them."""
     from bcc import BPF  # type: ignore[import-not-found,unused-ignore]
 
     cflags = [
@@ -242,7 +296,7 @@ def compile_programs(p: Places) -> Any:
         f"-DKP_LRU_MAX={LRU_SIZE}",
     ]
     for fam in (IPFamily.V4, IPFamily.V6):
-        for role in maps.ROLES:
+        for role in (*maps.ROLES, PEER_ROLE):
             macro = f"KP_PIN_{role.upper()}{4 if fam == IPFamily.V4 else 6}"
             cflags.append(f'-D{macro}="{p.pin(role, fam)}"')
     t0 = time.perf_counter()
@@ -412,7 +466,7 @@ def map_id(fd: int) -> int:
     return int(struct.unpack_from("<I", info.raw, 4)[0])
 
 
-def pinned_ids(p: Places, roles: tuple[str, ...] = maps.ROLES) -> dict[tuple[str, IPFamily], int]:
+def pinned_ids(p: Places, roles: tuple[str, ...] = PINNED_ROLES) -> dict[tuple[str, IPFamily], int]:
     """(role, family) -> id of the map pinned in the pin folder now (what is absent is left out). Read through the
     pins themselves, never through a kproxy's own fds: those keep a map alive after someone unpinned it."""
     out: dict[tuple[str, IPFamily], int] = {}

@@ -12,6 +12,7 @@ Who uses it: ``backends.bpf.proxier`` and ``backends.bpf.inspect``.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import subprocess
 import threading
@@ -76,6 +77,10 @@ class NftView:
     chains: frozenset[str]
     elements: frozenset[tuple[str, str, str]]
     rules: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    #: interval sets (``nodeport-cidrs``): name -> elements as collapsed CIDR text (``render.nodeport_cidrs``'
+    #: spelling); None when not read. A table without the set is of an older layout (its NodePort rule has no
+    #: address match) and is written again whole.
+    sets: Mapping[str, tuple[str, ...]] | None = None
 
 
 def _key_text(val: Any) -> str:
@@ -107,6 +112,7 @@ def read(family: IPFamily, netns: str | None = None) -> NftView:
     chains: set[str] = set()
     elements: set[tuple[str, str, str]] = set()
     rules: dict[str, int] = {}
+    sets: dict[str, tuple[str, ...]] = {}
     for item in doc.get("nftables", []):
         if "chain" in item:
             chains.add(item["chain"]["name"])
@@ -114,6 +120,9 @@ def read(family: IPFamily, netns: str | None = None) -> NftView:
         elif "rule" in item:
             name = item["rule"].get("chain", "")
             rules[name] = rules.get(name, 0) + 1
+        elif "set" in item:
+            st = item["set"]
+            sets[st["name"]] = _cidrs(st.get("elem", []) or [])
         elif "map" in item:
             m = item["map"]
             for el in m.get("elem", []) or []:
@@ -122,7 +131,30 @@ def read(family: IPFamily, netns: str | None = None) -> NftView:
                     if isinstance(k, dict) and "elem" in k:
                         k = k["elem"]["val"]
                     elements.add((m["name"], _key_text(k), _verdict_text(v)))
-    return NftView(True, frozenset(chains), frozenset(elements), MappingProxyType(rules))
+    return NftView(True, frozenset(chains), frozenset(elements), MappingProxyType(rules), MappingProxyType(sets))
+
+
+def _cidrs(elems: list[Any]) -> tuple[str, ...]:
+    """An interval set's JSON elements (addresses, ``prefix`` and ``range`` objects) as collapsed CIDR text."""
+    nets: list[Any] = []
+    for e in elems:
+        if isinstance(e, dict) and "elem" in e:
+            e = e["elem"].get("val")
+        try:
+            if isinstance(e, str):
+                nets.append(ipaddress.ip_network(e))
+            elif isinstance(e, dict) and "prefix" in e:
+                nets.append(ipaddress.ip_network(f"{e['prefix']['addr']}/{e['prefix']['len']}"))
+            elif isinstance(e, dict) and "range" in e:
+                lo, hi = (ipaddress.ip_address(x) for x in e["range"])
+                nets += list(ipaddress.summarize_address_range(lo, hi))  # type: ignore[arg-type]
+        except (ValueError, TypeError, KeyError):
+            continue
+    try:
+        collapsed = list(ipaddress.collapse_addresses(nets))
+    except TypeError:  # mixed versions: not a set of ours
+        return ()
+    return tuple(str(n.network_address) if n.prefixlen == n.max_prefixlen else str(n) for n in collapsed)
 
 
 def table_present(family: IPFamily, netns: str | None = None) -> bool:

@@ -127,6 +127,10 @@ class Adopted:
     nft_problem: str | None = None
 
 
+#: (family, all local, CIDRs, primary addresses) -> the companion table's ``nodeport-cidrs`` elements
+_NODEPORT_CIDRS: dict[tuple[IPFamily, bool, tuple[str, ...], tuple[str, ...]], tuple[str, ...]] = {}
+
+
 class BpfProxier(LedgerProxier[Fragment, Context]):
     """The bpf mode (see ``backends/bpf/__init__.py``)."""
 
@@ -162,6 +166,10 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         self._fds: dict[tuple[str, IPFamily], int] = {}
         self._index: dict[IPFamily, FamilyIndex | None] = {f: None for f in self.families}
         self._nft_ready: dict[IPFamily, bool] = {f: False for f in self.families}
+        # the services whose fragments have a companion part: the table exists only while this is not empty; the
+        # ``nodeport-cidrs`` elements written (None: unknown)
+        self._nft_users: dict[IPFamily, set[ServicePortName]] = {f: set() for f in self.families}
+        self._nft_cidrs: dict[IPFamily, tuple[str, ...] | None] = {f: None for f in self.families}
         self._last_check = 0.0
         self._kernel_read: dict[IPFamily, float] = {}
         # the repair of someone else's flush (``_check_kernel``): families owed a full sync that reads the kernel,
@@ -286,11 +294,19 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         super().cleanup()
         self._index = {f: None for f in self.families}
         self._nft_ready = {f: False for f in self.families}
+        self._nft_users = {f: set() for f in self.families}
+        self._nft_cidrs = {f: None for f in self.families}
 
     # -- ledger hooks ---------------------------------------------------------------------------------------------
 
     def context(self, node: FamilyContext, state: ProxyState) -> Context:
-        return Context(node.family, tuple(sorted(node.nodeport_addresses)))
+        key = (node.family, node.nodeport_all_local, node.nodeport_cidrs, node.nodeport_ips)
+        cidrs = _NODEPORT_CIDRS.get(key)
+        if cidrs is None:
+            if len(_NODEPORT_CIDRS) > 64:
+                _NODEPORT_CIDRS.clear()
+            cidrs = _NODEPORT_CIDRS[key] = render.nodeport_cidrs(*key)
+        return Context(node.family, tuple(sorted(node.nodeport_addresses)), cidrs)
 
     def render(self, sp: ServicePort, ctx: Context) -> Fragment:
         """``render.render``, remembered per service: the cache hands the same ServicePort object until the service
@@ -752,7 +768,35 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
                         raise
 
     def _apply_nft(self, batch: Batch[Fragment, Context], adopted: Adopted | None, names: set[ServicePortName]) -> None:
+        """The companion table's share of a batch. The table exists only while some service has a companion part
+        (NodePorts, externalIPs, LB IPs, services without endpoints or with Local policy and no local endpoint):
+        its nat chains and ct rules turn conntrack on for every packet of the namespace, pod-to-pod traffic
+        included, so when the last such service goes the table goes with it."""
         fam = batch.family
+        t = f"{'ip' if fam == IPFamily.V4 else 'ip6'} {render.TABLE}"
+        users = self._nft_users[fam]
+        if batch.full:
+            users.clear()
+            users.update(n for n, f in batch.wanted.items() if not f.nft.empty)
+        else:
+            for d in batch.deltas:
+                if d.new_fragment is not None and not d.new_fragment.nft.empty:
+                    users.add(d.name)
+                else:
+                    users.discard(d.name)
+        cidrs = batch.context.nodeport_cidrs
+        if not users:
+            if batch.full and adopted is not None and adopted.trusted is None:
+                present = adopted.nft.present
+            elif batch.full and adopted is None:
+                present = nft.table_present(fam, self.netns)
+            else:
+                present = self._nft_ready[fam]
+            if present:
+                nft.run(f"add table {t}\ndelete table {t}\n", self.netns)
+            self._nft_ready[fam] = False
+            self._nft_cidrs[fam] = None
+            return
         first: list[str] = []
         mid: list[str] = []
         last: list[str] = []
@@ -772,11 +816,17 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             for frag in batch.wanted.values():
                 want_chains.update(frag.nft.chains)
                 want_elems.update(frag.nft.elements)
-            if not view.present and not want_chains and not want_elems:
-                return
-            t = f"{'ip' if fam == IPFamily.V4 else 'ip6'} {render.TABLE}"
+            if view.present and view.sets is not None and render.NODEPORT_CIDRS not in view.sets:
+                # an older layout (its NodePort rule matched any local address, loopback too): written again whole
+                first += [f"add table {t}", f"delete table {t}"]
+                view = nft.NftView(False, frozenset(), frozenset())
+            elif view.sets is not None:
+                self._nft_cidrs[fam] = view.sets.get(render.NODEPORT_CIDRS)
             if not view.present or not self._nft_ready[fam] or "services" not in view.chains:
                 first += render.fixed_commands(fam)
+                self._nft_cidrs[fam] = None if view.present else ()
+            if self._nft_cidrs[fam] != cidrs:
+                first += render.nodeport_cidr_commands(fam, cidrs)
             for name, rules in want_chains.items():
                 if name not in view.chains:
                     # flushed too: a chain someone emptied (or cut short) gets its rules once, not appended twice
@@ -803,7 +853,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
                 mid += b
                 last += c
             if (first or mid or last) and not self._nft_ready[fam]:
-                first = render.fixed_commands(fam) + first
+                first = render.fixed_commands(fam) + render.nodeport_cidr_commands(fam, cidrs) + first
         if not (first or mid or last):
             return
         # deletes before adds inside the element phase: a changed element is deleted, then added
@@ -812,6 +862,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         last.sort(key=lambda c: 0 if " f-" in c else 1)
         nft.run("\n".join(first + mid + last) + "\n", self.netns)
         self._nft_ready[fam] = True
+        self._nft_cidrs[fam] = cidrs
 
     # -- benchmark floors -----------------------------------------------------------------------------------------
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import array
 import hashlib
+import ipaddress
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kproxy.model import IPFamily, ServicePort, ServicePortName, Verdict
 
@@ -24,7 +26,7 @@ from .maps import F_AFFINITY, F_DROP, F_EXTERNAL, F_REJECT, PROTO_NUMBERS, Maste
 
 TABLE = "kproxy-bpf"
 #: bumped when the companion table's fixed part changes (its chains carry it in a comment)
-NFT_LAYOUT = "kproxy-bpf-nft-1"
+NFT_LAYOUT = "kproxy-bpf-nft-2"
 MASQ_LABEL = 127
 
 
@@ -35,6 +37,9 @@ class Context:
 
     family: IPFamily
     nodeport_addresses: tuple[str, ...] = ()
+    #: where the companion table accepts NodePorts of external packets (its ``nodeport-cidrs`` set, as in the
+    #: nftables mode): every address but loopback, or ``--nodeport-addresses``' CIDRs and primary addresses
+    nodeport_cidrs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +198,49 @@ def render_nft(sp: ServicePort, ctx: Context) -> NftPart:
     return NftPart(tuple(chains), tuple(elements))
 
 
+NODEPORT_CIDRS = "nodeport-cidrs"
+_LOOPBACK = {IPFamily.V4: ipaddress.ip_network("127.0.0.0/8"), IPFamily.V6: ipaddress.ip_network("::1/128")}
+
+
+def nodeport_cidrs(
+    family: IPFamily, all_local: bool, cidrs: Iterable[str] = (), ips: Iterable[str] = ()
+) -> tuple[str, ...]:
+    """The ``nodeport-cidrs`` set's elements (with ``fib daddr type local``: where external packets reach NodePorts):
+    every address but loopback, or the ``--nodeport-addresses`` CIDRs and ``primary`` addresses, collapsed (an
+    interval set refuses overlapping elements), single addresses without a prefix length."""
+    loop = _LOOPBACK[family]
+    nets: list[Any] = []
+    if all_local:
+        everything = ipaddress.ip_network("0.0.0.0/0" if family == IPFamily.V4 else "::/0")
+        nets = list(everything.address_exclude(loop))  # type: ignore[arg-type]
+    else:
+        version = 4 if family == IPFamily.V4 else 6
+        for text in (*cidrs, *ips):
+            try:
+                net = ipaddress.ip_network(text, strict=False)
+            except ValueError:
+                continue
+            if net.version == version:
+                nets.append(net)
+    return tuple(_cidr_text(n) for n in ipaddress.collapse_addresses(nets))
+
+
+def _cidr_text(net: Any) -> str:
+    return str(net.network_address) if net.prefixlen == net.max_prefixlen else str(net)
+
+
+def nodeport_cidr_commands(family: IPFamily, cidrs: Iterable[str]) -> list[str]:
+    """The ``nodeport-cidrs`` set emptied and filled with ``cidrs`` (one transaction's commands)."""
+    t = f"{_ip(family)} {TABLE}"
+    items = list(cidrs)
+    return [f"flush set {t} {NODEPORT_CIDRS}"] + (
+        [f"add element {t} {NODEPORT_CIDRS} {{ {', '.join(items)} }}"] if items else []
+    )
+
+
 def fixed_commands(family: IPFamily) -> list[str]:
-    """The companion table's fixed part (idempotent: ``add`` of what exists is a no-op)."""
+    """The companion table's fixed part (idempotent: ``add`` of what exists is a no-op); the ``nodeport-cidrs``
+    elements come from the context (``nodeport_cidr_commands``)."""
     ip = _ip(family)
     addr = "ipv4_addr" if family == IPFamily.V4 else "ipv6_addr"
     t = f"{ip} {TABLE}"
@@ -202,6 +248,7 @@ def fixed_commands(family: IPFamily) -> list[str]:
         f"add table {t}",
         f"add map {t} svc {{ type {addr} . inet_proto . inet_service : verdict ; }}",
         f"add map {t} nodeports {{ type inet_proto . inet_service : verdict ; }}",
+        f"add set {t} {NODEPORT_CIDRS} {{ type {addr} ; flags interval ; }}",
         f"add chain {t} kp-reject",
         f'add chain {t} services {{ comment "{NFT_LAYOUT}" ; }}',
         f"add chain {t} nat-prerouting {{ type nat hook prerouting priority dstnat ; policy accept ; }}",
@@ -214,7 +261,8 @@ def fixed_commands(family: IPFamily) -> list[str]:
         f"flush chain {t} nat-postrouting",
         f"add rule {t} kp-reject reject",
         f"add rule {t} services {ip} daddr . meta l4proto . th dport vmap @svc",
-        f"add rule {t} services fib daddr type local meta l4proto . th dport vmap @nodeports",
+        f"add rule {t} services {ip} daddr @{NODEPORT_CIDRS} fib daddr type local meta l4proto . th dport"
+        " vmap @nodeports",
         f"add rule {t} nat-prerouting jump services",
         f"add rule {t} nat-output jump services",
         f"add rule {t} nat-postrouting ct label {MASQ_LABEL} masquerade fully-random",

@@ -5,9 +5,11 @@ When a UDP service loses a backend, kproxy destroys the *connected* UDP sockets 
 network namespace that has a process in the mode's cgroup (the node's pods and host processes), with iproute2's
 ``ss -K`` (sock_diag SOCK_DESTROY, CONFIG_INET_DIAG_DESTROY). The application's next send fails (EDESTADDRREQ) and
 it reconnects, through connect4, to a live backend. Unconnected sockets have no peer, so the filter never matches
-them (they re-choose per datagram anyway: cilium#48564). Only when the reverse-NAT map shows that some socket was
-translated to that backend is anything done; a socket that connected to the pod address directly, with the same
-address and port, is ended too (ss cannot filter by socket cookie).
+them (they re-choose per datagram anyway: cilium#48564). Every removed UDP backend is looked for, whatever the
+reverse-NAT map says: that map is an LRU of 65,536 entries, and a socket whose entry was pushed out (by other
+sockets' translations) would otherwise stay pinned to a dead backend for ever; the map is only a hint for the log.
+One ``ss`` per namespace matches all the removed backends at once. A socket that connected to the pod address
+directly, with the same address and port, is ended too (ss cannot filter by socket cookie): its peer is gone as well.
 
 Runs on a worker thread of its own, after the maps no longer lead to the backend: a sync never waits for it.
 
@@ -59,29 +61,47 @@ def translated_peers(rev_fd: int, family: IPFamily, peers: Iterable[tuple[str, i
     return sorted(want & seen)
 
 
+def _dst(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def ss_filter(targets: Iterable[tuple[str, int]]) -> list[str]:
+    """An ``ss`` filter (argv words) matching a socket whose peer is any of ``targets``."""
+    words: list[str] = ["("]
+    for i, (ip, port) in enumerate(sorted(set(targets))):
+        words += (["or"] if i else []) + ["dst", _dst(ip, port)]
+    return [*words, ")"]
+
+
 def destroy_connected_udp(
     cgroup: Path, peers: Iterable[tuple[str, int]], rev_fd: int | None = None, family: IPFamily = IPFamily.V4
 ) -> int:
-    """Destroy connected UDP sockets whose peer is one of ``peers`` (those the reverse-NAT map shows translated, when
-    ``rev_fd`` is given) in the cgroup's namespaces; how many ss found."""
-    targets = sorted(set(peers)) if rev_fd is None else translated_peers(rev_fd, family, peers)
+    """Destroy connected UDP sockets whose peer is one of ``peers`` in the cgroup's namespaces, every one of them
+    looked for (``rev_fd``, the reverse-NAT map, only says in the log how many it still knew); how many ss ended."""
+    targets = sorted(set(peers))
     if not targets:
         return 0
+    hinted: list[tuple[str, int]] | None = None
+    if rev_fd is not None:
+        try:
+            hinted = translated_peers(rev_fd, family, targets)
+        except (OSError, maps.BpfError):
+            hinted = None
     killed = 0
     for _ino, pid in cgroup_namespaces(cgroup).items():
-        for ip, port in targets:
-            argv = ["nsenter", f"--net=/proc/{pid}/ns/net", "ss", "-K", "-n", "-u", "dst", ip, "dport", "=", str(port)]
-            try:
-                res = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                log.warning("bpf: ending UDP sockets to %s:%d failed: %s", ip, port, exc)
-                continue
-            if res.returncode != 0:
-                log.warning("bpf: ss -K for %s:%d: %s", ip, port, res.stderr.strip()[:200])
-                continue
-            killed += max(0, len([ln for ln in res.stdout.splitlines() if ln.strip()]) - 1)  # minus the header
+        argv = ["nsenter", f"--net=/proc/{pid}/ns/net", "ss", "-K", "-n", "-u", *ss_filter(targets)]
+        try:
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("bpf: ending UDP sockets to %s failed: %s", targets, exc)
+            continue
+        if res.returncode != 0:
+            log.warning("bpf: ss -K for %s: %s", targets, res.stderr.strip()[:200])
+            continue
+        killed += max(0, len([ln for ln in res.stdout.splitlines() if ln.strip()]) - 1)  # minus the header
     if killed:
-        log.info("bpf: ended %d connected UDP socket(s) to removed backends %s", killed, targets)
+        seen = "" if hinted is None else f" ({len(hinted)} of them still in the reverse-NAT map)"
+        log.info("bpf: ended %d connected UDP socket(s) to removed backends %s%s", killed, targets, seen)
     return killed
 
 
