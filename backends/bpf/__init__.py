@@ -8,6 +8,11 @@ companion table), ``inspect`` (remnants, kernel_view, cleanup), ``sockets`` (end
 removed backends), ``proxier`` (``BpfProxier`` on the ledger: apply, adopt, verify, the explainer from the maps,
 benchmark floors).
 C sources: ``bpf/kproxy_sock.c`` (connect4/6, sendmsg4/6, recvmsg4/6, getpeername4/6) and ``bpf/kproxy_lb.h``.
+IPv4-mapped IPv6 peers (``::ffff:a.b.c.d``, a dual-stack socket reaching an IPv4 service) are translated by the *6
+hooks with the IPv4 maps, and get a mapped backend (and a mapped frontend from getpeername) back. A frontend's slot
+or backend that vanishes between a program's lookups (kproxy shrinking the service meanwhile) is looked up once more
+from a fresh master entry; still missing, the connect or sendmsg fails at once with EHOSTUNREACH (never an
+untranslated packet to an address nothing answers; ECONNREFUSED stays the answer of a service with no endpoints).
 
 Maps (pinned in the pin folder, versioned names ``<role><4|6>_v1``; Cilium's and Calico's shape):
 - ``svc``: frontend address . port . protocol . slot -> slot 0 {count, flags (reject, drop, affinity, external),
@@ -16,8 +21,14 @@ Maps (pinned in the pin folder, versioned names ``<role><4|6>_v1``; Cilium's and
   ``<node IP>:<nodePort>`` by socket translation too).
 - ``be``: backend id -> address . port . protocol. Ids are per service (a backend of two services has two ids), so
   an affinity entry whose backend id is gone is simply stale.
-- ``rev`` (LRU): socket cookie . backend -> frontend . reverse-NAT id, written by connect/sendmsg, read by recvmsg (UDP
-  replies come from the frontend) and getpeername; checked against the frontend's master entry on use.
+- ``rev`` (LRU, 65,536 entries): socket cookie . backend -> frontend . reverse-NAT id, written by UDP connect/sendmsg,
+  read by recvmsg (UDP replies come from the frontend) and getpeername; checked against the frontend's master entry
+  on use.
+- ``peer`` (socket storage, ``BPF_MAP_TYPE_SK_STORAGE``): a connected TCP socket's backend and frontend, freed with
+  the socket, read by getpeername; so TCP connections never fill the ``rev`` LRU. Made and pinned by bcc when the
+  programs are compiled (``loader.PEER_ROLE``: kproxy's own map creation cannot make these maps without BTF) and read
+  by the programs alone (userspace cannot list them: syncs, adoption and the all-maps-present check skip them; the
+  check of the attached programs and cleanup know their pins).
 - ``aff`` (LRU): client network-namespace cookie . reverse-NAT id -> backend id, last use (ClientIP affinity for
   sockets: there is no client address at connect time; a pod is a network namespace).
 - ``name``: reverse-NAT id -> ``ns/name:port/PROTO``, written by kproxy only: adoption, ``kproxy show`` and
@@ -34,20 +45,26 @@ timeout, as upstream's drop); ClientIP affinity with its timeout; traffic polici
 from the cache's endpoint choice. Local clients reaching an external address use the cluster endpoints (upstream's
 short-circuit for local traffic).
 
-The per-packet path: an nftables companion table, not a tc program. Packets that do not start in a socket of the
-node's cgroup (an external client to a NodePort, externalIP or LB IP; forwarded packets to a service address with no
-endpoints) go through ``kproxy-bpf``: ``ip daddr . meta l4proto . th dport vmap @svc`` and ``fib daddr type local``
-NodePorts, each element a verdict (``goto kp-reject``, ``drop``, or an immutable per-service chain whose name carries
-the digest of its rules: a conntrack label asking postrouting to masquerade under Cluster policy, ``dnat to numgen
-random mod K map {...}``; a firewall chain for loadBalancerSourceRanges). Why (measured here):
-(1) plain ClusterIP services with endpoints, the bulk at scale, never enter the table (sockets serve them): at
-10,000 services x 10 endpoints the table is empty and a sync is map writes only; a partial sync of such a service
-makes no nft call at all (bench: 1.2 ms for a whole partial sync at 5,000 x 10, of which 0.08 ms are the map
-writes); a service that does need the table costs one libnftables command, 0.14 ms through a kept context;
-(2) a tc program needs its own connection tracking for replies (un-DNAT, masquerade, ICMP errors for reject,
-fragments): the kernel's conntrack and nat already do it correctly, and external traffic then gets the same datapath
-as the nftables mode, measured there; (3) every conformance scenario passes either way, and the nft route was the
-one that could be finished and proven in the time given.
+The per-packet path: an nftables companion table, not a tc program. Packets that do not start in a socket of the node's
+cgroup (an external client to a NodePort, externalIP or LB IP; forwarded packets to a service address with no endpoints)
+go through ``kproxy-bpf``: ``ip daddr . meta l4proto . th dport vmap @svc`` and, for NodePorts, ``ip daddr
+@nodeport-cidrs fib daddr type local`` as in the nftables mode (the interval set holds ``--nodeport-addresses``' CIDRs
+and primary addresses, or every address but loopback: NodePorts never answer on 127.0.0.0/8 or ::1; a table of the older
+layout without the set is written again whole), each element a verdict (``goto kp-reject``, ``drop``, or an immutable
+per-service chain whose name carries the digest of its rules: a conntrack label asking postrouting to masquerade under
+Cluster policy, ``dnat to numgen random mod K map {...}``; a firewall chain for loadBalancerSourceRanges). The table
+exists only while some service has a part in it (NodePorts, externalIPs, LB IPs, services without endpoints, Local
+policy without local endpoints: whatever ``render.render_nft`` gives elements for) and is deleted when the last such
+service goes: its nat chains and ct rules turn conntrack on for every packet of the namespace, pod-to-pod traffic
+included (measured by the datapath benchmark's conntrack floor), and a node of plain ClusterIPs then tracks nothing. Why
+nftables (measured here): (1) plain ClusterIP services with endpoints, the bulk at scale, never enter the table (sockets
+serve them): at 10,000 services x 10 endpoints the table is empty and a sync is map writes only; a partial sync of such
+a service makes no nft call at all (bench: 1.2 ms for a whole partial sync at 5,000 x 10, of which 0.08 ms are the map
+writes); a service that does need the table costs one libnftables command, 0.14 ms through a kept context; (2) a tc
+program needs its own connection tracking for replies (un-DNAT, masquerade, ICMP errors for reject, fragments): the
+kernel's conntrack and nat already do it correctly, and external traffic then gets the same datapath as the nftables
+mode, measured there; (3) every conformance scenario passes either way, and the nft route was the one that could be
+finished and proven in the time given.
 
 Where the pins live: bpffs and cgroups are not scoped by network namespaces. ``--bpf-pin-path`` and
 ``--bpf-cgroup-path`` choose them (the lab gives every node its own cgroup and ``/sys/fs/bpf/kproxy/lab-<netns>``);
@@ -59,12 +76,20 @@ without the machine's bpffs (a bpffs mounted there would be a private instance w
 the lab (``lab_options``) therefore binds the machine's bpffs at ``/run/kproxy/bpffs``, where such a process reaches
 it (``loader.host_view``). A benchmark in a throwaway namespace with no such bind uses a private bpffs, removed with
 it. Every kproxy records its places in ``/run/kproxy/bpf/net-<netns inode>.json``, so another mode's start-up cleans
-up without knowing the bpf options.
+up without knowing the bpf options; the record carries the namespace's cookie (``SO_NETNS_COOKIE``: the kernel
+reuses inodes, never cookies) and is honoured only by the namespace it names. It keeps every place a kproxy of the
+namespace used (a restart with another pin folder or cgroup leaves the older ones to cleanup), and a start with
+another ``--bpf-cgroup-path`` detaches kproxy's programs from the cgroup the record names first.
 
 Syncs: maps are created and pinned by kproxy with the programs' exact specs (no compiler needed to sync: ``kproxy
-bench sync`` never starts programs); ``start()`` compiles with bcc (1-4 s here) and bcc reopens the pins. Full syncs
-read the maps back at the first sync, after a failure and at least every 60 s; in between, periodic full syncs trust
-kproxy's own index (the maps are kproxy's alone; a vanished pin folder is noticed within a second).
+bench sync`` never starts programs); ``start()`` compiles with bcc (1-4 s here, in a child process) and bcc reopens
+the pins. Full syncs read the maps and the companion table back at the first sync, after a failure and at least every
+25 s (``KERNEL_READ_S``: a full sync that adopts what the kernel holds and puts back what someone edited in place); in
+between, periodic full syncs trust kproxy's own index. Before each sync, at most once a second, a check of a few
+``bpf(2)`` calls and one ``list tables``: pinned maps unpinned or replaced, programs detached or reading maps other
+than the pinned ones, the companion table gone (``kproxy cleanup`` of another process does all three) -> the maps are
+pinned again, a full sync writes everything, then the programs are attached again. ``verify`` reads the maps through
+the pins (never kproxy's own fds), the cgroup's attachments and the companion table's rules.
 
 Where it deviates from upstream, and why:
 - ClusterIPs are load-balanced for sockets in the node's cgroup (its pods and host processes). A packet forwarded to
@@ -75,9 +100,10 @@ Where it deviates from upstream, and why:
 - loadBalancerSourceRanges are enforced for external packets; local sockets to a load-balancer IP are not filtered.
 - Connected UDP sockets keep the backend chosen at connect (as every socket LB); when a UDP service loses a backend,
   connected UDP sockets whose peer it was are ended with ``ss -K`` in the namespaces of the cgroup's processes
-  (``sockets``; cilium#27300), and the client reconnects to a live one; a client that reconnects per attempt, as the
-  probe does, reaches the current backends at once (the udp-conntrack scenario). TCP connections to a removed
-  backend are left to end by themselves, as with conntrack NAT.
+  (``sockets``; cilium#27300), every removed backend looked for whatever the ``rev`` LRU still holds (an entry pushed
+  out of it must not leave a socket pinned to a dead backend), and the client reconnects to a live one; a client that
+  reconnects per attempt, as the probe does, reaches the current backends at once (the udp-conntrack scenario). TCP
+  connections to a removed backend are left to end by themselves, as with conntrack NAT.
 - SCTP is translated at connect like TCP (the companion table handles it for external packets); no tc program, so
   no XDP/tc acceleration of NodePorts.
 - A map-size change (``--bpf-map-size``) needs ``kproxy cleanup`` first: a pinned map keeps the size it was made
