@@ -282,11 +282,12 @@ def open_or_create(p: Places, role: str, family: IPFamily) -> int:
     return fd
 
 
-def compile_programs(p: Places) -> Any:
+def compile_programs(p: Places, *, peer: bool = True) -> Any:
     """bcc-compile bpf/kproxy_sock.c against the pin folder (creating or reopening the pinned maps); the BPF object.
     The peer maps (``PEER_ROLE``: socket storage of connected TCP sockets, which keeps them out of the reverse-NAT
     LRU) are created and pinned by bcc itself: kproxy's own map creation cannot make SK_STORAGE maps (they need
-    BTF), and userspace cannot list them, so no sync, adoption or ``pins_present`` ever opens them."""
+    BTF), and userspace cannot list them, so no sync, adoption or ``pins_present`` ever opens them. ``peer=False``
+    builds without them (connected TCP sockets then use the reverse-NAT LRU: tests of that path)."""
     from bcc import BPF  # type: ignore[import-not-found,unused-ignore]
 
     cflags = [
@@ -296,7 +297,7 @@ def compile_programs(p: Places) -> Any:
         f"-DKP_LRU_MAX={LRU_SIZE}",
     ]
     for fam in (IPFamily.V4, IPFamily.V6):
-        for role in (*maps.ROLES, PEER_ROLE):
+        for role in (*maps.ROLES, PEER_ROLE) if peer else maps.ROLES:
             macro = f"KP_PIN_{role.upper()}{4 if fam == IPFamily.V4 else 6}"
             cflags.append(f'-D{macro}="{p.pin(role, fam)}"')
     t0 = time.perf_counter()
