@@ -179,8 +179,12 @@ def plot_datapath_conn(results: dict[str, Any], path: Path) -> bool:
         return False
     plt = _plt()
     modes = list(dict.fromkeys(r["mode"] for r in runs))
-    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.2), squeeze=False)
-    for ax, mode in zip(axes[0], modes, strict=True):
+    ncols = len(modes) if len(modes) <= 3 else 2  # four modes in one row are too small to read in a README
+    nrows = -(-len(modes) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(modes) :]:
+        ax.set_visible(False)
+    for ax, mode in zip(axes.flat, modes, strict=False):
         for target, style, label in (
             ("limit", "--", "limit (no proxy rules)"),
             ("limit_nat", "-.", "limit + conntrack/NAT (floor)"),
@@ -201,8 +205,13 @@ def plot_datapath_conn(results: dict[str, Any], path: Path) -> bool:
         ax.set_xlabel("services programmed")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("new TCP connections / s (median)")
-    fig.suptitle("new connections per second (connect, one request/response, RST), same run")
+    for row in axes:
+        row[0].set_ylabel("new TCP connections / s (median)")
+    fig.suptitle(
+        "new connections per second (connect, one request/response, RST), same run; absolute figures move with"
+        " the shared machine's load between sizes, the ratios (datapath.png) are the comparison",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
