@@ -454,6 +454,15 @@ def test_sync_judge_fails_a_sync_that_ran_past_the_bound() -> None:
         judge([0.05], [0.05] + [0.1] * 30 + [5.0], floor=0.5)  # mean 0.26 s: only the longest is out
 
 
+def test_sync_judge_max_bound_has_a_minimum_for_modes_with_a_tiny_floor() -> None:
+    """A floor of 7 ms (bpf's map writes) would put the max edge at 0.064 s; one 0.1 s sync among 300 fast ones is
+    a pause of the shared machine, not the backend: the bound is at least SCALE_MAX_MIN_S (edge 0.256 s)."""
+    figures = judge([], [0.001] * 300 + [0.1], floor=0.007)
+    assert "longest in (0.064, 0.128]" in figures
+    with pytest.raises(ScenarioFailure, match="a sync took longer than 0.256 s"):
+        judge([], [0.001] * 300 + [0.3], floor=0.007)
+
+
 def test_sync_judge_fails_a_mean_over_the_floor() -> None:
     """Item 4: every sync under the old 4.096 s bound, yet 20x slower on average than the honest ones."""
     with pytest.raises(ScenarioFailure, match="the mean sync took 2.000 s, over 0.500 s"):
