@@ -671,6 +671,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             else:
                 self._last_partial = (fam, steps)
         t2 = time.perf_counter()
+        plan.release(index)
         self._index[fam] = index
         try:
             self._apply_nft(batch, adopted, set())

@@ -426,6 +426,19 @@ class Plan:
     name_del: list[bytes] = field(default_factory=list)
     #: put phases handed to the kernel already (``drain_puts``), kept so ``finish_plan`` and ``writes`` see them
     drained: list[Plan] = field(default_factory=list)
+    #: ids this plan frees: reusable only once the plan is in the kernel (``release``). Reused within the plan, a
+    #: freed backend id would be rewritten to another service's pod while the old slots still name it (every put
+    #: runs before every delete), and a connect to the old service would reach the other's pod meanwhile.
+    freed_backends: list[int] = field(default_factory=list)
+    freed_revs: list[int] = field(default_factory=list)
+
+    def release(self, index: FamilyIndex) -> None:
+        """The plan is in the kernel: its freed ids may be handed out again (those below the next fresh id: a full
+        sync's sweep may have lowered it, and an id at or above it comes back as a fresh one)."""
+        index.free_backends.extend(b for b in self.freed_backends if b < index.next_backend and b not in index.backends)
+        used_revs = set(index.rev_ids.values())
+        index.free_revs.extend(r for r in self.freed_revs if r < index.next_rev and r not in used_revs)
+        self.freed_backends, self.freed_revs = [], []
 
     @property
     def writes(self) -> int:
@@ -502,7 +515,9 @@ def _addr(ip: str) -> bytes:
 def _remove_front(plan: Plan, index: FamilyIndex, key: tuple[str, int, int], st: FrontState) -> None:
     head = _addr(key[0]) + _PORT[key[1]]
     tails = _key_tails(key[2], len(st.slots))
-    for slot in range(len(st.slots), -1, -1):
+    # the master first (Cilium's order): a connect() racing the removal then finds the service whole or gone, never
+    # a master counting slots already deleted
+    for slot in range(len(st.slots) + 1):
         plan.svc_del.append(head + tails[slot])
     index.drop_front(key)
 
@@ -538,10 +553,10 @@ def plan_service(
         for bid in set(old_ids.values()):
             plan.be_del.append(_ID.pack(bid))
             backends.pop(bid, None)
-            index.free_backends.append(bid)
+            plan.freed_backends.append(bid)
         rev = index.rev_ids.pop(name, None)
         if rev is not None:
-            index.free_revs.append(rev)
+            plan.freed_revs.append(rev)
             index.rev_names.pop(rev, None)
             plan.name_del.append(maps.name_key(rev))
         return
@@ -643,7 +658,7 @@ def plan_service(
         for bid in set(old_ids.values()) - used:
             plan.be_del.append(_ID.pack(bid))
             backends.pop(bid, None)
-            index.free_backends.append(bid)
+            plan.freed_backends.append(bid)
 
 
 def finish_plan(plan: Plan) -> None:

@@ -4,7 +4,7 @@ deletes after every put (a key deleted by one chunk and written by a later one i
 
 from __future__ import annotations
 
-from kproxy.backends.bpf import render
+from kproxy.backends.bpf import maps, render
 from kproxy.backends.bpf.render import Context, FamilyIndex, Fragment, Plan
 from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
 
@@ -109,3 +109,63 @@ def test_slot_keys_of_a_large_service_are_the_maps_keys() -> None:
     shrunk = Plan()
     render.plan_service(index, name, frag(7, 3)[1], shrunk)
     assert set(shrunk.svc_del) == {maps.lb_key(IPFamily.V4, a, p, proto, s) for s in range(4, 201)}
+
+
+def _replay_checking(state: dict[str, dict[bytes, bytes]], steps: list, allowed: dict[bytes, set[bytes]]) -> None:
+    """Apply ``steps`` one map batch at a time; after each, every master's slots 1..count must exist and name a
+    backend whose value is one of that frontend's old or new backends (``allowed``: frontend key head -> backend
+    values). What a connect() racing the sync can see, since a batch call is not atomic across entries, is
+    covered too: each put and delete is applied and checked entry by entry."""
+
+    def check() -> None:
+        for key, value in state["svc"].items():
+            head, slot = key[:6], int.from_bytes(key[6:8], "little")
+            if slot != 0:
+                continue
+            count = int.from_bytes(value[8:10], "little")
+            for i in range(1, count + 1):
+                slot_key = head + i.to_bytes(2, "little") + key[8:]
+                assert slot_key in state["svc"], f"slot {i} of a master counting {count} is missing"
+                bid = state["svc"][slot_key][:4]
+                assert bid in state["be"], "a slot names a backend id the backend map lacks"
+                assert state["be"][bid] in allowed[head], "a slot names another service's pod"
+
+    for role, op, keys, values in steps:
+        for i, key in enumerate(keys):
+            if op == "put":
+                state[role][key] = values[i]
+            else:
+                state[role].pop(key, None)
+            check()
+
+
+def test_ids_freed_in_a_sync_are_not_reused_before_it_is_in_the_kernel() -> None:
+    """One service goes and another arrives in one batch: the newcomer must not take the freed backend ids while
+    the leaving service's master and slots still name them (puts run before deletes), or a connect() to the leaving
+    service reaches the newcomer's pod meanwhile. After the plan is in, the freed ids are handed out again."""
+    index = FamilyIndex(IPFamily.V4)
+    old_name, old = frag(1, 3)
+    plan = Plan()
+    render.plan_service(index, old_name, old, plan)
+    render.finish_plan(plan)
+    state: dict[str, dict[bytes, bytes]] = {"be": {}, "svc": {}, "name": {}}
+    for role, _op, keys, values in plan.ordered():
+        state[role].update(zip(keys, values, strict=True))
+    plan.release(index)
+
+    new_name, new = frag(2, 3, base=100)
+    plan = Plan()
+    render.plan_service(index, old_name, None, plan)
+    render.plan_service(index, new_name, new, plan)
+    render.finish_plan(plan)
+    heads = {f.key: maps.lb_key(IPFamily.V4, *f.key, 0)[:6] for fr in (old, new) for f in fr.frontends}
+    allowed = {heads[f.key]: {maps.backend_value(IPFamily.V4, a, p, f.proto) for a, p in f.backends}
+               for fr in (old, new) for f in fr.frontends}  # fmt: skip
+    _replay_checking(state, plan.ordered(), allowed)
+    freed = set(plan.freed_backends)
+    assert freed and not freed & set(index.backends)
+    plan.release(index)
+    assert freed <= set(index.free_backends)
+    later = Plan()
+    render.plan_service(index, *frag(3, 1, base=200), later)
+    assert set(index.backends) & freed  # once the plan is in, a freed id is handed out again

@@ -216,14 +216,14 @@ def test_one_endpoint_replaced_writes_one_backend_one_slot_and_deletes_one_backe
     assert len(plan.be_del) == 1 and not plan.svc_del
 
 
-def test_removing_a_service_deletes_slots_before_the_master_and_then_backends_and_name() -> None:
+def test_removing_a_service_deletes_the_master_before_its_slots_and_then_backends_and_name() -> None:
     index = FamilyIndex(IPFamily.V4)
     _plan(index, spn("web"), svc("web"))
     plan = _plan(index, spn("web"), None)
     steps = plan.ordered()
     assert [(r, o) for r, o, _, _ in steps] == [("svc", "del"), ("be", "del"), ("name", "del")]
     slots = [maps.decode_lb_key(IPFamily.V4, k)[3] for k in steps[0][2]]
-    assert slots == [3, 2, 1, 0]
+    assert slots == [0, 1, 2, 3]
     assert index.fronts == {} and index.backends == {} and index.rev_ids == {}
 
 
