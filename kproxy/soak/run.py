@@ -36,6 +36,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -720,6 +721,8 @@ class Soak:
             os.environ.pop(FAULT_SWITCH, None)
             if self.owned_lab and not o.keep_lab:
                 self.progress("soak: taking the lab down" + (" (logs kept in the state folder)" if failed else ""))
+                # the api_restart fault's dump is the soak's own: Lab.down removes only what the lab made
+                shutil.rmtree(lab.state_dir / "soak-api-dump", ignore_errors=True)
                 Lab.down(prefix=o.prefix, keep_logs=failed)
 
     def _anchor_ip(self) -> str:
