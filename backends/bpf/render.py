@@ -630,9 +630,9 @@ def plan_service(
     for f in new.frontends:
         key = f.key
         cur = fronts.get(key)
-        slots = tuple([ids[b] for b in f.backends])
-        master = Master(len(slots), f.flags, f.affinity, rev)
         old_slots = cur.slots if cur is not None else ()
+        slots = _stable_slots(old_slots, [ids[b] for b in f.backends])
+        master = Master(len(slots), f.flags, f.affinity, rev)
         # key bytes: address . port (network order), then slot (host order), protocol, padding
         head = _addr(f.address) + port_bytes[f.port]
         n_old = len(old_slots)
@@ -661,6 +661,24 @@ def plan_service(
             plan.freed_backends.append(bid)
 
 
+def _stable_slots(old: tuple[int, ...], new: list[int]) -> tuple[int, ...]:
+    """The new slot order: a backend that stays keeps its slot (ClientIP affinity entries name the slot they were
+    made for, so a scale-down moves no surviving backend's clients, as upstream's per-endpoint affinity; and an
+    endpoint change rewrites only the slots that change); survivors past the new count move into the holes, new
+    backends fill what is left. Without old slots (or with a backend twice) the fragment's order."""
+    if not old or len(set(new)) != len(new):
+        return tuple(new)
+    n = len(new)
+    want = set(new)
+    out: list[int | None] = [b if b in want else None for b in old[:n]]
+    placed = {b for b in out if b is not None}
+    rest = [b for b in old[n:] if b in want] + [b for b in new if b not in placed and b not in old[n:]]
+    it = iter(rest)
+    filled = [b if b is not None else next(it) for b in out]
+    filled.extend(it)
+    return tuple(filled)
+
+
 def finish_plan(plan: Plan) -> None:
     """A key both written and deleted in one plan (a frontend that moved between services) is only written (drained
     phases included)."""
@@ -684,8 +702,9 @@ def service_key(name: ServicePortName) -> str:
 
 
 def decoded(fragment: Fragment) -> dict[tuple[str, int, int], tuple[int, int, tuple[tuple[str, int], ...]]]:
-    """frontend key -> (flags, affinity, backends), as ``View`` values hold them (without the reverse-NAT id)."""
-    return {f.key: (f.flags, f.affinity, f.backends) for f in fragment.frontends}
+    """frontend key -> (flags, affinity, backends in sorted order), as ``View`` values hold them (without the
+    reverse-NAT id; slots keep surviving backends in place, so the kernel's order is not the fragment's)."""
+    return {f.key: (f.flags, f.affinity, tuple(sorted(f.backends))) for f in fragment.frontends}
 
 
 def summary(fragment: Fragment) -> dict[str, object]:
@@ -792,7 +811,7 @@ def index_from_raw(
         sl = slots.get(fk, empty)
         count = m.count
         ids = tuple([sl.get(i, 0) for i in range(1, count + 1)])
-        view[fk] = (m.flags, m.affinity, tuple([be_ap.get(i, unknown) for i in ids]), m.rev_nat_id)
+        view[fk] = (m.flags, m.affinity, tuple(sorted([be_ap.get(i, unknown) for i in ids])), m.rev_nat_id)
         got_rev = by_rev.get(m.rev_nat_id)
         if got_rev is None:
             by_rev[m.rev_nat_id] = [fk]
@@ -839,7 +858,7 @@ def unchanged(
     revs = set()
     for f in fragment.frontends:
         got = view.get(f.key)
-        if got is None or got[:3] != (f.flags, f.affinity, f.backends):
+        if got is None or got[:3] != (f.flags, f.affinity, tuple(sorted(f.backends))):
             return False
         revs.add(got[3])
     if len(revs) != 1:

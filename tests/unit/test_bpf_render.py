@@ -216,6 +216,22 @@ def test_one_endpoint_replaced_writes_one_backend_one_slot_and_deletes_one_backe
     assert len(plan.be_del) == 1 and not plan.svc_del
 
 
+def test_surviving_backends_keep_their_slots() -> None:
+    """ClientIP affinity entries name the slot they were made for: removing the first of three endpoints moves only
+    the last backend into the hole (one slot written, one deleted), and the middle one keeps slot 2; a new endpoint
+    then takes the free slot at the end."""
+    index = FamilyIndex(IPFamily.V4)
+    _plan(index, spn("web"), svc("web", affinity_timeout=30))
+    slots_before = index.fronts[("198.19.0.10", 80, 6)].slots
+    plan = _plan(index, spn("web"), svc("web", THREE[1:], affinity_timeout=30))
+    slots_after = index.fronts[("198.19.0.10", 80, 6)].slots
+    assert slots_after == (slots_before[2], slots_before[1])
+    assert [maps.decode_lb_key(IPFamily.V4, k)[3] for k in plan.slot_put] == [1]
+    assert [maps.decode_lb_key(IPFamily.V4, k)[3] for k in plan.svc_del] == [3]
+    _plan(index, spn("web"), svc("web", (ep("198.18.66.99"), *THREE[1:]), affinity_timeout=30))
+    assert index.fronts[("198.19.0.10", 80, 6)].slots[:2] == slots_after
+
+
 def test_removing_a_service_deletes_the_master_before_its_slots_and_then_backends_and_name() -> None:
     index = FamilyIndex(IPFamily.V4)
     _plan(index, spn("web"), svc("web"))
