@@ -5,9 +5,10 @@ table of this mode's own send service traffic to those sockets.
 Modules: ``render`` (pure: a ServicePort to a fragment of redirect elements and listeners; the table's text),
 ``proxier`` (``UserspaceProxier`` on the core's ledger: proxy sockets, one nft transaction per batch, adoption,
 cleanup, remnants, kernel_view, trace: the packet explainer), ``datapath`` (the event loop: accept, dial, relay, UDP
-sessions, round robin and affinity), ``kernel`` (libnftables in-process, in this or a named namespace), ``inspect``
+sessions, round robin and affinity), ``inspect``
 (what ``kproxy verify`` and a full sync's repair read back: the table with its fixed rules, the namespace's listening
 sockets from the kernel, which are this process's own and which service each serves in the data path).
+libnftables is reached through the core's ``kproxy.nftkernel``.
 
 Layout (table ``kproxy-userspace`` in family ``ip`` and again in ``ip6``; nothing outside it, never another table;
 the nftables mode's table is named ``kproxy``):
@@ -71,7 +72,7 @@ sync``'s restart figure) takes the sockets over from the first. kproxy picks pro
 (``--proxy-port-range``, else the namespace's ``ip_local_port_range``): the kernel's bind(0) searches for a free
 port and took 4.4 s for 10,000 sockets, explicit ports 0.1 s. libnftables (1.0.6) ``select()``s on its netlink
 socket and aborts the process when that descriptor is 1024 or above, so its context is opened before any proxy
-socket (``kernel.py``). ``kproxy bench sync --mode userspace --services 10000 --endpoints 10 --repeat 3`` here
+socket (``kproxy.nftkernel``). ``kproxy bench sync --mode userspace --services 10000 --endpoints 10 --repeat 3`` here
 (02:51 UTC, load average 5): full sync 2.07 s (20,001 elements, 10,000 proxy sockets open), partial sync 0.007 s,
 floor 0.49 s (``nft -f`` of the same transaction plus binding as many sockets), restart 2.17 s writing nothing,
 peak RSS 188 MB (218 MB with the restart's second instance). On the same machine at load average 7.6 (everything

@@ -153,7 +153,7 @@ class Engine:
         def run() -> None:
             try:
                 if self.netns:
-                    from .kernel import enter_netns
+                    from kproxy.nftkernel import enter_netns
 
                     enter_netns(self.netns)
                 loop = asyncio.new_event_loop()

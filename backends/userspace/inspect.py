@@ -32,9 +32,9 @@ from functools import lru_cache
 from typing import Any
 
 from kproxy.model import IPFamily, ServicePortName
+from kproxy.nftkernel import elements
 
 from . import render
-from .kernel import elements
 from .render import Fragment
 
 Signature = frozenset[str]

@@ -35,12 +35,12 @@ from typing import Any, ClassVar
 from kproxy.config import ProxyConfig
 from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Verdict
+from kproxy.nftkernel import Nft, available, elements
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, BackendError, KernelProbe, Option
 
 from . import inspect, render
 from .datapath import Engine, ListenerSpec
-from .kernel import Kernel, available, elements
 from .render import Fragment
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,13 @@ class _Tx:
         return "".join(ln + "\n" for ln in self.lines)
 
 
+def _kernel(netns: str | None) -> Nft:
+    """libnftables for this mode: in the caller's thread with the process's one shared context when no namespace is
+    named (opened before any proxy socket, on a low descriptor: see ``kproxy.nftkernel``), else a worker thread in
+    the namespace, which also makes the proxy sockets there."""
+    return Nft(netns, worker=False, name=f"kpu-kernel-{netns}" if netns else "kpu-kernel")
+
+
 class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     """Proxy sockets in kproxy itself, reached through redirects in a table of this mode's own (see the package
     docstring)."""
@@ -187,7 +194,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         opts = type(self).option_values(config.backend_options)
         self.port_range = parse_port_range(str(opts.get("proxy_port_range") or ""))
         self.udp_timeout = float(Duration(opts.get("udp_timeout", 0.25)))
-        self._kernel: Kernel | None = None
+        self._kernel: Nft | None = None
         self.engine = Engine(netns, udp_timeout=self.udp_timeout)
         self._started = False
         self._ports: dict[Ident, int] = {}  # every proxy socket the data path holds, and its port
@@ -261,13 +268,13 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
         """Delete this mode's tables (``ip``/``ip6 kproxy-userspace``) and nothing else; errors are logged, never
         raised (a leftover must not stop another mode from starting)."""
-        kernel = Kernel(netns)
+        kernel = _kernel(netns)
         try:
             for fam in ("ip", "ip6"):
                 objs, _ = kernel.read(f"list tables {fam}")
                 if not objs or not any((o.get("table") or {}).get("name") == render.TABLE for o in objs):
                     continue
-                res = kernel.nft(f"delete table {fam} {render.TABLE}\n")
+                res = kernel.run(f"delete table {fam} {render.TABLE}\n")
                 if not res.ok and "No such file" not in res.error:
                     log.warning("userspace cleanup: delete table %s %s: %s", fam, render.TABLE, res.error.strip())
         finally:
@@ -276,9 +283,9 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     # ------------------------------------------------------------------------------------------ lifecycle
 
     @property
-    def kernel(self) -> Kernel:
+    def kernel(self) -> Nft:
         if self._kernel is None:
-            self._kernel = Kernel(self.netns)
+            self._kernel = _kernel(self.netns)
         return self._kernel
 
     def start(self) -> None:
@@ -293,7 +300,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                 resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             except (ValueError, OSError) as exc:
                 log.warning("userspace: could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
-        self.kernel.ready()  # libnftables' socket on a low descriptor, before the proxy sockets (see kernel.py)
+        self.kernel.ready()  # libnftables' socket on a low descriptor, before the proxy sockets (kproxy.nftkernel)
         self.engine.start()
         self._started = True
 
@@ -814,7 +821,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             f"{fam.value}/elements_deleted": sum(1 for ln in tx.lines if ln.startswith("delete element")),
         }
         if text:
-            res = self.kernel.nft(text)
+            res = self.kernel.run(text)
             apply_s = res.seconds
             if not res.ok:
                 self.kernel.call(drop_new)
@@ -902,7 +909,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         import threading
         import uuid
 
-        from .kernel import enter_netns
+        from kproxy.nftkernel import enter_netns
 
         work = [v for v in self._last_full.values() if v[0]]
         if not work:

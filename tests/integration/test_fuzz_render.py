@@ -128,7 +128,7 @@ def _iptables_quoting(line: str) -> str | None:
 
 
 def _nft_capture(mp: pytest.MonkeyPatch, sink: list[tuple[IPFamily | None, str]]) -> None:
-    from kproxy.backends.nftables import kernel
+    from kproxy import nftkernel as kernel
 
     run, submit = kernel.Nft.run, kernel.Nft.submit
 
@@ -145,15 +145,7 @@ def _nft_capture(mp: pytest.MonkeyPatch, sink: list[tuple[IPFamily | None, str]]
 
 
 def _userspace_capture(mp: pytest.MonkeyPatch, sink: list[tuple[IPFamily | None, str]]) -> None:
-    from kproxy.backends.userspace import kernel
-
-    original = kernel.Kernel.nft
-
-    def spy(self: Any, text: str) -> Any:
-        sink.append((None, text))
-        return original(self, text)
-
-    mp.setattr(kernel.Kernel, "nft", spy)
+    _nft_capture(mp, sink)  # both modes write through kproxy.nftkernel.Nft
 
 
 def _nft_check(ns: str, family: IPFamily | None, text: str) -> tuple[bool, str]:

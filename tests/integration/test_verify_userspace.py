@@ -17,10 +17,10 @@ from types import MappingProxyType
 import pytest
 
 from kproxy.backends.userspace import render
-from kproxy.backends.userspace.kernel import available
 from kproxy.backends.userspace.proxier import UserspaceProxier
 from kproxy.config import ProxyConfig
 from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
+from kproxy.nftkernel import available
 
 from .scratch import scratch_netns
 

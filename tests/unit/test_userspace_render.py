@@ -131,8 +131,8 @@ def test_options_and_not_applicable() -> None:
 
 
 def test_reading_the_table_back() -> None:
-    from kproxy.backends.userspace.kernel import elements
     from kproxy.backends.userspace.proxier import Adopted, _intervals
+    from kproxy.nftkernel import elements
 
     objs: list[dict[str, Any]] = [
         {
