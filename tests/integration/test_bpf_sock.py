@@ -301,7 +301,7 @@ def attach_with_peer(opts: dict[str, str], ns: str, monkeypatch: pytest.MonkeyPa
 
 
 def drop_peer(opts: dict[str, str]) -> None:
-    """Detach the programs and remove the peer pins, which kproxy's cleanup does not know yet."""
+    """Detach the programs and remove the peer pins (before the proxier's own cleanup, which also knows them now)."""
     from kproxy.backends.bpf import loader, maps
 
     loader.detach_all(Path(opts["bpf_cgroup_path"]))
@@ -364,8 +364,11 @@ def test_an_ipv6_master_entry_pointing_at_a_missing_slot_fails_the_connect_at_on
         assert res.ok, res.error
         if peer:
             attach_with_peer(opts, ns, monkeypatch)
-        else:
-            p.start()
+        else:  # the loader builds with the peer maps: the LRU path is built here without them
+            from kproxy.backends.bpf import loader
+
+            places = loader.places(opts, ns)
+            assert len(loader.load_and_attach(loader.compile_programs(places, peer=False), places.cgroup)) == 8
         fd = maps.obj_get(str(Path(opts["bpf_pin_path"]) / maps.pin_name("svc", IPFamily.V6)))
         try:
             slot = maps.lb_key(IPFamily.V6, GAP_VIP6, 80, 6, 1)
