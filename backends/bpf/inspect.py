@@ -150,6 +150,7 @@ def cleanup(options: Mapping[str, Any], netns: str | None) -> None:
             nft.delete_table(fam, netns)
         except nft.NftError as exc:
             errors.append(f"nft: {exc}")
+    nft.release(netns)
     try:
         if _read_record(netns):  # ours: a record of another namespace with the same inode is left alone
             _record_path(netns).unlink(missing_ok=True)

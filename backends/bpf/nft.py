@@ -3,8 +3,8 @@ reading it back. The table carries only what the socket programs cannot see (pac
 the node's cgroup: external clients to NodePorts, externalIPs and load-balancer IPs, forwarded packets to a ClusterIP
 with no endpoints); see ``backends/bpf/__init__.py`` for why it is nftables and not a tc program.
 
-In the caller's network namespace libnftables runs in-process (``nftables.Nftables().cmd``); for a named namespace
-(tests) the ``nft`` command runs under ``ip netns exec``. Transactions are small (a service's elements), so neither
+libnftables runs in-process through the core's ``kproxy.nftkernel``: the process's shared context in its own
+network namespace, a worker thread in a named one (tests). Transactions are small (a service's elements), so neither
 is on the hot path of a sync of plain ClusterIP services, which never touches this table.
 
 Who uses it: ``backends.bpf.proxier`` and ``backends.bpf.inspect``.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import subprocess
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kproxy.model import IPFamily
+from kproxy.nftkernel import Nft, key_text, value_text
 
 from .render import TABLE
 
@@ -30,18 +30,29 @@ class NftError(RuntimeError):
     pass
 
 
-_LOCAL = threading.local()
+_CONTEXTS: dict[str | None, Nft] = {}
+_CONTEXTS_LOCK = threading.Lock()
 
 
-def _context() -> Any:
-    """This thread's libnftables context: making one costs ~13 ms (it loads its caches), a command through a kept one
-    0.1 ms; contexts are not shared between threads."""
-    ctx = getattr(_LOCAL, "nft", None)
-    if ctx is None:
-        import nftables  # type: ignore[import-not-found,unused-ignore]
+def _nft(netns: str | None) -> Nft:
+    """The libnftables context for ``netns`` (``kproxy.nftkernel``): the process's shared one in the caller's own
+    namespace, a worker thread in a named one; made once, ~13 ms (libnftables loads its caches), a command through it
+    ~0.1 ms."""
+    with _CONTEXTS_LOCK:
+        ctx = _CONTEXTS.get(netns)
+        if ctx is None:
+            ctx = _CONTEXTS[netns] = Nft(netns, worker=False, name=f"kpb-nft-{netns}" if netns else "kpb-nft")
+        return ctx
 
-        ctx = _LOCAL.nft = nftables.Nftables()
-    return ctx
+
+def release(netns: str | None) -> None:
+    """Close the context of a named namespace (its worker thread); the process's own context stays."""
+    if netns is None:
+        return
+    with _CONTEXTS_LOCK:
+        ctx = _CONTEXTS.pop(netns, None)
+    if ctx is not None:
+        ctx.close()
 
 
 def _ip(family: IPFamily) -> str:
@@ -50,21 +61,12 @@ def _ip(family: IPFamily) -> str:
 
 def run(text: str, netns: str | None = None, *, json_out: bool = False) -> str:
     """Run ``text`` as one nft transaction (or a listing); the output; NftError with nft's message on failure."""
-    if netns is None:
-        nft = _context()
-        nft.set_json_output(json_out)
-        rc, out, err = nft.cmd(text)
-        if rc != 0:
-            raise NftError(err.strip() or f"nft failed ({rc})")
-        return str(out)
-    argv = ["ip", "netns", "exec", netns, "nft"] + (["-j"] if json_out else [])
+    nft = _nft(netns)
     listing = text.startswith("list ") and "\n" not in text.strip()
-    # nft prints a listing's JSON only when the command is given on the command line, not through -f
-    argv += text.split() if listing else ["-f", "-"]
-    res = subprocess.run(argv, input=None if listing else text, capture_output=True, text=True, timeout=60, check=False)
-    if res.returncode != 0:
-        raise NftError(res.stderr.strip() or f"nft failed ({res.returncode})")
-    return res.stdout
+    res = nft.query(text, json_output=json_out) if listing else nft.run(text, json_output=json_out)
+    if not res.ok:
+        raise NftError(res.error.strip() or f"nft failed ({res.rc})")
+    return res.output
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,23 +83,6 @@ class NftView:
     #: spelling); None when not read. A table without the set is of an older layout (its NodePort rule has no
     #: address match) and is written again whole.
     sets: Mapping[str, tuple[str, ...]] | None = None
-
-
-def _key_text(val: Any) -> str:
-    if isinstance(val, dict) and "concat" in val:
-        return " . ".join(_key_text(v) for v in val["concat"])
-    return str(val)
-
-
-def _verdict_text(data: Any) -> str:
-    if isinstance(data, dict):
-        for verb in ("goto", "jump"):
-            if verb in data:
-                return f"{verb} {data[verb]['target']}"
-        for verb in ("drop", "accept", "return"):
-            if verb in data:
-                return verb
-    return str(data)
 
 
 def read(family: IPFamily, netns: str | None = None) -> NftView:
@@ -130,7 +115,7 @@ def read(family: IPFamily, netns: str | None = None) -> NftView:
                     k, v = el
                     if isinstance(k, dict) and "elem" in k:
                         k = k["elem"]["val"]
-                    elements.add((m["name"], _key_text(k), _verdict_text(v)))
+                    elements.add((m["name"], key_text(k), value_text(v)))
     return NftView(True, frozenset(chains), frozenset(elements), MappingProxyType(rules), MappingProxyType(sets))
 
 

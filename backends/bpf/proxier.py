@@ -288,6 +288,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         self._fds.clear()
         self._retired.clear()
         self._held_ids.clear()
+        nft.release(self.netns)
 
     def cleanup(self) -> None:
         self.close()
