@@ -96,7 +96,12 @@ Where it deviates from upstream, and why:
   a ClusterIP with endpoints from outside the cluster is not translated (upstream DNATs and masquerades it): such
   traffic is not a supported path of ClusterIPs; ClusterIPs with no endpoints are rejected for it, as upstream.
 - Affinity for sockets is per client network namespace (a pod), not per source address; the companion table has no
-  affinity for external clients.
+  affinity for external clients. An affinity entry names the slot it was made for and holds while that slot still
+  names its backend: a backend that stays keeps its slot across endpoint changes (``render._stable_slots``), but when
+  a service shrinks, the last backend moves into the freed slot and its clients choose again (upstream keeps
+  affinity per endpoint; a (reverse-NAT id, backend id) match map, as Cilium's, would keep them too).
+- A connect() to a service with no endpoints, or a UDP sendmsg, fails at once with ECONNREFUSED (upstream's connect
+  succeeds and the ICMP error arrives after); EHOSTUNREACH when a slot went missing mid-update (after one retry).
 - loadBalancerSourceRanges are enforced for external packets; local sockets to a load-balancer IP are not filtered.
 - Connected UDP sockets keep the backend chosen at connect (as every socket LB); when a UDP service loses a backend,
   connected UDP sockets whose peer it was are ended with ``ss -K`` in the namespaces of the cgroup's processes
@@ -112,6 +117,7 @@ Where it deviates from upstream, and why:
 Start-up over another mode: the daemon's ``after_first_sync`` hook removes other modes' leftovers before the first
 sync is counted, as for every mode.
 
-Conformance scenarios not applicable to this mode: none (dual-stack's counter half is reported not-applicable by
-the suite itself: the maps carry no packet counters).
+Conformance scenarios not applicable to this mode: none. Reported not-applicable by the suite itself: dual-stack's
+counter half (the maps carry no packet counters) and udp-conntrack's stale-entry half (pod traffic is translated at
+the socket, so with no companion table conntrack stays off in the node's namespace and no entry can go stale).
 """
