@@ -208,8 +208,8 @@ def plot_datapath_conn(results: dict[str, Any], path: Path) -> bool:
     for row in axes:
         row[0].set_ylabel("new TCP connections / s (median)")
     fig.suptitle(
-        "new connections per second (connect, one request/response, RST), same run; absolute figures move with"
-        " the shared machine's load between sizes, the ratios (datapath.png) are the comparison",
+        "new connections per second (connect, one request/response, RST), same run\nabsolute figures move with"
+        " the shared machine's load between sizes; the ratios (datapath.png) are the comparison",
         fontsize=10,
     )
     fig.tight_layout()

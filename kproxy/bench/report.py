@@ -339,7 +339,9 @@ def readme_section(
         "## Comparing the backends (`kproxy compare`)",
         "",
         f"`{results.get('command')}` on this machine ({m.get('cpu')}, {m.get('cores')} cores, kernel"
-        f" {m.get('kernel')}, {m.get('date_utc')}); the full report with every figure and the command behind it is"
+        f" {m.get('kernel')}, {m.get('date_utc')}"
+        + (f", took {results['elapsed_s'] / 60:.1f} min" if results.get("elapsed_s") else "")
+        + "); the full report with every figure and the command behind it is"
         f" [{folder}/report.md]({folder}/report.md), the raw figures [{folder}/results.json]({folder}/results.json).",
         "",
     ]
@@ -363,7 +365,7 @@ def readme_section(
                 _s(s_.get("full_sync_s")),
                 _s(s_.get("partial_sync_s"), 4),
                 _s(ref.get("full_s")) if ref.get("full_s") else "-",
-                _s(cr.get("conn_rate"), 2),
+                "not measured (see the report)" if d.get("error") else _s(cr.get("conn_rate"), 2),
                 _s(pr.get("conn_rate"), 2),
                 _s(cr.get("conn_p99_us"), 2),
                 _s(cr.get("rr_p99_us"), 2),
