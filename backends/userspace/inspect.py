@@ -371,7 +371,7 @@ def extra(view: View, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
     out = [f"{m}: {k}: an element no service accounts for" for (m, k) in sorted(view.elements) if (m, k) not in mine]
     out += [why for (_, i), why in sorted(view.fixed.items()) if i == -2]
     out += [f"map or set {m} missing" for m in sorted(expected_fixed(view.family).maps - view.maps)]
-    if render.NODEPORT_CIDRS in view.maps and _spans(view.nodeport_cidrs) != _spans(view.want_cidrs):
+    if render.NODEPORT_CIDRS in view.maps and spans(view.nodeport_cidrs) != spans(view.want_cidrs):
         out.append(f"{render.NODEPORT_CIDRS} holds {sorted(view.nodeport_cidrs)}, wanted {list(view.want_cidrs)}")
     names = set(wanted)
     for inode, served in sorted(view.served.items()):
@@ -380,7 +380,8 @@ def extra(view: View, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
     return out
 
 
-def _spans(items: Iterable[str]) -> frozenset[tuple[int, int]]:
+def spans(items: Iterable[str]) -> frozenset[tuple[int, int]]:
+    """Interval set elements (``a-b``, ``a/n``, ``a``) as merged integer spans, to compare kernel and wanted."""
     spans = []
     for item in items:
         if "-" in item and "/" not in item:

@@ -111,26 +111,6 @@ class Adopted:
         return out
 
 
-def _intervals(items: Iterable[str]) -> frozenset[tuple[int, int]]:
-    """Interval set elements (``a-b``, ``a/n``, ``a``) as merged integer spans, to compare kernel and wanted."""
-    spans = []
-    for item in items:
-        if "-" in item and "/" not in item:
-            a, b = item.split("-", 1)
-            spans.append((int(ipaddress.ip_address(a)), int(ipaddress.ip_address(b))))
-        else:
-            n = ipaddress.ip_network(item, strict=False)
-            spans.append((int(n.network_address), int(n.broadcast_address)))
-    spans.sort()
-    merged: list[tuple[int, int]] = []
-    for lo, hi in spans:
-        if merged and merged[-1][1] + 1 >= lo:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-        else:
-            merged.append((lo, hi))
-    return frozenset(merged)
-
-
 #: proxy sockets by (namespace, address family, protocol, port) -> the instance holding them, so that a second
 #: instance in one process (``kproxy bench sync``'s restart figure: a fresh backend adopting what the kernel holds
 #: while the first still runs) takes the sockets its rules name over, as a restarted process rebinds them
@@ -371,7 +351,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                 continue
             got.elements[(name, key)] = (value, comment)
             got.by_comment.setdefault(comment, set()).add((name, key, value))
-        got.nodeport_cidrs = _intervals(cidrs)
+        got.nodeport_cidrs = inspect.spans(cidrs)
         return got
 
     def _live_sockets(self, family: IPFamily) -> set[tuple[str, int]] | None:
@@ -764,7 +744,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             else:
                 kernel = adopted.elements
             cidrs = render.nodeport_cidrs(batch.context)
-            if fresh or adopted is None or adopted.nodeport_cidrs != _intervals(cidrs):
+            if fresh or adopted is None or adopted.nodeport_cidrs != inspect.spans(cidrs):
                 if not fresh:
                     tx.add(f"flush set {f} {render.TABLE} {render.NODEPORT_CIDRS}")
                 if cidrs:

@@ -131,7 +131,8 @@ def test_options_and_not_applicable() -> None:
 
 
 def test_reading_the_table_back() -> None:
-    from kproxy.backends.userspace.proxier import Adopted, _intervals
+    from kproxy.backends.userspace.inspect import spans
+    from kproxy.backends.userspace.proxier import Adopted
     from kproxy.nftkernel import elements
 
     objs: list[dict[str, Any]] = [
@@ -165,7 +166,7 @@ def test_reading_the_table_back() -> None:
     assert ("service-ports", "198.18.200.1 . tcp . 80", "41000", "ns/web:http/TCP") in got
     assert ("service-ips", "198.18.200.1 . tcp . 80", "goto redirect-svc", "ns/web:http/TCP") in got
     cidrs = [k for n, k, _, _ in got if n == "nodeport-cidrs"]
-    assert _intervals(cidrs) == _intervals(render.nodeport_cidrs(FamilyContext(IPFamily.V4)))
+    assert spans(cidrs) == spans(render.nodeport_cidrs(FamilyContext(IPFamily.V4)))
     frag = render.render_service(sp(cluster_ip="198.18.200.1"))
     adopted = Adopted(table=True, layout_ok=True)
     for n, k, v, c in got:
