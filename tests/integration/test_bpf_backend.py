@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from kproxy.config import ProxyConfig
 from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
 from kproxy.proxier import LocalProbe
 
-from .scratch import scratch_netns
+from .bpfplace import bpf_place
 
 pytestmark = pytest.mark.root
 
@@ -31,55 +30,11 @@ BACKEND_IP = "198.18.210.1"
 NODE = NodeInfo("node-a", addresses=("198.18.210.1",))
 
 
-def _bcc_ok() -> str | None:
-    try:
-        import bcc  # noqa: F401
-    except Exception as exc:
-        return f"bcc is not importable: {exc}"
-    return None
-
-
 @pytest.fixture
 def place() -> Iterator[tuple[str, dict[str, str]]]:
     """A namespace with an address, a cgroup of the test's own and a pin folder of its own; all removed after."""
-    why = _bcc_ok()
-    if why:
-        pytest.skip(why)
-    CG_MOUNT.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mountpoint", "-q", str(CG_MOUNT)], check=False).returncode == 0
-    if not mounted:
-        subprocess.run(["mount", "-t", "cgroup2", "none", str(CG_MOUNT)], check=True, timeout=30)
-    tag = uuid.uuid4().hex[:8]
-    cg = CG_MOUNT / f"kpf-it-{tag}"
-    cg.mkdir()
-    pin = Path(f"/sys/fs/bpf/kpf-it-{tag}")
-    opts = {"bpf_cgroup_path": str(cg), "bpf_pin_path": str(pin)}
-    from kproxy.backends.bpf import inspect
-
-    try:
-        with scratch_netns("kpf-it-", lo_up=True) as ns:
-            subprocess.run(["ip", "-n", ns, "addr", "add", f"{BACKEND_IP}/32", "dev", "lo"], check=True, timeout=30)
-            try:
-                yield ns, opts
-            finally:
-                try:
-                    inspect.cleanup(opts, ns)
-                finally:
-                    inspect.remove_tree(pin)
-    finally:
-        for _ in range(50):  # processes of the cgroup may take a moment to be reaped
-            try:
-                cg.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
-        if not mounted:
-            subprocess.run(["umount", str(CG_MOUNT)], check=False, timeout=30)
-            for d in (CG_MOUNT, CG_MOUNT.parent):
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
+    with bpf_place("kpf-it-", CG_MOUNT, (BACKEND_IP,)) as got:
+        yield got
 
 
 def _config(opts: dict[str, str], **kw: object) -> ProxyConfig:

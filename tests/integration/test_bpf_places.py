@@ -16,8 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
@@ -28,8 +26,8 @@ from kproxy.config import ProxyConfig
 from kproxy.model import Changes, Endpoint, IPFamily, Protocol, ProxyState, ServicePort
 from kproxy.proxier import LocalProbe
 
-from .scratch import scratch_netns
-from .test_bpf_backend import BACKEND_IP, SERVERS, UDP_CLIENT, UDP_SERVERS, _bcc_ok, _config, in_cgroup, sp, spn, state
+from .bpfplace import bpf_place
+from .test_bpf_backend import BACKEND_IP, SERVERS, UDP_CLIENT, UDP_SERVERS, _config, in_cgroup, sp, spn, state
 
 pytestmark = pytest.mark.root
 
@@ -40,46 +38,8 @@ PREFIX = "kpz-bpf-"
 @pytest.fixture
 def place() -> Iterator[tuple[str, dict[str, str]]]:
     """A namespace with the backend address on lo, a cgroup and a pin folder of the test's own; all removed after."""
-    why = _bcc_ok()
-    if why:
-        pytest.skip(why)
-    CG_MOUNT.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mountpoint", "-q", str(CG_MOUNT)], check=False).returncode == 0
-    if not mounted:
-        subprocess.run(["mount", "-t", "cgroup2", "none", str(CG_MOUNT)], check=True, timeout=30)
-    tag = uuid.uuid4().hex[:8]
-    cg = CG_MOUNT / f"{PREFIX}{tag}"
-    cg.mkdir()
-    pin = Path(f"/sys/fs/bpf/{PREFIX}{tag}")
-    opts = {"bpf_cgroup_path": str(cg), "bpf_pin_path": str(pin)}
-    from kproxy.backends.bpf import inspect
-
-    try:
-        with scratch_netns(PREFIX, lo_up=True) as ns:
-            subprocess.run(["ip", "-n", ns, "addr", "add", f"{BACKEND_IP}/32", "dev", "lo"], check=True, timeout=30)
-            try:
-                yield ns, opts
-            finally:
-                try:
-                    inspect.cleanup(opts, ns)
-                finally:
-                    inspect.remove_tree(pin)
-                    inspect._record_path(ns).unlink(missing_ok=True)
-    finally:
-        for d in sorted(CG_MOUNT.glob(f"{PREFIX}{tag}*"), reverse=True):
-            for _ in range(50):  # processes of the cgroup may take a moment to be reaped
-                try:
-                    d.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
-        if not mounted:
-            subprocess.run(["umount", str(CG_MOUNT)], check=False, timeout=30)
-            for d in (CG_MOUNT, CG_MOUNT.parent):
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
+    with bpf_place(PREFIX, CG_MOUNT, (BACKEND_IP,)) as got:
+        yield got
 
 
 def popen(ns: str, code: str, cgroup: str | None = None) -> subprocess.Popen[str]:

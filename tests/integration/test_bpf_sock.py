@@ -18,8 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,8 +25,8 @@ import pytest
 
 from kproxy.model import Changes, IPFamily, Protocol
 
-from .scratch import scratch_netns
-from .test_bpf_backend import BACKEND_IP, SERVERS, _bcc_ok, _config, in_cgroup, sp, state
+from .bpfplace import bpf_place
+from .test_bpf_backend import BACKEND_IP, SERVERS, _config, in_cgroup, sp, state
 
 pytestmark = pytest.mark.root
 
@@ -38,60 +36,27 @@ EMPTY_VIP = "198.19.0.11"
 GAP_VIP = "198.19.0.12"
 
 
+def _dead_end_route(ns: str) -> None:
+    """An untranslated packet to a service address goes out here and is dropped by the peer (no address, no
+    forwarding): a connect that escapes translation hangs, as on a node with a default route."""
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", "-n", ns, *args], check=True, timeout=30)
+
+    ip("link", "add", "kpc0", "type", "veth", "peer", "name", "kpc1")
+    ip("addr", "add", "198.18.215.1/30", "dev", "kpc0")
+    ip("link", "set", "kpc0", "up")
+    ip("link", "set", "kpc1", "up")
+    ip("neigh", "add", "198.18.215.2", "lladdr", "02:00:00:00:00:02", "dev", "kpc0", "nud", "permanent")
+    ip("route", "add", "198.19.0.0/16", "via", "198.18.215.2", "dev", "kpc0")
+
+
 @pytest.fixture
 def place() -> Iterator[tuple[str, dict[str, str]]]:
     """A namespace with the backend address and a dead-end route to 198.19.0.0/16, a cgroup and a pin folder of the
     test's own; all removed after, also on failure."""
-    why = _bcc_ok()
-    if why:
-        pytest.skip(why)
-    CG_MOUNT.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mountpoint", "-q", str(CG_MOUNT)], check=False).returncode == 0
-    if not mounted:
-        subprocess.run(["mount", "-t", "cgroup2", "none", str(CG_MOUNT)], check=True, timeout=30)
-    tag = uuid.uuid4().hex[:8]
-    cg = CG_MOUNT / f"kpsk-it-{tag}"
-    cg.mkdir()
-    pin = Path(f"/sys/fs/bpf/kpsk-it-{tag}")
-    opts = {"bpf_cgroup_path": str(cg), "bpf_pin_path": str(pin)}
-    from kproxy.backends.bpf import inspect
-
-    try:
-        with scratch_netns("kpsk-it-", lo_up=True) as ns:
-
-            def ip(*args: str) -> None:
-                subprocess.run(["ip", "-n", ns, *args], check=True, timeout=30)
-
-            ip("addr", "add", f"{BACKEND_IP}/32", "dev", "lo")
-            # an untranslated packet to a service address goes out here and is dropped by the peer (no address,
-            # no forwarding): a connect that escapes translation hangs, as on a node with a default route
-            ip("link", "add", "kpc0", "type", "veth", "peer", "name", "kpc1")
-            ip("addr", "add", "198.18.215.1/30", "dev", "kpc0")
-            ip("link", "set", "kpc0", "up")
-            ip("link", "set", "kpc1", "up")
-            ip("neigh", "add", "198.18.215.2", "lladdr", "02:00:00:00:00:02", "dev", "kpc0", "nud", "permanent")
-            ip("route", "add", "198.19.0.0/16", "via", "198.18.215.2", "dev", "kpc0")
-            try:
-                yield ns, opts
-            finally:
-                try:
-                    inspect.cleanup(opts, ns)
-                finally:
-                    inspect.remove_tree(pin)
-    finally:
-        for _ in range(50):  # processes of the cgroup may take a moment to be reaped
-            try:
-                cg.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
-        if not mounted:
-            subprocess.run(["umount", str(CG_MOUNT)], check=False, timeout=30)
-            for d in (CG_MOUNT, CG_MOUNT.parent):
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
+    with bpf_place("kpsk-it-", CG_MOUNT, (BACKEND_IP,), _dead_end_route) as got:
+        yield got
 
 
 @pytest.fixture

@@ -14,8 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
@@ -25,7 +23,7 @@ import pytest
 from kproxy.config import ProxyConfig
 from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
 
-from .scratch import scratch_netns
+from .bpfplace import bpf_place
 
 pytestmark = pytest.mark.root
 
@@ -55,55 +53,11 @@ STATE = ProxyState({IPFamily.V4: MappingProxyType({A: SP_A, B: SP_B, C: SP_C})},
 PERIODIC = Changes(full=False, services=frozenset())  # what the runner's periodic sync hands over: nothing changed
 
 
-def _bcc_missing() -> str | None:
-    try:
-        import bcc  # noqa: F401
-    except Exception as exc:
-        return f"bcc is not importable: {exc}"
-    return None
-
-
 @pytest.fixture
 def place() -> Iterator[tuple[str, dict[str, str]]]:
     """A namespace with the pod address on lo, a cgroup and a pin folder of the test's own; all removed after."""
-    why = _bcc_missing()
-    if why:
-        pytest.skip(why)
-    CG_MOUNT.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mountpoint", "-q", str(CG_MOUNT)], check=False).returncode == 0
-    if not mounted:
-        subprocess.run(["mount", "-t", "cgroup2", "none", str(CG_MOUNT)], check=True, timeout=30)
-    tag = uuid.uuid4().hex[:8]
-    cg = CG_MOUNT / f"kpf-vt-{tag}"
-    cg.mkdir()
-    pin = Path(f"/sys/fs/bpf/kpf-vt-{tag}")
-    opts = {"bpf_cgroup_path": str(cg), "bpf_pin_path": str(pin)}
-    from kproxy.backends.bpf import inspect
-
-    try:
-        with scratch_netns("kpf-vt-", lo_up=True) as ns:
-            subprocess.run(["ip", "-n", ns, "addr", "add", f"{POD}/32", "dev", "lo"], check=True, timeout=30)
-            try:
-                yield ns, opts
-            finally:
-                try:
-                    inspect.cleanup(opts, ns)
-                finally:
-                    inspect.remove_tree(pin)
-    finally:
-        for _ in range(50):  # the cgroup's processes may take a moment to be reaped
-            try:
-                cg.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
-        if not mounted:
-            subprocess.run(["umount", str(CG_MOUNT)], check=False, timeout=30)
-            for d in (CG_MOUNT, CG_MOUNT.parent):
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
+    with bpf_place("kpf-vt-", CG_MOUNT, (POD,)) as got:
+        yield got
 
 
 SERVER = f"""
