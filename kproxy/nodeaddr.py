@@ -23,6 +23,7 @@ reconciler; ``AddressWatch``), backends (``NodeContext.family``), ``kproxy bench
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import socket
@@ -296,8 +297,15 @@ class AddressWatch:
                     sock.recv(65536)
                 except TimeoutError:
                     continue
-                except OSError:  # ENOBUFS: announcements were lost; anything else: read every time from now on
-                    pass
+                except OSError as exc:
+                    with self._lock:
+                        self._stale = True
+                        if exc.errno != errno.ENOBUFS:  # not an overrun: stop listening, read on every call
+                            self._sock = None
+                    if exc.errno != errno.ENOBUFS:
+                        log.debug("netlink address events ended (%s): addresses are read on every sync", exc)
+                        return
+                    continue
                 with self._lock:
                     self._stale = True
         finally:
