@@ -1,12 +1,14 @@
 """Where a bpf proxier under test runs: a network namespace, a cgroup v2 directory and a bpffs pin folder, all of the
 test's own (bpffs and cgroups are shared by the whole machine) and removed afterwards, also on failure.
 
-Who uses it: the ``place`` fixtures of test_bpf_backend, test_verify_bpf, test_bpf_places and test_bpf_sock.
+Who uses it: the ``place`` fixtures of test_bpf_backend, test_verify_bpf, test_bpf_places and test_bpf_sock, and their
+echo servers (``ns_script``).
 """
 
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -79,3 +81,20 @@ def bpf_place(
                     d.rmdir()
                 except OSError:
                     pass
+
+
+@contextmanager
+def ns_script(ns: str, script: str) -> Iterator[None]:
+    """A Python ``script`` running in ``ns`` (outside any test cgroup) until the block ends; it must print ``ready``
+    once it serves."""
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()

@@ -21,7 +21,7 @@ from kproxy.config import ProxyConfig
 from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
 from kproxy.proxier import LocalProbe
 
-from .bpfplace import bpf_place
+from .bpfplace import bpf_place, ns_script
 
 pytestmark = pytest.mark.root
 
@@ -102,18 +102,8 @@ print("ready", flush=True); time.sleep(60)
 
 @pytest.fixture
 def servers(place: tuple[str, dict[str, str]]) -> Iterator[None]:
-    ns, _ = place
-    proc = subprocess.Popen(
-        ["ip", "netns", "exec", ns, sys.executable, "-c", SERVERS], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    with ns_script(place[0], SERVERS):
         yield
-    finally:
-        proc.kill()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def test_tcp_udp_reject_through_the_socket_programs(place: tuple[str, dict[str, str]], servers: None) -> None:

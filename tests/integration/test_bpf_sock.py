@@ -25,7 +25,7 @@ import pytest
 
 from kproxy.model import Changes, IPFamily, Protocol
 
-from .bpfplace import bpf_place
+from .bpfplace import bpf_place, ns_script
 from .test_bpf_backend import BACKEND_IP, SERVERS, _config, in_cgroup, sp, state
 
 pytestmark = pytest.mark.root
@@ -62,18 +62,8 @@ def place() -> Iterator[tuple[str, dict[str, str]]]:
 @pytest.fixture
 def servers(place: tuple[str, dict[str, str]]) -> Iterator[None]:
     """TCP and UDP echo servers on the backend address (outside the cgroup: backends are not translated)."""
-    ns, _ = place
-    proc = subprocess.Popen(
-        ["ip", "netns", "exec", ns, sys.executable, "-c", SERVERS], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    with ns_script(place[0], SERVERS):
         yield
-    finally:
-        proc.kill()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 MAPPED_CLIENT = f"""

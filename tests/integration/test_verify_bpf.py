@@ -23,7 +23,7 @@ import pytest
 from kproxy.config import ProxyConfig
 from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
 
-from .bpfplace import bpf_place
+from .bpfplace import bpf_place, ns_script
 
 pytestmark = pytest.mark.root
 
@@ -82,18 +82,8 @@ print(json.dumps(r))
 
 @pytest.fixture
 def server(place: tuple[str, dict[str, str]]) -> Iterator[None]:
-    ns, _ = place
-    proc = subprocess.Popen(
-        ["ip", "netns", "exec", ns, sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    with ns_script(place[0], SERVER):
         yield
-    finally:
-        proc.kill()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def connect_b(ns: str, cg: str) -> list[object]:
