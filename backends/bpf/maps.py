@@ -22,6 +22,7 @@ import socket
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kproxy.model import IPFamily
 
@@ -390,12 +391,60 @@ def _batch_attr(
     return ctypes.create_string_buffer(struct.pack("<QQQQIIQQ", in_b, out_b, keys, values, count, fd, 0, 0), 120)
 
 
+class Packed(Sequence[bytes]):
+    """Entries of one size laid end to end in one byte string: a batch's keys or values as a plan builds them for a
+    first sync (a service's entries in one concatenation, no object per entry). A read-only sequence of the entries
+    for whoever looks at them one by one (tests, replays); the batch calls take the buffer as it is."""
+
+    __slots__ = ("blob", "size")
+
+    def __init__(self, blob: bytes, size: int) -> None:
+        if size <= 0 or len(blob) % size:
+            raise ValueError(f"{len(blob)} bytes are not whole entries of {size}")
+        self.blob, self.size = blob, size
+
+    def __len__(self) -> int:
+        return len(self.blob) // self.size
+
+    def __getitem__(self, i: int | slice) -> Any:
+        n = len(self)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            if step == 1:
+                return Packed(self.blob[start * self.size : max(start, stop) * self.size], self.size)
+            return [self[j] for j in range(start, stop, step)]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return self.blob[i * self.size : (i + 1) * self.size]
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Packed({len(self)} x {self.size} bytes)"
+
+
+def _joined(items: Sequence[bytes], i: int, n: int) -> bytes:
+    """Entries ``i .. i+n`` of ``items`` in one byte string."""
+    if isinstance(items, Packed):
+        if i == 0 and n == len(items):
+            return items.blob
+        return items.blob[i * items.size : (i + n) * items.size]
+    return b"".join(items[i : i + n])
+
+
 def update_batch(fd: int, keys: Sequence[bytes], values: Sequence[bytes], chunk: int = 65536) -> None:
     """Write ``keys[i] -> values[i]`` in as few BPF_MAP_UPDATE_BATCH calls as the chunk size allows."""
+    if len(keys) != len(values):
+        raise ValueError(f"{len(keys)} keys for {len(values)} values")
     for i in range(0, len(keys), chunk):
-        kb = ctypes.create_string_buffer(b"".join(keys[i : i + chunk]))
-        vb = ctypes.create_string_buffer(b"".join(values[i : i + chunk]))
         n = min(chunk, len(keys) - i)
+        kb = ctypes.create_string_buffer(_joined(keys, i, n))
+        vb = ctypes.create_string_buffer(_joined(values, i, n))
         attr = _batch_attr(fd, ctypes.addressof(kb), ctypes.addressof(vb), n)
         _bpf(_BPF_MAP_UPDATE_BATCH, attr, hold_gil=n <= HOLD_GIL_ENTRIES)
 
@@ -403,8 +452,8 @@ def update_batch(fd: int, keys: Sequence[bytes], values: Sequence[bytes], chunk:
 def delete_batch(fd: int, keys: Sequence[bytes], chunk: int = 65536) -> None:
     """Delete ``keys`` (missing ones are an error of the kernel's: ENOENT; callers delete what they know exists)."""
     for i in range(0, len(keys), chunk):
-        kb = ctypes.create_string_buffer(b"".join(keys[i : i + chunk]))
         n = min(chunk, len(keys) - i)
+        kb = ctypes.create_string_buffer(_joined(keys, i, n))
         _bpf(_BPF_MAP_DELETE_BATCH, _batch_attr(fd, ctypes.addressof(kb), 0, n), hold_gil=n <= HOLD_GIL_ENTRIES)
 
 

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,13 +70,16 @@ PIPELINE_CHUNK = 1024
 WRITER_SWITCH_INTERVAL = 0.0005  # seconds, while a writer runs (Python's default: 0.005)
 
 
+Step = tuple[str, str, Sequence[bytes], Sequence[bytes]]  # (map role, "put" or "del", keys, values)
+
+
 class _Writer:
     """One thread writing put phases in the order they are submitted; after a failed write it skips the rest (the
     first error is raised by ``finish``)."""
 
     def __init__(self, fds: Mapping[tuple[str, IPFamily], int], family: IPFamily) -> None:
         self._fds, self._family = fds, family
-        self._queue: queue.SimpleQueue[list[tuple[str, str, list[bytes], list[bytes]]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[Step] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._busy = 0.0
         self._thread = threading.Thread(target=self._run, name="bpf-map-writer", daemon=True)
@@ -86,7 +89,7 @@ class _Writer:
         sys.setswitchinterval(min(self._interval, WRITER_SWITCH_INTERVAL))
         self._thread.start()
 
-    def submit(self, steps: list[tuple[str, str, list[bytes], list[bytes]]]) -> None:
+    def submit(self, steps: list[Step]) -> None:
         self._queue.put(steps)
 
     def _run(self) -> None:
@@ -187,8 +190,8 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         self._reaper = sockets.Reaper()
         self._memo: dict[tuple[ServicePortName, IPFamily], tuple[ServicePort, Context, Fragment]] = {}
         self.last_reap: Future[int] | None = None
-        self._last_full: tuple[IPFamily, list[tuple[str, str, list[bytes], list[bytes]]]] | None = None
-        self._last_partial: tuple[IPFamily, list[tuple[str, str, list[bytes], list[bytes]]]] | None = None
+        self._last_full: tuple[IPFamily, list[Step]] | None = None
+        self._last_partial: tuple[IPFamily, list[Step]] | None = None
 
     # -- hooks ----------------------------------------------------------------------------------------------------
 
@@ -627,7 +630,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
                         render.claim(index, d.name, None)
         # until this batch is fully in, the index may not match the kernel: a full sync then reads the maps again
         read_at = self._kernel_read.pop(fam, None)
-        steps: list[tuple[str, str, list[bytes], list[bytes]]] = []  # the exact payload, for the benchmark's floors
+        steps: list[Step] = []  # the exact payload, for the benchmark's floors
         writer = _Writer(self._fds, fam) if len(batch.deltas) >= PIPELINE_SERVICES else None
         t_write = 0.0
         try:
@@ -746,7 +749,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
     def _execute(self, fam: IPFamily, plan: Plan) -> None:
         self._execute_steps(fam, plan.ordered())
 
-    def _execute_steps(self, fam: IPFamily, steps: list[tuple[str, str, list[bytes], list[bytes]]]) -> None:
+    def _execute_steps(self, fam: IPFamily, steps: list[Step]) -> None:
         for role, op, keys, values in steps:
             fd = self._fds[(role, fam)]
             if op == "put":
@@ -755,7 +758,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
                 self._delete(fd, keys)
 
     @staticmethod
-    def _delete(fd: int, keys: list[bytes]) -> None:
+    def _delete(fd: int, keys: Sequence[bytes]) -> None:
         try:
             maps.delete_batch(fd, keys)
         except maps.BpfError as exc:

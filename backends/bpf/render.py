@@ -15,7 +15,7 @@ import array
 import hashlib
 import ipaddress
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -412,10 +412,27 @@ class FamilyIndex:
         return i
 
 
+@dataclass(slots=True)
+class Bulk:
+    """One put phase's entries of services planned whole and new (``_plan_new``): a byte string of keys and one of
+    values per service, joined once per batch; no object per entry. Their keys are new to the plan (a fresh frontend,
+    fresh backend ids), so they go before the phase's other puts and no delete of the plan precedes them."""
+
+    keys: list[bytes] = field(default_factory=list)
+    values: list[bytes] = field(default_factory=list)
+    count: int = 0
+
+    def packed(self) -> tuple[maps.Packed, maps.Packed]:
+        kb, vb = b"".join(self.keys), b"".join(self.values)
+        return maps.Packed(kb, len(kb) // self.count), maps.Packed(vb, len(vb) // self.count)
+
+
 @dataclass
 class Plan:
     """Map writes in the safe order: ``be_put`` (new backends), ``slot_put``, ``master_put`` (counts last),
-    ``svc_del`` (slots beyond the new counts, frontends gone), ``be_del`` (backends no longer referenced)."""
+    ``svc_del`` (slots beyond the new counts, frontends gone), ``be_del`` (backends no longer referenced). The bulk
+    of a first sync (new services with one frontend) goes to ``bulk_be``, ``bulk_slot``, ``bulk_master`` instead,
+    written at the head of their phase."""
 
     be_put: dict[bytes, bytes] = field(default_factory=dict)
     name_put: dict[bytes, bytes] = field(default_factory=dict)
@@ -424,6 +441,12 @@ class Plan:
     svc_del: list[bytes] = field(default_factory=list)
     be_del: list[bytes] = field(default_factory=list)
     name_del: list[bytes] = field(default_factory=list)
+    bulk_be: Bulk = field(default_factory=Bulk)
+    bulk_slot: Bulk = field(default_factory=Bulk)
+    bulk_master: Bulk = field(default_factory=Bulk)
+    #: frontends this plan removed (their deletes run after every put: a later service may not take the bulk path
+    #: for one of them, its puts would be deleted again)
+    gone_fronts: set[tuple[str, int, int]] = field(default_factory=set)
     #: put phases handed to the kernel already (``drain_puts``), kept so ``finish_plan`` and ``writes`` see them
     drained: list[Plan] = field(default_factory=list)
     #: ids this plan frees: reusable only once the plan is in the kernel (``release``). Reused within the plan, a
@@ -444,30 +467,54 @@ class Plan:
     def writes(self) -> int:
         return (
             sum(len(x) for x in (self.be_put, self.name_put, self.slot_put, self.master_put))
+            + sum(b.count for b in (self.bulk_be, self.bulk_slot, self.bulk_master))
             + sum(len(x) for x in (self.svc_del, self.be_del, self.name_del))
             + sum(p.writes for p in self.drained)
         )
 
-    def drain_puts(self) -> list[tuple[str, str, list[bytes], list[bytes]]]:
+    def written(self, phase: str) -> dict[bytes, bytes]:
+        """Key -> value of one put phase ("be", "name", "slot", "master") as executing the plan leaves it, drained
+        chunks and bulk entries included (for tests and explanations; the sync executes ``ordered``)."""
+        out: dict[bytes, bytes] = {}
+        for p in (*self.drained, self):
+            bulk = getattr(p, f"bulk_{phase}", None)
+            if bulk is not None and bulk.count:
+                out.update(zip(*bulk.packed(), strict=True))
+            out.update(getattr(p, f"{phase}_put"))
+        return out
+
+    def drain_puts(self) -> list[tuple[str, str, Sequence[bytes], Sequence[bytes]]]:
         """The put phases planned so far, in execution order, to be written now (a large full sync writes one chunk
         of services while it plans the next); deletes stay until ``finish_plan``. Per service the order holds:
         its backends, name and slots before its master, every delete after every put."""
-        done = Plan(self.be_put, self.name_put, self.slot_put, self.master_put)
+        done = Plan(
+            self.be_put,
+            self.name_put,
+            self.slot_put,
+            self.master_put,
+            bulk_be=self.bulk_be,
+            bulk_slot=self.bulk_slot,
+            bulk_master=self.bulk_master,
+        )
         self.drained.append(done)
         self.be_put, self.name_put, self.slot_put, self.master_put = {}, {}, {}, {}
+        self.bulk_be, self.bulk_slot, self.bulk_master = Bulk(), Bulk(), Bulk()
         return done.ordered()
 
-    def ordered(self) -> list[tuple[str, str, list[bytes], list[bytes]]]:
+    def ordered(self) -> list[tuple[str, str, Sequence[bytes], Sequence[bytes]]]:
         """(map role, op, keys, values) in execution order (not the drained phases)."""
-        out: list[tuple[str, str, list[bytes], list[bytes]]] = []
-        if self.be_put:
-            out.append(("be", "put", list(self.be_put), list(self.be_put.values())))
-        if self.name_put:
-            out.append(("name", "put", list(self.name_put), list(self.name_put.values())))
-        if self.slot_put:
-            out.append(("svc", "put", list(self.slot_put), list(self.slot_put.values())))
-        if self.master_put:
-            out.append(("svc", "put", list(self.master_put), list(self.master_put.values())))
+        out: list[tuple[str, str, Sequence[bytes], Sequence[bytes]]] = []
+
+        def put(role: str, bulk: Bulk | None, entries: dict[bytes, bytes]) -> None:
+            if bulk is not None and bulk.count:
+                out.append((role, "put", *bulk.packed()))
+            if entries:
+                out.append((role, "put", list(entries), list(entries.values())))
+
+        put("be", self.bulk_be, self.be_put)
+        put("name", None, self.name_put)
+        put("svc", self.bulk_slot, self.slot_put)
+        put("svc", self.bulk_master, self.master_put)
         if self.svc_del:
             out.append(("svc", "del", list(self.svc_del), []))
         if self.be_del:
@@ -519,6 +566,7 @@ def _remove_front(plan: Plan, index: FamilyIndex, key: tuple[str, int, int], st:
     # a master counting slots already deleted
     for slot in range(len(st.slots) + 1):
         plan.svc_del.append(head + tails[slot])
+    plan.gone_fronts.add(key)
     index.drop_front(key)
 
 
@@ -534,9 +582,18 @@ def plan_service(
     were done. Frontends in ``keep_fronts`` belong to another service and are never removed here.
 
     Written for speed (a full sync at 10,000 x 10 plans 220,000 writes): key bytes from cached address, port and
-    slot pieces, one concatenation per entry."""
-    keep = set(keep_fronts) if keep_fronts else ()
+    slot pieces, one concatenation per entry; a new service with one frontend (the bulk of a first sync) one per
+    phase (``_plan_new``)."""
     mine = index.owned.get(name)
+    if (
+        mine is None
+        and new is not None
+        and len(new.frontends) == 1
+        and not index.free_backends
+        and _plan_new(index, name, new.frontends[0], plan)
+    ):
+        return
+    keep = set(keep_fronts) if keep_fronts else ()
     fronts = index.fronts
     backends = index.backends
     owned = {k: fronts[k] for k in mine if k in fronts} if mine else {}
@@ -573,37 +630,6 @@ def plan_service(
     addr_cache = _ADDR_CACHE
     port_bytes = _PORT
     pack_id = _ID.pack
-    if not owned and not free and len(new.frontends) == 1:
-        # the bulk of a first sync: a new service with one frontend (a ClusterIP) and fresh ids in a row; the same
-        # entries as below, built with C-level loops (dict.update over zip and map; ~10% of the plan's time)
-        f = new.frontends[0]
-        bes = f.backends
-        n = len(bes)
-        if len(set(bes)) == n:
-            proto = f.proto
-            bids = range(nb, nb + n)
-            index.next_backend = nb + n
-            tail2 = bytes((proto, 0))
-            backends.update(zip(bids, [(a, p, proto) for a, p in bes], strict=True))
-            be_put.update(
-                zip(
-                    map(pack_id, bids),
-                    [(addr_cache.get(a) or _addr(a)) + port_bytes[p] + tail2 for a, p in bes],
-                    strict=True,
-                )
-            )
-            slots = tuple(bids)
-            head = _addr(f.address) + port_bytes[f.port]
-            cur = fronts.get(f.key)
-            tails = _key_tails(proto, max(n, len(cur.slots) if cur is not None else 0))
-            plan.slot_put.update(zip([head + t for t in tails[1 : n + 1]], map(_SLOT_VALUE.pack, slots), strict=True))
-            master = Master(n, f.flags, f.affinity, rev)
-            if cur is None or cur.master != master:
-                plan.master_put[head + tails[0]] = maps.master_value(master)
-            for i in range(len(cur.slots) if cur is not None else 0, n, -1):  # a frontend taken from another
-                plan.svc_del.append(head + tails[i])
-            index.put_front(f.key, FrontState(name, master, slots))
-            return
     ids: dict[tuple[str, int], int] = {}
     for f in new.frontends:
         tail2 = bytes((f.proto, 0))
@@ -659,6 +685,72 @@ def plan_service(
             plan.be_del.append(_ID.pack(bid))
             backends.pop(bid, None)
             plan.freed_backends.append(bid)
+
+
+#: per entry count, the ``struct`` packing that many backend ids as keys, or as slot values (id, 12 zero bytes)
+_ID_KEYS: dict[int, struct.Struct] = {}
+_SLOT_VALUES: dict[int, struct.Struct] = {}
+_PACKERS_UPTO = 1024  # counts above it are packed entry by entry
+
+
+def _ids_packer(n: int, table: dict[int, struct.Struct], one: str) -> struct.Struct | None:
+    if n > _PACKERS_UPTO:
+        return None
+    p = table.get(n)
+    if p is None:
+        p = table[n] = struct.Struct("<" + one * n)
+    return p
+
+
+def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan) -> bool:
+    """A service the index does not hold, with one frontend nobody holds or removed in this plan, and fresh backend
+    ids in a row: its entries go to the plan's bulk phases, each phase's keys and values as one byte string built
+    with C-level joins and packs. False (nothing done): not such a service, the general path plans it."""
+    key = f.key
+    fronts = index.fronts
+    if key in fronts or key in plan.gone_fronts:
+        return False
+    bes = f.backends
+    n = len(bes)
+    if len(set(bes)) != n:
+        return False
+    rev = index.rev_ids.get(name)
+    if rev is None:
+        rev = index.rev_ids[name] = index.alloc_rev()
+    text = service_key(name)
+    if index.rev_names.get(rev) != text:
+        index.rev_names[rev] = text
+        plan.name_put[maps.name_key(rev)] = maps.name_value(text)
+    proto = f.proto
+    nb = index.next_backend
+    bids = range(nb, nb + n)
+    index.next_backend = nb + n
+    port_bytes = _PORT
+    head = _addr(f.address) + port_bytes[f.port]
+    tails = _key_tails(proto, n)
+    if n:
+        index.backends.update(zip(bids, [(a, p, proto) for a, p in bes], strict=True))
+        addr_cache = _ADDR_CACHE
+        tail2 = bytes((proto, 0))
+        be = plan.bulk_be
+        ids = _ids_packer(n, _ID_KEYS, "I")
+        be.keys.append(ids.pack(*bids) if ids is not None else b"".join(map(_ID.pack, bids)))
+        be.values.append(b"".join([(addr_cache.get(a) or _addr(a)) + port_bytes[p] + tail2 for a, p in bes]))
+        be.count += n
+        sl = plan.bulk_slot
+        sl.keys.append(head + head.join(tails[1 : n + 1]))
+        vals = _ids_packer(n, _SLOT_VALUES, "I12x")
+        sl.values.append(vals.pack(*bids) if vals is not None else b"".join(map(_SLOT_VALUE.pack, bids)))
+        sl.count += n
+    master = Master(n, f.flags, f.affinity, rev)
+    ms = plan.bulk_master
+    ms.keys.append(head + tails[0])
+    ms.values.append(maps.master_value(master))
+    ms.count += 1
+    fronts[key] = FrontState(name, master, tuple(bids))
+    index.entries += 1 + n
+    index.owned[name] = {key}
+    return True
 
 
 def _stable_slots(old: tuple[int, ...], new: list[int]) -> tuple[int, ...]:

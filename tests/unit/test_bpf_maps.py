@@ -94,3 +94,16 @@ def test_pin_names_are_versioned_per_family_and_role() -> None:
 def test_key_sizes_cover_every_role() -> None:
     for fam in (IPFamily.V4, IPFamily.V6):
         assert set(maps.key_sizes(fam)) == set(maps.ROLES)
+
+
+def test_packed_entries_read_as_the_byte_strings_they_were_built_from() -> None:
+    items = [bytes([i]) * 4 for i in range(5)]
+    packed = maps.Packed(b"".join(items), 4)
+    assert len(packed) == 5 and list(packed) == items and packed == items
+    assert packed[-1] == items[-1] and list(packed[1:3]) == items[1:3] and packed[::2] == items[::2]
+    assert maps._joined(packed, 0, 5) is packed.blob  # a whole batch is handed over without a copy
+    assert maps._joined(packed, 1, 2) == b"".join(items[1:3]) == maps._joined(items, 1, 2)
+    with pytest.raises(IndexError):
+        packed[5]
+    with pytest.raises(ValueError, match="whole entries"):
+        maps.Packed(b"12345", 4)

@@ -92,7 +92,12 @@ def test_fresh_single_frontend_fast_path_plans_what_the_general_path_plans() -> 
     for name, f in changes:
         render.plan_service(fast, name, f, a)
         render.plan_service(general, name, f, b)
-    assert (a.be_put, a.name_put, a.slot_put, a.master_put) == (b.be_put, b.name_put, b.slot_put, b.master_put)
+    assert a.bulk_master.count == len(changes) and b.bulk_master.count == 0  # the two paths were taken
+    for phase in ("be", "name", "slot", "master"):
+        assert a.written(phase) == b.written(phase)
+    # a bulk phase is written before the same phase's other entries, in the order the general path would
+    assert [(role, op) for role, op, _, _ in a.ordered()] == [(role, op) for role, op, _, _ in b.ordered()]
+    assert entries(a.ordered()) == entries(b.ordered())
     assert fast.backends == general.backends and fast.fronts == general.fronts and fast.owned == general.owned
     assert fast.svc_entries == general.svc_entries
 
@@ -104,8 +109,8 @@ def test_slot_keys_of_a_large_service_are_the_maps_keys() -> None:
     index, plan = FamilyIndex(IPFamily.V4), Plan()
     render.plan_service(index, name, f, plan)
     a, p, proto = f.frontends[0].key
-    assert set(plan.slot_put) == {maps.lb_key(IPFamily.V4, a, p, proto, s) for s in range(1, 201)}
-    assert set(plan.master_put) == {maps.lb_key(IPFamily.V4, a, p, proto, 0)}
+    assert set(plan.written("slot")) == {maps.lb_key(IPFamily.V4, a, p, proto, s) for s in range(1, 201)}
+    assert set(plan.written("master")) == {maps.lb_key(IPFamily.V4, a, p, proto, 0)}
     shrunk = Plan()
     render.plan_service(index, name, frag(7, 3)[1], shrunk)
     assert set(shrunk.svc_del) == {maps.lb_key(IPFamily.V4, a, p, proto, s) for s in range(4, 201)}
@@ -169,3 +174,22 @@ def test_ids_freed_in_a_sync_are_not_reused_before_it_is_in_the_kernel() -> None
     later = Plan()
     render.plan_service(index, *frag(3, 1, base=200), later)
     assert set(index.backends) & freed  # once the plan is in, a freed id is handed out again
+
+
+def test_bulk_phases_of_services_above_the_cached_packers_match_the_encoders() -> None:
+    """A service with more endpoints than ``render._PACKERS_UPTO`` takes the bulk path with per-entry packing."""
+    n = render._PACKERS_UPTO + 5
+    name = ServicePortName("ns", "big", "http", Protocol.TCP)
+    eps = tuple(Endpoint(f"198.18.{j // 250}.{j % 250 + 1}", 8080) for j in range(n))
+    sp = ServicePort(name, IPFamily.V4, "198.19.9.9", 80, cluster_endpoints=eps, has_any_endpoints=True)
+    index, plan = FamilyIndex(IPFamily.V4), Plan()
+    render.plan_service(index, name, render.render(sp, CTX), plan)
+    assert plan.bulk_slot.count == n and not plan.slot_put
+    st = index.fronts[("198.19.9.9", 80, 6)]
+    assert plan.written("slot") == {
+        maps.lb_key(IPFamily.V4, "198.19.9.9", 80, 6, i): maps.slot_value(bid) for i, bid in enumerate(st.slots, 1)
+    }
+    assert plan.written("be") == {
+        maps.backend_key(bid): maps.backend_value(IPFamily.V4, a, p, proto)
+        for bid, (a, p, proto) in index.backends.items()
+    }

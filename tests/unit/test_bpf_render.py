@@ -245,13 +245,19 @@ def test_removing_a_service_deletes_the_master_before_its_slots_and_then_backend
 
 def test_a_frontend_moving_between_services_is_written_not_deleted() -> None:
     index = FamilyIndex(IPFamily.V4)
-    _plan(index, spn("old"), svc("old"))
+    first = _plan(index, spn("old"), svc("old"))
     plan = Plan()
     render.plan_service(index, spn("old"), None, plan)
     render.plan_service(index, spn("new"), render.render(svc("new"), CTX), plan)
     render.finish_plan(plan)
     master = maps.lb_key(IPFamily.V4, "198.19.0.10", 80, 6, 0)
-    assert master in plan.master_put and master not in plan.svc_del
+    assert master in plan.written("master") and master not in plan.svc_del
+    # executed (every put before every delete), the new service's entries are what stays
+    svc_m, be_m, _ = _kernel(FamilyIndex(IPFamily.V4), [first, plan])
+    st = index.fronts[("198.19.0.10", 80, 6)]
+    assert maps.decode_service(svc_m[master])[2] == 3
+    assert {maps.decode_lb_key(IPFamily.V4, k)[3] for k in svc_m} == {0, 1, 2, 3}
+    assert {int.from_bytes(k, "little") for k in be_m} == set(st.slots)
 
 
 def test_every_service_gets_its_own_reverse_nat_id_and_name() -> None:
