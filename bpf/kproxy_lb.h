@@ -4,7 +4,8 @@
  *
  * The shape is Cilium's (bpf/lib/lb.h) and Calico's: a service map keyed by frontend address . port . protocol .
  * slot, where slot 0 is the frontend's master entry (count of backends, verdict flags, affinity timeout, reverse-NAT
- * id) and slots 1..count name backend ids; a backend map id -> address . port; LRU maps for the socket reverse
+ * id) and slots 1..count name backend ids; a backend array id -> address . port . protocol (all zero: no
+ * backend; an array, not Cilium's hash: see backends/bpf/__init__.py); LRU maps for the socket reverse
  * translation (UDP replies, getpeername) and for ClientIP affinity; optionally socket storage for connected TCP
  * sockets. Every struct is packed with explicit padding, so Python writes exactly the bytes the programs read.
  *

@@ -42,13 +42,13 @@
 #define KP_MISS 3 /* a slot or backend vanished between lookups: try once more from the master entry */
 
 BPF_TABLE_PINNED("hash", struct kp_lb4_key, struct kp_lb_service, kp_svc4, KP_SVC_MAX, KP_PIN_SVC4, BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("hash", __u32, struct kp_lb4_backend, kp_be4, KP_BE_MAX, KP_PIN_BE4, BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("array", __u32, struct kp_lb4_backend, kp_be4, KP_BE_MAX, KP_PIN_BE4);
 BPF_TABLE_PINNED("lru_hash", struct kp_rev4_key, struct kp_rev4_val, kp_rev4, KP_LRU_MAX, KP_PIN_REV4);
 BPF_TABLE_PINNED("lru_hash", struct kp_aff_key, struct kp_aff_val, kp_aff4, KP_LRU_MAX, KP_PIN_AFF4);
 BPF_TABLE_PINNED("hash", __u32, struct kp_svc_name, kp_name4, 65536, KP_PIN_NAME4, BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", __u32, struct kp_svc_name, kp_name6, 65536, KP_PIN_NAME6, BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", struct kp_lb6_key, struct kp_lb_service, kp_svc6, KP_SVC_MAX, KP_PIN_SVC6, BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("hash", __u32, struct kp_lb6_backend, kp_be6, KP_BE_MAX, KP_PIN_BE6, BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("array", __u32, struct kp_lb6_backend, kp_be6, KP_BE_MAX, KP_PIN_BE6);
 BPF_TABLE_PINNED("lru_hash", struct kp_rev6_key, struct kp_rev6_val, kp_rev6, KP_LRU_MAX, KP_PIN_REV6);
 BPF_TABLE_PINNED("lru_hash", struct kp_aff_key, struct kp_aff_val, kp_aff6, KP_LRU_MAX, KP_PIN_AFF6);
 #if defined(KP_PIN_PEER4) && defined(KP_PIN_PEER6)
@@ -223,7 +223,7 @@ static __always_inline int kp_try4(struct bpf_sock_addr *ctx, __be32 *addr, __be
 	if (!backend_id)
 		return KP_MISS;
 	be = kp_be4.lookup(&backend_id);
-	if (!be)
+	if (!be || !be->proto) /* an array entry of no backend is all zero */
 		return KP_MISS;
 #ifdef KP_PEER
 	if (proto == IPPROTO_TCP && kp_peer_put4(ctx, be, *addr, *port, m.rev_nat_id)) {
@@ -444,7 +444,7 @@ static __always_inline int kp_try6(struct bpf_sock_addr *ctx, __u8 proto, __u32 
 	if (!backend_id)
 		return KP_MISS;
 	be = kp_be6.lookup(&backend_id);
-	if (!be)
+	if (!be || !be->proto)
 		return KP_MISS;
 #ifdef KP_PEER
 	if (proto == IPPROTO_TCP && kp_peer_put6(ctx, be, &key, m.rev_nat_id))

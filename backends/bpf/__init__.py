@@ -14,13 +14,20 @@ or backend that vanishes between a program's lookups (kproxy shrinking the servi
 from a fresh master entry; still missing, the connect or sendmsg fails at once with EHOSTUNREACH (never an
 untranslated packet to an address nothing answers; ECONNREFUSED stays the answer of a service with no endpoints).
 
-Maps (pinned in the pin folder, versioned names ``<role><4|6>_v1``; Cilium's and Calico's shape):
+Maps (pinned in the pin folder, versioned names ``<role><4|6>_v2``; Cilium's and Calico's shape):
 - ``svc``: frontend address . port . protocol . slot -> slot 0 {count, flags (reject, drop, affinity, external),
   affinity timeout, reverse-NAT id}, slots 1..count {backend id}. One frontend per ClusterIP, externalIP,
   load-balancer IP, and NodePort on each of the node's NodePort addresses (so pods and host processes reach
   ``<node IP>:<nodePort>`` by socket translation too).
-- ``be``: backend id -> address . port . protocol. Ids are per service (a backend of two services has two ids), so
-  an affinity entry whose backend id is gone is simply stale.
+- ``be``: backend id -> address . port . protocol, an array indexed by the id (all zero: no backend). Ids are per
+  service (a backend of two services has two ids), so an affinity entry whose backend id is gone is simply stale.
+  An array, not Cilium's hash: kproxy hands the ids out densely from 1 (freed ids first), so the id is the index, and
+  an array write is a copy where a hash without preallocation allocates an element: 100,000 backends take 0.023 s of
+  kernel time instead of 0.080 s (the first sync at 10,000 x 10 writes them while it plans; the hash made the kernel's
+  share, not kproxy's planning, the longer of the two). The price is memory fixed at the size: ``--bpf-map-size``
+  entries of 8 bytes (IPv4) and 24 bytes (IPv6), 32 MB at the default 1M, where the hash took ~64 bytes per backend
+  in use. Reads go only as far as the highest id a service entry names; a delete writes zeros (an array refuses
+  deletes), and the programs treat a zero entry as a vanished backend.
 - ``rev`` (LRU, 65,536 entries): socket cookie . backend -> frontend . reverse-NAT id, written by UDP connect/sendmsg,
   read by recvmsg (UDP replies come from the frontend) and getpeername; checked against the frontend's master entry
   on use.

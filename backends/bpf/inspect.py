@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -187,20 +188,15 @@ def remnants(probe: KernelProbe) -> list[str]:
 
 def decode_maps(pin_dir: Path, family: IPFamily) -> dict[str, list[str]]:
     """The pinned maps of one family decoded: service key -> lines (frontend, then each slot's backend)."""
-    ks = maps.key_sizes(family)
     fds = {}
     try:
         for role in ("svc", "be", "name"):
             fds[role] = maps.obj_get(str(pin_dir / maps.pin_name(role, family)))
-        svc = list(maps.lookup_all(fds["svc"], *ks["svc"]))
-        be = list(maps.lookup_all(fds["be"], *ks["be"]))
-        names = list(maps.lookup_all(fds["name"], *ks["name"]))
+        raw = maps.read_lb(fds["svc"], fds["be"], fds["name"], family)
     finally:
         for fd in fds.values():
-            import os
-
             os.close(fd)
-    index, view = render.index_from_kernel(family, svc, be, names)
+    index, view = render.index_from_raw(family, raw["svc"], raw["be"], raw["name"])
     out: dict[str, list[str]] = {}
     for fk in sorted(index.fronts, key=lambda k: (k[0], k[1], k[2])):
         st = index.fronts[fk]

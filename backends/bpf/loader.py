@@ -44,7 +44,7 @@ BPF_F_ALLOW_MULTI = 2
 DEFAULT_MAP_SIZE = 1 << 20  # 10,000 services x 50 endpoints need 510,000 service entries and 500,000 backends
 LRU_SIZE = 65536
 PROG_PREFIX = "kp_"
-#: the socket-storage maps (``peer4_v1``, ``peer6_v1``): made and pinned by bcc (``compile_programs``), read by the
+#: the socket-storage maps (``peer4_v2``, ``peer6_v2``): made and pinned by bcc (``compile_programs``), read by the
 #: programs alone; not in ``maps.ROLES`` (nothing in userspace reads or adopts them), but pinned like the others, so
 #: ``pinned_ids``, ``programs_problem`` and cleanup know them
 PEER_ROLE = "peer"

@@ -15,6 +15,7 @@ Who uses it: ``backends.bpf.proxier`` (apply, adopt), ``backends.bpf.inspect`` (
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
 import os
@@ -27,8 +28,9 @@ from typing import Any
 from kproxy.model import IPFamily
 
 #: bumped whenever a layout in bpf/kproxy_lb.h changes: every pinned map gets a new name, so a new layout never
-#: silently reuses an old map (bcc does not check the type of a pinned map it reopens)
-MAPS_VERSION = "v1"
+#: silently reuses an old map (bcc does not check the type of a pinned map it reopens). v2: the backend map is an
+#: array (v1: a hash)
+MAPS_VERSION = "v2"
 
 F_REJECT = 0x01
 F_DROP = 0x02
@@ -303,6 +305,7 @@ def obj_get(path: str) -> int:
 
 
 MAP_HASH = 1
+MAP_ARRAY = 2
 MAP_LRU_HASH = 9
 BPF_F_NO_PREALLOC = 1
 
@@ -315,9 +318,9 @@ def create_map(map_type: int, key_size: int, value_size: int, max_entries: int, 
     return _bpf(_BPF_MAP_CREATE, attr)
 
 
-def create_hash(key_size: int, value_size: int, max_entries: int) -> int:
-    """A new, unpinned hash map (BPF_F_NO_PREALLOC, as the programs' maps) for benchmarks; its fd."""
-    return create_map(MAP_HASH, key_size, value_size, max_entries, BPF_F_NO_PREALLOC)
+def create_like(role: str, family: IPFamily, map_size: int) -> int:
+    """A new, unpinned map of one role's exact spec (``map_spec``) for benchmarks; its fd."""
+    return create_map(*map_spec(role, family, map_size, map_size))
 
 
 def obj_pin(fd: int, path: str) -> None:
@@ -378,8 +381,10 @@ def map_spec(role: str, family: IPFamily, map_size: int, lru_size: int) -> tuple
     """(type, key size, value size, max entries, flags) of one map, exactly as bpf/kproxy_sock.c declares it, so a
     map kproxy creates and pins before the programs are compiled is the one bcc then reopens."""
     k, v = key_sizes(family)[role]
-    if role in ("svc", "be"):
+    if role == "svc":
         return (MAP_HASH, k, v, map_size, BPF_F_NO_PREALLOC)
+    if role == "be":  # ids are kproxy's, dense from 1: an array (see backends/bpf/__init__.py)
+        return (MAP_ARRAY, k, v, map_size, 0)
     if role == "name":
         return (MAP_HASH, k, v, 65536, BPF_F_NO_PREALLOC)
     return (MAP_LRU_HASH, k, v, lru_size, 0)
@@ -522,6 +527,65 @@ def lookup_raw(fd: int, key_size: int, value_size: int, chunk: int = 65536) -> t
             return b"".join(keys), b"".join(values)
         ctypes.memmove(in_b, out_b, 8)
         first = False
+
+
+def lookup_array(fd: int, key_size: int, value_size: int, count: int, chunk: int = 65536) -> tuple[bytes, bytes]:
+    """The first ``count`` entries of an array map (indexes 0 .. count-1, fewer if the array is shorter), keys and
+    values each concatenated; entries never written are all zero bytes. Reading a whole array would cost its size
+    (1M entries by default): callers read as far as the highest index anything names."""
+    if count <= 0:
+        return b"", b""
+    kb = ctypes.create_string_buffer(key_size * chunk)
+    vb = ctypes.create_string_buffer(value_size * chunk)
+    in_b = ctypes.create_string_buffer(8)
+    out_b = ctypes.create_string_buffer(8)
+    keys: list[bytes] = []
+    values: list[bytes] = []
+    left = count
+    first = True
+    while left > 0:
+        n = min(chunk, left)
+        attr = _batch_attr(
+            fd, ctypes.addressof(kb), ctypes.addressof(vb), n, 0 if first else ctypes.addressof(in_b),
+            ctypes.addressof(out_b),
+        )  # fmt: skip
+        done = False
+        try:
+            _bpf(_BPF_MAP_LOOKUP_BATCH, attr, hold_gil=False)
+        except BpfError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            done = True
+        got = struct.unpack_from("<I", attr.raw, 32)[0]
+        keys.append(ctypes.string_at(kb, got * key_size))
+        values.append(ctypes.string_at(vb, got * value_size))
+        left -= got
+        if done or got == 0:
+            break
+        ctypes.memmove(in_b, out_b, 8)
+        first = False
+    return b"".join(keys), b"".join(values)
+
+
+def read_lb(svc_fd: int, be_fd: int, name_fd: int, family: IPFamily) -> dict[str, tuple[bytes, bytes]]:
+    """The service, backend and names maps raw (role -> (keys, values), each concatenated): the backend array as far
+    as the highest backend id a service entry names (ids beyond are unreachable: left for the next writer of that
+    id), entries of no backend included as all zero bytes."""
+    ks = key_sizes(family)
+    svc = lookup_raw(svc_fd, *ks["svc"])
+    ids = array.array("I")
+    ids.frombytes(svc[1])
+    upto = max(ids[0 :: LB_SERVICE.size // 4], default=0)  # each value's first field is its backend id (0: a master)
+    return {
+        "svc": svc,
+        "be": lookup_array(be_fd, *ks["be"], upto + 1),
+        "name": lookup_raw(name_fd, *ks["name"]),
+    }
+
+
+def zero_values(count: int, value_size: int) -> Packed:
+    """``count`` all-zero values: what "no entry" is in an array map (deleting from one is refused)."""
+    return Packed(bytes(count * value_size), value_size)
 
 
 def lookup(fd: int, key: bytes, value_size: int) -> bytes | None:

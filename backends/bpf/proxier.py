@@ -114,6 +114,34 @@ class _Writer:
         return self._busy
 
 
+def run_steps(fds: Mapping[str, int], family: IPFamily, steps: Iterable[Step]) -> None:
+    """Execute a plan's steps on the maps ``fds`` (role -> fd): puts as batch updates; deletes as batch deletes, of
+    the backend array as all-zero values (an array refuses deletes; zero is "no backend" to the programs)."""
+    for role, op, keys, values in steps:
+        fd = fds[role]
+        if op == "put":
+            maps.update_batch(fd, keys, values)
+        elif role == "be":
+            maps.update_batch(fd, keys, maps.zero_values(len(keys), maps.key_sizes(family)["be"][1]))
+        else:
+            _delete(fd, keys)
+
+
+def _delete(fd: int, keys: Sequence[bytes]) -> None:
+    try:
+        maps.delete_batch(fd, keys)
+    except maps.BpfError as exc:
+        if exc.errno != errno.ENOENT:
+            raise
+        # the batch stops at a key that is already gone (a half-applied earlier round): one by one
+        for k in keys:
+            try:
+                maps.delete_batch(fd, [k])
+            except maps.BpfError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+
+
 @dataclass
 class Adopted:
     """What ``adopt`` read: the rebuilt index, the decoded view, reverse-NAT id use counts, the companion table."""
@@ -339,8 +367,8 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
 
     def _read_kernel(self, family: IPFamily) -> Adopted:
         """The maps and the companion table as the kernel holds them now (read-only; any thread)."""
-        ks = maps.key_sizes(family)
-        raw = {role: maps.lookup_raw(self._fds[(role, family)], *ks[role]) for role in ("svc", "be", "name")}
+        fds = self._fds
+        raw = maps.read_lb(fds[("svc", family)], fds[("be", family)], fds[("name", family)], family)
         index, view = render.index_from_raw(family, raw["svc"], raw["be"], raw["name"])
         counts = Counter(v[3] for v in view.values())
         table, _why = self._nft_checked(family)
@@ -371,19 +399,22 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         """What the pins hold now, read through fds of its own (never kproxy's: those keep a map alive after someone
         unpinned it), with the programs' state when kproxy attached them (read-only; any thread)."""
         p = self._where()
-        ks = maps.key_sizes(family)
-        raw: dict[str, tuple[bytes, bytes]] = {}
+        raw: dict[str, tuple[bytes, bytes]] = {role: (b"", b"") for role in self.SYNC_ROLES}
         gone = []
-        for role in self.SYNC_ROLES:
-            try:
-                fd = maps.obj_get(str(p.pin(role, family)))
-            except FileNotFoundError:
-                gone.append(maps.pin_name(role, family))
-                raw[role] = (b"", b"")
-                continue
-            try:
-                raw[role] = maps.lookup_raw(fd, *ks[role])
-            finally:
+        fds: dict[str, int] = {}
+        try:
+            for role in self.SYNC_ROLES:
+                try:
+                    fds[role] = maps.obj_get(str(p.pin(role, family)))
+                except FileNotFoundError:
+                    gone.append(maps.pin_name(role, family))
+            if not gone:
+                raw = maps.read_lb(fds["svc"], fds["be"], fds["name"], family)
+            elif "svc" in fds and "name" in fds:  # the backend array gone: what the service map still says
+                ks = maps.key_sizes(family)
+                raw.update(svc=maps.lookup_raw(fds["svc"], *ks["svc"]), name=maps.lookup_raw(fds["name"], *ks["name"]))
+        finally:
+            for fd in fds.values():
                 os.close(fd)
         index, view = render.index_from_raw(family, raw["svc"], raw["be"], raw["name"])
         counts = Counter(v[3] for v in view.values())
@@ -440,6 +471,8 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         a: Adopted = adopted
         if a.trusted is not None:
             return a.trusted.get(name) == fragment
+        if not a.view:  # the maps hold no frontend (a first sync): nothing is there already
+            return False
         if not render.unchanged(a.index, a.view, a.rev_counts, name, fragment):
             return False
         if not a.nft.present and fragment.nft.empty:
@@ -559,21 +592,27 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
     # -- apply ----------------------------------------------------------------------------------------------------
 
     def _capacity(self, batch: Batch[Fragment, Context], index: FamilyIndex) -> dict[ServicePortName, str]:
-        """Services whose entries would not fit in the maps: refused before anything is written."""
+        """Services whose entries would not fit in the maps: refused before anything is written. The service map
+        holds ``--bpf-map-size`` entries, the backend array as many backends less one (id 0 is "none")."""
         size = self._where().map_size
+        be_max = size - 1
         refused: dict[ServicePortName, str] = {}
+
+        def why(svc: int, be: int, frag: Fragment) -> str:
+            return (
+                f"bpf maps full: the service map holds {size} entries and the backend array {be_max} backends "
+                f"(--bpf-map-size), {svc} and {be} taken, this service needs {frag.entries} and {frag.backend_count}"
+            )
+
         if batch.full:
             svc = be = 0
-            total = sum(f.entries for f in batch.wanted.values())
-            if total <= size and sum(f.backend_count for f in batch.wanted.values()) <= size:
-                return refused  # the common case: everything fits
+            # every backend has a slot entry: when the entries fit in the backend array, everything does
+            if sum([1 + len(f.backends) for frag in batch.wanted.values() for f in frag.frontends]) <= be_max:
+                return refused  # the common case
             for name in sorted(batch.wanted):  # the same services refused every time
                 frag = batch.wanted[name]
-                if svc + frag.entries > size or be + frag.backend_count > size:
-                    refused[name] = (
-                        f"bpf maps full: the service map holds {size} entries (--bpf-map-size), "
-                        f"{svc} taken, this service needs {frag.entries}"
-                    )
+                if svc + frag.entries > size or be + frag.backend_count > be_max:
+                    refused[name] = why(svc, be, frag)
                     continue
                 svc += frag.entries
                 be += frag.backend_count
@@ -588,11 +627,8 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             new = d.new_fragment
             if new is None:
                 continue
-            if svc + new.entries > size or be + new.backend_count > size:
-                refused[d.name] = (
-                    f"bpf maps full: the service map holds {size} entries (--bpf-map-size), "
-                    f"{svc} taken, this service needs {new.entries}"
-                )
+            if svc + new.entries > size or be + new.backend_count > be_max:
+                refused[d.name] = why(svc, be, new)
                 continue
             svc += new.entries
             be += new.backend_count
@@ -621,7 +657,10 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
                 log.warning("bpf: %s", why)
             return Applied(ok=False, refused=MappingProxyType(refused))
         plan = Plan()
-        if batch.full:
+        # an index holding nothing before this plan (a first sync into empty maps) has nothing to sweep after it: the
+        # plan writes only frontends of wanted services, backends their slots name, names of those services
+        was_empty = not (index.fronts or index.backends or index.rev_names)
+        if batch.full and index.unclaimed():
             for name, frag in batch.wanted.items():
                 render.claim(index, name, frag)
             if len(batch.deltas) != len(batch.wanted):
@@ -646,7 +685,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
                         chunk = plan.drain_puts()
                         steps += chunk
                         writer.submit(chunk)
-                if batch.full:
+                if batch.full and not was_empty:
                     self._sweep(index, batch.wanted, plan)
                     if len(self._memo) > 2 * len(batch.wanted) + 1000:
                         self._memo = {
@@ -723,54 +762,36 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
 
     def _sweep(self, index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: Plan) -> None:
         """Full batches: remove frontends nobody owns, backends no frontend references, names of no service."""
-        fam = index.family
-        for k, st in list(index.fronts.items()):
-            if st.owner is None or st.owner not in wanted:
-                for slot in range(len(st.slots), -1, -1):
-                    plan.svc_del.append(maps.lb_key(fam, k[0], k[1], k[2], slot))
-                index.drop_front(k)
-        used = {bid for st in index.fronts.values() for bid in st.slots}
-        for bid in list(index.backends):
-            if bid not in used:
-                plan.be_del.append(maps.backend_key(bid))
-                del index.backends[bid]
-        live_revs = {st.master.rev_nat_id for st in index.fronts.values()}
+        fronts = index.fronts
+        for k in [k for k, st in fronts.items() if st.owner is None or st.owner not in wanted]:
+            render.remove_front(plan, index, k, fronts[k])
+        used: set[int] = set().union(*[st.slots for st in fronts.values()])
+        for bid in sorted(index.backends.keys() - used):
+            plan.be_del.append(maps.backend_key(bid))
+            del index.backends[bid]
+        live_revs = {st.master.rev_nat_id for st in fronts.values()}
         for name in [n for n in index.rev_ids if n not in wanted]:
             del index.rev_ids[name]
-        for rev in list(index.rev_names):
-            if rev not in live_revs and rev not in index.rev_ids.values():
-                plan.name_del.append(maps.name_key(rev))
-                del index.rev_names[rev]
-        index.free_backends.clear()
+        held = live_revs | set(index.rev_ids.values())
+        for rev in sorted(index.rev_names.keys() - held):
+            plan.name_del.append(maps.name_key(rev))
+            del index.rev_names[rev]
         index.free_revs.clear()
         index.next_backend = max(index.backends, default=0) + 1
+        # the backend array's indexes are the ids: holes below the highest id in use are handed out first, so ids
+        # stay below the array's size while the backends fit in it
+        if index.next_backend - 1 > len(index.backends):
+            holes = set(range(1, index.next_backend)) - index.backends.keys()
+            index.free_backends = sorted(holes, reverse=True)
+        else:
+            index.free_backends.clear()
         index.next_rev = max([*index.rev_names, *live_revs, 0]) + 1
 
     def _execute(self, fam: IPFamily, plan: Plan) -> None:
         self._execute_steps(fam, plan.ordered())
 
     def _execute_steps(self, fam: IPFamily, steps: list[Step]) -> None:
-        for role, op, keys, values in steps:
-            fd = self._fds[(role, fam)]
-            if op == "put":
-                maps.update_batch(fd, keys, values)
-            else:
-                self._delete(fd, keys)
-
-    @staticmethod
-    def _delete(fd: int, keys: Sequence[bytes]) -> None:
-        try:
-            maps.delete_batch(fd, keys)
-        except maps.BpfError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
-            # the batch stops at a key that is already gone (a half-applied earlier round): one by one
-            for k in keys:
-                try:
-                    maps.delete_batch(fd, [k])
-                except maps.BpfError as e:
-                    if e.errno != errno.ENOENT:
-                        raise
+        run_steps({role: self._fds[(role, fam)] for role in self.SYNC_ROLES}, fam, steps)
 
     def _apply_nft(self, batch: Batch[Fragment, Context], adopted: Adopted | None, names: set[ServicePortName]) -> None:
         """The companion table's share of a batch. The table exists only while some service has a companion part
@@ -877,19 +898,11 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         if self._last_full is None:
             return None
         fam, steps = self._last_full
-        ks = maps.key_sizes(fam)
         size = self._where().map_size
-        fds = {
-            role: maps.create_hash(*ks[role], size if role in ("svc", "be") else 65536)
-            for role in ("svc", "be", "name")
-        }
+        fds = {role: maps.create_like(role, fam, size) for role in self.SYNC_ROLES}
         try:
             t0 = time.perf_counter()
-            for role, op, keys, values in steps:
-                if op == "put":
-                    maps.update_batch(fds[role], keys, values)
-                else:
-                    self._delete(fds[role], keys)
+            run_steps(fds, fam, steps)
             return time.perf_counter() - t0
         finally:
             for fd in fds.values():
@@ -970,7 +983,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
                 continue
             bid = maps.decode_service(sraw)[0]
             braw = maps.lookup(fd_be, maps.backend_key(bid), ks["be"][1])
-            if braw is None:
+            if braw is None or not any(braw):  # an array entry of no backend is all zero
                 continue
             a, p, _ = maps.decode_backend(fam, braw)
             target = f"{a}:{p}" if fam == IPFamily.V4 else f"[{a}]:{p}"

@@ -356,6 +356,13 @@ class FamilyIndex:
     def svc_entries(self) -> int:
         return self.entries
 
+    def unclaimed(self) -> bool:
+        """Whether some frontend or reverse-NAT name has no owner yet (an index read from the kernel): ``claim``
+        has nothing to do otherwise."""
+        return any(st.owner is None for st in self.fronts.values()) or bool(
+            self.rev_names.keys() - set(self.rev_ids.values())
+        )
+
     def revs_named(self, text: str) -> list[int]:
         """The reverse-NAT ids the names map gives to a service key (normally one)."""
         if self._by_name is None:
@@ -559,7 +566,8 @@ def _addr(ip: str) -> bytes:
     return raw
 
 
-def _remove_front(plan: Plan, index: FamilyIndex, key: tuple[str, int, int], st: FrontState) -> None:
+def remove_front(plan: Plan, index: FamilyIndex, key: tuple[str, int, int], st: FrontState) -> None:
+    """Plan the deletion of one frontend's entries (master first) and forget it in ``index``."""
     head = _addr(key[0]) + _PORT[key[1]]
     tails = _key_tails(key[2], len(st.slots))
     # the master first (Cilium's order): a connect() racing the removal then finds the service whole or gone, never
@@ -606,7 +614,7 @@ def plan_service(
     if new is None:
         for k, st in owned.items():
             if k not in keep:
-                _remove_front(plan, index, k, st)
+                remove_front(plan, index, k, st)
         for bid in set(old_ids.values()):
             plan.be_del.append(_ID.pack(bid))
             backends.pop(bid, None)
@@ -679,7 +687,7 @@ def plan_service(
         wanted = {f.key for f in new.frontends}
         for k, st in owned.items():
             if k not in wanted and k not in keep:
-                _remove_front(plan, index, k, st)
+                remove_front(plan, index, k, st)
         used = set(ids.values())
         for bid in set(old_ids.values()) - used:
             plan.be_del.append(_ID.pack(bid))
@@ -735,7 +743,12 @@ def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan
         be = plan.bulk_be
         ids = _ids_packer(n, _ID_KEYS, "I")
         be.keys.append(ids.pack(*bids) if ids is not None else b"".join(map(_ID.pack, bids)))
-        be.values.append(b"".join([(addr_cache.get(a) or _addr(a)) + port_bytes[p] + tail2 for a, p in bes]))
+        ips, ports = zip(*bes, strict=True)
+        if ports.count(ports[0]) == n:  # one target port (the usual case): address . (port . proto . flags) ...
+            sep = port_bytes[ports[0]] + tail2
+            be.values.append(sep.join([addr_cache.get(a) or _addr(a) for a in ips]) + sep)
+        else:
+            be.values.append(b"".join([(addr_cache.get(a) or _addr(a)) + port_bytes[p] + tail2 for a, p in bes]))
         be.count += n
         sl = plan.bulk_slot
         sl.keys.append(head + head.join(tails[1 : n + 1]))
@@ -868,6 +881,8 @@ def index_from_raw(
     be_ids.frombytes(be_raw[0])
     be_dec = _BE4_DECODE if v4 else _BE6_DECODE
     for bid, (a, p, proto) in zip(be_ids, be_dec.iter_unpack(be_raw[1]), strict=True):
+        if not proto:
+            continue  # an entry of the backend array that holds no backend (all zero)
         t = texts.get(a)
         if t is None:
             t = texts[a] = addr_text(a)

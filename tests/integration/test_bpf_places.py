@@ -1,6 +1,6 @@
 """The bpf mode's places, peer storage and companion table on the real kernel (the review of bpf-fix2): connected UDP
 sockets ended when their backend goes even after the reverse-NAT LRU lost their entry; the programs built with socket
-storage for connected TCP peers (pinned ``peer4_v1``/``peer6_v1``, known to the check and to cleanup); NodePorts of
+storage for connected TCP peers (pinned ``peer4_v2``/``peer6_v2``, known to the check and to cleanup); NodePorts of
 the companion table only on ``--nodeport-addresses`` and never on loopback; the companion table only while some
 service needs it; a changed ``--bpf-cgroup-path`` leaving no programs on the old cgroup; the places record honoured
 only by the namespace it belongs to (inodes are reused, the cookie is not).
@@ -151,10 +151,10 @@ print(json.dumps(r))
 def test_the_programs_keep_tcp_peers_in_socket_storage_and_cleanup_removes_them(
     place: tuple[str, dict[str, str]],
 ) -> None:
-    """``start`` builds the programs with the peer maps (bcc pins ``peer4_v1``/``peer6_v1``): TCP connections show the
+    """``start`` builds the programs with the peer maps (bcc pins ``peer4_v2``/``peer6_v2``): TCP connections show the
     ClusterIP as their peer and leave nothing in the reverse-NAT LRU; the check before each sync finds the programs
     reading the pinned maps (peer maps included: no re-attach); a restart keeps them; cleanup leaves nothing."""
-    from kproxy.backends.bpf import loader
+    from kproxy.backends.bpf import loader, maps
     from kproxy.backends.bpf.proxier import BpfProxier
 
     ns, opts = place
@@ -164,7 +164,7 @@ def test_the_programs_keep_tcp_peers_in_socket_storage_and_cleanup_removes_them(
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
         p.start()
         pin = Path(opts["bpf_pin_path"])
-        assert (pin / "peer4_v1").exists() and (pin / "peer6_v1").exists()
+        assert all((pin / maps.pin_name("peer", f)).exists() for f in (IPFamily.V4, IPFamily.V6))
         assert p.sync(state(sp("web", "198.19.0.10", (BACKEND_IP,))), Changes(full=True)).ok
         out = in_cgroup(ns, opts["bpf_cgroup_path"], TCP_CLIENT)
         assert out.returncode == 0, out.stderr
@@ -403,7 +403,7 @@ def test_a_record_of_another_namespace_with_the_same_inode_is_left_alone(place: 
     """The record is named by the namespace's inode, which the kernel reuses: one whose cookie is not this
     namespace's (written by a kproxy of a namespace that is gone) names places that are not this namespace's, and
     cleanup and remnants without options leave them (and the record) alone."""
-    from kproxy.backends.bpf import inspect, loader
+    from kproxy.backends.bpf import inspect, loader, maps
     from kproxy.backends.bpf.proxier import BpfProxier
 
     ns, opts = place
@@ -423,5 +423,5 @@ def test_a_record_of_another_namespace_with_the_same_inode_is_left_alone(place: 
     inspect.cleanup({}, ns)
     cg = Path(opts["bpf_cgroup_path"])
     assert len(loader.ours(loader.attached(cg))) == 8
-    assert (Path(opts["bpf_pin_path"]) / "svc4_v1").exists()
+    assert (Path(opts["bpf_pin_path"]) / maps.pin_name("svc", IPFamily.V4)).exists()
     assert path.exists()

@@ -193,3 +193,19 @@ def test_bulk_phases_of_services_above_the_cached_packers_match_the_encoders() -
         maps.backend_key(bid): maps.backend_value(IPFamily.V4, a, p, proto)
         for bid, (a, p, proto) in index.backends.items()
     }
+
+
+def test_bulk_backends_with_several_target_ports_match_the_encoders() -> None:
+    name = ServicePortName("ns", "mixed", "http", Protocol.TCP)
+    eps = (Endpoint("198.18.7.1", 8080), Endpoint("198.18.7.2", 9090), Endpoint("198.18.7.3", 8080))
+    sp = ServicePort(name, IPFamily.V4, "198.19.9.8", 80, cluster_endpoints=eps, has_any_endpoints=True)
+    index, plan = FamilyIndex(IPFamily.V4), Plan()
+    render.plan_service(index, name, render.render(sp, CTX), plan)
+    assert plan.bulk_be.count == 3
+    assert plan.written("be") == {
+        maps.backend_key(bid): maps.backend_value(IPFamily.V4, a, p, proto)
+        for bid, (a, p, proto) in index.backends.items()
+    }
+    assert sorted((a, p) for a, p, _ in index.backends.values()) == [
+        ("198.18.7.1", 8080), ("198.18.7.2", 9090), ("198.18.7.3", 8080)
+    ]  # fmt: skip
