@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import time
 from collections.abc import Mapping
@@ -415,6 +416,22 @@ def load_and_attach(b: Any, cgroup: Path) -> list[str]:
     return done
 
 
+_VERSIONED_PIN = re.compile(r"(?:svc|be|rev|aff|name|peer)[46]_v[0-9]+")
+
+
+def remove_stale_pins(p: Places) -> list[str]:
+    """Unlink the pins of other map versions (``maps.MAPS_VERSION``) in the pin folder, once the programs of this
+    version are attached (nothing of ours reads the old maps any more: an upgrade leaves no old maps behind); the
+    names removed."""
+    current = {maps.pin_name(r, f) for r in PINNED_ROLES for f in (IPFamily.V4, IPFamily.V6)}
+    gone = []
+    for f in p.pin_real.iterdir() if p.pin_real.is_dir() else ():
+        if _VERSIONED_PIN.fullmatch(f.name) and f.name not in current:
+            f.unlink(missing_ok=True)
+            gone.append(f.name)
+    return sorted(gone)
+
+
 def attach_in_child(p: Places, timeout: float = 120.0) -> list[str]:
     """Compile, load and attach the programs in a child process (``python -m kproxy.backends.bpf.loader``), which
     reopens the pinned maps; the names attached. RuntimeError with the child's message when it fails."""
@@ -451,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     check_places(p)
     b = compile_programs(p)
     names = load_and_attach(b, p.cgroup)
+    stale = remove_stale_pins(p)
+    if stale:
+        log.info("bpf: removed the pins of an older map version: %s", ", ".join(stale))
     print(json.dumps({"attached": names}))
     return 0
 

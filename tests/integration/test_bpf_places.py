@@ -425,3 +425,29 @@ def test_a_record_of_another_namespace_with_the_same_inode_is_left_alone(place: 
     assert len(loader.ours(loader.attached(cg))) == 8
     assert (Path(opts["bpf_pin_path"]) / maps.pin_name("svc", IPFamily.V4)).exists()
     assert path.exists()
+
+
+def test_start_removes_the_pins_of_an_older_map_version(place: tuple[str, dict[str, str]]) -> None:
+    """An upgrade that renames the maps (``maps.MAPS_VERSION``) leaves none of the old maps pinned once the new
+    programs are attached; a pin that is not one of kproxy's map names stays."""
+    from kproxy.backends.bpf import maps
+    from kproxy.backends.bpf.proxier import BpfProxier
+
+    ns, opts = place
+    pins = Path(opts["bpf_pin_path"])
+    pins.mkdir(parents=True, exist_ok=True)
+    for name in ("svc4_v1", "be6_v1", "someone-elses"):
+        fd = maps.create_map(maps.MAP_HASH, 4, 4, 16, maps.BPF_F_NO_PREALLOC)
+        try:
+            maps.obj_pin(fd, str(pins / name))
+        finally:
+            os.close(fd)
+    p = BpfProxier(_config(opts), netns=ns)
+    try:
+        p.start()
+        assert not (pins / "svc4_v1").exists() and not (pins / "be6_v1").exists()
+        assert (pins / "someone-elses").exists()
+        assert all((pins / maps.pin_name(r, IPFamily.V4)).exists() for r in maps.ROLES)
+    finally:
+        p.close()
+        (pins / "someone-elses").unlink(missing_ok=True)
