@@ -218,8 +218,9 @@ def test_verify_names_what_was_edited_by_hand_and_the_read_back_repairs_it(
         assert_clean(p.verify(STATE))
 
         # a's backend element changed by hand: connections would go to another pod
-        index, _ = render.index_from_kernel(
-            IPFamily.V4, maps.lookup_all(svc, *ks["svc"]), maps.lookup_all(be, *ks["be"])
+        # the backend array's first entries (this state's few backends have the lowest ids)
+        index, _ = render.index_from_raw(
+            IPFamily.V4, maps.lookup_raw(svc, *ks["svc"]), maps.lookup_array(be, *ks["be"], 64)
         )
         slot = maps.lookup(svc, maps.lb_key(IPFamily.V4, "198.19.1.1", 80, 6, 1), ks["svc"][1])
         assert slot is not None
@@ -228,6 +229,15 @@ def test_verify_names_what_was_edited_by_hand_and_the_read_back_repairs_it(
         maps.update_batch(be, [maps.backend_key(bid)], [maps.backend_value(IPFamily.V4, "198.18.220.9", 8080, 6)])
         report = p.verify(STATE)
         assert drifted(report) == {KEYS[A]} and "198.18.220.9" in why(report, KEYS[A]), report
+        assert p.sync(STATE, PERIODIC).ok
+        assert_clean(p.verify(STATE))
+
+        # a's backend entry zeroed (what a delete is in the backend array): drift, and the next sync writes it again
+        slot = maps.lookup(svc, maps.lb_key(IPFamily.V4, "198.19.1.1", 80, 6, 1), ks["svc"][1])
+        assert slot is not None
+        maps.update_batch(be, [maps.backend_key(maps.decode_service(slot)[0])], maps.zero_values(1, ks["be"][1]))
+        report = p.verify(STATE)
+        assert drifted(report) == {KEYS[A]}, report
         assert p.sync(STATE, PERIODIC).ok
         assert_clean(p.verify(STATE))
 
