@@ -202,6 +202,51 @@ def test_a_master_entry_pointing_at_a_missing_slot_fails_the_connect_at_once(
         p.close()
 
 
+def test_a_slot_naming_a_zeroed_backend_fails_the_connect_at_once(
+    place: tuple[str, dict[str, str]], servers: None
+) -> None:
+    """The backend map is an array: a backend kproxy removed is an all-zero entry, not a missing one. A slot that
+    still names it (a program racing the removal) gets the same answer as a missing slot: EHOSTUNREACH at once."""
+    from kproxy.backends.bpf import maps
+    from kproxy.backends.bpf.proxier import BpfProxier
+
+    ns, opts = place
+    p = BpfProxier(_config(opts), netns=ns)
+    try:
+        p.start()
+        res = p.sync(
+            state(
+                sp("web", VIP, (BACKEND_IP,)),
+                sp("gap", GAP_VIP, (BACKEND_IP,)),
+                sp("gapu", GAP_VIP, (BACKEND_IP,), Protocol.UDP),
+            ),
+            Changes(full=True),
+        )
+        assert res.ok, res.error
+        pins = Path(opts["bpf_pin_path"])
+        svc = maps.obj_get(str(pins / maps.pin_name("svc", IPFamily.V4)))
+        be = maps.obj_get(str(pins / maps.pin_name("be", IPFamily.V4)))
+        try:
+            for proto in (6, 17):
+                slot = maps.lookup(svc, maps.lb_key(IPFamily.V4, GAP_VIP, 80, proto, 1), maps.LB_SERVICE.size)
+                assert slot is not None
+                key = maps.backend_key(maps.decode_service(slot)[0])
+                assert any(maps.lookup(be, key, maps.LB4_BACKEND.size) or b"")
+                maps.update_batch(be, [key], maps.zero_values(1, maps.LB4_BACKEND.size))
+        finally:
+            os.close(svc)
+            os.close(be)
+        out = in_cgroup(ns, opts["bpf_cgroup_path"], GAP_CLIENT)
+        assert out.returncode == 0, out.stderr
+        r = json.loads(out.stdout)
+        for name in ("tcp4", "udp4", "sendto4", "tcp_mapped"):
+            got, seconds = r[name]
+            assert got == errno.EHOSTUNREACH and seconds < 0.5, (name, r)
+        assert r["ok4"][0] == "ok"
+    finally:
+        p.close()
+
+
 VIP6 = "fd00:198:18:ffff::10"
 GAP_VIP6 = "fd00:198:18:ffff::12"
 BACKEND6 = "fd00:198:18:210::1"
