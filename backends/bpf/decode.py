@@ -22,13 +22,14 @@ Who uses it: ``backends.bpf.render.index_from_raw`` / ``unchanged`` / ``claim`` 
 from __future__ import annotations
 
 import array
+import contextlib
 import dataclasses
 import random
 import struct
 import sys
 from collections import deque
-from collections.abc import Iterable, Mapping
-from itertools import compress, count, repeat
+from collections.abc import Mapping, Sequence
+from itertools import compress, repeat
 from operator import add, mul
 from typing import Any, TypeVar
 
@@ -83,6 +84,21 @@ def _u16(lo: bytes, hi: bytes) -> array.array[int]:
     return array.array("H", b)
 
 
+_IOTA = b""  # the keys 0..len/4-1 of an array map as read, replaced whole when a longer one is needed
+
+
+def _iota(n: int) -> bytes:
+    """The keys 0..n-1 of an array map as read (little-endian 32-bit)."""
+    global _IOTA
+    got = _IOTA
+    if len(got) < 4 * n:
+        a = array.array("I", range(max(n, len(got) // 2)))
+        if not _LITTLE:
+            a.byteswap()
+        got = _IOTA = a.tobytes()  # built first, then swapped in: a thread reading the old one is unaffected
+    return got[: 4 * n]
+
+
 def _chunks(raw: bytes, size: int, stride: int) -> list[bytes]:
     """The ``size`` first bytes of every ``stride`` bytes of ``raw`` (C-level loops: no Python step per piece)."""
     n = len(raw)
@@ -117,6 +133,27 @@ def _firsts(raw: bytes, size: int, stride: int) -> bytes:
     for i in range(size):
         out[i::size] = raw[i::stride]
     return bytes(out)
+
+
+def _unpacked(packed: array.array[int], order: tuple[int, ...], size: int) -> bytes:
+    """``_packed``'s rows back to bytes: column ``k`` of the packed rows is byte ``order[k]`` of a ``size``-byte row."""
+    raw = packed.tobytes()
+    n = len(packed)
+    cols = [raw[(i if _LITTLE else 7 - i) :: 8] for i in range(8)]
+    for i in reversed(range(len(_TABLES))):  # each mixed byte from the original bytes above it
+        acc = int.from_bytes(cols[i], "little")
+        for j in range(i + 1, 8):
+            acc ^= int.from_bytes(cols[j].translate(_TABLES[i][j]), "little")
+        cols[i] = acc.to_bytes(n, "little")
+    out = bytearray(size * n)
+    for k, pos in enumerate(order):
+        out[pos::size] = cols[k]
+    return bytes(out)
+
+
+#: an IPv4 backend value's bytes as ``_packed`` columns: the address's last bytes lowest (they vary most)
+_BE4_ORDER = (3, 2, 1, 0, 5, 4, 6, 7)
+_ZERO_BE4 = _packed([b"\0"] * 8)[0]  # an all-zero IPv4 backend value's key
 
 
 def _texts4(addrs: bytes) -> list[str]:
@@ -209,44 +246,45 @@ def _backends(
     if used < n:
         n = used
         keys, values = keys[: 4 * n], values[: vs * n]
-    ids: list[int] | array.array[int] = _u32(keys)
-    if values[al + 2 :: vs].count(0):  # every backend written has a protocol: only then can a value be all zero
-        zero = bytes(vs)
-        chunks = _chunks(values, vs, vs)
-        keep = list(map(zero.__ne__, chunks))
-        if not all(keep):
-            ids = list(compress(ids, keep))
-            values = b"".join(compress(chunks, keep))
-            n = len(ids)
-    # each value's first occurrence: setdefault hands out the entry's own index the first time it sees the value
+    ids: Sequence[int] = _u32(keys)
+    # each distinct value gets the next ordinal: setdefault's default is the dict's size when it is called
+    first: dict[Any, int] = {}
     if family == IPFamily.V4:
-        vkeys: Iterable[int] | list[bytes] = _packed([values[i::vs] for i in (3, 2, 1, 0, 5, 4, 6, 7)])
+        ords = list(map(first.setdefault, _packed([values[i::vs] for i in _BE4_ORDER]), map(len, repeat(first))))
+        distinct = _unpacked(array.array("Q", first), _BE4_ORDER, vs)
+        zero_key: Any = _ZERO_BE4
     else:
-        vkeys = _chunks(values, vs, vs)
-    first: dict[int | bytes, int] = {}
-    which = list(map(first.setdefault, vkeys, count()))
-    reps = list(first.values())
-    distinct = len(reps) < n
-    if distinct:  # the distinct values, each decoded once
-        starts = list(map(mul, reps, repeat(vs)))
-        values = b"".join(map(values.__getitem__, map(slice, starts, map(add, starts, repeat(vs)))))
-    texts = _texts(family, _firsts(values, al, vs))
-    ports = _u16(values[al + 1 :: vs], values[al::vs])
-    triples: list[Any] = list(zip(texts, ports, values[al + 2 :: vs], strict=True))
+        ords = list(map(first.setdefault, _chunks(values, vs, vs), map(len, repeat(first))))
+        distinct = b"".join(first)
+        zero_key = bytes(vs)
+    texts = _texts(family, _firsts(distinct, al, vs))
+    ports = _u16(distinct[al + 1 :: vs], distinct[al::vs])
+    triples: list[Any] = list(zip(texts, ports, distinct[al + 2 :: vs], strict=True))
     pairs: list[Any] = list(zip(texts, ports, strict=True))
-    ords: Iterable[int] = range(n)
-    if distinct:  # entry -> its value's ordinal among the distinct ones
-        ordinal = array.array("I", bytes(4 * n))
-        deque(map(ordinal.__setitem__, reps, range(len(reps))), maxlen=0)
-        ords = list(map(ordinal.__getitem__, which))
+    zero_ord = first.get(zero_key)
+    if zero_ord is not None:
+        pairs[zero_ord] = _UNKNOWN  # all zero bytes: an array map's "no backend" (taken out of the dict below)
     backends = dict(zip(ids, map(triples.__getitem__, ords), strict=True))
     top = max(ids, default=-1)
     by_id: PairsById
-    if top < 2 * n + 1024:
+    if top == n - 1 and keys == _iota(n):  # an array map read from index 0: ids in order, the list as it comes
+        by_id = list(map(pairs.__getitem__, ords))
+    elif top < 2 * n + 1024:
         by_id = [_UNKNOWN] * (top + 1)
         deque(map(by_id.__setitem__, ids, map(pairs.__getitem__, ords)), maxlen=0)
     else:
         by_id = dict(zip(ids, map(pairs.__getitem__, ords), strict=True))
+    if zero_ord is not None:  # deleted, the others keep their order
+        if ords.count(zero_ord) > 16:
+            zeros: list[int] = list(compress(ids, map(zero_ord.__eq__, ords)))
+        else:  # usually id 0 alone (ids start at 1): found by a C-level scan, not a pass per entry
+            zeros, at = [], -1
+            with contextlib.suppress(ValueError):
+                while True:
+                    at = ords.index(zero_ord, at + 1)
+                    zeros.append(ids[at])
+        for bid in zeros:
+            backends.pop(bid, None)
     return backends, by_id
 
 
@@ -304,9 +342,11 @@ def fast_index(
     # every master written means each holds exactly those, each once (a slot beyond a count, or a key twice, leaves
     # one unwritten).
     width = n_masters
-    placed = array.array("I", _UNFILLED * (width * (max(slot_lo, default=0) + 1)))
-    slots = slot_lo.replace(b"\0", b"")
-    deque(map(placed.__setitem__, map(add, owner, map(mul, slots, repeat(width))), compress(vi[0::4], slot_lo)), 0)
+    top = max(slot_lo, default=0)
+    placed = array.array("I", _UNFILLED * (width * (top + 1)))
+    rows = list(range(0, width * (top + 1), width or 1))  # slot -> its first place (no product per entry)
+    slots = slot_lo.replace(b"\0", b"")  # the slot entries' slots, in order
+    deque(map(placed.__setitem__, map(add, owner, map(rows.__getitem__, slots)), compress(vi[0::4], slot_lo)), 0)
     starts = range(width, 2 * width)
     held_ids = list(
         map(placed.__getitem__, map(slice, starts, map(add, starts, map(mul, counts, repeat(width))), repeat(width)))
