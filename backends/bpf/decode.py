@@ -265,6 +265,8 @@ def _backends(
     if zero_ord is not None:
         pairs[zero_ord] = _UNKNOWN  # all zero bytes: an array map's "no backend" (taken out of the dict below)
     backends = dict(zip(ids, map(triples.__getitem__, ords), strict=True))
+    if len(backends) != n:
+        return None  # an id twice (no map reads so): the general path keeps render's order of events
     top = max(ids, default=-1)
     by_id: PairsById
     if top == n - 1 and keys == _iota(n):  # an array map read from index 0: ids in order, the list as it comes

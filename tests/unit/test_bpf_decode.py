@@ -164,6 +164,7 @@ CORRUPTIONS = (
     "name_lost",
     "name_not_utf8",
     "backend_array",
+    "backend_twice",
 )
 #: corruptions after which the service map is no longer consistent (the fast path must decline)
 SVC_CORRUPTIONS = {"master_deleted", "slot_deleted", "slots_beyond_count", "slot_past_255", "orphan_slot", "padding"}
@@ -229,6 +230,12 @@ def _corrupt(family: IPFamily, m: Maps, what: list[str], rnd: random.Random) -> 
     else:
         be = list(be_m.items())
         rnd.shuffle(be)
+    if "backend_twice" in what and be:  # the same id again, another value (all zero or not), before or after
+        k, _ = rnd.choice(be)
+        be.insert(
+            rnd.randint(0, len(be)),
+            (k, rnd.choice((bytes(vsize), maps.backend_value(family, _endpoint_ip(family, 99), 1, 6)))),
+        )
     names = list(name_m.items())
     rnd.shuffle(names)
     return svc, be, names
@@ -258,7 +265,7 @@ def _check(family: IPFamily, m: Maps, what: list[str], seed: int) -> None:
     ref = render.index_from_raw(family, svc_raw, _raw(_nonzero(be)), name_raw)
     _same(ref, decode.general_index(family, svc_raw, be_raw, name_raw))
     _same(ref, decode.index_from_raw(family, svc_raw, be_raw, name_raw))
-    if not SVC_CORRUPTIONS & set(what) and "key_twice" not in what:
+    if not SVC_CORRUPTIONS & set(what) and not {"key_twice", "backend_twice"} & set(what):
         assert decode.fast_index(family, svc_raw, be_raw, name_raw) is not None, "consistent maps: the fast path"
 
 
@@ -337,3 +344,16 @@ def test_empty_maps() -> None:
 @given(st.lists(st.binary(min_size=4, max_size=4), max_size=50))
 def test_ipv4_texts_are_inet_ntop(addrs: list[bytes]) -> None:
     assert decode._texts4(b"".join(addrs)) == [socket.inet_ntop(socket.AF_INET, a) for a in addrs]
+
+
+def test_a_backend_id_twice_decodes_as_render_reads_it() -> None:
+    """No map reads so, but raw bytes might: the later value wins, an all-zero one is skipped wherever it is."""
+    family = IPFamily.V4
+    m, _ = _kernel(family, [{0: Spec(0, Protocol.TCP, 80, ((1, 8080), (2, 8080)), False, False, 0, False)}])
+    svc, be, names = (list(x.items()) for x in m)
+    other = maps.backend_value(family, _endpoint_ip(family, 7), 9090, 6)
+    for twice in ([be[0], (be[0][0], bytes(8))], [(be[0][0], bytes(8)), be[0]], [be[0], (be[0][0], other)]):
+        entries = twice + be[1:]
+        ref = render.index_from_raw(family, _raw(svc), _raw(_nonzero(entries)), _raw(names))
+        _same(ref, decode.index_from_raw(family, _raw(svc), _raw(entries), _raw(names)))
+        _same(ref, decode.general_index(family, _raw(svc), _raw(entries), _raw(names)))
