@@ -30,7 +30,7 @@ import sys
 from collections import deque
 from collections.abc import Mapping, Sequence
 from itertools import compress, repeat
-from operator import add, mul
+from operator import add
 from typing import Any, TypeVar
 
 from kproxy.model import IPFamily, ServicePortName
@@ -330,29 +330,27 @@ def fast_index(
         nb = array.array("I", map(number.__getitem__, addrs)).tobytes()
         addr_cols = [nb[i::4] for i in range(4)]
     port_hi, port_lo, protos = keys[al::ks], keys[al + 1 :: ks], keys[al + 4 :: ks]
-    # every entry's frontend as one integer (the slot left out): masters numbered, each slot entry finds its own
+    # every entry's frontend as one integer (the slot left out); each master gets a row of ``width`` places in a
+    # flat array (place 0 unused, then slots 1..width-1), each slot entry finds its master's row by that integer
     front = _packed([zero_n, *addr_cols, port_lo, port_hi, protos])
-    number_of = dict(zip(map(front.__getitem__, masters), range(n_masters), strict=True))
-    if len(number_of) != n_masters:
+    width = max(slot_lo, default=0) + 1
+    if counts and max(counts) >= width:
+        return None  # a count no slot entry reaches: some slot is missing (and the row would be too short)
+    row_of = dict(zip(map(front.__getitem__, masters), range(0, width * n_masters, width), strict=True))
+    if len(row_of) != n_masters:
         return None  # a master twice
     try:
-        owner = list(map(number_of.__getitem__, compress(front, slot_lo)))
+        rows = list(map(row_of.__getitem__, compress(front, slot_lo)))
     except KeyError:
         return None  # a slot without its master
-    # each slot entry's backend id written at slot * masters + master (an array: a write touches no object); then
-    # master m's slots 1..count are one stepped slice. Slot entries number sum(counts): every place 1..count of
-    # every master written means each holds exactly those, each once (a slot beyond a count, or a key twice, leaves
-    # one unwritten).
-    width = n_masters
-    top = max(slot_lo, default=0)
-    placed = array.array("I", _UNFILLED * (width * (top + 1)))
-    rows = list(range(0, width * (top + 1), width or 1))  # slot -> its first place (no product per entry)
+    # each slot entry's backend id written at its row + slot (an array: a write touches no object), then a master's
+    # slots 1..count are one slice. Slot entries number sum(counts): every place 1..count of every master written
+    # means each holds exactly those, each once (a slot beyond a count, or a key twice, leaves one unwritten).
+    placed = array.array("I", _UNFILLED * (width * n_masters))
     slots = slot_lo.replace(b"\0", b"")  # the slot entries' slots, in order
-    deque(map(placed.__setitem__, map(add, owner, map(rows.__getitem__, slots)), compress(vi[0::4], slot_lo)), 0)
-    starts = range(width, 2 * width)
-    held_ids = list(
-        map(placed.__getitem__, map(slice, starts, map(add, starts, map(mul, counts, repeat(width))), repeat(width)))
-    )
+    deque(map(placed.__setitem__, map(add, rows, slots), compress(vi[0::4], slot_lo)), maxlen=0)
+    starts = range(1, width * n_masters + 1, width)
+    held_ids = list(map(placed.__getitem__, map(slice, starts, map(add, starts, counts))))
     if array.array("I", b"".join(held_ids)).count(_UNFILLED_ID):
         return None  # a place unwritten (or a backend id that spells it: the general path decides)
     slot_ids = list(map(tuple, held_ids))

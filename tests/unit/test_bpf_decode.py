@@ -165,9 +165,18 @@ CORRUPTIONS = (
     "name_not_utf8",
     "backend_array",
     "backend_twice",
+    "slot_moved",
 )
 #: corruptions after which the service map is no longer consistent (the fast path must decline)
-SVC_CORRUPTIONS = {"master_deleted", "slot_deleted", "slots_beyond_count", "slot_past_255", "orphan_slot", "padding"}
+SVC_CORRUPTIONS = {
+    "slot_moved",
+    "master_deleted",
+    "slot_deleted",
+    "slots_beyond_count",
+    "slot_past_255",
+    "orphan_slot",
+    "padding",
+}
 
 
 def _key_fmt(family: IPFamily) -> tuple[int, int]:
@@ -198,6 +207,11 @@ def _corrupt(family: IPFamily, m: Maps, what: list[str], rnd: random.Random) -> 
         count = maps.decode_service(svc_m[k])[2]
         for j in range(1, rnd.randint(1, 3) + 1):
             svc_m[_with_slot(k, al, count + j)] = maps.slot_value(rnd.choice([*be_ids, some_id]))
+    if "slot_moved" in what and len(masters) > 1:  # one master's last slot becomes another's count + 1
+        a, b = rnd.sample(masters, 2)
+        count_a, count_b = maps.decode_service(svc_m[a])[2], maps.decode_service(svc_m[b])[2]
+        if count_a:
+            svc_m[_with_slot(b, al, count_b + 1)] = svc_m.pop(_with_slot(a, al, count_a))
     if "slot_past_255" in what and masters:
         svc_m[_with_slot(rnd.choice(masters), al, rnd.choice((256, 300, 65535)))] = maps.slot_value(some_id)
     if "orphan_slot" in what:
@@ -357,3 +371,25 @@ def test_a_backend_id_twice_decodes_as_render_reads_it() -> None:
         ref = render.index_from_raw(family, _raw(svc), _raw(_nonzero(entries)), _raw(names))
         _same(ref, decode.index_from_raw(family, _raw(svc), _raw(entries), _raw(names)))
         _same(ref, decode.general_index(family, _raw(svc), _raw(entries), _raw(names)))
+
+
+def test_slots_moved_between_masters_with_the_sum_of_counts_kept() -> None:
+    """One frontend holds a slot beyond its count while another lacks its last slots, the number of slot entries
+    still the sum of the counts: inconsistent, whatever master comes last in the raw order."""
+    family = IPFamily.V4
+    a = maps.addr_bytes(_cluster_ip(family, 0))
+    b = maps.addr_bytes(_cluster_ip(family, 1))
+    port = (80).to_bytes(2, "big")
+    entries = [
+        (maps.LB4_KEY.pack(a, port, 0, 6), maps.master_value(maps.Master(1, 0, 0, 1))),
+        (maps.LB4_KEY.pack(a, port, 1, 6), maps.slot_value(1)),
+        (maps.LB4_KEY.pack(a, port, 2, 6), maps.slot_value(2)),
+        (maps.LB4_KEY.pack(b, port, 0, 6), maps.master_value(maps.Master(3, 0, 0, 2))),
+        (maps.LB4_KEY.pack(b, port, 1, 6), maps.slot_value(3)),
+        (maps.LB4_KEY.pack(b, port, 2, 6), maps.slot_value(4)),
+    ]
+    be = [(maps.backend_key(i), maps.backend_value(family, _endpoint_ip(family, i), 8080, 6)) for i in range(1, 5)]
+    for order in (entries, entries[3:] + entries[:3], entries[::-1]):
+        svc_raw = _raw(order)
+        assert decode.fast_index(family, svc_raw, _raw(be)) is None
+        _same(render.index_from_raw(family, svc_raw, _raw(be)), decode.index_from_raw(family, svc_raw, _raw(be)))
