@@ -14,7 +14,10 @@ dict included; tests/unit/test_bpf_decode.py checks that on random plans and cor
 
 The backend map may be an array: values of all zero bytes are no backend and are skipped (both paths).
 
-Measured (10,000 x 10, IPv4, gc off): see ``benchmark`` below.
+Measured (10,000 services x 10 endpoints, IPv4, raw maps as planned and shuffled, gc off, medians of 7, 2 shared
+cores): 0.10 s against render's 0.20-0.23 s; with the backend map read as an array (ids in order, id 0 empty) 0.085 s
+against 0.16-0.19 s; IPv6 0.19 s against 0.23 s (its addresses are numbered through 16-byte pieces). The rest is
+memory-bound: a dict of 100,000 backends, a sort per frontend for the view, one write per slot at a random place.
 
 Who uses it: ``backends.bpf.render.index_from_raw`` / ``unchanged`` / ``claim`` delegate here; the unit tests.
 """
@@ -37,7 +40,7 @@ from kproxy.model import IPFamily, ServicePortName
 
 from . import maps
 from .maps import Master
-from .render import _BE4_DECODE, _BE6_DECODE, _RAW_KEY4, _RAW_KEY6, FamilyIndex, Fragment, FrontState, View
+from .render import FamilyIndex, Fragment, FrontState, View
 
 _T = TypeVar("_T")
 _LITTLE = sys.byteorder == "little"
@@ -46,6 +49,12 @@ _KEY_SIZE = {IPFamily.V4: maps.LB4_KEY.size, IPFamily.V6: maps.LB6_KEY.size}  # 
 _ADDR_SIZE = {IPFamily.V4: 4, IPFamily.V6: 16}
 _BE_SIZE = {IPFamily.V4: maps.LB4_BACKEND.size, IPFamily.V6: maps.LB6_BACKEND.size}  # 8, 20
 _BE_WHOLE = {f: struct.Struct(f"{size}s") for f, size in _BE_SIZE.items()}
+# the general path's formats: backend values as address, port (network order, as an int), protocol (flags skipped);
+# service-map keys as (address . port bytes, slot, protocol)
+_BE4_DECODE = struct.Struct(">4sHBx")
+_BE6_DECODE = struct.Struct(">16sHBx")
+_RAW_KEY4 = struct.Struct("<6sHB3x")
+_RAW_KEY6 = struct.Struct("<18sHB3x")
 _SVC_SIZE = maps.LB_SERVICE.size  # 16: backend_id, affinity, count, rev_nat_id, flags, padding
 _NAME_SIZE = maps.NAME_VAL.size
 _IS_ZERO = bytes([1] + [0] * 255)  # a bytes.translate table: 1 where a byte is zero, else 0
