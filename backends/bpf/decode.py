@@ -214,9 +214,15 @@ def _can_build(cls: type) -> bool:
     return getattr(cls, "__slots__", None) == tuple(f.name for f in fields) and not hasattr(cls, "__post_init__")
 
 
-_BUILD = _can_build(Master) and _can_build(FrontState)
 _MASTER_FIELDS = [f.name for f in dataclasses.fields(Master)]
 _FRONT_FIELDS = [f.name for f in dataclasses.fields(FrontState)]
+#: the fields this module fills; another field (or an __init__ doing more) and the constructors are called instead
+_BUILD = (
+    _can_build(Master)
+    and _can_build(FrontState)
+    and sorted(_MASTER_FIELDS) == sorted(("count", "flags", "affinity", "rev_nat_id"))
+    and sorted(_FRONT_FIELDS) == sorted(("owner", "master", "slots"))
+)
 
 
 def _masters(counts: list[int], flags: list[int], affs: list[int], revs: list[int]) -> list[Master]:

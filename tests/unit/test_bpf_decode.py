@@ -17,6 +17,7 @@ import socket
 from collections import Counter
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -393,3 +394,19 @@ def test_slots_moved_between_masters_with_the_sum_of_counts_kept() -> None:
         svc_raw = _raw(order)
         assert decode.fast_index(family, svc_raw, _raw(be)) is None
         _same(render.index_from_raw(family, svc_raw, _raw(be)), decode.index_from_raw(family, svc_raw, _raw(be)))
+
+
+def test_objects_built_field_by_field_equal_constructed_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_build`` fills Master and FrontState slots directly; with it off the constructors run: same index."""
+    sync = {
+        i: Spec(i, PROTOS[i % 3], 80, ((i, 8080), (i + 1, 8080)), i % 2 == 0, False, 30 * (i % 2), False)
+        for i in range(9)
+    }
+    m, _ = _kernel(IPFamily.V4, [sync])
+    raws = [_raw(list(x.items())) for x in m]
+    built = decode.fast_index(IPFamily.V4, *raws)
+    monkeypatch.setattr(decode, "_BUILD", False)
+    constructed = decode.fast_index(IPFamily.V4, *raws)
+    assert built is not None and constructed is not None
+    _same(built, constructed)
+    assert all(type(st.master) is maps.Master for st in built[0].fronts.values())
