@@ -5,7 +5,9 @@ byte, a key twice, backend values zeroed as an array map holds "no backend", nam
 shuffled, IPv4 and IPv6. ``decode.index_from_raw`` must return exactly what ``render.index_from_raw`` returns for
 the same maps with the all-zero backend values left out (every field of the index and the view, dict order
 included), ``decode.general_index`` too, and the fast path must be the one taken whenever the maps are consistent.
-``decode.unchanged`` and ``decode.claim`` must answer and change the index exactly as ``render``'s do.
+``decode.unchanged`` and ``decode.claim`` must answer and change the index exactly as ``render``'s do. Once
+``render.index_from_raw`` delegates to ``decode``, ``decode.general_index`` (render's algorithm entry by entry, kept
+there) is the independent reference these tests still compare with.
 
 Hypothesis is derandomized and bounded: CI sees the same examples every run, in a few seconds.
 """
