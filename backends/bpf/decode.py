@@ -1,7 +1,6 @@
 """Adoption's decoding of the bpf mode's maps, fast: the raw service, backend and names maps (what
 ``maps.lookup_raw`` / ``maps.read_lb`` return) to the ``FamilyIndex`` and ``View`` that ``render.index_from_raw``
-defines, and ``unchanged`` / ``claim`` with ``render``'s answers and effects, for a restart at scale (10,000 services x
-10 endpoints: 120,000 entries read, 10,000 services checked and claimed).
+defines, for a restart at scale (10,000 services x 10 endpoints: 120,000 entries read).
 
 The fast path (``fast_index``) reads the raw bytes as columns (``array`` over the buffers, extended slices of
 ``bytes``) and does its per-entry work in C-level ``map``/``zip``/``dict`` calls, no Python step per entry: each
@@ -19,7 +18,7 @@ cores): 0.10 s against render's 0.20-0.23 s; with the backend map read as an arr
 against 0.16-0.19 s; IPv6 0.19 s against 0.23 s (its addresses are numbered through 16-byte pieces). The rest is
 memory-bound: a dict of 100,000 backends, a sort per frontend for the view, one write per slot at a random place.
 
-Who uses it: ``backends.bpf.render.index_from_raw`` / ``unchanged`` / ``claim`` delegate here; the unit tests.
+Who uses it: ``backends.bpf.render.index_from_raw`` delegates here; the unit tests.
 """
 
 from __future__ import annotations
@@ -31,16 +30,16 @@ import random
 import struct
 import sys
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import add
 from typing import Any, TypeVar
 
-from kproxy.model import IPFamily, ServicePortName
+from kproxy.model import IPFamily
 
 from . import maps
 from .maps import Master
-from .render import FamilyIndex, Fragment, FrontState, View
+from .render import FamilyIndex, FrontState, View
 
 _T = TypeVar("_T")
 _LITTLE = sys.byteorder == "little"
@@ -492,67 +491,3 @@ def general_index(
     index.next_rev = max(revs, default=0) + 1
     index.next_backend = max(backends, default=0) + 1
     return index, view
-
-
-# ------------------------------------------------------------------------------------------------ adoption checks
-
-
-def _service_key(name: ServicePortName) -> str:
-    p = name.port
-    proto = name.protocol._value_
-    return f"{name.namespace}/{name.name}:{p}/{proto}" if p else f"{name.namespace}/{name.name}/{proto}"
-
-
-def unchanged(
-    index: FamilyIndex, view: View, rev_counts: Mapping[int, int], name: ServicePortName, fragment: Fragment
-) -> bool:
-    """``render.unchanged``: whether the kernel holds ``fragment``'s frontends exactly, under a reverse-NAT id named
-    for ``name``, and no other frontend under that id. Cheap refusals first (a missing frontend, another count)."""
-    fronts = fragment.frontends
-    rev = -1
-    for f in fronts:
-        got = view.get((f.address, f.port, f.proto))
-        if got is None or got[0] != f.flags or got[1] != f.affinity:
-            return False
-        bes = f.backends
-        held = got[2]
-        if len(held) != len(bes) or held != tuple(sorted(bes)):
-            return False
-        if rev == -1:
-            rev = got[3]
-        elif got[3] != rev:
-            return False
-    if rev == -1:
-        return False
-    return rev_counts.get(rev, 0) == len(fronts) and index.rev_names.get(rev) == _service_key(name)
-
-
-def claim(index: FamilyIndex, name: ServicePortName, fragment: Fragment | None) -> None:
-    """``render.claim``: mark what the kernel holds for ``name`` as its own (the frontends whose reverse-NAT id the
-    names map gives to it, and any frontend of ``fragment`` nobody owns yet), with ``FamilyIndex.set_owner``'s
-    effect inlined for frontends nobody owned."""
-    revs = index.revs_named(_service_key(name))
-    fronts = index.fronts
-    mine: set[tuple[str, int, int]] | None = None
-    if revs:
-        index.rev_ids.setdefault(name, revs[0])
-        by_rev = index.by_rev
-        for rev in revs:
-            for key in by_rev.get(rev, ()):
-                st = fronts.get(key)
-                if st is not None and st.owner is None:
-                    st.owner = name
-                    if mine is None:
-                        mine = index.owned.setdefault(name, set())
-                    mine.add(key)
-    if fragment is None:
-        return
-    for f in fragment.frontends:
-        key = (f.address, f.port, f.proto)
-        held = fronts.get(key)
-        if held is not None and held.owner is None:
-            held.owner = name
-            if mine is None:
-                mine = index.owned.setdefault(name, set())
-            mine.add(key)
-            index.rev_ids.setdefault(name, held.master.rev_nat_id)

@@ -11,7 +11,6 @@ Who uses it: ``backends.bpf.proxier``, ``backends.bpf.trace``-style explainers i
 
 from __future__ import annotations
 
-import array
 import hashlib
 import ipaddress
 import struct
@@ -532,11 +531,6 @@ class Plan:
 
 
 _ID = struct.Struct("<I")
-# backend values decoded for adoption: address, port (network order, as an int), protocol; the flags byte skipped
-_BE4_DECODE = struct.Struct(">4sHBx")
-_BE6_DECODE = struct.Struct(">16sHBx")
-_RAW_KEY4 = struct.Struct("<6sHB3x")  # a service-map key as (address . port bytes, slot, protocol)
-_RAW_KEY6 = struct.Struct("<18sHB3x")
 _SLOT_VALUE = struct.Struct("<I12x")  # a slot entry: backend_id, the rest zero (see maps.slot_value)
 _SLOT = [i.to_bytes(2, "little") for i in range(65536)]
 _PORT = [i.to_bytes(2, "big") for i in range(65536)]
@@ -857,84 +851,12 @@ def index_from_raw(
     name_raw: tuple[bytes, bytes] = (b"", b""),
 ) -> tuple[FamilyIndex, View]:
     """Rebuild an index from the maps' raw contents (all keys, all values, each concatenated: what
-    ``maps.lookup_raw`` returns) with owners unknown until claimed, and the decoded view adoption compares:
-    frontend -> (flags, affinity, backends, rev_nat_id). Decoded with ``struct.iter_unpack`` and an address cache:
-    a restart at 10,000 x 10 reads 120,000 entries."""
-    v4 = family == IPFamily.V4
-    index = FamilyIndex(family)
-    texts: dict[bytes, str] = {}
-    addr_text = maps.addr_text
+    ``maps.read_lb`` returns) with owners unknown until claimed, and the decoded view adoption compares:
+    frontend -> (flags, affinity, backends, rev_nat_id). All-zero backend values (array entries of no backend) are
+    left out. The decoder is ``backends.bpf.decode`` (column-wise for consistent maps, entry by entry otherwise)."""
+    from . import decode  # decode builds this module's types: imported on first use, no import cycle
 
-    def text(a: bytes) -> str:
-        t = texts.get(a)
-        if t is None:
-            t = texts[a] = addr_text(a)
-        return t
-
-    for (rev,), (nm,) in zip(
-        maps.NAME_KEY.iter_unpack(name_raw[0]), maps.NAME_VAL.iter_unpack(name_raw[1]), strict=True
-    ):
-        index.rev_names[rev] = nm.split(b"\0", 1)[0].decode(errors="replace")
-    backends = index.backends
-    be_ap: dict[int, tuple[str, int]] = {}  # backend id -> (address, port), as the view holds them
-    be_ids = array.array("I")
-    be_ids.frombytes(be_raw[0])
-    be_dec = _BE4_DECODE if v4 else _BE6_DECODE
-    for bid, (a, p, proto) in zip(be_ids, be_dec.iter_unpack(be_raw[1]), strict=True):
-        if not proto:
-            continue  # an entry of the backend array that holds no backend (all zero)
-        t = texts.get(a)
-        if t is None:
-            t = texts[a] = addr_text(a)
-        backends[bid] = (t, p, proto)
-        be_ap[bid] = (t, p)
-    # keyed by the raw address . port bytes and protocol while reading: only masters are decoded to text
-    key_fmt = _RAW_KEY4 if v4 else _RAW_KEY6
-    raw_masters: dict[tuple[bytes, int], Master] = {}
-    raw_slots: dict[tuple[bytes, int], dict[int, int]] = {}
-    for (ap, slot, proto), (bid, aff, count, rev, flags) in zip(
-        key_fmt.iter_unpack(svc_raw[0]), maps.LB_SERVICE.iter_unpack(svc_raw[1]), strict=True
-    ):
-        if slot == 0:
-            raw_masters[(ap, proto)] = Master(count, flags, aff, rev)
-        else:
-            got = raw_slots.get((ap, proto))
-            if got is None:
-                got = raw_slots[(ap, proto)] = {}
-            got[slot] = bid
-
-    def fkey(rk: tuple[bytes, int]) -> tuple[str, int, int]:
-        ap, proto = rk
-        return (text(ap[:-2]), int.from_bytes(ap[-2:], "big"), proto)
-
-    masters = {fkey(rk): m for rk, m in raw_masters.items()}
-    slots = {fkey(rk): sl for rk, sl in raw_slots.items()}
-    view: View = {}
-    empty: dict[int, int] = {}
-    unknown = ("?", 0)
-    by_rev = index.by_rev
-    fronts = index.fronts
-    for fk, m in masters.items():
-        sl = slots.get(fk, empty)
-        count = m.count
-        ids = tuple([sl.get(i, 0) for i in range(1, count + 1)])
-        view[fk] = (m.flags, m.affinity, tuple(sorted([be_ap.get(i, unknown) for i in ids])), m.rev_nat_id)
-        got_rev = by_rev.get(m.rev_nat_id)
-        if got_rev is None:
-            by_rev[m.rev_nat_id] = [fk]
-        else:
-            got_rev.append(fk)
-        if len(sl) > count:  # slots beyond the count (a half-finished shrink): kept so a rewrite deletes them
-            ids += tuple(sl[s] for s in range(count + 1, max(sl) + 1) if s in sl)
-        fronts[fk] = FrontState(None, m, ids)
-    for fk, sl in slots.items():
-        if fk not in masters:  # orphan slots without a master: owned by nobody, removed on the next full sync
-            index.fronts[fk] = FrontState(None, Master(0, 0, 0, 0), tuple(sl[s] for s in sorted(sl)))
-    index.entries = sum(1 + len(st.slots) for st in index.fronts.values())
-    revs = {st.master.rev_nat_id for st in index.fronts.values()} | set(index.rev_names)
-    index.next_rev = max(revs, default=0) + 1
-    index.next_backend = max(index.backends, default=0) + 1
-    return index, view
+    return decode.index_from_raw(family, svc_raw, be_raw, name_raw)
 
 
 def claim(index: FamilyIndex, name: ServicePortName, fragment: Fragment | None) -> None:
