@@ -497,36 +497,7 @@ def lookup_all(fd: int, key_size: int, value_size: int, chunk: int = 16384) -> I
 
 def lookup_raw(fd: int, key_size: int, value_size: int, chunk: int = 65536) -> tuple[bytes, bytes]:
     """Every key and every value of a hash map, each concatenated (BPF_MAP_LOOKUP_BATCH; no order)."""
-    kb = ctypes.create_string_buffer(key_size * chunk)
-    vb = ctypes.create_string_buffer(value_size * chunk)
-    in_b = ctypes.create_string_buffer(8)
-    out_b = ctypes.create_string_buffer(8)
-    keys: list[bytes] = []
-    values: list[bytes] = []
-    first = True
-    while True:
-        attr = _batch_attr(
-            fd,
-            ctypes.addressof(kb),
-            ctypes.addressof(vb),
-            chunk,
-            0 if first else ctypes.addressof(in_b),
-            ctypes.addressof(out_b),
-        )
-        done = False
-        try:
-            _bpf(_BPF_MAP_LOOKUP_BATCH, attr, hold_gil=False)
-        except BpfError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
-            done = True
-        count = struct.unpack_from("<I", attr.raw, 32)[0]
-        keys.append(ctypes.string_at(kb, count * key_size))
-        values.append(ctypes.string_at(vb, count * value_size))
-        if done:
-            return b"".join(keys), b"".join(values)
-        ctypes.memmove(in_b, out_b, 8)
-        first = False
+    return _lookup_batches(fd, key_size, value_size, None, chunk)
 
 
 def lookup_array(fd: int, key_size: int, value_size: int, count: int, chunk: int = 65536) -> tuple[bytes, bytes]:
@@ -535,16 +506,21 @@ def lookup_array(fd: int, key_size: int, value_size: int, count: int, chunk: int
     (1M entries by default): callers read as far as the highest index anything names."""
     if count <= 0:
         return b"", b""
+    return _lookup_batches(fd, key_size, value_size, count, chunk)
+
+
+def _lookup_batches(fd: int, key_size: int, value_size: int, limit: int | None, chunk: int) -> tuple[bytes, bytes]:
+    """BPF_MAP_LOOKUP_BATCH calls from the map's first key until the end, or until ``limit`` entries."""
     kb = ctypes.create_string_buffer(key_size * chunk)
     vb = ctypes.create_string_buffer(value_size * chunk)
     in_b = ctypes.create_string_buffer(8)
     out_b = ctypes.create_string_buffer(8)
     keys: list[bytes] = []
     values: list[bytes] = []
-    left = count
+    left = limit
     first = True
-    while left > 0:
-        n = min(chunk, left)
+    while left is None or left > 0:
+        n = chunk if left is None else min(chunk, left)
         attr = _batch_attr(
             fd, ctypes.addressof(kb), ctypes.addressof(vb), n, 0 if first else ctypes.addressof(in_b),
             ctypes.addressof(out_b),
@@ -559,7 +535,8 @@ def lookup_array(fd: int, key_size: int, value_size: int, count: int, chunk: int
         got = struct.unpack_from("<I", attr.raw, 32)[0]
         keys.append(ctypes.string_at(kb, got * key_size))
         values.append(ctypes.string_at(vb, got * value_size))
-        left -= got
+        if left is not None:
+            left -= got
         if done or got == 0:
             break
         ctypes.memmove(in_b, out_b, 8)

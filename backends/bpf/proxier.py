@@ -686,7 +686,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
                         steps += chunk
                         writer.submit(chunk)
                 if batch.full and not was_empty:
-                    self._sweep(index, batch.wanted, plan)
+                    render.sweep(index, batch.wanted, plan)
                     if len(self._memo) > 2 * len(batch.wanted) + 1000:
                         self._memo = {
                             k: m for k, m in self._memo.items() if k[1] != batch.family or k[0] in batch.wanted
@@ -759,33 +759,6 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             self.last_reap = self._reaper.submit(
                 self._places.cgroup, gone, self._fds.get(("rev", batch.family)), batch.family
             )
-
-    def _sweep(self, index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: Plan) -> None:
-        """Full batches: remove frontends nobody owns, backends no frontend references, names of no service."""
-        fronts = index.fronts
-        for k in [k for k, st in fronts.items() if st.owner is None or st.owner not in wanted]:
-            render.remove_front(plan, index, k, fronts[k])
-        used: set[int] = set().union(*[st.slots for st in fronts.values()])
-        for bid in sorted(index.backends.keys() - used):
-            plan.be_del.append(maps.backend_key(bid))
-            del index.backends[bid]
-        live_revs = {st.master.rev_nat_id for st in fronts.values()}
-        for name in [n for n in index.rev_ids if n not in wanted]:
-            del index.rev_ids[name]
-        held = live_revs | set(index.rev_ids.values())
-        for rev in sorted(index.rev_names.keys() - held):
-            plan.name_del.append(maps.name_key(rev))
-            del index.rev_names[rev]
-        index.free_revs.clear()
-        index.next_backend = max(index.backends, default=0) + 1
-        # the backend array's indexes are the ids: holes below the highest id in use are handed out first, so ids
-        # stay below the array's size while the backends fit in it
-        if index.next_backend - 1 > len(index.backends):
-            holes = set(range(1, index.next_backend)) - index.backends.keys()
-            index.free_backends = sorted(holes, reverse=True)
-        else:
-            index.free_backends.clear()
-        index.next_rev = max([*index.rev_names, *live_revs, 0]) + 1
 
     def _execute(self, fam: IPFamily, plan: Plan) -> None:
         self._execute_steps(fam, plan.ordered())

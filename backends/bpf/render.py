@@ -463,10 +463,18 @@ class Plan:
 
     def release(self, index: FamilyIndex) -> None:
         """The plan is in the kernel: its freed ids may be handed out again (those below the next fresh id: a full
-        sync's sweep may have lowered it, and an id at or above it comes back as a fresh one)."""
-        index.free_backends.extend(b for b in self.freed_backends if b < index.next_backend and b not in index.backends)
+        sync's sweep may have lowered it, and an id at or above it comes back as a fresh one), each once (the sweep
+        may have listed it already among the holes below the highest id: twice in the free list, one id went to two
+        backends)."""
+        have = set(index.free_backends)
+        for b in dict.fromkeys(self.freed_backends):
+            if b < index.next_backend and b not in index.backends and b not in have:
+                index.free_backends.append(b)
+        have = set(index.free_revs)
         used_revs = set(index.rev_ids.values())
-        index.free_revs.extend(r for r in self.freed_revs if r < index.next_rev and r not in used_revs)
+        for r in dict.fromkeys(self.freed_revs):
+            if r < index.next_rev and r not in used_revs and r not in have:
+                index.free_revs.append(r)
         self.freed_backends, self.freed_revs = [], []
 
     @property
@@ -619,13 +627,7 @@ def plan_service(
             index.rev_names.pop(rev, None)
             plan.name_del.append(maps.name_key(rev))
         return
-    rev = index.rev_ids.get(name)
-    if rev is None:
-        rev = index.rev_ids[name] = index.alloc_rev()
-    text = service_key(name)
-    if index.rev_names.get(rev) != text:
-        index.rev_names[rev] = text
-        plan.name_put[maps.name_key(rev)] = maps.name_value(text)
+    rev = _named_rev(index, name, plan)
     be_put = plan.be_put
     free = index.free_backends
     nb = index.next_backend
@@ -689,6 +691,18 @@ def plan_service(
             plan.freed_backends.append(bid)
 
 
+def _named_rev(index: FamilyIndex, name: ServicePortName, plan: Plan) -> int:
+    """The service's reverse-NAT id (a new one if it has none), with its names-map entry planned if not there yet."""
+    rev = index.rev_ids.get(name)
+    if rev is None:
+        rev = index.rev_ids[name] = index.alloc_rev()
+    text = service_key(name)
+    if index.rev_names.get(rev) != text:
+        index.rev_names[rev] = text
+        plan.name_put[maps.name_key(rev)] = maps.name_value(text)
+    return rev
+
+
 #: per entry count, the ``struct`` packing that many backend ids as keys, or as slot values (id, 12 zero bytes)
 _ID_KEYS: dict[int, struct.Struct] = {}
 _SLOT_VALUES: dict[int, struct.Struct] = {}
@@ -716,13 +730,7 @@ def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan
     n = len(bes)
     if len(set(bes)) != n:
         return False
-    rev = index.rev_ids.get(name)
-    if rev is None:
-        rev = index.rev_ids[name] = index.alloc_rev()
-    text = service_key(name)
-    if index.rev_names.get(rev) != text:
-        index.rev_names[rev] = text
-        plan.name_put[maps.name_key(rev)] = maps.name_value(text)
+    rev = _named_rev(index, name, plan)
     proto = f.proto
     nb = index.next_backend
     bids = range(nb, nb + n)
@@ -760,12 +768,40 @@ def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan
     return True
 
 
+def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: Plan) -> None:
+    """A full batch's last planning step: remove frontends nobody owns, backends no frontend references, names of no
+    service; then the allocators start again from what is left (the holes below the highest backend id first: the
+    backend array's indexes are the ids, so ids stay below its size while the backends fit in it)."""
+    fronts = index.fronts
+    for k in [k for k, st in fronts.items() if st.owner is None or st.owner not in wanted]:
+        remove_front(plan, index, k, fronts[k])
+    used: set[int] = set().union(*[st.slots for st in fronts.values()])
+    for bid in sorted(index.backends.keys() - used):
+        plan.be_del.append(_ID.pack(bid))
+        del index.backends[bid]
+    live_revs = {st.master.rev_nat_id for st in fronts.values()}
+    for name in [n for n in index.rev_ids if n not in wanted]:
+        del index.rev_ids[name]
+    held = live_revs | set(index.rev_ids.values())
+    for rev in sorted(index.rev_names.keys() - held):
+        plan.name_del.append(maps.name_key(rev))
+        del index.rev_names[rev]
+    index.free_revs.clear()
+    index.next_backend = max(index.backends, default=0) + 1
+    if index.next_backend - 1 > len(index.backends):
+        holes = set(range(1, index.next_backend)) - index.backends.keys()
+        index.free_backends = sorted(holes, reverse=True)
+    else:
+        index.free_backends.clear()
+    index.next_rev = max([*index.rev_names, *live_revs, 0]) + 1
+
+
 def _stable_slots(old: tuple[int, ...], new: list[int]) -> tuple[int, ...]:
     """The new slot order: a backend that stays keeps its slot (ClientIP affinity entries name the slot they were
     made for, so a scale-down moves no surviving backend's clients, as upstream's per-endpoint affinity; and an
     endpoint change rewrites only the slots that change); survivors past the new count move into the holes, new
     backends fill what is left. Without old slots (or with a backend twice) the fragment's order."""
-    if not old or len(set(new)) != len(new):
+    if not old or len(set(new)) != len(new) or len(set(old)) != len(old):
         return tuple(new)
     n = len(new)
     want = set(new)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -158,6 +159,20 @@ print(json.dumps(r))
 """
 
 
+def _sync_gap_services(p: Any) -> None:
+    """Start ``p`` and program a consistent service (``web``) and the TCP and UDP services the gap tests break."""
+    p.start()
+    res = p.sync(
+        state(
+            sp("web", VIP, (BACKEND_IP,)),
+            sp("gap", GAP_VIP, (BACKEND_IP,)),
+            sp("gapu", GAP_VIP, (BACKEND_IP,), Protocol.UDP),
+        ),
+        Changes(full=True),
+    )
+    assert res.ok, res.error
+
+
 def test_a_master_entry_pointing_at_a_missing_slot_fails_the_connect_at_once(
     place: tuple[str, dict[str, str]], servers: None
 ) -> None:
@@ -171,16 +186,7 @@ def test_a_master_entry_pointing_at_a_missing_slot_fails_the_connect_at_once(
     ns, opts = place
     p = BpfProxier(_config(opts), netns=ns)
     try:
-        p.start()
-        res = p.sync(
-            state(
-                sp("web", VIP, (BACKEND_IP,)),
-                sp("gap", GAP_VIP, (BACKEND_IP,)),
-                sp("gapu", GAP_VIP, (BACKEND_IP,), Protocol.UDP),
-            ),
-            Changes(full=True),
-        )
-        assert res.ok, res.error
+        _sync_gap_services(p)
         fd = maps.obj_get(str(Path(opts["bpf_pin_path"]) / maps.pin_name("svc", IPFamily.V4)))
         try:
             for proto in (6, 17):  # the master entries (count 1) stay; the slot they count is gone
@@ -213,16 +219,7 @@ def test_a_slot_naming_a_zeroed_backend_fails_the_connect_at_once(
     ns, opts = place
     p = BpfProxier(_config(opts), netns=ns)
     try:
-        p.start()
-        res = p.sync(
-            state(
-                sp("web", VIP, (BACKEND_IP,)),
-                sp("gap", GAP_VIP, (BACKEND_IP,)),
-                sp("gapu", GAP_VIP, (BACKEND_IP,), Protocol.UDP),
-            ),
-            Changes(full=True),
-        )
-        assert res.ok, res.error
+        _sync_gap_services(p)
         pins = Path(opts["bpf_pin_path"])
         svc = maps.obj_get(str(pins / maps.pin_name("svc", IPFamily.V4)))
         be = maps.obj_get(str(pins / maps.pin_name("be", IPFamily.V4)))

@@ -4,6 +4,9 @@ deletes after every put (a key deleted by one chunk and written by a later one i
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kproxy.backends.bpf import maps, render
 from kproxy.backends.bpf.render import Context, FamilyIndex, Fragment, Plan
 from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
@@ -209,3 +212,43 @@ def test_bulk_backends_with_several_target_ports_match_the_encoders() -> None:
     assert sorted((a, p) for a, p, _ in index.backends.values()) == [
         ("198.18.7.1", 8080), ("198.18.7.2", 9090), ("198.18.7.3", 8080)
     ]  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.booleans(),  # a full batch (every wanted service planned, then the sweep) or a partial one
+            st.dictionaries(st.integers(0, 7), st.one_of(st.none(), st.integers(0, 6)), max_size=8),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_ids_stay_unique_through_full_and_partial_batches(batches: list[tuple[bool, dict[int, int | None]]]) -> None:
+    """Random sequences of batches (services added, resized, moved to other pods, removed; full batches sweep): after
+    every batch no backend id is named by two slots, every slot's id is a known backend, and the free list holds
+    each id once and none in use (an id handed out twice sends one service's connections to another's pod)."""
+    index = FamilyIndex(IPFamily.V4)
+    wanted: dict[ServicePortName, Fragment] = {}
+    for full, changes in batches:
+        plan = Plan()
+        for i, n in changes.items():
+            name, f = frag(i, n, base=7 * (n or 0)) if n is not None else (frag(i, 1)[0], None)
+            if f is None:
+                wanted.pop(name, None)
+            else:
+                wanted[name] = f
+            if not full:
+                render.plan_service(index, name, f, plan)
+        if full:
+            for name, f in wanted.items():
+                render.plan_service(index, name, f, plan)
+            render.sweep(index, wanted, plan)
+        render.finish_plan(plan)
+        plan.release(index)
+        slots = [bid for st in index.fronts.values() for bid in st.slots]
+        assert len(slots) == len(set(slots)), "a backend id named by two slots"
+        assert set(slots) <= set(index.backends)
+        assert len(index.free_backends) == len(set(index.free_backends)), "an id twice in the free list"
+        assert not set(index.free_backends) & set(index.backends), "a free id in use"

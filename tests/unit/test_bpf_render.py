@@ -316,3 +316,27 @@ def test_adopted_index_claims_and_rewrites_only_what_changed() -> None:
     plan = _plan(adopted, spn("web"), svc("web", (*THREE[:2], ep("198.18.66.99"))))
     assert len(plan.be_put) == 1 and len(plan.slot_put) == 1 and len(plan.be_del) == 1
     assert not plan.name_put  # the name entry is already there
+
+
+def test_a_full_sync_that_frees_ids_hands_each_out_once_afterwards() -> None:
+    """A full batch removing a service frees its backend ids (released once the plan is in) and its sweep lists the
+    holes below the highest id in use: an id in both lists went to two backends later, and a frontend's slots named
+    one backend twice (seen in a soak). Every id is handed out once, and no two backends ever share one."""
+    index = FamilyIndex(IPFamily.V4)
+    a = svc("a", (ep("198.18.65.1"), ep("198.18.65.2"), ep("198.18.65.3")), cluster_ip="198.19.0.1")
+    b = svc("b", (ep("198.18.66.1"), ep("198.18.66.2"), ep("198.18.66.3")), cluster_ip="198.19.0.2")
+    _plan(index, spn("a"), a)
+    _plan(index, spn("b"), b)
+    plan = Plan()
+    render.plan_service(index, spn("a"), None, plan)  # a goes in a full batch: its ids are freed
+    render.sweep(index, {spn("b"): render.render(b, CTX)}, plan)
+    render.finish_plan(plan)
+    plan.release(index)
+    assert len(index.free_backends) == len(set(index.free_backends)) == 3
+    later = Plan()
+    for name, ip in (("c", "198.18.67"), ("d", "198.18.68")):
+        s = svc(name, (ep(f"{ip}.1"), ep(f"{ip}.2"), ep(f"{ip}.3")), cluster_ip=f"198.19.0.{ord(name)}")
+        render.plan_service(index, spn(name), render.render(s, CTX), later)
+    slots = [bid for st in index.fronts.values() for bid in st.slots]
+    assert len(slots) == len(set(slots)) == 9
+    assert sorted(index.backends) == sorted(slots)
