@@ -186,7 +186,8 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             "bpf_map_size",
             int,
             loader.DEFAULT_MAP_SIZE,
-            "entries of the service and backend maps (default holds 10,000 services x 50 endpoints); a service "
+            "entries of the service map and the backend array (default holds 10,000 services x 50 endpoints; the "
+            "array is preallocated: 8 bytes per entry for IPv4 and 24 for IPv6, 32 MB at the default); a service "
             "that does not fit is refused with the reason and counted in kproxy_bpf_services_refused_total",
         ),
     )
