@@ -8,10 +8,11 @@ process (``loader.attach_in_child``: bcc and LLVM never enter kproxy's own memor
 to the cgroup when the child exits). A sync without ``start()`` (``kproxy bench sync``, tests of the maps alone)
 only opens or creates the pinned maps. ``__init__`` touches nothing.
 
-Adoption (full batches): the service, backend and names maps are read back (``maps.lookup_all``) and decoded; a service
-whose frontends, backends and flags match, under a reverse-NAT id the names map gives to it, is not rewritten, so a
-restart with nothing changed writes nothing. Frontends and backends nobody wants are removed at the end of a full
-batch. kproxy's index of the maps (``render.FamilyIndex``) is the allocator of backend and reverse-NAT ids; when a
+Adoption (full batches): the service, backend and names maps are read back (``maps.read_lb``: the backend array as far
+as the highest id a slot names) and decoded (``backends.bpf.decode``); a service whose frontends, backends and flags
+match, under a reverse-NAT id the names map gives to it, is not rewritten, so a restart with nothing changed writes
+nothing. Frontends and backends nobody wants are removed at the end of a full batch (``render.sweep``; a first sync
+into empty maps has none). kproxy's index of the maps (``render.FamilyIndex``) is the allocator of backend and reverse-NAT ids; when a
 write fails the index is dropped and the next full sync rebuilds it from the kernel.
 
 Capacity (cilium#12815: a full LB map fails silently there): before writing, a service whose entries would not fit in
