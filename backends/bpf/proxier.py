@@ -12,8 +12,8 @@ Adoption (full batches): the service, backend and names maps are read back (``ma
 as the highest id a slot names) and decoded (``backends.bpf.decode``); a service whose frontends, backends and flags
 match, under a reverse-NAT id the names map gives to it, is not rewritten, so a restart with nothing changed writes
 nothing. Frontends and backends nobody wants are removed at the end of a full batch (``render.sweep``; a first sync
-into empty maps has none). kproxy's index of the maps (``render.FamilyIndex``) is the allocator of backend and reverse-NAT ids; when a
-write fails the index is dropped and the next full sync rebuilds it from the kernel.
+into empty maps has none). kproxy's index of the maps (``render.FamilyIndex``) is the allocator of backend and
+reverse-NAT ids; when a write fails the index is dropped and the next full sync rebuilds it from the kernel.
 
 Capacity (cilium#12815: a full LB map fails silently there): before writing, a service whose entries would not fit in
 ``--bpf-map-size`` is refused with the reason (the ledger keeps its old version or leaves it out, reports it in
