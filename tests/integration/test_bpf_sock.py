@@ -173,6 +173,17 @@ def _sync_gap_services(p: Any) -> None:
     assert res.ok, res.error
 
 
+def _assert_gap_unreachable(ns: str, opts: dict[str, str]) -> None:
+    """The gap services' TCP, UDP and mapped-address clients fail with EHOSTUNREACH at once; ``web`` still answers."""
+    out = in_cgroup(ns, opts["bpf_cgroup_path"], GAP_CLIENT)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    for name in ("tcp4", "udp4", "sendto4", "tcp_mapped"):
+        got, seconds = r[name]
+        assert got == errno.EHOSTUNREACH and seconds < 0.5, (name, r)
+    assert r["ok4"][0] == "ok"  # the consistent service next to them is untouched
+
+
 def test_a_master_entry_pointing_at_a_missing_slot_fails_the_connect_at_once(
     place: tuple[str, dict[str, str]], servers: None
 ) -> None:
@@ -197,13 +208,7 @@ def test_a_master_entry_pointing_at_a_missing_slot_fails_the_connect_at_once(
                 maps.delete_batch(fd, [slot])
         finally:
             os.close(fd)
-        out = in_cgroup(ns, opts["bpf_cgroup_path"], GAP_CLIENT)
-        assert out.returncode == 0, out.stderr
-        r = json.loads(out.stdout)
-        for name in ("tcp4", "udp4", "sendto4", "tcp_mapped"):
-            got, seconds = r[name]
-            assert got == errno.EHOSTUNREACH and seconds < 0.5, (name, r)
-        assert r["ok4"][0] == "ok"  # the consistent service next to it is untouched
+        _assert_gap_unreachable(ns, opts)
     finally:
         p.close()
 
@@ -233,13 +238,7 @@ def test_a_slot_naming_a_zeroed_backend_fails_the_connect_at_once(
         finally:
             os.close(svc)
             os.close(be)
-        out = in_cgroup(ns, opts["bpf_cgroup_path"], GAP_CLIENT)
-        assert out.returncode == 0, out.stderr
-        r = json.loads(out.stdout)
-        for name in ("tcp4", "udp4", "sendto4", "tcp_mapped"):
-            got, seconds = r[name]
-            assert got == errno.EHOSTUNREACH and seconds < 0.5, (name, r)
-        assert r["ok4"][0] == "ok"
+        _assert_gap_unreachable(ns, opts)
     finally:
         p.close()
 
