@@ -69,6 +69,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     d.add_argument("--rounds", type=int, default=10, help="rounds per size; figures are their medians")
     d.add_argument("--seconds", type=float, default=0.5, help="measured seconds of each traffic phase")
     d.add_argument("--iperf-seconds", type=float, default=1.0, help="seconds of each iperf3 run")
+    d.add_argument(
+        "--conntrack-limits",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure the diagnostic limits every round: the limit's path with conntrack on, and with conntrack"
+        " and nat on (the floor of a NAT-based proxy); 5 targets a round instead of 3 (default: on)",
+    )
     d.add_argument("--lab-prefix", default="kpd-", help="the lab's namespace prefix (default %(default)s)")
     d.add_argument("--format", choices=("json", "table"), default="table")
     d.set_defaults(func=cmd_datapath)
@@ -174,6 +181,7 @@ def cmd_datapath(args: argparse.Namespace) -> int:
         iperf_seconds=args.iperf_seconds,
         endpoints=args.endpoints,
         prefix=args.lab_prefix,
+        conntrack_limits=args.conntrack_limits,
     )
 
     def progress(msg: str, advance: int = 0) -> None:

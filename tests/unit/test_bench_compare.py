@@ -368,3 +368,22 @@ def test_readme_takes_the_floor_table_from_a_bench_datapath_run() -> None:
     assert "| iptables | 1,000 | 0.80 | 0.80 | - | 0.80 | 0.85 | 0.94 | 0.97 | yes |" in text
     assert "[docs/compare/datapath/report.md](docs/compare/datapath/report.md)" in text
     assert report.as_results(doc)["datapath"] is doc  # a bench document renders like a compare one
+
+
+def test_datapath_conntrack_limits_can_be_left_out_and_compare_records_its_own_choice() -> None:
+    """``kproxy bench datapath`` measures the diagnostic limits unless ``--no-conntrack-limits``; the command
+    ``kproxy compare`` records for each mode's data-path run repeats the comparison's choice, so that running it
+    measures what the comparison measured."""
+    from kproxy.bench.compare import _datapath_argv
+
+    parser = build_parser()
+    dp = ["bench", "datapath", "--mode", "none"]
+    assert parser.parse_args(dp).conntrack_limits is True
+    assert parser.parse_args([*dp, "--no-conntrack-limits"]).conntrack_limits is False
+    for flags, measured in (([], False), (["--conntrack-limits"], True)):
+        cmp_args = parser.parse_args(["compare", *flags])
+        argv = _datapath_argv("bpf", [1, 1000], cmp_args)
+        assert ("--no-conntrack-limits" in argv) is not measured
+        again = parser.parse_args(argv)
+        assert again.bench_command == "datapath" and again.conntrack_limits is measured
+        assert again.mode == ["bpf"] and again.services == "1,1000"
