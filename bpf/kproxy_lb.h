@@ -121,9 +121,9 @@ struct kp_aff_key {
 struct kp_aff_val {
 	__u64 last_used; /* seconds of the monotonic clock */
 	__u32 backend_id;
-	/* the frontend slot the backend was chosen from: the entry is used only while that slot still holds this
-	 * backend id (ids and reverse-NAT ids are reused after removals, so an id alone may name another service's
-	 * backend by then) */
+	/* the frontend slot the backend was last found in: the entry is used only while one of the frontend's slots
+	 * holds this backend id (ids and reverse-NAT ids are reused after removals, so an id alone may name another
+	 * service's backend by then); that slot first, the others when a scale-down moved it (kproxy_sock.c) */
 	__u32 slot;
 } __attribute__((packed));
 

@@ -103,8 +103,15 @@ static __always_inline int kp_v4_mapped(struct bpf_sock_addr *ctx)
 	return ctx->user_ip6[0] == 0 && ctx->user_ip6[1] == 0 && ctx->user_ip6[2] == bpf_htonl(0x0000ffff);
 }
 
+/* Slots an affinity entry's backend is looked for in when it is no longer in the slot it was chosen from: a
+ * scale-down moves the last slot's backend into the freed one (backends/bpf/render.py, _stable_slots), and its
+ * clients keep it, as upstream's per-endpoint affinity keeps them. Services with more endpoints keep affinity to a
+ * backend that moved beyond this slot, and choose again otherwise. */
+#define KP_AFF_SCAN 256
+
 /* The backend id for a frontend whose master entry is m (key: its slot-0 key, slot_field: the key's slot): from
- * affinity when it is still valid, else a slot; 0 when the slot is gone. */
+ * affinity when it is still valid (its backend still in one of the frontend's slots), else a slot; 0 when the slot
+ * is gone. */
 static __always_inline __u32 kp_pick(struct bpf_sock_addr *ctx, struct kp_master *m, __u32 slot_seed, void *key,
 				     __u16 *slot_field, int is6)
 {
@@ -119,14 +126,29 @@ static __always_inline __u32 kp_pick(struct bpf_sock_addr *ctx, struct kp_master
 		ak.rev_nat_id = m->rev_nat_id;
 		now = kp_now();
 		av = is6 ? kp_aff6.lookup(&ak) : kp_aff4.lookup(&ak);
-		if (av && av->last_used + m->affinity_timeout > now && av->slot >= 1 && av->slot <= m->count) {
-			/* still this service's backend: the frontend's slot it came from holds it (see kp_aff_val) */
+		if (av && av->last_used + m->affinity_timeout > now) {
+			/* still this frontend's backend: the slot it came from holds it (see kp_aff_val) or, after a
+			 * scale-down moved it, another of the frontend's slots does (the entry then names that one) */
 			__u32 id = av->backend_id;
-			*slot_field = (__u16)av->slot;
-			slot = is6 ? kp_svc6.lookup(key) : kp_svc4.lookup(key);
-			if (slot && slot->backend_id == id) {
-				av->last_used = now;
-				return id;
+			__u32 i;
+			if (av->slot >= 1 && av->slot <= m->count) {
+				*slot_field = (__u16)av->slot;
+				slot = is6 ? kp_svc6.lookup(key) : kp_svc4.lookup(key);
+				if (slot && slot->backend_id == id) {
+					av->last_used = now;
+					return id;
+				}
+			}
+			for (i = 1; i <= KP_AFF_SCAN; i++) {
+				if (i > m->count)
+					break;
+				*slot_field = (__u16)i;
+				slot = is6 ? kp_svc6.lookup(key) : kp_svc4.lookup(key);
+				if (slot && slot->backend_id == id) {
+					av->slot = i;
+					av->last_used = now;
+					return id;
+				}
 			}
 		}
 	}

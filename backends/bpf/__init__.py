@@ -103,10 +103,11 @@ Where it deviates from upstream, and why:
   a ClusterIP with endpoints from outside the cluster is not translated (upstream DNATs and masquerades it): such
   traffic is not a supported path of ClusterIPs; ClusterIPs with no endpoints are rejected for it, as upstream.
 - Affinity for sockets is per client network namespace (a pod), not per source address; the companion table has no
-  affinity for external clients. An affinity entry names the slot it was made for and holds while that slot still
-  names its backend: a backend that stays keeps its slot across endpoint changes (``render._stable_slots``), but when
-  a service shrinks, the last backend moves into the freed slot and its clients choose again (upstream keeps
-  affinity per endpoint; a (reverse-NAT id, backend id) match map, as Cilium's, would keep them too).
+  affinity for external clients. An affinity entry holds while one of the frontend's slots names its backend: the
+  slot it names first (a backend that stays keeps its slot across endpoint changes, ``render._stable_slots``); when
+  a scale-down moved the last slot's backend into a freed slot, the program finds it among the first 256 slots and
+  the entry names the new one (upstream keeps affinity per endpoint; Cilium checks a (reverse-NAT id, backend id)
+  match map, which kproxy does not keep). Beyond 256 endpoints a moved backend's clients may choose again.
 - A connect() to a service with no endpoints, or a UDP sendmsg, fails at once with ECONNREFUSED (upstream's connect
   succeeds and the ICMP error arrives after); EHOSTUNREACH when a slot went missing mid-update (after one retry).
 - loadBalancerSourceRanges are enforced for external packets; local sockets to a load-balancer IP are not filtered.

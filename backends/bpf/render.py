@@ -797,10 +797,11 @@ def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: 
 
 
 def _stable_slots(old: tuple[int, ...], new: list[int]) -> tuple[int, ...]:
-    """The new slot order: a backend that stays keeps its slot (ClientIP affinity entries name the slot they were
-    made for, so a scale-down moves no surviving backend's clients, as upstream's per-endpoint affinity; and an
-    endpoint change rewrites only the slots that change); survivors past the new count move into the holes, new
-    backends fill what is left. Without old slots (or with a backend twice) the fragment's order."""
+    """The new slot order: a backend that stays keeps its slot (ClientIP affinity entries name the slot their
+    backend was found in, which the programs look at first; and an endpoint change rewrites only the slots that
+    change); survivors past the new count move into the holes (the programs find a moved backend of an affinity
+    entry among the frontend's first 256 slots), new backends fill what is left. Without old slots (or with a
+    backend twice) the fragment's order."""
     if not old or len(set(new)) != len(new) or len(set(old)) != len(old):
         return tuple(new)
     n = len(new)

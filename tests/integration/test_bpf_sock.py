@@ -3,7 +3,8 @@ dual-stack IPv6 sockets reaching an IPv4 service through an IPv4-mapped address 
 run, and must use the IPv4 maps), and a master entry whose count points at a slot that is gone (kproxy shrinking the
 service while a program runs) failing the connect at once instead of letting it out untranslated; and the build with
 socket storage for connected TCP sockets (KP_PIN_PEER4/6, compiled here by the test until the loader passes them),
-whose TCP connections leave nothing in the reverse-NAT LRU.
+whose TCP connections leave nothing in the reverse-NAT LRU; and ClientIP affinity kept for a backend that a
+scale-down moved to another slot.
 
 Each test compiles and attaches the programs (bcc) to a cgroup of its own in a cgroup2 mount of its own, pins the
 maps in a folder of its own and runs clients inside that cgroup in a throwaway namespace ``kpsk-it-…`` whose route
@@ -18,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -429,3 +431,112 @@ def test_tcp_peers_live_in_socket_storage_when_the_peer_maps_are_given(
     finally:
         p.close()
         drop_peer(opts)
+
+
+STICKY_VIP = "198.19.0.13"
+STICKY_PORTS = tuple(range(8081, 8089))  # eight backends on the backend address, told apart by their port
+
+STICKY_SERVERS = f"""
+import socket, threading, time
+def serve(port):
+    t = socket.socket(); t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); t.bind(("{BACKEND_IP}", port))
+    t.listen()
+    while True:
+        c, a = t.accept(); c.sendall(str(port).encode()); c.close()
+for port in {STICKY_PORTS!r}:
+    threading.Thread(target=serve, args=(port,), daemon=True).start()
+print("ready", flush=True); time.sleep(60)
+"""
+
+
+def sticky_client(count: int) -> str:
+    """The client's network namespace cookie (SO_NETNS_COOKIE: the affinity key's client), then the ports answering
+    ``count`` connects to the sticky service."""
+    return f"""
+import json, socket, struct
+s = socket.socket(); cookie = struct.unpack("<Q", s.getsockopt(socket.SOL_SOCKET, 71, 8))[0]; s.close()
+got = []
+for _ in range({count}):
+    c = socket.create_connection(("{STICKY_VIP}", 80), timeout=2); got.append(int(c.recv(10))); c.close()
+print(json.dumps({{"cookie": cookie, "ports": got}}))
+"""
+
+
+def test_clientip_affinity_keeps_a_backend_that_a_scale_down_moved_to_another_slot(
+    place: tuple[str, dict[str, str]],
+) -> None:
+    """A scale-down moves the last slot's backend into the slot freed (``render._stable_slots``). Its clients keep
+    it (upstream keeps affinity per endpoint): the program finds it in its new slot and the entry names that slot.
+    Set up by hand each round: the client's affinity entry names the backend of the last of 8 slots; then the
+    backend of slot 1 goes. Three rounds: a program that chose again would keep the backend in only 1 of 7 each."""
+    from dataclasses import replace
+
+    from kproxy.backends.bpf import maps
+    from kproxy.backends.bpf.proxier import BpfProxier
+    from kproxy.model import Endpoint
+
+    ns, opts = place
+    pins = Path(opts["bpf_pin_path"])
+    eps = {port: Endpoint(BACKEND_IP, port, node_name="node-a", is_local=True) for port in STICKY_PORTS}
+
+    def port_state(ports: list[int], generation: int) -> Any:
+        chosen = tuple(eps[p] for p in ports)
+        svc = replace(sp("sticky", STICKY_VIP, ()), affinity_timeout=3600, has_any_endpoints=True)
+        return state(replace(svc, cluster_endpoints=chosen, local_endpoints=chosen), generation=generation)
+
+    def client(count: int) -> dict[str, Any]:
+        out = in_cgroup(ns, opts["bpf_cgroup_path"], sticky_client(count))
+        assert out.returncode == 0, out.stderr
+        return dict(json.loads(out.stdout))
+
+    def slots(svc_fd: int, be_fd: int) -> tuple[list[int], dict[int, int], int]:
+        """(backend ids of slots 1..count, backend id -> port, rev_nat_id) as the maps hold them."""
+        master = maps.lookup(svc_fd, maps.lb_key(IPFamily.V4, STICKY_VIP, 80, 6, 0), maps.LB_SERVICE.size)
+        assert master is not None
+        _, _, count, rev, flags = maps.decode_service(master)
+        assert flags & maps.F_AFFINITY
+        ids = []
+        for i in range(1, count + 1):
+            raw = maps.lookup(svc_fd, maps.lb_key(IPFamily.V4, STICKY_VIP, 80, 6, i), maps.LB_SERVICE.size)
+            assert raw is not None
+            ids.append(maps.decode_service(raw)[0])
+        ports = {}
+        for bid in ids:
+            raw = maps.lookup(be_fd, maps.backend_key(bid), maps.LB4_BACKEND.size)
+            assert raw is not None
+            ports[bid] = maps.decode_backend(IPFamily.V4, raw)[1]
+        return ids, ports, rev
+
+    with ns_script(ns, STICKY_SERVERS):
+        p = BpfProxier(_config(opts), netns=ns)
+        svc_fd = be_fd = aff_fd = -1
+        try:
+            p.start()
+            ports = list(STICKY_PORTS)
+            assert p.sync(port_state(ports, 1), Changes(full=True)).ok
+            svc_fd = maps.obj_get(str(pins / maps.pin_name("svc", IPFamily.V4)))
+            be_fd = maps.obj_get(str(pins / maps.pin_name("be", IPFamily.V4)))
+            aff_fd = maps.obj_get(str(pins / maps.pin_name("aff", IPFamily.V4)))
+            cookie = client(0)["cookie"]
+            for rnd in range(3):
+                ids, by_id, rev = slots(svc_fd, be_fd)
+                assert len(ids) == 8
+                last = ids[-1]
+                key = maps.AFF_KEY.pack(cookie, rev, 0, 0)
+                maps.update_batch(aff_fd, [key], [maps.AFF_VAL.pack(int(time.monotonic()), last, 8)])
+                assert client(3)["ports"] == [by_id[last]] * 3, "the entry written by hand is honoured"
+                gone = by_id[ids[0]]
+                ports.remove(gone)
+                assert p.sync(port_state(ports, 2 + 2 * rnd), Changes(full=True)).ok
+                moved, _, _ = slots(svc_fd, be_fd)
+                assert len(moved) == 7 and moved[0] == last, f"round {rnd}: the last backend moved to slot 1"
+                assert client(10)["ports"] == [by_id[last]] * 10, f"round {rnd}: affinity kept through the move"
+                entry = maps.lookup(aff_fd, key, maps.AFF_VAL.size)
+                assert entry is not None and maps.AFF_VAL.unpack(entry)[1:] == (last, 1)  # it names the new slot
+                ports.append(gone)  # back for the next round: into the last slot, the next round's affine one
+                assert p.sync(port_state(ports, 3 + 2 * rnd), Changes(full=True)).ok
+        finally:
+            for fd in (svc_fd, be_fd, aff_fd):
+                if fd >= 0:
+                    os.close(fd)
+            p.close()
