@@ -365,7 +365,20 @@ def session_affinity(ctx: Context) -> None:
         )
         return pr
 
-    sticky()
+    # Affinity is per endpoint (upstream's): a client stays with its endpoint while another endpoint goes.
+    kept = next(p for p in eps if p.name in sticky().pods)
+    gone = next(p for p in eps if p is not kept)
+    ctx.apply(ctx.slice_for(svc, [p for p in eps if p is not gone]))
+    _barrier(ctx, n1)  # node-1 has synced the removal
+    pr = ctx.reach(client, ip, 80, count=15, only=eps)
+    ctx.expect(
+        pr.pods == {kept.name},
+        f"ClientIP affinity to {kept.name} lost when another endpoint ({gone.name}) was removed",
+        sent=pr.sent,
+        got=pr.summary(),
+        expected=f"{kept.name} answering all 15, as before the removal",
+    )
+    ctx.apply(ctx.slice_for(svc, eps))
     svc["spec"]["sessionAffinity"] = "None"
     svc["spec"].pop("sessionAffinityConfig")
     ctx.apply(svc)
@@ -386,7 +399,8 @@ def session_affinity(ctx: Context) -> None:
         history.append(now)
         if now != history[-2]:
             ctx.note(
-                f"affinity held 15/15; off: spread; after a {timeout_s} s timeout re-chosen ({' -> '.join(history)})"
+                f"affinity held 15/15, and 15/15 to {kept.name} once {gone.name} was removed; off: spread; after a "
+                f"{timeout_s} s timeout re-chosen ({' -> '.join(history)})"
             )
             return
     ctx.fail(
@@ -1933,7 +1947,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("externalip", "external client -> externalIP:port", externalip),
     Scenario("loadbalancer", "LB ingress IP with loadBalancerSourceRanges allowing / denying", loadbalancer),
     Scenario("no-endpoints-reject", "no endpoints: TCP refused fast, UDP port-unreachable", no_endpoints_reject),
-    Scenario("session-affinity", "ClientIP affinity on, off, and with a short timeout", session_affinity, timeout_s=90),
+    Scenario(
+        "session-affinity",
+        "ClientIP affinity on (kept while another endpoint goes), off, and with a short timeout",
+        session_affinity,
+        timeout_s=90,
+    ),
     Scenario("source-ip", "pod -> ClusterIP -> pod on another node sees the client pod's IP", source_ip),
     Scenario("hairpin", "pod -> its own service, itself the only endpoint", hairpin),
     Scenario(
