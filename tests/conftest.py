@@ -15,3 +15,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "root" in item.keywords or "lab" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A child process a test started and never waited for, still running once everything is torn down, is named
+    here (with its command line) and ended, rather than left to an anonymous ResourceWarning at exit ("subprocess N
+    is still running", seen now and then after the summary line of a full run)."""
+    import gc
+    import subprocess
+    import sys
+
+    for proc in [o for o in gc.get_objects() if isinstance(o, subprocess.Popen)]:
+        if proc.returncode is not None or proc.poll() is not None:
+            continue
+        sys.__stderr__.write(f"tests: a child process was still running at the end: pid {proc.pid}: {proc.args!r}\n")
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
