@@ -1668,12 +1668,12 @@ SYNC_METRIC = "kubeproxy_sync_proxy_rules_duration_seconds"
 # - the mean bound is likewise at least SCALE_MEAN_MIN_S. bpf's floor fell to 0.004-0.007 s with the backend array
 #   (maps v2), below what a sync costs in the lab whatever the backend does: each of its 250-550 syncs carries a few
 #   objects, and its wall time is mostly Python's per-sync work waiting for a core or the GIL (the watch thread
-#   decodes the 2,000 arriving objects in the same process). Means seen: 0.003-0.004 s here (floor 0.004-0.006 s
-#   with the same code), 0.005 s once in CI against a floor of 0.004 s, which failed 1 x floor though the sum of
-#   the syncs' times (252 x 0.005 = 1.3 s) was below a passing run's (552 x 0.003 = 1.7 s). A bpf backend that
-#   sleeps 0.015 s in every sync still fails (mean 0.018-0.020 s, 2 runs). Under a CPU burner on one core the
-#   means were 0.002 s (515-628 syncs). The bench's partial_sync_s (<= 0.005 s at 10,000) is the sharp check of
-#   bpf's per-sync cost.
+#   decodes the 2,000 arriving objects in the same process). Means seen: 0.003 s here against a floor of 0.004 s
+#   (maps v1: 0.004 s against 0.006 s), 0.005 s once in CI against a floor of 0.004 s, which failed 1 x floor
+#   though the sum of the syncs' times (252 x 0.005 = 1.3 s) was below a passing run's (552 x 0.003 = 1.7 s). A
+#   bpf backend that sleeps 0.015 s in every sync still fails (mean 0.018-0.020 s, 2 runs). Under a CPU burner on
+#   one core the means were 0.002 s (515-628 syncs). The bench's partial_sync_s (<= 0.005 s at 10,000) is the
+#   sharp check of bpf's per-sync cost.
 # A mode whose floor cannot be measured (``floor_s`` null) is held to the absolute SCALE_*_DEFAULT_S, and says so.
 SCALE_MEAN_FLOOR_FACTOR = 1.0
 SCALE_MAX_FLOOR_FACTOR = 8.0
