@@ -25,13 +25,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     import subprocess
     import sys
 
+    from kproxy.lab import netns
+
     for proc in [o for o in gc.get_objects() if isinstance(o, subprocess.Popen)]:
         if proc.returncode is not None or proc.poll() is not None:
             continue
         sys.__stderr__.write(f"tests: a child process was still running at the end: pid {proc.pid}: {proc.args!r}\n")
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        netns.terminate([proc.pid])  # SIGTERM, SIGKILL after a grace, reaped
+        proc.poll()  # the Popen learns it is gone (no ResourceWarning when it is collected)

@@ -469,8 +469,6 @@ def test_clientip_affinity_keeps_a_backend_that_a_scale_down_moved_to_another_sl
     it (upstream keeps affinity per endpoint): the program finds it in its new slot and the entry names that slot.
     Set up by hand each round: the client's affinity entry names the backend of the last of 8 slots; then the
     backend of slot 1 goes. Three rounds: a program that chose again would keep the backend in only 1 of 7 each."""
-    from dataclasses import replace
-
     from kproxy.backends.bpf import maps
     from kproxy.backends.bpf.proxier import BpfProxier
     from kproxy.model import Endpoint
@@ -481,8 +479,16 @@ def test_clientip_affinity_keeps_a_backend_that_a_scale_down_moved_to_another_sl
 
     def port_state(ports: list[int], generation: int) -> Any:
         chosen = tuple(eps[p] for p in ports)
-        svc = replace(sp("sticky", STICKY_VIP, ()), affinity_timeout=3600, has_any_endpoints=True)
-        return state(replace(svc, cluster_endpoints=chosen, local_endpoints=chosen), generation=generation)
+        svc = sp(  # ClientIP affinity with upstream's default timeout
+            "sticky",
+            STICKY_VIP,
+            (),
+            affinity_timeout=10800,
+            cluster_endpoints=chosen,
+            local_endpoints=chosen,
+            has_any_endpoints=True,
+        )
+        return state(svc, generation=generation)
 
     def client(count: int) -> dict[str, Any]:
         out = in_cgroup(ns, opts["bpf_cgroup_path"], sticky_client(count))
