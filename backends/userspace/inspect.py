@@ -39,7 +39,7 @@ from .render import Fragment
 
 Signature = frozenset[str]
 _KEYWORDS = ("redirect", "reject", "drop", "vmap", "masquerade", "dnat", "snat", "accept")
-_FIELDS = ("ip", "ip6", "th", "meta")
+_FIELDS = ("ip", "ip6", "th", "meta", "ct")
 _WORD = re.compile(r"[a-z][a-z0-9]*")
 TCP_LISTEN = "0A"
 UDP_UNCONNECTED = "07"
@@ -57,7 +57,7 @@ def text_signature(body: str) -> Signature:
             out.add(w)
         elif w in ("jump", "goto") and i + 1 < len(words):
             out.add(f"{w}:{words[i + 1]}")
-        elif w in _KEYWORDS:
+        elif w in _KEYWORDS and not (i >= 2 and words[i - 2] == "ct"):  # "ct status dnat": a value
             out.add(w)
         elif w == "fib":
             out.add("fib")
@@ -88,8 +88,8 @@ def json_signature(exprs: Iterable[Any]) -> Signature:
                     out.add("fib")
                 elif k == "payload" and isinstance(v, dict) and "field" in v:
                     out.add(f"{v.get('protocol')}.{v['field']}")
-                elif k == "meta" and isinstance(v, dict) and "key" in v:
-                    out.add(f"meta.{v['key']}")
+                elif k in ("meta", "ct") and isinstance(v, dict) and "key" in v:
+                    out.add(f"{k}.{v['key']}")
                 walk(v)
 
     walk(list(exprs))
@@ -171,6 +171,8 @@ def needed_rules(frag: Fragment) -> set[tuple[str, int]]:
     """The fixed rules a service's traffic passes through: (chain, rule index); index -1 stands for the chain."""
     fixed = expected_fixed(frag.family)
     need: set[str] = {"prerouting", "output", "services"}
+    if frag.listeners:  # its proxy sockets are reached only through the guard's accept of redirected flows
+        need |= {"input", render.GUARD}
     svc_rules: set[int] = set()
     for e in frag.entries:
         svc_rules.add(0 if e.map == render.SERVICE_IPS else 1)
@@ -258,6 +260,8 @@ class View:
     elements: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)  # (map, key) -> (value, comment)
     nodeport_cidrs: list[str] = field(default_factory=list)
     want_cidrs: tuple[str, ...] = ()
+    proxy_ports: list[str] = field(default_factory=list)  # the proxy-ports set's elements
+    want_ports: str = ""  # the element it should hold (the proxy port range)
     sockets: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # (proto, port) -> listening inodes
     mine: set[int] = field(default_factory=set)  # this process's socket inodes
     served: dict[int, Served] = field(default_factory=dict)  # inode -> what the data path does with it
@@ -274,6 +278,8 @@ def parse_table(view: View, objs: list[dict[str, Any]]) -> None:
     for name, key, value, comment in elements([o for o in objs if "map" in o or "set" in o]):
         if name == render.NODEPORT_CIDRS:
             view.nodeport_cidrs.append(key)
+        elif name == render.PROXY_PORTS:
+            view.proxy_ports.append(key)
         elif name in render.SERVICE_MAPS:
             view.elements[(name, key)] = (value, comment)
 
@@ -284,9 +290,13 @@ def service_problems(view: View, name: ServicePortName, frag: Fragment) -> str |
         return "missing"
     problems: list[str] = []
     found = 0
-    for need in sorted(needed_rules(frag), key=lambda x: (x[0], x[1])):
+    guard = ("input", render.GUARD)  # named after the redirect path's problems (the report keeps the first few)
+    for need in sorted(needed_rules(frag), key=lambda x: (x[0] in guard, x[0], x[1])):
         if need in view.fixed:
             problems.append(view.fixed[need])
+    if frag.listeners and view.want_ports and view.proxy_ports != [view.want_ports]:
+        # the guard matches nothing (or the wrong ports): this service's proxy sockets take direct connections
+        problems.append(f"{render.PROXY_PORTS} holds {sorted(view.proxy_ports)}, wanted {view.want_ports}")
     ports: dict[str, set[int]] = {}
     for e in frag.entries:
         held = view.elements.get((e.map, e.key))

@@ -70,21 +70,51 @@ class Duration(float):
         return super().__new__(cls, value)
 
 
+#: the proxy port range when none is given: below the NodePort range (30000-32767) and the kernel's ephemeral range
+#: (32768-60999), above the node components' own ports (10248-10260: kubelet, kube-proxy's health and metrics)
+DEFAULT_PORT_RANGE = "20000-29999"
+
+
 def parse_port_range(text: str) -> tuple[int, int] | None:
-    """Upstream's ``--proxy-port-range``: ``BEGIN-END`` or ``BEGIN+SIZE`` (inclusive), empty for the kernel's
-    choice. ValueError on anything else."""
+    """Upstream's ``--proxy-port-range``: ``BEGIN-END``, ``BEGIN+SIZE`` or one port (inclusive); empty, ``0`` or
+    ``0-0`` for upstream's "random": the kernel's ephemeral range (``ip_local_port_range``). ValueError on anything
+    else, naming the flag."""
     t = (text or "").strip()
-    if not t:
+    if t in ("", "0", "0-0"):
         return None
-    if "+" in t:
-        a, _, n = t.partition("+")
-        lo, hi = int(a), int(a) + int(n) - 1
-    else:
-        a, _, b = t.partition("-")
-        lo, hi = int(a), int(b)
+    try:
+        if "+" in t:
+            a, _, n = t.partition("+")
+            lo, hi = int(a), int(a) + int(n) - 1
+        else:
+            a, sep, b = t.partition("-")
+            lo, hi = int(a), int(b) if sep else int(a)
+    except ValueError:
+        lo = hi = 0
     if not (0 < lo <= hi <= 65535):
-        raise ValueError(f"--proxy-port-range {text!r}: expected BEGIN-END or BEGIN+SIZE within 1-65535")
+        raise ValueError(f"--proxy-port-range {text!r}: expected BEGIN-END, BEGIN+SIZE or PORT within 1-65535")
     return lo, hi
+
+
+class PortRange(str):
+    """A ``--proxy-port-range`` value, checked when given (``parse_port_range``)."""
+
+    def __new__(cls, text: str = "") -> PortRange:
+        parse_port_range(text)
+        return super().__new__(cls, text.strip())
+
+
+class ProxyPortsExhausted(BackendError):
+    """Every port of the proxy port range is held (by this proxy's sockets or by other sockets) for one address
+    family and protocol: the service port that needed one more is refused, and says why."""
+
+    def __init__(self, family: IPFamily, proto: str, span: tuple[int, int], held: int, busy: int) -> None:
+        self.family, self.proto, self.span, self.held, self.busy = family, proto, span, held, busy
+        lo, hi = span
+        super().__init__(
+            f"no proxy port free in --proxy-port-range {lo}-{hi} ({hi - lo + 1} ports) for {family.value} "
+            f"{proto.upper()}: {held} held by this proxy's sockets, {busy} by other sockets; widen the range"
+        )
 
 
 @dataclass(slots=True)
@@ -96,6 +126,7 @@ class Adopted:
     elements: dict[ElemKey, tuple[str, str]] = field(default_factory=dict)  # (map, key) -> (value, comment)
     by_comment: dict[str, set[tuple[str, str, str]]] = field(default_factory=dict)
     nodeport_cidrs: frozenset[tuple[int, int]] = frozenset()
+    proxy_ports: tuple[str, ...] = ()  # the proxy-ports set's elements (the guard's range)
     #: (proto, port) of the wildcard sockets listening now that are this process's own (None: not read)
     live: set[tuple[str, int]] | None = None
 
@@ -156,10 +187,11 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     options: ClassVar[tuple[Option, ...]] = (
         Option(
             "proxy_port_range",
-            str,
-            "",
-            "ports for proxy sockets (upstream's --proxy-port-range): BEGIN-END or BEGIN+SIZE; empty: the kernel's "
-            "choice",
+            PortRange,
+            PortRange(DEFAULT_PORT_RANGE),
+            "ports reserved for proxy sockets (upstream's --proxy-port-range, config portRange): BEGIN-END, "
+            "BEGIN+SIZE or PORT; empty or 0: the kernel's ephemeral range. Only redirected service traffic reaches "
+            f"these ports (default {DEFAULT_PORT_RANGE})",
         ),
         Option(
             "udp_timeout",
@@ -172,7 +204,8 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
         super().__init__(config, netns=netns)
         opts = type(self).option_values(config.backend_options)
-        self.port_range = parse_port_range(str(opts.get("proxy_port_range") or ""))
+        #: the configured range, None for the kernel's ephemeral range (read in the namespace: ``port_span``)
+        self.port_range = parse_port_range(str(opts.get("proxy_port_range", DEFAULT_PORT_RANGE)))
         self.udp_timeout = float(Duration(opts.get("udp_timeout", 0.25)))
         self._kernel: Nft | None = None
         self.engine = Engine(netns, udp_timeout=self.udp_timeout)
@@ -347,6 +380,9 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             if name == render.NODEPORT_CIDRS:
                 cidrs.append(key)
                 continue
+            if name == render.PROXY_PORTS:
+                got.proxy_ports += (key,)
+                continue
             if name not in render.SERVICE_MAPS:
                 continue
             got.elements[(name, key)] = (value, comment)
@@ -380,9 +416,14 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             return False
         self._checked[family] = now
         # a small set, not the layout chain: nft 1.0.6 fetches the whole table (20,000 elements at 10,000 services,
-        # 0.3-0.5 s) to list a chain, and only the set itself to list a set
-        objs, _ = self.kernel.read(f"list set {render.nft_family(family)} {render.TABLE} {render.NODEPORT_CIDRS}")
-        if objs is None:
+        # 0.3-0.5 s) to list a chain, and only the set itself to list a set. The guard's set: a deleted table, or a
+        # flushed set (the proxy ports open to direct connections) both bring the full sync that rewrites it
+        objs, _ = self.kernel.read(f"list set {render.nft_family(family)} {render.TABLE} {render.PROXY_PORTS}")
+        if objs is None or [k for n, k, _, _ in elements(objs)] != [render.proxy_ports_element(self.port_span())]:
+            if objs is not None:
+                log.warning(
+                    "%s: the proxy port guard's set %s was changed: it is rewritten", family.value, render.PROXY_PORTS
+                )
             self._known[family] = False
             return True
         # the fixed rules, at most once per sync period (as the iptables mode's canary): a flushed table keeps its
@@ -404,7 +445,9 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     def verify_view(self, family: IPFamily, ctx: FamilyContext) -> inspect.View:
         """The table (elements, chains, the fixed rules), the namespace's listening sockets from the kernel, which
         of them this process holds, and what the data path serves on each (see ``inspect``)."""
-        view = inspect.View(family, want_cidrs=render.nodeport_cidrs(ctx))
+        view = inspect.View(
+            family, want_cidrs=render.nodeport_cidrs(ctx), want_ports=render.proxy_ports_element(self.port_span())
+        )
         objs, err = self.kernel.read(f"list table {render.nft_family(family)} {render.TABLE}")
         if objs is None:
             if "No such file" not in err:
@@ -562,12 +605,30 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         _HOLDERS.pop((self.netns, af, proto, port), None)
         return sock
 
+    def port_span(self) -> tuple[int, int]:
+        """The proxy port range in effect, inclusive: ``--proxy-port-range``, else the backend namespace's
+        ``ip_local_port_range`` (read there once)."""
+        if self.port_range is not None:
+            return self.port_range
+        if self._auto_range is None:
+            self.kernel.call(self._local_range)
+        return self._local_range()
+
+    def proxy_port_capacity(self) -> int:
+        """How many proxy sockets fit, per address family and protocol: the range's size. A service port takes one
+        (two when a Local traffic policy gives its ClusterIP and external traffic different endpoints)."""
+        lo, hi = self.port_span()
+        return hi - lo + 1
+
+    def in_span(self, port: int) -> bool:
+        lo, hi = self.port_span()
+        return lo <= port <= hi
+
     def _candidates(self, af: int, proto: str) -> Iterator[int]:
-        """Ports to try, from a cursor that walks the range (``--proxy-port-range``, else the namespace's
-        ``ip_local_port_range``, the kernel's own choice for bind(0)) skipping those this process holds. kproxy picks
-        them itself because the kernel's bind(0) searches its tables for a free port and took 0.44 ms a socket with
-        10,000 bound (4.4 s for 10,000), against a few microseconds for an explicit port."""
-        lo, hi = self.port_range or self._local_range()
+        """Ports to try, from a cursor that walks the range (``port_span``) skipping those this process holds.
+        kproxy picks them itself because the kernel's bind(0) searches its tables for a free port and took 0.44 ms a
+        socket with 10,000 bound (4.4 s for 10,000), against a few microseconds for an explicit port."""
+        lo, hi = self.port_span()
         n = hi - lo + 1
         start = self._cursor.get((af, proto))
         if start is None:
@@ -578,13 +639,11 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             if (af, proto, port) not in self._used:
                 self._cursor[(af, proto)] = off + 1
                 yield port
-        if self.port_range is None:
-            yield 0  # the whole local range is taken: the kernel's choice, as a last resort
 
     def _local_range(self) -> tuple[int, int]:
         if self._auto_range is None:
             try:
-                with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:  # this thread's namespace (bind_all's)
+                with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:  # the calling thread's namespace
                     a, b = fh.read().split()[:2]
                 self._auto_range = (int(a), int(b))
             except (OSError, ValueError):
@@ -592,14 +651,15 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         return self._auto_range
 
     def _bind(self, fam: IPFamily, proto: str, preferred: int | None) -> tuple[socket.socket, int]:
-        """A proxy socket bound (and listening, for TCP) on the wildcard address: ``preferred`` when free (a
-        restart keeps the ports its rules name), else the next free port of the range (see ``_candidates``)."""
+        """A proxy socket bound (and listening, for TCP) on the wildcard address: ``preferred`` when free and in the
+        range (a restart keeps the ports its rules name), else the next free port of the range (``_candidates``).
+        ProxyPortsExhausted when every port of the range is taken; OSError on any other failure."""
         af = socket.AF_INET if fam == IPFamily.V4 else socket.AF_INET6
         kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
         wildcard = "0.0.0.0" if fam == IPFamily.V4 else "::"
-        candidates = itertools.chain([preferred] if preferred else [], self._candidates(int(af), proto))
-        last: OSError | None = None
-        for port in candidates:
+        first = [preferred] if preferred and self.in_span(preferred) else []
+        busy = 0
+        for port in itertools.chain(first, self._candidates(int(af), proto)):
             sock = socket.socket(af, kind | socket.SOCK_CLOEXEC)
             try:
                 if af == socket.AF_INET6:
@@ -609,15 +669,16 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                 sock.bind((wildcard, port))
                 if kind == socket.SOCK_STREAM:
                     sock.listen(BACKLOG)
-                got = port or int(sock.getsockname()[1])
-                self._used.add((af, proto, got))
-                return sock, got
+                self._used.add((af, proto, port))
+                return sock, port
             except OSError as exc:
                 sock.close()
-                last = exc
                 if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
-                    break
-        raise OSError(last.errno if last else errno.EADDRINUSE, f"no proxy port free: {last}")
+                    raise OSError(exc.errno, f"proxy socket {proto}/{port}: {exc.strerror}") from None
+                busy += port not in first
+        lo, hi = self.port_span()
+        held = sum(1 for a, p, n in self._used if a == af and p == proto and lo <= n <= hi)
+        raise ProxyPortsExhausted(fam, proto, (lo, hi), held, busy)
 
     # ------------------------------------------------------------------------------------------ apply
 
@@ -634,6 +695,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
 
     def _apply(self, batch: Batch[Fragment, FamilyContext]) -> Applied:
         self.start()
+        span = render.proxy_ports_element(self.port_span())  # resolved here: bind_all runs on the kernel's thread
         fam = batch.family
         t0 = time.perf_counter()
         adopted = batch.adopted if isinstance(batch.adopted, Adopted) else None
@@ -705,9 +767,14 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                     port = self._ports.get(ident)
                     if port is None:
                         want_port = preferred.get(lst.role)
+                        if want_port and not self.in_span(want_port):
+                            want_port = None  # a port of an earlier range: moved into this one
                         taken = self._take_over(fam, frag.proto, want_port) if want_port else None
                         try:
                             sock, port = taken or self._bind(fam, frag.proto, want_port)
+                        except ProxyPortsExhausted as exc:
+                            refused[spn] = str(exc)
+                            break
                         except OSError as exc:
                             refused[spn] = f"proxy socket: {exc}"
                             break
@@ -749,6 +816,10 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                     tx.add(f"flush set {f} {render.TABLE} {render.NODEPORT_CIDRS}")
                 if cidrs:
                     tx.add(f"add element {f} {render.TABLE} {render.NODEPORT_CIDRS} {{ {', '.join(cidrs)} }}")
+            if fresh or adopted is None or adopted.proxy_ports != (span,):
+                if not fresh:
+                    tx.add(f"flush set {f} {render.TABLE} {render.PROXY_PORTS}")
+                tx.add(f"add element {f} {render.TABLE} {render.PROXY_PORTS} {{ {span} }}")
             if not kernel:  # nothing there (a fresh table): every element is an add, no diff to compute
                 for spn, elems in want.items():
                     c = comments[spn]

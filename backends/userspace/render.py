@@ -23,7 +23,7 @@ from kproxy.nodeaddr import LOOPBACK, FamilyContext
 
 TABLE = "kproxy-userspace"
 #: bumped whenever the fixed part's shape changes: a table of another layout is replaced whole
-LAYOUT = "layout-kproxy-userspace-1"
+LAYOUT = "layout-kproxy-userspace-2"
 
 SERVICE_IPS = "service-ips"  # address . proto . port : verdict
 SERVICE_PORTS = "service-ports"  # address . proto . port : proxy port
@@ -31,6 +31,7 @@ SERVICE_NODEPORTS = "service-nodeports"  # proto . port : verdict
 NODEPORT_PORTS = "nodeport-ports"  # proto . port : proxy port
 FIREWALL = "firewall-allow"  # address . proto . port . source interval
 NODEPORT_CIDRS = "nodeport-cidrs"
+PROXY_PORTS = "proxy-ports"  # the proxy port range (an interval of inet_service): the guard's match
 #: maps and sets whose elements belong to one service each (comment: the service key)
 SERVICE_MAPS = (SERVICE_IPS, SERVICE_PORTS, SERVICE_NODEPORTS, NODEPORT_PORTS, FIREWALL)
 PORT_MAPS = {SERVICE_IPS: SERVICE_PORTS, SERVICE_NODEPORTS: NODEPORT_PORTS}
@@ -39,6 +40,7 @@ REDIRECT_SVC = "redirect-svc"
 REDIRECT_NP = "redirect-np"
 REJECT = "reject-chain"
 FIREWALL_CHAIN = "firewall"
+GUARD = "proxy-guard"
 
 V_REDIRECT_SVC = f"goto {REDIRECT_SVC}"
 V_REDIRECT_NP = f"goto {REDIRECT_NP}"
@@ -248,7 +250,33 @@ def fixed_commands(family: IPFamily) -> list[str]:
         f"add rule {f} {t} prerouting jump services",
         f"add chain {f} {t} output {{ type nat hook output priority -100; policy accept; }}",
         f"add rule {f} {t} output jump services",
+        *guard_commands(family),
     ]
+
+
+def guard_commands(family: IPFamily) -> list[str]:
+    """The input guard: a new connection (or UDP flow) to a port of the proxy port range is taken only when a
+    redirect of this table sent it there (conntrack marks a redirected flow ``dnat``); anything else, a client
+    dialling ``nodeIP:<proxy port>`` straight past the service rules (and past ``loadBalancerSourceRanges``), is
+    refused as a closed port would be. Replies to the node's own connections from a port of the range (a range
+    that overlaps the ephemeral one) are another flow's reply direction and pass."""
+    f, t = nft_family(family), TABLE
+    return [
+        f"add set {f} {t} {PROXY_PORTS} {{ type inet_service; flags interval; }}",
+        f"add chain {f} {t} {GUARD}",
+        f"add rule {f} {t} {GUARD} ct direction reply accept",
+        f"add rule {f} {t} {GUARD} ct status dnat accept",
+        f"add rule {f} {t} {GUARD} reject with tcp reset",  # nft adds the implied "meta l4proto tcp" itself
+        f"add rule {f} {t} {GUARD} reject",
+        f"add chain {f} {t} input {{ type filter hook input priority filter; policy accept; }}",
+        f"add rule {f} {t} input meta l4proto {{ tcp, udp }} th dport @{PROXY_PORTS} jump {GUARD}",
+    ]
+
+
+def proxy_ports_element(port_range: tuple[int, int]) -> str:
+    """The ``proxy-ports`` set's one element for ``(first, last)``."""
+    lo, hi = port_range
+    return f"{lo}-{hi}" if hi > lo else str(lo)
 
 
 def nodeport_cidrs(ctx: FamilyContext) -> tuple[str, ...]:

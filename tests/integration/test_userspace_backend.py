@@ -399,3 +399,41 @@ def test_a_second_instance_in_one_process_takes_the_sockets_over(lab: Lab, proxi
         assert set(udp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
     finally:
         fresh.close()
+
+
+NODE_IP, NODE_IP6 = "198.18.100.1", "fd00:198:18:100::1"  # the node's addresses on the client's link
+EXT_IP = "198.18.150.1"  # an externalIP, routed to the node by the client's default route
+
+
+def test_proxy_ports_take_only_redirected_traffic(lab: Lab, proxier: UserspaceProxier) -> None:
+    """A client outside the node reaching a ClusterIP-only service's proxy socket straight through
+    ``nodeIP:<proxy port>`` (or a firewalled load balancer's, bypassing its source ranges) is refused, in both
+    families and for UDP too; the node's own direct connection as well. ClusterIP, NodePort and externalIP paths
+    (each redirected) still reach the endpoints."""
+    web = sp("web", TWO)
+    dns = sp("dns", TWO, Protocol.UDP)
+    web6 = sp("web6", (("fd00:198:18:101::2", 8081),), family=IPFamily.V6)
+    lb = sp("lb", TWO, port=82, load_balancer_ips=("198.18.150.2",), load_balancer_source_ranges=("198.18.99.0/24",))
+    npt = sp("np", TWO, port=83, node_port=30083, external_ips=(EXT_IP,))
+    res = proxier.sync(state(web, dns, web6, lb, npt), Changes(full=True))
+    assert res.ok and not res.failed, res.error
+
+    def port(s: ServicePort) -> int:
+        return proxier._ports[(s.family, s.name, "c")]
+
+    # the redirected paths work: ClusterIP from a pod and from the node, NodePort and externalIP from outside
+    assert tcp(lab.client, CIP)[0] in ("ep1", "ep2")
+    assert tcp(lab.node, CIP)[0] in ("ep1", "ep2")
+    assert udp(lab.client, CIP)[0] in ("ep1", "ep2")
+    assert tcp(lab.client, CIP6) == ["ep1"]
+    assert tcp(lab.client, NODE_IP, 30083)[0] in ("ep1", "ep2")
+    assert tcp(lab.client, EXT_IP, 83)[0] in ("ep1", "ep2")
+    # straight to the proxy sockets: refused
+    assert tcp(lab.client, NODE_IP, port(web)) == ["ConnectionRefusedError"]
+    assert tcp(lab.client, NODE_IP, port(lb)) == ["ConnectionRefusedError"]  # loadBalancerSourceRanges hold
+    assert tcp(lab.client, NODE_IP, port(npt)) == ["ConnectionRefusedError"]
+    assert udp(lab.client, NODE_IP, port(dns)) == ["ConnectionRefusedError"]
+    assert tcp(lab.client, NODE_IP6, port(web6)) == ["ConnectionRefusedError"]
+    assert tcp(lab.node, "127.0.0.1", port(web)) == ["ConnectionRefusedError"]
+    # and the ClusterIP still works after those attempts (nothing was torn down by them)
+    assert set(tcp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
