@@ -85,7 +85,8 @@ def test_configmap_parses_and_names_the_mode(
     rendered: dict[str, list[dict[str, Any]]], mode: str, tmp_path: Path
 ) -> None:
     path = tmp_path / "config.conf"
-    path.write_text(config_doc(rendered[mode]))
+    # the values of the user's cluster ship as placeholders (test_deploy_cluster_inputs.py): filled in as a user does
+    path.write_text(config_doc(rendered[mode]).replace("REPLACE-ME-pod-cidr", "198.18.64.0/18"))
     values = load_config_file(path)
     assert values["mode"] == mode
     cfg = build_config(values, {})
@@ -111,6 +112,9 @@ def test_daemonset_shape(rendered: dict[str, list[dict[str, Any]]], mode: str) -
     c = container(rendered[mode])
     assert c["image"] == "kproxy:0.1.0"
     assert c["command"] == [
+        "python",
+        "-m",
+        "kproxy.preflight",  # refuses the ConfigMap's REPLACE-ME placeholders (test_deploy_cluster_inputs.py)
         "kproxy",
         "run",
         "--config",
@@ -234,7 +238,8 @@ def test_container_argv_follows_the_overlay(
     mounted = {v.split(":")[1] for v in values("--volume")}
     assert {m["mountPath"] for m in container(rendered[mode])["volumeMounts"]} <= mounted
     i = argv.index("localhost/kproxy:test")
-    assert argv[i + 1 : i + 6] == ["kproxy", "run", "--config", "/var/lib/kproxy/config.conf", "--hostname-override"]
-    assert argv[i + 6] == "node-1"  # $(NODE_NAME), as the kubelet expands it
+    assert argv[i + 1 : i + 4] == ["python", "-m", "kproxy.preflight"]
+    assert argv[i + 4 : i + 9] == ["kproxy", "run", "--config", "/var/lib/kproxy/config.conf", "--hostname-override"]
+    assert argv[i + 9] == "node-1"  # $(NODE_NAME), as the kubelet expands it
     if mode == "bpf":
         assert "/run/kproxy/cgroupv2/kpu-n1" in argv  # the lab's cgroup2 mount, where the overlay mounts it
