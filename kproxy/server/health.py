@@ -2,10 +2,10 @@
 
 A copy of the semantics of upstream's newest per-family ``ProxyHealthServer`` (``pkg/proxy/healthcheck/
 proxy_health.go``): per IP family, ``queued_update`` records the oldest change not yet applied (only if none is
-recorded) and ``updated`` records a successful sync and clears it. kproxy is unhealthy iff some family has had an
-update queued for ``health_timeout`` or longer (upstream: 2 x syncPeriod). It is healthy while starting up.
-``/healthz`` additionally requires the node to be eligible (not being deleted, not tainted
-``ToBeDeletedByClusterAutoscaler``); ``/livez`` ignores eligibility.
+recorded) and ``updated`` records a successful sync and clears it. The proxy is unhealthy iff some family has had an
+update queued for ``health_timeout`` or longer (upstream: 2 x syncPeriod). ``/healthz`` additionally requires the
+node to be eligible (not being deleted, not tainted ``ToBeDeletedByClusterAutoscaler``); ``/livez`` ignores
+eligibility.
 
 Response bodies are what upstream's ``json.Marshal(ProxyHealth)`` writes: compact JSON with, in order,
 ``lastUpdated``, ``currentTime``, ``nodeEligible`` (``/healthz`` only), ``healthy`` and ``status`` (per family
@@ -13,12 +13,19 @@ Response bodies are what upstream's ``json.Marshal(ProxyHealth)`` writes: compac
 fractional seconds, UTC as ``Z``; the zero time is ``0001-01-01T00:00:00Z``). When healthy, ``lastUpdated`` is
 reported as the current time, as upstream does for compatibility.
 
-One deliberate difference: upstream only looks at families that have completed at least one sync (it iterates
-its lastUpdated map), so a family whose first sync never succeeds stays "healthy" forever. Here a queued update
-counts whether or not the family ever synced, as upstream's own ``QueuedUpdate`` documentation promises.
+Two deliberate differences from upstream:
 
-Who uses it: the daemon (queued_update / updated around syncs, set_node_eligible from the Node watch), the
-HTTP servers (``HealthzServer`` renders ``healthz()`` / ``livez()``; ``ServiceHealthServer`` asks ``healthy()``).
+- ``/healthz`` answers 503 (``"healthy": false``) until every configured family has synced once. Upstream is
+  healthy while starting up (its sync loop marks each family updated before the first sync has run), so a
+  DaemonSet readiness probe or a load balancer would count a node whose rules are not yet programmed as ready.
+  ``/livez`` and ``healthy()`` (what the healthCheckNodePort servers report) keep upstream's startup grace: a
+  liveness probe must not restart a proxy whose first list of a large cluster is slow.
+- Upstream only looks at families that have completed at least one sync (it iterates its lastUpdated map), so a
+  family whose first sync never succeeds stays "healthy" forever. Here a queued update counts whether or not the
+  family ever synced, as upstream's own ``QueuedUpdate`` documentation promises.
+
+The daemon calls queued_update / updated around syncs and set_node_eligible from the Node watch; ``HealthzServer``
+renders ``healthz()`` / ``livez()`` and ``ServiceHealthServer`` asks ``healthy()``.
 """
 
 from __future__ import annotations
@@ -55,12 +62,14 @@ class FamilyHealth:
 
 @dataclass(frozen=True, slots=True)
 class Health:
-    """One consistent reading: overall health, the newest update of any family, and per-family status."""
+    """One consistent reading: overall health, the newest update of any family, per-family status, and whether
+    every configured family has synced at least once."""
 
     healthy: bool
     last_updated: float | None
     current_time: float
     status: dict[IPFamily, FamilyHealth]
+    synced: bool = True
 
 
 class ProxyHealth:
@@ -121,20 +130,21 @@ class ProxyHealth:
                 late = queued is not None and mono - queued >= self.health_timeout
                 status[family] = FamilyHealth(self._last_updated.get(family), not late)
             last = max(self._last_updated.values(), default=None)
-            return Health(all(s.healthy for s in status.values()), last, now, status)
+            synced = all(f in self._last_updated for f in self.families)
+            return Health(all(s.healthy for s in status.values()), last, now, status, synced)
 
     def healthy(self) -> bool:
         """The proxy's own health (node eligibility not considered): what service health checks report."""
         return self.health().healthy
 
-    def _body(self, health: Health, healthy: bool, eligible: bool | None) -> dict[str, Any]:
+    def _body(self, health: Health, healthy: bool, eligible: bool | None, proxy_ok: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
             "lastUpdated": go_time(health.current_time if healthy else health.last_updated),
             "currentTime": go_time(health.current_time),
         }
         if eligible is not None:
             body["nodeEligible"] = eligible
-        body["healthy"] = health.healthy
+        body["healthy"] = proxy_ok
         if health.status:
             body["status"] = {
                 fam.value: {"lastUpdated": go_time(st.last_updated), "healthy": st.healthy}
@@ -143,13 +153,15 @@ class ProxyHealth:
         return body
 
     def healthz(self) -> tuple[int, dict[str, Any]]:
-        """Status code and body of ``/healthz``: 200 iff healthy and the node is eligible, else 503."""
+        """Status code and body of ``/healthz``: 200 iff every family has synced once, none is late and the node is
+        eligible, else 503. The body's ``healthy`` is the proxy's part of that (synced and not late)."""
         health = self.health()
         eligible = self.node_eligible
-        ok = health.healthy and eligible
-        return (200 if ok else 503), self._body(health, ok, eligible)
+        proxy_ok = health.healthy and health.synced
+        ok = proxy_ok and eligible
+        return (200 if ok else 503), self._body(health, ok, eligible, proxy_ok)
 
     def livez(self) -> tuple[int, dict[str, Any]]:
         """Status code and body of ``/livez``: like ``/healthz`` but node eligibility is ignored (and not shown)."""
         health = self.health()
-        return (200 if health.healthy else 503), self._body(health, health.healthy, None)
+        return (200 if health.healthy else 503), self._body(health, health.healthy, None, health.healthy)

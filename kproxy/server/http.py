@@ -5,15 +5,21 @@ with upstream's status codes, headers and JSON, and counts ``kubeproxy_proxy_hea
 ``kubeproxy_proxy_livez_total{code}``. ``MetricsServer`` (upstream default ``127.0.0.1:10249``) serves
 ``/metrics`` (Prometheus text from kproxy's own registry), ``/proxyMode`` (the mode name as plain text),
 ``/configz`` (the effective KubeProxyConfiguration under its API group name, as upstream's configz handler does),
-``/healthz`` (plain ``ok``) and kproxy's ``/rules[?service=ns/name:port]`` (how services are programmed, as JSON).
-Any other path gets Go's ``404 page not found``.
+``/healthz`` (plain ``ok``) and kproxy's own JSON: ``/rules`` (how services are programmed), ``/verify`` (the kernel
+read back against the last sync) and ``/trace``. Any other path gets Go's ``404 page not found``.
 
-Threads, not asyncio: each server is a ``ThreadingHTTPServer`` in a daemon thread, one short-lived daemon thread
-per connection; handlers only read thread-safe objects (health, metrics, the callables they were given). Access
-logs go to this module's logger at debug level. Wildcard binds (``0.0.0.0``, ``::`` or an empty host) listen
-dual-stack on ``[::]`` when the host has IPv6, as Go's listener does, and on ``0.0.0.0`` otherwise.
+``/rules`` query parameters: ``service=ns/name[:port][/PROTO]`` narrows the answer to one service (400 if
+malformed, 404 if nothing matches); ``limit=N`` with ``offset=M`` (0-based) or ``page=P`` (1-based, ``limit``
+defaulting to ``DEFAULT_PAGE_SIZE``) returns only that slice of the ``services`` mapping, keys in sorted order, with
+``"page": {"offset", "limit", "total", "next"}`` added (``next`` is the offset of the following page, null on the
+last). Without them the answer is whole, as before. ``/rules`` and ``/verify`` are produced one at a time.
 
-Who uses it: the daemon (starts both), ``service_health`` (``listen_socket``), tests.
+Threads, not asyncio: each server's accept loop runs in a daemon thread and gives each admitted connection a
+short-lived daemon thread; how many, and how much of a request is read, is bounded as ``connections`` describes
+(hostile clients: slow, oversized, malformed, too many). Handlers only read thread-safe objects (health, metrics,
+the callables they were given). Access logs go to the logger at debug level. Wildcard binds (``0.0.0.0``, ``::``
+or an empty host) listen dual-stack on ``[::]`` when the host has IPv6, as Go's listener does, and on ``0.0.0.0``
+otherwise.
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ import socket
 import socketserver
 import threading
 from collections.abc import Callable, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -33,6 +38,7 @@ from prometheus_client import generate_latest
 
 from kproxy.config import parse_hostport
 from kproxy.metrics import Metrics
+from kproxy.server.connections import Admission, BoundedHandler, start_connection
 from kproxy.server.health import ProxyHealth
 
 log = logging.getLogger(__name__)
@@ -43,7 +49,9 @@ TEXT = "text/plain; charset=utf-8"
 JSON = "application/json"
 CONFIGZ_GROUP = "kubeproxy.config.k8s.io"  # upstream registers its configz under the API group name
 _WILDCARDS = ("", "0.0.0.0", "::")
-_IDLE_TIMEOUT = 30.0  # seconds a kept-alive connection may sit idle
+# How long a /rules or /verify request waits for the one before it (each can take seconds on a large node).
+EXPENSIVE_WAIT = 10.0
+DEFAULT_PAGE_SIZE = 100  # services per /rules page when ?page= is given without ?limit=
 _SHUTDOWN_POLL = 0.1  # seconds: how quickly close() stops the accept loop (socketserver polls for shutdown)
 
 
@@ -98,17 +106,9 @@ def json_response(status: int, obj: Any, compact: bool = True) -> Response:
 NOT_FOUND = Response(404, TEXT, b"404 page not found\n", {"X-Content-Type-Options": "nosniff"})
 
 
-class QuietHandler(BaseHTTPRequestHandler):
-    """A request handler that answers every method through ``respond`` and logs at debug level only."""
-
-    protocol_version = "HTTP/1.1"
-    timeout = _IDLE_TIMEOUT
-    # One buffered write per response (flushed by handle_one_request) and no Nagle: otherwise headers and body
-    # go out as two segments and a keep-alive client waits ~40 ms for the delayed ACK on every request.
-    wbufsize = 1 << 16
-    disable_nagle_algorithm = True
-    server_version = "kproxy"
-    sys_version = ""
+class QuietHandler(BoundedHandler):
+    """A bounded request handler (see ``connections``) that answers every method through ``respond`` and logs at
+    debug level only."""
 
     def respond(self) -> Response:  # overridden
         return NOT_FOUND
@@ -134,52 +134,50 @@ class QuietHandler(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self._serve(send_body=False)
 
-    def do_POST(self) -> None:
-        self._drain_body()
-        self._serve()
-
-    do_PUT = do_POST
+    do_POST = do_GET
+    do_PUT = do_GET
     do_DELETE = do_GET
     do_OPTIONS = do_GET
 
-    def _drain_body(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if 0 < length <= 1 << 20:
-            self.rfile.read(length)
-        elif length:
-            self.close_connection = True
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
+class _Server(socketserver.TCPServer):
+    """The accept loop around a socket we bound ourselves (no reverse DNS in server_bind): each connection gets a
+    thread only if ``admission`` lets it in, else a canned 503 from this loop, which never waits on a client."""
 
-    def log_error(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
-
-
-class _Server(ThreadingHTTPServer):
-    """A ThreadingHTTPServer around a socket we bound ourselves (no reverse DNS in server_bind)."""
-
-    daemon_threads = True
-
-    def __init__(self, sock: socket.socket, handler: type[BaseHTTPRequestHandler]) -> None:
+    def __init__(self, sock: socket.socket, handler: type[QuietHandler], admission: Admission, name: str) -> None:
         address = sock.getsockname()
         socketserver.BaseServer.__init__(self, address, handler)
+        sock.setblocking(False)  # a connection reset between select() and accept() must not block the loop
         self.socket = sock
         self.address_family = sock.family
         self.server_name = str(address[0])
         self.server_port = int(address[1])
+        self.handler = handler
+        self.admission = admission
+        self.name = name
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        start_connection(self.admission, None, self.handler, request, client_address, self, self.name)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.exception("%s server: accepting a connection from %s failed", self.name, client_address)
 
 
 class _BackgroundServer:
     """Common start/close/port for the two servers."""
 
     name = "http"
+    max_connections = 16
 
     def __init__(self, bind: str) -> None:
         self.bind = bind
         self.host, self._requested_port = parse_hostport(bind, self.name)
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        # Room for this many evicted connections still closing: they are already shut down, so they go in
+        # microseconds, and a crowd of new connections cannot push the thread count past max_connections + spare.
+        spare = max(2, self.max_connections // 4)
+        self.admission = Admission(self.max_connections, self.max_connections, spare)
 
     def _handler(self) -> type[QuietHandler]:
         raise NotImplementedError
@@ -189,7 +187,7 @@ class _BackgroundServer:
         if self._server is not None:
             return
         sock = listen_socket(self.host, self._requested_port)
-        self._server = _Server(sock, self._handler())
+        self._server = _Server(sock, self._handler(), self.admission, self.name)
         self._thread = threading.Thread(
             target=self._server.serve_forever, args=(_SHUTDOWN_POLL,), name=f"{self.name}-server", daemon=True
         )
@@ -222,6 +220,9 @@ class HealthzServer(_BackgroundServer):
     """``/healthz`` and ``/livez`` exactly as upstream's proxy health server answers them."""
 
     name = "healthz"
+    # Kubelet probes and a few load-balancer checkers per node, each a short request: 64 at once is ample, and the
+    # eviction of waiting connections (see connections.Admission) keeps a slow crowd from taking them all.
+    max_connections = 64
 
     def __init__(self, bind: str, health: ProxyHealth, metrics: Metrics) -> None:
         super().__init__(bind)
@@ -257,17 +258,68 @@ def _answer(produce: Callable[[], dict[str, Any]]) -> Response:
         return json_response(404, {"error": str(exc)})
 
 
+def _query_int(query: Mapping[str, list[str]], name: str, minimum: int) -> int | None:
+    values = query.get(name)
+    if not values:
+        return None
+    text = values[0].strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > 9 or int(text) < minimum:
+        raise ValueError(f"{name} must be a whole number >= {minimum}, not {values[0][:40]!r}")
+    return int(text)
+
+
+def parse_page(query: Mapping[str, list[str]]) -> tuple[int, int] | None:
+    """``(offset, limit)`` from ``limit`` with ``offset`` or ``page`` (1-based), or None: no paging asked.
+
+    ValueError (400) for a malformed number or for ``offset`` and ``page`` together."""
+    limit = _query_int(query, "limit", 1)
+    offset = _query_int(query, "offset", 0)
+    page = _query_int(query, "page", 1)
+    if offset is not None and page is not None:
+        raise ValueError("give offset or page, not both")
+    if limit is None and offset is None and page is None:
+        return None
+    size = limit if limit is not None else DEFAULT_PAGE_SIZE
+    return (offset if offset is not None else ((page or 1) - 1) * size), size
+
+
+def page_services(produced: dict[str, Any], offset: int, limit: int) -> dict[str, Any]:
+    """``produced`` with its ``services`` mapping (top level, or under ``backend`` as the daemon's ``/rules`` has
+    it) cut to ``limit`` service keys from ``offset`` in sorted order, the matching ``detail.services`` alongside,
+    and a ``page`` object: ``{"offset", "limit", "total", "next"}`` (``next`` is the next offset, or null)."""
+    out = dict(produced)
+    holder = out
+    if not isinstance(out.get("services"), Mapping) and isinstance(out.get("backend"), Mapping):
+        holder = out["backend"] = dict(out["backend"])
+    services = holder.get("services")
+    keys = sorted(services) if isinstance(services, Mapping) else []
+    kept = keys[offset : offset + limit]
+    if isinstance(services, Mapping):
+        holder["services"] = {k: services[k] for k in kept}
+        detail = holder.get("detail")
+        if isinstance(detail, Mapping) and isinstance(detail.get("services"), Mapping):
+            holder["detail"] = {**detail, "services": {k: v for k, v in detail["services"].items() if k in kept}}
+    end = offset + len(kept)
+    out["page"] = {"offset": offset, "limit": limit, "total": len(keys), "next": end if end < len(keys) else None}
+    return out
+
+
 class MetricsServer(_BackgroundServer):
-    """``/metrics``, ``/proxyMode``, ``/configz``, ``/healthz``, ``/rules`` and ``/trace``.
+    """``/metrics``, ``/proxyMode``, ``/configz``, ``/healthz``, ``/rules``, ``/verify`` and ``/trace``.
 
     ``configz()`` returns the effective KubeProxyConfiguration as a dict (served as
     ``{"kubeproxy.config.k8s.io": ...}``). ``rules(service)`` returns how services are programmed, for one service
     (``ns/name:port`` from ``?service=``) or all (None); it may raise ValueError (400) or LookupError (404).
+    ``/rules`` also takes ``limit`` with ``offset`` or ``page`` (see ``page_services``). ``verify()`` (optional)
+    reads the kernel back. ``rules`` and ``verify`` are expensive (several KB per service; a kernel dump), so one
+    runs at a time: a request that waits longer than ``EXPENSIVE_WAIT`` for its turn gets 503 with Retry-After.
     ``trace(query)`` (optional) answers ``/trace?src=IP&dst=IP&dport=N&proto=tcp[&src_local=1][&dst_local=1]``:
     where such a packet would go; same error mapping.
     """
 
     name = "metrics"
+    # Scrapers and operators on (by default) 127.0.0.1: a handful at once; /rules and /verify are serialised anyway.
+    max_connections = 16
 
     def __init__(
         self,
@@ -286,6 +338,29 @@ class MetricsServer(_BackgroundServer):
         self.rules = rules
         self.trace = trace
         self.verify = verify
+        self._expensive = threading.Lock()
+
+    def _serialised(self, produce: Callable[[], dict[str, Any]]) -> Response:
+        """``_answer(produce)`` once no other expensive answer is being produced (JSON encoding included)."""
+        if not self._expensive.acquire(timeout=EXPENSIVE_WAIT):
+            resp = json_response(503, {"error": "busy producing another /rules or /verify answer; retry"})
+            resp.headers["Retry-After"] = "1"
+            return resp
+        try:
+            return _answer(produce)
+        finally:
+            self._expensive.release()
+
+    def _rules(self, query: str) -> Response:
+        parsed = parse_qs(query)
+        service = (parsed.get("service") or [""])[0] or None
+        try:
+            page = parse_page(parsed)
+        except ValueError as exc:
+            return json_response(400, {"error": str(exc)})
+        if page is None:
+            return self._serialised(lambda: self.rules(service))
+        return self._serialised(lambda: page_services(self.rules(service), *page))
 
     def _handler(self) -> type[QuietHandler]:
         outer = self
@@ -303,11 +378,9 @@ class MetricsServer(_BackgroundServer):
                 if parts.path == "/configz":
                     return json_response(200, {CONFIGZ_GROUP: outer.configz()})
                 if parts.path == "/rules":
-                    values = parse_qs(parts.query).get("service") or [""]
-                    service = values[0] or None
-                    return _answer(lambda: outer.rules(service))
+                    return outer._rules(parts.query)
                 if parts.path == "/verify" and outer.verify is not None:
-                    return _answer(outer.verify)
+                    return outer._serialised(outer.verify)
                 if parts.path == "/trace" and outer.trace is not None:
                     query = {k: v[0] for k, v in parse_qs(parts.query).items() if v}
                     trace = outer.trace

@@ -9,10 +9,12 @@ else 503, with ``X-Load-Balancing-Endpoint-Weight: <local endpoints>`` and upstr
 
 Threads: a cluster may have hundreds of such services, so instead of a thread per listener one acceptor thread
 waits on every listening socket with a selector and hands each accepted connection to a short-lived daemon
-thread (at most ``MAX_CONNECTIONS`` at once; beyond that new connections are closed, since a health checker
-simply retries).
-
-Who uses it: the daemon, after every sync (``sync_services``, ``sync_endpoints``).
+thread. Each service has a budget of its own (``PER_SERVICE_CONNECTIONS``) within a cap for all of them
+(``MAX_CONNECTIONS``): when a service or the whole server is at its limit, the oldest connection that is only
+waiting (idle, or dribbling its request) is evicted, from that service first, else from the service holding the most
+connections, so slow clients of one service, or of all, cannot keep another service's load balancer from its
+answer. Requests are read under the bounds of ``connections`` (header bytes, a whole-request deadline, 400 for
+malformed ones). The daemon calls ``sync_services`` and ``sync_endpoints`` after every sync.
 """
 
 from __future__ import annotations
@@ -25,12 +27,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kproxy.model import NamespacedName
+from kproxy.server.connections import Admission, start_connection
 from kproxy.server.health import ProxyHealth
 from kproxy.server.http import JSON, QuietHandler, Response, listen_socket
 
 log = logging.getLogger(__name__)
 
+# A load balancer checks a node from a few prober hosts, each with a short request every few seconds: 16 at once per
+# service is ample, and bounds what slow clients of one service can hold.
+PER_SERVICE_CONNECTIONS = 16
+# Threads for all services together (each holds at most about 20 KB of request): past it, eviction makes room.
 MAX_CONNECTIONS = 256
+# Evicted connections still closing (already shut down, gone in microseconds): the thread count stays below
+# MAX_CONNECTIONS + EVICTING_SPARE however fast new connections come.
+EVICTING_SPARE = 64
 
 ListenError = Callable[[NamespacedName, int, str], None]
 
@@ -90,7 +100,7 @@ class ServiceHealthServer:
         self._selector: selectors.BaseSelector | None = None
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.admission = Admission(PER_SERVICE_CONNECTIONS, MAX_CONNECTIONS, EVICTING_SPARE)
         self._closed = False
         self._thread: threading.Thread | None = None  # started with the first listener
 
@@ -234,27 +244,7 @@ class ServiceHealthServer:
         except OSError as exc:  # closed between select and accept
             log.debug("healthcheck accept for %s: %s", nsn, exc)
             return
-        if not self._slots.acquire(blocking=False):
-            log.warning("healthcheck for %s: %d connections open, dropping one", nsn, MAX_CONNECTIONS)
-            conn.close()
-            return
-        conn.setblocking(True)
-        threading.Thread(target=self._handle, args=(conn, peer, nsn), name="service-health-conn", daemon=True).start()
-
-    def _handle(self, conn: socket.socket, peer: tuple[str, int], nsn: NamespacedName) -> None:
-        try:
-            _Handler(conn, peer, _Context(self, nsn))  # type: ignore[arg-type]
-        except OSError as exc:
-            log.debug("healthcheck connection from %s for %s: %s", peer, nsn, exc)
-        except Exception:
-            log.exception("healthcheck handler for %s failed", nsn)
-        finally:
-            try:
-                conn.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-            conn.close()
-            self._slots.release()
+        start_connection(self.admission, nsn, _Handler, conn, peer, _Context(self, nsn), "service-health")
 
     def _answer(self, nsn: NamespacedName) -> Response:
         with self._lock:

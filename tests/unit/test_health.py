@@ -31,8 +31,35 @@ def test_go_time_format() -> None:
     assert go_time(None) == ZERO_TIME == "0001-01-01T00:00:00Z"
 
 
-def test_starting_up_is_healthy_with_upstreams_body() -> None:
+def test_healthz_is_503_until_every_family_synced_once_livez_is_not() -> None:
+    """The issue's DaemonSet rule: a node that never synced must not look ready (upstream is healthy at startup)."""
     h, clock = make()
+    code, body = h.healthz()
+    assert code == 503
+    assert body == {
+        "lastUpdated": ZERO_TIME,
+        "currentTime": go_time(clock.now),
+        "nodeEligible": True,
+        "healthy": False,
+    }
+    # /livez and the service health checks keep upstream's startup grace (a liveness probe must not restart us).
+    assert h.livez() == (200, {"lastUpdated": go_time(clock.now), "currentTime": go_time(clock.now), "healthy": True})
+    assert h.healthy()
+    h.updated(V4)
+    clock.now += 1
+    code, body = h.healthz()
+    assert code == 503 and body["healthy"] is False  # IPv6 has not synced yet
+    assert body["lastUpdated"] == go_time(T0) and body["status"] == {
+        "IPv4": {"lastUpdated": go_time(T0), "healthy": True}
+    }
+    h.updated(V6)
+    assert h.healthz()[0] == 200
+
+
+def test_synced_is_healthy_with_upstreams_body() -> None:
+    h, clock = make()
+    h.updated(V4)
+    h.updated(V6)
     code, body = h.healthz()
     assert code == 200
     assert body == {
@@ -40,11 +67,14 @@ def test_starting_up_is_healthy_with_upstreams_body() -> None:
         "currentTime": go_time(clock.now),
         "nodeEligible": True,
         "healthy": True,
+        "status": {
+            "IPv4": {"lastUpdated": go_time(clock.now), "healthy": True},
+            "IPv6": {"lastUpdated": go_time(clock.now), "healthy": True},
+        },
     }
-    assert list(body) == ["lastUpdated", "currentTime", "nodeEligible", "healthy"]
-    assert h.livez() == (200, {"lastUpdated": go_time(clock.now), "currentTime": go_time(clock.now), "healthy": True})
+    assert list(body) == ["lastUpdated", "currentTime", "nodeEligible", "healthy", "status"]
     # The compact JSON upstream's json.Marshal produces.
-    assert json.dumps(body, separators=(",", ":")) == (
+    assert json.dumps({k: v for k, v in body.items() if k != "status"}, separators=(",", ":")) == (
         '{"lastUpdated":"2023-11-14T22:13:20Z","currentTime":"2023-11-14T22:13:20Z","nodeEligible":true,"healthy":true}'
     )
 
@@ -112,9 +142,10 @@ def test_family_whose_first_sync_never_succeeds_becomes_unhealthy() -> None:
     h, clock = make()
     h.queued_update(V4)
     clock.now += 9
-    assert h.healthz()[0] == 200
+    assert h.livez()[0] == 200 and h.healthy()
     clock.now += 1
-    code, body = h.healthz()
+    assert not h.healthy()
+    code, body = h.livez()
     assert code == 503
     assert body["lastUpdated"] == ZERO_TIME
     assert body["status"] == {"IPv4": {"lastUpdated": ZERO_TIME, "healthy": False}}
@@ -123,6 +154,7 @@ def test_family_whose_first_sync_never_succeeds_becomes_unhealthy() -> None:
 def test_node_ineligible_fails_healthz_but_not_livez() -> None:
     h, clock = make()
     h.updated(V4)
+    h.updated(V6)
     clock.now += 3
     h.set_node_eligible(False)
     code, body = h.healthz()
