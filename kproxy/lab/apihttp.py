@@ -9,7 +9,7 @@ DELETED and entering it as ADDED, as the watch cache does, and an ERROR event wi
 resourceVersion older than the kept history); discovery for kubectl; and, when the Accept header asks for it, the
 ``meta.k8s.io`` Table that `kubectl get` prints (``kproxy.lab.apitable``). Faults (``Faults``, also over HTTP at
 /_faults) are applied here: watches dropped after N events or T seconds, requests failed with 500/503 or
-delayed; every request is logged (``ApiServer.requests``, GET /_requests).
+delayed, lists answered 200 with a malformed body (``bad_list``); every request is logged (``ApiServer.requests``, GET /_requests).
 
 One process may listen on several sockets, each optionally inside a named network namespace, so the lab's nodes
 and the test process on 127.0.0.1 reach the same store.
@@ -118,9 +118,11 @@ class _Handler(BaseHTTPRequestHandler):
     # --- plumbing
 
     def _send_json(self, code: int, body: Any) -> None:
-        data = json.dumps(body, separators=(",", ":")).encode()
+        self._send_bytes(code, json.dumps(body, separators=(",", ":")).encode(), "application/json")
+
+    def _send_bytes(self, code: int, data: bytes, content_type: str) -> None:
         self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -270,6 +272,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _list(self, res: Resource, namespace: str | None, query: dict[str, str]) -> None:
         api = self.server.api
+        bad = api.bad_list_answer(res)
+        if bad is not None:
+            self._send_bytes(200, *bad)
+            return
         match = selector_matcher(query.get("labelSelector", ""), query.get("fieldSelector", ""))
         token = query.get("continue", "")
         limit = int(query.get("limit") or 0)
@@ -742,6 +748,31 @@ class ApiServer:
             code = faults.error_code
             reason = "ServiceUnavailable" if code == 503 else "InternalError"
             raise ApiError(code, reason, f"injected fault: {code}")
+
+    def bad_list_answer(self, res: Resource) -> tuple[bytes, str] | None:
+        """The `bad_list` fault: the malformed 200 answer (body, content type) this list gets, or None."""
+        faults = self.faults
+        with self._lock:
+            shape = faults.bad_list
+            if not shape:
+                return None
+            if faults.bad_list_next > 0:
+                faults.bad_list_next -= 1
+                if faults.bad_list_next == 0:
+                    faults.bad_list = ""  # that was the last one
+        if shape == "not_json":
+            return b"<html><body>502 Bad Gateway</body></html>", "text/html"
+        meta = {"resourceVersion": str(self.store.resource_version)}
+        body: dict[str, Any] = {"kind": f"{res.kind}List", "apiVersion": res.api_version, "metadata": meta, "items": []}
+        if shape == "empty":
+            body = {}
+        elif shape == "wrong_kind":
+            body["kind"] = "EventList"
+        elif shape == "no_resource_version":
+            body["metadata"] = {}
+        elif shape == "items_not_a_list":
+            body["items"] = {}
+        return json.dumps(body).encode(), "application/json"
 
     # --- paginated lists keep their snapshot so every page is from the same resourceVersion
 

@@ -706,6 +706,11 @@ def selector_matcher(label_selector: str, field_selector: str) -> Callable[[Mapp
 # Faults
 
 
+# The malformed list answers the `bad_list` fault can give: an empty object; a well-formed empty list of another
+# kind; the right kind without a resourceVersion; the right kind whose items are not a list; not JSON at all.
+BAD_LIST_SHAPES = ("empty", "wrong_kind", "no_resource_version", "items_not_a_list", "not_json")
+
+
 @dataclass
 class Faults:
     """What to break, switchable at runtime.
@@ -722,11 +727,17 @@ class Faults:
     error_next: int = 0  # the next N API requests answered with error_code
     error_code: int = 503
     delay: float = 0.0  # seconds added to every API request
+    # lists (not watches, not gets) answered 200 with a malformed body, as a broken proxy in front of the API
+    # server might: one of BAD_LIST_SHAPES; with bad_list_next > 0 only that many lists, else every list
+    bad_list: str = ""
+    bad_list_next: int = 0
 
     def update(self, **values: Any) -> None:
         for key, value in values.items():
             if key not in Faults.__dataclass_fields__:
                 raise ValueError(f"unknown fault {key!r}")
+            if key == "bad_list" and value not in ("", *BAD_LIST_SHAPES):
+                raise ValueError(f"bad_list: {value!r} is not one of {', '.join(BAD_LIST_SHAPES)}")
             setattr(self, key, value)
 
     def reset(self) -> None:

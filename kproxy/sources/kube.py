@@ -4,6 +4,7 @@ Used by the daemon (`kproxy run`) to feed the cache (an `ObjectSink`) with Servi
 Node. Each kind has one `Reflector` thread that does what client-go's reflector does for upstream kube-proxy:
 
     list (paginated) -> sink.replace_*  -> mark_synced (once) -> watch from the list's resourceVersion
+      an answer that is not this kind's list with a resourceVersion -> nothing applied; back off and relist
       ADDED/MODIFIED -> upsert, DELETED -> delete, BOOKMARK -> remember the resourceVersion only
       watch ended normally or the connection broke -> watch again from the last resourceVersion (no relist)
       410 Expired (ERROR event or HTTP 410)        -> relist; the replace applies deletions missed meanwhile
@@ -80,6 +81,11 @@ class _Relist(Exception):
     """An ERROR watch event other than 410: state is unknown, relist after a back-off (as client-go does)."""
 
 
+class _BadList(Exception):
+    """A list answer that is not this kind's list (a broken proxy's `200 {}`, another kind, no resourceVersion):
+    nothing of it is applied; back off and list again, as for a failed request."""
+
+
 @dataclass
 class ReflectorStats:
     lists: int = 0  # full lists (the first one included)
@@ -87,6 +93,7 @@ class ReflectorStats:
     watch_ends: int = 0  # watches that ended normally (server timeout)
     errors: int = 0  # failed requests, broken connections, malformed events, sink failures
     expired: int = 0  # 410s that forced a relist
+    bad_lists: int = 0  # list answers refused unapplied (not this kind's list, no resourceVersion), also in errors
     events: int = 0  # ADDED/MODIFIED/DELETED applied
     bookmarks: int = 0
     last_rv: str = ""
@@ -203,6 +210,8 @@ class Reflector:
                     self._rv = ""
                 if isinstance(exc, _Relist):
                     self._rv = ""
+                if isinstance(exc, _BadList):
+                    self.stats.bad_lists += 1
                 if self._watch_lines > 0:
                     failures = 0  # the broken watch had made progress: retry soon, do not keep growing the delay
                 self.stats.errors += 1
@@ -220,6 +229,9 @@ class Reflector:
     # --- list
 
     def _list(self) -> str:
+        """List every page, check the answer, then hand it to the sink whole. A malformed answer (not this kind's
+        list, no resourceVersion) raises `_BadList` before the sink sees anything: believing a `200 {}` from a
+        broken proxy would replace every object with nothing."""
         items: list[dict[str, Any]] = []
         token = ""
         while True:
@@ -231,18 +243,24 @@ class Reflector:
             resp = self._list_fn(_preload_content=False, _request_timeout=(self.connect_timeout, 60.0), **kw)
             try:
                 body = json.loads(resp.data)
+            except ValueError as exc:
+                raise _BadList(f"list response is not JSON ({exc})") from None
             finally:
                 resp.release_conn()
-            for item in body.get("items") or []:
+            page, meta = self._check_page(body)
+            for item in page:
                 if isinstance(item, dict):
                     # List items come without kind/apiVersion; give them the same shape as watched objects.
                     item.setdefault("apiVersion", self._api_version)
                     item.setdefault("kind", self._object_kind)
                     items.append(item)
-            meta = body.get("metadata") or {}
             token = meta.get("continue") or ""
+            if not isinstance(token, str):
+                raise _BadList(f"metadata.continue is a {type(token).__name__}, not a string")
             if not token:
-                rv = str(meta.get("resourceVersion") or "")
+                rv = meta.get("resourceVersion")
+                if not isinstance(rv, str) or not rv:
+                    raise _BadList("list response without a resourceVersion")
                 break
         self.stats.lists += 1
         self.stats.last_rv = rv
@@ -254,9 +272,26 @@ class Reflector:
         if not self.synced.is_set():
             self.synced.set()
             self._synced_cb()
-        if not rv:
-            raise _Relist("list response without a resourceVersion")
         return rv
+
+    def _check_page(self, body: Any) -> tuple[list[Any], Mapping[str, Any]]:
+        """One page's items and metadata, once the page is known to be this kind's list; `_BadList` otherwise."""
+        want = f"{self._object_kind}List"
+        if not isinstance(body, dict):
+            raise _BadList(f"list response is a JSON {type(body).__name__}, not an object")
+        kind, api_version = body.get("kind"), body.get("apiVersion")
+        if kind != want or api_version != self._api_version:
+            got = f"{_short(kind)} {_short(api_version)}"
+            raise _BadList(f"list response is kind {got}, not {want} {self._api_version}")
+        meta = body.get("metadata")
+        if not isinstance(meta, dict):
+            raise _BadList("list response without metadata")
+        items = body.get("items")
+        if items is None:
+            return [], meta  # an empty list may come as null (a nil slice on the server)
+        if not isinstance(items, list):
+            raise _BadList(f"list response's items are a {type(items).__name__}, not a list")
+        return items, meta
 
     # --- watch
 
@@ -336,6 +371,15 @@ def _lines(resp: Any) -> Iterator[bytes]:
 
 def _too_large(exc: BaseException) -> bool:
     return isinstance(exc, ApiException) and exc.status == 504 and "Too large resource version" in str(exc.body or "")
+
+
+def _short(value: Any) -> str:
+    """A value from a server's answer, for a log line: repr'd (control characters escaped) and bounded."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value[:60])
+    return f"<{type(value).__name__}>"
 
 
 def _describe(exc: BaseException) -> str:
