@@ -4,7 +4,7 @@ It syncs through the same ledger as every real backend (its fragment is the Serv
 cover the delta, refusal and retry rules once for all modes; core tests drive the cache, runner, daemon, health and
 metrics through it, and ``kproxy bench sync --mode fake`` times the cache and ledger alone with it. ``fail_next``
 makes the next N syncs fail as a whole; ``reject`` makes the "kernel" refuse services (with a reason), one per
-apply, as iptables-restore stops at the first bad line.
+apply, as iptables-restore stops at the first bad line; ``capacity`` declares limits as a real mode does.
 
 Who uses it: tests/unit (daemon, ledger, servers, metrics), ``kproxy bench sync --mode fake``. It is registered as
 the ``fake`` entry point of ``kproxy.backends`` but never listed among the modes.
@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+from kproxy.admission import UNLIMITED, Limits
 from kproxy.config import ProxyConfig
 from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
@@ -37,6 +38,7 @@ class FakeProxier(LedgerProxier[ServicePort, FamilyContext]):
         self.batches: list[Batch[ServicePort, FamilyContext]] = []
         self.fail_next = 0
         self.reject: dict[ServicePortName, str] = {}  # services the "kernel" refuses, with the reason
+        self.capacity: Limits = UNLIMITED  # what the "kernel" can hold per family (``limits``)
         self.cleaned = False
         self.started = self.closed = False
 
@@ -76,7 +78,11 @@ class FakeProxier(LedgerProxier[ServicePort, FamilyContext]):
             timings=res.timings,
             need_full_sync=res.need_full_sync,
             failed_families=res.failed_families,
+            refused=res.refused,
         )
+
+    def limits(self, family: IPFamily) -> Limits:
+        return self.capacity
 
     def context(self, node: FamilyContext, state: ProxyState) -> FamilyContext:
         return node.without_addresses()

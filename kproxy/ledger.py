@@ -37,6 +37,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
+from kproxy.admission import UNLIMITED, Book, Limits
 from kproxy.config import ProxyConfig
 from kproxy.gcpause import collector_paused
 from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
@@ -127,21 +128,25 @@ class FamilyRecord(Generic[F, C]):
 
 @dataclass(frozen=True, slots=True)
 class Published(Generic[F]):
-    """An immutable view of one family's record, swapped in whole after each sync (``describe`` reads it)."""
+    """An immutable view of one family's record, swapped in whole after each sync (``describe`` reads it).
+    ``refused``: what the core's admission refused (``kproxy.admission``), as ``reason: message``."""
 
     services: Mapping[ServicePortName, ServicePort]
     fragments: Mapping[ServicePortName, F]
     failed: Mapping[ServicePortName, str]
+    refused: Mapping[ServicePortName, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def _empty_published() -> Published[Any]:
     return Published(MappingProxyType({}), MappingProxyType({}), MappingProxyType({}))
 
 
-def describe_port(sp: ServicePort | None, applied: bool, failed: str | None) -> ServiceDescription:
+def describe_port(
+    sp: ServicePort | None, applied: bool, failed: str | None, refused: str | None = None
+) -> ServiceDescription:
     """The common part of ``describe()`` for one service port of one family."""
     if sp is None:
-        return {"applied": applied, "failed": failed}
+        return {"applied": applied, "failed": failed or refused, "refused": refused}
     return {
         "clusterIP": sp.cluster_ip,
         "port": sp.port,
@@ -157,7 +162,8 @@ def describe_port(sp: ServicePort | None, applied: bool, failed: str | None) -> 
         "internalEndpoints": [str(e) for e in sp.internal_endpoints],
         "externalEndpoints": [str(e) for e in sp.external_endpoints],
         "applied": applied,
-        "failed": failed,
+        "failed": failed or refused,
+        "refused": refused,
     }
 
 
@@ -174,6 +180,8 @@ class LedgerProxier(Proxier, Generic[F, C]):
         super().__init__(config, netns=netns)
         self.families: tuple[IPFamily, ...] = tuple(f for f in (IPFamily.V4, IPFamily.V6) if f in config.ip_families)
         self.records: dict[IPFamily, FamilyRecord[F, C]] = {f: FamilyRecord() for f in self.families}
+        #: who holds which address, what fits (``kproxy.admission``): decided before anything is rendered
+        self.books: dict[IPFamily, Book] = {f: Book() for f in self.families}
         self._published: dict[IPFamily, Published[F]] = {f: _empty_published() for f in self.families}
         self._published_generation = 0
         self._node: NodeContext | None = None
@@ -202,6 +210,11 @@ class LedgerProxier(Proxier, Generic[F, C]):
         """Whether ``adopted`` (from ``adopt``) holds ``fragment`` for ``name`` exactly."""
         get = getattr(adopted, "get", None)
         return get is not None and get(name) == fragment
+
+    def limits(self, family: IPFamily) -> Limits:
+        """What this mode can hold in one family (id widths, map sizes, port ranges); the core refuses the service
+        ports that do not fit, before rendering them. Default: no limit."""
+        return UNLIMITED
 
     def needs_full(self, family: IPFamily) -> bool:
         """A cheap check at the start of a partial sync (rate-limit it): True when this mode's state vanished from
@@ -276,7 +289,12 @@ class LedgerProxier(Proxier, Generic[F, C]):
                     failed_families.add(fam)
         self._published_generation = state.generation
         timings["total"] = time.perf_counter() - t0
+        refused: dict[ServicePortName, str] = {}
+        for fam in self.families:
+            for spn, why in self.books[fam].refused.items():
+                refused.setdefault(spn, f"{why.reason}: {why.message}")
         return SyncResult(
+            refused=MappingProxyType(refused),
             ok=not errors,
             full=did_full,
             error="; ".join(errors) or None,
@@ -292,6 +310,7 @@ class LedgerProxier(Proxier, Generic[F, C]):
         for fam in self.families:
             self.records[fam] = FamilyRecord()
             self._published[fam] = _empty_published()
+            self.books[fam].forget()
 
     def cleanup(self) -> None:
         super().cleanup()
@@ -309,14 +328,14 @@ class LedgerProxier(Proxier, Generic[F, C]):
             pub = self._published[fam]  # one reference read: a consistent view even while a sync runs
             names: Iterable[ServicePortName]
             if key is not None:
-                names = [key] if key in pub.services or key in pub.failed else []
+                names = [key] if key in pub.services or key in pub.failed or key in pub.refused else []
             else:
-                names = sorted(set(pub.services) | set(pub.failed))
+                names = sorted(set(pub.services) | set(pub.failed) | set(pub.refused))
             for spn in names:
                 frag = pub.fragments.get(spn)
                 k = service_key(spn)
                 services.setdefault(k, {})[fam.value] = describe_port(
-                    pub.services.get(spn), frag is not None, pub.failed.get(spn)
+                    pub.services.get(spn), frag is not None, pub.failed.get(spn), pub.refused.get(spn)
                 )
                 if frag is not None:
                     detail.setdefault(k, {})[fam.value] = self.detail(spn, fam, frag)
@@ -349,8 +368,12 @@ class LedgerProxier(Proxier, Generic[F, C]):
                 errors.append(f"{fam.value}: cannot read back the kernel state: {getattr(view, 'error', '')}")
                 continue
             failed = self._published[fam].failed
+            book = self.books[fam]
             wanted: dict[ServicePortName, F] = {}
-            for spn, sp in state.family(fam).items():
+            for spn, wanted_sp in state.family(fam).items():
+                sp = book.admitted[spn] if spn in book.altered else wanted_sp
+                if sp is None:
+                    continue  # refused by the core (reported in ``/rules``): nothing of it is wanted in the kernel
                 frag = wanted[spn] = self.render(sp, ctx)
                 why = self.verify_service(view, spn, frag)
                 if why is None:
@@ -415,6 +438,7 @@ class LedgerProxier(Proxier, Generic[F, C]):
                 for spn in changes.services
                 if spn in services or spn in rec.fragments or spn in rec.failed
             ]
+        pairs = self._admit(fam, pairs, node, ctx, full, adopted)
         names: set[ServicePortName] | None = None  # the names of ``pairs``, built at the first refusal
         rendered: dict[ServicePortName, F] = {}
         keep: set[ServicePortName] = set()  # refused update: the fragment applied before stays
@@ -526,6 +550,35 @@ class LedgerProxier(Proxier, Generic[F, C]):
         counts[f"{fam.value}/services"] = len(rec.fragments)
         return None, full, need_full
 
+    def _admit(
+        self,
+        fam: IPFamily,
+        pairs: list[tuple[ServicePortName, ServicePort | None]],
+        node: FamilyContext,
+        ctx: C,
+        full: bool,
+        adopted: Any,
+    ) -> list[tuple[ServicePortName, ServicePort | None]]:
+        """``pairs`` as the core admits them (``kproxy.admission``): addresses another service port holds taken out,
+        what does not fit left out, and the service ports whose admitted version changed because of these added."""
+        book = self.books[fam]
+        book.limits = self.limits(fam)
+        if book.limits != UNLIMITED:
+            book.nodeport_addresses = len(node.nodeport_addresses)
+
+        def holder(spn: ServicePortName, sp: ServicePort) -> bool:
+            return adopted is not None and self.adopted_unchanged(adopted, spn, self.render(sp, ctx))
+
+        decided = book.admit(pairs, adopted_holder=holder if full else None)
+        altered, admitted = book.altered, book.admitted
+        out = pairs
+        if altered:  # else nothing is refused or trimmed anywhere in this family: every pair stands as it is
+            out = [(spn, admitted[spn] if spn in altered and sp is not None else sp) for spn, sp in pairs]
+        if not full:  # others that gained or lost a key or room (a full batch has every service port already)
+            seen = {spn for spn, _ in pairs}
+            out = out + [(spn, sp) for spn, sp in decided.items() if spn not in seen]
+        return out
+
     def _commit(
         self,
         rec: FamilyRecord[F, C],
@@ -567,6 +620,7 @@ class LedgerProxier(Proxier, Generic[F, C]):
             MappingProxyType(dict(rec.services)),
             MappingProxyType(dict(rec.fragments)),
             MappingProxyType(dict(rec.failed)),
+            MappingProxyType({spn: f"{r.reason}: {r.message}" for spn, r in self.books[fam].refused.items()}),
         )
 
 

@@ -152,6 +152,9 @@ class ServicePort:
     #: every serving endpoint of the port, before traffic policy and topology choose: what existing flows may
     #: still legitimately reach (the UDP conntrack reconciler keeps entries to these, as upstream does)
     serving_endpoints: tuple[Endpoint, ...] = ()
+    #: the Service's metadata.creationTimestamp (RFC 3339, so text order is time order; "" when unknown): the older
+    #: of two services claiming one address wins it when nobody holds it yet (``kproxy.admission``)
+    created: str = ""
 
     @property
     def protocol(self) -> Protocol:
@@ -277,6 +280,9 @@ class SyncResult:
     timings: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))  # seconds: render, apply..
     need_full_sync: bool = False
     failed_families: frozenset[IPFamily] = frozenset()
+    #: service ports the core's admission refused in whole or in part (an address another service holds, more than
+    #: the mode can hold), as ``reason: message``: reported, not retried (the answer changes only with the objects)
+    refused: Mapping[ServicePortName, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def parse_ip(text: str) -> str:

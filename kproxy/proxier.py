@@ -218,7 +218,9 @@ class LabNodeSpec:
 class ServiceDescription(TypedDict, total=False):
     """How one service port of one family is programmed: the common part of ``describe()`` (kproxy's own
     schema, the same for every mode; scenarios and ``kproxy show`` read it). ``applied``: the kernel holds it;
-    ``failed``: why the kernel refused its latest version (it then runs its previous one, or nothing)."""
+    ``failed``: why the kernel refused its latest version (it then runs its previous one, or nothing), or why the
+    core refused (part of) it; ``refused``: only the latter (``kproxy.admission``: an address another service holds,
+    or more than the mode can hold), as ``reason: message``; the addresses shown are those it was given."""
 
     clusterIP: str
     port: int
@@ -235,6 +237,7 @@ class ServiceDescription(TypedDict, total=False):
     externalEndpoints: list[str]
     applied: bool
     failed: str | None
+    refused: str | None
 
 
 class Description(TypedDict, total=False):

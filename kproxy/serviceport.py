@@ -171,6 +171,8 @@ def parse_service(
     internal_local = itp == "Local"
     health_port = hcnp if is_lb and external_local else 0
 
+    raw_created = meta.get("creationTimestamp")
+    created = raw_created[:64] if isinstance(raw_created, str) else ""
     templates: list[ServicePort] = []
     for fam in families:
         cip = by_family.get(fam)
@@ -194,6 +196,7 @@ def parse_service(
                     external_policy_local=external_local,
                     internal_policy_local=internal_local,
                     health_check_node_port=health_port,
+                    created=created,
                 )
             )
     return key, ServiceInfo(tuple(templates))
@@ -216,13 +219,14 @@ _SERVICE_PORT_FIELDS = (
     "local_endpoints",
     "has_any_endpoints",
     "serving_endpoints",
+    "created",
 )
 if tuple(f.name for f in dataclasses.fields(ServicePort)) != _SERVICE_PORT_FIELDS:  # pragma: no cover
     raise ImportError("kproxy.model.ServicePort's fields changed: update serviceport.with_endpoints")
 _sp_new = ServicePort.__new__
 _SP_SETTERS = tuple(getattr(ServicePort, f).__set__ for f in _SERVICE_PORT_FIELDS)
 _SP_TEMPLATE = _SP_SETTERS[:12]  # the fields a template already holds
-_set_cluster, _set_local, _set_has_any, _set_serving = _SP_SETTERS[12:]
+_set_cluster, _set_local, _set_has_any, _set_serving, _set_created = _SP_SETTERS[12:]
 
 
 def with_endpoints(t: ServicePort, cat: Categorized, eps: tuple[Endpoint, ...]) -> ServicePort:
@@ -244,6 +248,7 @@ def with_endpoints(t: ServicePort, cat: Categorized, eps: tuple[Endpoint, ...]) 
     s9(sp, t.external_policy_local)
     s10(sp, t.internal_policy_local)
     s11(sp, t.health_check_node_port)
+    _set_created(sp, t.created)
     _set_cluster(sp, cat.cluster)
     _set_local(sp, cat.local)
     _set_has_any(sp, cat.has_any)

@@ -15,9 +15,10 @@ nothing. Frontends and backends nobody wants are removed at the end of a full ba
 into empty maps has none). kproxy's index of the maps (``render.FamilyIndex``) is the allocator of backend and
 reverse-NAT ids; when a write fails the index is dropped and the next full sync rebuilds it from the kernel.
 
-Capacity (cilium#12815: a full LB map fails silently there): before writing, a service whose entries would not fit in
-``--bpf-map-size`` is refused with the reason (the ledger keeps its old version or leaves it out, reports it in
-``failed``), and ``kproxy_bpf_services_refused_total`` counts it.
+Capacity (cilium#12815: a full LB map fails silently there): ``limits`` declares what the maps hold, and the core
+refuses a service port that would not fit before anything is rendered (``kproxy.admission``: reported with the reason
+in ``/rules`` and ``kproxy_service_ports_refused``), so a full map, 65,536 service ports or 65,536 endpoints of one
+port never fail a family's sync.
 
 Who uses it: the daemon (through the ``bpf`` entry point), ``kproxy bench sync --mode bpf``, the conformance suite,
 tests/unit/test_bpf_*.py and tests/integration/test_bpf_*.py.
@@ -41,6 +42,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+from kproxy.admission import Limits
 from kproxy.config import ProxyConfig
 from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
@@ -189,7 +191,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             loader.DEFAULT_MAP_SIZE,
             "entries of the service map and the backend array (default holds 10,000 services x 50 endpoints; the "
             "array is preallocated: 8 bytes per entry for IPv4 and 24 for IPv6, 32 MB at the default); a service "
-            "that does not fit is refused with the reason and counted in kproxy_bpf_services_refused_total",
+            "that does not fit is refused with the reason and counted in kproxy_service_ports_refused",
         ),
     )
 
@@ -212,8 +214,6 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         self._retired: list[int] = []
         self._reattach = False
         self._reattach_after = 0.0
-        self._refused_total: Counter[tuple[str, str]] = Counter()
-        self._metric_refused: Any = None
         self._metric_entries: Any = None
         self._counts: dict[str, int] = {}
         self.attached: list[str] = []
@@ -593,48 +593,13 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
 
     # -- apply ----------------------------------------------------------------------------------------------------
 
-    def _capacity(self, batch: Batch[Fragment, Context], index: FamilyIndex) -> dict[ServicePortName, str]:
-        """Services whose entries would not fit in the maps: refused before anything is written. The service map
-        holds ``--bpf-map-size`` entries, the backend array as many backends less one (id 0 is "none")."""
+    def limits(self, family: IPFamily) -> Limits:
+        """What the maps hold (the core refuses a service port that does not fit, before it is rendered): the
+        service map ``--bpf-map-size`` entries (a master and a slot per backend, per frontend), the backend array as
+        many backends less one (id 0 is "none"), 65,535 reverse-NAT ids and 65,535 slots per frontend (16 bits
+        each)."""
         size = self._where().map_size
-        be_max = size - 1
-        refused: dict[ServicePortName, str] = {}
-
-        def why(svc: int, be: int, frag: Fragment) -> str:
-            return (
-                f"bpf maps full: the service map holds {size} entries and the backend array {be_max} backends "
-                f"(--bpf-map-size), {svc} and {be} taken, this service needs {frag.entries} and {frag.backend_count}"
-            )
-
-        if batch.full:
-            svc = be = 0
-            # every backend has a slot entry: when the entries fit in the backend array, everything does
-            if sum([1 + len(f.backends) for frag in batch.wanted.values() for f in frag.frontends]) <= be_max:
-                return refused  # the common case
-            for name in sorted(batch.wanted):  # the same services refused every time
-                frag = batch.wanted[name]
-                if svc + frag.entries > size or be + frag.backend_count > be_max:
-                    refused[name] = why(svc, be, frag)
-                    continue
-                svc += frag.entries
-                be += frag.backend_count
-            return refused
-        svc = index.svc_entries
-        be = len(index.backends)
-        for d in batch.deltas:
-            old = d.old_fragment
-            svc -= old.entries if old is not None else 0
-            be -= old.backend_count if old is not None else 0
-        for d in batch.deltas:
-            new = d.new_fragment
-            if new is None:
-                continue
-            if svc + new.entries > size or be + new.backend_count > be_max:
-                refused[d.name] = why(svc, be, new)
-                continue
-            svc += new.entries
-            be += new.backend_count
-        return refused
+        return Limits(service_ports=0xFFFF, endpoints_per_port=0xFFFF, entries=size, endpoints=size - 1)
 
     def apply(self, batch: Batch[Fragment, Context]) -> Applied:
         fam = batch.family
@@ -650,14 +615,6 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             if cur is None:
                 return Applied(ok=False, error="the map index is unknown after a failure: a full sync rebuilds it")
             index = cur
-        refused = self._capacity(batch, index)
-        if refused:
-            for _name, why in refused.items():
-                self._refused_total[(fam.value, "map_full")] += 1
-                if self._metric_refused is not None:
-                    self._metric_refused.labels(ip_family=fam.value, reason="map_full").inc()
-                log.warning("bpf: %s", why)
-            return Applied(ok=False, refused=MappingProxyType(refused))
         plan = Plan()
         # an index holding nothing before this plan (a first sync into empty maps) has nothing to sweep after it: the
         # plan writes only frontends of wanted services, backends their slots name, names of those services
@@ -898,15 +855,8 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
     # -- metrics, trace -------------------------------------------------------------------------------------------
 
     def register_metrics(self, registry: Any, families: Iterable[IPFamily]) -> None:
-        from prometheus_client import Counter as PCounter
         from prometheus_client import Gauge
 
-        self._metric_refused = PCounter(
-            "kproxy_bpf_services_refused",
-            "Service ports the bpf mode refused because its maps are full (--bpf-map-size)",
-            ["ip_family", "reason"],
-            registry=registry,
-        )
         self._metric_entries = Gauge(
             "kproxy_bpf_map_entries",
             "Entries kproxy holds in the bpf mode's maps",

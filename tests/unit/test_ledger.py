@@ -25,8 +25,12 @@ def spn(name: str) -> ServicePortName:
     return ServicePortName("ns", name, "http", Protocol.TCP)
 
 
+_VIPS: dict[str, int] = {}  # every service its own ClusterIP (two services with one would be an address conflict)
+
+
 def sp(name: str, eps: int = 1, family: IPFamily = IPFamily.V4) -> ServicePort:
-    ip = "198.19.0.10" if family is IPFamily.V4 else "fd00:198:18:ff::10"
+    n = _VIPS.setdefault(name, 10 + len(_VIPS))
+    ip = f"198.19.0.{n}" if family is IPFamily.V4 else f"fd00:198:18:ff::{n:x}"
     prefix = "198.18.65." if family is IPFamily.V4 else "fd00:198:18:65::"
     endpoints = tuple(Endpoint(f"{prefix}{10 + i}", 8080) for i in range(eps))
     return ServicePort(spn(name), family, ip, 80, cluster_endpoints=endpoints, has_any_endpoints=eps > 0)

@@ -54,7 +54,8 @@ def test_missing_methods_name_themselves() -> None:
 def _sp(name: str, eps: int, family: IPFamily = IPFamily.V4) -> ServicePort:
     spn = ServicePortName("ns", name, "http", Protocol.TCP)
     endpoints = tuple(Endpoint(f"198.18.65.{10 + i}", 8080) for i in range(eps))
-    return ServicePort(spn, family, "198.19.0.10", 80, cluster_endpoints=endpoints, has_any_endpoints=eps > 0)
+    vip = f"198.19.0.{10 + ord(name[0]) % 200}"  # one ClusterIP per service (a shared one is an address conflict)
+    return ServicePort(spn, family, vip, 80, cluster_endpoints=endpoints, has_any_endpoints=eps > 0)
 
 
 def _state(*sps: ServicePort) -> ProxyState:

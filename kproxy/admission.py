@@ -1,0 +1,402 @@
+"""Who may serve which address, and what fits: decided once, in the core, the same in every mode.
+
+Every backend is handed service ports that have passed this gate (``kproxy.ledger`` runs it per family before it
+renders anything), so no backend needs a collision or capacity rule of its own, and four modes cannot answer the same
+question four ways. Two rules:
+
+**Address ownership.** A service port *claims* ``address . protocol . port`` for its ClusterIP, each externalIP and
+each load-balancer IP, and ``protocol . nodePort`` for its NodePort. A claim another service port already holds is
+refused:
+
+- a ClusterIP claim beats an externalIP or load-balancer claim (the external claim is taken away, so no Service can
+  take a cluster service's address, e.g. kube-dns's, by listing it as one of its externalIPs);
+- between claims of the same kind, the service port that holds the key keeps it, through partial syncs, full syncs and
+  restarts: a process that starts with an empty book asks the backend's adoption who holds a contested key (the one
+  whose fragment the kernel holds exactly), and only when nobody does, the older Service (creationTimestamp), then the
+  name, wins;
+- a refused externalIP, load-balancer IP or NodePort is taken out of the claimant's ServicePort (its other addresses
+  keep working); a refused ClusterIP refuses the whole service port. Removing or changing the holder hands the key to a
+  waiting claimant in the same sync, and deleting a refused claimant never touches the holder's entries.
+
+**Capacity.** A backend declares its ``Limits`` (id widths, map sizes, port ranges); a service port that does not fit
+is left out with the reason, and the family keeps syncing. A service port never counts against a limit it was refused
+by, and one refused for capacity is admitted as soon as something else frees room (or when it changes).
+
+Refusals are policy, not kernel failures: they are reported (``SyncResult.refused``, ``/rules``, ``kproxy show``, a
+metric, an Event) but not retried every sync, since retrying cannot change the answer; the book re-decides when a
+holder or a claimant changes. The work per sync is O(changed service ports) plus, on full syncs, an identity check per
+service port.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kproxy.model import Protocol, ServicePort, ServicePortName
+
+#: ``(address, protocol, port)``; the address is "" for a NodePort (it is served on every NodePort address)
+Key = tuple[str, Protocol, int]
+
+
+class Kind(enum.IntEnum):
+    """A claim's strength: lower wins a contest."""
+
+    CLUSTER_IP = 0
+    EXTERNAL = 1  # externalIPs and load-balancer ingress IPs
+    NODE_PORT = 2
+
+
+_KIND_TEXT = {Kind.CLUSTER_IP: "ClusterIP", Kind.EXTERNAL: "externalIP/load-balancer IP", Kind.NODE_PORT: "NodePort"}
+
+
+def key_text(key: Key) -> str:
+    addr, proto, port = key
+    if not addr:
+        return f"nodePort {port}/{proto.value}"
+    return f"[{addr}]:{port}/{proto.value}" if ":" in addr else f"{addr}:{port}/{proto.value}"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a backend can hold in one IP family (None: no limit). Checked per service port before it is rendered.
+
+    ``service_ports``: service ports (bpf: reverse-NAT ids; userspace: proxy ports); ``endpoints_per_port``: endpoints
+    of one service port (bpf: the 16-bit slot count); ``entries``: frontends x (1 + endpoints) summed over service
+    ports, where a frontend is each address and each NodePort address (bpf: service map entries); ``endpoints``:
+    endpoints summed over service ports (bpf: the backend array)."""
+
+    service_ports: int | None = None
+    endpoints_per_port: int | None = None
+    entries: int | None = None
+    endpoints: int | None = None
+
+
+UNLIMITED = Limits()
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    service_ports: int
+    endpoints: int
+    entries: int
+
+
+def cost(sp: ServicePort, nodeport_addresses: int) -> Cost:
+    """What one admitted service port uses of a family's ``Limits``."""
+    eps = max(len(sp.cluster_endpoints), len(sp.local_endpoints))
+    fronts = 1 + len(sp.external_ips) + len(sp.load_balancer_ips) + (nodeport_addresses if sp.node_port else 0)
+    return Cost(1, eps, fronts * (1 + eps))
+
+
+def claims(sp: ServicePort) -> dict[Key, Kind]:
+    """Every key ``sp`` claims, each once, with its strongest kind (an externalIP equal to the service's own ClusterIP
+    is the ClusterIP claim)."""
+    proto, port = sp.name.protocol, sp.port
+    out: dict[Key, Kind] = {(sp.cluster_ip, proto, port): Kind.CLUSTER_IP}
+    for ip in sp.external_ips:
+        out.setdefault((ip, proto, port), Kind.EXTERNAL)
+    for ip in sp.load_balancer_ips:
+        out.setdefault((ip, proto, port), Kind.EXTERNAL)
+    if sp.node_port:
+        out.setdefault(("", proto, sp.node_port), Kind.NODE_PORT)
+    return out
+
+
+def _plain(sp: ServicePort) -> bool:
+    """No externalIP, load-balancer IP or NodePort: the one-claim fast path."""
+    return not (sp.external_ips or sp.load_balancer_ips or sp.node_port)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why (part of) a service port was refused: ``reason`` is ``address-conflict`` or ``capacity``."""
+
+    reason: str
+    message: str
+
+
+#: ``(name, the kernel holds exactly this version of it)``: asked only for contested keys on an empty book
+AdoptedHolder = Callable[[ServicePortName, ServicePort], bool]
+
+
+@dataclass(slots=True)
+class Book:
+    """One family's decisions: who holds which key, who waits for one, what each service port uses."""
+
+    limits: Limits = UNLIMITED
+    nodeport_addresses: int = 0
+    holder: dict[Key, ServicePortName] = field(default_factory=dict)
+    #: the last ServicePort asked for, per name (the cache's value, before anything was taken out)
+    wanted: dict[ServicePortName, ServicePort] = field(default_factory=dict)
+    #: what was admitted (None: refused whole)
+    admitted: dict[ServicePortName, ServicePort | None] = field(default_factory=dict)
+    waiting: dict[Key, set[ServicePortName]] = field(default_factory=dict)
+    refused: dict[ServicePortName, Refusal] = field(default_factory=dict)
+    usage: dict[ServicePortName, Cost] = field(default_factory=dict)
+    totals: list[int] = field(default_factory=lambda: [0, 0, 0])  # service ports, endpoints, entries
+    over_capacity: set[ServicePortName] = field(default_factory=set)
+    room_freed: bool = False  # a service port gave back capacity since the last check
+    #: the service ports whose admitted version is not the wanted one (refused, trimmed, or a duplicate dropped)
+    altered: set[ServicePortName] = field(default_factory=set)
+
+    # -- the one entry point ----------------------------------------------------------------------------------
+
+    def admit(
+        self,
+        changed: Iterable[tuple[ServicePortName, ServicePort | None]],
+        *,
+        adopted_holder: AdoptedHolder | None = None,
+    ) -> dict[ServicePortName, ServicePort | None]:
+        """Decide ``changed`` (every wanted service port on a full sync, the dirty ones otherwise; None: removed) and
+        return the admitted version of every service port whose admitted version may differ from before: those of
+        ``changed`` and any other one that gained or lost a key or room because of them."""
+        out: dict[ServicePortName, ServicePort | None] = {}
+        touched: dict[ServicePortName, ServicePort] = {}
+        freed: list[Key] = []
+        first = not self.wanted
+        wanted, refused = self.wanted, self.refused
+        for spn, sp in changed:
+            if sp is not None and wanted.get(spn) is sp and spn not in refused:
+                continue  # decided before, unchanged: its admitted version stands
+            self._release(spn, sp, freed)
+            if sp is None:
+                out[spn] = None
+            else:
+                self.wanted[spn] = sp
+                touched[spn] = sp
+        # claimants waiting for a key that was just freed try again now
+        while freed:
+            key = freed.pop()
+            for w in sorted(self.waiting.pop(key, ())):
+                if w not in touched and w in self.wanted:
+                    touched[w] = self.wanted[w]
+        evicted = self._decide(touched, adopted_holder if first else None)
+        for spn in touched:
+            out[spn] = self._admitted_version(spn)
+        for spn in evicted:
+            out[spn] = self._admitted_version(spn)
+        self._fit(out)
+        return out
+
+    def version(self, spn: ServicePortName, sp: ServicePort) -> ServicePort | None:
+        """The admitted version of ``spn`` after ``admit`` (``sp`` when the book has not refused any of it)."""
+        return self.admitted.get(spn, sp)
+
+    def forget(self) -> None:
+        limits, addrs = self.limits, self.nodeport_addresses
+        self.__init__(limits, addrs)  # type: ignore[misc]
+
+    # -- ownership ------------------------------------------------------------------------------------------------
+
+    def _release(self, spn: ServicePortName, sp: ServicePort | None, freed: list[Key]) -> None:
+        """Give up the keys ``spn`` holds that ``sp`` no longer claims (all of them when removed), and its waits."""
+        old = self.wanted.get(spn)
+        if old is None:
+            return
+        new_claims = claims(sp) if sp is not None else {}
+        for key in claims(old):
+            if key in new_claims:
+                continue
+            if self.holder.get(key) == spn:
+                del self.holder[key]
+                freed.append(key)
+            else:
+                waiters = self.waiting.get(key)
+                if waiters is not None:
+                    waiters.discard(spn)
+                    if not waiters:
+                        del self.waiting[key]
+        if sp is None:
+            del self.wanted[spn]
+            self.admitted.pop(spn, None)
+            self.refused.pop(spn, None)
+            self.altered.discard(spn)
+            self.over_capacity.discard(spn)
+            self._use(spn, None)
+
+    def _decide(
+        self, touched: Mapping[ServicePortName, ServicePort], adopted_holder: AdoptedHolder | None
+    ) -> set[ServicePortName]:
+        """Hand out the keys ``touched`` claims and does not hold yet; return the holders that lost one."""
+        evicted: set[ServicePortName] = set()
+        holder = self.holder
+        fresh: set[Key] = set()  # keys handed out in this call (their holder held nothing before)
+        # ClusterIP keys first: a service port refused its ClusterIP claims nothing else
+        contested: dict[Key, list[ServicePortName]] = {}
+        for spn, sp in touched.items():
+            key = (sp.cluster_ip, sp.name.protocol, sp.port)
+            h = holder.get(key)
+            if h is None:
+                holder[key] = spn
+                fresh.add(key)
+            elif h != spn:
+                contested.setdefault(key, [h]).append(spn)
+        for key, names in contested.items():
+            self._contest(key, names, key in fresh, adopted_holder, evicted)
+        contested = {}
+        for spn, sp in touched.items():
+            if _plain(sp) or holder.get((sp.cluster_ip, sp.name.protocol, sp.port)) != spn:
+                continue
+            for key, kind in claims(sp).items():
+                if kind is Kind.CLUSTER_IP:
+                    continue
+                h = holder.get(key)
+                if h is None:
+                    holder[key] = spn
+                    fresh.add(key)
+                elif h != spn:
+                    contested.setdefault(key, [h]).append(spn)
+        for key, names in contested.items():
+            self._contest(key, names, key in fresh, adopted_holder, evicted)
+        return evicted
+
+    def _contest(
+        self,
+        key: Key,
+        names: list[ServicePortName],
+        fresh: bool,
+        adopted_holder: AdoptedHolder | None,
+        evicted: set[ServicePortName],
+    ) -> None:
+        """``names[0]`` holds ``key`` now (since before this call unless ``fresh``); the others claim it too. Give it
+        to the strongest claim: the kind, then who held it, then (a restart) whose version the kernel holds, then
+        the older Service, then the name."""
+        current = names[0]
+
+        def rank(spn: ServicePortName) -> tuple[int, int, str, ServicePortName]:
+            sp = self.wanted[spn]
+            if spn == current and not fresh:
+                holds = 0  # held before this sync: keeps it against its equals
+            elif adopted_holder is not None and adopted_holder(spn, sp):
+                holds = 0  # a restart: the kernel holds this one's version
+            else:
+                holds = 1
+            return (int(claims(sp)[key]), holds, sp.created, spn)
+
+        candidates = list(dict.fromkeys(names))
+        winner = min(candidates, key=rank)
+        self.holder[key] = winner
+        for spn in candidates:
+            if spn == winner:
+                continue
+            self.waiting.setdefault(key, set()).add(spn)
+            if spn == current and not fresh:
+                evicted.add(spn)
+
+    def _admitted_version(self, spn: ServicePortName) -> ServicePort | None:
+        """``spn``'s wanted ServicePort less the keys it does not hold (None when it does not hold its ClusterIP)."""
+        sp = self.wanted[spn]
+        holder = self.holder
+        proto, port = sp.name.protocol, sp.port
+        cip_holder = holder.get((sp.cluster_ip, proto, port))
+        if cip_holder != spn:
+            self.refused[spn] = Refusal(
+                "address-conflict", f"ClusterIP {key_text((sp.cluster_ip, proto, port))} is held by {cip_holder}"
+            )
+            return self._set(spn, None)
+        if _plain(sp):
+            self.refused.pop(spn, None)
+            return self._set(spn, sp)
+        lost: list[str] = []
+
+        def mine(ip: str, what: str) -> bool:
+            if ip == sp.cluster_ip:
+                return False  # its own ClusterIP: served as the ClusterIP already
+            key = (ip, proto, port)
+            h = holder.get(key)
+            if h == spn:
+                return True
+            lost.append(f"{what} {key_text(key)} is held by {h}")
+            return False
+
+        ext = tuple(dict.fromkeys(ip for ip in sp.external_ips if mine(ip, "externalIP")))
+        seen = set(ext)
+        lbs = tuple(dict.fromkeys(ip for ip in sp.load_balancer_ips if ip not in seen and mine(ip, "load-balancer IP")))
+        node_port = sp.node_port
+        if node_port:
+            h = holder.get(("", proto, node_port))
+            if h != spn:
+                lost.append(f"{key_text(('', proto, node_port))} is held by {h}")
+                node_port = 0
+        if ext != sp.external_ips or lbs != sp.load_balancer_ips or node_port != sp.node_port:
+            sp = dataclasses.replace(sp, external_ips=ext, load_balancer_ips=lbs, node_port=node_port)
+        if lost:
+            self.refused[spn] = Refusal("address-conflict", "; ".join(lost))
+        else:
+            self.refused.pop(spn, None)
+        return self._set(spn, sp)
+
+    def _set(self, spn: ServicePortName, sp: ServicePort | None) -> ServicePort | None:
+        self.admitted[spn] = sp
+        if sp is self.wanted.get(spn):
+            self.altered.discard(spn)
+        else:
+            self.altered.add(spn)
+        return sp
+
+    # -- capacity -------------------------------------------------------------------------------------------------
+
+    def _use(self, spn: ServicePortName, c: Cost | None) -> None:
+        old = self.usage.pop(spn, None)
+        t = self.totals
+        if old is not None:
+            self.room_freed = True
+            t[0] -= old.service_ports
+            t[1] -= old.endpoints
+            t[2] -= old.entries
+        if c is not None:
+            self.usage[spn] = c
+            t[0] += c.service_ports
+            t[1] += c.endpoints
+            t[2] += c.entries
+
+    def _fit(self, out: dict[ServicePortName, ServicePort | None]) -> None:
+        """Check ``out``'s admitted versions against the limits (in place): one that does not fit becomes None."""
+        lim = self.limits
+        if lim == UNLIMITED:
+            return
+        for spn in list(out):  # the cache's order: stable from one sync to the next
+            sp = out[spn]
+            if sp is None:
+                self._use(spn, None)
+                continue
+            why = self._misfit(spn, sp)
+            if why is None:
+                self.over_capacity.discard(spn)
+                continue
+            self._use(spn, None)
+            out[spn] = self._set(spn, None)
+            self.refused[spn] = Refusal("capacity", why)
+            self.over_capacity.add(spn)
+        released, self.room_freed = self.room_freed, False
+        if released and self.over_capacity:
+            for spn in sorted(self.over_capacity - out.keys()):
+                sp = self._admitted_version(spn)
+                if sp is not None and self._misfit(spn, sp) is None:
+                    self.over_capacity.discard(spn)
+                    out[spn] = sp
+                elif sp is not None:
+                    self._set(spn, None)
+                    self.refused[spn] = Refusal("capacity", self._misfit(spn, sp) or "")
+
+    def _misfit(self, spn: ServicePortName, sp: ServicePort) -> str | None:
+        """None when ``sp`` fits (and then it is counted), else why not."""
+        lim = self.limits
+        c = cost(sp, self.nodeport_addresses)
+        if lim.endpoints_per_port is not None and c.endpoints > lim.endpoints_per_port:
+            return f"{c.endpoints} endpoints, over this mode's {lim.endpoints_per_port} per service port"
+        old = self.usage.get(spn)
+        t = self.totals
+        checks = (
+            ("service ports", lim.service_ports, t[0], c.service_ports, old.service_ports if old else 0),
+            ("endpoints", lim.endpoints, t[1], c.endpoints, old.endpoints if old else 0),
+            ("map entries", lim.entries, t[2], c.entries, old.entries if old else 0),
+        )
+        for what, limit, total, need, had in checks:
+            if limit is not None and total - had + need > limit:
+                return f"needs {need} {what}; this mode holds at most {limit} per family ({total - had} in use)"
+        self._use(spn, c)
+        return None
