@@ -23,13 +23,31 @@ the nftables mode's table is named ``kproxy``):
   once and UDP sees port-unreachable, as upstream) or ``drop`` (a Local policy with no local endpoint). REDIRECT
   sends pod traffic to the receiving interface's first address and the node's own to loopback; the proxy socket
   listens on the wildcard address, so every one of them reaches it.
+- ``input`` (filter hook input) guards the proxy ports: ``meta l4proto { tcp, udp } th dport @proxy-ports jump
+  proxy-guard``, where ``proxy-ports`` holds the proxy port range (one interval) and ``proxy-guard`` accepts a flow's
+  reply direction (the node's own connections from a port of the range, should it overlap the ephemeral one) and a
+  flow conntrack marks ``dnat`` (a redirect of this table sent it), and refuses anything else as a closed port would
+  (TCP reset, ICMP port unreachable). So a client dialling ``nodeIP:<proxy port>`` straight, past the service rules
+  and a load balancer's ``loadBalancerSourceRanges``, is refused, from outside, from pods and from the node alike;
+  every redirected path (ClusterIP, NodePort, externalIP, load-balancer IP) passes. Why a rule, not a bound
+  address: REDIRECT sends outside traffic to the receiving interface's address, so a socket bound to loopback
+  would need DNAT to 127.0.0.1 and ``route_localnet`` (itself an exposure, CVE-2020-8558), and IPv6 has no such
+  route to ``::1`` at all; ``ct status dnat`` is the kernel's own record that the flow was redirected, in both
+  families. The range is matched whole (fixed, one element): ports of it that no proxy socket holds are refused to
+  direct connections too, which is what reserving the range means.
 - Every element carries its service's key (``ns/name:port/PROTO``) as comment: ``kernel_view`` and adoption group by
   it. An empty chain ``layout-kproxy-userspace-1`` names the layout; a table of another layout is replaced whole in
   one transaction.
 
 Proxy sockets: one per service port (upstream's design), or two when a Local traffic policy gives ClusterIP traffic
 and external traffic different endpoints (roles ``i`` and ``e``; ``c`` when they agree). A port comes from
-``--proxy-port-range`` (upstream's flag: ``BEGIN-END`` or ``BEGIN+SIZE``) or from the kernel. Upstream's design was
+``--proxy-port-range`` (upstream's flag and config field ``portRange``: ``BEGIN-END``, ``BEGIN+SIZE`` or one port;
+default 20000-29999, a range of its own below the NodePort range 30000-32767 and the kernel's ephemeral range
+32768-60999, so proxy sockets neither use up the node's outgoing ports nor sit where other programs expect random
+ports; empty, ``0`` or ``0-0``: upstream's "random", the namespace's ``ip_local_port_range``). The range is the
+capacity (``proxy_port_capacity()``: sockets per address family and protocol); a service port that finds every
+port of it held is refused with ``ProxyPortsExhausted`` (the ledger reports it failed, the others are served).
+Upstream's design was
 kept rather than one socket per protocol with ``SO_ORIGINAL_DST``: that option exists for TCP only (UDP would need
 TPROXY and ``IP_RECVORIGDSTADDR``), it costs a getsockopt per connection, and a socket per port costs one
 descriptor (10,000 services: 10,000 descriptors; ``start`` raises the soft open-file limit to the hard one).
@@ -68,27 +86,30 @@ listening before a redirect names them (connections wait in the backlog until th
 closed only after the redirect is gone; an endpoint change writes nothing to the kernel (the loop's balancer takes
 the new list). Full batches diff everything wanted against what ``adopt`` read, so a restart rebinds the ports its
 rules name (``SO_REUSEADDR``) and writes nothing when it can; a second instance in the same process (``kproxy bench
-sync``'s restart figure) takes the sockets over from the first. kproxy picks proxy ports itself, walking the range
-(``--proxy-port-range``, else the namespace's ``ip_local_port_range``): the kernel's bind(0) searches for a free
-port and took 4.4 s for 10,000 sockets, explicit ports 0.1 s. libnftables (1.0.6) ``select()``s on its netlink
-socket and aborts the process when that descriptor is 1024 or above, so its context is opened before any proxy
-socket (``kproxy.nftkernel``). ``kproxy bench sync --mode userspace --services 10000 --endpoints 10 --repeat 3`` here
-(02:51 UTC, load average 5): full sync 2.07 s (20,001 elements, 10,000 proxy sockets open), partial sync 0.007 s,
-floor 0.49 s (``nft -f`` of the same transaction plus binding as many sockets), restart 2.17 s writing nothing,
-peak RSS 188 MB (218 MB with the restart's second instance). On the same machine at load average 7.6 (everything
-about 4x slower: the cache's own snapshot took 1.58 s instead of 0.39) the same run gave 5.28 s full and 0.045 s
-partial. The "is my table still there" check before a partial sync lists the small ``nodeport-cidrs`` set, at most
-once a second per family: nft 1.0.6 lists a chain by fetching the whole table (0.3-0.5 s at 10,000 services).
+sync``'s restart figure) takes the sockets over from the first; a restart with another range binds every socket anew
+inside it and rewrites ``proxy-ports``. kproxy picks proxy ports itself, walking the range: the kernel's bind(0)
+searches for a free port and took 4.4 s for 10,000 sockets, explicit ports 0.1 s. libnftables (1.0.6) ``select()``s
+on its netlink socket and aborts the process when that descriptor is 1024 or above, so its context is opened before
+any proxy socket (``kproxy.nftkernel``). ``kproxy bench sync --mode userspace --services 10000 --endpoints 10
+--repeat 3`` here (02:51 UTC, load average 5): full sync 2.07 s (20,001 elements, 10,000 proxy sockets open),
+partial sync 0.007 s, floor 0.49 s (``nft -f`` of the same transaction plus binding as many sockets), restart 2.17 s
+writing nothing, peak RSS 188 MB (218 MB with the restart's second instance). On the same machine at load average
+7.6 (everything about 4x slower: the cache's own snapshot took 1.58 s instead of 0.39) the same run gave 5.28 s full
+and 0.045 s partial. The "is my table still there" check before a partial sync lists the one-element ``proxy-ports``
+set, at most once a second per family: nft 1.0.6 lists a chain by fetching the whole table (0.3-0.5 s at 10,000
+services).
 
 Verify and repair: ``verify`` names a service whose elements, verdicts or marks differ, whose fixed rules (the
-redirect, the ``services`` vmap, the hooks) are gone (a rule deleted by hand, a flushed table), or whose proxy port
-has no socket of this process listening, one serving another service, or one another process took; stray elements,
-foreign rules and sockets serving unwanted services are ``extra``. A full sync replaces a table whose fixed part is
-damaged (in one transaction, the sockets kept) and binds new sockets for those no longer listening (from the
-kernel's socket table); the data path notices a listener destroyed under it (``ss -K``: accept fails with EINVAL)
-and the next partial sync becomes a full one. Before partial syncs, at most once a second, kproxy lists the small
-``nodeport-cidrs`` set (a deleted table), and at most once per sync period the table without elements (0.15 s at
-10,000 services) to compare the fixed rules (a flushed table keeps its sets; a deleted rule).
+redirect, the ``services`` vmap, the hooks, the input guard) are gone (a rule deleted by hand, a flushed table),
+whose ``proxy-ports`` set no longer holds the range (its proxy sockets open to direct connections), or whose proxy
+port has no socket of this process listening, one serving another service, or one another process took; stray
+elements, foreign rules and sockets serving unwanted services are ``extra``. A full sync replaces a table whose
+fixed part is damaged (in one transaction, the sockets kept) and binds new sockets for those no longer listening
+(from the kernel's socket table); the data path notices a listener destroyed under it (``ss -K``: accept fails with
+EINVAL) and the next partial sync becomes a full one. Before partial syncs, at most once a second, kproxy lists the
+small ``proxy-ports`` set (a deleted table, or the set emptied or changed: the guard off), and at most once per sync
+period the table without elements (0.15 s at 10,000 services) to compare the fixed rules (a flushed table keeps its
+sets; a deleted rule).
 
 Restart: established connections are the proxy process's own sockets, so they end when it stops (by nature of this
 mode; upstream's userspace proxier behaved the same); the redirect rules stay, and new connections are refused from
@@ -101,8 +122,9 @@ Where kproxy deviates from upstream's userspace mode, and why:
 - Upstream relayed in two goroutines per connection with ``io.Copy``; this relays with splice in one event loop.
 - Local traffic policies are honoured (upstream's userspace mode predates them). SCTP is not proxied (as upstream;
   this kernel has no SCTP sockets either): its service addresses reject new associations, with a warning.
-- Localhost NodePorts are not supported (as in every kproxy mode). The proxy ports are reachable directly on the
-  node's addresses, as upstream's were.
+- Localhost NodePorts are not supported (as in every kproxy mode). The proxy ports take only redirected traffic
+  (the input guard above); upstream's were reachable directly on every address of the node, from any host, and
+  came from the ephemeral range by default.
 
 Conformance scenarios not applicable to this mode (``UserspaceProxier.not_applicable``): ``source-ip`` and
 ``etp-local`` (the endpoint sees the node, never the client's address), ``dual-stack`` (its IPv6 check needs the

@@ -11,6 +11,11 @@ back), so a restart rebinds the ports its rules name and writes nothing when it 
 dirty service's old elements against its new ones. A refused transaction changes nothing; the refused command's
 line names the service (``Applied.refused``), and the ledger retries without it.
 
+Proxy ports come from ``--proxy-port-range`` (``port_span``; ``proxy_port_capacity`` is its size, what the core's
+capacity check asks for). A port is free when no socket of this process holds it and bind() takes it; a service
+port that finds none is refused (``ProxyPortsExhausted``) and the rest of the batch goes on. Full batches also write
+the range into the input guard's ``proxy-ports`` set when the kernel holds anything else.
+
 Who uses it: the daemon (entry point ``userspace``), ``kproxy bench sync``, the lab and conformance runs, and
 tests/integration/test_userspace_backend.py.
 """

@@ -3,8 +3,10 @@ backend's redirects and proxy sockets live, a client "pod" and an endpoint names
 and UDP through a ClusterIP (round robin over two endpoints), the node's own traffic, refusal with no endpoints, an
 endpoint change taking effect for new connections while an established one keeps working, ClientIP affinity, a
 failed dial moving on to the next endpoint, a thousand connections open at once on the one loop thread, a restart
-that rebinds the ports its rules name and writes nothing, IPv6, --proxy-port-range, new connections served while a
-full sync of 2,000 services runs, a deleted table rebuilt, trace, and cleanup/remnants."""
+that rebinds the ports its rules name and writes nothing, IPv6, --proxy-port-range (its exhaustion refusing a
+service; a restart with another range), new connections served while a full sync of 2,000 services runs, a deleted
+table rebuilt, trace, cleanup/remnants, and the input guard: a client dialling ``nodeIP:<proxy port>`` straight is
+refused while every redirected path works, and an emptied guard set is reported and rewritten."""
 
 from __future__ import annotations
 
@@ -343,7 +345,8 @@ def test_proxy_port_range(lab: Lab) -> None:
         four = [sp(f"s{i}", TWO, port=80 + i) for i in range(4)]
         res = p.sync(state(*four), Changes(full=True))
         assert res.ok and len(res.failed) == 1  # three ports in the range: the fourth service is refused, said so
-        assert "no proxy port free" in next(iter(res.failed.values()))
+        why = next(iter(res.failed.values()))
+        assert "no proxy port free in --proxy-port-range 41000-41002" in why and "3 held by this proxy" in why
         assert sorted(p._ports.values()) == [41000, 41001, 41002]
         served = [s.port for s in four if s.name not in res.failed]
         assert len(served) == 3
@@ -437,3 +440,56 @@ def test_proxy_ports_take_only_redirected_traffic(lab: Lab, proxier: UserspacePr
     assert tcp(lab.node, "127.0.0.1", port(web)) == ["ConnectionRefusedError"]
     # and the ClusterIP still works after those attempts (nothing was torn down by them)
     assert set(tcp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
+
+
+def test_a_flushed_guard_is_reported_and_rewritten(lab: Lab, proxier: UserspaceProxier) -> None:
+    """Someone empties the guard's port set: ``verify`` names every service whose proxy sockets it exposed, and the
+    next full sync writes the range back, so a direct connection is refused again."""
+    st = state(sp("web", TWO))
+    assert proxier.sync(st, Changes(full=True)).ok
+    port = proxier._ports[(IPFamily.V4, spn("web"), "c")]
+    lo, hi = proxier.port_span()
+    assert lo <= port <= hi and (lo, hi) == (20000, 29999)  # the dedicated default range
+    nft = ["ip", "netns", "exec", lab.node, "nft", "flush", "set", "ip", render.TABLE, render.PROXY_PORTS]
+    subprocess.run(nft, check=True, timeout=30, capture_output=True)
+    assert tcp(lab.client, NODE_IP, port)[0] in ("ep1", "ep2")  # exposed while the set is empty
+    report = proxier.verify(st)
+    assert render.PROXY_PORTS in report["services"]["ns1/web:p/TCP"]["IPv4"], report
+    assert proxier.sync(st, Changes(full=True)).ok
+    report = proxier.verify(st)
+    assert report["drift"] == 0 and not report["services"], report
+    assert tcp(lab.client, NODE_IP, port) == ["ConnectionRefusedError"]
+    assert tcp(lab.client, CIP)[0] in ("ep1", "ep2")
+
+
+def test_a_restart_with_another_range_moves_the_ports_and_the_guard(lab: Lab) -> None:
+    st = state(sp("web", TWO), sp("dns", TWO, Protocol.UDP))
+    first = UserspaceProxier(CFG, netns=lab.node)
+    try:
+        assert first.sync(st, Changes(full=True)).ok
+    finally:
+        first.close()
+    cfg = ProxyConfig(
+        cluster_cidrs=CFG.cluster_cidrs,
+        ip_families=CFG.ip_families,
+        backend_options=MappingProxyType({"proxy_port_range": "41000+10"}),
+    )
+    second = UserspaceProxier(cfg, netns=lab.node)
+    try:
+        assert second.sync(st, Changes(full=True)).ok
+        assert all(41000 <= p <= 41009 for p in second._ports.values()), second._ports
+        listed = subprocess.run(
+            ["ip", "netns", "exec", lab.node, "nft", "list", "set", "ip", render.TABLE, render.PROXY_PORTS],
+            check=True,
+            timeout=30,
+            capture_output=True,
+            text=True,
+        ).stdout
+        assert "41000-41009" in listed and "20000" not in listed, listed
+        assert set(tcp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
+        assert set(udp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
+        web = second._ports[(IPFamily.V4, spn("web"), "c")]
+        assert tcp(lab.client, NODE_IP, web) == ["ConnectionRefusedError"]
+    finally:
+        second.close()
+        UserspaceProxier.cleanup_leftovers(cfg, netns=lab.node)
