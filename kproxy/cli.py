@@ -109,10 +109,10 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--masquerade-all", action="store_true", default=S, help="SNAT all traffic to service IPs")
     p.add_argument("--iptables-masquerade-bit", type=int, default=S, help="fwmark bit for masquerading (14)")
-    p.add_argument("--min-sync-period", type=parse_duration, default=S, help="min interval between syncs (1s)")
+    p.add_argument("--min-sync-period", type=_duration_flag, default=S, help="min interval between syncs (1s)")
     p.add_argument(
         "--sync-period",
-        type=parse_duration,
+        type=_duration_flag,
         default=S,
         help="retry interval after a failed sync and periodic resync (30s)",
     )
@@ -128,6 +128,14 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--no-cleanup-other-modes", action="store_true", help="do not remove other modes' leftovers at start-up"
     )
     p.set_defaults(func=cmd_run, backend_flags=_add_backend_flags(p))
+
+
+def _duration_flag(text: str) -> float:
+    """A duration flag's value; argparse names the flag in front of the message and exits 2."""
+    try:
+        return parse_duration(text, "")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_backend_flags(p: argparse.ArgumentParser) -> dict[str, list[str]]:

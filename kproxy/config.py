@@ -11,6 +11,7 @@ Who uses it: ``cli`` builds it, the daemon and every backend read it.
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 import socket
 from collections.abc import Mapping
@@ -37,28 +38,52 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|h|m|s)")
+_SECONDS = re.compile(r"-?\d+(?:\.\d+)?")
+_UNIT = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+# Go's longest time.Duration (2^63 - 1 ns, about 292 years): upstream cannot even parse a longer one.
+MAX_DURATION = (2**63 - 1) / 1e9
+_MAX_TEXT = "2562047h47m16s"  # MAX_DURATION, as Go prints it (less the fraction)
 
 
-def parse_duration(value: str | int | float) -> float:
-    """Parse a Go duration (``1h0m0s``, ``30s``, ``500ms``) or a number of seconds into seconds."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    text = value.strip()
-    try:
+def parse_duration(value: str | int | float, what: str = "duration") -> float:
+    """Parse a Go duration (``1h0m0s``, ``30s``, ``500ms``, ``-1s``) or a number of seconds into seconds.
+
+    ConfigError, naming `what`, for anything else: ``nan``, ``inf``, ``1e999``, a bool, or more than Go's longest
+    duration (a non-finite period made the runner spin). The sign is kept: whether a negative duration is allowed is
+    the field's business (``ProxyConfig.validate``)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{_field(what)}{value!r} is not a duration")
+    if isinstance(value, str):
+        total = _parse_duration_text(value.strip(), what)
+    else:
+        total = float(value)
+    return _finite_duration(total, what, value)
+
+
+def _parse_duration_text(text: str, what: str) -> float:
+    if _SECONDS.fullmatch(text):
         return float(text)
-    except ValueError:
-        pass
+    body = text[1:] if text[:1] in "+-" else text
     pos, total = 0, 0.0
-    scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
-    for m in _DURATION.finditer(text):
+    for m in _DURATION.finditer(body):
         if m.start() != pos:
             break
-        total += float(m.group(1)) * scale[m.group(2)]
+        total += float(m.group(1)) * _UNIT[m.group(2)]
         pos = m.end()
-    if pos != len(text) or not text:
-        raise ConfigError(f"invalid duration {value!r}")
-    return total
+    if pos != len(body) or not body:
+        raise ConfigError(f"{_field(what)}invalid duration {text[:60]!r} (want e.g. 30s, 1m30s, 500ms)")
+    return -total if text.startswith("-") else total
+
+
+def _finite_duration(seconds: float, what: str, given: object) -> float:
+    if not math.isfinite(seconds) or abs(seconds) > MAX_DURATION:
+        raise ConfigError(f"{_field(what)}{str(given)[:60]!r} is out of range (at most {_MAX_TEXT})")
+    return seconds
+
+
+def _field(what: str) -> str:
+    return f"{what}: " if what else ""
 
 
 def parse_hostport(value: str, what: str) -> tuple[str, int]:
@@ -151,15 +176,36 @@ class ProxyConfig:
             raise ConfigError("detectLocalMode InterfaceNamePrefix needs --pod-interface-name-prefix (a name prefix)")
         if not 0 <= self.masquerade_bit <= 31:
             raise ConfigError(f"masqueradeBit: {self.masquerade_bit} not in 0..31")
-        if self.min_sync_period < 0 or self.sync_period <= 0:
-            raise ConfigError("minSyncPeriod must be >= 0 and syncPeriod > 0")
-        if self.full_sync_period < self.min_sync_period:
-            raise ConfigError("the full sync period must not be shorter than minSyncPeriod")
+        self._validate_periods()
         parse_hostport(self.healthz_bind_address, "healthzBindAddress")
         parse_hostport(self.metrics_bind_address, "metricsBindAddress")
         if len(self.cluster_cidrs) > 2 or len({IPFamily.of(c) for c in self.cluster_cidrs}) < len(self.cluster_cidrs):
             raise ConfigError("clusterCIDR: at most one CIDR per IP family")
         return self
+
+    def _validate_periods(self) -> None:
+        """Upstream's checks (KubeProxyConfiguration validation), plus finite and within Go's duration range."""
+        for name, value in (
+            ("syncPeriod (--sync-period)", self.sync_period),
+            ("minSyncPeriod (--min-sync-period)", self.min_sync_period),
+            ("the full sync period", self.full_sync_period),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name}: {value!r} is not a number of seconds")
+            _finite_duration(value, name, value)
+        if self.sync_period <= 0:
+            raise ConfigError(f"syncPeriod (--sync-period): {self.sync_period:g}s, must be greater than 0")
+        if self.min_sync_period < 0:
+            raise ConfigError(
+                f"minSyncPeriod (--min-sync-period): {self.min_sync_period:g}s, must be greater than or equal to 0"
+            )
+        if self.min_sync_period > self.sync_period:
+            raise ConfigError(
+                f"syncPeriod (--sync-period): {self.sync_period:g}s, must be greater than or equal to minSyncPeriod"
+                f" (--min-sync-period, {self.min_sync_period:g}s)"
+            )
+        if self.full_sync_period < self.min_sync_period:
+            raise ConfigError("the full sync period must not be shorter than minSyncPeriod")
 
     def with_(self, **changes: Any) -> ProxyConfig:
         return replace(self, **changes).validate()
@@ -193,11 +239,14 @@ def _yaml_fields(doc: Mapping[str, Any]) -> dict[str, Any]:
         out["masquerade_all"] = bool(masq_all)
     if ipt.get("masqueradeBit") is not None:
         out["masquerade_bit"] = int(ipt["masqueradeBit"])
-    for src in (ipt, doc):  # newer configs have top-level syncPeriod/minSyncPeriod; they win
+    for src, prefix in (
+        (ipt, "iptables."),
+        (doc, ""),
+    ):  # newer configs have top-level syncPeriod/minSyncPeriod; they win
         if src.get("syncPeriod") is not None:
-            out["sync_period"] = parse_duration(src["syncPeriod"])
+            out["sync_period"] = parse_duration(src["syncPeriod"], f"{prefix}syncPeriod")
         if src.get("minSyncPeriod") is not None:
-            out["min_sync_period"] = parse_duration(src["minSyncPeriod"])
+            out["min_sync_period"] = parse_duration(src["minSyncPeriod"], f"{prefix}minSyncPeriod")
     kubeconfig = (doc.get("clientConnection") or {}).get("kubeconfig")
     if kubeconfig:
         out["kubeconfig"] = str(kubeconfig)
