@@ -17,11 +17,14 @@ each one is needed (the tests must then fail). ``KPROXY_IMAGE_MODES=iptables`` r
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +33,8 @@ import pytest
 from kproxy.conformance.report import FAIL, NOT_APPLICABLE
 from kproxy.conformance.runner import Session
 from kproxy.conformance.scenarios import BY_ID
-from kproxy.lab.cluster import Lab
-from kproxy.lab.container import OVERLAYS, ContainerLauncher
+from kproxy.lab.cluster import CLUSTER_CIDR4, CLUSTER_CIDR6, Lab, LabNode
+from kproxy.lab.container import CREDENTIALS_DIR, OVERLAYS, ContainerLauncher, pod_spec, render_overlay
 from kproxy.proxier import availability, backend_class, installed_backends
 
 pytestmark = [pytest.mark.root, pytest.mark.lab]
@@ -181,6 +184,165 @@ def test_image_is_built_and_labelled(image: str) -> None:
     assert doc["Config"].get("User") == "0:0"
     # Debian 12 + python3 + bcc/LLVM (the bpf mode, ~220 MB of it) + the kubernetes client: about 490 MB
     assert doc["Size"] < 600_000_000, f"the image grew to {doc['Size'] / 1e6:.0f} MB"
+
+
+# The kubernetes Service's ClusterIP as the kubelet hands it to every pod (KUBERNETES_SERVICE_HOST): nothing in the
+# lab programs it, as nothing does on a node that has just rebooted, before kproxy has listed.
+KUBERNETES_CLUSTER_IP = "198.19.0.1"
+FIRST_BOOT_MODE = os.environ.get("KPROXY_IMAGE_FIRST_BOOT_MODE") or (
+    "nftables" if "nftables" in MODES else (MODES[0] if MODES else "")
+)
+FIRST_BOOT_IP, FIRST_BOOT_SERVICE = "198.19.63.201", "first-boot"
+
+
+class FirstBootLauncher(ContainerLauncher):
+    """The DaemonSet exactly as a user deploys it on a node that has just rebooted: the rendered ConfigMap with its
+    REPLACE-ME values filled in with the lab's (the API stand-in's real address, the lab's pod CIDRs), or left as
+    shipped with ``fill=False``; credentials as the kubelet gives every pod (a service-account token and CA under
+    /var/run/secrets/kubernetes.io/serviceaccount, ``KUBERNETES_SERVICE_HOST`` naming a ClusterIP nobody programs).
+    The lab's own ``--master``, ``--kubeconfig``, ``--cluster-cidr`` and ``--mode`` flags are taken out: what
+    kproxy knows of the cluster comes from the ConfigMap alone."""
+
+    def __init__(self, image: str, lab: Lab, mode: str, *, fill: bool = True) -> None:
+        spec = pod_spec(render_overlay(mode), mode)
+        values = {
+            "https://REPLACE-ME-control-plane-address:6443": lab.lab_api_url,  # the stand-in speaks plain HTTP
+            "REPLACE-ME-pod-cidr": f"{CLUSTER_CIDR4},{CLUSTER_CIDR6}",
+        }
+
+        def filled(text: str) -> str:
+            for placeholder, value in values.items() if fill else ():
+                text = text.replace(placeholder, value)
+            return text
+
+        mounts = tuple(dataclasses.replace(m, files={k: filled(v) for k, v in m.files.items()}) for m in spec.mounts)
+        super().__init__(image, specs={mode: dataclasses.replace(spec, mounts=mounts)}, drop_caps=DROP_CAPS)
+        self.service_account = Path(tempfile.mkdtemp(prefix="kproxy-image-sa-"))
+        # as the kubelet writes it: no newline (the kubernetes client sends a tokenFile as it is, newline included)
+        (self.service_account / "token").write_text("lab-service-account-token")
+        (self.service_account / "ca.crt").write_text("(unused: the lab's API stand-in speaks plain HTTP)\n")
+        (self.service_account / "namespace").write_text("kube-system\n")
+
+    def argv(self, lab: Lab, node: LabNode, kproxy_argv: Sequence[str]) -> list[str]:
+        out = super().argv(lab, node, kproxy_argv)
+        i = out.index(self.image)
+        head, command = out[:i], out[i + 1 :]
+        assert command[-2:] == ["--kubeconfig", f"{CREDENTIALS_DIR}/kubeconfig"], command
+        command = command[:-2]
+        for name in ("--master", "--cluster-cidr", "--mode"):
+            while name in command:
+                j = command.index(name)
+                del command[j : j + 2]
+        head += ["--env", f"KUBERNETES_SERVICE_HOST={KUBERNETES_CLUSTER_IP}", "--env", "KUBERNETES_SERVICE_PORT=443"]
+        head += ["--volume", f"{self.service_account}:/var/run/secrets/kubernetes.io/serviceaccount:ro"]
+        return [*head, self.image, *command]
+
+    def remove_files(self) -> None:
+        super().remove_files()
+        shutil.rmtree(self.service_account, ignore_errors=True)
+
+
+def _first_boot_objects(lab: Lab, node: LabNode) -> tuple[dict[str, Any], dict[str, Any]]:
+    pods = lab.pods_on(node)
+    svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": FIRST_BOOT_SERVICE, "namespace": "default"},
+        "spec": {
+            "type": "ClusterIP",
+            "clusterIP": FIRST_BOOT_IP,
+            "clusterIPs": [FIRST_BOOT_IP],
+            "ipFamilies": ["IPv4"],
+            "ports": [{"name": "tcp", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
+        },
+    }
+    eps = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{FIRST_BOOT_SERVICE}-v4",
+            "namespace": "default",
+            "labels": {"kubernetes.io/service-name": FIRST_BOOT_SERVICE},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "tcp", "port": 8080, "protocol": "TCP"}],
+        "endpoints": [
+            {
+                "addresses": [p.ip4],
+                "conditions": {"ready": True, "serving": True, "terminating": False},
+                "nodeName": node.name,
+            }
+            for p in pods
+        ],
+    }
+    return svc, eps
+
+
+def _reaches_service(lab: Lab, node: LabNode) -> bool:
+    client = lab.pods_on(node)[0]
+    (res,) = lab.probe(client.ns, "tcp", FIRST_BOOT_IP, 80, timeout=1.0)
+    return res.ok
+
+
+def _run_first_boot(lab: Lab, launcher: FirstBootLauncher, node: LabNode, mode: str) -> None:
+    lab.launcher = launcher
+    lab.start_kproxy(node, mode)
+    # bounded by a deadline: each round is a real connection attempt through the node's rules
+    deadline = time.monotonic() + 60
+    while not _reaches_service(lab, node):
+        if not lab.kproxy_running(node) or time.monotonic() > deadline:
+            pytest.fail(
+                f"kproxy ({mode}) in the image, started as the DaemonSet on a node with no rules, did not program "
+                f"{FIRST_BOOT_IP}:80 from the API at {lab.lab_api_url}:\n{lab.kproxy_log(node)[-2500:]}",
+                pytrace=False,
+            )
+    lab.wait_kproxy(node, timeout=30)
+
+
+@pytest.mark.skipif(not FIRST_BOOT_MODE, reason="no mode with an overlay is installed")
+def test_first_boot_with_the_shipped_configmap(image_lab: ImageLab) -> None:
+    """After a reboot the node has no rules, so the ``kubernetes`` ClusterIP leads nowhere: kproxy, deployed with the
+    shipped ConfigMap filled in as deploy/README.md says, must reach the API at the control plane's own address,
+    list, and program the node (a pod reaches a Service through it). Left as shipped, it must refuse to start and
+    name the REPLACE-ME fields (kproxy.preflight)."""
+    mode, lab = FIRST_BOOT_MODE, image_lab.lab
+    avail = availability(mode)
+    if not avail:
+        pytest.skip(f"mode {mode} is not available here: {avail.reason}")
+    lab.stop_all()
+    image_lab.mode = image_lab.session = None  # the next check prepares its mode afresh
+    node = lab.node("node-1")
+    api = lab.api_client()
+    from kubernetes import client as k8s
+
+    svc, eps = _first_boot_objects(lab, node)
+    k8s.CoreV1Api(api).create_namespaced_service("default", svc)
+    k8s.DiscoveryV1Api(api).create_namespaced_endpoint_slice("default", eps)
+    assert not _reaches_service(lab, node), "the node must start without rules for the Service (a fresh boot)"
+    launchers = [
+        FirstBootLauncher(image_lab.launcher.image, lab, mode),
+        FirstBootLauncher(image_lab.launcher.image, lab, mode, fill=False),
+    ]
+    try:
+        _run_first_boot(lab, launchers[0], node, mode)
+        lab.stop_kproxy(node)
+        # as shipped: the container exits at once, saying which values are still placeholders
+        mark = len(lab.kproxy_log(node))
+        lab.launcher = launchers[1]
+        lab.start_kproxy(node, mode)
+        deadline = time.monotonic() + 60
+        while lab.kproxy_running(node) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = lab.kproxy_log(node)[mark:]
+        assert not lab.kproxy_running(node), f"kproxy started with the placeholders in its ConfigMap:\n{log[-2000:]}"
+        assert "kproxy: cannot start: clusterCIDR" in log and "REPLACE-ME-control-plane-address" in log, log[-2000:]
+    finally:
+        lab.stop_all()
+        lab.launcher = image_lab.launcher
+        for launcher in launchers:
+            launcher.close(lab.prefix)
+        k8s.CoreV1Api(api).delete_namespaced_service(FIRST_BOOT_SERVICE, "default")
+        k8s.DiscoveryV1Api(api).delete_namespaced_endpoint_slice(f"{FIRST_BOOT_SERVICE}-v4", "default")
 
 
 @pytest.mark.parametrize(("mode", "check"), CASES, ids=[f"{m}-{c}" for m, c in CASES])
