@@ -202,6 +202,8 @@ class Places:
     cgroup: Path
     own_cgroup: bool
     map_size: int
+    # --bpf-allow-root-cgroup: the cgroup may be the root of the machine's cgroup v2 hierarchy (see check_places)
+    root_ok: bool = False
 
     @property
     def pin_real(self) -> Path:
@@ -228,16 +230,30 @@ def places(options: Mapping[str, Any], netns: str | None = None) -> Places:
         ino = netns_inode(netns)
     pin_dir = Path(pin) if pin else PIN_ROOT / f"net-{ino}"
     if cg:
-        return Places(pin_dir, Path(cg), False, size)
+        return Places(pin_dir, Path(cg), False, size, bool(options.get("bpf_allow_root_cgroup")))
     return Places(pin_dir, CGROUP_ROOT / f"kproxy-net-{ino}", True, size)
 
 
+def is_root_cgroup(path: Path) -> bool:
+    """Whether ``path`` is the root of the machine's cgroup hierarchy, wherever it is mounted (a container's
+    hostPath mount of the host's cgroup2 at /run/kproxy/cgroupv2 as much as /sys/fs/cgroup): cgroup v2 gives every
+    cgroup but the root a ``cgroup.type`` file (a cgroup namespace's root, a non-root cgroup, has one too)."""
+    if path.resolve() in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"), CGROUP_ROOT, Path("/")):
+        return True
+    return (path / "cgroup.controllers").exists() and not (path / "cgroup.type").exists()
+
+
 def check_places(p: Places) -> None:
-    """Refuse the machine's shared places: bpffs itself, the cgroup v1/v2 roots."""
+    """Refuse the machine's shared places: bpffs itself; the root cgroup unless chosen (``root_ok``): programs
+    there load-balance the sockets of every process of the machine, not only the node's pods, so that is a choice
+    the operator makes with --bpf-allow-root-cgroup, never where a path happens to lead."""
     if p.pin_dir.resolve() in (BPF_FS, Path("/")):
         raise ValueError(f"--bpf-pin-path {p.pin_dir}: a folder of kproxy's own is needed, not bpffs itself")
-    if p.cgroup.resolve() in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"), CGROUP_ROOT, Path("/")):
-        raise ValueError(f"--bpf-cgroup-path {p.cgroup}: never the machine's root cgroup")
+    if not p.root_ok and is_root_cgroup(p.cgroup):
+        raise ValueError(
+            f"--bpf-cgroup-path {p.cgroup}: the machine's root cgroup (every process's sockets would be "
+            "load-balanced); name the pods' cgroup, or choose the root explicitly with --bpf-allow-root-cgroup true"
+        )
 
 
 def _is_cgroup2(path: Path) -> bool:
@@ -447,6 +463,7 @@ def attach_in_child(p: Places, timeout: float = 120.0) -> list[str]:
         str(p.cgroup),
         "--map-size",
         str(p.map_size),
+        *(["--allow-root-cgroup"] if p.root_ok else []),
     ]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     if res.returncode != 0:
@@ -463,8 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin-path", required=True)
     ap.add_argument("--cgroup", required=True)
     ap.add_argument("--map-size", type=int, default=DEFAULT_MAP_SIZE)
+    ap.add_argument("--allow-root-cgroup", action="store_true")
     args = ap.parse_args(argv)
-    p = Places(Path(args.pin_path), Path(args.cgroup), False, args.map_size)
+    p = Places(Path(args.pin_path), Path(args.cgroup), False, args.map_size, args.allow_root_cgroup)
     check_places(p)
     b = compile_programs(p)
     names = load_and_attach(b, p.cgroup)

@@ -180,6 +180,13 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             "a child cgroup of kproxy's own per network namespace (never the machine's root cgroup)",
         ),
         Option(
+            "bpf_allow_root_cgroup",
+            bool,
+            False,
+            "allow --bpf-cgroup-path to be the root of the machine's cgroup v2 hierarchy (every process's sockets, "
+            "host daemons' too, are then load-balanced); refused unless chosen",
+        ),
+        Option(
             "bpf_pin_path",
             str,
             "",

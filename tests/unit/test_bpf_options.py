@@ -15,7 +15,7 @@ from kproxy.proxier import LabNodeSpec, option_arguments
 
 def test_options_are_typed_and_the_default_map_size_holds_10000_services_of_50() -> None:
     opts = {o.name: o for o in BpfProxier.options}
-    assert set(opts) == {"bpf_cgroup_path", "bpf_pin_path", "bpf_map_size"}
+    assert set(opts) == {"bpf_cgroup_path", "bpf_pin_path", "bpf_map_size", "bpf_allow_root_cgroup"}
     assert opts["bpf_map_size"].type is int
     assert opts["bpf_map_size"].default >= 10_000 * (1 + 50)
     assert opts["bpf_map_size"].convert("4096") == 4096

@@ -35,7 +35,7 @@ EXTRA_CAPS = {
 }
 EXTRA_VOLUMES = {"bpf": {"bpffs", "cgroup2", "hostproc"}}
 # arguments a mode needs after the base's command (the cgroup the socket programs attach to)
-EXTRA_ARGS = {"bpf": ["--bpf-cgroup-path", "/run/kproxy/cgroupv2"]}
+EXTRA_ARGS = {"bpf": ["--bpf-cgroup-path", "/run/kproxy/cgroupv2", "--bpf-allow-root-cgroup", "true"]}
 # The API server rejects allowPrivilegeEscalation: false together with an added SYS_ADMIN (or privileged).
 ESCALATION_ALLOWED = {"bpf"}
 
