@@ -12,10 +12,11 @@ malformed or simply too many. This module bounds each of those, with the numbers
   connection gets a canned ``503`` from the accept loop (one non-blocking send) and is closed: never a thread.
 - ``BoundedHandler`` reads each request through ``_Reader``: the request line and headers together may take at most
   ``MAX_HEADER_BYTES`` (``431`` beyond), the whole request (waiting for it, its head and any body) must arrive within
-  ``REQUEST_DEADLINE`` seconds in total, not per read (else the connection is closed), ``Content-Length`` must be a
-  decimal number (``400`` otherwise, never a traceback), and a body is read (and dropped) only up to
-  ``MAX_BODY_BYTES``. Errors are answered as Go's net/http answers them: ``text/plain``, ``Connection: close``,
-  ``<code> <reason>[: detail]``. A response must be sent within ``RESPONSE_DEADLINE``.
+  ``REQUEST_DEADLINE`` seconds (``Admission.request_deadline``) in total, not per read (else the connection is
+  closed), ``Content-Length`` must be a decimal number (``400`` otherwise, never a traceback), and a body is read
+  (and dropped) only up to ``MAX_BODY_BYTES``. Errors are answered as Go's net/http answers them:
+  ``text/plain``, ``Connection: close``, ``<code> <reason>[: detail]``. A response must be sent within
+  ``RESPONSE_DEADLINE``.
 
 Threads stay (one per admitted connection): the handlers are short, and the bounds above keep their number and
 memory small: at most ``limit + spare`` threads per ``Admission``, each holding at most about
@@ -87,6 +88,10 @@ class Ticket:
         """A whole request head has arrived and is being answered: not evictable."""
         self._owner._set_waiting(self, False)
 
+    @property
+    def request_deadline(self) -> float:
+        return self._owner.request_deadline
+
     def crowded(self) -> bool:
         """Whether this connection's key or the whole server is near its limit (then do not keep it alive)."""
         return self._owner._crowded(self.key)
@@ -104,6 +109,7 @@ class Admission:
         if per_key < 1 or limit < 1 or spare < 0:
             raise ValueError("connection limits must be positive")
         self.per_key, self.limit, self.spare = per_key, limit, spare
+        self.request_deadline = REQUEST_DEADLINE  # per server, so that a test can shorten it
         self._lock = threading.Lock()
         self._live: dict[Hashable, int] = {}  # admitted and not evicted, per key
         self._total = 0  # every admitted connection not yet released (evicted ones included): threads
@@ -130,7 +136,11 @@ class Admission:
     def _ticket(self, key: Hashable, sock: socket.socket) -> Ticket:
         self._live[key] = self._live.get(key, 0) + 1
         self._total += 1
-        return Ticket(self, key, sock)
+        ticket = Ticket(self, key, sock)
+        # Waiting from the moment it is accepted, so the oldest waiter is the oldest connection, whatever order
+        # the threads happen to start in.
+        self._waiting.setdefault(key, OrderedDict())[ticket] = None
+        return ticket
 
     def counts(self) -> tuple[int, int]:
         """(connections holding a thread, of which evicted and closing)."""
@@ -169,10 +179,11 @@ class Admission:
             if ticket.evicted or ticket.released:
                 return
             queue = self._waiting.setdefault(ticket.key, OrderedDict())
-            queue.pop(ticket, None)
             if waiting:
-                queue[ticket] = None  # to the end: it is now the newest waiter
-            elif not queue:
+                queue.setdefault(ticket, None)  # a waiter keeps its place; one back from an answer goes last
+                return
+            queue.pop(ticket, None)
+            if not queue:
                 del self._waiting[ticket.key]
 
     def _crowded(self, key: Hashable) -> bool:
@@ -326,7 +337,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
         self.close_connection = True
         self._body_unread = False
         self.ticket.waiting()
-        self.rfile.start(time.monotonic() + REQUEST_DEADLINE, MAX_HEADER_BYTES)
+        self.rfile.start(time.monotonic() + self.ticket.request_deadline, MAX_HEADER_BYTES)
         try:
             if not self._read_head():
                 return
@@ -358,6 +369,9 @@ class BoundedHandler(BaseHTTPRequestHandler):
         except (TimeoutError, OSError):  # slow (the deadline), evicted or gone: nobody to answer
             return False
         if self.rfile.eof:  # the headers were cut short by the end of the stream
+            return False
+        if self.request_version == "HTTP/0.9":  # "GET /": no version, no headers; Go refuses it too
+            self.send_error(HTTPStatus.BAD_REQUEST, "malformed HTTP request")
             return False
         self.rfile.end_head()
         return True
@@ -401,6 +415,9 @@ class BoundedHandler(BaseHTTPRequestHandler):
         status = HTTPStatus(code)
         self.log_error("%d %s: %s", code, status.phrase, message or "")
         self.close_connection = True
+        # A request line too broken to name a version leaves http.server at HTTP/0.9, which would drop the status
+        # line: answer in HTTP/1.1 whatever came in.
+        self.request_version = self.protocol_version
         body = f"{code} {status.phrase}" + (f": {message[:200]}" if message else "")
         self.send_response_only(code)
         self.send_header("Content-Type", "text/plain; charset=utf-8")

@@ -179,6 +179,15 @@ class _BackgroundServer:
         spare = max(2, self.max_connections // 4)
         self.admission = Admission(self.max_connections, self.max_connections, spare)
 
+    @property
+    def request_deadline(self) -> float:
+        """Seconds a connection has for each whole request (see ``connections.REQUEST_DEADLINE``)."""
+        return self.admission.request_deadline
+
+    @request_deadline.setter
+    def request_deadline(self, seconds: float) -> None:
+        self.admission.request_deadline = seconds
+
     def _handler(self) -> type[QuietHandler]:
         raise NotImplementedError
 
