@@ -421,3 +421,41 @@ def test_rules_pages(rules_server: tuple[MetricsServer, dict[str, Any]]) -> None
     for bad in ("limit=0", "limit=abc", "offset=-1", "page=0", "offset=1&page=2&limit=1", "limit=9999999999"):
         status, body = _json(server.port, "/rules?" + bad)
         assert status == 400 and body["error"], bad
+
+
+def test_admission_rules() -> None:
+    """The admission book on its own (socket pairs stand in for connections): per-key and total limits, eviction
+    of the oldest waiting connection (from the key itself, else from the fullest key), busy ones never evicted,
+    at most ``spare`` evicted connections still closing, and "crowded" near a limit."""
+    from kproxy.server.connections import Admission
+
+    book = Admission(per_key=2, limit=3, spare=1)
+    with ExitStack() as stack:
+
+        def conn() -> socket.socket:
+            ours, theirs = socket.socketpair()
+            stack.enter_context(ours)
+            stack.enter_context(theirs)
+            return ours
+
+        a1, a2 = book.admit("a", conn()), book.admit("a", conn())
+        assert a1 is not None and a2 is not None and not a1.evicted
+        assert a1.crowded()  # 2 of 2 for "a"
+        a3 = book.admit("a", conn())  # "a" is full: its oldest waiter goes
+        assert a3 is not None and a1.evicted and not a2.evicted
+        assert book.counts() == (3, 1)
+        assert book.admit("a", conn()) is None  # the one evicted is still closing: no more spare
+        a1.release()
+        assert book.counts() == (2, 0)
+        a2.busy()
+        a3.busy()
+        b1 = book.admit("b", conn())
+        assert b1 is not None  # 3 of 3 in all
+        assert book.admit("a", conn()) is None  # "a" full and all its connections busy
+        b1.waiting()
+        c1 = book.admit("c", conn())  # all full: the fullest key with a waiter is "b"
+        assert c1 is not None and b1.evicted
+        assert book.refusals == 2 and book.evictions == 2
+        for t in (a2, a3, b1, c1):
+            t.release()
+        assert book.counts() == (0, 0)
