@@ -15,7 +15,6 @@ import json
 import logging
 import signal
 import sys
-import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -172,7 +171,8 @@ def _cleanup_other_modes(config: ProxyConfig) -> None:
 
 
 def _make_source_factory(config: ProxyConfig) -> tuple[Any, Any]:
-    """The source for the daemon, and an event sink (Warning Events about this node) when there is an API server."""
+    """The source for the daemon, and an event sink (queued Warning Events about a service or this node) when there
+    is an API server."""
     from pathlib import Path
 
     if config.manifests:
@@ -183,17 +183,21 @@ def _make_source_factory(config: ProxyConfig) -> tuple[Any, Any]:
     from kproxy.sources.kube import KubeSource, make_api_client
 
     client = make_api_client(config.kubeconfig, config.master)
+    # events go through the recorder's queue and worker thread: a slow API server never holds up a sync
     recorder = EventRecorder(client, config.node_name)
     # upstream's "Starting" event, best effort and off the start-up path
-    threading.Thread(target=recorder.starting, name="event-starting", daemon=True).start()
-
-    def event_sink(reason: str, message: str, _svc: Any) -> None:
-        recorder.node_event(reason, "StartServiceHealthcheck", message, type_="Warning")
+    recorder.post("Starting", "", None, type_="Normal", action="StartKubeProxy")
 
     def factory(sink: Any) -> Any:
-        return KubeSource(sink, client, config.node_name, service_proxy_name=config.service_proxy_name)
+        return KubeSource(
+            sink,
+            client,
+            config.node_name,
+            service_proxy_name=config.service_proxy_name,
+            on_stop=(lambda: recorder.stop(1.0),),
+        )
 
-    return factory, event_sink
+    return factory, recorder.sink()
 
 
 def cmd_run(args: argparse.Namespace) -> int:

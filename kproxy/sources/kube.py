@@ -24,7 +24,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -406,9 +406,11 @@ class KubeSource:
         resync_backoff: tuple[float, float] = (0.5, 30.0),
         watch_timeout: float = DEFAULT_WATCH_TIMEOUT,
         page_size: int = DEFAULT_PAGE_SIZE,
+        on_stop: Sequence[Callable[[], None]] = (),
     ) -> None:
         self.sink = sink
         self.node_name = node_name
+        self._on_stop = tuple(on_stop)  # what else ends with the source (the daemon's event recorder)
         self.label_selector = proxy_label_selector(service_proxy_name)
         core = kubernetes.client.CoreV1Api(api_client)
         discovery = kubernetes.client.DiscoveryV1Api(api_client)
@@ -467,6 +469,8 @@ class KubeSource:
             reflector._stop.set()
         for reflector in self.reflectors.values():
             reflector.stop(timeout)
+        for stop in self._on_stop:
+            stop()
 
     @property
     def synced(self) -> bool:
