@@ -34,7 +34,7 @@ from kproxy.conformance.report import FAIL, NOT_APPLICABLE
 from kproxy.conformance.runner import Session
 from kproxy.conformance.scenarios import BY_ID
 from kproxy.lab.cluster import CLUSTER_CIDR4, CLUSTER_CIDR6, Lab, LabNode
-from kproxy.lab.container import CREDENTIALS_DIR, OVERLAYS, ContainerLauncher, pod_spec, render_overlay
+from kproxy.lab.container import CREDENTIALS_DIR, OVERLAYS, ContainerLauncher, PodSpec, pod_spec, render_overlay
 from kproxy.proxier import availability, backend_class, installed_backends
 
 pytestmark = [pytest.mark.root, pytest.mark.lab]
@@ -44,6 +44,7 @@ PREFIX = os.environ.get("KPROXY_IMAGE_LAB_PREFIX") or "kpi-"
 DROP_CAPS = tuple(c.strip().upper() for c in os.environ.get("KPROXY_IMAGE_DROP_CAPS", "").split(",") if c.strip())
 SCENARIOS = ("clusterip-tcp", "nodeport", "servers", "restart")
 CHECKS = (*SCENARIOS, "privileges", "legacy-node")
+LAB_API_URL = "http://198.18.0.1:6443"  # the API stand-in as the lab's nodes reach it (Lab.lab_api_url)
 LEGACY_NODE = "node-2"
 # Linux capability numbers (uapi/linux/capability.h) of the names overlays use.
 CAP_BITS = {
@@ -146,9 +147,13 @@ class ImageLab:
 
 @pytest.fixture(scope="module")
 def image_lab(image: str) -> Iterator[ImageLab]:
-    launcher = ContainerLauncher(image, drop_caps=DROP_CAPS)
+    # the overlays with the values of the user's cluster filled in (kproxy refuses the shipped placeholders); the
+    # lab's own flags (--master, --kubeconfig, --cluster-cidr) name the same values again
+    specs = {m: _user_spec(m, LAB_API_URL) for m in MODES}
+    launcher = ContainerLauncher(image, drop_caps=DROP_CAPS, specs=specs)
     launcher.close(PREFIX)  # containers of a killed earlier run
     lab = Lab.up(nodes=2, pods_per_node=3, mode=None, ipv6=True, prefix=PREFIX)
+    assert lab.lab_api_url == LAB_API_URL, lab.lab_api_url
     lab.launcher = launcher
     try:
         # node-2 is a node on legacy iptables: kubelet's canary in the legacy tables is what tells the flavour
@@ -195,6 +200,24 @@ FIRST_BOOT_MODE = os.environ.get("KPROXY_IMAGE_FIRST_BOOT_MODE") or (
 FIRST_BOOT_IP, FIRST_BOOT_SERVICE = "198.19.63.201", "first-boot"
 
 
+def _user_spec(mode: str, api_url: str) -> PodSpec:
+    """The rendered overlay with the ConfigMap's REPLACE-ME values filled in with the lab's, as deploy/README.md
+    tells a user to: the API stand-in's real address (plain HTTP) and the lab's pod CIDRs."""
+    spec = pod_spec(render_overlay(mode), mode)
+    values = {
+        "https://REPLACE-ME-control-plane-address:6443": api_url,
+        "REPLACE-ME-pod-cidr": f"{CLUSTER_CIDR4},{CLUSTER_CIDR6}",
+    }
+
+    def filled(text: str) -> str:
+        for placeholder, value in values.items():
+            text = text.replace(placeholder, value)
+        return text
+
+    mounts = tuple(dataclasses.replace(m, files={k: filled(v) for k, v in m.files.items()}) for m in spec.mounts)
+    return dataclasses.replace(spec, mounts=mounts)
+
+
 class FirstBootLauncher(ContainerLauncher):
     """The DaemonSet exactly as a user deploys it on a node that has just rebooted: the rendered ConfigMap with its
     REPLACE-ME values filled in with the lab's (the API stand-in's real address, the lab's pod CIDRs), or left as
@@ -204,19 +227,8 @@ class FirstBootLauncher(ContainerLauncher):
     kproxy knows of the cluster comes from the ConfigMap alone."""
 
     def __init__(self, image: str, lab: Lab, mode: str, *, fill: bool = True) -> None:
-        spec = pod_spec(render_overlay(mode), mode)
-        values = {
-            "https://REPLACE-ME-control-plane-address:6443": lab.lab_api_url,  # the stand-in speaks plain HTTP
-            "REPLACE-ME-pod-cidr": f"{CLUSTER_CIDR4},{CLUSTER_CIDR6}",
-        }
-
-        def filled(text: str) -> str:
-            for placeholder, value in values.items() if fill else ():
-                text = text.replace(placeholder, value)
-            return text
-
-        mounts = tuple(dataclasses.replace(m, files={k: filled(v) for k, v in m.files.items()}) for m in spec.mounts)
-        super().__init__(image, specs={mode: dataclasses.replace(spec, mounts=mounts)}, drop_caps=DROP_CAPS)
+        spec = _user_spec(mode, lab.lab_api_url) if fill else pod_spec(render_overlay(mode), mode)
+        super().__init__(image, specs={mode: spec}, drop_caps=DROP_CAPS)
         self.service_account = Path(tempfile.mkdtemp(prefix="kproxy-image-sa-"))
         # as the kubelet writes it: no newline (the kubernetes client sends a tokenFile as it is, newline included)
         (self.service_account / "token").write_text("lab-service-account-token")
