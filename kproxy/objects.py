@@ -33,7 +33,11 @@ class Ignored(Exception):
 
 
 def clip(text: str) -> str:
-    return text if len(text) <= 100 else f"{text[:80]}...({len(text)} chars)"
+    """A name for a log line: bounded, and with control characters escaped (a newline in a name from the manifest
+    folder must not forge a line)."""
+    if len(text) > 100:
+        return f"{v.printable(text[:80])}...({len(text)} chars)"
+    return v.printable(text)
 
 
 def label(kind: str, namespace: str, name: str) -> str:

@@ -15,6 +15,7 @@ import ipaddress
 import re
 import socket
 from collections.abc import Mapping, Sequence
+from itertools import islice
 from typing import Any
 
 from kproxy.model import IPFamily, Protocol
@@ -28,10 +29,45 @@ _PROTOCOLS = {p.value: p for p in Protocol}
 _FAMILIES = {f.value: f for f in IPFamily}
 
 
+def printable(text: str) -> str:
+    """`text` with every non-printable character escaped (``\\n``, ``\\x1b``, ``\\u202e``): a name or value from an
+    object must not forge a log line (a newline) or hide part of one (a terminal escape, a bidi override)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+_SHOW_ITEMS = 4  # elements of a list or object shown
+
+
+def _brief(value: Any, depth: int) -> str:
+    """A repr of `value` that looks at only a bounded part of it (the first characters and elements)."""
+    if isinstance(value, str):
+        return repr(value[:60]) + ("..." if len(value) > 60 else "")
+    if value is None or isinstance(value, (bool, float)):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 128 else f"<int of {value.bit_length()} bits>"
+    if isinstance(value, Mapping):
+        if depth <= 0:
+            return "{...}"
+        shown = [f"{_brief(k, depth - 1)}: {_brief(v, depth - 1)}" for k, v in islice(value.items(), _SHOW_ITEMS)]
+        return "{" + ", ".join(shown + (["..."] if len(value) > _SHOW_ITEMS else [])) + "}"
+    if isinstance(value, (list, tuple)):
+        if depth <= 0:
+            return "[...]"
+        shown = [_brief(v, depth - 1) for v in islice(value, _SHOW_ITEMS)]
+        return "[" + ", ".join(shown + (["..."] if len(value) > _SHOW_ITEMS else [])) + "]"
+    return f"<{type(value).__name__}>"
+
+
 def _show(value: Any) -> str:
-    """A short, log-safe rendering of a bad value (an absurd one must not flood the log)."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}...({len(text)} chars)"
+    """A short, log-safe rendering of a bad value: bounded before it is rendered (an absurd value must not flood
+    the log, nor cost a full repr), control characters escaped (repr does that)."""
+    text = _brief(value, 2)
+    if isinstance(value, str) and len(value) > 60:
+        return f"{text}({len(value)} chars)"
+    return text if len(text) <= 200 else f"{text[:160]}..."
 
 
 def mapping(value: Any, what: str) -> Mapping[str, Any]:
@@ -163,7 +199,7 @@ def string_map(value: Any, what: str) -> dict[str, str]:
     """Labels or annotations: an object of strings to strings (absent means empty)."""
     out: dict[str, str] = {}
     for key, item in optional_mapping(value, what).items():
-        out[string(key, f"{what} key")] = string(item, f"{what}[{key}]")
+        out[string(key, f"{what} key")] = string(item, f"{what}[{printable(key[:100])}]")
     return out
 
 

@@ -124,14 +124,17 @@ def _hash16(text: str) -> str:
 
 
 _SVC_HASH: dict[str, str] = {}
+_SVC_HASH_MAX = 131_072  # service ports remembered; past it the memo starts over (services churn over a long life)
 _SEP_CACHE: dict[tuple[str, str], str] = {}
 
 
 def port_proto_hash(spn: ServicePortName) -> str:
-    """Upstream's ``portProtoHash``: base32(sha256(``ns/name:port`` + ``tcp``))[:16]."""
+    """Upstream's ``portProtoHash``: base32(sha256(``ns/name:port`` + ``tcp``))[:16]; memoised, bounded."""
     key = str(spn) + spn.protocol.lowercase
     h = _SVC_HASH.get(key)
     if h is None:
+        if len(_SVC_HASH) >= _SVC_HASH_MAX:
+            _SVC_HASH.clear()
         h = _SVC_HASH[key] = _hash16(key)
     return h
 

@@ -24,8 +24,10 @@ from typing import Any
 
 import yaml
 
+from kproxy.objects import clip
 from kproxy.sources import ObjectSink
 from kproxy.sources.selectors import wanted_by_proxy
+from kproxy.validation import printable
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ def _expand(doc: Any, where: str) -> Iterator[dict[str, Any]]:
     if doc is None:
         return
     if not isinstance(doc, Mapping):
-        log.warning("files: %s: skipping a document that is not a mapping", where)
+        log.warning("files: %s: skipping a document that is not a mapping", clip(where))
         return
     if str(doc.get("kind", "")).endswith("List") and isinstance(doc.get("items"), list):
         for item in doc["items"]:
@@ -58,7 +60,8 @@ def parse_manifest(path: Path) -> list[dict[str, Any]]:
         text = path.read_text(encoding="utf-8")
         docs: list[Any] = [json.loads(text)] if path.suffix == ".json" else list(yaml.safe_load_all(text))
     except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
-        raise ManifestError(f"{path}: {exc}") from exc
+        # one log line however the parser words it (YAML errors span lines) and whatever the file is called
+        raise ManifestError(printable(f"{path}: {exc}"[:2000])) from exc
     out: list[dict[str, Any]] = []
     for doc in docs:
         out.extend(_expand(doc, str(path)))
@@ -92,6 +95,11 @@ def read_manifest_folder(folder: Path) -> list[dict[str, Any]]:
 def _name(obj: Mapping[str, Any]) -> str:
     meta = obj.get("metadata")
     return str(meta.get("name") or "") if isinstance(meta, Mapping) else ""
+
+
+def _kind(kind: Any) -> str:
+    """An object's kind for a log line: clipped and escaped, whatever the file put there."""
+    return clip(kind) if isinstance(kind, str) else f"<{type(kind).__name__} kind>"
 
 
 def _with_namespace(obj: dict[str, Any]) -> dict[str, Any]:
@@ -149,7 +157,7 @@ class FilesSource:
             try:
                 self.poll()
             except Exception:  # the source thread must outlive any surprise in one poll
-                log.exception("files: poll of %s failed", self.folder)
+                log.exception("files: poll of %s failed", clip(str(self.folder)))
 
     def _signatures(self) -> tuple[FileSig, ...]:
         sigs: list[FileSig] = []
@@ -192,7 +200,7 @@ class FilesSource:
         for obj in objs:
             kind, api_version, name = obj.get("kind"), str(obj.get("apiVersion", "")), _name(obj)
             if not name:
-                log.warning("files: skipping a %s without metadata.name", kind)
+                log.warning("files: skipping a %s without metadata.name", _kind(kind))
                 continue
             if kind == "Service" and api_version == "v1":
                 obj = _with_namespace(obj)

@@ -348,7 +348,7 @@ class Reflector:
                 self.stats.events += 1
             except Exception:  # noqa: BLE001 - one bad object or sink bug must not end the watch
                 self.stats.errors += 1
-                log.exception("reflector %s: applying %s %s failed", self.kind, type_, meta.get("name"))
+                log.exception("reflector %s: applying %s %s failed", self.kind, type_, _short(meta.get("name")))
         else:
             self.stats.errors += 1
             log.warning("reflector %s: unknown watch event type %r", self.kind, type_)
