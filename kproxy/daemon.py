@@ -155,6 +155,7 @@ class Daemon:
         self.source = source_factory(self.cache)
         self.status = SyncStatus()
         self._event_sink = event_sink
+        self._refused: dict[ServicePortName, str] = {}  # the core's refusals already reported
         self._need_full = True
         self._conntrack_owed = False
         self._last_full_at = 0.0
@@ -313,6 +314,7 @@ class Daemon:
                 len(failed),
                 "; ".join(f"{k}: {v}" for k, v in self.status.failed.items()),
             )
+        self._report_refused(result.refused)
 
         stats = self.cache.stats()
         for fam in self.families:
@@ -332,6 +334,7 @@ class Daemon:
             )
         m.set_pending(stats.get("service_changes_pending", 0), stats.get("endpoint_changes_pending", 0))
         m.set_sync_failed_services(len(failed))
+        m.set_refused(result.refused.values())
         m.set_invalid_objects("all", stats.get("invalid_objects", 0))
 
         self.service_health.sync_services(health_check_ports(state))
@@ -350,6 +353,19 @@ class Daemon:
             self.runner.run()  # the backend wants a full sync (it says so when it lost track of the kernel)
         # Services the kernel refused stay dirty: ask the runner to come back after the retry interval.
         return not failed
+
+    def _report_refused(self, refused: Mapping[ServicePortName, str]) -> None:
+        """What the core refused (``kproxy.admission``): in ``/rules`` beside the kernel's refusals (not retried:
+        only a change of the objects changes the answer), logged and posted as an Event once per new answer."""
+        for spn, why in refused.items():
+            self.status.failed[f"{spn}/{spn.protocol.value}"] = f"refused: {why}"
+            if self._refused.get(spn) == why:
+                continue
+            log.warning("service port %s refused: %s", spn, why)
+            if self._event_sink is not None:
+                reason = "AddressConflict" if why.startswith("address-conflict") else "ServiceOverCapacity"
+                self._event_sink(reason, f"service port {spn}/{spn.protocol.value}: {why}", spn.service)
+        self._refused = dict(refused)
 
     def _reconcile_conntrack(self, state: ProxyState) -> bool:
         """Reconcile UDP conntrack with the state just programmed; False when it could not finish (then the next

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
-from kproxy.model import IPFamily
+from kproxy.model import REFUSAL_REASONS, IPFamily
 
 PREFIX = "kubeproxy_"
 
@@ -169,6 +169,15 @@ class Metrics:
             "Service ports whose rules the kernel refused in the last sync (kept dirty and retried)",
             registry=r,
         )
+        self.kproxy_service_ports_refused = Gauge(
+            "kproxy_service_ports_refused",
+            "Service ports refused in whole or in part before rendering, by reason: address-conflict (an address "
+            "another service holds) or capacity (more than this mode holds)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REFUSAL_REASONS:
+            self.kproxy_service_ports_refused.labels(reason).set(0)
         self.kproxy_invalid_objects = Gauge(
             "kproxy_invalid_objects",
             "Kubernetes objects ignored because they failed validation, by kind",
@@ -273,6 +282,15 @@ class Metrics:
 
     def set_sync_failed_services(self, count: int) -> None:
         self.kproxy_sync_failed_services.set(count)
+
+    def set_refused(self, refused: Iterable[str]) -> None:
+        """``refused``: one ``reason: message`` per refused service port (``SyncResult.refused``)."""
+        counts = dict.fromkeys(REFUSAL_REASONS, 0)
+        for why in refused:
+            reason = why.split(":", 1)[0]
+            counts[reason] = counts.get(reason, 0) + 1
+        for reason, n in counts.items():
+            self.kproxy_service_ports_refused.labels(reason).set(n)
 
     def set_invalid_objects(self, kind: str, count: int) -> None:
         self.kproxy_invalid_objects.labels(kind).set(count)

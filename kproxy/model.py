@@ -285,6 +285,11 @@ class SyncResult:
     refused: Mapping[ServicePortName, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
+#: why the core refuses (part of) a service port before rendering it (``kproxy.admission``; the ``reason`` label of
+#: ``kproxy_service_ports_refused`` and the prefix of each ``SyncResult.refused`` text)
+REFUSAL_REASONS = ("address-conflict", "capacity")
+
+
 def parse_ip(text: str) -> str:
     """Canonical text of an IP address (``::ffff:0:1`` style compression for v6); ValueError on garbage."""
     return str(ipaddress.ip_address(text))

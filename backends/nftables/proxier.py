@@ -373,9 +373,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         r0 = time.perf_counter()
         counts: dict[str, int] = {}
         timings = {"render_apply": 0.0, "apply": 0.0}
-        refused = self._collisions(batch)
-        if refused:
-            return Applied(ok=False, refused=MappingProxyType(refused), error=next(iter(refused.values())))
+        self._entry_owners(batch)
         if batch.full:
             chunks = self._full_chunks(batch)
         else:
@@ -445,19 +443,11 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         self._counts.update(counts)
         return Applied(ok=True, counts=MappingProxyType(counts), timings=MappingProxyType(timings))
 
-    def _collisions(self, batch: Batch[Fragment, FamilyContext]) -> dict[ServicePortName, str]:
-        """Services claiming an address . protocol . port another one holds (the later name is refused); the entry
-        owners after this batch go to ``scratch["entries"]``."""
-        refused: dict[ServicePortName, str] = {}
+    def _entry_owners(self, batch: Batch[Fragment, FamilyContext]) -> None:
+        """Which service owns each map element after this batch (``scratch["entries"]``). Two services never claim
+        one address . protocol . port: the core decides that before rendering (``kproxy.admission``)."""
         if batch.full:
-            owners: dict[tuple[str, str], ServicePortName] = {}
-            for spn, frag in batch.wanted.items():
-                for m, k, _ in frag.entries:
-                    other = owners.get((m, k))
-                    if other is not None and other != spn:
-                        refused[max(spn, other)] = f"{m} {k} is claimed by {min(spn, other)} too"
-                    else:
-                        owners[(m, k)] = spn
+            owners = {(m, k): spn for spn, frag in batch.wanted.items() for m, k, _ in frag.entries}
         else:
             owners = dict(self._kernel[batch.family].entries)
             for d in batch.deltas:
@@ -467,12 +457,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
                             del owners[(m, k)]
             for d in batch.deltas:
                 for m, k, _ in d.new_fragment.entries if d.new_fragment is not None else ():
-                    other = owners.get((m, k))
-                    if other is not None and other != d.name:
-                        refused[d.name] = f"{m} {k} is claimed by {other} too"
                     owners[(m, k)] = d.name
         batch.scratch["entries"] = owners
-        return refused
 
     def _partial(self, batch: Batch[Fragment, FamilyContext], ks: _KernelState) -> _Chunk:
         tx = render.Transaction(batch.family)

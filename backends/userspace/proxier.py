@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+from kproxy.admission import Limits
 from kproxy.config import ProxyConfig
 from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Verdict
@@ -223,7 +224,6 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         self._written: dict[IPFamily, dict[ServicePortName, frozenset[tuple[str, str, str]]]] = {
             f: {} for f in self.families
         }
-        self._owners: dict[IPFamily, dict[ElemKey, ServicePortName]] = {f: {} for f in self.families}
         self._known: dict[IPFamily, bool] = {f: False for f in self.families}
         self._local: dict[IPFamily, tuple[str, ...]] = {f: () for f in self.families}
         self._checked: dict[IPFamily, float] = {}  # per family: each family's sync asks in turn
@@ -343,7 +343,6 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         self._ports.clear()
         self._used.clear()
         self._written = {f: {} for f in self.families}
-        self._owners = {f: {} for f in self.families}
         self._known = {f: False for f in self.families}
         super().cleanup()
 
@@ -625,6 +624,13 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         lo, hi = self.port_span()
         return hi - lo + 1
 
+    def limits(self, family: IPFamily) -> Limits:
+        """A service port takes at least one proxy port of its protocol's pool in ``--proxy-port-range``: more
+        service ports than the range holds never fit (the core refuses them before anything is bound). Within it,
+        a pool that runs out (one protocol's ports, or a Local policy's second socket) refuses the service port that
+        needed one more (``ProxyPortsExhausted``)."""
+        return Limits(service_ports=self.proxy_port_capacity())
+
     def in_span(self, port: int) -> bool:
         lo, hi = self.port_span()
         return lo <= port <= hi
@@ -716,29 +722,13 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                 return Applied(ok=False, error="kernel state unknown: a full sync must come first", need_full=True)
             targets = {d.name: d.new_fragment for d in batch.deltas}
 
-        # ownership: two services may not claim one address . protocol . port
-        owners: dict[ElemKey, ServicePortName] = {} if batch.full else dict(self._owners[fam])
-        if not batch.full:
-            for spn in targets:
-                for mine in [mk for mk, o in owners.items() if o == spn]:
-                    del owners[mine]
+        # who may claim an address . protocol . port is decided in the core (kproxy.admission): no two fragments
+        # of one batch name the same element
         for spn in targets:  # the ledger's order (sorting 10,000 names cost 0.1 s)
             frag = targets[spn]
-            if frag is None:
-                continue
-            if frag.unsupported and spn not in self._warned:
+            if frag is not None and frag.unsupported and spn not in self._warned:
                 self._warned.add(spn)
                 log.warning("%s: %s", render.service_key(spn), frag.unsupported)
-            for e in frag.entries:
-                other = owners.get((e.map, e.key))
-                if other is not None and other != spn:
-                    refused[spn] = f"{e.map} {e.key} is claimed by {other} too"
-                    break
-            else:
-                for e in frag.entries:
-                    owners[(e.map, e.key)] = spn
-        if refused:
-            return Applied(ok=False, refused=MappingProxyType(refused), error=next(iter(refused.values())))
 
         # proxy sockets that stopped listening under us (closed by hand, ss -K; the port perhaps taken by someone
         # else since): dropped here, so bind_all binds new ones and the redirects name those
@@ -929,7 +919,6 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                     self._written[fam][spn] = want[spn]
                 else:
                     self._written[fam].pop(spn, None)
-        self._owners[fam] = owners
         self._known[fam] = True
         counts[f"{fam.value}/proxy_sockets"] = sum(1 for i in self._ports if i[0] == fam)
         self._counts.update(counts)

@@ -49,6 +49,7 @@ from kproxy.conformance.context import (
     header,
     hostport,
 )
+from kproxy.proxier import backend_class
 
 
 @dataclass(frozen=True)
@@ -590,6 +591,134 @@ def lifecycle(ctx: Context) -> None:
     _wait_reach(ctx, client, ip_a, 80, only=eps_a, what="after recreating alpha")
     ctx.reach(client, ip_a, 80, count=5, only=eps_a)
     ctx.reach(client, ip_b, 80, count=5, only=eps_b)
+
+
+def _full_syncs(ctx: Context, node: Any) -> float:
+    parsed = _parsed_metrics(ctx, node)
+    return histogram(parsed, "kubeproxy_sync_full_proxy_rules_duration_seconds", ip_family="IPv4")[1]
+
+
+def _refusal(ctx: Context, node: Any, key: str) -> str:
+    """What ``/rules`` on ``node`` says the core refused of ``key`` (``ns/name:port/PROTO``), or ""."""
+    doc = ctx.rules(node)
+    entry = (((doc.get("backend") or {}).get("services") or {}).get(key) or {}).get("IPv4") or {}
+    return str(entry.get("refused") or "")
+
+
+def address_collision(ctx: Context) -> None:
+    """One tenant lists another service's ClusterIP among its externalIPs (the claimant's name sorts first, as a
+    Service in namespace ``aaa`` would against ``kube-system/kube-dns``): the owner's endpoints answer throughout,
+    through a partial sync, a full sync, a restart of kproxy and the claimant's deletion; the claim is reported."""
+    n1, n2 = _two_nodes(ctx)
+    client = ctx.pods_on(n1)[0]
+    owner_eps, claim_eps = [ctx.pods_on(n2)[0]], [ctx.pods_on(n2)[1]]
+    owner = ctx.service("zz-owner")
+    ctx.apply(owner, ctx.slice_for(owner, owner_eps))
+    vip = _cip(owner)
+    _wait_reach(ctx, client, vip, 80, only=owner_eps)
+    claimant = ctx.service("aa-claimant", externalIPs=[vip])
+    ctx.apply(claimant, ctx.slice_for(claimant, claim_eps))
+    own_vip = _cip(claimant)
+    _wait_reach(ctx, client, own_vip, 80, only=claim_eps, what="the claimant's own ClusterIP")
+
+    def owner_answers() -> None:
+        ctx.reach(client, vip, 80, count=10, only=owner_eps)
+        ctx.reach(client, own_vip, 80, count=3, only=claim_eps)
+
+    # "throughout": a client keeps connecting to the owner's address while everything below happens
+    probes: list[tuple[str, Probe]] = []
+    phase = ["claimed"]
+    stop = threading.Event()
+
+    def keep_probing() -> None:
+        while not stop.is_set() and ctx.remaining() > 5:
+            try:
+                probes.append((phase[0], ctx.probe(client, vip, 80, count=1, timeout=1.0)))
+            except Exception as exc:  # recorded, judged below
+                probes.append((phase[0], Probe(client.name, "tcp", vip, 80, [_Err(str(exc))])))
+            time.sleep(0.2)
+
+    prober = threading.Thread(target=keep_probing, daemon=True)
+    prober.start()
+    try:
+        why = _collide(ctx, n1, client, vip, own_vip, owner_eps, claim_eps, owner_answers, phase)
+    finally:
+        stop.set()
+        prober.join(timeout=5)
+    # a mode whose restart scenario is declared impossible (its data path is kproxy itself) may fail new connections
+    # while kproxy restarts; no other may
+    gap_ok = "restart" in backend_class(ctx.mode).not_applicable(ctx.options)
+    judge_collision(probes, {p.name for p in owner_eps}, gap_ok)
+    ctx.note(f"{vip}:80 stayed with its owner through {len(probes)} connections; the claimant was told: {why}")
+
+
+def judge_collision(probes: Sequence[tuple[str, Probe]], owners: set[str], gap_ok: bool) -> None:
+    """Every connection to the owner's address reached the owner; none failed, but while kproxy restarted in a mode
+    whose data path is kproxy itself (``gap_ok``)."""
+    stolen = [(ph, pr.summary()) for ph, pr in probes if pr.pods - owners]
+    failed = [(ph, pr.summary()) for ph, pr in probes if pr.failed and not (gap_ok and ph == "restarting")]
+    if stolen or failed:
+        raise ScenarioFailure(
+            "connections to the owner's ClusterIP went elsewhere or failed",
+            sent=f"{len(probes)} connections, one at a time",
+            got="; ".join(f"{ph}: {s}" for ph, s in (stolen + failed)[:6]),
+            expected="every one answered by " + ", ".join(sorted(owners)),
+        )
+
+
+def _collide(
+    ctx: Context,
+    n1: Any,
+    client: Any,
+    vip: str,
+    own_vip: str,
+    owner_eps: Sequence[Any],
+    claim_eps: Sequence[Any],
+    owner_answers: Callable[[], None],
+    phase: list[str],
+) -> str:
+    """The steps of ``address_collision`` while its client keeps connecting; returns what /rules says of the claim."""
+    owner_answers()
+    # a full sync (a node label change makes the cache owe one): the holder keeps the address
+    before = _full_syncs(ctx, n1)
+    patch = {"metadata": {"labels": {"kproxy.io/conformance-full-sync": str(int(time.time() * 1000))}}}
+    ctx.core.patch_node(n1.name, patch, _content_type="application/merge-patch+json", _request_timeout=API_TIMEOUT)
+    ctx.eventually(
+        lambda: ctx.expect(_full_syncs(ctx, n1) > before, f"a full sync on {n1.name} after a node label change"),
+        timeout=SYNC_WAIT,
+        what="a full sync",
+    )
+    owner_answers()
+    # a restart: the new process adopts what the kernel holds, and adoption says who holds the address
+    phase[0] = "restarting"
+    ctx.lab.stop_kproxy(n1)
+    _start_kproxy(ctx, n1, ctx.mode)
+    ctx.eventually(lambda: _synced_since_start(ctx, n1), timeout=SYNC_WAIT, what="restarted kproxy's first sync")
+    phase[0] = "restarted"
+    owner_answers()
+    key = f"{ctx.namespace}/aa-claimant:tcp/TCP"
+
+    def reported() -> str:
+        found = _refusal(ctx, n1, key)
+        ctx.expect(found, f"{key} is not reported refused on {n1.name}", sent=f"GET /rules on {n1.name}")
+        return found
+
+    why = ctx.eventually(reported, timeout=SYNC_WAIT, what="the claim reported")
+    ctx.expect(
+        "address-conflict" in why and "zz-owner" in why,
+        "the refused claim is reported in /rules",
+        sent=f"GET /rules?service={key} on {n1.name}",
+        got=why,
+        expected="refused: address-conflict ... held by the owner",
+    )
+    # deleting the refused claimant never touches the owner's entries
+    phase[0] = "deleted"
+    ctx.delete_service("aa-claimant")
+    ctx.eventually(
+        lambda: ctx.blocked(client, own_vip, 80, timeout=1.0), timeout=SYNC_WAIT, what="after deleting the claimant"
+    )
+    ctx.reach(client, vip, 80, count=10, only=owner_eps)
+    return why
 
 
 CONVERGE_SETTLE_S = 0.5  # how long past the limit _converge keeps watching for the old state to come back
@@ -1961,6 +2090,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("itp-local", "internalTrafficPolicy=Local", itp_local),
     Scenario("terminating-fallback", "all endpoints terminating: serving, then not serving", terminating_fallback),
     Scenario("lifecycle", "create, delete, recreate a service; others untouched", lifecycle),
+    Scenario(
+        "address-collision",
+        "an externalIP claiming another service's ClusterIP: the owner keeps it through full syncs and restarts",
+        address_collision,
+        timeout_s=90,
+    ),
     Scenario("endpoint-churn", "3 -> 1 -> 5 endpoints, each within 2 s", endpoint_churn),
     Scenario("port-update", "change a service's port in place", port_update),
     Scenario("ignored-services", "service-proxy-name and headless labels, headless, ExternalName", ignored_services),
