@@ -115,6 +115,7 @@ class Admission:
         self._total = 0  # every admitted connection not yet released (evicted ones included): threads
         self._evicting = 0  # evicted, not yet released
         self._waiting: dict[Hashable, OrderedDict[Ticket, None]] = {}  # oldest first
+        self.admitted = 0  # counters since start: connections let in, evicted to make room, refused
         self.evictions = 0
         self.refusals = 0
 
@@ -136,6 +137,7 @@ class Admission:
     def _ticket(self, key: Hashable, sock: socket.socket) -> Ticket:
         self._live[key] = self._live.get(key, 0) + 1
         self._total += 1
+        self.admitted += 1
         ticket = Ticket(self, key, sock)
         # Waiting from the moment it is accepted, so the oldest waiter is the oldest connection, whatever order
         # the threads happen to start in.
