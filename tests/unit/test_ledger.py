@@ -7,7 +7,6 @@ tested here and not again in each backend.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -130,6 +129,7 @@ class Refusing(LedgerProxier[ServicePort, FamilyContext]):
         self.raise_in: set[IPFamily] = set()
         self.applied: list[Batch[ServicePort, FamilyContext]] = []
         self.gate: threading.Event | None = None
+        self.entered = threading.Event()  # set when an apply has begun (and waits on ``gate``, if any)
 
     def context(self, node: FamilyContext, state: ProxyState) -> FamilyContext:
         return node.without_addresses()
@@ -138,6 +138,7 @@ class Refusing(LedgerProxier[ServicePort, FamilyContext]):
         return sp
 
     def apply(self, batch: Batch[ServicePort, FamilyContext]) -> Applied:
+        self.entered.set()
         if self.gate is not None:
             self.gate.wait(10)
         self.applied.append(batch)
@@ -199,21 +200,34 @@ def test_a_changed_node_context_makes_a_full_batch() -> None:
 
 
 def test_describe_never_waits_for_a_sync() -> None:
+    """describe() answers while a sync is held inside apply (waited for, not slept on), and only the gate, opened
+    after describe has answered, lets that sync finish: a describe that waited for it would never answer in time."""
     r = Refusing()
     a = sp("a", 1)
     assert r.sync(state(a), Changes(full=True)).ok
     r.gate = threading.Event()
+    r.entered.clear()
     worker = threading.Thread(target=r.sync, args=(state(sp("a", 2)), partial("a")))
     worker.start()
+    answered = threading.Event()
+    got: list[Mapping[str, Any]] = []
+
+    def ask() -> None:
+        got.append(r.describe())
+        answered.set()
+
+    asker = threading.Thread(target=ask)
     try:
-        time.sleep(0.05)  # the sync is inside apply now, waiting on the gate
-        t0 = time.perf_counter()
-        desc: Mapping[str, Any] = r.describe()
-        assert time.perf_counter() - t0 < 0.1
-        assert desc["services"]["ns/a:http/TCP"]["IPv4"]["internalEndpoints"] == ["198.18.65.10:8080"]
+        assert r.entered.wait(10), "the sync never reached apply"
+        asker.start()
+        assert answered.wait(10), "describe() waited for the sync held in apply"
+        assert worker.is_alive() and not r.gate.is_set()  # the sync was still inside apply when describe answered
+        assert got[0]["services"]["ns/a:http/TCP"]["IPv4"]["internalEndpoints"] == ["198.18.65.10:8080"]
     finally:
         r.gate.set()
         worker.join(10)
+        if asker.ident is not None:
+            asker.join(10)
     assert r.describe()["services"]["ns/a:http/TCP"]["IPv4"]["internalEndpoints"] == [
         "198.18.65.10:8080",
         "198.18.65.11:8080",

@@ -250,25 +250,37 @@ def test_loop_ends_when_its_external_stop_event_is_set() -> None:
 
 
 def test_real_time_min_interval_and_coalescing() -> None:
-    """With the real clock: 20 rapid requests give few runs, each starting >= min_interval after the last ended."""
+    """With the real clock: 20 requests made while a run is in progress give exactly one more run (coalesced), which
+    starts >= min_interval after the first ended. Every step waits on an event (a run entered, a gate opened), never
+    on a sleep, so a loaded machine only makes the gap longer."""
     spans: list[tuple[float, float]] = []
+    entered = [threading.Event(), threading.Event(), threading.Event()]
+    gates = [threading.Event(), threading.Event(), threading.Event()]
 
     def fn() -> bool:
+        n = min(len(spans), 2)
         start = time.monotonic()
-        time.sleep(0.01)
+        entered[n].set()
+        gates[n].wait(10)
         spans.append((start, time.monotonic()))
         return True
 
-    runner = BoundedFrequencyRunner("real", fn, 0.05, 0.2, 10.0)
+    runner = BoundedFrequencyRunner("real", fn, 0.05, 0.2, 60.0)
     runner.start()
     try:
-        deadline = time.monotonic() + 0.3
-        while time.monotonic() < deadline:
+        runner.run()
+        assert entered[0].wait(10), "the first run never started"  # no cool-down before the first run
+        for _ in range(20):
             runner.run()
-            time.sleep(0.015)
-        time.sleep(0.15)
+        gates[0].set()
+        assert entered[1].wait(10), "the requests made during the first run were not served"
+        gates[1].set()
+        runner.stop(timeout=10)  # the second run ends; nothing was asked since it began, so no third run is due
     finally:
-        runner.stop()
-    assert 2 <= len(spans) <= 8, spans  # coalesced: far fewer runs than the 20 requests
-    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
-        assert start - end >= 0.05 - 0.002
+        for g in gates:
+            g.set()
+        runner.stop(timeout=10)
+    assert runner.stopped
+    assert len(spans) == 2 and not entered[2].is_set(), spans  # 20 requests during one run: one more run
+    (_, end0), (start1, _) = spans
+    assert start1 - end0 >= 0.05 - 0.002, spans
