@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from kproxy.config import DEFAULT_MAX_SERVICE_ENTRIES
 from kproxy.endpointslices import EndpointSliceCache, SliceKey, merge_endpoints, parse_slice
 from kproxy.gcpause import collector_paused as _gc_paused
 from kproxy.model import Changes, IPFamily, NamespacedName, NodeInfo, ProxyState, ServicePort, ServicePortName
@@ -47,6 +48,7 @@ from kproxy.objects import label as _label
 from kproxy.objects import object_label as _object_label
 from kproxy.serviceport import ServiceInfo, parse_service, with_endpoints
 from kproxy.topology import categorize_endpoints, uses_cluster_endpoints, uses_local_endpoints
+from kproxy.validation import printable
 
 # The parsers and labels were defined here before the split; importers of these names keep working.
 __all__ = [
@@ -68,6 +70,7 @@ log = logging.getLogger(__name__)
 SYNC_KINDS = ("services", "endpointslices", "nodes")
 
 _GC_PAUSE_OVER = 500  # services recomputed in one snapshot
+_TOO_BIG = "expands to"  # the start of an oversized Service's rejection
 
 
 class ServiceCache:
@@ -97,8 +100,10 @@ class ServiceCache:
         ip_families: Sequence[IPFamily] = (IPFamily.V4, IPFamily.V6),
         on_change: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.time,
+        max_service_entries: int = DEFAULT_MAX_SERVICE_ENTRIES,
     ) -> None:
         self._node_name = node_name
+        self._max_entries = max_service_entries
         self._proxy_name = service_proxy_name
         self._families = tuple(ip_families)
         self._on_change = on_change
@@ -320,7 +325,7 @@ class ServiceCache:
                 log.exception("on_change callback failed")
 
     def _reject(self, label: str, exc: BaseException) -> None:
-        reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        reason = printable(str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
         log.warning("%s rejected: %s", label, reason)
         with self._lock:
             self._errors[label] = reason
@@ -417,6 +422,30 @@ class ServiceCache:
         self._touch(owner, endpoints=True, when=None)
         return True
 
+    def _bounded(
+        self, key: NamespacedName, ports: dict[tuple[IPFamily, ServicePortName], ServicePort]
+    ) -> dict[tuple[IPFamily, ServicePortName], ServicePort]:
+        """``ports``, or nothing when the Service expands to more entries than ``--max-service-entries`` (addresses
+        + endpoints summed over its ports and families: ports x externalIPs x endpoints is what blows up a small
+        object); then it is reported among the rejected objects and served by no rule until it shrinks."""
+        entries = 0
+        for sp in ports.values():
+            entries += 1 + len(sp.external_ips) + len(sp.load_balancer_ips) + (1 if sp.node_port else 0)
+            entries += max(len(sp.cluster_endpoints), len(sp.local_endpoints))
+        label = _label("Service", key.namespace, key.name)
+        if entries <= self._max_entries:
+            if label in self._errors and self._errors[label].startswith(_TOO_BIG):
+                del self._errors[label]
+            return ports
+        why = (
+            f"{_TOO_BIG} {entries} entries (addresses + endpoints over {len(ports)} service ports), over "
+            f"--max-service-entries {self._max_entries}: not served"
+        )
+        if self._errors.get(label) != why:
+            log.warning("%s rejected: %s", label, why)
+        self._errors[label] = why
+        return {}
+
     def _recompute(self, key: NamespacedName, gen: int) -> bool:
         """Rebuild one service's ServicePorts; mark dirty those whose value changed. True if any did."""
         new: dict[tuple[IPFamily, ServicePortName], ServicePort] = {}
@@ -438,6 +467,7 @@ class ServiceCache:
                     )
                     tmpl = with_endpoints(tmpl, cat, eps)
                 new[(tmpl.family, tmpl.name)] = tmpl
+            new = self._bounded(key, new)
         changed = False
         for fam, spn in self._ports_of.pop(key, ()):
             if (fam, spn) not in new:

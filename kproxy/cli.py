@@ -72,6 +72,7 @@ _CONFIG_FLAGS = {
     "master": "master",
     "manifests": "manifests",
     "service_proxy_name": "service_proxy_name",
+    "max_service_entries": "max_service_entries",
 }
 
 
@@ -121,6 +122,13 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--service-proxy-name",
         default=S,
         help="serve services labelled service.kubernetes.io/service-proxy-name=<this>",
+    )
+    p.add_argument(
+        "--max-service-entries",
+        type=int,
+        default=S,
+        help="refuse a Service whose ports expand to more entries (addresses + endpoints, summed over its ports) "
+        "than this (100000)",
     )
     p.add_argument("--cleanup", action="store_true", help="remove every mode's rules and exit (as upstream)")
     p.add_argument(

@@ -124,6 +124,12 @@ def _cidrs(values: list[str] | tuple[str, ...], what: str, keywords: tuple[str, 
     return tuple(out)
 
 
+#: entries (addresses + endpoints, summed over its ports) one Service may expand to: a Service with 10 ports of 10,000
+#: endpoints fits; one that lists 1,000 externalIPs on 100 ports (17 KB of YAML, 100,100 iptables rules) does not
+DEFAULT_MAX_SERVICE_ENTRIES = 100_000
+MAX_SERVICE_ENTRIES_LIMIT = 10_000_000
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
     """Everything kproxy's core and backends are told at start-up."""
@@ -148,6 +154,9 @@ class ProxyConfig:
     service_proxy_name: str = ""  # services labelled service-proxy-name=<this> are ours; empty: none are
     ip_families: tuple[IPFamily, ...] = (IPFamily.V4, IPFamily.V6)
     backend_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: a Service whose ports expand to more entries (the sum over its ports of addresses + endpoints) is refused
+    #: whole: one small object must not expand without bound (kproxy.cache)
+    max_service_entries: int = DEFAULT_MAX_SERVICE_ENTRIES
 
     @property
     def node_name(self) -> str:
@@ -177,6 +186,13 @@ class ProxyConfig:
         if not 0 <= self.masquerade_bit <= 31:
             raise ConfigError(f"masqueradeBit: {self.masquerade_bit} not in 0..31")
         self._validate_periods()
+        if isinstance(self.max_service_entries, bool) or not isinstance(self.max_service_entries, int):
+            raise ConfigError(f"maxServiceEntries (--max-service-entries): {self.max_service_entries!r} is no number")
+        if not 1 <= self.max_service_entries <= MAX_SERVICE_ENTRIES_LIMIT:
+            raise ConfigError(
+                f"maxServiceEntries (--max-service-entries): {self.max_service_entries}, must be between 1 and "
+                f"{MAX_SERVICE_ENTRIES_LIMIT}"
+            )
         parse_hostport(self.healthz_bind_address, "healthzBindAddress")
         parse_hostport(self.metrics_bind_address, "metricsBindAddress")
         if len(self.cluster_cidrs) > 2 or len({IPFamily.of(c) for c in self.cluster_cidrs}) < len(self.cluster_cidrs):
@@ -247,6 +263,10 @@ def _yaml_fields(doc: Mapping[str, Any]) -> dict[str, Any]:
             out["sync_period"] = parse_duration(src["syncPeriod"], f"{prefix}syncPeriod")
         if src.get("minSyncPeriod") is not None:
             out["min_sync_period"] = parse_duration(src["minSyncPeriod"], f"{prefix}minSyncPeriod")
+    if doc.get("maxServiceEntries") is not None:  # kproxy's own field
+        out["max_service_entries"] = int(doc["maxServiceEntries"])
+    if doc.get("portRange") not in (None, ""):  # upstream's field for the userspace mode's proxy ports
+        out.setdefault("backend_options", {})["proxy_port_range"] = str(doc["portRange"])
     kubeconfig = (doc.get("clientConnection") or {}).get("kubeconfig")
     if kubeconfig:
         out["kubeconfig"] = str(kubeconfig)
@@ -281,6 +301,8 @@ def build_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any])
         for key, value in src.items():
             if key not in names:
                 raise ConfigError(f"unknown configuration field {key!r}")
+            if key == "backend_options":  # a mode's flags win over the file's values one by one
+                value = {**merged.get(key, {}), **value}
             merged[key] = value
     if "cluster_cidrs" in merged:
         merged["cluster_cidrs"] = _cidrs(list(merged["cluster_cidrs"]), "--cluster-cidr")

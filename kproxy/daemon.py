@@ -122,6 +122,7 @@ class Daemon:
             service_proxy_name=config.service_proxy_name,
             ip_families=self.families,
             on_change=self._on_change,
+            max_service_entries=config.max_service_entries,
         )
         # Upstream passes (minSyncPeriod, syncPeriod, FullSyncPeriod=1h) and polls its iptables canary every
         # syncPeriod in a goroutine of its own. Here the runner also comes back every syncPeriod: a sync with nothing

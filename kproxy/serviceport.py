@@ -52,7 +52,7 @@ def parse_service(
     key = NamespacedName(namespace, name)
     labels = v.string_map(meta.get("labels"), "metadata.labels")
     if LABEL_SERVICE_PROXY_NAME in labels and not (proxy_name and labels[LABEL_SERVICE_PROXY_NAME] == proxy_name):
-        raise Ignored(f"labelled {LABEL_SERVICE_PROXY_NAME}={labels[LABEL_SERVICE_PROXY_NAME]}")
+        raise Ignored(f"labelled {LABEL_SERVICE_PROXY_NAME}={v.printable(labels[LABEL_SERVICE_PROXY_NAME])}")
     if LABEL_HEADLESS in labels:
         raise Ignored(f"labelled {LABEL_HEADLESS}")
 

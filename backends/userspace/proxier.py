@@ -38,7 +38,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from kproxy.admission import Limits
-from kproxy.config import ProxyConfig
+from kproxy.config import ProxyConfig, parse_duration
 from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Verdict
 from kproxy.nftkernel import Nft, available, elements
@@ -60,19 +60,13 @@ Ident = tuple[IPFamily, ServicePortName, str]  # (family, service port, role): o
 
 
 class Duration(float):
-    """Seconds, given as upstream's durations (``250ms``, ``1s``, ``2m``) or a plain number of seconds."""
+    """Seconds, given as upstream's durations (``250ms``, ``1s``, ``2m``) or a plain number of seconds: parsed by the
+    core's one duration parser (finite, within Go's range); must be greater than 0, as upstream's udpIdleTimeout."""
 
     def __new__(cls, text: str | float = 0.0) -> Duration:
-        if isinstance(text, str):
-            t = text.strip().lower()
-            for suffix, scale in (("ms", 0.001), ("s", 1.0), ("m", 60.0), ("h", 3600.0)):
-                if t.endswith(suffix) and t[: -len(suffix)].replace(".", "", 1).isdigit():
-                    return super().__new__(cls, float(t[: -len(suffix)]) * scale)
-            value = float(t)
-        else:
-            value = float(text)
-        if value < 0:
-            raise ValueError(text)
+        value = parse_duration(text, "udp-idle-timeout")
+        if value <= 0:
+            raise ValueError(f"udp-idle-timeout: {text!r} must be greater than 0")
         return super().__new__(cls, value)
 
 

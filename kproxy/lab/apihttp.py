@@ -9,7 +9,8 @@ DELETED and entering it as ADDED, as the watch cache does, and an ERROR event wi
 resourceVersion older than the kept history); discovery for kubectl; and, when the Accept header asks for it, the
 ``meta.k8s.io`` Table that `kubectl get` prints (``kproxy.lab.apitable``). Faults (``Faults``, also over HTTP at
 /_faults) are applied here: watches dropped after N events or T seconds, requests failed with 500/503 or
-delayed, lists answered 200 with a malformed body (``bad_list``); every request is logged (``ApiServer.requests``, GET /_requests).
+delayed, lists answered 200 with a malformed body (``bad_list``); every request is logged (``ApiServer.requests``,
+GET /_requests).
 
 One process may listen on several sockets, each optionally inside a named network namespace, so the lab's nodes
 and the test process on 127.0.0.1 reach the same store.

@@ -38,7 +38,7 @@ DEFAULT_QUEUE = 64
 MAX_KEYS = 4096  # (reason, object) pairs remembered for the rate limit
 
 # the events.k8s.io `action` of the daemon's reasons (upstream's where it has one); other reasons get "Sync"
-ACTIONS = {"FailedToStartServiceHealthcheck": "Listen"}
+ACTIONS = {"FailedToStartServiceHealthcheck": "Listen", "AddressConflict": "Admit", "ServiceOverCapacity": "Admit"}
 
 EventSink = Callable[[str, str, NamespacedName | None], None]
 

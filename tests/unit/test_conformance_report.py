@@ -22,7 +22,7 @@ from kproxy.conformance.scenarios import SCENARIO_IDS, SCENARIOS
 
 BEHAVIOUR_IDS = (
     "clusterip-tcp clusterip-udp multiport same-port-two-protocols nodeport externalip loadbalancer "
-    "no-endpoints-reject session-affinity source-ip hairpin etp-local itp-local terminating-fallback lifecycle "
+    "no-endpoints-reject session-affinity source-ip hairpin etp-local itp-local terminating-fallback lifecycle address-collision "
     "endpoint-churn port-update ignored-services udp-conntrack restart cleanup mode-switch servers dual-stack "
     "scale-smoke"
 ).split()
