@@ -1,11 +1,23 @@
 """Shared pytest set-up: tests marked ``root`` or ``lab`` need root and kernel features and skip, with the reason,
-where those are missing. CI runs as root with everything installed, so there they all run."""
+where those are missing. CI runs as root with everything installed, so there they all run; a mode that is not
+available skips too, except where ``KPROXY_REQUIRE_MODES`` requires it (CI: all), where it fails (tests/modes.py)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A ``KPROXY_REQUIRE_MODES`` word that is no mode stops the run at once (tests/modes.py): a typo there would
+    otherwise require nothing and let an unavailable mode skip."""
+    from modes import required_modes
+
+    try:
+        required_modes()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

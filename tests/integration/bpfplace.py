@@ -15,17 +15,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
+from modes import require_mode
 
 from .scratch import scratch_netns
-
-
-def bcc_missing() -> str | None:
-    try:
-        import bcc  # noqa: F401
-    except Exception as exc:
-        return f"bcc is not importable: {exc}"
-    return None
 
 
 @contextmanager
@@ -38,9 +30,7 @@ def bpf_place(
     """(namespace, bpf options) with ``addresses`` on the namespace's lo and ``setup(namespace)`` run first; the
     cgroup (and any child a test made under it), the pins, the places record and the namespace go afterwards, and
     ``cg_mount`` is unmounted when this call mounted it."""
-    why = bcc_missing()
-    if why:
-        pytest.skip(why)
+    require_mode("bpf")  # skipped with the reason on a machine without bcc; a failure where bpf is required
     cg_mount.mkdir(parents=True, exist_ok=True)
     mounted = subprocess.run(["mountpoint", "-q", str(cg_mount)], check=False).returncode == 0
     if not mounted:

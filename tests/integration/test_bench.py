@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from modes import all_modes, missing, require_mode
 
 from kproxy.bench.sync import NETNS_PREFIX, run_in_namespace
-from kproxy.proxier import installed_backends
 
 pytestmark = [
     pytest.mark.root,
@@ -35,8 +35,9 @@ def test_namespace_round_trip(capfd: pytest.CaptureFixture[str]) -> None:
     assert not _namespaces_of(os.getpid())
 
 
-@pytest.mark.parametrize("mode", sorted(installed_backends()))
+@pytest.mark.parametrize("mode", all_modes())
 def test_real_backend_small(mode: str) -> None:
+    require_mode(mode)
     argv = [sys.executable, "-m", "kproxy.bench", "bench", "sync", "--mode", mode, "--services", "100"]
     argv += ["--endpoints", "3", "--repeat", "3", "--format", "json"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -47,7 +48,7 @@ def test_real_backend_small(mode: str) -> None:
         proc.wait(timeout=30)
     assert not _namespaces_of(proc.pid)
     if proc.returncode == 1 and "is not available here" in stderr:
-        pytest.skip(stderr.strip())
+        missing(mode, stderr.strip())
     assert proc.returncode == 0, stderr
     doc = json.loads(stdout)
     assert doc["mode"] == mode and doc["full_sync_s"] > 0 and doc["partial_sync_s"] > 0
