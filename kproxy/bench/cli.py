@@ -29,6 +29,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     s.add_argument("--repeat", type=int, default=5, metavar="R", help="partial syncs to take the median of")
     s.add_argument("--format", choices=("json", "table"), default="table")
     s.add_argument(
+        "--state",
+        choices=("default", "mixed"),
+        default="default",
+        help="the synthetic state: default (ClusterIPs, as every published figure) or mixed (NodePorts, externalIPs,"
+        " load-balancer IPs, eTP=Local, services without endpoints)",
+    )
+    s.add_argument(
         "--backend-option",
         action="append",
         default=[],
@@ -97,6 +104,8 @@ def _sync_argv(args: argparse.Namespace) -> list[str]:
         str(args.repeat),
         "--format",
         args.format,
+        "--state",
+        args.state,
         *(f"--backend-option={opt}" for opt in args.backend_option),
         *(
             ["--reference", args.reference, f"--reference-max-endpoints={args.reference_max_endpoints}"]
@@ -108,7 +117,7 @@ def _sync_argv(args: argparse.Namespace) -> list[str]:
 
 def cmd_sync(args: argparse.Namespace) -> int:
     # Imported here: the cache and the backends are only needed when a benchmark actually runs.
-    from kproxy.bench.sync import BenchError, render, run_in_namespace, run_sync_bench
+    from kproxy.bench.sync import BenchError, bound_failures, render, run_in_namespace, run_sync_bench
 
     try:  # typed, as the backend declares them (kproxy.proxier.Option)
         options = parse_option_assignments(backend_class(args.mode), args.backend_option)
@@ -118,7 +127,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
     if args.mode != "fake" and not args.inside:
         return run_in_namespace(_sync_argv(args))
     try:
-        result = run_sync_bench(args.mode, args.services, args.endpoints, args.repeat, options)
+        result = run_sync_bench(args.mode, args.services, args.endpoints, args.repeat, options, args.state)
     except (BenchError, BackendError) as exc:
         print(f"kproxy bench sync: {exc}", file=sys.stderr)
         return 1
@@ -141,7 +150,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 print(f"kproxy bench sync: reference {args.reference}: {exc}", file=sys.stderr)
                 return 1
     print(render(result, args.format))
-    return 0
+    for failure in bound_failures(result):
+        print(f"kproxy bench sync: bound failed: {failure}", file=sys.stderr)
+    return 1 if bound_failures(result) else 0
 
 
 def cmd_datapath(args: argparse.Namespace) -> int:

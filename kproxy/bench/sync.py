@@ -4,7 +4,10 @@ and after one endpoint changes, next to the kernel's own time for the same paylo
 A real backend runs in a throwaway network namespace ``kpb-<pid>``: the command re-executes itself inside it
 (``ip netns exec kpb-<pid> python -m kproxy.bench bench sync ... --inside``) and deletes the namespace afterwards, also
 when the run fails or is interrupted; a namespace left by a killed run (its pid is gone) is removed by the next.
-``--mode fake`` times the cache alone and needs no namespace.
+``--mode fake`` times the cache alone and needs no namespace. ``--state mixed`` replaces the default state (ClusterIP
+services only, as every published figure) with kproxy.bench.mixed's: NodePorts, externalIPs, load-balancer IPs,
+``externalTrafficPolicy: Local`` and services without endpoints among them. Any service the core or the kernel
+refuses fails the run: every synthetic service has addresses and ports of its own.
 
 Phases, each timed with ``time.perf_counter``:
 - ``absorb_s``: feeding every Service and EndpointSlice to ``ServiceCache`` (objects generated lazily);
@@ -19,8 +22,15 @@ Phases, each timed with ``time.perf_counter``:
 - ``partial_floor_s``: ``backend.measure_partial_floor()["floor_s"]``, the kernel alone taking the last partial
   sync's change again by the most direct means; ``partial_floor_detail``: the rest of what that returned (the
   iptables backend adds ``unhooked_s``, the same replay with the jumps from the built-in chains removed);
-- ``restart_sync_s``: a fresh backend instance (a restarted kproxy) taking the same state in a full sync, adopting
-  what the kernel holds; ``restart_writes``: the services that sync wrote (0 when adoption works: nothing changed);
+- ``partial_writes``: the services each partial sync wrote (the ledger's deltas; anything but 1 fails the run), and
+  ``partial_ratio`` = partial_sync_s / full_sync_s, which must stay under PARTIAL_RATIO_MAX from BOUND_SERVICES on
+  (``bound_failures``: the command exits 1 after printing the figures);
+- the restart: the first backend is closed (its sockets and descriptors go, the kernel state stays: the userspace
+  mode's proxy sockets are bound again) and a fresh instance, as a restarted kproxy, builds a new cache from a list
+  (``restart_absorb_s``), takes the first snapshot (``restart_snapshot_s``) and syncs in full adopting what the
+  kernel holds (``restart_sync_s``, the adopt-only figure); ``restart_total_s`` is what the restarted process pays
+  before it proxies, to set beside ``absorb_s`` + ``full_sync_s`` of a first start; ``restart_writes``: the
+  services that sync wrote (0 when adoption works: nothing changed; anything else is a bound failure);
 - ``describe_ms``: while the full sync runs, another thread asks ``describe()`` for one service again and again
   (what ``/rules?service=`` and ``kproxy show --service`` do): p50 and max milliseconds and how many answers, so
   "``/rules`` never waits for a sync" is a figure;
@@ -51,16 +61,22 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from kproxy.bench import synthetic
+from kproxy.bench import mixed, synthetic
 from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig
-from kproxy.model import IPFamily
+from kproxy.model import IPFamily, SyncResult
 from kproxy.proxier import backend_class
 
 NODE = "node-1"
 NETNS_PREFIX = "kpb-"
 CLUSTER_CIDR = "198.18.64.0/18"
 RUN_TIMEOUT = 3600.0  # seconds: a bound on one benchmark run (upstream's nftables layout alone took 68 s here)
+STATES = ("default", "mixed")
+#: at BOUND_SERVICES services and more, a partial sync (one endpoint moved) must cost under PARTIAL_RATIO_MAX x the
+#: full sync: a backend that rewrote its whole table on every sync would be near 1. At 10,000 x 10 on a quiet 2-core
+#: machine: iptables 0.02 (its kernel's validation walk is O(table)), userspace 0.005, bpf and nftables 0.004.
+BOUND_SERVICES = 10_000
+PARTIAL_RATIO_MAX = 0.05
 
 
 @dataclass
@@ -71,11 +87,17 @@ class SyncBench:
     services: int
     endpoints: int
     repeat: int
+    #: the synthetic state (STATES): ``default`` (ClusterIPs; every published figure) or ``mixed``
+    state: str = "default"
     absorb_s: float = 0.0
     snapshot_s: float = 0.0
     full_sync_s: float = 0.0
     partial_sync_s: float = 0.0
     partial_sync_runs: list[float] = field(default_factory=list)
+    #: services each partial sync wrote (the ledger's deltas): 1 each, or the run fails
+    partial_writes: list[int] = field(default_factory=list)
+    #: partial_sync_s / full_sync_s (PARTIAL_RATIO_MAX at BOUND_SERVICES and more, see ``bound_failures``)
+    partial_ratio: float | None = None
     floor_s: float | None = None
     ratio: float | None = None
     render_s: float | None = None
@@ -83,6 +105,11 @@ class SyncBench:
     partial_floor_s: float | None = None
     partial_floor_detail: dict[str, float] = field(default_factory=dict)
     restart_sync_s: float | None = None
+    #: what a restarted process pays before it proxies: its cache from a list (restart_absorb_s), the first snapshot
+    #: (restart_snapshot_s) and the adopting sync (restart_sync_s), in all restart_total_s
+    restart_absorb_s: float | None = None
+    restart_snapshot_s: float | None = None
+    restart_total_s: float | None = None
     restart_writes: int | None = None
     #: peak RSS of the whole run, the restart phase included (``rss_mb`` is the peak before it: full and partial
     #: syncs, as a running kproxy; a restart's adoption reads the kernel's whole state back)
@@ -116,17 +143,75 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
+class _State:
+    """The synthetic objects of one ``--state``: the default (``synthetic``: ClusterIPs only, as every published
+    figure) or ``mixed`` (``mixed``: external paths too)."""
+
+    def __init__(self, name: str, n_endpoints: int) -> None:
+        if name not in STATES:
+            raise BenchError(f"--state: one of {', '.join(STATES)}, not {name!r}")
+        self.name, self.n_endpoints = name, n_endpoints
+        self.gen: Any = mixed if name == "mixed" else synthetic
+        self.variants: dict[int, int] = {}  # service index -> the variant its slice has now (partial syncs)
+
+    def absorb(self, cache: ServiceCache, n_services: int) -> None:
+        """Every Service and EndpointSlice as a list would return them now (the partial syncs' changes included)."""
+        for i in range(1, n_services + 1):
+            cache.upsert_service(self.gen.service(i))
+        for i in range(1, n_services + 1):
+            cache.upsert_slice(self.gen.endpoint_slice(i, self.n_endpoints, variant=self.variants.get(i, 0)))
+        cache.mark_synced("services")
+        cache.mark_synced("endpointslices")
+
+    def change_one(self, cache: ServiceCache, r: int, n_services: int) -> int:
+        """Move one endpoint of a service that has endpoints, a different one each time, spread over the table."""
+        i = 1 + (r * 7919) % n_services
+        while self.name == "mixed" and not mixed.has_endpoints(i):
+            i = 1 + i % n_services
+        self.variants[i] = r + 1
+        cache.upsert_slice(self.gen.endpoint_slice(i, self.n_endpoints, variant=r + 1))
+        return i
+
+
+def _written(result: SyncResult, backend: Any, batches_before: int) -> int:
+    """Services one sync wrote or removed: the ledger's ``<family>/deltas``; the fake backend keeps its batches
+    instead (its counts say what it holds)."""
+    deltas = [v for k, v in result.counts.items() if k.endswith("/deltas")]
+    if deltas:
+        return int(sum(deltas))
+    batches = getattr(backend, "batches", None)
+    return sum(len(b.deltas) for b in batches[batches_before:]) if batches is not None else 0
+
+
+def _no_refusals(result: SyncResult, what: str) -> None:
+    """The synthetic state gives every service its own addresses and ports: a refusal is the generator's bug (or
+    the core's), and a figure with services left out would flatter."""
+    if result.refused:
+        some = "; ".join(f"{k}: {v}" for k, v in list(result.refused.items())[:3])
+        raise BenchError(f"{what}: the core refused {len(result.refused)} service port(s), e.g. {some}")
+    if result.failed:
+        some = "; ".join(f"{k}: {v}" for k, v in list(result.failed.items())[:3])
+        raise BenchError(f"{what}: the kernel refused {len(result.failed)} service port(s), e.g. {some}")
+
+
 def run_sync_bench(
-    mode: str, n_services: int, n_endpoints: int, repeat: int = 5, backend_options: Mapping[str, Any] | None = None
+    mode: str,
+    n_services: int,
+    n_endpoints: int,
+    repeat: int = 5,
+    backend_options: Mapping[str, Any] | None = None,
+    state_name: str = "default",
 ) -> SyncBench:
     """Run the phases in the current network namespace (the caller chose it) and return the figures.
-    ``backend_options`` reach the backend as ``ProxyConfig.backend_options`` (e.g. ``iptables_flavour``)."""
+    ``backend_options`` reach the backend as ``ProxyConfig.backend_options`` (e.g. ``iptables_flavour``);
+    ``state_name`` chooses the synthetic state (STATES)."""
     if n_services < 1 or n_endpoints < 1 or repeat < 1:
         raise BenchError("--services, --endpoints and --repeat must be at least 1")
     if n_endpoints > synthetic.MAX_ENDPOINTS:
         raise BenchError(f"--endpoints: at most {synthetic.MAX_ENDPOINTS} (one EndpointSlice per service)")
-    if n_services > synthetic.MAX_SERVICES:
-        raise BenchError(f"--services: at most {synthetic.MAX_SERVICES} (198.19.0.0/16)")
+    gen = _State(state_name, n_endpoints)
+    if n_services > gen.gen.MAX_SERVICES:
+        raise BenchError(f"--services: at most {gen.gen.MAX_SERVICES} in the {state_name} state")
     config = ProxyConfig(
         mode=mode,
         hostname_override=NODE,
@@ -139,84 +224,111 @@ def run_sync_bench(
         raise BenchError(f"mode {mode} is not available here: {avail.reason}")
     backend = cls(config)
     backend.start()  # as the daemon does before the first sync (loaders, data-path loops)
-    out = SyncBench(mode=mode, services=n_services, endpoints=n_endpoints, repeat=repeat)
-    cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
+    out = SyncBench(mode=mode, services=n_services, endpoints=n_endpoints, repeat=repeat, state=state_name)
+    live = [backend]  # the instance whose kernel state the run leaves: the restarted one once it exists
     try:
-        t0 = time.perf_counter()
-        for svc in synthetic.services(n_services):
-            cache.upsert_service(svc)
-        for eps in synthetic.endpoint_slices(n_services, n_endpoints):
-            cache.upsert_slice(eps)
-        cache.mark_synced("services")
-        cache.mark_synced("endpointslices")
-        t1 = time.perf_counter()
-        state, changes = cache.snapshot()
-        t2 = time.perf_counter()
-        if len(state) != n_services:
-            raise BenchError(f"the cache holds {len(state)} service ports, expected {n_services}: {cache.errors()}")
-        if not changes.full:
-            raise BenchError("the first snapshot did not ask for a full sync")
-        with _DescribeProbe(backend, next(iter(state)).name) as probe:
-            result = backend.sync(state, changes)
-        if not result.ok:
-            raise BenchError(f"full sync failed: {result.error}")
-        cache.commit(changes, failed=tuple(result.failed))
-        t3 = time.perf_counter()
-        out.describe_ms = probe.figures()
-        out.absorb_s, out.snapshot_s, out.full_sync_s = t1 - t0, t2 - t1, t3 - t1
-        out.render_s = result.timings.get("render")
-        out.counts = {k: int(v) for k, v in result.counts.items()}
-
-        applies: list[float] = []
-        for r in range(repeat):
-            i = 1 + (r * 7919) % n_services  # a different service each time, spread over the table
-            s0 = time.perf_counter()
-            cache.upsert_slice(synthetic.endpoint_slice(i, n_endpoints, variant=r + 1))
-            state, changes = cache.snapshot()
-            result = backend.sync(state, changes)
-            if not result.ok:
-                raise BenchError(f"partial sync {r + 1} failed: {result.error}")
-            cache.commit(changes, failed=tuple(result.failed))
-            out.partial_sync_runs.append(time.perf_counter() - s0)
-            if "apply" in result.timings:
-                applies.append(result.timings["apply"])
-            if changes.full or not changes.services:
-                raise BenchError(f"partial sync {r + 1}: expected one dirty service, got {changes}")
-        out.partial_sync_s = statistics.median(out.partial_sync_runs)
-        out.partial_apply_s = statistics.median(applies) if applies else None
-
+        cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
+        _full_phase(out, backend, cache, gen)
+        _partial_phase(out, backend, cache, gen)
         pfloor = dict(backend.measure_partial_floor() or {})
         out.partial_floor_s = pfloor.pop("floor_s", None)
         out.partial_floor_detail = pfloor
         out.floor_s = backend.measure_floor()
         if out.floor_s:
             out.ratio = out.full_sync_s / out.floor_s
+        if out.full_sync_s > 0:
+            out.partial_ratio = out.partial_sync_s / out.full_sync_s
         out.rss_mb = _peak_rss_mb()  # a running kproxy: the full and partial syncs
-        if mode != "fake":  # a restarted kproxy: a new instance adopting what the kernel holds, nothing changed
-            forget = getattr(backend, "forget", None)
-            if forget is not None:  # the old process is gone: its memory must not count in the new one's
-                forget()
-            gc.collect()
-            fresh = cls(config)
-            fresh.start()
-            try:
-                state, changes = cache.snapshot(full=True)
-                r0 = time.perf_counter()
-                result = fresh.sync(state, changes)
-                out.restart_sync_s = time.perf_counter() - r0
-                if not result.ok:
-                    raise BenchError(f"restart sync failed: {result.error}")
-                out.restart_writes = sum(v for k, v in result.counts.items() if k.endswith("/deltas"))
-            finally:
-                fresh.close()
+        if mode != "fake":
+            del cache  # the old process's cache is gone with it
+            _restart_phase(out, live, cls, config, gen)
             out.restart_rss_mb = _peak_rss_mb()
     finally:
         if mode != "fake":
             try:  # the namespace goes away anyway; this removes what lives outside it (a BPF cgroup hook)
-                backend.cleanup()
+                live[-1].cleanup()
             finally:
-                backend.close()
+                live[-1].close()
     return out
+
+
+def _full_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _State) -> None:
+    """Absorb the whole state, the first snapshot and the full sync."""
+    t0 = time.perf_counter()
+    gen.absorb(cache, out.services)
+    t1 = time.perf_counter()
+    state, changes = cache.snapshot()
+    t2 = time.perf_counter()
+    if len(state) != out.services:
+        raise BenchError(f"the cache holds {len(state)} service ports, expected {out.services}: {cache.errors()}")
+    if not changes.full:
+        raise BenchError("the first snapshot did not ask for a full sync")
+    with _DescribeProbe(backend, next(iter(state)).name) as probe:
+        result = backend.sync(state, changes)
+    if not result.ok:
+        raise BenchError(f"full sync failed: {result.error}")
+    _no_refusals(result, "full sync")
+    cache.commit(changes, failed=tuple(result.failed))
+    t3 = time.perf_counter()
+    out.describe_ms = probe.figures()
+    out.absorb_s, out.snapshot_s, out.full_sync_s = t1 - t0, t2 - t1, t3 - t1
+    out.render_s = result.timings.get("render")
+    out.counts = {k: int(v) for k, v in result.counts.items()}
+
+
+def _partial_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _State) -> None:
+    """``repeat`` partial syncs of one endpoint change each; each must write its service (and nothing else)."""
+    applies: list[float] = []
+    for r in range(out.repeat):
+        batches_before = len(getattr(backend, "batches", ()))
+        s0 = time.perf_counter()
+        i = gen.change_one(cache, r, out.services)
+        state, changes = cache.snapshot()
+        result = backend.sync(state, changes)
+        if not result.ok:
+            raise BenchError(f"partial sync {r + 1} failed: {result.error}")
+        cache.commit(changes, failed=tuple(result.failed))
+        out.partial_sync_runs.append(time.perf_counter() - s0)
+        if "apply" in result.timings:
+            applies.append(result.timings["apply"])
+        if changes.full or not changes.services:
+            raise BenchError(f"partial sync {r + 1}: expected one dirty service, got {changes}")
+        _no_refusals(result, f"partial sync {r + 1}")
+        written = _written(result, backend, batches_before)
+        out.partial_writes.append(written)
+        if written != 1:  # the moved endpoint must reach the kernel, and nothing else needs rewriting
+            raise BenchError(f"partial sync {r + 1} wrote {written} services, expected 1 ({gen.gen.__name__} {i})")
+    out.partial_sync_s = statistics.median(out.partial_sync_runs)
+    out.partial_apply_s = statistics.median(applies) if applies else None
+
+
+def _restart_phase(out: SyncBench, live: list[Any], cls: Any, config: ProxyConfig, gen: _State) -> None:
+    """A restarted kproxy: the old process is gone (its sockets and descriptors closed, its memory freed; the kernel
+    state stays), and a new one builds its cache from a list, takes the first snapshot and syncs in full, adopting
+    what the kernel holds. The new backend joins ``live`` as soon as it exists (the caller cleans up with it)."""
+    backend = live[-1]
+    forget = getattr(backend, "forget", None)
+    if forget is not None:  # its memory must not count in the new process's
+        forget()
+    backend.close()  # the userspace mode's proxy sockets close: the new process binds them again
+    gc.collect()
+    fresh = cls(config)
+    live.append(fresh)
+    fresh.start()
+    cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
+    t0 = time.perf_counter()
+    gen.absorb(cache, out.services)
+    t1 = time.perf_counter()
+    state, changes = cache.snapshot()
+    t2 = time.perf_counter()
+    result = fresh.sync(state, changes)
+    t3 = time.perf_counter()
+    if not result.ok:
+        raise BenchError(f"restart sync failed: {result.error}")
+    _no_refusals(result, "restart sync")
+    out.restart_sync_s = t3 - t2
+    out.restart_absorb_s, out.restart_snapshot_s, out.restart_total_s = t1 - t0, t2 - t1, t3 - t0
+    out.restart_writes = _written(result, fresh, 0)
 
 
 class _DescribeProbe:
@@ -248,6 +360,20 @@ class _DescribeProbe:
             return {}
         ms = sorted(1000 * s for s in self.seconds)
         return {"p50": ms[len(ms) // 2], "max": ms[-1], "answers": float(len(ms))}
+
+
+def bound_failures(b: SyncBench) -> list[str]:
+    """What the run's own figures break: the partial/full ratio at BOUND_SERVICES and more, and a restart that
+    rewrote anything (nothing changed between the two processes)."""
+    out = []
+    if b.services >= BOUND_SERVICES and b.partial_ratio is not None and b.partial_ratio >= PARTIAL_RATIO_MAX:
+        out.append(
+            f"partial sync / full sync = {b.partial_ratio:.3f} (partial {b.partial_sync_s:.4f} s, full "
+            f"{b.full_sync_s:.4f} s), not under {PARTIAL_RATIO_MAX} at {b.services} services"
+        )
+    if b.restart_writes:
+        out.append(f"the restarted backend wrote {b.restart_writes} services, though nothing changed")
+    return out
 
 
 def _ns_alive(name: str) -> bool:
@@ -285,7 +411,7 @@ def format_table(b: SyncBench) -> str:
 
     rows = [
         ("mode", b.mode),
-        ("services x endpoints", f"{b.services} x {b.endpoints}"),
+        ("services x endpoints", f"{b.services} x {b.endpoints} ({b.state} state)"),
         ("absorb", sec(b.absorb_s)),
         ("first snapshot", sec(b.snapshot_s)),
         ("full sync", sec(b.full_sync_s)),
@@ -296,7 +422,12 @@ def format_table(b: SyncBench) -> str:
         ("kernel floor", sec(b.floor_s)),
         ("full sync / floor", "-" if b.ratio is None else f"{b.ratio:.2f}"),
         ("render", sec(b.render_s)),
-        ("restart (fresh process, nothing changed)", sec(b.restart_sync_s)),
+        ("partial / full", "-" if b.partial_ratio is None else f"{b.partial_ratio:.4f}"),
+        ("services each partial sync wrote", ", ".join(map(str, b.partial_writes)) or "-"),
+        ("restart: list, snapshot, adopting sync", sec(b.restart_total_s)),
+        ("  cache from a list", sec(b.restart_absorb_s)),
+        ("  first snapshot", sec(b.restart_snapshot_s)),
+        ("  adopting sync (nothing changed)", sec(b.restart_sync_s)),
         ("  services it wrote", "-" if b.restart_writes is None else str(b.restart_writes)),
         (
             "describe() during the full sync",

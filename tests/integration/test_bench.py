@@ -35,11 +35,15 @@ def test_namespace_round_trip(capfd: pytest.CaptureFixture[str]) -> None:
     assert not _namespaces_of(os.getpid())
 
 
+@pytest.mark.parametrize("state", ["default", "mixed"])
 @pytest.mark.parametrize("mode", all_modes())
-def test_real_backend_small(mode: str) -> None:
+def test_real_backend_small(mode: str, state: str) -> None:
+    """Every mode at 100 x 3, in both synthetic states: each partial sync wrote exactly its service, the restarted
+    backend (the first one closed: userspace binds its sockets again) wrote nothing, and the counts are the
+    state's."""
     require_mode(mode)
     argv = [sys.executable, "-m", "kproxy.bench", "bench", "sync", "--mode", mode, "--services", "100"]
-    argv += ["--endpoints", "3", "--repeat", "3", "--format", "json"]
+    argv += ["--endpoints", "3", "--repeat", "3", "--format", "json", "--state", state]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=280)
@@ -51,8 +55,14 @@ def test_real_backend_small(mode: str) -> None:
         missing(mode, stderr.strip())
     assert proc.returncode == 0, stderr
     doc = json.loads(stdout)
-    assert doc["mode"] == mode and doc["full_sync_s"] > 0 and doc["partial_sync_s"] > 0
-    assert doc["counts"]
+    assert doc["mode"] == mode and doc["state"] == state and doc["full_sync_s"] > 0 and doc["partial_sync_s"] > 0
+    counts = doc["counts"]
+    assert counts["IPv4/services"] == 100 and counts["IPv4/deltas"] == 100 and counts["IPv4/full"] == 1
+    assert counts["IPv6/services"] == 0 and counts["IPv6/deltas"] == 0
+    assert doc["partial_writes"] == [1, 1, 1]
+    assert doc["restart_writes"] == 0
+    restart = doc["restart_absorb_s"] + doc["restart_snapshot_s"] + doc["restart_sync_s"]
+    assert doc["restart_total_s"] == pytest.approx(restart) and min(doc["restart_absorb_s"], restart) > 0
     if mode == "iptables":  # a fresh namespace: the nf_tables flavour, which also reports the unhooked replay
         assert doc["partial_floor_s"] > 0 and doc["partial_floor_detail"]["unhooked_s"] > 0
     if doc["floor_s"] is not None:

@@ -11,8 +11,15 @@ import sys
 import kubernetes_validate
 import pytest
 
-from kproxy.bench import synthetic
-from kproxy.bench.sync import run_sync_bench
+from kproxy.bench import mixed, synthetic
+from kproxy.bench.sync import (
+    BOUND_SERVICES,
+    PARTIAL_RATIO_MAX,
+    BenchError,
+    SyncBench,
+    bound_failures,
+    run_sync_bench,
+)
 from kproxy.cache import ServiceCache
 from kproxy.model import IPFamily, Protocol
 
@@ -76,6 +83,8 @@ def _check(doc: dict, services: int, endpoints: int, repeat: int) -> None:
     assert doc["snapshot_s"] <= doc["full_sync_s"]
     assert doc["floor_s"] is None and doc["ratio"] is None  # the fake backend has no kernel floor
     assert doc["counts"] == {"services": services}
+    assert doc["partial_writes"] == [1] * repeat  # each partial sync wrote its one changed service
+    assert doc["partial_ratio"] == pytest.approx(doc["partial_sync_s"] / doc["full_sync_s"])
 
 
 def test_fake_run_in_process() -> None:
@@ -107,3 +116,61 @@ def test_datapath_refuses_bad_arguments_before_building_a_lab() -> None:
     assert out.returncode == 2 and "no-such-mode" in out.stderr
     out = subprocess.run([*base, "--mode", "none", "--services", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--services" in out.stderr
+
+
+def test_mixed_state_is_valid_and_claims_nothing_twice() -> None:
+    """The mixed state's objects are valid API objects, every kind is there, and no two services share an address,
+    protocol and port (the core would refuse the second: the bench fails on any refusal)."""
+    n = 200
+    for obj in itertools.chain(mixed.services(40), mixed.endpoint_slices(40, 3)):
+        kubernetes_validate.validate(obj, "1.32", strict=True)
+    assert {mixed.kind(i) for i in range(1, n + 1)} == {*mixed.KINDS.values(), "clusterip"}
+    claims: list[tuple[str, str, int]] = []
+    for i in itertools.chain(range(1, n + 1), range(mixed.MAX_SERVICES - n, mixed.MAX_SERVICES + 1)):
+        svc = mixed.service(i)
+        spec, (port,) = svc["spec"], svc["spec"]["ports"]
+        proto = port["protocol"]
+        addresses = [spec["clusterIP"], *spec.get("externalIPs", ())]
+        addresses += [x["ip"] for x in svc["status"]["loadBalancer"].get("ingress", ())]
+        claims += [(a, proto, port["port"]) for a in addresses]
+        claims += [("node", proto, port["nodePort"])] if port.get("nodePort") else []
+        claims += [("node", "TCP", spec["healthCheckNodePort"])] if spec.get("healthCheckNodePort") else []
+        assert (mixed.endpoint_slice(i, 3)["endpoints"] == []) == (not mixed.has_endpoints(i))
+    assert len(claims) == len(set(claims))
+    assert all(30000 <= p <= 32767 for a, _, p in claims if a == "node")
+    with pytest.raises(ValueError):
+        mixed.service(mixed.MAX_SERVICES + 1)
+
+
+def test_fake_run_of_the_mixed_state() -> None:
+    doc = run_sync_bench("fake", 120, 4, repeat=3, state_name="mixed").to_json()
+    assert doc["state"] == "mixed" and doc["counts"] == {"services": 120}
+    assert doc["partial_writes"] == [1, 1, 1]
+    with pytest.raises(BenchError, match="--state"):
+        run_sync_bench("fake", 10, 1, state_name="no-such-state")
+    with pytest.raises(BenchError, match="mixed state"):
+        run_sync_bench("fake", mixed.MAX_SERVICES + 1, 1, state_name="mixed")
+
+
+def test_bounds_of_the_figures() -> None:
+    """At BOUND_SERVICES a partial sync near the full one (a backend rewriting its table) fails the run, below it
+    only the figure is reported; a restart that wrote anything fails at any size."""
+    big = SyncBench("fake", BOUND_SERVICES, 10, 3, full_sync_s=2.0, partial_sync_s=0.2, partial_ratio=0.1)
+    (why,) = bound_failures(big)
+    assert "0.100" in why and str(PARTIAL_RATIO_MAX) in why
+    big.partial_ratio = PARTIAL_RATIO_MAX * 0.99
+    assert bound_failures(big) == []
+    small = SyncBench("fake", BOUND_SERVICES - 1, 10, 3, partial_ratio=0.9)
+    assert bound_failures(small) == []
+    small.restart_writes = 3
+    assert bound_failures(small) == ["the restarted backend wrote 3 services, though nothing changed"]
+    small.restart_writes = 0
+    assert bound_failures(small) == []
+
+
+def test_a_refused_service_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two synthetic services on one external IP and port: the core refuses one, and the figures would leave it
+    out, so the run fails loudly instead."""
+    monkeypatch.setattr(mixed, "external_ip", lambda i: "198.18.128.1")
+    with pytest.raises(BenchError, match=r"full sync: the core refused 3 service port\(s\).*address-conflict"):
+        run_sync_bench("fake", 40, 2, repeat=1, state_name="mixed")
