@@ -323,6 +323,7 @@ class Daemon:
             full = _family_full(result, fam, changes.full)
             m.observe_sync(fam, elapsed, full)
             self.backend.observe_sync(fam, result, full=full, ok=True)
+            m.count_written(fam, int(result.counts.get(f"{fam.value}/deltas", 0)))
             m.observe_phases(fam, result.timings.items())
             m.set_last_synced(fam, now_wall)
             m.observe_network_programming(fam, [t for f, t in changes.trigger_times if f is fam], now_wall)

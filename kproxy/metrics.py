@@ -197,6 +197,13 @@ class Metrics:
             ["ip_family", "result"],
             registry=r,
         )
+        self.kproxy_sync_services_written = Counter(
+            "kproxy_sync_services_written",
+            "Service ports the successful syncs wrote or removed, by IP family (the core's per-service deltas; a sync"
+            " that changed nothing adds 0)",
+            ["ip_family"],
+            registry=r,
+        )
         self.kproxy_sync_phase_duration_seconds = Histogram(
             "kproxy_sync_phase_duration_seconds",
             "Seconds spent in one phase of a sync (the backend's SyncResult.timings: render, apply, ...)",
@@ -208,6 +215,7 @@ class Metrics:
         for family in families:
             label = family.label
             self.conntrack_reconciler_deleted_entries_total.labels(label)
+            self.kproxy_sync_services_written.labels(label)
             for policy in ("internal", "external"):
                 self.sync_proxy_rules_no_local_endpoints_total.labels(label, policy).set(0)
 
@@ -220,6 +228,10 @@ class Metrics:
         which = self.sync_full_proxy_rules_duration_seconds if full else self.sync_partial_proxy_rules_duration_seconds
         which.labels(label).observe(seconds)
         self.kproxy_syncs_total.labels(label, "success" if ok else "failure").inc()
+
+    def count_written(self, family: IPFamily, services: int) -> None:
+        """A successful sync of ``family`` wrote or removed this many service ports."""
+        self.kproxy_sync_services_written.labels(family.label).inc(services)
 
     def observe_phases(self, family: IPFamily, timings: Iterable[tuple[str, float]]) -> None:
         """A backend's ``SyncResult.timings`` items (phase name, seconds)."""

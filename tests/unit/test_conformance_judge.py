@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from kproxy.conformance import scenarios as sc
 from kproxy.conformance.context import SERVICE_NAME_LABEL, Addresses, Context, Probe, ScenarioFailure
@@ -429,24 +429,64 @@ def test_restart_fails_when_no_connection_was_tried_after_the_sync() -> None:
 # ---------------------------------------------------------------------------------------------------- scale-smoke
 
 
-def exposition(durations: list[float]) -> str:
-    """/metrics text with the sync histogram as kproxy exposes it (1 ms x 2^n buckets), for these syncs."""
+def exposition(durations: list[float], written: int = 0, fulls: int = 0) -> str:
+    """/metrics text as kproxy exposes it for these syncs: the sync histogram (1 ms x 2^n buckets), the services
+    they wrote, and the full syncs among them."""
     reg = CollectorRegistry()
-    h = Histogram(sc.SYNC_METRIC, "sync", ["ip_family"], registry=reg, buckets=[0.001 * 2**i for i in range(15)])
+    edges = [0.001 * 2**i for i in range(15)]
+    h = Histogram(sc.SYNC_METRIC, "sync", ["ip_family"], registry=reg, buckets=edges)
     h.labels(ip_family="IPv6").observe(9.0)  # another family's series must not count
     for d in durations:
         h.labels(ip_family="IPv4").observe(d)
+    w = Counter(sc.WRITTEN_METRIC.removesuffix("_total"), "written", ["ip_family"], registry=reg)
+    w.labels(ip_family="IPv4").inc(written)
+    w.labels(ip_family="IPv6").inc(10**6)
+    f = Histogram(sc.FULL_SYNC_METRIC, "full", ["ip_family"], registry=reg, buckets=edges)
+    for _ in range(fulls):
+        f.labels(ip_family="IPv4").observe(0.5)
+    f.labels(ip_family="IPv6").observe(0.5)
     return generate_latest(reg).decode()
 
 
-def judge(before: list[float], after: list[float], floor: float | None) -> str:
+def judge(
+    before: list[float], after: list[float], floor: float | None, *, written: int = 0, fulls: int = 0, **kw: Any
+) -> str:
+    """``written`` services and ``fulls`` full syncs between the two reads."""
     ctx, _, _ = make_ctx(answering())
-    return sc.judge_syncs(ctx, sc.samples(exposition(before)), sc.samples(exposition(after)), floor)
+    b, a = sc.samples(exposition(before)), sc.samples(exposition(after, written, fulls))
+    return sc.judge_syncs(ctx, b, a, floor, **kw)
 
 
 def test_sync_judge_passes_syncs_within_the_floor_bounds() -> None:
-    figures = judge([0.05], [0.05, 0.1, 0.2, 0.15, 0.9], floor=0.5)
+    figures = judge([0.05], [0.05, 0.1, 0.2, 0.15, 0.9], floor=0.5, written=2000, full_s=0.6)
     assert "4 IPv4 syncs" in figures and "longest in (0.512, 1.024]" in figures
+    assert "2000 services written (2.00 per service), 0 full, 1.35 s in all (2.2 x the bench's full sync" in figures
+
+
+def test_sync_judge_fails_a_backend_that_rewrites_its_table_on_every_sync() -> None:
+    """The lab's nftables run with the table rewritten at every sync (see SCALE_WRITES_PER_SERVICE): every sync
+    within the time bounds, but the syncs wrote the growing table again and again."""
+    syncs = [0.03] * 100  # mean 0.03 s against a floor of 0.16 s: the time bounds alone pass it
+    assert "3000 services written" in judge([], syncs, floor=0.16, written=3000)
+    with pytest.raises(ScenarioFailure, match="the syncs wrote 50000 services for 1000 written to the API"):
+        judge([], syncs, floor=0.16, written=50_000)
+    with pytest.raises(ScenarioFailure, match="wrote 301 services for 100"):
+        judge([], syncs, floor=0.16, written=301, services=100)
+
+
+def test_sync_judge_fails_full_syncs_while_services_arrive() -> None:
+    """A backend asking for a full sync after every sync writes little through the ledger but renders the whole
+    state each time; one full sync (a failed sync's recovery) is allowed."""
+    assert "1 full" in judge([], [0.1] * 20, floor=0.5, written=2000, fulls=1)
+    with pytest.raises(ScenarioFailure, match="20 full syncs while services were written"):
+        judge([], [0.1] * 20, floor=0.5, written=2000, fulls=20)
+
+
+def test_sync_judge_needs_the_written_counter() -> None:
+    ctx, _, _ = make_ctx(answering())
+    text = exposition([0.1]).replace(sc.WRITTEN_METRIC, "kproxy_something_else_total")
+    with pytest.raises(ScenarioFailure, match="kproxy_sync_services_written_total is missing"):
+        sc.judge_syncs(ctx, sc.samples(exposition([])), sc.samples(text), 0.5)
 
 
 def test_sync_judge_fails_a_sync_that_ran_past_the_bound() -> None:
