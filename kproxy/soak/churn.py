@@ -1,9 +1,11 @@
 """The soak's objects and the change generator: a seeded, bounded stream of writes to Services and EndpointSlices.
 
 ``Churn`` keeps a model of every service it made (ports, families, policies, endpoints drawn from the lab's pods)
-and turns one random step into the API writes that carry it (``Write``). Steps: create, delete, scale up/down,
-a readiness flip, an internalTrafficPolicy flip, a session-affinity flip, a second port added or removed, a type
-flip (ClusterIP <-> NodePort) and bad objects: a new Service or EndpointSlice the API takes but kproxy must reject
+and turns one random step into the API writes that carry it (``Write``). Every service has the TCP port ``p0``
+(80 -> 8080); some have a UDP port ``u0`` on the same number (80 -> 8080/UDP) and a second TCP port ``p1``
+(81 -> 8081). Steps: create, delete, scale up/down, a readiness flip, an internalTrafficPolicy flip, a
+session-affinity flip, the second port or the UDP port added or removed, a type flip (ClusterIP <-> NodePort) and
+bad objects: a new Service or EndpointSlice the API takes but kproxy must reject
 (a bad address, protocol or port, quotes and newlines in names of ports), later repaired or deleted.
 
 Why bad objects are always *new* objects: kproxy keeps the last good version of an object whose update is invalid,
@@ -56,6 +58,15 @@ class Write:
     def name(self) -> str:
         return str(self.obj["metadata"]["name"])
 
+    @property
+    def service(self) -> str:
+        """The name of the Service this write is about (a slice's label; a slice deletion names no label, but every
+        slice the churn makes is called ``<service>-<suffix>``)."""
+        if self.kind == "Service":
+            return self.name
+        label = (self.obj["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL)
+        return str(label) if label else self.name.rsplit("-", 1)[0]
+
 
 @dataclass
 class ServiceModel:
@@ -65,6 +76,7 @@ class ServiceModel:
     affinity: bool = False
     type: str = "ClusterIP"
     second_port: bool = False
+    udp: bool = False
     # per family ("IPv4"/"IPv6"): pod name -> ready
     endpoints: dict[str, dict[str, bool]] = field(default_factory=dict)
 
@@ -73,6 +85,8 @@ def service_object(m: ServiceModel) -> dict[str, Any]:
     ports: list[dict[str, Any]] = [{"name": "p0", "port": 80, "targetPort": TARGET_PORT, "protocol": "TCP"}]
     if m.second_port:
         ports.append({"name": "p1", "port": SECOND_PORT[0], "targetPort": SECOND_PORT[1], "protocol": "TCP"})
+    if m.udp:
+        ports.append({"name": "u0", "port": 80, "targetPort": TARGET_PORT, "protocol": "UDP"})
     spec: dict[str, Any] = {
         "type": m.type,
         "ports": ports,
@@ -96,6 +110,8 @@ def slice_object(m: ServiceModel, family: str, pods: dict[str, PodRef]) -> dict[
     ports = [{"name": "p0", "port": TARGET_PORT, "protocol": "TCP"}]
     if m.second_port:
         ports.append({"name": "p1", "port": SECOND_PORT[1], "protocol": "TCP"})
+    if m.udp:
+        ports.append({"name": "u0", "port": TARGET_PORT, "protocol": "UDP"})
     endpoints = []
     for pod_name, ready in sorted(m.endpoints.get(family, {}).items()):
         pod = pods[pod_name]
@@ -191,6 +207,7 @@ class Churn:
         ("policy_flip", 2),
         ("affinity_flip", 1),
         ("port_flip", 1),
+        ("udp_flip", 1),
         ("type_flip", 1),
         ("bad_object", 1),
         ("bad_repair", 1),
@@ -217,7 +234,7 @@ class Churn:
         self._seq += 1
         fams = ["IPv4", "IPv6"] if self.ipv6 and self.rng.random() < 0.3 else ["IPv4"]
         pods = sorted(self.pods)
-        m = ServiceModel(f"s{self._seq:04d}", fams)
+        m = ServiceModel(f"s{self._seq:04d}", fams, udp=self.rng.random() < 0.4)
         for fam in fams:
             chosen = self.rng.sample(pods, self.rng.randint(0, min(3, len(pods))))
             m.endpoints[fam] = {p: self.rng.random() < 0.9 for p in chosen}
@@ -300,6 +317,13 @@ class Churn:
         return self._service_write(m, "port_flip") + [
             w for f in m.families for w in self._slice_write(m, f, "port_flip")
         ]
+
+    def _udp_flip(self) -> list[Write]:
+        m = self._pick()
+        if m is None:
+            return []
+        m.udp = not m.udp
+        return self._service_write(m, "udp_flip") + [w for f in m.families for w in self._slice_write(m, f, "udp_flip")]
 
     def _type_flip(self) -> list[Write]:
         m = self._pick()

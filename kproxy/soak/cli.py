@@ -2,7 +2,8 @@
 
 Who uses it: ``kproxy.cli`` (``register``). Exit codes: 0 when the run passed (no lost change, no drift, every fault
 converged, the held connection open, no failed new connection outside kproxy restarts, every sampled packet
-answered), 1 when it did not, 2 for a usage error or a run that could not start. With ``--mode all`` (``make soak``) a
+answered as the reference model says, the kernel view holding exactly the model's service ports), 1 when it did
+not, 2 for a usage error or a run that could not start. With ``--mode all`` (``make soak``) a
 mode whose run could not start is reported (``{"mode", "ok": false, "error"}`` in the JSON) and the next mode runs;
 the exit code is then 2.
 """
@@ -27,7 +28,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "program exactly what the API holds, read back without drift, and answer real packets.",
     )
     p.add_argument("--mode", required=True, help="the backend to soak (an available mode), or 'all': each in turn")
-    p.add_argument("--minutes", type=float, default=1.0, help="minutes of churn and faults (default 1)")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=1.0,
+        help="minutes of churn and faults (default 1), rounded up to whole cycles of the fault kinds",
+    )
+    p.add_argument(
+        "--cycles", type=int, default=0, help="run this many whole cycles of the fault kinds instead of --minutes"
+    )
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=16,
+        help="at most this many changed services tried with packets at each checkpoint (default 16)",
+    )
     p.add_argument("--rate", type=float, default=5.0, help="changes per second (default 5)")
     p.add_argument("--lab-prefix", default="kps-", help="namespace prefix of the soak's lab (default kps-)")
     p.add_argument("--reuse-lab", action="store_true", help="use the running lab under the prefix if there is one")
@@ -78,6 +93,8 @@ def run_command(args: argparse.Namespace) -> int:
                 pods_per_node=args.pods_per_node,
                 ipv6=not args.no_ipv6,
                 seed=args.seed,
+                cycles=args.cycles,
+                sample=args.sample,
                 faults=faults,
                 fault_window=args.fault_window,
                 converge_timeout=args.converge_timeout,

@@ -57,6 +57,7 @@ def table(report: Mapping[str, Any]) -> str:
     """The human summary: the headline figures, then one row per fault kind."""
     conns = report.get("new_connections", {})
     held = report.get("held_connection", {})
+    pk, kv = report.get("packets", {}), report.get("kernel_view", {})
     lines = [
         f"kproxy soak --mode {report.get('mode')}: {report.get('churn_s')} s of churn at {report.get('rate')}/s "
         f"on {report.get('nodes')} nodes, {report.get('duration_s')} s in all "
@@ -67,8 +68,13 @@ def table(report: Mapping[str, Any]) -> str:
         f"  lost changes           {report.get('lost_changes')}",
         f"  drift at checkpoints   {report.get('drift_checkpoints')} (the most at one checkpoint; "
         f"final {report.get('drift_final')})",
-        f"  checkpoints            {len(report.get('checkpoints', []))}, real-packet samples failed: "
-        f"{report.get('packets', {}).get('failed')} of {report.get('packets', {}).get('sent')}",
+        f"  checkpoints            {len(report.get('checkpoints', []))}, {report.get('cycles')} whole cycle(s) of "
+        f"the faults",
+        f"  packets (vs the model) {pk.get('sent')} sent to {pk.get('targets')} addresses of "
+        f"{pk.get('services_probed')} services (of {pk.get('services_changed')} changed) and "
+        f"{pk.get('removed_probed')} removed: {pk.get('lost')} lost, {pk.get('wrong')} wrong",
+        f"  kernel view (vs model) {kv.get('checked')} service ports checked: {kv.get('missing')} missing, "
+        f"{kv.get('extra')} extra" + (" (the mode has no kernel view)" if kv.get("unsupported") else ""),
         f"  new connections        {conns.get('total')} made, {conns.get('failed')} failed "
         f"({conns.get('failed_in_kproxy_restarts')} during kproxy restarts, {conns.get('failed_outside')} outside)",
         f"  held connection        {_held(held)}: {held.get('exchanges')} exchanges"

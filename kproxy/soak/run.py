@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import itertools
 import json
 import logging
 import os
@@ -44,7 +43,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,6 @@ from kproxy.lab.cluster import (
     CLUSTER_CIDR4,
     CLUSTER_CIDR6,
     Lab,
-    LabError,
     LabNode,
     _env,
     stdlib_module_argv,
@@ -65,6 +63,8 @@ from kproxy.model import IPFamily
 from kproxy.proxier import LocalProbe, backend_class
 from kproxy.soak.churn import ANCHOR, NAMESPACE, Churn, PodRef, Write, api_differences
 from kproxy.soak.expect import differences, expected_services
+from kproxy.soak.model import Model, build
+from kproxy.soak.packets import Target, judge, plan
 from kproxy.soak.report import fault_summary, table
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ HEALTHZ_PORT = 10256
 FAULT_SWITCH = "KPROXY_TEST_FAULTS_DIR"
 SOAK_ROOT = Path("/run/kproxy-soak")
 MAX_MINUTES = 120.0
+MAX_CYCLES = 100
+MAX_ABSENT = 4  # removed services' former addresses tried per checkpoint (each costs a timeout)
 
 
 class SoakError(RuntimeError):
@@ -221,7 +223,11 @@ class SoakOptions:
     fault_window: float = 4.0
     converge_timeout: float = 40.0
     initial_services: int = 12
-    sample: int = 4
+    #: at most this many of the services changed since the last checkpoint are tried with packets at a checkpoint
+    #: (a sample, drawn with the seed, when more changed); every port, family and address of each
+    sample: int = 16
+    #: whole cycles of ``faults`` to run instead of ``minutes`` (0: as many as begin within ``minutes``, at least one)
+    cycles: int = 0
     #: how the kernel is read back: "verify" (the node's /verify, the default) or "kernel-view" (the mode's
     #: kernel_view hook from outside: every expected service port present; coarser, for modes or builds whose
     #: /verify is missing or wrong)
@@ -247,15 +253,23 @@ class Churner(threading.Thread):
         self.failures: list[str] = []
         self.written: dict[tuple[str, str], Write] = {}  # (kind, name) -> the last write of it the API took
         self.unsure: set[tuple[str, str]] = set()  # objects whose last write the API refused
+        self.changed: set[str] = set()  # names of the services written since the last take_changed()
 
     def record(self, w: Write, took: bool) -> None:
         key = (w.kind, w.name)
         with self.lock:
+            self.changed.add(w.service)  # a refused write may still have landed: its service is checked too
             if took:
                 self.written[key] = w
                 self.unsure.discard(key)
             else:
                 self.unsure.add(key)
+
+    def take_changed(self) -> set[str]:
+        """The services written since the last call."""
+        with self.lock:
+            changed, self.changed = self.changed, set()
+        return changed
 
     def resume(self) -> None:
         self.run_event.set()
@@ -357,6 +371,10 @@ class Soak:
             raise SoakError(f"mode {opts.mode!r} is not available here")
         if not 0 < opts.minutes <= MAX_MINUTES:
             raise SoakError(f"--minutes must be in (0, {MAX_MINUTES:g}]")
+        if not 0 <= opts.cycles <= MAX_CYCLES:
+            raise SoakError(f"--cycles must be in [0, {MAX_CYCLES}]")
+        if opts.sample < 1:
+            raise SoakError("--sample must be at least 1")
         unknown = [k for k in opts.faults if k not in FAULT_KINDS]
         if unknown:
             raise SoakError(f"unknown fault kinds {unknown}: choose from {', '.join(FAULT_KINDS)}")
@@ -372,7 +390,20 @@ class Soak:
         self.checkpoints: list[dict[str, Any]] = []
         self.restart_windows: list[tuple[float, float]] = []  # wall-clock spans of the traffic node's restarts
         self.turns: list[tuple[str, float, float]] = []  # (fault kind, wall-clock start, end of its convergence)
-        self.packets = {"sent": 0, "failed": 0}
+        self.turn_counts: dict[str, int] = {}  # fault kind -> turns it had (injected or not)
+        # real packets at checkpoints: exchanges sent, targets tried, verdicts (failed = lost + wrong), services
+        self.packets = {
+            "sent": 0,
+            "targets": 0,
+            "lost": 0,
+            "wrong": 0,
+            "failed": 0,
+            "services_changed": 0,
+            "services_probed": 0,
+            "removed_probed": 0,
+        }
+        self.kernel_view = {"checked": 0, "missing": 0, "extra": 0, "unsupported": 0}
+        self.known_ips: dict[str, list[str]] = {}  # "ns/name" -> the ClusterIPs the model last saw it with
         self.problems: list[str] = []
         self.verify_supported = opts.drift_check == "verify"
         self.churner: Churner | None = None
@@ -402,6 +433,23 @@ class Soak:
         )
         lab.wait_all(90)
         return lab
+
+    #: per-namespace sysctls the soak sets on its nodes: a checkpoint sends up to hundreds of connections that must
+    #: be rejected from one pod within a second, and the node's kernel limits the ICMP errors a reject sends per
+    #: peer (about one a second after a burst of six) and in all (1,000 a second after a burst of 50); limited, a
+    #: reject would look like a drop. Only the node namespaces of the lab the soak runs on are touched.
+    ICMP_UNLIMITED = (
+        "net.ipv4.icmp_ratelimit=0",
+        "net.ipv4.icmp_msgs_per_sec=100000",
+        "net.ipv4.icmp_msgs_burst=100000",
+        "net.ipv6.icmp.ratelimit=0",
+    )
+
+    def _lift_icmp_limits(self, lab: Lab) -> None:
+        for node in lab.nodes:
+            res = lab.exec(node.ns, ["sysctl", "-q", "-w", *self.ICMP_UNLIMITED], timeout=10)
+            if res.returncode != 0:
+                raise SoakError(f"sysctl in {node.ns} failed: {res.stderr.decode(errors='replace').strip()}")
 
     # -- expectations and checks -------------------------------------------------------------------------------
 
@@ -493,47 +541,119 @@ class Soak:
                 return None, checks
             time.sleep(0.1)
 
-    # -- real packets ------------------------------------------------------------------------------------------
+    # -- the reference model against the kernel ----------------------------------------------------------------
 
-    def _packets(self, expected: Mapping[str, tuple[dict[str, Any], dict[str, str]]], k: int) -> list[str]:
-        """Probe ``k`` services (IPv4, TCP port 80) from a pod of each node in turn; what failed."""
+    def _choose(self, model: Model, changed: set[str], final: bool) -> tuple[list[str], dict[str, list[str]]]:
+        """The services to try (``ns/name``, a seeded sample of at most ``sample``) and the removed or rejected ones
+        whose former ClusterIPs are tried (at most ``MAX_ABSENT``; never an address another service holds now)."""
+        names = {f"{NAMESPACE}/{name}" for name in changed if name != ANCHOR}
+        if final:  # the end: every service is a candidate, the changed ones first
+            names |= {s for s in model.cluster_ips if s != f"{NAMESPACE}/{ANCHOR}"}
+        valid = sorted(n for n in names if model.of(n))
+        self.packets["services_changed"] += len(names)
+        chosen = sorted(self._rng_packets.sample(valid, min(len(valid), self.opts.sample)))
+        held = {ip for n, ips in model.cluster_ips.items() if n not in model.rejected for ip in ips}
+        absent: dict[str, list[str]] = {}
+        for n in sorted(names - set(valid)):
+            if n in model.rejected:  # in the API, with an address, and nothing may answer there
+                ips = model.cluster_ips[n]
+            elif n not in model.cluster_ips:  # deleted: its former address, unless another service holds it now
+                ips = self.known_ips.get(n, [])
+            else:  # outside the model
+                continue
+            ips = [ip for ip in ips if ip not in held]
+            if ips:
+                absent[n] = ips
+        picked = self._rng_packets.sample(sorted(absent), min(len(absent), MAX_ABSENT))
+        return chosen, {n: absent[n] for n in picked}
+
+    def _packets(self, model: Model, changed: set[str], final: bool) -> list[str]:
+        """Real packets from a pod of every node to every address of the chosen services (see
+        ``kproxy.soak.packets``), judged against the model: what was lost or wrong, with what was sent and got."""
         assert self.lab is not None
-        by_ip = {p.ip4: p.name for p in self.lab.pods} | {p.ip6: p.name for p in self.lab.pods}
+        lab = self.lab
+        chosen, absent = self._choose(model, changed, final)
+        self.packets["services_probed"] += len(chosen)
+        self.packets["removed_probed"] += len(absent)
+        turn = len(self.checkpoints)
+        clients = {n.name: lab.pods_on(n)[turn % len(lab.pods_on(n))].name for n in lab.nodes if lab.pods_on(n)}
+        node_ips = {n.name: {"IPv4": n.ip4, "IPv6": n.ip6} for n in lab.nodes}
+        targets = plan(model, chosen, clients, node_ips, absent=absent)
+        pod_of = {p.ip4: p.name for p in lab.pods} | {p.ip6: p.name for p in lab.pods if p.ip6}
+        results = self._sweep(targets)
         failures: list[str] = []
-        rng = self._rng_packets
-        for i, node in enumerate(itertools.islice(itertools.cycle(self.lab.nodes), k)):
-            exp = expected[node.name][0]
-            keys = sorted(
-                key
-                for key, fams in exp.items()
-                if key.startswith(f"{NAMESPACE}/")
-                and key.endswith(":p0/TCP")
-                and "IPv4" in fams
-                and fams["IPv4"]["internal"] in ("forward", "reject")
-            )
-            if not keys:
-                continue
-            key = rng.choice(keys)
-            want = exp[key]["IPv4"]
-            pod = self.lab.pods_on(node)[i % len(self.lab.pods_on(node))]
-            self.packets["sent"] += 1
-            try:
-                res = self.lab.probe(pod.ns, "tcp", want["clusterIP"], 80, timeout=1.0)[0]
-            except LabError as exc:
+        self.packets["targets"] += len(targets)
+        for t in targets:
+            got = results.get(t.id)
+            self.packets["sent"] += len(got or ())
+            verdict = judge(t, got, pod_of)
+            if verdict is not None:
+                self.packets[verdict[0]] += 1
                 self.packets["failed"] += 1
-                failures.append(f"{key} from {pod.name}: probe failed: {exc}")
-                continue
-            if want["internal"] == "forward":
-                allowed = {by_ip.get(ep.rsplit(":", 1)[0].strip("[]"), ep) for ep in want["internalEndpoints"]}
-                if not res.ok or res.pod not in allowed:
-                    self.packets["failed"] += 1
-                    failures.append(
-                        f"{key} from {pod.name}: got {res.reply or res.error!r}, want one of {sorted(allowed)}"
-                    )
-            elif res.ok or res.error != "refused":
-                self.packets["failed"] += 1
-                failures.append(f"{key} from {pod.name}: got {res.reply or res.error!r}, want refused (no endpoints)")
+                failures.append(f"{verdict[0]}: {verdict[1]}")
+        for n in model.cluster_ips:
+            self.known_ips[n] = list(model.cluster_ips[n])
         return failures
+
+    def _sweep(self, targets: Sequence[Target]) -> dict[str, list[dict[str, Any]]]:
+        """``kproxy.soak.sweep`` in each client pod at once (its node's cgroup): target id -> results."""
+        assert self.lab is not None
+        lab = self.lab
+        procs = []
+        for client in sorted({t.client for t in targets}):
+            pod = lab.pod(client)
+            mine = [t.request() for t in targets if t.client == client]
+            argv = netns.exec_argv(pod.ns, stdlib_module_argv("kproxy.soak.sweep"))
+            proc = subprocess.Popen(
+                argv,
+                env=_env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                preexec_fn=netns.cgroup_preexec(lab.cgroup_path(pod.node)),
+            )
+            procs.append((client, proc, json.dumps({"workers": 16, "targets": mine}).encode()))
+        out: dict[str, list[dict[str, Any]]] = {}
+        for client, proc, request in procs:
+            try:
+                stdout, stderr = proc.communicate(request, timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                self.problems.append(f"the packet sweep from {client} did not finish in 120 s")
+                continue
+            try:
+                out.update(json.loads(stdout.decode(errors="replace").strip().splitlines()[-1]))
+            except (ValueError, IndexError):
+                self.problems.append(f"the packet sweep from {client} failed: {stderr.decode(errors='replace')[-300:]}")
+        return out
+
+    def _kernel_check(self, model: Model) -> dict[str, list[str]]:
+        """Each node's kernel, read by the mode's ``kernel_view`` (never kproxy's memory), against the model's
+        service ports: node -> ``key/family: missing`` or ``extra``. Empty for a mode without a kernel view."""
+        assert self.lab is not None
+        out: dict[str, list[str]] = {}
+        for node in self.lab.nodes:
+            probe = LocalProbe(node.ns, self.lab.node_options(node, self.opts.mode))
+            for fam in self._families():
+                try:
+                    view = self.cls.kernel_view(probe, fam)
+                except Exception as exc:  # a read that fails is reported, never taken for agreement
+                    out.setdefault(node.name, []).append(f"{fam.value}: kernel_view failed: {exc}")
+                    continue
+                if view is None:
+                    self.kernel_view["unsupported"] += 1
+                    return out
+                have = {k for k in view if k.startswith(NAMESPACE + "/")}
+                want = model.keys(fam.value)
+                self.kernel_view["checked"] += len(want)
+                bad = [f"{k}/{fam.value}: missing" for k in sorted(want - have)]
+                bad += [f"{k}/{fam.value}: extra" for k in sorted(have - want)]
+                self.kernel_view["missing"] += len(want - have)
+                self.kernel_view["extra"] += len(have - want)
+                if bad:
+                    out.setdefault(node.name, []).extend(bad)
+        return out
 
     # -- faults ------------------------------------------------------------------------------------------------
 
@@ -673,6 +793,7 @@ class Soak:
         churner: Churner | None = None
         failed = True
         try:
+            self._lift_icmp_limits(lab)
             self.api = api = Api(lab.api_url)
             pods = [PodRef(p.name, p.node, p.ip4, p.ip6) for p in lab.pods]
             churn = Churn(pods, ipv6=lab.ipv6, seed=o.seed)
@@ -689,15 +810,16 @@ class Soak:
                 raise SoakError(f"the lab did not converge on the initial objects: {_describe(checks)}")
             self.progress(f"soak: {len(setup)} initial objects programmed in {secs:.2f}s; traffic to {anchor_ip}:80")
             node1 = lab.nodes[0]
-            total = o.minutes * 60 + o.converge_timeout + 120
+            # the traffic outlives the run: whole cycles may go past --minutes by up to one cycle (ended by SIGTERM)
+            turn_bound = o.fault_window + o.converge_timeout + 90
+            total = (0 if o.cycles else o.minutes * 60) + len(o.faults) * turn_bound * max(1, o.cycles) + 120
             traffic = Traffic(lab, lab.pods_on(node1)[0].ns, node1, anchor_ip, 80, total)
             self._wait_traffic(traffic)
             churner.start()
             self.churn_started = time.monotonic()
             end = time.monotonic() + o.minutes * 60
-            for kind in itertools.cycle(o.faults):
-                if time.monotonic() >= end or all(k in self.not_injected for k in o.faults):
-                    break
+            nothing_left = lambda: all(k in self.not_injected for k in o.faults)  # noqa: E731
+            for kind in fault_schedule(o.faults, lambda: time.monotonic() >= end, o.cycles, nothing_left):
                 self._turn(kind, churner, traffic)
             churner.pause()
             self.churn_s = time.monotonic() - self.churn_started
@@ -746,6 +868,7 @@ class Soak:
 
     def _turn(self, kind: str, churner: Churner, traffic: Traffic) -> None:
         o = self.opts
+        self.turn_counts[kind] = self.turn_counts.get(kind, 0) + 1
         if kind in self.not_injected:
             return
         self.progress(f"soak: fault {kind}")
@@ -775,8 +898,12 @@ class Soak:
     def _checkpoint(
         self, after: str, secs: float | None, checks: Sequence[NodeCheck], traffic: Traffic
     ) -> dict[str, Any]:
-        expected = self._expected()
-        failures = self._packets(expected, self.opts.sample)
+        assert self.churner is not None
+        services, slices = self._api_state()
+        model = build(services, slices, namespace=NAMESPACE)
+        kernel = self._kernel_check(model)
+        lost, wrong = self.packets["lost"], self.packets["wrong"]
+        failures = self._packets(model, self.churner.take_changed(), after == "final")
         api_diffs = self._api_differences()
         cp = {
             "after": after,
@@ -789,16 +916,22 @@ class Soak:
             "errors": [c.error for c in checks if c.error],
             "differences": {c.node: dict(list(c.diffs.items())[:10]) for c in checks if c.diffs},
             "drift_detail": {c.node: c.drift_detail[:10] for c in checks if c.drift_detail},
-            "packets_failed": failures,
+            "packets_failed": failures[:20],
+            "packets_lost": self.packets["lost"] - lost,
+            "packets_wrong": self.packets["wrong"] - wrong,
+            "kernel_view": {node: bad[:10] for node, bad in kernel.items()},
+            "kernel_view_differences": sum(len(bad) for bad in kernel.values()),
             "held_alive": traffic.held_alive(),
         }
         self.checkpoints.append(cp)
         if secs is None:
             self.problems.append(f"after {after}: not converged in time: {_describe(checks)}")
-        self.problems.extend(f"after {after}: packets: {f}" for f in failures)
+        self.problems.extend(f"after {after}: packets: {f}" for f in failures[:10])
+        self.problems.extend(f"after {after}: kernel view of {n}: {b}" for n, bad in kernel.items() for b in bad[:5])
         self.progress(
             f"soak:   {after}: converged in {cp['converged_s']}s, lost {cp['lost']}, drift {cp['drift']},"
-            f" packets failed {len(failures)}, held {'open' if cp['held_alive'] else 'BROKEN'}"
+            f" packets lost {cp['packets_lost']} wrong {cp['packets_wrong']}, kernel view"
+            f" {cp['kernel_view_differences']}, held {'open' if cp['held_alive'] else 'BROKEN'}"
         )
         return cp
 
@@ -842,10 +975,14 @@ class Soak:
             },
             "faults": fault_summary(self.convergence, self.unconverged),
             "faults_not_injected": self.not_injected,
+            # whole cycles of the fault schedule that ran, and every kind's turns (injected or not)
+            "cycles": min((self.turn_counts.get(k, 0) for k in o.faults), default=0),
+            "turns": dict(self.turn_counts),
             "lost_changes": final["lost"],
             "drift_final": final["drift"],
             "drift_checkpoints": max((int(c["drift"]) for c in self.checkpoints), default=0),
             "packets": dict(self.packets),
+            "kernel_view": dict(self.kernel_view),
             "new_connections": {
                 "total": len(conns),
                 "failed": len(failed),
@@ -876,6 +1013,7 @@ class Soak:
             and (held_alive or in_process)
             and report["new_connections"]["failed_outside"] == 0
             and self.packets["failed"] == 0
+            and self.kernel_view["missing"] + self.kernel_view["extra"] == 0
             and not any(v["unconverged"] for v in report["faults"].values())
         )
         return report
@@ -892,6 +1030,17 @@ class Soak:
 
 class _NotInjected(Exception):
     """This build cannot take the fault (the message says why)."""
+
+
+def fault_schedule(
+    faults: Sequence[str], time_up: Callable[[], bool], cycles: int = 0, stop: Callable[[], bool] = lambda: False
+) -> Iterator[str]:
+    """The fault kinds in turn, in whole cycles only: ``cycles`` of them when positive, else as many as begin before
+    ``time_up()`` (at least one, so every kind runs). ``stop()`` ends it after a cycle (nothing left to inject)."""
+    for n in range(1, MAX_CYCLES * 100 + 1):
+        yield from faults
+        if stop() or (cycles > 0 and n >= cycles) or (cycles <= 0 and time_up()):
+            return
 
 
 def _pending(switch: Path) -> int:
