@@ -56,6 +56,7 @@ import os
 import random
 import select
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -83,12 +84,30 @@ CLIENT_CPU = "0"
 SERVER_CPU = "1"
 PINNED_CLIENT = ("taskset", "-c", CLIENT_CPU)
 TARGETS = ("limit", "podip", "clusterip")
+#: the limit's twin: the same path between two other pods of the same nodes, measured in the same rounds. Two
+#: identical targets must measure alike (twin / limit within a few per cent): the lab's self-test, in every run
+TWIN = "limit_twin"
+#: each target's client pod and server pod. Every target has a server (and a client pod) of its own, so every echo
+#: server takes one operation per turn of the interleaving: a server taking two per turn (once the pod IP and the
+#: ClusterIP shared one) answers each a little later than one taking one, which skewed every ratio. The ClusterIP's
+#: endpoint is pod-2-1. A target's sockets are made in its client pod and its node's cgroup (dpclient.factory)
+ROLES = {
+    "limit": ("pod-3-1", "pod-4-1"),
+    TWIN: ("pod-3-2", "pod-4-2"),
+    "podip": ("pod-1-2", "pod-2-2"),
+    "clusterip": ("pod-1-1", "pod-2-1"),
+    "limit_ct": ("pod-5-1", "pod-6-1"),
+    "limit_nat": ("pod-7-1", "pod-8-1"),
+}
+PODS_PER_NODE = 2
+#: a round in which some target failed more than this fraction of one phase's operations is failed (not counted)
+MAX_ERROR_FRACTION = 0.01
 #: diagnostic limits (DatapathConfig.conntrack_limits): the limit's path with conntrack turned on in nodes 3 and 4
 #: by a minimal table, and with nat base chains and a DNAT rule that never matches (conntrack + the nat hooks),
 #: loaded just before
 #: the measurement and deleted just after (so the plain limit, measured in the same round, has neither)
 CONNTRACK_LIMITS = ("limit_ct", "limit_nat")
-LIMIT_TARGETS = ("limit", *CONNTRACK_LIMITS)
+LIMIT_TARGETS = ("limit", TWIN, *CONNTRACK_LIMITS)
 DIAG_TABLE = "kpdiag"
 DIAG_RULESETS = {
     # a ct expression makes the kernel register conntrack's hooks in this namespace (nf_ct_netns_get)
@@ -156,7 +175,13 @@ class DatapathRun:
     conntrack_entries: dict[str, dict[str, float]] = field(default_factory=dict)
     #: CPU seconds each loaded node's kproxy used while traffic ran (it should be idle; a busy proxy taxes everyone)
     kproxy_cpu_s: dict[str, float] = field(default_factory=dict)
+    #: CPU seconds each loaded node's kproxy used over a quiet interval of ``idle_seconds`` before the traffic
+    #: (synced, no change coming: an idle proxy must cost almost nothing)
+    idle_cpu_s: dict[str, float] = field(default_factory=dict)
+    idle_seconds: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
+    #: rounds left out because some target failed more than MAX_ERROR_FRACTION of a phase's operations: why
+    failed_rounds: list[str] = field(default_factory=list)
     error: str = ""  # the mode could not be measured at this size: why
     note: str = ""  # measured, but something around it went wrong (e.g. the cleanup afterwards)
 
@@ -172,6 +197,8 @@ class DatapathConfig:
     endpoints: int = 10
     prefix: str = LAB_PREFIX
     conntrack_limits: bool = True  # also measure CONNTRACK_LIMITS every round (the floor of a NAT-based proxy)
+    twin: bool = True  # also measure TWIN every round (the lab's self-test: it must match the limit)
+    idle_seconds: float = 10.0  # the quiet interval over which kproxy's idle CPU is read, before the traffic
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -187,11 +214,23 @@ class DatapathConfig:
             else {},
             "pinning": f"clients taskset -c {CLIENT_CPU}; echo servers and iperf3 -s taskset -c {SERVER_CPU}",
             "limit": "pod-3-1 -> pod-4-1 on nodes 3 and 4, which never run a proxy",
+            "twin": "pod-3-2 -> pod-4-2, the limit's path between two other pods (the lab's self-test: 1.0)"
+            if self.twin
+            else "",
+            "roles": {t: f"{c} -> {s}" for t, (c, s) in ROLES.items()},
             "client_close": "RST (SO_LINGER 0)",
             "interleaving": "each round's connection, request/response and UDP phases run every target in turn, one"
-            " operation each, from one client (sockets made in each target's client pod); rates are operations over"
-            " their own time, the slowest 1 % left out (preemption); target order shuffled per round; iperf3 per"
+            " operation each, from one client; every target has its own client pod and its own server pod (each"
+            " server one operation per turn); each target's sockets are made by a factory process in its client pod"
+            " and its client node's cgroup (the limits' nodes have no socket programs, the loaded nodes have bpf's);"
+            " rates are successful operations over the time of all operations, failed ones included, the slowest 1 %"
+            f" of the successful ones left out (preemption); a round with a phase above {MAX_ERROR_FRACTION:.0%}"
+            " failed operations for any target is failed and left out; target order shuffled per round; iperf3 per"
             " target after them",
+            "mode_none": "no proxy: the ClusterIP target is measured at its endpoint's pod IP (pod-2-1), so the"
+            " calibration runs the same targets, pods and schedule as a real run",
+            "idle": f"kproxy's CPU seconds (user + system, /proc/PID/stat) over {self.idle_seconds:g} s with no traffic"
+            " and no change, after it is ready",
         }
 
 
@@ -427,7 +466,10 @@ class DatapathLab:
         self.written = 0  # synthetic services in the API
         self._servers: list[subprocess.Popen[bytes]] = []
         self._clients: dict[str, subprocess.Popen[str]] = {}
+        #: target -> (the socket factory in its client pod and cgroup, the client's end of its channel)
+        self._factories: dict[str, tuple[subprocess.Popen[bytes], socket.socket]] = {}
         self.client_restarts = 0  # dpclients that died or hung and were started again
+        self.proxied = False  # a proxy runs on the loaded nodes now (mode none: the ClusterIP has none to answer)
 
     def __enter__(self) -> DatapathLab:
         self.up()
@@ -445,8 +487,10 @@ class DatapathLab:
                 f" {self.config.prefix} down), or use another --lab-prefix"
             )
         nodes = 8 if self.config.conntrack_limits else 4
-        self.progress(f"lab up ({self.config.prefix}: {nodes} nodes, 1 pod each)")
-        self.lab = Lab.up(nodes=nodes, pods_per_node=1, mode=None, ipv6=False, prefix=self.config.prefix, timeout=120)
+        self.progress(f"lab up ({self.config.prefix}: {nodes} nodes, {PODS_PER_NODE} pods each)")
+        self.lab = Lab.up(
+            nodes=nodes, pods_per_node=PODS_PER_NODE, mode=None, ipv6=False, prefix=self.config.prefix, timeout=120
+        )
         lab = self.lab
         # the limit is only a limit if nothing in its nodes hooks netfilter; the loaded nodes start as bare (and are
         # returned to that after each mode: stop_mode)
@@ -456,11 +500,17 @@ class DatapathLab:
         for target in CONNTRACK_LIMITS if self.config.conntrack_limits else ():
             for node in self.path_nodes(target):  # for the whole run: these nodes are that limit's
                 self._nft(node.ns, DIAG_RULESETS[target])
-        for target in ("podip", *LIMIT_TARGETS[: 3 if self.config.conntrack_limits else 1]):
+        for target in self.all_targets:
             pod = self.server_of(target)
             self._pin_echo(pod)
             self._start_iperf(pod)
+            self._start_factory(target)
         ApiWriter(lab.api_url).create_all(target_objects(self.server_pod))
+
+    @property
+    def all_targets(self) -> tuple[str, ...]:
+        """Every target this lab measures (the same in every mode)."""
+        return targets_for("", self.config)
 
     def down(self) -> None:
         for client in self._clients.values():
@@ -478,6 +528,14 @@ class DatapathLab:
             if client.stdout is not None:
                 client.stdout.close()
         self._clients.clear()
+        for proc, channel in self._factories.values():
+            channel.close()  # the factory sees EOF and ends
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        self._factories.clear()
         for proc in self._servers:
             if proc.poll() is None:
                 proc.terminate()
@@ -502,40 +560,27 @@ class DatapathLab:
 
     @property
     def client_pod(self) -> LabPod:
-        return self._lab.pod("pod-1-1")
+        """The ClusterIP's client pod (pod-1-1)."""
+        return self.client_of("clusterip")
 
     @property
     def server_pod(self) -> LabPod:
-        return self._lab.pod("pod-2-1")
-
-    @property
-    def limit_client_pod(self) -> LabPod:
-        return self._lab.pod("pod-3-1")
-
-    @property
-    def limit_server_pod(self) -> LabPod:
-        return self._lab.pod("pod-4-1")
+        """The ClusterIP's only endpoint (pod-2-1)."""
+        return self.server_of("clusterip")
 
     @property
     def loaded_nodes(self) -> list[Any]:
         return [self._lab.node("node-1"), self._lab.node("node-2")]
 
-    @property
-    def limit_nodes(self) -> list[Any]:
-        return [self._lab.node("node-3"), self._lab.node("node-4")]
-
-    #: the node pair of each target: the loaded nodes for the pod IP and the ClusterIP, a pair of its own for each limit
-    PAIRS = {"podip": (1, 2), "clusterip": (1, 2), "limit": (3, 4), "limit_ct": (5, 6), "limit_nat": (7, 8)}
-
     def path_nodes(self, target: str) -> list[Any]:
         """The two nodes a target's traffic crosses (client's, server's)."""
-        return [self._lab.node(f"node-{i}") for i in self.PAIRS[target]]
+        return [self._lab.node(self._lab.pod(p).node) for p in ROLES[target]]
 
     def client_of(self, target: str) -> LabPod:
-        return self._lab.pod(f"pod-{self.PAIRS[target][0]}-1")
+        return self._lab.pod(ROLES[target][0])
 
     def server_of(self, target: str) -> LabPod:
-        return self._lab.pod(f"pod-{self.PAIRS[target][1]}-1")
+        return self._lab.pod(ROLES[target][1])
 
     def _nft(self, ns: str, text: str) -> None:
         res = self._lab.exec(ns, ["nft", "-f", "-"], input=text.encode(), timeout=30)
@@ -564,6 +609,16 @@ class DatapathLab:
                 continue
             out[node.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15)
         return out
+
+    def idle_cpu(self, seconds: float) -> dict[str, float]:
+        """CPU seconds each loaded node's kproxy uses over ``seconds`` of quiet (no traffic, no change): a synced
+        proxy should cost almost nothing. (A wall-clock interval on purpose: this is the measurement, not a wait.)"""
+        if seconds <= 0:
+            return {}
+        before = self.kproxy_cpu()
+        time.sleep(seconds)
+        after = self.kproxy_cpu()
+        return {k: round(after[k] - before[k], 3) for k in after if k in before}
 
     def _pin_echo(self, pod: LabPod) -> None:
         pid = next((p.get("echo_pid") for p in self._lab.status()["pods"] if p["name"] == pod.name), None)
@@ -601,6 +656,7 @@ class DatapathLab:
         """Start kproxy ``mode`` on both loaded nodes; seconds until both are healthy and the ClusterIP answers."""
         lab = self._lab
         t0 = time.monotonic()
+        self.proxied = True
         for node in self.loaded_nodes:
             lab.start_kproxy(node, mode)
         for node in self.loaded_nodes:
@@ -620,6 +676,7 @@ class DatapathLab:
         """Stop kproxy on both loaded nodes, remove what ``mode`` wrote (its cleanup, then whatever tables are left)
         and the conntrack entries; "" or what went wrong or was left (not fatal: noted beside the run)."""
         lab = self._lab
+        self.proxied = False
         for node in self.loaded_nodes:
             lab.stop_kproxy(node)
         problems = []
@@ -695,53 +752,6 @@ class DatapathLab:
 
     # traffic
 
-    def _serve_client(self, pod: LabPod) -> subprocess.Popen[str]:
-        """The pod's long-lived ``dpclient --serve`` (pinned to the client CPU, in the pod's node's cgroup)."""
-        proc = self._clients.get(pod.name)
-        if proc is None or proc.poll() is not None:
-            argv = [*PINNED_CLIENT, sys.executable, "-m", "kproxy.bench.dpclient", "--serve"]
-            proc = subprocess.Popen(
-                netns.exec_argv(pod.ns, argv),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                bufsize=1,
-                preexec_fn=netns.cgroup_preexec(self._lab.cgroup_path(pod.node)),
-            )
-            self._clients[pod.name] = proc
-        return proc
-
-    def _phase(self, pod: LabPod, phase: str, host: str, port: int) -> dict[str, Any]:
-        """One traffic phase from ``pod`` through its persistent client (started again once if it died or hung:
-        on a shared machine a client lost now and then is not the proxy's figure)."""
-        c = self.config
-        req = {"phase": phase, "host": host, "port": port, "seconds": c.seconds, "warmup": 0.05, "timeout": 1.0}
-        line = ""
-        for attempt in range(2):
-            proc = self._serve_client(pod)
-            assert proc.stdin is not None and proc.stdout is not None
-            try:
-                proc.stdin.write(json.dumps(req) + "\n")
-                proc.stdin.flush()
-                ready, _, _ = select.select([proc.stdout], [], [], 3 * c.seconds + 30)
-                line = proc.stdout.readline() if ready else ""
-            except OSError:
-                line = ""
-            if line:
-                break
-            proc.kill()
-            proc.wait(timeout=10)
-            self._clients.pop(pod.name, None)
-            self.client_restarts += 1
-            self.progress(f"dpclient in {pod.name} gave no answer to {req} (exit {proc.returncode}); attempt {attempt}")
-        if not line:
-            raise DatapathError(f"dpclient in {pod.name} gave no answer to {req}, twice")
-        answer = dict(json.loads(line))
-        if "error" in answer:
-            raise DatapathError(f"dpclient in {pod.name}, {req}: {answer['error']}")
-        return answer
-
     def _iperf(self, pod: LabPod, host: str) -> dict[str, Any]:
         c = self.config
         argv = [*PINNED_CLIENT, "iperf3", "-c", host, "-p", str(IPERF_PORT)]
@@ -758,16 +768,43 @@ class DatapathLab:
             time.sleep(0.5)
         raise DatapathError(f"iperf3 in {pod.name} -> {host}: {str(last.get('error') or last)[:300]}")
 
-    def endpoints_of(self, target: str) -> tuple[LabPod, str]:
-        if target == "clusterip":
-            return self.client_pod, TARGET_CLUSTER_IP
-        return self.client_of(target), self.server_of(target).ip4
+    def endpoints_of(self, target: str) -> tuple[LabPod, str, int]:
+        """(client pod, address, port) of a target. Without a proxy the ClusterIP is measured at its endpoint's pod
+        IP: mode none then runs the same targets, pods and schedule as a real run (the calibration)."""
+        if target == "clusterip" and self.proxied:
+            return self.client_pod, TARGET_CLUSTER_IP, SERVICE_PORT
+        return self.client_of(target), self.server_of(target).ip4, ECHO_PORT
+
+    def _start_factory(self, target: str) -> None:
+        """The target's socket factory (dpclient.factory): in its client pod, its client node's cgroup and pinned to
+        the client CPU, so the target's sockets pass exactly the socket programs of the node it starts from."""
+        pod = self.client_of(target)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [*PINNED_CLIENT, sys.executable, "-m", "kproxy.bench.dpclient", "--factory", str(theirs.fileno())]
+        try:
+            proc = subprocess.Popen(
+                netns.exec_argv(pod.ns, argv),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                preexec_fn=netns.cgroup_preexec(self._lab.cgroup_path(pod.node)),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._factories[target] = (proc, ours)
+
+    def factory_pid(self, target: str) -> int:
+        """The pid of the process that makes a target's sockets."""
+        return self._factories[target][0].pid
 
     def _multi_client(self) -> subprocess.Popen[str]:
-        """The one ``dpclient --serve`` that measures every target in turn (:func:`dpclient.interleaved`), making
-        each target's sockets in its client pod's namespace. Pinned to the client CPU, in node-1's cgroup: the bpf
-        mode translates a ClusterIP at connect() for sockets of that cgroup (for the other targets its hook is one
-        map lookup that misses; without the bpf mode the cgroup changes nothing)."""
+        """The one ``dpclient --serve`` that measures every target in turn (:func:`dpclient.interleaved`), pinned to
+        the client CPU. It makes no socket of its own: each target's come from that target's factory, whose channel
+        it inherits (the same descriptor number as here), so no target's sockets are in the wrong cgroup."""
         proc = self._clients.get("multi")
         if proc is None or proc.poll() is not None:
             argv = [*PINNED_CLIENT, sys.executable, "-m", "kproxy.bench.dpclient", "--serve"]
@@ -778,7 +815,7 @@ class DatapathLab:
                 stderr=subprocess.DEVNULL,
                 text=True,
                 bufsize=1,
-                preexec_fn=netns.cgroup_preexec(self._lab.cgroup_path(self.client_pod.node)),
+                pass_fds=tuple(ch.fileno() for _, ch in self._factories.values()),
             )
             self._clients["multi"] = proc
         return proc
@@ -787,8 +824,8 @@ class DatapathLab:
         c = self.config
         spec = []
         for t in targets:
-            pod, host = self.endpoints_of(t)
-            spec.append({"netns": pod.ns, "host": host, "port": SERVICE_PORT if t == "clusterip" else ECHO_PORT})
+            _pod, host, port = self.endpoints_of(t)
+            spec.append({"source": self._factories[t][1].fileno(), "host": host, "port": port})
         seconds = c.seconds * len(targets)  # the same operations per target as a phase of its own
         req = {"phase": phase, "targets": spec, "seconds": seconds, "warmup": 0.05, "timeout": 1.0}
         line = ""
@@ -818,16 +855,17 @@ class DatapathLab:
             raise DatapathError(f"the interleaved dpclient, {req}: {answer['error']}")
         return list(answer["targets"])
 
-    def measure_round(self, targets: Sequence[str]) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
+    def measure_round(self, targets: Sequence[str]) -> tuple[dict[str, dict[str, float]], dict[str, int], str]:
         """One round over ``targets``: each request/response phase interleaved across all of them (one operation
-        per target in turn), then iperf3 per target in the order given. (figures per target, errors per target)"""
+        per target in turn), then iperf3 per target in the order given. (figures per target, errors per target,
+        why the round failed: "" when it did not)"""
         client: dict[str, dict[str, Any]] = {t: {} for t in targets}
         for phase in ("crr", "rr", "udp"):
             for t, figures in zip(targets, self._multi_phase(phase, targets), strict=True):
                 client[t][phase] = figures
         out, errors = {}, {}
         for t in targets:
-            pod, host = self.endpoints_of(t)
+            pod, host, _port = self.endpoints_of(t)
             errors[t] = sum(int(client[t][p].get("errors", 0)) for p in client[t])
             try:
                 iperf: dict[str, Any] | None = self._iperf(pod, host)
@@ -835,23 +873,27 @@ class DatapathLab:
                 self.progress(f"{t}: {exc}")
                 iperf, errors[t] = None, errors[t] + 1
             out[t] = flatten(client[t], iperf)
-        return out, errors
+        return out, errors, round_failure(client)
 
-    def measure(self, target: str) -> tuple[dict[str, float], int]:
-        """One round against one target: (metric -> value, errors seen)."""
-        pod, host = self.endpoints_of(target)
-        port = SERVICE_PORT if target == "clusterip" else ECHO_PORT
-        client = {phase: self._phase(pod, phase, host, port) for phase in ("crr", "rr", "udp")}
-        iperf = self._iperf(pod, host)
-        errors = sum(int(client[p].get("errors", 0)) for p in client)
-        return flatten(client, iperf), errors
+
+def round_failure(client: dict[str, dict[str, dict[str, Any]]], limit: float = MAX_ERROR_FRACTION) -> str:
+    """Why a round's figures cannot stand ("" if they can): some target failed more than ``limit`` of one phase's
+    operations (a path that loses connections or datagrams is broken, not slow; its rate would hide it)."""
+    bad = []
+    for t, phases in client.items():
+        for phase, fig in phases.items():
+            ops, errs = int(fig.get("ops", 0)), int(fig.get("errors", 0))
+            if errs and errs > limit * (ops + errs):
+                bad.append(f"{t} {phase}: {errs} of {ops + errs} operations failed")
+    return "; ".join(bad)
 
 
 def targets_for(mode: str, config: DatapathConfig) -> tuple[str, ...]:
-    """What a run measures: the limit, the pod IP on the loaded nodes, the ClusterIP (not without a proxy), and the
-    diagnostic limits when asked for."""
-    base = ("limit", "podip") if mode == NONE_MODE else TARGETS
-    return base + (CONNTRACK_LIMITS if config.conntrack_limits else ())
+    """What a run measures: the limit, the pod IP on the loaded nodes, the ClusterIP, the limit's twin and the
+    diagnostic limits when asked for. The same in every mode: mode none (the calibration) measures the ClusterIP's
+    endpoint in the ClusterIP's place (DatapathLab.endpoints_of), so it shares servers and turns as a real run."""
+    del mode  # every mode alike, on purpose: a calibration with another schedule would calibrate something else
+    return TARGETS + ((TWIN,) if config.twin else ()) + (CONNTRACK_LIMITS if config.conntrack_limits else ())
 
 
 def round_order(targets: Sequence[str], r: int) -> list[str]:
@@ -873,18 +915,25 @@ def measure_run(dl: DatapathLab, mode: str, services: int, targets: Sequence[str
     for r in range(dl.config.rounds):
         order = round_order(targets, r)
         dl.progress(f"{mode} @ {services}: round {r + 1}/{dl.config.rounds}, {', '.join(order)} interleaved")
-        this_round, errors = dl.measure_round(order)
+        this_round, errors, failure = dl.measure_round(order)
+        for t in order:
+            run.errors[t] = run.errors.get(t, 0) + errors[t]
+        if failure:  # left out whole, every target's figures of it, so the rounds stay paired
+            run.failed_rounds.append(f"round {r + 1}: {failure}")
+            dl.progress(f"{mode} @ {services}: round {r + 1} failed: {failure}", len(order))
+            continue
         for t in order:
             for side, node in zip(("client_node", "server_node"), dl.path_nodes(t), strict=True):
                 n = dl.conntrack_count(node.ns)
                 if n is not None:
                     ct.setdefault(t, {}).setdefault(side, []).append(n)
             per_target[t].append(this_round[t])
-            run.errors[t] = run.errors.get(t, 0) + errors[t]
         dl.progress("", len(order))
         run.rounds.append(this_round)
     cpu1 = dl.kproxy_cpu()
     run.kproxy_cpu_s = {k: round(cpu1[k] - cpu0[k], 2) for k in cpu1 if k in cpu0}
+    if len(run.failed_rounds) * 2 > dl.config.rounds:
+        raise DatapathError(f"{len(run.failed_rounds)} of {dl.config.rounds} rounds failed: {run.failed_rounds}")
     run.medians = {t: medians(v) for t, v in per_target.items()}
     run.ratios = paired_ratios(run.rounds, targets)
     run.ratio_spread = ratio_spread(run.rounds, targets)
@@ -920,10 +969,13 @@ def run_in_lab(
                 continue
             try:
                 rss, peak = dl.kproxy_memory()
+                dl.progress(f"{mode} @ {n}: kproxy's idle CPU over {dl.config.idle_seconds:g} s")
+                idle = dl.idle_cpu(dl.config.idle_seconds)
                 try:
                     run = measure_run(dl, mode, n, targets_for(mode, dl.config))
                 except DatapathError as exc:  # a measurement that failed: this run's finding, not everyone's end
                     run = DatapathRun(mode=mode, services=n, error=f"measuring: {str(exc)[:2000]}")
+                run.idle_cpu_s, run.idle_seconds = idle, dl.config.idle_seconds
                 run.ready_s = ready
                 run.kproxy_rss_mb, run.kproxy_peak_rss_mb = rss, peak
                 run.sync_metrics = dl.sync_metrics()

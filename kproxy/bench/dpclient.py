@@ -17,7 +17,8 @@ are discarded:
 * ``udp``: a connected UDP socket, one datagram out and one in; a lost answer counts as an error after ``--timeout``.
 
 ``--serve`` keeps one client running and takes one measurement request per line on stdin (see :func:`serve`): the
-lab benchmark keeps one such client per client pod and interleaves short phases between targets.
+lab benchmark keeps one such client and interleaves short phases between targets, one operation each in turn.
+``--factory FD`` makes sockets for it in a target's client pod and cgroup (see :func:`factory`).
 
 Standard library only (``python -S`` works), so it starts quickly in every pod.
 """
@@ -52,20 +53,28 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[k]
 
 
-def summarize(kind: str, latencies: list[float], errors: int, elapsed: float) -> dict[str, object]:
-    """One phase's figures: rate (operations per second of wall time), latency percentiles in microseconds."""
+def summarize(
+    kind: str, latencies: list[float], errors: int, elapsed: float, error_s: float = 0.0
+) -> dict[str, object]:
+    """One phase's figures: rate (successful operations per second of the time spent in operations, failed ones'
+    time included), latency percentiles in microseconds. ``error_s`` is the time the failed operations took."""
     lat = sorted(latencies)
     n = len(lat)
     kept = lat[: max(1, n - n // TRIM)] if n else []
+    spent = sum(kept) + error_s
     return {
         "kind": kind,
         "ops": n,
         "errors": errors,
+        "error_fraction": round(errors / (n + errors), 6) if n + errors else 0.0,
+        "error_s": round(error_s, 6),
         "seconds": round(elapsed, 4),
         "rate_raw": round(n / elapsed, 1) if elapsed > 0 else 0.0,
-        # operations per second of their own time, the slowest 1 % left out: on a shared 2-core machine those are
-        # the client or server preempted for milliseconds, which would otherwise decide a target's rate
-        "rate": round(len(kept) / sum(kept), 1) if kept and sum(kept) > 0 else 0.0,
+        # successful operations per second of the time spent in operations, the slowest 1 % of the successful ones
+        # left out: on a shared 2-core machine those are the client or server preempted for milliseconds, which
+        # would otherwise decide a target's rate. A failed operation (a timeout, a refusal) is no such outlier: its
+        # time counts, so a path that loses packets cannot look fast by leaving its losses out
+        "rate": round(len(kept) / spent, 1) if kept and spent > 0 else 0.0,
         "p50_us": round(percentile(lat, 0.50) * 1e6, 1),
         "p90_us": round(percentile(lat, 0.90) * 1e6, 1),
         "p99_us": round(percentile(lat, 0.99) * 1e6, 1),
@@ -105,7 +114,7 @@ def crr(host: str, port: int, seconds: float, max_ops: int, timeout: float, warm
     while clock() < end_warm:
         _crr_once(host, port, timeout)
     lat: list[float] = []
-    errors = 0
+    errors, error_s = 0, 0.0
     start = clock()
     deadline = start + seconds
     now = start
@@ -116,15 +125,16 @@ def crr(host: str, port: int, seconds: float, max_ops: int, timeout: float, warm
             lat.append(t - now)
         else:
             errors += 1
+            error_s += t - now
         now = t
-    return summarize("crr", lat, errors, now - start)
+    return summarize("crr", lat, errors, now - start, error_s)
 
 
 def rr(host: str, port: int, seconds: float, max_ops: int, timeout: float, warmup: float) -> dict[str, object]:
     """Requests on one established TCP connection."""
     clock = time.perf_counter
     lat: list[float] = []
-    errors = 0
+    errors, error_s = 0, 0.0
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     s.settimeout(timeout)
@@ -146,12 +156,16 @@ def rr(host: str, port: int, seconds: float, max_ops: int, timeout: float, warmu
             lat.append(t - now)
             now = t
     except OSError:
-        errors += 1  # the connection broke: the figures so far stand, the error says it did not finish
-        now = clock()
+        # the connection broke: the figures so far stand, the error says it did not finish, and the time the
+        # broken request took counts
+        errors += 1
+        t = clock()
+        error_s += t - now
+        now = t
     finally:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
         s.close()
-    return summarize("rr", lat, errors, now - start)
+    return summarize("rr", lat, errors, now - start, error_s)
 
 
 def udp(host: str, port: int, seconds: float, max_ops: int, timeout: float, warmup: float) -> dict[str, object]:
@@ -160,7 +174,7 @@ def udp(host: str, port: int, seconds: float, max_ops: int, timeout: float, warm
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
     s.settimeout(timeout)
     lat: list[float] = []
-    errors = 0
+    errors, error_s = 0, 0.0
     start = now = clock()
     try:
         s.connect((host, port))
@@ -182,10 +196,11 @@ def udp(host: str, port: int, seconds: float, max_ops: int, timeout: float, warm
             except OSError:
                 t = clock()
                 errors += 1
+                error_s += t - now
             now = t
     finally:
         s.close()
-    return summarize("udp", lat, errors, now - start)
+    return summarize("udp", lat, errors, now - start, error_s)
 
 
 PHASES = {"crr": crr, "rr": rr, "udp": udp}
@@ -195,6 +210,10 @@ PHASES = {"crr": crr, "rr": rr, "udp": udp}
 CLONE_NEWNET = 0x40000000
 _NETNS_DIR = "/run/netns/"
 _libc = None
+#: sockets a factory sends per request (SCM_RIGHTS carries at most 253 descriptors per message)
+FACTORY_BATCH = 64
+_KINDS = {b"s": socket.SOCK_STREAM, b"d": socket.SOCK_DGRAM}
+_FAMILIES = {b"4": socket.AF_INET, b"6": socket.AF_INET6}
 
 
 def _netns_fd(name: str) -> int:
@@ -215,20 +234,92 @@ def _setns(fd: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def _open_conn(kind: str, host: str, port: int, timeout: float) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    if kind == "rr":
-        s = socket.socket(family, socket.SOCK_STREAM)
+def factory(channel: socket.socket) -> int:
+    """``--factory FD``: make sockets on request and send them over ``channel`` (a SOCK_SEQPACKET unix socket).
+
+    A socket belongs for life to the network namespace and the cgroup (v2) of the process that made it, and the
+    cgroup's socket programs (a bpf proxy's connect4/sendmsg4) run for the socket's cgroup, not the caller's. So the
+    interleaving client, one process in one cgroup, takes each target's sockets from a factory started in that
+    target's client pod and its node's cgroup: the limit's sockets then pass no program of the loaded nodes, the pod
+    IP's pass them all. A request is three bytes (kind ``s``/``d``, family ``4``/``6``, count); the answer is ``k``
+    with that many descriptors, or ``e`` and a message. Ends at EOF."""
+    while True:
+        req = channel.recv(16)
+        if len(req) != 3:
+            return 0
+        made: list[socket.socket] = []
+        try:
+            kind, family, count = _KINDS[req[0:1]], _FAMILIES[req[1:2]], min(req[2], FACTORY_BATCH)
+            made = [socket.socket(family, kind) for _ in range(max(count, 1))]
+            socket.send_fds(channel, [b"k"], [s.fileno() for s in made])
+        except (KeyError, OSError) as exc:
+            channel.send(b"e" + f"{type(exc).__name__}: {exc}".encode()[:200])
+        finally:
+            for s in made:
+                s.close()
+
+
+class _Source:
+    """Where one target's sockets come from: made here after entering the target's network namespace (``netns``), or
+    received from a factory (``source``: the client's descriptor of a channel to :func:`factory`). Either way the
+    socket is made before an operation's clock starts, so every target's operation times the same calls."""
+
+    def __init__(self, target: dict[str, object]) -> None:
+        self.netns_fd = _netns_fd(str(target["netns"])) if "netns" in target else -1
+        self.channel = socket.socket(fileno=os.dup(int(str(target["source"])))) if "source" in target else None
+        if self.channel is None and self.netns_fd < 0:
+            raise ValueError(f"a target needs a netns or a source: {target!r}")
+        self.pool: list[socket.socket] = []
+
+    def take(self, kind: str, family: int) -> socket.socket:
+        stype = socket.SOCK_STREAM if kind in ("crr", "rr") else socket.SOCK_DGRAM
+        if self.channel is None:
+            _setns(self.netns_fd)
+            return socket.socket(family, stype)
+        if not self.pool:
+            want = FACTORY_BATCH if kind == "crr" else 1
+            self.channel.send(
+                (b"s" if stype == socket.SOCK_STREAM else b"d")
+                + (b"6" if family == socket.AF_INET6 else b"4")
+                + bytes([want])
+            )
+            msg, fds, _flags, _addr = socket.recv_fds(self.channel, 256, FACTORY_BATCH)
+            if not msg.startswith(b"k") or not fds:
+                raise OSError(f"the socket factory refused: {msg[1:].decode(errors='replace')}")
+            self.pool = [socket.socket(fileno=fd) for fd in reversed(fds)]
+        return self.pool.pop()
+
+    def close(self) -> None:
+        for s in self.pool:
+            s.close()
+        self.pool.clear()
+        if self.channel is not None:
+            self.channel.close()
+        if self.netns_fd >= 0:
+            os.close(self.netns_fd)
+
+
+def _prepared(src: _Source, kind: str, host: str, timeout: float) -> socket.socket:
+    """A fresh socket of ``src`` with the options its operation needs (RST on close, no Nagle, the timeout)."""
+    s = src.take(kind, socket.AF_INET6 if ":" in host else socket.AF_INET)
+    if kind in ("crr", "rr"):
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    else:
-        s = socket.socket(family, socket.SOCK_DGRAM)
+    if kind == "crr":
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
     s.settimeout(timeout)
+    return s
+
+
+def _crr_on(s: socket.socket, host: str, port: int) -> bool:
+    """One new connection on a prepared socket: connect, one exchange, close (RST)."""
     try:
         s.connect((host, port))
+        s.sendall(LINE)
+        return _read_line(s)
     except OSError:
+        return False
+    finally:
         s.close()
-        raise
-    return s
 
 
 def _exchange(kind: str, s: socket.socket) -> bool:
@@ -243,39 +334,66 @@ def _exchange(kind: str, s: socket.socket) -> bool:
         return False
 
 
+def _open_conns(
+    kind: str, targets: list[dict[str, object]], sources: list[_Source], timeout: float, errors: list[int]
+) -> list[socket.socket | None]:
+    """The one connection per target of an ``rr`` or ``udp`` phase (None where it could not be made: an error)."""
+    conns: list[socket.socket | None] = []
+    for src, t in zip(sources, targets, strict=True):
+        host = str(t["host"])
+        try:
+            s = _prepared(src, kind, host, timeout)
+        except OSError:
+            errors[len(conns)] += 1
+            conns.append(None)
+            continue
+        try:
+            s.connect((host, int(str(t["port"]))))
+            conns.append(s)
+        except OSError:
+            s.close()
+            errors[len(conns)] += 1
+            conns.append(None)
+    return conns
+
+
 def interleaved(
     kind: str, targets: list[dict[str, object]], seconds: float, max_ops: int, timeout: float, warmup: float
 ) -> list[dict[str, object]]:
     """``kind`` (crr, rr, udp) against every target in turn, one operation each, until ``seconds`` of wall time:
-    each target is ``{"netns": NAME, "host": ..., "port": N}`` and its sockets are made in that network namespace.
-    A target's rate is its operations over the time spent in them (what it would reach alone, one at a time), so
-    drift on a shared machine, which hits neighbouring operations alike, cancels in the ratios between targets."""
+    each target is ``{"netns": NAME, "host": ..., "port": N}`` (its sockets made in that network namespace) or
+    ``{"source": FD, ...}`` (its sockets from a :func:`factory`). A target's rate is its successful operations over
+    the time spent in all its operations, failed ones included (what it would reach alone, one at a time), so drift
+    on a shared machine, which hits neighbouring operations alike, cancels in the ratios between targets."""
     clock = time.perf_counter
-    fds = [_netns_fd(str(t["netns"])) for t in targets]
-    home = os.open("/proc/self/ns/net", os.O_RDONLY)
-    conns: list[socket.socket | None] = [None] * len(targets)
+    # the namespace to return to, when some target's sockets are made here in another one
+    home = os.open("/proc/self/ns/net", os.O_RDONLY) if any("netns" in t for t in targets) else -1
+    sources: list[_Source] = []
+    conns: list[socket.socket | None] = []
+    n = len(targets)
     lat: list[list[float]] = [[] for _ in targets]
-    errors = [0] * len(targets)
-    busy = [0.0] * len(targets)
+    errors, error_s = [0] * n, [0.0] * n
+    busy = [0.0] * n
     try:
+        for t in targets:
+            sources.append(_Source(t))
         if kind in ("rr", "udp"):
-            for i, t in enumerate(targets):
-                _setns(fds[i])
-                try:
-                    conns[i] = _open_conn(kind, str(t["host"]), int(str(t["port"])), timeout)
-                except OSError:
-                    errors[i] += 1
+            conns = _open_conns(kind, targets, sources, timeout, errors)
         for measuring, length in ((False, warmup), (True, seconds)):
             start = clock()
             deadline = start + length
             turn = 0
             while clock() < deadline and sum(len(x) for x in lat) + sum(errors) < max_ops:
-                i = turn % len(targets)
+                i = turn % n
                 turn += 1
+                host, port = str(targets[i]["host"]), int(str(targets[i]["port"]))
                 if kind == "crr":
-                    _setns(fds[i])
+                    try:
+                        s: socket.socket | None = _prepared(sources[i], kind, host, timeout)
+                    except OSError:
+                        s = None
                     t0 = clock()
-                    ok = _crr_once(str(targets[i]["host"]), int(str(targets[i]["port"])), timeout)
+                    ok = s is not None and _crr_on(s, host, port)
                 else:
                     conn = conns[i]
                     t0 = clock()
@@ -288,16 +406,19 @@ def interleaved(
                     lat[i].append(t1 - t0)
                 else:
                     errors[i] += 1
+                    error_s[i] += t1 - t0
     finally:
         for c in conns:
             if c is not None:
                 if kind == "rr":
                     c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
                 c.close()
-        _setns(home)
-        for fd in [*fds, home]:
-            os.close(fd)
-    return [summarize(kind, lat[i], errors[i], busy[i]) for i in range(len(targets))]
+        if home >= 0:
+            _setns(home)
+            os.close(home)
+        for src in sources:
+            src.close()
+    return [summarize(kind, lat[i], errors[i], busy[i], error_s[i]) for i in range(n)]
 
 
 def serve(stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
@@ -349,8 +470,11 @@ def serve(stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else argv) == ["--serve"]:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in == ["--serve"]:
         return serve()
+    if len(args_in) == 2 and args_in[0] == "--factory":
+        return factory(socket.socket(fileno=int(args_in[1])))
     p = argparse.ArgumentParser(prog="kproxy.bench.dpclient", description=__doc__.splitlines()[0])
     p.add_argument("host")
     p.add_argument("port", type=int)

@@ -135,9 +135,10 @@ def test_ratios_against_a_diagnostic_limit_and_their_spread() -> None:
 
 def test_diagnostic_limits_are_measured_by_default_and_can_be_left_out() -> None:
     cfg = datapath.DatapathConfig()
-    assert datapath.targets_for("nftables", cfg) == ("limit", "podip", "clusterip", "limit_ct", "limit_nat")
-    assert datapath.targets_for("none", cfg) == ("limit", "podip", "limit_ct", "limit_nat")
-    off = datapath.DatapathConfig(conntrack_limits=False)
+    both = ("limit", "podip", "clusterip", "limit_twin", "limit_ct", "limit_nat")
+    assert datapath.targets_for("nftables", cfg) == both
+    assert datapath.targets_for("none", cfg) == both  # the calibration: a real run's targets and schedule
+    off = datapath.DatapathConfig(conntrack_limits=False, twin=False)
     assert datapath.targets_for("iptables", off) == datapath.TARGETS and not off.describe()["conntrack_limits_detail"]
     # the diagnostic tables: conntrack via a ct expression; conntrack and nat via nat base chains and a DNAT rule
     # whose address nothing uses (so it never translates anything)
