@@ -36,11 +36,10 @@ Layout (table ``kproxy`` in family ``ip`` and again in ``ip6``; nothing outside 
   detection, ``nodeport-cidrs``), so no chain depends on it: a context change rewrites a few set elements and the
   service elements whose verdict it changes. An empty chain ``layout-<digest>`` names the fixed part's version.
 
-Why this layout (measured here, kernel 6.18, nft 1.0.6): the kernel pays per chain, superlinearly in a
-transaction (PERFORMANCE.md: upstream's chain per service and per endpoint, 110k chains, takes 68 s for ``nft -f``
-at 10,000 services x 10 endpoints; a chain per service 11.7 s), while elements are cheap. With chains indexed by
-endpoint count there are a handful of chains whatever the number of services: ``nft -f`` of this table at 10,000 x
-10 (10,000 entries, 100,000 slots, comments) takes 1.4-2.2 s. An endpoint change is element deletes and adds only
+Why this layout: the kernel pays per chain, superlinearly in a transaction (upstream's chain per service and per
+endpoint is 110k chains at 10,000 services x 10 endpoints), while elements are cheap; the figures are in
+docs/PERFORMANCE.md. With chains indexed by endpoint count there are a handful of chains whatever the number of
+services. An endpoint change is element deletes and adds only
 (the service's slots, and its entry, whose comment carries the fragment digest): no chain is rewritten. Element
 comments (``ns/name:port/PROTO #digest``) on the entries name their service, for ``kernel_view`` and adoption; slots
 carry none (their key extends their entry's; 100,000 slot comments cost 6% of ``nft -f``). The
@@ -71,12 +70,8 @@ and digest match is left alone, so a restart with nothing changed writes nothing
 slot keys follow from its entries' verdicts (``lb-i-3``: slots 0..2). A table of another layout, or one that cannot
 be read, is replaced in one transaction (``add table; delete table; …``), so there is no moment without rules.
 
-Measured (``kproxy bench sync --mode nftables --services 10000 --endpoints 10 --repeat 3``, this 2-core machine
-shared with other work, Nov 2026): full sync 2.1-2.7 s with the kernel's own ``nft -f`` of the same transaction at
-1.5-1.8 s (3.3-3.6 s in runs where other load doubled every phase), partial sync 4-9 ms (libnftables 2-3 ms),
-restart with nothing changed 0.8-1.5 s writing nothing, peak RSS 168-185 MB; 5,000 x 50: full sync 4.2-6.5 s.
-Upstream's layout: 68 s for ``nft -f`` of the same state; ``--reference upstream-nftables`` at 2,000 x 10: 4x the
-full sync, 41x the partial.
+What it costs (full, partial and restart syncs, against the kernel's own ``nft -f`` and upstream's layout):
+docs/PERFORMANCE.md.
 
 Where kproxy deviates from upstream's nftables mode, and why:
 - Names: table ``kproxy`` (upstream ``kube-proxy``), so both can coexist during a migration; maps keep upstream's
