@@ -65,21 +65,9 @@ node's addresses and the proxy ports). The runner thread hands the loop new sock
 and waits until it took them: a sync never stops the loop for longer than that step, endpoint changes apply to the
 next connection at once, and connections through a changed or deleted service keep running until they close.
 
-Why splice, measured here (2 shared cores, kernel 6.18, iperf3 -t 5 from a client namespace through a node
-namespace to a server namespace, medians of 5 rounds, the machine loaded by other work): routed directly 12.9
-Gbit/s; through the proxy with splice 8.1 Gbit/s (0.62), with ``recv_into``/``send`` through a 1 MiB buffer 6.0
-Gbit/s (0.46). Before draining several splices per wake-up, splice gave 4.9 Gbit/s; one blocking splice thread per
-direction (not used: a thread per connection) 9.0. 1 MiB pipes against the default 64 KiB: 15.2 against 13.0 Gbit/s
-(a quieter moment: direct 21.5). In the lab (``kproxy bench datapath --mode userspace --services 1,1000``, medians of
-10 rounds, ratios to pod -> pod on nodes without proxy rules, 02:27 UTC on a quieter machine): bulk TCP through a
-ClusterIP 0.81 (10.1 of 11.7 Gbit/s, 1 service) and 0.94 (10.4 of 11.5 Gbit/s, 1,000 services) of the limit
-(upstream's Go userspace mode: 0.36); new connections per second 0.38 and 0.27 (1,230 and 930 a second),
-request/response rate 0.60 and 0.43, UDP 0.44 and 0.42. An earlier run on a loaded machine: bulk 1.13 and 1.32,
-connections 0.43 and 0.29 (350 and 420 a second). A new connection costs the proxy an accept, a second handshake and
-a few splices (the kernel's TCP work for both legs, which veth runs in the proxy's own syscalls): a profile of the
-loop thread shows it busy with syscalls, not Python. Passing a new connection's waiting request on at once and
-ending the splice rounds on a short read took connections through the proxy from 2,214 to 2,684 a second in the
-namespaces above (direct: 6,849).
+Why splice: it relays without copying through Python, and draining several splices per wake-up keeps one
+event loop ahead of a thread per connection; the measurements (against ``recv_into``/``send``, pipe sizes,
+the lab's data-path ratios) are in docs/PERFORMANCE.md.
 
 Syncs: one libnftables transaction per family per batch, element changes only. Order: proxy sockets are bound and
 listening before a redirect names them (connections wait in the backlog until the loop takes the socket), and are
@@ -88,16 +76,11 @@ the new list). Full batches diff everything wanted against what ``adopt`` read, 
 rules name (``SO_REUSEADDR``) and writes nothing when it can; a second instance in the same process (``kproxy bench
 sync``'s restart figure) takes the sockets over from the first; a restart with another range binds every socket anew
 inside it and rewrites ``proxy-ports``. kproxy picks proxy ports itself, walking the range: the kernel's bind(0)
-searches for a free port and took 4.4 s for 10,000 sockets, explicit ports 0.1 s. libnftables (1.0.6) ``select()``s
-on its netlink socket and aborts the process when that descriptor is 1024 or above, so its context is opened before
-any proxy socket (``kproxy.nftkernel``). ``kproxy bench sync --mode userspace --services 10000 --endpoints 10
---repeat 3`` here (02:51 UTC, load average 5): full sync 2.07 s (20,001 elements, 10,000 proxy sockets open),
-partial sync 0.007 s, floor 0.49 s (``nft -f`` of the same transaction plus binding as many sockets), restart 2.17 s
-writing nothing, peak RSS 188 MB (218 MB with the restart's second instance). On the same machine at load average
-7.6 (everything about 4x slower: the cache's own snapshot took 1.58 s instead of 0.39) the same run gave 5.28 s full
-and 0.045 s partial. The "is my table still there" check before a partial sync lists the one-element ``proxy-ports``
-set, at most once a second per family: nft 1.0.6 lists a chain by fetching the whole table (0.3-0.5 s at 10,000
-services).
+searches for a free port for every socket, which is forty times slower at 10,000 sockets. libnftables (1.0.6)
+``select()``s on its netlink socket and aborts the process when that descriptor is 1024 or above, so its context is
+opened before any proxy socket (``kproxy.nftkernel``). The "is my table still there" check before a partial sync lists
+the one-element ``proxy-ports`` set, at most once a second per family: nft 1.0.6 lists a chain by fetching the whole
+table. What syncs cost: docs/PERFORMANCE.md.
 
 Verify and repair: ``verify`` names a service whose elements, verdicts or marks differ, whose fixed rules (the
 redirect, the ``services`` vmap, the hooks, the input guard) are gone (a rule deleted by hand, a flushed table),
