@@ -1,7 +1,7 @@
 """``kproxy run``: wires one source, the shared cache, the runner, one backend and the servers together.
 
 This is the only place that knows all the parts; each part knows only the layer below it. The flow, as upstream's
-ProxyServer plus the shared-runner refactor (reference/upstream-kube-proxy.md §1.2, §8):
+ProxyServer (``cmd/kube-proxy/app/server.go``) with one runner shared by the IP families:
 
     source threads --objects--> ServiceCache --on_change--> runner.run()        (health: update queued)
     runner thread: snapshot -> backend.sync(state, changes) -> commit | retry    (health: updated; metrics)

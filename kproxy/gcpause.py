@@ -31,25 +31,13 @@ class _CollectorPause:
     API client) are still collected, and nobody's ``gc.isenabled()`` ever changes. If someone else froze objects
     before us (a pre-fork freeze), we neither freeze nor unfreeze: their choice is left alone.
 
-    Measured (2 shared cores, Python 3.11, medians of 5 runs; ``kproxy bench sync --mode fake --services 10000
-    --endpoints 10 --repeat 3``, plus a relist of the same objects through ``replace_services``/``replace_slices``
-    and the snapshot after it), seconds:
+    Both shared pauses kept the old per-caller pause's gain; freeze is chosen for the enabled collector (the
+    figures: docs/PERFORMANCE.md).
 
-        pause                          first snapshot  full sync (snapshot+sync+commit)  relist  its snapshot
-        none                           0.48            0.49                              0.85    0.53
-        per-caller disable (before)    0.30            0.37                              0.58    0.31
-        shared, gc.disable()           0.31            0.38                              0.59    0.38
-        shared, gc.freeze() (chosen)   0.32            0.34                              0.62    0.36
-
-    Both shared pauses keep the old pause's gain; freeze is chosen for the enabled collector (above). The CLI bench
-    alone, before/after: first snapshot 0.31/0.34, full sync 0.41/0.35. Services and slices relisted by two
-    threads at once, then a snapshot: 1.24 s before, 1.01 s with freeze, 1.52 s with no pause.
-
-    Freeze alone still let the collector walk what the pause itself allocates: a full bpf sync at 10,000 x 10
-    allocates ~300,000 tracked objects, and young, middle and full collections over them (a full one each time
-    ~25,000 had survived) took 0.12 s of the sync and as much of the first snapshot; raising only the older
-    generations' thresholds left 0.03-0.15 s of young collections (each young object's referents are visited: cache
-    misses all over the old heap); a young threshold of 50,000 made fewer, slower walks (0.10 / 0.14 s). So during a
+    Freeze alone still let the collector walk what the pause itself allocates (a full bpf sync at 10,000 x 10
+    allocates ~300,000 tracked objects); raising only the older generations' thresholds left the young collections
+    (each young object's referents are visited: cache misses all over the old heap), and a higher young threshold
+    made fewer, slower walks. So during a
     pause the young threshold is ``PAUSED_YOUNG`` (no collection below that many allocations), and the last holder
     moves what the pause allocated straight into the oldest generation (one more ``gc.freeze()`` before the
     ``gc.unfreeze()``), where the next full collection, whenever it comes, looks at it once. The collector stays

@@ -1,9 +1,9 @@
 """A yardstick, never a mode: upstream kube-proxy's nftables layout for the benchmark's synthetic state, timed with
 ``nft -f`` in a network namespace of its own, so ``kproxy bench sync --reference upstream-nftables`` reports
-upstream's time beside kproxy's in one run (PERFORMANCE.md: "ahead of upstream" is a ratio, not a claim).
+upstream's time beside kproxy's in one run (docs/PERFORMANCE.md: "ahead of upstream" is a ratio, not a claim).
 
-The layout follows ``pkg/proxy/nftables/proxier.go`` as summarised in shared/reference/bpf-and-nftables.md section
-4 (written here from that description, not copied): table ``ip kube-proxy`` with upstream's base chains and jumps,
+The layout follows upstream kube-proxy's ``pkg/proxy/nftables/proxier.go`` (written here from its description, not
+copied): table ``ip kube-proxy`` with upstream's base chains and jumps,
 the ``cluster-ips`` set and the ``service-ips`` / ``no-endpoint-services`` / ``service-nodeports`` /
 ``no-endpoint-nodeports`` / ``firewall-ips`` verdict maps; per service port a chain
 ``service-<HASH>-ns/name/proto/port`` (masquerade mark for off-cluster sources, then an anonymous

@@ -1,6 +1,6 @@
 """An in-memory stand-in for kube-apiserver: the API kproxy watches, for the lab and for tests.
 
-There is no kube-apiserver on the development machine (see HOST.md), so the lab cluster, the conformance suite and
+There is no kube-apiserver on the development machine, so the lab cluster, the conformance suite and
 the source/reflector tests talk to this server instead. It speaks enough of the real protocol for the OFFICIAL
 `kubernetes` Python client (CoreV1Api, DiscoveryV1Api, EventsV1Api), for kproxy's reflectors and for kubectl
 (`kubectl get` gets the same columns as from a real cluster). It is three parts, imported here under one name:

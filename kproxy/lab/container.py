@@ -1,6 +1,6 @@
 """Run a lab node's kproxy inside the kproxy image, the way the DaemonSet of its mode runs it on a real node.
 
-Who uses it: tests/integration/test_image.py (the image test of issue 14), through ``Lab.launcher``: with a
+The image test (tests/integration/test_image.py) plugs it in through ``Lab.launcher``: with a
 :class:`ContainerLauncher` set there, :meth:`Lab.start_kproxy` starts ``podman run`` instead of
 ``ip netns exec NODE kproxy run``, and :meth:`Lab.stop_kproxy` signals the container's kproxy. Everything else the
 lab and the conformance scenarios do (probes, ``/rules``, logs, ``restart``'s SIGKILL) stays as it is.
@@ -18,7 +18,7 @@ the ConfigMap written to files and mounted read-only). The lab adds only what a 
   ``https://KUBERNETES_SERVICE_HOST:PORT`` before every request, so ``--master`` does not stick there;
 * the lab's own flags after the DaemonSet's command (``--mode``, ``--cluster-cidr``, sync periods; flags override
   the ``--config`` file, as for kube-proxy), with the lab's cgroup2 mount standing in for the bpf overlay's;
-* ``--ulimit`` within this machine's limits (root here cannot raise them, HOST.md), ``--runtime runc``.
+* ``--ulimit`` within this machine's limits (root here cannot raise them), ``--runtime runc``.
 
 The bpf overlay's privileged init container (it mounts bpffs and cgroup2 on the host) is not run: the lab's set-up
 has mounted both already, and it would change the machine's own mounts.
