@@ -1,7 +1,7 @@
 """The conformance scenarios: the one ordered list ``SCENARIOS`` of what every backend must do, on real packets.
 
-Who uses it: ``kproxy.conformance.runner`` runs them in this order on one lab per backend; the pytest entry
-(tests/conformance) makes one test per (mode, scenario); BEHAVIOUR.md's table is the spec, id for id. Each
+``kproxy.conformance.runner`` runs them in this order on one lab per backend; docs/BEHAVIOUR.md's table is the
+spec, id for id, in the same order (tests/unit/test_docs.py keeps them equal). Each
 scenario is a plain function of a ``Context``: set up Services and EndpointSlices, send probes, state what must
 hold. Adding a scenario is one function and one ``Scenario`` line; adding a backend needs nothing here: its
 impossible scenarios are its own ``not_applicable(options)``, and what the kernel holds is read through its own
@@ -54,7 +54,7 @@ from kproxy.proxier import backend_class
 
 @dataclass(frozen=True)
 class Scenario:
-    """One row of BEHAVIOUR.md's table. ``needs``: lab features (``"ipv6"``) without which it is not applicable."""
+    """One row of docs/BEHAVIOUR.md's table. ``needs``: lab features (``"ipv6"``) without which it is not applicable."""
 
     id: str
     title: str
@@ -1781,28 +1781,12 @@ SCALE_CONVERGE_S = 30.0
 SYNC_METRIC = "kubeproxy_sync_proxy_rules_duration_seconds"
 # The syncs on node-1 while the 1,000 services x 3 endpoints arrive are judged against the mode's *floor*: the
 # kernel's own time to take the whole 1,000 x 3 state at once by the most direct means (``kproxy bench sync``'s
-# ``floor_s``, measured in the same run, in a namespace of the bench's own). Each of those syncs programs a slice of
-# that state, so
-# - their mean must not exceed SCALE_MEAN_FLOOR_FACTOR x floor. On the 2-core lab host (Nov 2026; 8 API writers, the
-#   API stand-in and two kproxies share the cores): iptables floor 0.33-0.50 s, 17-37 syncs with means of
-#   0.09-0.19 s (0.2-0.4 x floor); nftables floor 0.16 s, 238 syncs, mean 0.016 s (0.1 x floor). An iptables backend
-#   made 0.4 s slower per sync (mean 0.69 s against a floor of 0.38 s) fails, where the old bound (4 s on the
-#   longest sync alone) let it pass.
-# - none may exceed SCALE_MAX_FLOOR_FACTOR x floor, read off the histogram's buckets (edges 1 ms x 2^n) as "every
-#   sync <= the first edge at or above the bound". iptables' longest: (0.256, 0.512] once, (0.512, 1.024] five times,
-#   (1.024, 2.048] twice in 8 runs; 8 x 0.5 s -> edge 4.096 s leaves 2x over the worst bucket seen. The bound is at
-#   least SCALE_MAX_MIN_S: a mode whose floor is a few ms (bpf: 0.006-0.011 s, map writes) has means of 0.001-0.002 s,
-#   yet one sync per run landed in (0.064, 0.128] or (0.128, 0.256] s in 4 of 5 runs (a collection or a wait for the
-#   GIL on shared cores, outside the backend's own time), which says nothing about the backend.
-# - the mean bound is likewise at least SCALE_MEAN_MIN_S. bpf's floor fell to 0.004-0.007 s with the backend array
-#   (maps v2), below what a sync costs in the lab whatever the backend does: each of its 250-550 syncs carries a few
-#   objects, and its wall time is mostly Python's per-sync work waiting for a core or the GIL (the watch thread
-#   decodes the 2,000 arriving objects in the same process). Means seen: 0.003 s here against a floor of 0.004 s
-#   (maps v1: 0.004 s against 0.006 s), 0.005 s once in CI against a floor of 0.004 s, which failed 1 x floor
-#   though the sum of the syncs' times (252 x 0.005 = 1.3 s) was below a passing run's (552 x 0.003 = 1.7 s). A
-#   bpf backend that sleeps 0.015 s in every sync still fails (mean 0.018-0.020 s, 2 runs). Under a CPU burner on
-#   one core the means were 0.002 s (515-628 syncs). The bench's partial_sync_s (<= 0.005 s at 10,000) is the
-#   sharp check of bpf's per-sync cost.
+# ``floor_s``, measured in the same run, in a namespace of the bench's own). Each sync programs a slice of that
+# state, so their mean must not exceed SCALE_MEAN_FLOOR_FACTOR x floor and none may exceed SCALE_MAX_FLOOR_FACTOR
+# x floor, read off the histogram's buckets (edges 1 ms x 2^n) as "every sync <= the first edge at or above the
+# bound". Both bounds have a minimum (SCALE_MAX_MIN_S, SCALE_MEAN_MIN_S): a mode whose floor is a few ms (bpf's map
+# writes) still pays the lab's per-sync Python work and an occasional collection or GIL wait on shared cores,
+# which says nothing about the backend. The runs these values were chosen from: docs/PERFORMANCE.md.
 # A mode whose floor cannot be measured (``floor_s`` null) is held to the absolute SCALE_*_DEFAULT_S, and says so.
 #
 # Those time bounds leave room for the shared cores (2.5-10x), so a backend that rewrote its whole table on every
