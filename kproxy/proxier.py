@@ -25,7 +25,8 @@ What a backend implements (a fifth mode is this list; ``kproxy.ledger.LedgerProx
    ``--<mode>-...`` flags of every command that builds the backend), ``lab_options()`` (per-node option values in
    the lab, e.g. a cgroup and a pin folder of the node's own), ``remnants()`` (what the mode left in
    the kernel), ``kernel_view()`` (what the kernel holds per service, for conformance checks), ``cleanup_leftovers()``
-   (remove it all), ``not_applicable()`` (scenarios impossible for the mode); and on the instance
+   (remove it all), ``not_applicable()`` (scenarios impossible for the mode), ``not_applicable_parts()`` (parts of
+   scenarios impossible for it); and on the instance
    ``register_metrics()`` (its own metrics, on the daemon's registry) fed by ``observe_sync()``.
 4. Lifecycle: ``__init__`` touches nothing; ``start()`` (threads, loaders, data-path loops) before the first sync;
    ``close()`` once the runner thread has joined. Optional: ``trace()`` (the packet explainer),
@@ -313,6 +314,13 @@ class Proxier:
     def not_applicable(cls, options: Mapping[str, Any]) -> Mapping[str, str]:
         """Conformance scenarios physically impossible for this mode with these options: scenario id -> reason.
         The conformance runner checks every key against its scenario ids."""
+        return MappingProxyType({})
+
+    @classmethod
+    def not_applicable_parts(cls, options: Mapping[str, Any]) -> Mapping[str, Mapping[str, str]]:
+        """Parts of conformance scenarios (an assertion, a half) physically impossible for this mode with these
+        options: scenario id -> part -> reason, declared up front. The runner checks every key against the scenario's
+        own parts; a part a scenario finds not applicable at run time that is not declared here fails it."""
         return MappingProxyType({})
 
     @classmethod

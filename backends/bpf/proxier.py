@@ -258,6 +258,21 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         return MappingProxyType({})
 
     @classmethod
+    def not_applicable_parts(cls, options: Mapping[str, Any]) -> Mapping[str, Mapping[str, str]]:
+        """A pod's datagram is translated at its socket, before any conntrack entry exists: no entry can stand in a
+        new service's way. The maps carry no counters."""
+        return MappingProxyType(
+            {
+                "udp-conntrack": MappingProxyType(
+                    {"stale-entry": "pods' datagrams are translated at the socket (sendmsg/connect), not by conntrack"}
+                ),
+                "dual-stack": MappingProxyType(
+                    {"kernel-counters": "its maps carry no counters, so a rewrite with the same content cannot be seen"}
+                ),
+            }
+        )
+
+    @classmethod
     def lab_options(cls, node: LabNodeSpec, options: Mapping[str, Any]) -> dict[str, Any]:
         """The node's own cgroup, and a pin folder keyed by the node's namespace (never the host's folder)."""
         # the node's kproxy runs under `ip netns exec` (a fresh /sys): it reaches the machine's bpffs through this

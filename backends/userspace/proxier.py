@@ -173,6 +173,9 @@ def _kernel(netns: str | None) -> Nft:
     return Nft(netns, worker=False, name=f"kpu-kernel-{netns}" if netns else "kpu-kernel")
 
 
+_SEEN_NODE = "the endpoint sees the node (the proxy's own connection), never the client's address"
+
+
 class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     """Proxy sockets in kproxy itself, reached through redirects in a table of this mode's own (see the package
     docstring)."""
@@ -234,17 +237,32 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
 
     @classmethod
     def not_applicable(cls, options: Mapping[str, Any]) -> Mapping[str, str]:
-        node = "the endpoint sees the node (the proxy's own connection), never the client's address"
+        return MappingProxyType({"source-ip": f"a userspace proxy cannot preserve the client's IP: {_SEEN_NODE}"})
+
+    @classmethod
+    def not_applicable_parts(cls, options: Mapping[str, Any]) -> Mapping[str, Mapping[str, str]]:
+        """Only what the proxy's mechanism rules out: the client's address (the endpoint sees the proxy's own
+        connection) and connections through a process that is not running (they are its sockets). Local endpoint
+        selection, the drop on nodes without one, IPv6 and dual-stack services, new connections after a restart and
+        a mode switch's clean hand-over are judged as for every mode."""
+        own = "an established connection is one of the proxy process's own sockets, so it ends with that process"
+        down = (
+            "new connections are redirected to proxy ports that no process listens on from the moment the process "
+            "stops until one is serving again (the restarted process has bound its ports, or the next mode has synced)"
+        )
+        client_ip = f"the client's IP cannot be preserved: {_SEEN_NODE}"
         return MappingProxyType(
             {
-                "source-ip": f"a userspace proxy cannot preserve the client's IP: {node}",
-                "etp-local": f"externalTrafficPolicy=Local must preserve the client's IP, which a userspace proxy "
-                f"cannot: {node} (Local endpoint selection and the drop on nodes without one are honoured)",
-                "dual-stack": f"its IPv6 check requires the remote backend to see the client pod's IPv6 address: "
-                f"{node} (IPv6 and dual-stack services themselves are served)",
-                "restart": "an established connection lives in the proxy process (it is one of the proxy's own "
-                "sockets), so it ends when that process is killed; new connections work again once the restarted "
-                "process has bound its ports",
+                "etp-local": MappingProxyType({"client-ip": client_ip}),
+                "dual-stack": MappingProxyType(
+                    {
+                        "client-ip": client_ip,
+                        "kernel-counters": "its table's map elements carry no counters, so a rewrite of the guard's "
+                        "elements with the same content cannot be seen (elements that come or go still are)",
+                    }
+                ),
+                "restart": MappingProxyType({"held-connection": own, "while-down": down}),
+                "mode-switch": MappingProxyType({"held-connections": own, "while-down": down}),
             }
         )
 

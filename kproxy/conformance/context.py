@@ -232,14 +232,16 @@ class Context:
         kproxy_argv: Sequence[str] = (),
         *,
         options: Mapping[str, Any] | None = None,
+        declared_parts: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         api: tuple[Any, Any] | None = None,
     ) -> None:
         """``options``: the backend options kproxy runs with on the nodes (what ``kernel_probe`` hands the mode's
-        hooks). ``clock``/``sleep``/``api`` are seams for the judge's own tests (tests/unit/test_conformance_judge.py),
-        which drive a scenario on a scripted lab with a fake clock and in-memory CoreV1Api/DiscoveryV1Api stand-ins;
-        the runner leaves them at the real clock and the lab's API."""
+        hooks). ``declared_parts``: the parts of this scenario the mode declares not applicable (part -> reason, its
+        ``not_applicable_parts``). ``clock``/``sleep``/``api`` are seams for the judge's own tests
+        (tests/unit/test_conformance_judge.py), which drive a scenario on a scripted lab with a fake clock and
+        in-memory CoreV1Api/DiscoveryV1Api stand-ins; the runner leaves them at the real clock and the lab's API."""
         self.lab = lab
         self.mode = mode
         self.scenario_id = scenario_id
@@ -262,7 +264,10 @@ class Context:
         self.core: Any = api[0]
         self.discovery: Any = api[1]
         self.notes: list[str] = []
+        self.declared_parts: Mapping[str, str] = MappingProxyType(dict(declared_parts or {}))
         self.parts: list[tuple[str, str]] = []  # (part, reason): halves of the scenario that could not be exercised
+        #: parts found not applicable at run time that the mode does not declare: the runner fails the scenario
+        self.undeclared: list[tuple[str, str]] = []
         self._service_ports: dict[str, list[dict[str, Any]]] = {}
         self._slice_seq = 0
 
@@ -308,10 +313,30 @@ class Context:
         """A fact worth reporting even when the scenario passes (a figure, a caveat)."""
         self.notes.append(text)
 
+    def skips(self, part: str) -> bool:
+        """Whether the mode declares ``part`` of this scenario not applicable (``not_applicable_parts``), decided up
+        front and never by what the lab shows: then it is reported as its own not-applicable row
+        ``<scenario>/<part>`` with the mode's reason, and the scenario leaves that part out."""
+        reason = self.declared_parts.get(part)
+        if reason is None:
+            return False
+        if part not in {p for p, _ in self.parts}:
+            self.parts.append((part, f"declared by mode {self.mode}: {reason}"))
+        return True
+
     def part_not_applicable(self, part: str, reason: str) -> None:
-        """A part of the scenario that nothing here can exercise (say, "starting another mode" with one mode
-        installed): reported as its own not-applicable row ``<scenario>/<part>``, never folded into a pass."""
-        self.parts.append((part, reason))
+        """A part of the scenario found not applicable at run time (``reason``: what was seen). A part the mode
+        declares is its not-applicable row; one it does not declare is a failure of the scenario (the runner's):
+        what a mode cannot do is said up front, never inferred from an observation that may be wrong."""
+        if self.skips(part):
+            return
+        self.undeclared.append((part, reason))
+
+    def part_not_applicable_here(self, part: str, reason: str) -> None:
+        """A part nothing on this host can exercise, whatever the mode (say, "starting another mode" with one mode
+        installed): its own not-applicable row ``<scenario>/<part>``, never folded into a pass. A run that requires
+        every mode (CI) never meets one."""
+        self.parts.append((part, f"not on this host: {reason}"))
 
     # -- deadlines ---------------------------------------------------------------------------------------------
     def remaining(self) -> float:

@@ -87,6 +87,44 @@ def declared_not_applicable(cls: Any, options: Mapping[str, Any]) -> dict[str, s
     return found
 
 
+def declared_not_applicable_parts(cls: Any, options: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """The mode's own ``not_applicable_parts(options)`` (scenario id -> part -> reason). A scenario id that does not
+    exist, or a part that is not one of the scenario's own (``Scenario.parts``), is a ConformanceError: a typo would
+    otherwise leave the part it meant running, or declare away nothing."""
+    declared = getattr(cls, "not_applicable_parts", None)
+    found = {sid: dict(parts) for sid, parts in (dict(declared(options)) if callable(declared) else {}).items()}
+    wrong = [sid for sid in found if sid not in BY_ID]
+    wrong += [
+        f"{sid}/{part}"
+        for sid, parts in found.items()
+        if sid in BY_ID
+        for part in parts
+        if part not in BY_ID[sid].parts
+    ]
+    if wrong:
+        known = ", ".join(f"{s.id}/{p}" for s in SCENARIOS for p in sorted(s.parts))
+        raise ConformanceError(
+            f"mode {getattr(cls, 'mode', '?')} declares not-applicable parts that do not exist: {', '.join(wrong)}; "
+            f"known: {known}"
+        )
+    return found
+
+
+def judge_parts(mode: str, scenario: str, ctx: Context) -> str:
+    """Why a scenario that passed fails on its parts, or "": a part found not applicable that the mode does not
+    declare, or a declared part the scenario never reached (the declaration names something it does not have)."""
+    problems = [
+        f"part {part} found not applicable but not declared by mode {mode} (not_applicable_parts): {why}"
+        for part, why in ctx.undeclared
+    ]
+    reached = {p for p, _ in ctx.parts}
+    problems += [
+        f"mode {mode} declares part {part} not applicable, but the scenario never reached it"
+        for part in sorted(set(ctx.declared_parts) - reached)
+    ]
+    return "; ".join(problems)
+
+
 def lab_features(lab: Any) -> set[str]:
     out = set()
     if getattr(lab, "ipv6", False):
@@ -113,6 +151,7 @@ class Session:
         values = getattr(cls, "option_values", None)
         self.options: dict[str, Any] = dict(values(given)) if values is not None else given
         self.not_applicable = declared_not_applicable(cls, self.options)
+        self.not_applicable_parts = declared_not_applicable_parts(cls, self.options)
         self.lab_gaps: list[str] = []  # scenarios this lab could not run
         self.kproxy_args: list[str] = list(getattr(lab, "state", {}).get("kproxy_args", []) or [])
 
@@ -250,6 +289,7 @@ class Session:
                 scenario.timeout_s,
                 self.kproxy_args,
                 options=self.options,
+                declared_parts=self.not_applicable_parts.get(scenario.id),
                 **self.context_kwargs,
             )
             ctx.empty_namespace()  # leftovers of a killed earlier run
@@ -285,10 +325,18 @@ class Session:
                 detail += " [kproxy log: " + errors + "]"
         if revived:
             detail = (detail + "; " if detail else "") + revived
+        if status == PASS and ctx is not None:
+            wrong = judge_parts(self.mode, scenario.id, ctx)
+            if wrong:
+                status, detail = FAIL, wrong + (f" [{detail}]" if detail else "")
         parts: tuple[Result, ...] = ()
         if status == PASS and ctx is not None:
             parts = tuple(Result(f"{scenario.id}/{part}", NOT_APPLICABLE, why) for part, why in ctx.parts)
         return Result(scenario.id, status, detail, time.monotonic() - t0, parts)
+
+    def is_lab_gap(self, result: Result) -> bool:
+        """Whether a not-applicable ``result`` stands for what this lab lacks (not the mode, not the host)."""
+        return result.status == NOT_APPLICABLE and result.scenario in self.lab_gaps
 
     def _revive(self) -> str:
         """Restart kproxy, in the session's mode, where it is not running (a previous scenario killed it or it

@@ -899,10 +899,11 @@ class Soak:
         self, after: str, secs: float | None, checks: Sequence[NodeCheck], traffic: Traffic
     ) -> dict[str, Any]:
         assert self.churner is not None
+        t0 = time.monotonic()
         services, slices = self._api_state()
         model = build(services, slices, namespace=NAMESPACE)
         kernel = self._kernel_check(model)
-        lost, wrong = self.packets["lost"], self.packets["wrong"]
+        before = dict(self.packets)
         failures = self._packets(model, self.churner.take_changed(), after == "final")
         api_diffs = self._api_differences()
         cp = {
@@ -917,8 +918,10 @@ class Soak:
             "differences": {c.node: dict(list(c.diffs.items())[:10]) for c in checks if c.diffs},
             "drift_detail": {c.node: c.drift_detail[:10] for c in checks if c.drift_detail},
             "packets_failed": failures[:20],
-            "packets_lost": self.packets["lost"] - lost,
-            "packets_wrong": self.packets["wrong"] - wrong,
+            **{f"packets_{k}": self.packets[k] - before[k] for k in ("lost", "wrong", "sent", "targets")},
+            "services_changed": self.packets["services_changed"] - before["services_changed"],
+            "services_probed": self.packets["services_probed"] - before["services_probed"],
+            "checked_s": round(time.monotonic() - t0, 3),  # the model, the kernel view and the packets
             "kernel_view": {node: bad[:10] for node, bad in kernel.items()},
             "kernel_view_differences": sum(len(bad) for bad in kernel.values()),
             "held_alive": traffic.held_alive(),

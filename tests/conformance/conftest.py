@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,8 @@ class Labs:
         self.mode: str | None = None
         self.session: Session | None = None
         self.error: str | None = None
+        #: "<mode> <scenario>/<part>: <reason>" of every passing scenario's not-applicable part, for the summary
+        self.parts: list[str] = []
 
     def get(self, mode: str) -> Session:
         if mode != self.mode:
@@ -52,12 +55,26 @@ class Labs:
         self.session, self.error, self.mode = None, None, None
 
 
+PARTS_KEY = pytest.StashKey[list[str]]()
+
+
 @pytest.fixture(scope="session")
-def conformance_labs() -> Iterator[Labs]:
+def conformance_labs(request: pytest.FixtureRequest) -> Iterator[Labs]:
     if os.geteuid() != 0:
         pytest.skip("the conformance lab needs root (network namespaces, netfilter)")
     labs = Labs()
+    request.config.stash[PARTS_KEY] = labs.parts
     try:
         yield labs
     finally:
         labs.close()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The parts of passing scenarios that were not checked, each with its mode's declared reason: a pass never
+    hides one (pytest shows a passing test's output only on request)."""
+    parts = config.stash.get(PARTS_KEY, [])
+    if parts:
+        terminalreporter.section("conformance: parts not applicable (declared by each mode)")
+        for line in parts:
+            terminalreporter.write_line(line)

@@ -1,9 +1,12 @@
-"""BEHAVIOUR.md's conformance scenarios as pytest tests: one per (installed mode, scenario), on a real lab.
+"""BEHAVIOUR.md's conformance scenarios as pytest tests: one per (mode, scenario), on a real lab.
 
-``make test`` runs these (marker ``lab``). A scenario the backend declares impossible, or one the lab cannot
-support, is skipped with the reason; a FAIL fails with the scenario's own account of what was sent, what came
-back and what was expected; a part of a passing scenario that nothing here could exercise is printed with its
-reason. ``KPROXY_CONFORMANCE_MODES`` naming a mode that is not installed, or no backend installed at all, fails
+``make test`` runs these (marker ``lab``). A scenario the backend declares impossible is skipped with the reason;
+one the lab cannot support fails (nothing was checked, as ``kproxy conformance`` says too); a FAIL fails with the
+scenario's own account of what was sent, what came back and what was expected; a part of a passing scenario that
+the mode declares not applicable (``not_applicable_parts``) is printed with its reason and listed in the run's
+summary (tests/conformance/conftest.py), and one it does not declare fails the scenario. A mode that is not
+available is skipped, or fails where ``KPROXY_REQUIRE_MODES`` requires it (tests/modes.py).
+``KPROXY_CONFORMANCE_MODES`` naming a mode that is not installed, or no backend installed at all, fails
 (``test_the_requested_modes_exist``) rather than leaving an empty, green run. ``kproxy conformance --mode MODE``
 runs the same scenarios outside pytest.
 """
@@ -51,9 +54,12 @@ def test_scenario(conformance_labs, mode: str, scenario_id: str) -> None:  # typ
     session = conformance_labs.get(mode)
     result = session.run_scenario(BY_ID[scenario_id])
     if result.status == NOT_APPLICABLE:
+        if session.is_lab_gap(result):  # the lab, not the mode: nothing was checked, as `kproxy conformance` says
+            pytest.fail(f"{mode} {scenario_id}: not checked, this lab cannot run it: {result.detail}", pytrace=False)
         pytest.skip(f"not applicable to {mode}: {result.detail}")
     if result.status == FAIL:
         pytest.fail(f"{mode} {scenario_id}: {result.detail}", pytrace=False)
     print(f"{mode} {scenario_id}: pass in {result.seconds:.1f} s; {result.detail}")
     for part in result.parts:
         print(f"{mode} {part.scenario}: {part.status}: {part.detail}")
+        conformance_labs.parts.append(f"{mode} {part.scenario}: {part.detail}")

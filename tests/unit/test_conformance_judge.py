@@ -633,16 +633,16 @@ def test_a_part_nothing_exercised_is_its_own_not_applicable_row() -> None:
 
     def scenario(ctx: Context) -> None:
         ctx.note("first half checked")
-        ctx.part_not_applicable("another-mode", "no second mode installed")
+        ctx.part_not_applicable_here("another-mode", "no second mode installed")
 
     result = session.run_scenario(sc.Scenario("cleanup", "t", scenario))
     assert (result.status, result.detail) == (PASS, "first half checked")
     assert [(p.scenario, p.status, p.detail) for p in result.parts] == [
-        ("cleanup/another-mode", NOT_APPLICABLE, "no second mode installed")
+        ("cleanup/another-mode", NOT_APPLICABLE, "not on this host: no second mode installed")
     ]
 
     def failing_scenario(ctx: Context) -> None:
-        ctx.part_not_applicable("another-mode", "x")
+        ctx.part_not_applicable_here("another-mode", "x")
         ctx.fail("broken")
 
     assert session.run_scenario(sc.Scenario("cleanup", "t", failing_scenario)).parts == ()

@@ -1,0 +1,212 @@
+"""Declared not-applicable parts, lab gaps in pytest, and the verdicts of the parts issue 21 added: a mode says up
+front which parts of a scenario it cannot do (``not_applicable_parts``), the exact sets are pinned here, an
+undeclared part fails the scenario, a lab gap fails the pytest case as it fails ``kproxy conformance``, and the
+long-lived UDP socket's and the restart's verdicts hold without the parts a mode declares away."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import conformance.test_conformance as entry
+import pytest
+
+from kproxy.conformance import scenarios as sc
+from kproxy.conformance.context import Context, ScenarioFailure
+from kproxy.conformance.report import FAIL, NOT_APPLICABLE, PASS
+from kproxy.conformance.runner import (
+    ConformanceError,
+    Session,
+    declared_not_applicable,
+    declared_not_applicable_parts,
+)
+from kproxy.proxier import MODE_NAMES, backend_class
+
+from .test_conformance_judge import Api, Clock, R, RunnerLab, ans, answering, err, make_ctx
+
+# What each mode cannot do, exactly: a scenario or part added to a mode's declaration, or dropped from it, fails here.
+SCENARIOS_NOT_APPLICABLE: dict[str, set[str]] = {
+    "userspace": {"source-ip"},
+    "iptables": set(),
+    "nftables": set(),
+    "bpf": set(),
+}
+PARTS_NOT_APPLICABLE: dict[str, dict[str, set[str]]] = {
+    "userspace": {
+        "etp-local": {"client-ip"},
+        "dual-stack": {"client-ip", "kernel-counters"},
+        "restart": {"held-connection", "while-down"},
+        "mode-switch": {"held-connections", "while-down"},
+    },
+    "iptables": {},
+    "nftables": {},
+    "bpf": {"udp-conntrack": {"stale-entry"}, "dual-stack": {"kernel-counters"}},
+}
+
+
+@pytest.mark.parametrize("mode", MODE_NAMES)
+def test_each_mode_declares_exactly_these(mode: str) -> None:
+    cls = backend_class(mode)
+    options = cls.option_values({})
+    assert set(declared_not_applicable(cls, options)) == SCENARIOS_NOT_APPLICABLE[mode]
+    parts = declared_not_applicable_parts(cls, options)
+    assert {sid: set(p) for sid, p in parts.items()} == PARTS_NOT_APPLICABLE[mode]
+    assert all(reason.strip() for p in parts.values() for reason in p.values())  # every part says why
+
+
+def test_a_declaration_of_a_part_no_scenario_has_is_refused() -> None:
+    class Mode:
+        mode = "stub"
+
+        @staticmethod
+        def not_applicable_parts(options: Any) -> dict[str, dict[str, str]]:
+            return {"restart": {"held-conection": "typo"}, "no-such-scenario": {"x": "y"}}
+
+    with pytest.raises(ConformanceError, match="no-such-scenario, restart/held-conection"):
+        declared_not_applicable_parts(Mode, {})
+    Mode.not_applicable_parts = staticmethod(lambda options: {"restart": {"held-connection": "own sockets"}})  # type: ignore[method-assign]
+    assert declared_not_applicable_parts(Mode, {}) == {"restart": {"held-connection": "own sockets"}}
+
+
+def _session(ipv6: bool = True) -> Session:
+    clock = Clock()
+    lab = RunnerLab(clock, answering())
+    lab.ipv6 = ipv6
+    api = Api(clock)
+    return Session("fake", lab, clock=clock, sleep=clock.sleep, api=(api, api))
+
+
+def test_a_declared_part_is_left_out_and_reported_with_the_modes_reason() -> None:
+    session = _session()
+    session.not_applicable_parts = {"restart": {"held-connection": "its own sockets"}}
+    checked: list[str] = []
+
+    def scenario(ctx: Context) -> None:
+        if not ctx.skips("held-connection"):
+            checked.append("held")
+        ctx.note("new connections checked")
+
+    result = session.run_scenario(sc.Scenario("restart", "t", scenario, parts=frozenset({"held-connection"})))
+    assert (result.status, result.detail, checked) == (PASS, "new connections checked", [])
+    assert [(p.scenario, p.status, p.detail) for p in result.parts] == [
+        ("restart/held-connection", NOT_APPLICABLE, "declared by mode fake: its own sockets")
+    ]
+
+
+def test_an_undeclared_part_found_not_applicable_fails_the_scenario() -> None:
+    """udp-conntrack's stale-entry half used to be dropped whenever no conntrack entry was seen (by a filter that
+    could not see a DNATed flow's entry): a part found at run time and not declared is a failure now."""
+    session = _session()
+
+    def scenario(ctx: Context) -> None:
+        ctx.part_not_applicable("stale-entry", "no conntrack entry seen")
+
+    result = session.run_scenario(sc.Scenario("udp-conntrack", "t", scenario, parts=frozenset({"stale-entry"})))
+    assert result.status == FAIL and result.parts == ()
+    assert "part stale-entry found not applicable but not declared by mode fake" in result.detail
+    assert "no conntrack entry seen" in result.detail
+
+
+def test_a_declared_part_the_scenario_never_reached_fails_it() -> None:
+    session = _session()
+    session.not_applicable_parts = {"restart": {"while-down": "x"}}
+    result = session.run_scenario(sc.Scenario("restart", "t", lambda ctx: None, parts=frozenset({"while-down"})))
+    assert result.status == FAIL and "declares part while-down not applicable, but the scenario never reached it" in (
+        result.detail
+    )
+
+
+class _Labs:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.parts: list[str] = []
+
+    def get(self, mode: str) -> Session:
+        return self.session
+
+
+def test_a_lab_gap_fails_the_pytest_case() -> None:
+    """dual-stack on a lab without IPv6: `kproxy conformance` fails the run; the pytest case used to skip."""
+    session = _session(ipv6=False)
+    with pytest.raises(pytest.fail.Exception, match="not checked, this lab cannot run it: the lab lacks ipv6"):
+        entry.test_scenario(_Labs(session), "fake", "dual-stack")
+    assert session.lab_gaps == ["dual-stack"]
+
+
+def test_a_scenario_the_mode_declares_away_still_skips_in_pytest() -> None:
+    session = _session()
+    session.not_applicable = {"source-ip": "the endpoint sees the node"}
+    with pytest.raises(pytest.skip.Exception, match="not applicable to fake: fake: the endpoint sees the node"):
+        entry.test_scenario(_Labs(session), "fake", "source-ip")
+
+
+def test_a_passing_case_lists_its_parts_for_the_summary() -> None:
+    session = _session()
+    session.not_applicable_parts = {"restart": {"held-connection": "its own sockets"}}
+    labs = _Labs(session)
+    sc_restart = sc.BY_ID["restart"]
+    real = sc_restart.run
+    try:
+        object.__setattr__(sc_restart, "run", lambda ctx: ctx.skips("held-connection"))
+        entry.test_scenario(labs, "fake", "restart")
+    finally:
+        object.__setattr__(sc_restart, "run", real)
+    assert labs.parts == ["fake restart/held-connection: declared by mode fake: its own sockets"]
+
+
+# ------------------------------------------------------------------------------------- the long-lived UDP socket
+
+
+def _socket(log: list[tuple[float, str]], done: tuple[str, ...] = ()) -> str:
+    ctx, _, _ = make_ctx(answering())
+    return sc.judge_udp_socket(ctx, log, 100.0, "pod-2-0", "pod-2-1", "pod-1-0 -> 198.19.1.2:80", done)
+
+
+BEFORE = [(99.0 + 0.1 * i, "pod-2-0") for i in range(8)]
+
+
+def test_a_socket_that_follows_passes() -> None:
+    log = BEFORE + [(100.0 + 0.1 * i, "pod-2-0") for i in range(5)] + [(100.6 + 0.1 * i, "pod-2-1") for i in range(5)]
+    assert _socket(log) == "long-lived socket: first answer from pod-2-1 at +0.60 s, the same socket throughout"
+
+
+def test_a_socket_ended_by_the_mode_and_replaced_by_the_client_passes_and_says_so() -> None:
+    log = BEFORE + [(100.3, "!ECONNABORTED+reconnect")] + [(100.4 + 0.1 * i, "pod-2-1") for i in range(4)]
+    assert _socket(log).endswith("first answer from pod-2-1 at +0.40 s after 1 reconnect(s) on a socket error")
+
+
+def test_a_socket_still_pinned_to_the_old_backend_fails() -> None:
+    """cilium#27300: a connected socket translated once keeps its backend for ever."""
+    log = BEFORE + [(100.0 + 0.1 * i, "pod-2-0") for i in range(40)]
+    with pytest.raises(ScenarioFailure, match=r"did not follow .* within 2 s: at \+2\.\d\d s still pod-2-0"):
+        _socket(log)
+
+
+def test_a_socket_that_reached_the_new_backend_late_fails() -> None:
+    log = BEFORE + [(100.0 + 0.1 * i, "!timeout") for i in range(25)] + [(102.6, "pod-2-1")]
+    with pytest.raises(ScenarioFailure, match=r"still !timeout"):
+        _socket(log)
+
+
+def test_a_socket_that_never_had_the_old_backend_proves_nothing() -> None:
+    with pytest.raises(ScenarioFailure, match="not answered by pod-2-0 alone before the change"):
+        _socket([(99.5, "pod-2-1"), (100.5, "pod-2-1")])
+    with pytest.raises(ScenarioFailure, match="no datagram before the change"):
+        _socket([(100.5, "pod-2-1")], ("exit 1: boom",))
+
+
+# ------------------------------------------------------------------------------------- restart without its parts
+
+
+def _restart(probes: dict[str, list[R]], hold: list[R]) -> None:
+    ctx, _, _ = make_ctx(answering("pod-2-0"))
+    recorded = [(ph, sc.Probe("pod-1-0", "tcp", "198.19.1.2", 80, [r])) for ph, rs in probes.items() for r in rs]
+    sc.judge_restart(ctx, "pod-1-0", "198.19.1.2", "node-1", hold, recorded, 0.0, 4.0, 6.0, False, False)
+
+
+def test_restart_without_hold_and_down_window_judges_before_and_after() -> None:
+    down = {"killed": [err("refused")] * 3, "restarting": [err("refused")]}
+    _restart({"before": [ans("pod-2-0")], **down, "after": [ans("pod-2-0")] * 3}, [])
+    with pytest.raises(ScenarioFailure, match="failed around the restart: after"):
+        _restart({"before": [ans("pod-2-0")], **down, "after": [ans("pod-2-0"), err("refused")]}, [])
+    with pytest.raises(ScenarioFailure, match="no new connection was made in the 2.0 s after"):
+        _restart({"before": [ans("pod-2-0")], **down}, [])
