@@ -15,9 +15,6 @@ marks dirty exactly the ``ServicePortName``s whose value changed, appeared or di
 immutable ``ProxyState`` plus ``Changes``. Dirty entries carry the generation in which they became dirty and are
 removed only by ``commit()`` after a successful sync, so a change that arrives during a sync stays dirty and a
 failed sync loses nothing (the bug upstream had: kubernetes#112604).
-
-Who uses it: sources write into it; the runner and daemon read snapshots, commit, and read ``stats()`` /
-``errors()`` / ``node_info()`` for metrics, health and ``/rules``.
 """
 
 from __future__ import annotations

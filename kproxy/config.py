@@ -4,8 +4,6 @@ Flag names and YAML field names are upstream kube-proxy's where they exist, so a
 kube-proxy carries over. Precedence: defaults < ``--config`` file < flags given explicitly on the command line.
 Backend-specific options (``--nftables-...``, ``--bpf-...``) are declared by the backends themselves and land in
 ``ProxyConfig.backend_options`` untouched.
-
-Who uses it: ``cli`` builds it, the daemon and every backend read it.
 """
 
 from __future__ import annotations

@@ -8,8 +8,6 @@ and hashes its bytes only when those moved, and calls ``on_change`` once with th
 what it saw at start, the file was replaced or it vanished. A steady file costs one ``stat`` per interval and no
 extra dependency or privilege; ctime (which nobody can set back) catches a same-size rewrite that restored the
 mtime (``cp -p`` over it), and the hash keeps a mere ``touch`` from restarting anything.
-
-Who uses it: ``kproxy.cli``'s ``cmd_run`` (``watch(args.config, on_change)``) and tests/unit/test_configwatch.py.
 """
 
 from __future__ import annotations

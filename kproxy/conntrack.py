@@ -25,10 +25,6 @@ selects of this namespace's addresses) and the Node's own addresses. Upstream ma
 destination; restricting it to local addresses keeps forwarded pod traffic to some remote host's port 30053 out of
 it. Who may answer a flow is the backend's to say (``Proxier.conntrack_answerers``): every serving endpoint for the
 NAT modes, the node itself for a proxy that answers from its own sockets.
-
-Who uses it: the daemon, after a successful sync of a backend whose ``uses_conntrack_nat`` is True (backends
-never call it); it reports the returned counts and ``last_duration`` as
-``kubeproxy_conntrack_reconciler_deleted_entries_total`` / ``..._sync_duration_seconds`` (kproxy.metrics).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ well-formed IPv4 endpoint takes a fast path that builds no message string (100k 
 here knows what changed since the last sync: that is ``kproxy.cache``'s part (upstream's
 ``endpointschangetracker.go``).
 
-Who uses it: ``kproxy.cache``, whose lock also guards the ``EndpointSliceCache`` it owns (this module takes no lock).
+``kproxy.cache``'s lock guards the ``EndpointSliceCache`` it owns (this module takes no lock).
 Pure apart from that cache; imports ``objects``, ``validation`` and ``model``.
 """
 

@@ -6,8 +6,7 @@ metrics through it, and ``kproxy bench sync --mode fake`` times the cache and le
 makes the next N syncs fail as a whole; ``reject`` makes the "kernel" refuse services (with a reason), one per
 apply, as iptables-restore stops at the first bad line; ``capacity`` declares limits as a real mode does.
 
-Who uses it: tests/unit (daemon, ledger, servers, metrics), ``kproxy bench sync --mode fake``. It is registered as
-the ``fake`` entry point of ``kproxy.backends`` but never listed among the modes.
+It is registered as the ``fake`` entry point of ``kproxy.backends`` but never listed among the modes.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ Bulk work allocates hundreds of thousands of acyclic objects while the process h
 would walk that heap again and again for nothing. ``collector_paused`` is the one pause every part shares (the
 cache's sources and snapshot, the ledger's full syncs), so overlapping users never end each other's pause.
 
-Who uses it: ``kproxy.cache`` (as ``_gc_paused``), ``kproxy.ledger`` (full syncs), tests/unit/test_gc_pause.py.
 Imports nothing of kproxy: any layer may use it.
 """
 

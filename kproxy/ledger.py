@@ -22,8 +22,6 @@ What a ledger-driven backend implements (``LedgerProxier``'s abstract methods): 
 optionally ``adopt`` with ``adopted_unchanged``, ``needs_full``, ``detail`` and ``detail_global``. Threads: every one
 of them but ``detail``/``detail_global`` runs in the runner thread, inside ``sync``; those two run in HTTP threads on
 the published snapshot's fragments and must be pure.
-
-Who uses it: every backend (``backends/<mode>/proxier.py``), ``kproxy.fake``, and tests/unit/test_ledger.py.
 """
 
 from __future__ import annotations

@@ -11,10 +11,6 @@ The registry is not prometheus-client's global one, so tests (and several kproxy
 lab runs them) never share counters. It hides prometheus-client's ``*_created`` series, which upstream does not
 expose. Counters are declared without the ``_total`` suffix because prometheus-client appends it on exposition;
 the exposed names equal upstream's exactly.
-
-Who uses it: the daemon (sync durations, timestamps, pending changes, network-programming latency), backends
-(their own metrics, on ``Metrics.registry``), the conntrack reconciler, the HTTP servers (healthz/livez counters,
-``/metrics``).
 """
 
 from __future__ import annotations

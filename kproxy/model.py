@@ -4,9 +4,6 @@ Sources produce Kubernetes objects (plain JSON-shaped dicts); the cache (``kprox
 frozen values below; backends receive only these values and never read a Kubernetes object. Everything here is
 immutable, slotted and hashable so that snapshots can be shared between threads without copying and compared
 cheaply to find what changed.
-
-Who uses it: the cache and topology (to build), the runner and daemon (to pass along), every backend (to render),
-the servers (to report), the lab and conformance suite (to describe expectations).
 """
 
 from __future__ import annotations

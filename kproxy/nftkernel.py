@@ -18,9 +18,6 @@ context per process shared under a lock (the userspace mode opens it before any 
 Descriptors: libnftables 1.0.6 waits for netlink answers with ``select()``, which aborts the process ("bit out of
 range 0 - FD_SETSIZE") when its socket's descriptor is 1024 or above. The userspace mode holds thousands of
 descriptors, so every context here is opened on a low descriptor freed for it from a small reserve taken at import.
-
-Who uses it: ``backends.nftables`` (kernel access for syncs, adoption, cleanup), ``backends.userspace`` and
-``backends.bpf`` (their tables).
 """
 
 from __future__ import annotations

@@ -16,9 +16,6 @@ The node's own addresses come from netlink (``local_addresses``). The daemon rea
 ``AddressWatch``: again only after the kernel announced an address change, so a sync in the steady state makes no
 netlink call at all (a fresh pyroute2 socket per sync cost 1-6 ms of every sync in the lab, most of it waiting for
 the GIL after its socket calls while the sources parsed objects).
-
-Who uses it: the daemon (``resolve`` once per sync, handed to the ledger, the health servers and the conntrack
-reconciler; ``AddressWatch``), backends (``NodeContext.family``), ``kproxy bench`` and tests.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ for this proxy (upstream's ``ShouldSkipService`` and the address-type filter), a
 logs and ``ServiceCache.errors()`` (even a malformed one), and ``parse_node`` (the few fields of this node's Node
 that the proxy reads: labels for topology, pod CIDRs and addresses, and whether it is being deleted).
 
-Who uses it: ``kproxy.serviceport``, ``kproxy.endpointslices`` and ``kproxy.cache``. Pure; imports only
-``validation`` and ``model``.
+Pure; imports only ``validation`` and ``model``.
 """
 
 from __future__ import annotations

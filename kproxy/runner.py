@@ -19,8 +19,6 @@ start-up race.
 
 Time is injected through ``Clock`` (``monotonic()`` and ``wait(cond, timeout)``), so tests drive the loop thread
 with ``FakeClock`` deterministically and without real sleeping.
-
-Who uses it: the daemon (one runner calling the backend's sync); the tests of everything that syncs.
 """
 
 from __future__ import annotations

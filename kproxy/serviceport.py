@@ -6,8 +6,7 @@ rejects the object with a ValueError naming it) and reduced to ``ServicePort`` v
 filled in. ``with_endpoints`` completes a template once ``kproxy.topology`` has chosen the endpoints. Nothing here
 knows what changed: that is ``kproxy.cache``'s part (upstream's ``servicechangetracker.go``).
 
-Who uses it: ``kproxy.cache`` (its tests reach it through the cache). Pure; imports ``objects``, ``topology``,
-``validation`` and ``model``.
+Pure; imports ``objects``, ``topology``, ``validation`` and ``model``.
 """
 
 from __future__ import annotations

@@ -4,10 +4,6 @@ This is upstream kube-proxy's ``pkg/proxy/topology.go`` (``CategorizeEndpoints``
 and the ``UsesClusterEndpoints`` / ``UsesLocalEndpoints`` rules of ``pkg/proxy/serviceport.go``, as pure
 functions over ``model.Endpoint`` values, so the semantics every backend inherits are decided and table-tested
 in one place without a kernel.
-
-Who uses it: ``kproxy.cache`` fills ``ServicePort.cluster_endpoints`` / ``local_endpoints`` /
-``has_any_endpoints`` from ``categorize_endpoints``; tests and the conformance suite call it to state
-expectations.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ backend (whose rule text or map keys are built from these values). The rules fol
 validation where it has one (name formats, port ranges, IP syntax); this module is deliberately independent of
 the API server, because the files source and the lab's API stand-in do not validate anything.
 
-Who uses it: ``kproxy.cache`` (and its tests). It sits in the model layer's shadow: it imports only ``model``.
+It sits in the model layer's shadow: it imports only ``model``.
 """
 
 from __future__ import annotations

@@ -17,8 +17,6 @@ Measured (10,000 services x 10 endpoints, IPv4, raw maps as planned and shuffled
 cores): 0.10 s against render's 0.20-0.23 s; with the backend map read as an array (ids in order, id 0 empty) 0.085 s
 against 0.16-0.19 s; IPv6 0.19 s against 0.23 s (its addresses are numbered through 16-byte pieces). The rest is
 memory-bound: a dict of 100,000 backends, a sort per frontend for the view, one write per slot at a random place.
-
-Who uses it: ``backends.bpf.render.index_from_raw`` delegates here; the unit tests.
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ Where a kproxy's pins and cgroup are is decided by its options (``loader.places`
 kproxy records its places in ``/run/kproxy/bpf/net-<netns inode>.json`` with the namespace's cookie (inodes are
 reused, cookies are not); ``cleanup`` and ``remnants`` read that record only when the cookie is this namespace's,
 and act on every place in it (a kproxy restarted with another pin folder or cgroup leaves the older ones there).
-
-Who uses it: ``backends.bpf.proxier`` (its classmethod hooks), the conformance runner through them, tests.
 """
 
 from __future__ import annotations

@@ -14,8 +14,6 @@ copies; where a ``kp_*`` program with the same tag (instructions) reading the sa
 restart of the same build), it is kept and nothing is swapped; otherwise the new copy is attached, then the older
 one detached: there is no moment without a program, and while both are attached the older one translates first and
 the newer one sees a backend address, which no frontend matches.
-
-Who uses it: ``backends.bpf.proxier`` (start), ``backends.bpf.inspect`` (remnants, cleanup).
 """
 
 from __future__ import annotations

@@ -8,9 +8,6 @@ adoption after a restart) open the pins without compiling anything (bcc needs ~2
 
 The ctypes ``Structure`` mirrors (``Lb4Key`` ...) exist for the unit tests, which check that every ``struct`` format
 here has the size and field offsets of the C header; encoding uses ``struct`` for speed.
-
-Who uses it: ``backends.bpf.proxier`` (apply, adopt), ``backends.bpf.inspect`` (kernel_view), ``backends.bpf.loader``
-(pin names), tests/unit/test_bpf_maps.py.
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@ with no endpoints); see ``backends/bpf/__init__.py`` for why it is nftables and 
 libnftables runs in-process through the core's ``kproxy.nftkernel``: the process's shared context in its own
 network namespace, a worker thread in a named one (tests). Transactions are small (a service's elements), so neither
 is on the hot path of a sync of plain ClusterIP services, which never touches this table.
-
-Who uses it: ``backends.bpf.proxier`` and ``backends.bpf.inspect``.
 """
 
 from __future__ import annotations

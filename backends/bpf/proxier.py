@@ -19,9 +19,6 @@ Capacity (cilium#12815: a full LB map fails silently there): ``limits`` declares
 refuses a service port that would not fit before anything is rendered (``kproxy.admission``: reported with the reason
 in ``/rules`` and ``kproxy_service_ports_refused``), so a full map, 65,536 service ports or 65,536 endpoints of one
 port never fail a family's sync.
-
-Who uses it: the daemon (through the ``bpf`` entry point), ``kproxy bench sync --mode bpf``, the conformance suite,
-tests/unit/test_bpf_*.py and tests/integration/test_bpf_*.py.
 """
 
 from __future__ import annotations

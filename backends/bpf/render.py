@@ -5,8 +5,6 @@ the ordered plan of map writes that turns one set of fragments into another.
 Nothing here touches the kernel: tests/unit/test_bpf_render.py asserts on fragments, on the map entries a plan
 writes and on their order (new backends, slots, then the master entries with their counts, then removals), and the
 proxier executes plans with batched ``bpf(2)`` calls. The layout and its reasons are in ``backends/bpf/__init__.py``.
-
-Who uses it: ``backends.bpf.proxier``, ``backends.bpf.trace``-style explainers in the proxier, and the unit tests.
 """
 
 from __future__ import annotations

@@ -12,8 +12,6 @@ One ``ss`` per namespace matches all the removed backends at once. A socket that
 directly, with the same address and port, is ended too (ss cannot filter by socket cookie): its peer is gone as well.
 
 Runs on a worker thread of its own, after the maps no longer lead to the backend: a sync never waits for it.
-
-Who uses it: ``backends.bpf.proxier`` (apply, start, close); tests/integration/test_bpf_backend.py.
 """
 
 from __future__ import annotations

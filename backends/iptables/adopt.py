@@ -11,8 +11,6 @@ kproxy's rendered text. It is conservative: anything it does not recognise as eq
 rewritten. Rule order within a chain is compared; the order of options within a rule is not (every option kproxy
 writes is a plain conjunctive match, and ``recent --set`` always runs because the protocol match that follows it
 holds for every packet that reached the chain).
-
-Who uses it: ``backends.iptables.proxier`` (full syncs) and tests/unit/test_iptables_render.py.
 """
 
 from __future__ import annotations

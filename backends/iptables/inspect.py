@@ -1,9 +1,7 @@
 """Reading the iptables mode's state back out of the kernel, from outside a running kproxy.
 
-Who uses it: ``IptablesProxier``'s ``remnants`` and ``kernel_view`` hooks, which the conformance suite calls with a
-``KernelProbe`` that runs read-only commands in a lab node's namespace (``kproxy cleanup`` may check its own work
-with a local one). Both functions only run ``iptables-save`` / ``ip6tables-save`` (through the probe) and parse the
-text: they never trust what kproxy believes it wrote (``/rules``), which is the point of having them.
+Both functions only run ``iptables-save`` / ``ip6tables-save`` (through the probe) and parse the text: they never trust
+what kproxy believes it wrote (``/rules``), which is the point of having them.
 
 - ``remnants(probe)``: every ``KUBE-`` line of both families and both flavours (nf_tables and legacy, those
   installed) that is not kubelet's. Deliberately wider than ``cleanup``'s own selection (fixed names plus hashed

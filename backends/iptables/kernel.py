@@ -3,8 +3,6 @@
 Every call is an argv list (never a shell) with the payload on stdin. The flavour (``nft`` or ``legacy``) picks the
 binaries; ``netns`` prefixes ``ip netns exec NAME`` so tests and the floor measurement can aim the same code at a
 namespace they made. The daemon uses neither: it runs in the node's namespace, as upstream does.
-
-Who uses it: ``backends.iptables.proxier`` and ``backends.iptables.cleanup``.
 """
 
 from __future__ import annotations

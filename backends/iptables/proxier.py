@@ -15,9 +15,6 @@ deleted, but no table is ever flushed, so a restarted kproxy converges without d
 Within one sync, rounds after a refusal rewrite the services an earlier (committed) payload of that sync wrote and
 the shared chains it changed, because a refused payload's earlier tables (filter before nat) and earlier chunks have
 committed; a refused stale-chain deletion (another program's chain still jumps to it) is retried without deletions.
-
-Who uses it: the daemon (through the ``kproxy.backends`` entry point ``iptables``), ``kproxy bench sync``, the lab,
-and tests/integration/test_iptables_backend.py.
 """
 
 from __future__ import annotations

@@ -9,8 +9,6 @@ Shape of the output: every service port renders into one ``Fragment`` (its lines
 plus its own ``KUBE-SVC/SVL/EXT/FW/SEP`` chains). ``build_restore`` joins fragments into one restore payload per
 family, writing only the dirty services' own chains and only the top-level chains whose content changed; it
 records which payload lines belong to which service so a line the kernel refuses can be traced back to it.
-
-Who uses it: ``backends.iptables.proxier`` (sync and describe) and tests/unit/test_iptables_render.py.
 """
 
 from __future__ import annotations

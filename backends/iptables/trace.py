@@ -7,8 +7,6 @@ order, down to the first ACCEPT, DROP or REJECT. Probabilistic rules (``statisti
 lists every endpoint the packet may reach and with what chance.
 Only the matches kproxy itself writes are understood; ClientIP affinity (``recent --rcheck``) is assumed to have no
 entry yet. Pure: no kernel, so ``kproxy show`` and ``/rules`` can answer "where would this packet go" anywhere.
-
-Who uses it: ``IptablesProxier.trace`` and tests/unit/test_iptables_render.py.
 """
 
 from __future__ import annotations

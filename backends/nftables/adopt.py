@@ -9,8 +9,6 @@ maps (one element per service address, each commented ``<service key> #<fragment
 hairpin sets and the three context sets. A service whose entries and digest equal the new fragment's is unchanged;
 for any other, the keys of its big-map elements follow from its entries (an entry's verdict names the shared chain,
 ``lb-i-3``, hence the slots 0..2 of its key in ``backends``), so it can be rewritten exactly without the big read.
-
-Who uses it: ``backends.nftables.proxier`` (``adopt``, ``kernel_view``).
 """
 
 from __future__ import annotations

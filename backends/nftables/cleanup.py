@@ -4,8 +4,6 @@ Everything the mode writes lives in those two tables (no jumps from other tables
 deleting them is the whole cleanup; other tables (upstream's ``kube-proxy``, a firewall's) are never touched.
 Connections already NATed keep their conntrack entries and finish; the conntrack label bit set on some of them
 means nothing without the table.
-
-Who uses it: ``NftablesProxier.cleanup_leftovers`` (``kproxy cleanup``, and another mode starting).
 """
 
 from __future__ import annotations

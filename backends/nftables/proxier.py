@@ -10,9 +10,6 @@ context sets, shared chains and hairpin set, and removes services the kernel hol
 A refused transaction changes nothing (nft transactions are atomic); libnftables names the refused commands' lines,
 which map back to the services that own them (``Applied.refused``), and the ledger retries without them. A refusal
 no service owns fails the family (a full sync with adoption follows).
-
-Who uses it: the daemon (through the ``kproxy.backends`` entry point ``nftables``), ``kproxy bench sync``, the lab
-and conformance runs, and tests/integration/test_nftables_*.py.
 """
 
 from __future__ import annotations

@@ -10,9 +10,6 @@ own. ``Transaction`` turns fragment changes into one transaction: element delete
 written or removed, shared chains created on first use. The fixed part of the table (base chains, maps, the
 masquerade helper) is ``fixed_commands``; it does not depend on the node context, which lives in three small sets
 (``local-cidrs``, ``local-ifaces``, ``nodeport-cidrs``) rendered by ``context_elements``.
-
-Who uses it: ``backends.nftables.proxier`` (apply, adopt, describe), ``backends.nftables.trace`` and
-tests/unit/test_nftables_render.py.
 """
 
 from __future__ import annotations

@@ -9,8 +9,6 @@ drop verdicts; and nat-postrouting's masquerade (the conntrack label set on the 
 matches kproxy writes are understood; an affinity set is assumed to hold no entry yet, and ``iifname`` (interface
 based local-traffic detection) cannot be known for a hypothetical packet, so it is reported as not matching.
 Pure: no kernel, so ``kproxy show --trace`` and ``/rules`` can answer anywhere.
-
-Who uses it: ``NftablesProxier.trace`` and tests/unit/test_nftables_render.py.
 """
 
 from __future__ import annotations

@@ -18,8 +18,6 @@ them, so when a sync returns the data path already uses the new endpoints, and t
   gone are closed at once (the client's next datagram picks a live one).
 - ``Balancer``: upstream's ``LoadBalancerRR``: round robin over the endpoints (shuffled on every change), ClientIP
   affinity with its timeout, entries of removed endpoints dropped, stale sessions swept every second.
-
-Who uses it: ``backends.userspace.proxier``; tests/integration/test_userspace_backend.py.
 """
 
 from __future__ import annotations

@@ -15,9 +15,6 @@ meta fields, its redirect/reject/drop/vmap statements) rather than by text: libn
 spelling, which differs from what ``render`` writes and between nft versions, while a signature read from the JSON
 listing is the same for both. A deleted, flushed or replaced rule changes the signatures; a rule edited inside the
 same fields (another address in a match) is not seen.
-
-Who uses it: ``backends.userspace.proxier`` (``adopt``, ``verify_view``/``verify_service``/``verify_extra``) and
-tests/integration/test_verify_userspace.py.
 """
 
 from __future__ import annotations

@@ -15,9 +15,6 @@ Proxy ports come from ``--proxy-port-range`` (``port_span``; ``proxy_port_capaci
 capacity check asks for). A port is free when no socket of this process holds it and bind() takes it; a service
 port that finds none is refused (``ProxyPortsExhausted``) and the rest of the batch goes on. Full batches also write
 the range into the input guard's ``proxy-ports`` set when the kernel holds anything else.
-
-Who uses it: the daemon (entry point ``userspace``), ``kproxy bench sync``, the lab and conformance runs, and
-tests/integration/test_userspace_backend.py.
 """
 
 from __future__ import annotations

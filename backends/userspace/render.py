@@ -8,8 +8,6 @@ A fragment names its listeners by *role*: ``c`` serves every address of the serv
 go to the same endpoints), or ``i`` (ClusterIP) and ``e`` (NodePort, externalIPs, load-balancer IPs) when a Local
 traffic policy makes the two endpoint sets differ. Redirect elements carry the role in place of the proxy port;
 ``proxier`` allocates one proxy socket (and port) per (service port, role) and writes the port.
-
-Who uses it: ``backends.userspace.proxier`` and tests/unit/test_userspace_render.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Steps, each shown on a progress display (rich: one bar over every benchmark step
    (machine, kernel, versions, tables, plots, how to read them).
 
 Modes come from ``kproxy.proxier.installed_backends()`` filtered by ``availability()``: a backend that lands later
-appears without a change here. Who uses it: ``kproxy.cli`` (through kproxy.bench.cli), a person comparing backends.
+appears without a change here.
 """
 
 from __future__ import annotations

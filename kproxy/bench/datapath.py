@@ -44,8 +44,6 @@ table left, e.g. iptables-nft's empty built-in ones, whose forward chain would t
 the conntrack entries). kproxy's CPU time while the traffic runs is recorded (it should be idle).
 
 Mode ``none`` starts no proxy: ``podip`` against ``limit`` then shows what the lab itself contributes (about 1.0).
-
-Who uses it: ``kproxy.bench.cli`` (``kproxy bench datapath``) and ``kproxy.bench.compare``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
   mode, so a proxy's cost that grows with services (iptables' KUBE-SERVICES walk) is visible as a slope;
 - ``memory.png``: peak resident memory of the sync benchmark's process, and kproxy's resident memory in the lab.
 
-Who uses it: kproxy.bench.compare (``write_all``); ``python -m kproxy.bench.plots results.json OUTDIR`` redraws.
+``python -m kproxy.bench.plots results.json OUTDIR`` draws them again.
 """
 
 from __future__ import annotations

@@ -21,8 +21,6 @@ upstream's knftables, which pipes the same text to ``nft -f -``):
   one flushed), and ``partial_cleanup_s`` the later transaction that deletes the stale chains (upstream waits at
   least a second before it);
 - ``render_s``: generating the full text in Python (upstream does this in Go; not part of ``full_s``).
-
-Who uses it: ``kproxy.bench.cli`` (``kproxy bench sync --reference upstream-nftables``) and ``kproxy.bench.compare``.
 """
 
 from __future__ import annotations

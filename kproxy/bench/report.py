@@ -1,7 +1,7 @@
 """``report.md`` of a ``kproxy compare`` run, from its ``results.json`` document: the machine, kernel and versions,
 one table per benchmark with the exact command behind each figure, the plots, and how to read them.
 
-Who uses it: kproxy.bench.compare; ``python -m kproxy.bench.report results.json`` prints it again.
+``python -m kproxy.bench.report results.json`` prints it again.
 """
 
 from __future__ import annotations

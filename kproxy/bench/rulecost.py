@@ -13,8 +13,8 @@ Variants (only the three base chains change; the maps, sets and shared chains st
 If ``kproxy`` and ``bare`` measure the same (and the same as ``limit_nat``), no rule change can make the mode faster
 here: what is left is the kernel's floor for a NAT proxy.
 
-Run by hand (root): ``python -m kproxy.bench.rulecost --services 1000 --rounds 8``. Who uses it: a person checking
-the nftables layout's per-packet cost (its figures are in docs/compare/).
+Run by hand (root): ``python -m kproxy.bench.rulecost --services 1000 --rounds 8``; its figures are in
+docs/compare/rulecost/.
 """
 
 from __future__ import annotations

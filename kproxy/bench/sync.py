@@ -39,8 +39,6 @@ Phases, each timed with ``time.perf_counter``:
 With ``--reference upstream-nftables`` the run also times upstream kube-proxy's nftables layout for the same state
 (kproxy.bench.reference_nft, in a namespace of its own) and reports ``reference`` with ``reference_ratio`` =
 reference full time / kproxy's full sync time (``reference_partial_ratio`` likewise for the partial sync).
-
-Who uses it: ``kproxy.bench.cli`` (``kproxy bench sync``), ``make bench`` and ``kproxy compare``.
 """
 
 from __future__ import annotations

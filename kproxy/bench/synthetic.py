@@ -9,8 +9,6 @@ object later and change it (``variant``) to time a partial sync.
 - endpoints from 198.18.64.0/18 (16,382 addresses, reused across services when N x E is larger), every other one
   on ``node-1`` (the benchmark's own node, so local endpoints exist) and the rest on ``node-2``;
 - every ``udp_every``-th service is UDP (a DNS-like port 53 -> 5353), the others TCP 80 -> 8080.
-
-Who uses it: ``kproxy.bench.sync`` (and tests/unit/test_bench.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """``kproxy conformance``: run the conformance scenarios on a lab with one backend and report.
 
-Who uses it: people and CI (``make conformance``); kproxy.cli calls ``register`` to add the sub-command.
-Prints a table (scenario x backend) or the JSON report on stdout, progress on stderr, optionally writes JUnit XML
-and the JSON to files, and exits 1 when any scenario FAILs or could not be checked because of the lab (too few nodes
-or pods, no IPv6; a mode's own not-applicable scenarios are not failures), 2 when the suite cannot run.
-``--mode`` may be repeated, or ``all`` (every installed mode this host can run): each mode gets its own fresh lab,
-one after the other; the JSON is then a list with one report per mode.
+Prints a table (scenario x backend) or the JSON report on stdout, progress on stderr, optionally writes JUnit XML and
+the JSON to files, and exits 1 when any scenario FAILs or could not be checked because of the lab (too few nodes or
+pods, no IPv6; a mode's own not-applicable scenarios are not failures), 2 when the suite cannot run. ``--mode`` may be
+repeated, or ``all`` (every installed mode this host can run): each mode gets its own fresh lab, one after the other;
+the JSON is then a list with one report per mode.
 """
 
 from __future__ import annotations

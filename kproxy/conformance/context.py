@@ -1,11 +1,10 @@
 """What a conformance scenario works with: object builders, the API, probes, expectations, deadlines.
 
-Who uses it: every scenario in ``kproxy.conformance.scenarios`` receives one ``Context``; the runner makes it.
-A scenario builds Services and EndpointSlices from the lab's pods (there is no endpoint-slice controller in the
-lab, so slices are written here, which is also how ready/serving/terminating states are simulated), applies them
-through the lab's API stand-in with the official client, sends real packets with the lab's probes, and states
-its expectations with ``expect``/``fail``. A failure raises ``ScenarioFailure`` whose text says what was sent,
-what came back and what was expected, so a person can act on it without re-running.
+A scenario builds Services and EndpointSlices from the lab's pods (there is no endpoint-slice controller in the lab, so
+slices are written here, which is also how ready/serving/terminating states are simulated), applies them through the
+lab's API stand-in with the official client, sends real packets with the lab's probes, and states its expectations with
+``expect``/``fail``. A failure raises ``ScenarioFailure`` whose text says what was sent, what came back and what was
+expected, so a person can act on it without re-running.
 
 Every object a scenario makes lives in its own namespace (``conf-<id>``), which the runner empties afterwards
 (also on failure), so a failing scenario leaves the lab usable for the next one. Waiting is always bounded:

@@ -1,8 +1,6 @@
 """Conformance results and the three ways they are written: a table, JSON and JUnit XML.
 
-Who uses it: ``kproxy.conformance.runner`` fills a ``Report`` per backend; ``kproxy conformance`` (cli.py) prints the
-table or the JSON and writes JUnit for CI; the pytest entry reads ``Result`` values. Pure data and text: no lab,
-no root, so tests/unit/test_conformance_report.py covers it entirely.
+Pure data and text: no lab, no root, so tests/unit/test_conformance_report.py covers it entirely.
 
 Statuses are exactly ``pass``, ``fail`` and ``not-applicable``; a not-applicable result always carries its reason
 (the backend's ``not_applicable`` entry or what the lab lacks) and is never counted as passed.

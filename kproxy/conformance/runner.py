@@ -1,8 +1,5 @@
 """Runs conformance scenarios on a lab with kproxy in one mode and collects a ``Report``.
 
-Who uses it: ``kproxy conformance`` (cli.py) through ``run()``, and the pytest entry (tests/conformance) through
-``Session`` so that each (mode, scenario) is its own pytest test with its own timeout.
-
 For every scenario, in ``SCENARIOS`` order: a scenario the backend declares impossible (``not_applicable``) or
 that needs what the lab lacks is reported not-applicable with the reason, never run and never passed. Otherwise
 the session makes sure kproxy runs on every node in the mode (restarting one that died), runs the scenario in its

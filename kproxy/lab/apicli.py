@@ -4,9 +4,6 @@
 ``kproxy.lab.apihttp``) is imported only when the command runs, so `kproxy run` and the other commands never load
 it. For the same reason the help states the store's defaults (history length, service CIDRs) as text; a unit test
 holds them equal to ``kproxy.lab.apistore``'s.
-
-Who uses it: ``kproxy.cli`` (``register``) and ``python -m kproxy.lab.apiserver`` (``main``), which the lab starts
-as its API process.
 """
 
 from __future__ import annotations

@@ -14,9 +14,6 @@ GET /_requests).
 
 One process may listen on several sockets, each optionally inside a named network namespace, so the lab's nodes
 and the test process on 127.0.0.1 reach the same store.
-
-Who uses it: the lab and tests through ``serve()`` (usually imported from ``kproxy.lab.apiserver``), and
-``kproxy apiserver`` (``kproxy.lab.apicli``), which imports this module only when the command runs.
 """
 
 from __future__ import annotations

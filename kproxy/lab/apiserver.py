@@ -12,9 +12,6 @@ the source/reflector tests talk to this server instead. It speaks enough of the 
 - ``kproxy.lab.apicli``: `kproxy apiserver` (``register``, ``main``), the only part `kproxy` loads at start.
 
 Run as `kproxy apiserver` or `python -m kproxy.lab.apiserver` (the lab starts it so).
-
-Who uses it: the lab (``kproxy.lab.cluster`` runs this module), tests (``serve``, ``ApiServer``), the conformance
-suite through the lab.
 """
 
 from __future__ import annotations

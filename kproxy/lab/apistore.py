@@ -8,9 +8,7 @@ nodePorts, healthCheckNodePort) as the real registry makes them, lists at a reso
 the bounded watch history (``events_after``; ``compact()`` drops it), label/field selectors, and the fault
 settings (``Faults``) that the HTTP layer applies.
 
-Who uses it: ``kproxy.lab.apihttp`` (the HTTP/watch server over one ``Store``), ``kproxy.lab.apitable`` (the Table
-view of stored objects), tests through the ``Store`` methods (``server.store.create(...)``). Imports only the
-standard library and ``kproxy.sources.selectors``.
+Imports only the standard library and ``kproxy.sources.selectors``.
 """
 
 from __future__ import annotations

@@ -18,8 +18,7 @@ does; kubectl hides the priority-1 columns unless ``-o wide``):
 Each row carries the object as ``includeObject`` asks (``None``, ``Metadata`` by default: a
 ``PartialObjectMetadata``, which kubectl reads for ``-A``'s NAMESPACE column and ``--show-labels``, or ``Object``).
 
-Who uses it: ``kproxy.lab.apihttp`` (lists, gets and watches whose Accept header asks for a Table). Pure; imports
-``kproxy.lab.apistore`` for ``Resource``.
+Pure; imports ``kproxy.lab.apistore`` for ``Resource``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """``kproxy soak``: the command line of the soak (see ``kproxy.soak``); the run itself loads only when it runs.
 
-Who uses it: ``kproxy.cli`` (``register``). Exit codes: 0 when the run passed (no lost change, no drift, every fault
-converged, the held connection open, no failed new connection outside kproxy restarts, every sampled packet
-answered as the reference model says, the kernel view holding exactly the model's service ports), 1 when it did
-not, 2 for a usage error or a run that could not start. With ``--mode all`` (``make soak``) a
-mode whose run could not start is reported (``{"mode", "ok": false, "error"}`` in the JSON) and the next mode runs;
-the exit code is then 2.
+Exit codes: 0 when the run passed (no lost change, no drift, every fault converged, the held connection open, no failed
+new connection outside kproxy restarts, every sampled packet answered as the reference model says, the kernel view
+holding exactly the model's service ports), 1 when it did not, 2 for a usage error or a run that could not start. With
+``--mode all`` (``make soak``) a mode whose run could not start is reported (``{"mode", "ok": false, "error"}`` in the
+JSON) and the next mode runs; the exit code is then 2.
 """
 
 from __future__ import annotations

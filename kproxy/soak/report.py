@@ -1,6 +1,4 @@
 """The soak's figures: percentiles, the JSON report's shape and the table printed at the end.
-
-Who uses it: ``kproxy.soak.run`` (builds the report) and ``kproxy.soak.cli`` (prints it); tests/unit/test_soak.py.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ Traffic: ``kproxy.soak.traffic`` in a pod of node 1 to the anchor service's IPv4
 its held connection must survive everything, and its new connections (every 0.3 s) must all be answered; failures
 inside a kproxy-restart window of that node are counted apart.
 
-Who uses it: ``kproxy.soak.cli`` and tests/conformance/test_soak.py. Root only (the lab).
+Root only (the lab).
 """
 
 from __future__ import annotations
