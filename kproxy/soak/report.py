@@ -1,5 +1,4 @@
-"""The soak's figures: percentiles, the JSON report's shape and the table printed at the end.
-"""
+"""The soak's figures: percentiles, the JSON report's shape and the table printed at the end."""
 
 from __future__ import annotations
 
