@@ -11,8 +11,9 @@ Adding a mode ``foo`` is this list:
 2. ``pyproject.toml``: ``foo = "kproxy.backends.foo.proxier:FooProxier"`` under the ``kproxy.backends``
    entry-point group; add ``kproxy.backends.foo`` to the "Backends never import each other" contract in
    ``.importlinter``.
-3. ``backends/foo/__init__.py``: a docstring with the layout, the measured reasons for it, every deviation from
-   upstream, and the conformance scenarios that are not applicable (with why).
+3. ``backends/foo/__init__.py``: a docstring with the layout, the reasons for it (their figures go to
+   docs/PERFORMANCE.md), every deviation from upstream, and the conformance scenarios that are not applicable (with
+   why).
 4. ``backends/foo/render.py`` (pure, table-tested without root): one ``ServicePort`` plus the family's context to a
    *fragment* (a frozen value compared with ``==``: rule text, map elements, map entries, a socket spec).
 5. ``backends/foo/proxier.py``: ``class FooProxier(kproxy.ledger.LedgerProxier[Fragment, Context])`` with

@@ -1,5 +1,5 @@
 """``kproxy bench sync``: how long the cache and a backend take to program N services x E endpoints, from empty
-and after one endpoint changes, next to the kernel's own time for the same payload (PERFORMANCE.md).
+and after one endpoint changes, next to the kernel's own time for the same payload (docs/PERFORMANCE.md).
 
 A real backend runs in a throwaway network namespace ``kpb-<pid>``: the command re-executes itself inside it
 (``ip netns exec kpb-<pid> python -m kproxy.bench bench sync ... --inside``) and deletes the namespace afterwards, also
