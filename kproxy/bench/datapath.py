@@ -1,4 +1,5 @@
-"""``kproxy bench datapath``: what a backend's rules cost the traffic that crosses them, in the lab (docs/PERFORMANCE.md).
+"""``kproxy bench datapath``: what a backend's rules cost the traffic that crosses them, in the lab
+(docs/PERFORMANCE.md).
 
 From a pod to a ClusterIP whose only endpoint is a pod on the other node, with N services programmed on both nodes,
 and the same traffic to that pod's IP directly, against **the limit**: the same traffic between two pods on two
