@@ -342,10 +342,12 @@ class Daemon:
         self.service_health.sync_services(health_check_ports(state))
         self.service_health.sync_endpoints(local_ready_endpoints(state))
 
-        if periodic and hasattr(self.backend, "verify"):
+        if periodic:
             # read the kernel back between syncs (here, in the runner thread): drift the full sync could not repair
             try:
-                m.set_drift(int(self.backend.verify(state, self.node)["drift"]))
+                report = self.backend.verify(state, self.node)
+                if report is not None:
+                    m.set_drift(int(report["drift"]))
             except Exception:
                 log.exception("verify after the periodic full sync failed")
 
@@ -421,12 +423,11 @@ class Daemon:
         missing, different, extra objects; ``drift`` counts them). A LookupError (404) before the first sync or for a
         mode that cannot read its kernel state back."""
         state = self.applied
-        verify = getattr(self.backend, "verify", None)
-        if verify is None:
-            raise LookupError(f"mode {self.backend.mode} cannot read its kernel state back")
         if state is None:
             raise LookupError("nothing synced yet")
-        report: dict[str, Any] = verify(state, self.node)
+        report = self.backend.verify(state, self.node)
+        if report is None:
+            raise LookupError(f"mode {self.backend.mode} cannot read its kernel state back")
         return {"node": self.config.node_name, **report}
 
     def rules(self, service: str | None = None) -> dict[str, Any]:

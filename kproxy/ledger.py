@@ -77,19 +77,17 @@ class Batch(Generic[F, C]):
     """What ``apply`` must make true in one family. ``full``: the kernel must hold exactly ``wanted`` (ensure the
     base objects, write ``deltas``, remove anything of the mode's that ``wanted`` lacks); otherwise only ``deltas``.
     ``applied`` is what the ledger records as in the kernel before this batch; ``adopted`` what ``adopt`` read (full
-    batches only, may be None). ``attempt`` counts the rounds of this family's sync (0 first); ``scratch`` is the
-    backend's own memory across those rounds (what an earlier, partly committed round wrote)."""
+    batches only, may be None). ``scratch`` is the backend's own memory across the refusal rounds of this family's
+    sync (what an earlier, partly committed round wrote)."""
 
     family: IPFamily
     full: bool
     context: C
-    previous_context: C | None
     deltas: tuple[Delta[F], ...]
     wanted: Mapping[ServicePortName, F]
     applied: Mapping[ServicePortName, F]
     state: ProxyState
     adopted: Any = None
-    attempt: int = 0
     scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -133,6 +131,7 @@ class Published(Generic[F]):
     fragments: Mapping[ServicePortName, F]
     failed: Mapping[ServicePortName, str]
     refused: Mapping[ServicePortName, str] = field(default_factory=lambda: MappingProxyType({}))
+    context: Any = None  # the rendering context the fragments were applied with (None: nothing applied yet)
 
 
 def _empty_published() -> Published[Any]:
@@ -318,6 +317,17 @@ class LedgerProxier(Proxier, Generic[F, C]):
         """The fragments the ledger records as in the kernel (the published snapshot; any thread)."""
         return self._published[family].fragments
 
+    def applied(self, family: IPFamily) -> tuple[C | None, Mapping[ServicePortName, F]]:
+        """(context, fragments) of what the ledger records as in the kernel, from one published snapshot (any
+        thread: what ``trace`` explains); the context is None before the first successful sync of ``family``."""
+        pub = self._published.get(family) or _empty_published()
+        return pub.context, pub.fragments
+
+    def request_full(self, family: IPFamily) -> None:
+        """Ask for a full batch of ``family`` at its next sync (the backend lost track of the kernel). Runner thread
+        (from ``apply``, ``needs_full`` or a bench hook)."""
+        self.records[family].need_full = True
+
     def describe(self, key: ServicePortName | None = None) -> Description:
         """The published snapshot's common part, with the backend's detail beside it; never waits for a sync."""
         services: dict[str, dict[str, ServiceDescription]] = {}
@@ -487,13 +497,11 @@ class LedgerProxier(Proxier, Generic[F, C]):
                 family=fam,
                 full=full,
                 context=ctx,
-                previous_context=rec.context,
                 deltas=tuple(deltas),
                 wanted=MappingProxyType(wanted),
                 applied=MappingProxyType(rec.fragments),
                 state=state,
                 adopted=adopted,
-                attempt=attempt,
                 scratch=scratch,
             )
             try:
@@ -619,6 +627,7 @@ class LedgerProxier(Proxier, Generic[F, C]):
             MappingProxyType(dict(rec.fragments)),
             MappingProxyType(dict(rec.failed)),
             MappingProxyType({spn: f"{r.reason}: {r.message}" for spn, r in self.books[fam].refused.items()}),
+            rec.context,
         )
 
 

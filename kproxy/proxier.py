@@ -363,6 +363,13 @@ class Proxier:
     def describe(self, key: ServicePortName | None = None) -> Description:
         raise NotImplementedError(f"{type(self).__name__} must implement 'describe(key)'")
 
+    def verify(self, state: ProxyState, node: NodeContext | None = None) -> dict[str, Any] | None:
+        """Read back what the kernel holds and diff it against what ``state`` wants (``kproxy verify``, ``/verify``,
+        the drift metric): ``{"drift": n, ...}``, or None when the mode cannot read its kernel state back. Any
+        thread; read-only. ``kproxy.ledger.LedgerProxier`` implements it over ``verify_view``/``verify_service``/
+        ``verify_extra``."""
+        return None
+
     def cleanup(self) -> None:
         """Remove everything this mode wrote (``cleanup_leftovers`` with this instance's config and namespace)."""
         type(self).cleanup_leftovers(self.config, netns=self.netns)

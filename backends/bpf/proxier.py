@@ -519,7 +519,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             if read is not None and now - read >= KERNEL_READ_S:
                 # the read-back is due: a full batch of this family, whose adopt reads the kernel and whose writes
                 # put back what someone edited in place (a flush is ``needs_full``'s, with its warning)
-                self.records[fam].need_full = True
+                self.request_full(fam)
         result = super().sync(state, changes, node)
         for fam in self.families:
             if result.counts.get(f"{fam.value}/full"):
@@ -770,7 +770,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             else:
                 present = self._nft_ready[fam]
             if present:
-                nft.run(f"add table {t}\ndelete table {t}\n", self.netns)
+                nft.delete_table(fam, self.netns)
             self._nft_ready[fam] = False
             self._nft_cidrs[fam] = None
             return

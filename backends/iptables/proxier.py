@@ -40,6 +40,7 @@ from kproxy.metrics import PREFIX
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, BackendError, KernelProbe, Option
+from kproxy.toolkit.trace import traced
 
 from . import adopt, render
 from . import cleanup as cleanup_mod
@@ -217,7 +218,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
 
     def context(self, node: FamilyContext, state: ProxyState) -> Context:
         large = self._endpoint_count(state, node.family) > render.LARGE_CLUSTER_ENDPOINTS
-        return render.context_for(node, large_cluster=large)
+        return render.context_for(node, self.config.masquerade_mark, large_cluster=large)
 
     def render(self, sp: ServicePort, ctx: Context) -> Fragment:
         return render.render_service(sp, ctx)
@@ -501,12 +502,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
         self, src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False
     ) -> dict[str, Any]:
         """Where a new connection's first packet would go through the rules last applied (see ``trace.py``)."""
-        fam = IPFamily.of(dst)
-        rec = self.records.get(fam)
-        if rec is None or rec.context is None:
-            return {"error": f"no {fam.value} rules applied yet"}
-        pkt = trace_mod.Packet(src, proto.lower(), dst, dport, src_local, dst_local)
-        return trace_mod.trace(rec.context, self.applied_fragments(fam), pkt)
+        return traced(self.applied, trace_mod.trace, src, proto, dst, dport, src_local=src_local, dst_local=dst_local)
 
     # ------------------------------------------------------------------------------------------ bench
 
@@ -588,7 +584,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
                 res = k.restore(fam, _jump_text(js, "-I"))
                 if not res.ok:  # the next full sync inserts missing jumps anyway
                     log.error("partial floor: could not insert the jumps again: %s", res.stderr.strip())
-                    self.records[fam].need_full = True
+                    self.request_full(fam)
         return out
 
     # ------------------------------------------------------------------------------------------ helpers

@@ -34,7 +34,9 @@ from kproxy.metrics import PREFIX
 from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nftkernel import Nft, available
 from kproxy.nodeaddr import FamilyContext, NodeContext
-from kproxy.proxier import Availability, BackendError, KernelProbe
+from kproxy.proxier import Availability, KernelProbe
+from kproxy.toolkit import nft as nft_tools
+from kproxy.toolkit.trace import traced
 
 from . import adopt as adopt_mod
 from . import render
@@ -112,44 +114,24 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
 
     @classmethod
     def remnants(cls, probe: KernelProbe) -> list[str]:
-        res = probe.run(["nft", "list", "tables"])
-        if res.returncode != 0:
-            raise BackendError(f"nft list tables failed: {res.stderr.strip()}")
-        return [line.strip() for line in res.stdout.splitlines() if line.strip() in _OWN_TABLES]
+        return nft_tools.remnants(probe, render.TABLE)
 
     @classmethod
     def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
-        fam = render.nft_family(family)
-        res = probe.run(["nft", "-j", "list", "table", fam, render.TABLE], timeout=60)
-        if res.returncode != 0:
-            if "No such file" in res.stderr:
-                return {}
-            raise BackendError(f"nft list table {fam} {render.TABLE} failed: {res.stderr.strip()}")
-        import json
-
-        data = json.loads(res.stdout or "{}").get("nftables", [])
-        out: dict[str, list[str]] = {}
+        found = nft_tools.elements(nft_tools.listed(probe, family, render.TABLE) or ())
         # slots carry no comment: their key is their entry's plus a slot number, and the entry names the service
-        owner: dict[str, str] = {}
-        for obj in data:
-            body = obj.get("map") or {}
-            if body.get("name") in (render.SERVICE_IPS, render.SERVICE_NODEPORTS):
-                for key, _, comment in adopt_mod.elements([obj]):
-                    owner[key] = adopt_mod.split_comment(comment)[0]
-        for obj in data:
-            body = obj.get("map") or obj.get("set")
-            if not body:
-                continue
-            for key, value, comment, counter in adopt_mod.elements_counted([obj]):
-                ckey, _ = adopt_mod.split_comment(comment)
-                if not ckey and body["name"].startswith(tuple(render.SLOT_BASES)):
-                    ckey = owner.get(key.rpartition(" . ")[0], "")
-                    comment = ckey
-                if not ckey:
-                    continue
-                ctr = f" counter packets {counter[0]} bytes {counter[1]}" if counter else ""
-                line = f'{body["name"]}: {key}{ctr} comment "{comment}"' + (f" : {value}" if value else "")
-                out.setdefault(ckey, []).append(line)
+        owner = {
+            el.key: adopt_mod.split_comment(el.comment)[0]
+            for el in found
+            if el.set in (render.SERVICE_IPS, render.SERVICE_NODEPORTS)
+        }
+        out: dict[str, list[str]] = {}
+        for el in found:
+            ckey, _ = adopt_mod.split_comment(el.comment)
+            if ckey:
+                out.setdefault(ckey, []).append(nft_tools.element_line(el))
+            elif el.set.startswith(tuple(render.SLOT_BASES)) and (ckey := owner.get(el.key.rpartition(" . ")[0], "")):
+                out.setdefault(ckey, []).append(nft_tools.element_line(el, ckey))
         return out
 
     @classmethod
@@ -254,7 +236,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         for obj in objs:
             body = obj.get("map") or obj.get("set")
             if body is not None and body.get("table") == render.TABLE:
-                view.maps[body["name"]] = {key: value for key, value, _ in adopt_mod.elements([obj])}
+                view.maps[body["name"]] = {el.key: el.value for el in nft_tools.elements([obj])}
             chain = obj.get("chain")
             if chain is not None and chain.get("table") == render.TABLE:
                 view.chains.add(chain["name"])
@@ -413,8 +395,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         counts[f"{fam.value}/transactions"] = len(texts) + (1 if error else 0)
         if error is not None:
             chunk, res = error
-            owners = {o for o in (chunk.tx.owner_of(n) for n in res.error_lines()) if o is not None}
-            summary = _summarise(res.error)
+            summary, owners = nft_tools.refused(res, chunk.tx.owner_of)
             counts[f"{fam.value}/kernel_refusals"] = 1
             if owners:
                 return Applied(
@@ -617,12 +598,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         self, src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False
     ) -> dict[str, Any]:
         """Where a new connection's first packet would go through what was last applied (see ``trace.py``)."""
-        fam = IPFamily.of(dst)
-        rec = self.records.get(fam)
-        if rec is None or rec.context is None:
-            return {"error": f"no {fam.value} rules applied yet"}
-        pkt = trace_mod.Packet(src, proto.lower(), dst, dport, src_local, dst_local)
-        return trace_mod.trace(rec.context, self.applied_fragments(fam), pkt)
+        return traced(self.applied, trace_mod.trace, src, proto, dst, dport, src_local=src_local, dst_local=dst_local)
 
     def measure_partial_floor(self) -> dict[str, float] | None:
         """The kernel's own time (libnftables in-process, the most direct means) to take the last partial sync's
@@ -637,11 +613,11 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
                 render.change_service(redo, spn, old, new)
             res = self.nft.run(undo.text())
             if not res.ok:
-                log.warning("partial floor: undoing the last change failed: %s", _summarise(res.error))
+                log.warning("partial floor: undoing the last change failed: %s", nft_tools.summary(res.error))
                 return None
             res = self.nft.run(redo.text())
             if not res.ok:
-                log.warning("partial floor: replaying the last change failed: %s", _summarise(res.error))
+                log.warning("partial floor: replaying the last change failed: %s", nft_tools.summary(res.error))
                 self._kernel[fam] = _KernelState()
                 return None
             total += res.seconds
@@ -677,9 +653,6 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             return total
         finally:
             subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True, timeout=60)
-
-
-_OWN_TABLES = {f"table {f} {render.TABLE}" for f in ("ip", "ip6")}
 
 
 def _sid_of(name: str) -> str:
@@ -730,8 +703,3 @@ def _shared_changes(tx: render.Transaction, present: set[str], refs: Counter[str
 def _hairpin(tx: render.Transaction, add: set[str], delete: set[str]) -> None:
     tx.delete_keys(((render.HAIRPIN, h) for h in sorted(delete)), None)
     tx.add_elements(((render.HAIRPIN, h, "") for h in sorted(add)), None, None)
-
-
-def _summarise(error: str) -> str:
-    lines = [ln.strip() for ln in error.splitlines() if ln.strip() and not set(ln.strip()) <= {"^", "~"}]
-    return "; ".join(lines[:4])[:600] or "nft refused the transaction"

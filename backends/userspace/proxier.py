@@ -38,9 +38,12 @@ from kproxy.admission import Limits
 from kproxy.config import ProxyConfig, parse_duration
 from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Verdict
-from kproxy.nftkernel import Nft, available, elements
+from kproxy.nftkernel import Nft, available
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, BackendError, KernelProbe, Option
+from kproxy.toolkit import nft as nft_tools
+from kproxy.toolkit.cidr import spans
+from kproxy.toolkit.netns import in_netns
 
 from . import inspect, render
 from .datapath import Engine, ListenerSpec
@@ -122,7 +125,7 @@ class Adopted:
     layout_ok: bool = False
     elements: dict[ElemKey, tuple[str, str]] = field(default_factory=dict)  # (map, key) -> (value, comment)
     by_comment: dict[str, set[tuple[str, str, str]]] = field(default_factory=dict)
-    nodeport_cidrs: frozenset[tuple[int, int]] = frozenset()
+    nodeport_cidrs: tuple[tuple[int, int], ...] = ()
     proxy_ports: tuple[str, ...] = ()  # the proxy-ports set's elements (the guard's range)
     #: (proto, port) of the wildcard sockets listening now that are this process's own (None: not read)
     live: set[tuple[str, int]] | None = None
@@ -157,7 +160,7 @@ class _Tx:
         self.owners.append(owner)
 
     def owner_of(self, line: int) -> ServicePortName | None:
-        return self.owners[line - 1] if 0 < line <= len(self.owners) else None
+        return nft_tools.owner_at(self.owners, line)
 
     def text(self) -> str:
         return "".join(ln + "\n" for ln in self.lines)
@@ -266,46 +269,22 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     @classmethod
     def remnants(cls, probe: KernelProbe) -> list[str]:
         """This mode's tables. Its proxy sockets are the process's own: they close when it exits."""
-        res = probe.run(["nft", "list", "tables"])
-        if res.returncode != 0:
-            raise BackendError(f"nft list tables failed: {res.stderr.strip()}")
-        own = {f"table {f} {render.TABLE}" for f in ("ip", "ip6")}
-        return [line.strip() for line in res.stdout.splitlines() if line.strip() in own]
+        return nft_tools.remnants(probe, render.TABLE)
 
     @classmethod
     def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
-        import json
-
-        fam = render.nft_family(family)
-        res = probe.run(["nft", "-j", "list", "table", fam, render.TABLE], timeout=60)
-        if res.returncode != 0:
-            if "No such file" in res.stderr:
-                return {}
-            raise BackendError(f"nft list table {fam} {render.TABLE} failed: {res.stderr.strip()}")
-        objs = [o for o in json.loads(res.stdout or "{}").get("nftables", []) if "metainfo" not in o]
         out: dict[str, list[str]] = {}
-        for name, key, value, comment in elements(objs):
-            if not comment:
-                continue
-            line = f'{name}: {key} comment "{comment}"' + (f" : {value}" if value else "")
-            out.setdefault(comment, []).append(line)
+        for el in nft_tools.elements(nft_tools.listed(probe, family, render.TABLE) or ()):
+            if el.comment:
+                out.setdefault(el.comment, []).append(nft_tools.element_line(el))
         return out
 
     @classmethod
     def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
         """Delete this mode's tables (``ip``/``ip6 kproxy-userspace``) and nothing else; errors are logged, never
         raised (a leftover must not stop another mode from starting)."""
-        kernel = _kernel(netns)
-        try:
-            for fam in ("ip", "ip6"):
-                objs, _ = kernel.read(f"list tables {fam}")
-                if not objs or not any((o.get("table") or {}).get("name") == render.TABLE for o in objs):
-                    continue
-                res = kernel.run(f"delete table {fam} {render.TABLE}\n")
-                if not res.ok and "No such file" not in res.error:
-                    log.warning("userspace cleanup: delete table %s %s: %s", fam, render.TABLE, res.error.strip())
-        finally:
-            kernel.close()
+        for err in nft_tools.delete_tables(netns, render.TABLE, worker=False):
+            log.warning("userspace cleanup: %s", err)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -387,9 +366,8 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                 got.layout_ok = False
         if not got.layout_ok:
             return got
-        wanted_objs = [o for o in objs if ("map" in o or "set" in o)]
         cidrs: list[str] = []
-        for name, key, value, comment in elements(wanted_objs):
+        for name, key, value, comment, _ in nft_tools.elements(objs):
             if name == render.NODEPORT_CIDRS:
                 cidrs.append(key)
                 continue
@@ -400,7 +378,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                 continue
             got.elements[(name, key)] = (value, comment)
             got.by_comment.setdefault(comment, set()).add((name, key, value))
-        got.nodeport_cidrs = inspect.spans(cidrs)
+        got.nodeport_cidrs = spans(cidrs)
         return got
 
     def _live_sockets(self, family: IPFamily) -> set[tuple[str, int]] | None:
@@ -432,7 +410,8 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         # 0.3-0.5 s) to list a chain, and only the set itself to list a set. The guard's set: a deleted table, or a
         # flushed set (the proxy ports open to direct connections) both bring the full sync that rewrites it
         objs, _ = self.kernel.read(f"list set {render.nft_family(family)} {render.TABLE} {render.PROXY_PORTS}")
-        if objs is None or [k for n, k, _, _ in elements(objs)] != [render.proxy_ports_element(self.port_span())]:
+        held = None if objs is None else [el.key for el in nft_tools.elements(objs)]
+        if held != [render.proxy_ports_element(self.port_span())]:
             if objs is not None:
                 log.warning(
                     "%s: the proxy port guard's set %s was changed: it is rewritten", family.value, render.PROXY_PORTS
@@ -527,14 +506,14 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             fam = IPFamily.of(dst)
         except ValueError:
             return {"error": f"not an address: {dst!r}"}
-        rec = self.records.get(fam)
-        if rec is None or rec.context is None:
+        ctx, fragments = self.applied(fam)
+        if ctx is None:
             return {"error": f"no {fam.value} rules applied yet"}
         p = proto.lower()
         key = f"{ipaddress.ip_address(dst)} . {p} . {dport}"
         path: list[str] = []
         hit: tuple[ServicePortName, render.Entry] | None = None
-        for spn, frag in self.applied_fragments(fam).items():
+        for spn, frag in fragments.items():
             for e in frag.entries:
                 if (e.map == render.SERVICE_IPS and e.key == key) or (
                     dst_local and e.map == render.SERVICE_NODEPORTS and e.key == f"{p} . {dport}"
@@ -552,7 +531,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             spn, e = hit
             path.append(f"services: @{e.map}[{e.key}] = {e.verdict} ({render.service_key(spn)})")
             if e.verdict == render.V_FIREWALL:
-                frag = self.applied_fragments(fam)[spn]
+                frag = fragments[spn]
                 nets = [k.rsplit(" . ", 1)[1] for k in frag.firewall]
                 allowed = any(ipaddress.ip_address(src) in ipaddress.ip_network(n) for n in nets)
                 path.append(f"firewall: source {src} {'in' if allowed else 'not in'} {', '.join(nets) or '-'}")
@@ -560,7 +539,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                     e = render.Entry(e.map, e.key, render.V_DROP)
             if e.role:
                 port = self._ports.get((fam, spn, e.role))
-                frag = self.applied_fragments(fam)[spn]
+                frag = fragments[spn]
                 lst = next(x for x in frag.listeners if x.role == e.role)
                 local = "loopback" if src_local else "the receiving interface's address"
                 path.append(f"redirect to {local}:{port} (proxy socket {e.role} of {render.service_key(spn)})")
@@ -815,7 +794,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             else:
                 kernel = adopted.elements
             cidrs = render.nodeport_cidrs(batch.context)
-            if fresh or adopted is None or adopted.nodeport_cidrs != inspect.spans(cidrs):
+            if fresh or adopted is None or adopted.nodeport_cidrs != spans(cidrs):
                 if not fresh:
                     tx.add(f"flush set {f} {render.TABLE} {render.NODEPORT_CIDRS}")
                 if cidrs:
@@ -881,9 +860,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             if not res.ok:
                 self.kernel.call(drop_new)
                 self._known[fam] = False
-                summary = "; ".join(ln.strip() for ln in res.error.splitlines() if ln.strip() and "^" not in ln)
-                summary = summary[:600] or "nft refused the transaction"
-                bad = {o for o in (tx.owner_of(n) for n in res.error_lines()) if o is not None}
+                summary, bad = nft_tools.refused(res, tx.owner_of)
                 counts[f"{fam.value}/kernel_refusals"] = 1
                 if bad:
                     return Applied(
@@ -960,10 +937,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         (``kpu-floor-…``), deleted afterwards."""
         import subprocess
         import tempfile
-        import threading
         import uuid
-
-        from kproxy.nftkernel import enter_netns
 
         work = [v for v in self._last_full.values() if v[0]]
         if not work:
@@ -987,7 +961,6 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                 box: list[float] = []
 
                 def bind(fam: IPFamily = fam, tcp_n: int = tcp_n, udp_n: int = udp_n, box: list[float] = box) -> None:
-                    enter_netns(ns)
                     af = socket.AF_INET if fam == IPFamily.V4 else socket.AF_INET6
                     wildcard = "0.0.0.0" if fam == IPFamily.V4 else "::"
                     # explicit ports, as _bind picks them; in batches closed in between, since this process
@@ -1014,9 +987,11 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                     except OSError as exc:
                         log.warning("floor: binding %d sockets failed: %s", tcp_n + udp_n, exc)
 
-                t = threading.Thread(target=bind)
-                t.start()
-                t.join()
+                try:
+                    in_netns(ns, bind, timeout=600, name="kpu-floor")
+                except (OSError, TimeoutError) as exc:
+                    log.warning("floor: binding sockets in %s failed: %s", ns, exc)
+                    return None
                 if not box:
                     return None
                 total += box[0]

@@ -130,8 +130,8 @@ def test_refused_service_is_named_and_the_rest_applies(netns: str) -> None:
         good = sp("a-good", "198.19.0.1", ("198.18.1.2",))
         clash = sp("b-clash", "198.19.0.1", ("198.18.1.3",))  # the same address . protocol . port
         res = p.sync(state(good, clash), Changes(full=True))
-        assert res.ok
-        assert list(res.failed) == [clash.name]
+        assert res.ok and not res.failed  # the core refuses the second ClusterIP claim before rendering
+        assert list(res.refused) == [clash.name] and "held by ns1/a-good" in res.refused[clash.name]
         assert "198.18.1.2 . 8080" in nft_list(netns, "list", "map", "ip", "kproxy", "backends-tcp")
         # a command the kernel refuses is mapped back to its service through the transaction's lines
         nft = Nft(netns)
