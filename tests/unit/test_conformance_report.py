@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
@@ -20,12 +21,10 @@ from kproxy.conformance.report import (
 )
 from kproxy.conformance.scenarios import SCENARIO_IDS, SCENARIOS
 
-BEHAVIOUR_IDS = (
-    "clusterip-tcp clusterip-udp multiport same-port-two-protocols nodeport externalip loadbalancer "
-    "no-endpoints-reject session-affinity source-ip hairpin etp-local itp-local terminating-fallback lifecycle address-collision "
-    "endpoint-churn port-update ignored-services udp-conntrack restart cleanup mode-switch servers dual-stack "
-    "scale-smoke"
-).split()
+from .test_docs import behaviour_ids
+
+#: the scenario ids of docs/BEHAVIOUR.md's table (the spec), in its order
+BEHAVIOUR_IDS = behaviour_ids((Path(__file__).resolve().parents[2] / "docs" / "BEHAVIOUR.md").read_text())
 
 
 def sample() -> Report:
