@@ -14,7 +14,6 @@ no service owns fails the family (a full sync with adoption follows).
 
 from __future__ import annotations
 
-import gc
 import logging
 import subprocess
 import tempfile
@@ -31,12 +30,13 @@ from prometheus_client import Counter as Counter_
 from kproxy.config import ProxyConfig
 from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.metrics import PREFIX
-from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
+from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nftkernel import Nft, available
-from kproxy.nodeaddr import FamilyContext, NodeContext
+from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelProbe
 from kproxy.toolkit import nft as nft_tools
 from kproxy.toolkit.trace import traced
+from kproxy.toolkit.verify import Findings
 
 from . import adopt as adopt_mod
 from . import render
@@ -95,7 +95,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
 
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
         super().__init__(config, netns=netns)
-        self._nft: Nft | None = None
+        self._nft = nft_tools.OwnContext(netns)
         self._metrics: dict[str, Any] = {}
         self._kernel: dict[IPFamily, _KernelState] = {f: _KernelState() for f in self.families}
         self._checked: dict[IPFamily, float] = {}
@@ -140,16 +140,13 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         (a leftover must not stop another mode from starting)."""
         from .cleanup import cleanup_tables
 
-        for err in cleanup_tables(netns):
-            log.warning("nftables cleanup: %s", err)
+        cleanup_tables(netns)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
     @property
     def nft(self) -> Nft:
-        if self._nft is None:
-            self._nft = Nft(self.netns)
-        return self._nft
+        return self._nft.get()
 
     def start(self) -> None:
         # the netlink rule reads (adoption, the check before partial syncs) import pyroute2's nftables part: ~0.1 s
@@ -157,28 +154,11 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         import pyroute2.nftables.main  # noqa: F401
 
     def close(self) -> None:
-        if self._nft is not None:
-            self._nft.close()
-            self._nft = None
+        self._nft.close()
 
     def cleanup(self) -> None:
         super().cleanup()
         self._kernel = {f: _KernelState() for f in self.families}
-
-    def sync(self, state: ProxyState, changes: Changes, node: NodeContext | None = None) -> SyncResult:
-        """The ledger's sync with the cyclic collector's walks over the old heap held off: a full sync allocates
-        ~30 acyclic objects per endpoint (fragments, element strings, transaction lines) while the process holds the
-        cache's large heap, and generation-2 walks over it took a third of a 10,000-service sync. ``gc.freeze()``
-        moves what is alive into the permanent generation (O(1)); new garbage is still collected. Left alone when
-        someone else froze objects (the cache's own pause, a pre-fork freeze)."""
-        owned = gc.get_freeze_count() == 0
-        if owned:
-            gc.freeze()
-        try:
-            return super().sync(state, changes, node)
-        finally:
-            if owned:
-                gc.unfreeze()
 
     # ------------------------------------------------------------------------------------------ ledger methods
 
@@ -252,34 +232,25 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         """Every element of the service in its map with its value (slots included), its own chains, its hairpin
         elements."""
         assert isinstance(view, _TableView)
-        problems: list[str] = []
-        found = 0
+        f = Findings()
         for m, key, value in fragment.elements:
-            held = view.maps.get(m, {}).get(key)
-            if held is None:
-                problems.append(f"{m}: {key} missing")
-            else:
-                found += 1
-                if held != value:
-                    problems.append(f"{m}: {key} is {held!r}, wanted {value!r}")
+            f.check(f"{m}: {key}", view.maps.get(m, {}).get(key), value)
         for chain, rules in fragment.chains:
             if chain not in view.chains:
-                problems.append(f"chain {chain} missing")
+                f.problems.append(f"chain {chain} missing")
             elif (kept := view.rules.get(chain, ())) != adopt_mod.tags(rules):
-                problems.append(f"chain {chain}: {len(kept)} rules held, {len(rules)} wanted, or others")
+                f.problems.append(f"chain {chain}: {len(kept)} rules held, {len(rules)} wanted, or others")
             else:
-                found += 1
+                f.found += 1
         for chain in _with_deps(fragment.shared):
             if chain not in view.chains:
-                problems.append(f"shared chain {chain} missing")
+                f.problems.append(f"shared chain {chain} missing")
             elif not adopt_mod.shared_ok(chain, view.family, view.rules):
-                problems.append(f"shared chain {chain}: its rules differ")
-        problems += view.fixed  # every service goes through the fixed chains
+                f.problems.append(f"shared chain {chain}: its rules differ")
+        f.problems += view.fixed  # every service goes through the fixed chains
         hairpin = view.maps.get(render.HAIRPIN, {})
-        problems += [f"{render.HAIRPIN}: {key} missing" for key in fragment.hairpin if key not in hairpin]
-        if not problems:
-            return None
-        return "missing" if not found else "different: " + "; ".join(problems[:5])
+        f.problems += [f"{render.HAIRPIN}: {key} missing" for key in fragment.hairpin if key not in hairpin]
+        return f.verdict()
 
     def verify_extra(self, view: Any, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
         """Elements of the service maps that no wanted service accounts for (the hairpin and context sets are
@@ -395,18 +366,11 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         counts[f"{fam.value}/transactions"] = len(texts) + (1 if error else 0)
         if error is not None:
             chunk, res = error
-            summary, owners = nft_tools.refused(res, chunk.tx.owner_of)
+            summary, refused = nft_tools.refused(res, chunk.tx.owner_of)
             counts[f"{fam.value}/kernel_refusals"] = 1
-            if owners:
-                return Applied(
-                    ok=False,
-                    refused=MappingProxyType({o: summary for o in owners}),
-                    error=summary,
-                    counts=MappingProxyType(counts),
-                    timings=MappingProxyType(timings),
-                )
-            self._kernel[fam] = _KernelState()  # not a service's fault: read the kernel again at the full sync
-            return Applied(ok=False, error=summary, counts=MappingProxyType(counts), timings=MappingProxyType(timings))
+            if not refused:  # not a service's fault: read the kernel again at the full sync
+                self._kernel[fam] = _KernelState()
+            return Applied(False, refused, summary, MappingProxyType(counts), MappingProxyType(timings))
         ks = self._kernel[fam]
         if not batch.full and not any(f" {w} {render.nft_family(fam)} " in t for t in texts for w in ("chain", "set")):
             self._last_partial[fam] = [(d.name, d.old_fragment, d.new_fragment) for d in batch.deltas]

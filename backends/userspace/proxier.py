@@ -20,7 +20,6 @@ the range into the input guard's ``proxy-ports`` set when the kernel holds anyth
 from __future__ import annotations
 
 import errno
-import gc
 import ipaddress
 import itertools
 import logging
@@ -166,11 +165,11 @@ class _Tx:
         return "".join(ln + "\n" for ln in self.lines)
 
 
-def _kernel(netns: str | None) -> Nft:
+def _kernel(netns: str | None) -> nft_tools.OwnContext:
     """libnftables for this mode: in the caller's thread with the process's one shared context when no namespace is
     named (opened before any proxy socket, on a low descriptor: see ``kproxy.nftkernel``), else a worker thread in
     the namespace, which also makes the proxy sockets there."""
-    return Nft(netns, worker=False, name=f"kpu-kernel-{netns}" if netns else "kpu-kernel")
+    return nft_tools.OwnContext(netns, worker=False, name=f"kpu-kernel-{netns}" if netns else "kpu-kernel")
 
 
 _SEEN_NODE = "the endpoint sees the node (the proxy's own connection), never the client's address"
@@ -210,7 +209,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         #: the configured range, None for the kernel's ephemeral range (read in the namespace: ``port_span``)
         self.port_range = parse_port_range(str(opts.get("proxy_port_range", DEFAULT_PORT_RANGE)))
         self.udp_timeout = float(Duration(opts.get("udp_timeout", 0.25)))
-        self._kernel: Nft | None = None
+        self._kernel = _kernel(netns)
         self.engine = Engine(netns, udp_timeout=self.udp_timeout)
         self._started = False
         self._ports: dict[Ident, int] = {}  # every proxy socket the data path holds, and its port
@@ -283,16 +282,13 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
         """Delete this mode's tables (``ip``/``ip6 kproxy-userspace``) and nothing else; errors are logged, never
         raised (a leftover must not stop another mode from starting)."""
-        for err in nft_tools.delete_tables(netns, render.TABLE, worker=False):
-            log.warning("userspace cleanup: %s", err)
+        nft_tools.delete_tables(netns, render.TABLE, worker=False)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
     @property
     def kernel(self) -> Nft:
-        if self._kernel is None:
-            self._kernel = _kernel(self.netns)
-        return self._kernel
+        return self._kernel.get()
 
     def start(self) -> None:
         """Raise the open-file limit (one descriptor per proxy socket, six per relayed connection: the soft limit
@@ -320,9 +316,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         self._forget_sockets()
         self._ports.clear()
         self._used.clear()
-        if self._kernel is not None:
-            self._kernel.close()
-            self._kernel = None
+        self._kernel.close()
 
     def cleanup(self) -> None:
         if self._started:
@@ -682,17 +676,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     # ------------------------------------------------------------------------------------------ apply
 
     def apply(self, batch: Batch[Fragment, FamilyContext]) -> Applied:
-        # Everything alive now (the state, the ledger, the listeners) is moved out of the cyclic collector's reach
-        # for the batch: a full batch at 10,000 services allocates ~300,000 objects, and each oldest-generation
-        # collection would walk every object of the process again (0.6 s of a 2 s sync). Objects made during the
-        # batch are still collected; unfreeze() hands the rest back afterwards.
-        gc.freeze()
-        try:
-            return self._apply(batch)
-        finally:
-            gc.unfreeze()
-
-    def _apply(self, batch: Batch[Fragment, FamilyContext]) -> Applied:
+        # (the cyclic collector is held off by the ledger's shared pause around the whole sync: kproxy.gcpause)
         self.start()
         span = render.proxy_ports_element(self.port_span())  # resolved here: bind_all runs on the kernel's thread
         fam = batch.family
@@ -860,16 +844,9 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             if not res.ok:
                 self.kernel.call(drop_new)
                 self._known[fam] = False
-                summary, bad = nft_tools.refused(res, tx.owner_of)
+                summary, refused = nft_tools.refused(res, tx.owner_of)
                 counts[f"{fam.value}/kernel_refusals"] = 1
-                if bad:
-                    return Applied(
-                        ok=False,
-                        refused=MappingProxyType({o: summary for o in bad}),
-                        error=summary,
-                        counts=MappingProxyType(counts),
-                    )
-                return Applied(ok=False, error=summary, counts=MappingProxyType(counts))
+                return Applied(ok=False, refused=refused, error=summary, counts=MappingProxyType(counts))
 
         # the kernel holds it: hand the data path its new sockets and endpoints, close what nothing names now
         specs: list[ListenerSpec] = []
