@@ -77,11 +77,9 @@ Where kproxy deviates from upstream, and why:
 What a partial sync costs is set by the kernel, not by the payload: on nf_tables every commit that adds a rule
 walks every rule reachable from each base chain (``nf_tables_validate``), once per hook that reaches it (the
 late-2025 memoisation, "netfilter: nf_tables: avoid chain re-validation if possible", keys on the hook, so
-PREROUTING and OUTPUT still walk the whole service table each). At 10,000 services x 10 endpoints (320k nat
-rules) one endpoint's change, a few rules, takes 0.28-0.37 s to restore with PREROUTING and OUTPUT jumping to
-KUBE-SERVICES, 0.19 s with one of them, and 0.04-0.07 s with neither (``kproxy bench sync`` reports the first and
-last as ``partial_floor_s`` and ``unhooked_s``). The legacy flavour replaces the whole table on every restore
-(1.6 s at that size).
+PREROUTING and OUTPUT still walk the whole service table each). So a partial sync of a few rules costs what the
+walk costs, and ``kproxy bench sync`` reports that floor with the jumps (``partial_floor_s``) and without them
+(``unhooked_s``); the legacy flavour replaces the whole table on every restore. The figures: docs/PERFORMANCE.md.
 
 Conformance scenarios not applicable to this mode: none.
 """
