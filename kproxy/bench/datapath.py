@@ -405,12 +405,16 @@ class ApiWriter:
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
         self.threads = threads
         self._local = threading.local()
+        self._opened: list[http.client.HTTPConnection] = []  # every thread's, closed when create_all ends
+        self._lock = threading.Lock()
 
     def _conn(self) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
             self._local.conn = conn
+            with self._lock:
+                self._opened.append(conn)
         return conn
 
     def create(self, obj: dict[str, Any]) -> None:
@@ -435,9 +439,15 @@ class ApiWriter:
 
     def create_all(self, objs: Iterable[dict[str, Any]]) -> int:
         n = 0
-        with ThreadPoolExecutor(max_workers=self.threads) as pool:
-            for _ in pool.map(self.create, objs):
-                n += 1
+        try:
+            with ThreadPoolExecutor(max_workers=self.threads) as pool:
+                for _ in pool.map(self.create, objs):
+                    n += 1
+        finally:
+            with self._lock:
+                for conn in self._opened:
+                    conn.close()
+                self._opened.clear()
         return n
 
 
@@ -1032,7 +1042,7 @@ def _columns(rows: list[list[str]]) -> list[str]:
     ]
 
 
-ALL_TARGETS = (*TARGETS, *CONNTRACK_LIMITS)
+ALL_TARGETS = (*TARGETS, TWIN, *CONNTRACK_LIMITS)
 
 
 def _ratio_cell(ratios: dict[str, float], spread: dict[str, list[float]], metric: str) -> str:
@@ -1053,6 +1063,8 @@ def format_table(result: DatapathResult) -> str:
         f" pinning: {c['pinning']}; limit: {c['limit']}; ratio 1.0 = as fast as the limit, [q1-q3] of the"
         " per-round ratios beside each"
     )
+    if c.get("twin"):
+        lines.append(f"limit_twin: {c['twin']}")
     for name, text in (c.get("conntrack_limits_detail") or {}).items():
         lines.append(f"{name}: {text}")
     for run in result.runs:
@@ -1062,6 +1074,10 @@ def format_table(result: DatapathResult) -> str:
             head += f" (ready {run.ready_s:.1f} s after start"
             if run.kproxy_rss_mb:
                 head += ", kproxy RSS " + ", ".join(f"{k} {v:.0f} MB" for k, v in sorted(run.kproxy_rss_mb.items()))
+            if run.idle_cpu_s:
+                head += f", kproxy CPU idle over {run.idle_seconds:g} s " + ", ".join(
+                    f"{k} {v:.2f} s" for k, v in sorted(run.idle_cpu_s.items())
+                )
             if run.kproxy_cpu_s:
                 head += ", kproxy CPU while measuring " + ", ".join(
                     f"{k} {v:.1f} s" for k, v in sorted(run.kproxy_cpu_s.items())
@@ -1109,6 +1125,8 @@ def format_table(result: DatapathResult) -> str:
             )
         if any(run.errors.values()):
             lines.append("errors: " + ", ".join(f"{t} {n}" for t, n in sorted(run.errors.items()) if n))
+        for why in run.failed_rounds:
+            lines.append(f"left out: {why}")
     return "\n".join(lines)
 
 

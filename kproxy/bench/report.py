@@ -114,6 +114,9 @@ def sync_section(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+TARGET_NAMES = {"clusterip": "ClusterIP", "podip": "pod IP", "limit_twin": "twin (self-test)"}
+
+
 def _spread_cell(v: float | None, q: list[float] | None) -> str:
     if v is None:
         return "-"
@@ -203,17 +206,20 @@ def datapath_section(results: dict[str, Any]) -> list[str]:
     lines.append(
         "Each cell: the median of the per-round ratios, and in brackets their first and third quartiles (half the"
         " rounds fall inside): the noise of this shared machine, and how far apart two figures must be to differ."
+        " The twin is the limit's path between two other pods, measured in the same rounds: the lab's self-test,"
+        " 1.0 within a couple of per cent when the targets share the machine fairly. In mode none the ClusterIP row"
+        " is its endpoint's pod IP (no proxy to translate it): the same targets and schedule as a real run."
     )
     lines.append("")
     head = ["mode", "services", "target", *(label for _, label in RATIO_COLUMNS)]
     table = []
     for r in runs:
-        for target in ("clusterip", "podip"):
+        for target in ("clusterip", "podip", "limit_twin"):
             ratios = (r.get("ratios") or {}).get(target)
             if not ratios:
                 continue
             spread = (r.get("ratio_spread") or {}).get(target) or {}
-            name = "ClusterIP" if target == "clusterip" else "pod IP"
+            name = TARGET_NAMES[target]
             cells = [_spread_cell(ratios.get(m), spread.get(m)) for m, _ in RATIO_COLUMNS]
             table.append([r["mode"], f"{r['services']:,}", name, *cells])
     lines += _table(head, table)
@@ -224,7 +230,7 @@ def datapath_section(results: dict[str, Any]) -> list[str]:
     head = ["mode", "services", "target", *(f"{m} ({UNITS[m]})" for m, _, _, _ in METRICS)]
     table = []
     for r in runs:
-        for target in ("limit", "limit_ct", "limit_nat", "podip", "clusterip"):
+        for target in ("limit", "limit_twin", "limit_ct", "limit_nat", "podip", "clusterip"):
             med = (r.get("medians") or {}).get(target)
             if med:
                 table.append(
@@ -244,15 +250,21 @@ def datapath_section(results: dict[str, Any]) -> list[str]:
             rss = ", ".join(f"{k} {v:.0f} MB" for k, v in sorted((r.get("kproxy_rss_mb") or {}).items()))
             errs = ", ".join(f"{k} {v}" for k, v in sorted((r.get("errors") or {}).items()) if v) or "none"
             cpu = ", ".join(f"{k} {v:.1f} s" for k, v in sorted((r.get("kproxy_cpu_s") or {}).items())) or "-"
-            extra.append([r["mode"], f"{r['services']:,}", f"{r['ready_s']:.1f}", rss, cpu, errs])
+            idle = ", ".join(f"{k} {v:.2f} s" for k, v in sorted((r.get("idle_cpu_s") or {}).items()))
+            idle = f"{idle} in {r.get('idle_seconds', 0):g} s" if idle else "-"
+            left_out = str(len(r.get("failed_rounds") or []))
+            extra.append([r["mode"], f"{r['services']:,}", f"{r['ready_s']:.1f}", rss, idle, cpu, errs, left_out])
     if extra:
         lines.append(
             "kproxy in the lab: seconds from start on both nodes to healthy and the ClusterIP answering,"
-            " resident memory, CPU it used while the traffic ran (it should be idle: a busy proxy slows every"
-            " target on this 2-core machine, the limit too), and failed operations during the measurements:"
+            " resident memory, CPU it used idle (synced, no traffic, no change: it must be almost nothing) and while"
+            " the traffic ran (it should be idle: a busy proxy slows every target on this 2-core machine, the limit"
+            " too), failed operations during the measurements, and rounds left out for them (over 1 % of a phase's"
+            " operations failed for some target):"
         )
         lines.append("")
-        lines += _table(["mode", "services", "ready s", "kproxy RSS", "kproxy CPU while measuring", "errors"], extra)
+        head = ["mode", "services", "ready s", "kproxy RSS", "kproxy idle CPU", "kproxy CPU while measuring"]
+        lines += _table([*head, "errors", "failed rounds"], extra)
         lines.append("")
     lines.append("Commands (each mode's figures are what this command measures; compare ran them in one lab):")
     lines.append("")

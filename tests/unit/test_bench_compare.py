@@ -388,3 +388,18 @@ def test_datapath_conntrack_limits_can_be_left_out_and_compare_records_its_own_c
         again = parser.parse_args(argv)
         assert again.bench_command == "datapath" and again.conntrack_limits is measured
         assert again.mode == ["bpf"] and again.services == "1,1000"
+
+
+def test_report_shows_idle_cpu_the_twin_and_left_out_rounds() -> None:
+    results = _compare_results()
+    run = results["datapath"]["runs"][1]  # type: ignore[index]
+    run["idle_cpu_s"], run["idle_seconds"] = {"node-1": 0.05, "node-2": 0.04}, 10.0
+    run["ratios"]["limit_twin"] = {"conn_rate": 1.01}
+    run["failed_rounds"] = ["round 3: podip crr: 30 of 1030 operations failed"]
+    text = report.render(results, [])
+    assert "| iptables | 1,000 | twin (self-test) | 1.01 |" in text
+    assert "| node-1 0.05 s, node-2 0.04 s in 10 s |" in text and "kproxy idle CPU" in text
+    row = next(line for line in text.splitlines() if line.startswith("| iptables | 1,000 | 2.0 |"))
+    assert row.endswith("| none | 1 |")  # no errors counted in this run's figures, one round left out
+    table = datapath.format_table(datapath.DatapathResult(config=results["datapath"]["config"]))  # type: ignore[index]
+    assert "twin" in table
