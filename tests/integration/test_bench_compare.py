@@ -126,7 +126,7 @@ def test_datapath_smoke_at_one_service() -> None:
         assert med["conn_rate"] > 0 and med["rr_p50_us"] > 0 and med["udp_p50_us"] > 0 and med["tcp_gbps"] > 0
         # an operation times out after 1 s: on a loaded 2-core machine a SYN retransmit now and then is not a defect
         assert run["errors"].get(target, 0) <= 3, run["errors"]
-    assert set(run["ratios"]) == {"podip", "clusterip", "limit_ct", "limit_nat"}
+    assert set(run["ratios"]) == {"podip", "clusterip", "limit_twin", "limit_ct", "limit_nat"}
     assert run["ratios"]["clusterip"]["conn_rate"] > 0 and run["ratios_vs"]["limit_nat"]["clusterip"]["conn_rate"] > 0
     # the limit's nodes track nothing; the diagnostic limits' nodes do (that is what they are for)
     ct = run["conntrack_entries"]
