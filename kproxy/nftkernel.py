@@ -5,7 +5,8 @@ One ``Nft.run(text)`` is one ``nft_run_cmd_from_file`` call of Debian's python3-
 atomic transaction, as ``nft -f``, without starting a process (``nft add element`` from a shell costs ~20 ms, mostly
 process start). The text goes through a memfd "file" because libnftables names a refused command's line only for file
 input (from a buffer it prints the first line), and the backends map that line back to the service that owns it.
-Reads use JSON output (``libnftables-json(5)``), parsed with the standard library.
+Reads use JSON output (``libnftables-json(5)``), parsed with the standard library; ``kproxy.toolkit.nft`` turns
+set and map elements into text.
 
 Threads and namespaces: libnftables talks netlink from the calling thread's network namespace, and a context's socket
 belongs to the namespace it was opened in. ``Nft(netns="name")`` owns one worker thread that first ``setns``es into
@@ -22,7 +23,6 @@ descriptors, so every context here is opened on a low descriptor freed for it fr
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
@@ -34,8 +34,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kproxy.toolkit.netns import enter_netns
+
 T = TypeVar("T")
-_CLONE_NEWNET = 0x40000000
 _LOCATION = re.compile(r"^(?:/dev/stdin|internal|<cmdline>|[^:\s]*):(\d+):\d+", re.M)
 
 
@@ -71,24 +72,14 @@ def available() -> str | None:
     except ImportError as exc:
         return f"python3-nftables is not importable ({exc}): apt-get install python3-nftables nftables"
     try:
-        rc, _, err = nftables.Nftables().cmd("list tables")
+        # flowtables, not tables: libnftables 1.0.6 fetches every rule of every table for `list tables` (minutes of
+        # CPU beside iptables-nft's 10,000 services, in the after-first-sync hook), only tables for this
+        rc, _, err = nftables.Nftables().cmd("list flowtables")
     except OSError as exc:
         return f"libnftables cannot be loaded: {exc}"
     if rc != 0:
-        return f"nft list tables failed: {str(err).strip()}"
+        return f"nft list flowtables failed: {str(err).strip()}"
     return None
-
-
-def enter_netns(netns: str) -> None:
-    """Move the calling thread into ``/run/netns/<netns>`` (os.setns arrives in Python 3.12; this is 3.11)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into {netns}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
 
 
 _RESERVE = 8
@@ -253,51 +244,3 @@ class Nft:
         if self._ctx is not None:
             self._ctx = None  # its socket closes with it: a low descriptor goes back to the reserve
             _refill()
-
-
-def elements(objs: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
-    """(map or set name, key text, value text, comment) of every element in ``list map/set/table`` JSON objects, in
-    nft's text spelling (``198.18.0.1 . tcp . 80``, ``goto svc-x``, ``41000``, ``198.18.0.0/16``)."""
-    out: list[tuple[str, str, str, str]] = []
-    for obj in objs:
-        body = obj.get("map") or obj.get("set")
-        if not body:
-            continue
-        for item in body.get("elem") or []:
-            value = ""
-            if isinstance(item, list):  # a map element: [key, value]
-                key_obj, val = item
-                value = value_text(val)
-            else:
-                key_obj = item
-            comment = ""
-            if isinstance(key_obj, dict) and "elem" in key_obj:
-                comment = str(key_obj["elem"].get("comment") or "")
-                key_obj = key_obj["elem"].get("val")
-            out.append((str(body["name"]), key_text(key_obj), value, comment))
-    return out
-
-
-def key_text(obj: Any) -> str:
-    """An element key of libnftables' JSON in nft's text spelling."""
-    if isinstance(obj, dict):
-        if "concat" in obj:
-            return " . ".join(key_text(x) for x in obj["concat"])
-        if "prefix" in obj:
-            return f"{obj['prefix']['addr']}/{obj['prefix']['len']}"
-        if "range" in obj:
-            lo, hi = obj["range"]
-            return f"{key_text(lo)}-{key_text(hi)}"
-    return str(obj)
-
-
-def value_text(obj: Any) -> str:
-    """A map element's value (a verdict or data) of libnftables' JSON in nft's text spelling."""
-    if isinstance(obj, dict):
-        for verdict in ("goto", "jump"):
-            if verdict in obj:
-                return f"{verdict} {obj[verdict]['target']}"
-        for verdict in ("drop", "accept", "return", "continue"):
-            if verdict in obj:
-                return verdict
-    return str(obj)

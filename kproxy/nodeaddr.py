@@ -80,7 +80,6 @@ class FamilyContext:
     #: every address this network namespace holds in this family, loopback included
     local_addresses: tuple[str, ...] = ()
     masquerade_all: bool = False
-    mark: str = "0x00004000"
 
     @property
     def nodeport_addresses(self) -> tuple[str, ...]:
@@ -106,7 +105,6 @@ class FamilyContext:
             self.node_ips,
             (),
             self.masquerade_all,
-            self.mark,
         )
 
 
@@ -216,7 +214,6 @@ def resolve(
             node_ips=tuple(ip for ip in node.addresses if IPFamily.of(ip) == fam),
             local_addresses=tuple(a for a in addrs if IPFamily.of(a) == fam),
             masquerade_all=config.masquerade_all,
-            mark=config.masquerade_mark,
         )
     return NodeContext(config.node_name, MappingProxyType(out))
 

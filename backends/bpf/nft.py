@@ -19,7 +19,9 @@ from types import MappingProxyType
 from typing import Any
 
 from kproxy.model import IPFamily
-from kproxy.nftkernel import Nft, key_text, value_text
+from kproxy.nftkernel import Nft
+from kproxy.toolkit.nft import delete_text, nft_family
+from kproxy.toolkit.nft import elements as nft_elements
 
 from .render import TABLE
 
@@ -53,10 +55,6 @@ def release(netns: str | None) -> None:
         ctx.close()
 
 
-def _ip(family: IPFamily) -> str:
-    return "ip" if family == IPFamily.V4 else "ip6"
-
-
 def run(text: str, netns: str | None = None, *, json_out: bool = False) -> str:
     """Run ``text`` as one nft transaction (or a listing); the output; NftError with nft's message on failure."""
     nft = _nft(netns)
@@ -86,7 +84,7 @@ class NftView:
 def read(family: IPFamily, netns: str | None = None) -> NftView:
     """The table's chains and elements (one listing of a small table)."""
     try:
-        out = run(f"list table {_ip(family)} {TABLE}", netns, json_out=True)
+        out = run(f"list table {nft_family(family)} {TABLE}", netns, json_out=True)
     except NftError as exc:
         if "No such file" in str(exc) or "does not exist" in str(exc):
             return NftView(False, frozenset(), frozenset())
@@ -107,13 +105,7 @@ def read(family: IPFamily, netns: str | None = None) -> NftView:
             st = item["set"]
             sets[st["name"]] = _cidrs(st.get("elem", []) or [])
         elif "map" in item:
-            m = item["map"]
-            for el in m.get("elem", []) or []:
-                if isinstance(el, list) and len(el) == 2:
-                    k, v = el
-                    if isinstance(k, dict) and "elem" in k:
-                        k = k["elem"]["val"]
-                    elements.add((m["name"], key_text(k), value_text(v)))
+            elements.update((el.set, el.key, el.value) for el in nft_elements([item]))
     return NftView(True, frozenset(chains), frozenset(elements), MappingProxyType(rules), MappingProxyType(sets))
 
 
@@ -143,20 +135,19 @@ def _cidrs(elems: list[Any]) -> tuple[str, ...]:
 def table_present(family: IPFamily, netns: str | None = None) -> bool:
     """Whether the family's companion table exists: ``list tables`` fetches table names only (no chain, rule or
     element), so the bpf mode's check every second stays cheap however big the table is."""
-    out = run(f"list tables {_ip(family)}", netns)
+    out = run(f"list tables {nft_family(family)}", netns)
     return any(ln.split()[-1:] == [TABLE] for ln in out.splitlines())
 
 
 def delete_table(family: IPFamily, netns: str | None = None) -> None:
     """Remove the family's companion table (nothing when it does not exist)."""
-    t = f"{_ip(family)} {TABLE}"
-    run(f"add table {t}\ndelete table {t}", netns)
+    run(delete_text(nft_family(family), TABLE), netns)
 
 
 def table_lines(family: IPFamily, netns: str | None = None) -> list[str]:
     """``nft list table`` of the companion table, one line per line ([] when absent), for remnants and show."""
     try:
-        out = run(f"list table {_ip(family)} {TABLE}", netns)
+        out = run(f"list table {nft_family(family)} {TABLE}", netns)
     except NftError:
         return []
     return [ln.strip() for ln in out.splitlines() if ln.strip()]

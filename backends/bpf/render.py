@@ -10,13 +10,14 @@ proxier executes plans with batched ``bpf(2)`` calls. The layout and its reasons
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kproxy.model import IPFamily, ServicePort, ServicePortName, Verdict
+from kproxy.toolkit.cidr import all_but_loopback, collapsed
+from kproxy.toolkit.keys import service_key as service_key
+from kproxy.toolkit.nft import nft_family
 
 from . import maps
 from .maps import F_AFFINITY, F_DROP, F_EXTERNAL, F_REJECT, PROTO_NUMBERS, Master
@@ -135,13 +136,9 @@ def render(sp: ServicePort, ctx: Context) -> Fragment:
     return Fragment(tuple(fronts), render_nft(sp, ctx))
 
 
-def _ip(family: IPFamily) -> str:
-    return "ip" if family == IPFamily.V4 else "ip6"
-
-
 def _dnat(family: IPFamily, proto: str, backends: tuple[tuple[str, int], ...]) -> str:
     """A DNAT to one of ``backends`` (nft needs the protocol matched before a port mapping)."""
-    ip = _ip(family)
+    ip = nft_family(family)
     if len(backends) == 1:
         a, p = backends[0]
         return f"meta l4proto {proto} dnat {ip} to {_hostport(a, p)}"
@@ -184,7 +181,7 @@ def render_nft(sp: ServicePort, ctx: Context) -> NftPart:
         lb_verdict = verdict
         if sp.load_balancer_source_ranges and sp.external_verdict == Verdict.FORWARD:
             ranges = ", ".join(sp.load_balancer_source_ranges)
-            fw = (f"{_ip(fam)} saddr {{ {ranges} }} {verdict}", "drop")
+            fw = (f"{nft_family(fam)} saddr {{ {ranges} }} {verdict}", "drop")
             f_chain = _chain_name("f", cid, fw)
             chains.append((f_chain, fw))
             lb_verdict = f"goto {f_chain}"
@@ -196,7 +193,6 @@ def render_nft(sp: ServicePort, ctx: Context) -> NftPart:
 
 
 NODEPORT_CIDRS = "nodeport-cidrs"
-_LOOPBACK = {IPFamily.V4: ipaddress.ip_network("127.0.0.0/8"), IPFamily.V6: ipaddress.ip_network("::1/128")}
 
 
 def nodeport_cidrs(
@@ -205,30 +201,14 @@ def nodeport_cidrs(
     """The ``nodeport-cidrs`` set's elements (with ``fib daddr type local``: where external packets reach NodePorts):
     every address but loopback, or the ``--nodeport-addresses`` CIDRs and ``primary`` addresses, collapsed (an
     interval set refuses overlapping elements), single addresses without a prefix length."""
-    loop = _LOOPBACK[family]
-    nets: list[Any] = []
     if all_local:
-        everything = ipaddress.ip_network("0.0.0.0/0" if family == IPFamily.V4 else "::/0")
-        nets = list(everything.address_exclude(loop))  # type: ignore[arg-type]
-    else:
-        version = 4 if family == IPFamily.V4 else 6
-        for text in (*cidrs, *ips):
-            try:
-                net = ipaddress.ip_network(text, strict=False)
-            except ValueError:
-                continue
-            if net.version == version:
-                nets.append(net)
-    return tuple(_cidr_text(n) for n in ipaddress.collapse_addresses(nets))
-
-
-def _cidr_text(net: Any) -> str:
-    return str(net.network_address) if net.prefixlen == net.max_prefixlen else str(net)
+        return collapsed([str(n) for n in all_but_loopback(family)], family)
+    return collapsed((*cidrs, *ips), family)
 
 
 def nodeport_cidr_commands(family: IPFamily, cidrs: Iterable[str]) -> list[str]:
     """The ``nodeport-cidrs`` set emptied and filled with ``cidrs`` (one transaction's commands)."""
-    t = f"{_ip(family)} {TABLE}"
+    t = f"{nft_family(family)} {TABLE}"
     items = list(cidrs)
     return [f"flush set {t} {NODEPORT_CIDRS}"] + (
         [f"add element {t} {NODEPORT_CIDRS} {{ {', '.join(items)} }}"] if items else []
@@ -238,7 +218,7 @@ def nodeport_cidr_commands(family: IPFamily, cidrs: Iterable[str]) -> list[str]:
 def fixed_commands(family: IPFamily) -> list[str]:
     """The companion table's fixed part (idempotent: ``add`` of what exists is a no-op); the ``nodeport-cidrs``
     elements come from the context (``nodeport_cidr_commands``)."""
-    ip = _ip(family)
+    ip = nft_family(family)
     addr = "ipv4_addr" if family == IPFamily.V4 else "ipv6_addr"
     t = f"{ip} {TABLE}"
     return [
@@ -269,7 +249,7 @@ def fixed_commands(family: IPFamily) -> list[str]:
 def nft_changes(family: IPFamily, old: NftPart | None, new: NftPart | None) -> tuple[list[str], list[str], list[str]]:
     """The commands that turn one service's companion part into another, in three phases that a transaction runs in
     order across services: (chains added or rewritten, elements deleted then added, chains deleted)."""
-    t = f"{_ip(family)} {TABLE}"
+    t = f"{nft_family(family)} {TABLE}"
     o = old or NftPart()
     n = new or NftPart()
     first: list[str] = []
@@ -825,14 +805,6 @@ def finish_plan(plan: Plan) -> None:
         plan.be_del = [k for k in dict.fromkeys(plan.be_del) if not any(k in p.be_put for p in parts)]
     if plan.name_del:
         plan.name_del = [k for k in dict.fromkeys(plan.name_del) if not any(k in p.name_put for p in parts)]
-
-
-def service_key(name: ServicePortName) -> str:
-    """``ns/name[:port]/PROTO``, as ``kproxy.ledger.service_key`` spells it (the names map holds it). Spelled out
-    (no ``str(name)``, no enum ``.value`` property): three calls per service in a full sync."""
-    p = name.port
-    proto = name.protocol._value_
-    return f"{name.namespace}/{name.name}:{p}/{proto}" if p else f"{name.namespace}/{name.name}/{proto}"
 
 
 def decoded(fragment: Fragment) -> dict[tuple[str, int, int], tuple[int, int, tuple[tuple[str, int], ...]]]:

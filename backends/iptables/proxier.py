@@ -41,6 +41,7 @@ from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Syn
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, BackendError, KernelProbe, Option
 from kproxy.toolkit.trace import traced
+from kproxy.toolkit.verify import Findings
 
 from . import adopt, render
 from . import cleanup as cleanup_mod
@@ -84,7 +85,6 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
     """Upstream kube-proxy's iptables layout, applied through iptables-restore (nf_tables or legacy flavour)."""
 
     mode: ClassVar[str] = "iptables"
-    uses_conntrack_nat: ClassVar[bool] = True
     options: ClassVar[tuple[Option, ...]] = (
         Option(
             "iptables_flavour",
@@ -435,8 +435,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
     def verify_service(self, view: Any, name: ServicePortName, fragment: Fragment) -> str | None:
         """The service's own nat chains rule for rule, and each of its lines in the shared chains."""
         assert isinstance(view, _KernelRules)
-        problems: list[str] = []
-        found = 0
+        f = Findings()
         own: dict[str, list[adopt.Canon]] = {c: [] for c in fragment.chains}
         for line in fragment.rules:
             chain, canon = adopt.canonical(line)
@@ -444,23 +443,21 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
         for chain, wanted in own.items():
             held = view.rules.get(f"nat/{chain}")
             if held is None:
-                problems.append(f"chain nat/{chain} missing")
-            else:
-                found += 1
-                if held != wanted:
-                    problems.append(f"chain nat/{chain}: {len(held)} rules, {len(wanted)} wanted, or in another form")
+                f.problems.append(f"chain nat/{chain} missing")
+                continue
+            f.found += 1
+            if held != wanted:
+                f.problems.append(f"chain nat/{chain}: {len(held)} rules, {len(wanted)} wanted, or in another form")
         for key, lines in fragment.top.items():
             held_lines = view.sets.get(key)
             if held_lines is None:
                 held_lines = view.sets[key] = set(view.rules.get(key, []))
             for line in lines:
                 if adopt.canonical(line)[1] in held_lines:
-                    found += 1
+                    f.found += 1
                 else:
-                    problems.append(f"rule missing in {key}: {line}")
-        if not problems:
-            return None
-        return "missing" if not found else "different: " + "; ".join(problems[:5])
+                    f.problems.append(f"rule missing in {key}: {line}")
+        return f.verdict()
 
     def verify_extra(self, view: Any, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
         """Service chains no wanted service owns, and lines in the shared chains no wanted service (or the fixed

@@ -14,7 +14,6 @@ records which payload lines belong to which service so a line the kernel refuses
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from kproxy.config import ProxyConfig
 from kproxy.model import Endpoint, IPFamily, NodeInfo, ServicePort, ServicePortName
 from kproxy.nodeaddr import LOOPBACK, FamilyContext, LocalDetect, resolve
+from kproxy.toolkit.cidr import any_contains
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,8 @@ def make_context(
 ) -> Context:
     """The Context of one family from the config and the Node (tests and tools; syncs go through ``context_for``
     with the node context the core resolved)."""
-    return context_for(resolve(config, node, families=(family,)).family(family), large_cluster=large_cluster)
+    fc = resolve(config, node, families=(family,)).family(family)
+    return context_for(fc, config.masquerade_mark, large_cluster=large_cluster)
 
 
 def local_matches(local: LocalDetect) -> tuple[str, str]:
@@ -250,12 +251,13 @@ def local_matches(local: LocalDetect) -> tuple[str, str]:
     return "", ""
 
 
-def context_for(fc: FamilyContext, large_cluster: bool = False) -> Context:
-    """The Context of one family from the node context the core resolved once for this sync."""
+def context_for(fc: FamilyContext, mark: str, large_cluster: bool = False) -> Context:
+    """The Context of one family from the node context the core resolved once for this sync and the config's
+    masquerade mark (this mode's alone: no other mode marks packets)."""
     if_local, if_not_local = local_matches(fc.local)
     return Context(
         family=fc.family,
-        mark=fc.mark,
+        mark=mark,
         masquerade_all=fc.masquerade_all,
         if_local=if_local,
         if_not_local=if_not_local,
@@ -451,7 +453,7 @@ def render_service(sp: ServicePort, ctx: Context) -> Fragment:
             rules.append(f"{head} -s {cidr} -j {ext_chain}")
         # Upstream also admits the LB IPs as sources when a range contains the node IP (VIP-style LBs looping
         # back); kproxy is handed no single node IP, so it admits them when any range holds a node address.
-        if _any_contains(sp.load_balancer_source_ranges, ctx.node_ips):
+        if any_contains(sp.load_balancer_source_ranges, ctx.node_ips):
             for lbip in sp.load_balancer_ips:
                 rules.append(f"{head} -s {lbip} -j {ext_chain}")
         # what falls off the end was not DNATed, so the matching KUBE-PROXY-FIREWALL rule drops it in filter
@@ -497,25 +499,6 @@ def render_service(sp: ServicePort, ctx: Context) -> Fragment:
         if lines:
             top[key] = tuple(lines)
     return Fragment(spn, top, tuple(chains), tuple(rules))
-
-
-def _any_contains(cidrs: Sequence[str], ips: Sequence[str]) -> bool:
-    if not ips:
-        return False
-    nets = []
-    for c in cidrs:
-        try:
-            nets.append(ipaddress.ip_network(c, strict=False))
-        except ValueError:
-            continue
-    for ip in ips:
-        try:
-            addr = ipaddress.ip_address(ip)
-        except ValueError:
-            continue
-        if any(addr.version == n.version and addr in n for n in nets):
-            return True
-    return False
 
 
 def _lb_rules(

@@ -11,13 +11,15 @@ entry yet. Pure: no kernel, so ``kproxy show`` and ``/rules`` can answer "where 
 
 from __future__ import annotations
 
-import ipaddress
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kproxy.model import ServicePortName
+from kproxy.toolkit.cidr import in_any
+from kproxy.toolkit.trace import Outcome as Outcome
+from kproxy.toolkit.trace import Packet as Packet
 
 from . import render
 
@@ -79,29 +81,12 @@ def parse(line: str) -> Rule:
     return Rule(chain, line, tuple(matches), target, prob, to)
 
 
-@dataclass(frozen=True, slots=True)
-class Packet:
-    src: str
-    proto: str  # tcp / udp / sctp
-    dst: str
-    dport: int
-    src_local: bool = False  # sent by the node itself (addrtype --src-type LOCAL)
-    dst_local: bool = False  # to one of the node's addresses (addrtype --dst-type LOCAL)
-
-
-def _in(ip: str, net: str) -> bool:
-    try:
-        return ipaddress.ip_address(ip) in ipaddress.ip_network(net, strict=False)
-    except ValueError:
-        return False
-
-
 def _matches(rule: Rule, pkt: Packet, marked: bool) -> bool:
     for neg, kind, value in rule.matches:
         if kind == "-s":
-            ok = _in(pkt.src, value)
+            ok = in_any(pkt.src, (value,))
         elif kind == "-d":
-            ok = _in(pkt.dst, value)
+            ok = in_any(pkt.dst, (value,))
         elif kind == "-p":
             ok = pkt.proto == value
         elif kind == "--dport":
@@ -121,15 +106,6 @@ def _matches(rule: Rule, pkt: Packet, marked: bool) -> bool:
         if ok == neg:
             return False
     return True
-
-
-@dataclass(slots=True)
-class Outcome:
-    probability: float = 1.0
-    path: list[str] = field(default_factory=list)
-    masquerade: bool = False
-    dnat: str | None = None
-    verdict: str | None = None
 
 
 def _walk(chains: Mapping[str, list[Rule]], chain: str, pkt: Packet, out: Outcome, depth: int = 0) -> list[Outcome]:
@@ -221,23 +197,5 @@ def trace(ctx: render.Context, fragments: Mapping[ServicePortName, render.Fragme
             if hit:
                 verdict = hit[0].verdict or verdict
                 path.extend(hit[0].path)
-        results.append(
-            {
-                "probability": round(o.probability, 6),
-                "verdict": verdict,
-                "masquerade": o.masquerade,
-                "rules": path,
-            }
-        )
-    return {"packet": dataclass_dict(pkt), "hook": builtin, "outcomes": results}
-
-
-def dataclass_dict(pkt: Packet) -> dict[str, Any]:
-    return {
-        "src": pkt.src,
-        "proto": pkt.proto,
-        "dst": pkt.dst,
-        "dport": pkt.dport,
-        "srcLocal": pkt.src_local,
-        "dstLocal": pkt.dst_local,
-    }
+        results.append(o.result(verdict, o.masquerade, path))
+    return {"packet": pkt.to_dict(), "hook": builtin, "outcomes": results}

@@ -13,13 +13,14 @@ for any other, the keys of its big-map elements follow from its entries (an entr
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kproxy.model import IPFamily, ServicePortName
 from kproxy.nftkernel import Nft
+from kproxy.toolkit.cidr import spans
+from kproxy.toolkit.nft import elements
 
 from . import render
 
@@ -107,93 +108,10 @@ class Adopted:
         return svc.entries == {(m, k): v for m, k, v in frag.entries}
 
 
-def _verdict(v: Any) -> str:
-    if isinstance(v, dict):
-        for kind in ("goto", "jump"):
-            if kind in v:
-                return f"{kind} {v[kind]['target']}"
-        for kind in ("drop", "accept", "return"):
-            if kind in v:
-                return kind
-    return str(v)
-
-
-def _value(v: Any) -> str:
-    """One component of a key as render writes it."""
-    if isinstance(v, dict):
-        if "prefix" in v:
-            p = v["prefix"]
-            return f"{p['addr']}/{p['len']}"
-        if "range" in v:
-            a, b = v["range"]
-            return f"{a}-{b}"
-    return str(v)
-
-
-def element_key(val: Any) -> str:
-    if isinstance(val, dict) and "concat" in val:
-        return " . ".join(_value(x) for x in val["concat"])
-    return _value(val)
-
-
-def elements(objs: Iterable[dict[str, Any]]) -> Iterable[tuple[str, str, str | None]]:
-    """(key, value or "", comment) of the elements of listed sets/maps."""
-    for key, value, comment, _ in elements_counted(objs):
-        yield key, value, comment
-
-
-def elements_counted(objs: Iterable[dict[str, Any]]) -> Iterable[tuple[str, str, str | None, tuple[int, int] | None]]:
-    """(key, value or "", comment, (packets, bytes) or None) of the elements of listed sets/maps."""
-    for obj in objs:
-        body = obj.get("map") or obj.get("set") or {}
-        for e in body.get("elem", []) or []:
-            data: Any = None
-            if isinstance(e, list) and len(e) == 2:
-                key, data = e
-            else:
-                key = e
-            comment = None
-            counter: tuple[int, int] | None = None
-            if isinstance(key, dict) and "elem" in key:
-                comment = key["elem"].get("comment")
-                c = key["elem"].get("counter")
-                if isinstance(c, dict):
-                    counter = (int(c.get("packets", 0)), int(c.get("bytes", 0)))
-                key = key["elem"]["val"]
-            value = ""
-            if data is not None:
-                value = _verdict(data) if isinstance(data, dict) and not _is_concat(data) else element_key(data)
-            yield element_key(key), value, comment, counter
-
-
-def _is_concat(v: Any) -> bool:
-    return isinstance(v, dict) and "concat" in v
-
-
-def intervals(items: Iterable[str]) -> tuple[tuple[int, int], ...]:
-    """Address intervals of CIDRs / ranges / addresses, merged: context sets compare in this form."""
-    spans: list[tuple[int, int]] = []
-    for item in items:
-        if "-" in item:
-            lo, hi = item.split("-", 1)
-            spans.append((int(ipaddress.ip_address(lo)), int(ipaddress.ip_address(hi))))
-        else:
-            net = ipaddress.ip_network(item, strict=False)
-            spans.append((int(net.network_address), int(net.broadcast_address)))
-    spans.sort()
-    merged: list[tuple[int, int]] = []
-    for a, b in spans:
-        if merged and a <= merged[-1][1] + 1:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return tuple(merged)
-
-
 def context_form(name: str, items: Iterable[str]) -> tuple[tuple[int, int], ...] | tuple[str, ...]:
     if name == render.LOCAL_IFACES:
         return tuple(sorted(i.strip('"') for i in items))
-    return intervals(items)
+    return spans(items)
 
 
 def split_comment(comment: str | None) -> tuple[str, str | None]:
@@ -234,7 +152,7 @@ def read(nft: Nft, family: IPFamily, layout_chain: str) -> tuple[Adopted | None,
         objs, err = nft.read(f"list map {fam} {render.TABLE} {name}")
         if objs is None:
             return None, err
-        for key, value, comment in elements(objs):
+        for _, key, value, comment, _ in elements(objs):
             ckey, digest = split_comment(comment)
             svc = out.services.get(ckey)
             if svc is None:
@@ -245,21 +163,21 @@ def read(nft: Nft, family: IPFamily, layout_chain: str) -> tuple[Adopted | None,
     objs, err = nft.read(f"list set {fam} {render.TABLE} {render.FIREWALL}")
     if objs is None:
         return None, err
-    for key, _, comment in elements(objs):
-        ckey, _ = split_comment(comment)
+    for el in elements(objs):
+        ckey, _ = split_comment(el.comment)
         svc = out.services.get(ckey)
         if svc is None:
             svc = out.services[ckey] = Service(digests_agree=False)
-        svc.firewall.append(key)
+        svc.firewall.append(el.key)
     objs, err = nft.read(f"list set {fam} {render.TABLE} {render.HAIRPIN}")
     if objs is None:
         return None, err
-    out.hairpin = {key for key, _, _ in elements(objs)}
+    out.hairpin = {el.key for el in elements(objs)}
     for name in render.CONTEXT_SETS:
         objs, err = nft.read(f"list set {fam} {render.TABLE} {name}")
         if objs is None:
             return None, err
-        out.context[name] = context_form(name, [k for k, _, _ in elements(objs)])
+        out.context[name] = context_form(name, [el.key for el in elements(objs)])
     # `list sets` formats every element of every set (seconds at scale): affinity sets are named after their
     # endpoint chains instead (ep-<id>-<ep>-<timeout> uses aff-<id>-<ep>-<timeout>)
     out.sets = {"aff-" + c[3:] for c in out.chains if c.startswith("ep-")}

@@ -15,10 +15,7 @@ no service owns fails the family (a full sync with adoption follows).
 from __future__ import annotations
 
 import logging
-import subprocess
-import tempfile
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +32,7 @@ from kproxy.nftkernel import Nft, available
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelProbe
 from kproxy.toolkit import nft as nft_tools
+from kproxy.toolkit.netns import scratch_netns
 from kproxy.toolkit.trace import traced
 from kproxy.toolkit.verify import Findings
 
@@ -370,7 +368,13 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             counts[f"{fam.value}/kernel_refusals"] = 1
             if not refused:  # not a service's fault: read the kernel again at the full sync
                 self._kernel[fam] = _KernelState()
-            return Applied(False, refused, summary, MappingProxyType(counts), MappingProxyType(timings))
+            return Applied(
+                ok=False,
+                refused=refused,
+                error=summary,
+                counts=MappingProxyType(counts),
+                timings=MappingProxyType(timings),
+            )
         ks = self._kernel[fam]
         if not batch.full and not any(f" {w} {render.nft_family(fam)} " in t for t in texts for w in ("chain", "set")):
             self._last_partial[fam] = [(d.name, d.old_fragment, d.new_fragment) for d in batch.deltas]
@@ -594,29 +598,14 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         texts = [t for t in self._last_full_text.values() if t]
         if not texts:
             return None
-        ns = "kpn-floor-" + uuid.uuid4().hex[:8]
-        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
-        try:
-            total = 0.0
+        total = 0.0
+        with scratch_netns("kpn-floor-") as ns:
             for text in texts:
-                with tempfile.NamedTemporaryFile("w", suffix=".nft", prefix="kproxy-floor-") as f:
-                    f.write(text)
-                    f.flush()
-                    t0 = time.perf_counter()
-                    res = subprocess.run(
-                        ["ip", "netns", "exec", ns, "nft", "-f", f.name],
-                        capture_output=True,
-                        text=True,
-                        timeout=600,
-                        check=False,
-                    )
-                    total += time.perf_counter() - t0
-                    if res.returncode != 0:
-                        log.warning("floor: nft -f refused the transaction: %s", res.stderr.strip()[:500])
-                        return None
-            return total
-        finally:
-            subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True, timeout=60)
+                seconds = nft_tools.file_seconds(ns, text)
+                if seconds is None:
+                    return None
+                total += seconds
+        return total
 
 
 def _sid_of(name: str) -> str:

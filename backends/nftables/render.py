@@ -15,13 +15,15 @@ masquerade helper) is ``fixed_commands``; it does not depend on the node context
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kproxy.model import Endpoint, IPFamily, ServicePort, ServicePortName
-from kproxy.nodeaddr import LOOPBACK, FamilyContext
+from kproxy.nodeaddr import FamilyContext
+from kproxy.toolkit.cidr import all_but_loopback, any_contains, collapsed
+from kproxy.toolkit.keys import service_key as service_key
+from kproxy.toolkit.nft import nft_family as nft_family
 
 TABLE = "kproxy"
 #: bumped whenever the fixed part's shape changes: a table of another layout is replaced whole (see proxier)
@@ -73,10 +75,6 @@ _FAM = {IPFamily.V4: "ip", IPFamily.V6: "ip6"}
 _ADDR = {IPFamily.V4: "ipv4_addr", IPFamily.V6: "ipv6_addr"}
 
 
-def nft_family(family: IPFamily) -> str:
-    return _FAM[family]
-
-
 # ----------------------------------------------------------------------------------------------- names
 
 
@@ -91,11 +89,6 @@ def short_hash(text: str, n: int = 10) -> str:
         out.append(_B32[v & 31])
         v >>= 5
     return "".join(out)
-
-
-def service_key(spn: ServicePortName) -> str:
-    """``ns/name[:port]/PROTO``: the key of a service port in comments, ``describe()`` and ``kernel_view()``."""
-    return f"{spn}/{spn.protocol.value}"
 
 
 _SAFE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_./:-")
@@ -132,7 +125,7 @@ def context_elements(ctx: FamilyContext) -> dict[str, tuple[str, ...]]:
     cidrs: tuple[str, ...] = ()
     ifaces: tuple[str, ...] = ()
     if ctx.local.kind == "cidr":
-        cidrs = _sources(ctx.local.values, (), ctx.family)
+        cidrs = collapsed(ctx.local.values, ctx.family)
     elif ctx.local.kind == "bridge":
         ifaces = tuple(f'"{_ifname(v)}"' for v in ctx.local.values)
     elif ctx.local.kind == "prefix":
@@ -143,12 +136,10 @@ def context_elements(ctx: FamilyContext) -> dict[str, tuple[str, ...]]:
 def nodeport_cidrs(ctx: FamilyContext) -> tuple[str, ...]:
     """Where NodePorts answer (with ``fib daddr type local``): every address but loopback, or the given CIDRs and
     ``primary`` addresses."""
-    loop = LOOPBACK[ctx.family]
     if ctx.nodeport_all_local:
-        everything = ipaddress.ip_network("0.0.0.0/0" if ctx.family == IPFamily.V4 else "::/0")
-        return tuple(str(n) for n in sorted(everything.address_exclude(loop)))  # type: ignore[arg-type]
+        return tuple(str(n) for n in all_but_loopback(ctx.family))
     # collapsed: the interval set refuses overlapping elements (a CIDR inside another, a primary address in a CIDR)
-    return _sources(ctx.nodeport_cidrs, ctx.nodeport_ips, ctx.family)
+    return collapsed((*ctx.nodeport_cidrs, *ctx.nodeport_ips), ctx.family)
 
 
 _IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
@@ -537,9 +528,9 @@ def _render_general(sp: ServicePort, ctx: FamilyContext) -> Fragment:
     # external addresses: externalIPs, load-balancer IPs (behind the firewall when source ranges are set)
     ext_local_policy = ext_local and sp.has_external_addresses
     uses_fw = has_endpoints and bool(sp.load_balancer_ips) and bool(sp.load_balancer_source_ranges)
-    allow_lb_sources = uses_fw and _any_contains(sp.load_balancer_source_ranges, ctx.node_ips)
+    allow_lb_sources = uses_fw and any_contains(sp.load_balancer_source_ranges, ctx.node_ips)
     firewall_sources = (
-        _sources(sp.load_balancer_source_ranges, sp.load_balancer_ips if allow_lb_sources else (), sp.family)
+        collapsed((*sp.load_balancer_source_ranges, *(sp.load_balancer_ips if allow_lb_sources else ())), sp.family)
         if uses_fw
         else ()
     )
@@ -640,43 +631,6 @@ def _fill_external(
             elements.append((primary, f"{key} . {i}", _ep(ep)))
         for i, ep in enumerate(sp.cluster_endpoints):
             elements.append((shortcut, f"{key} . {i}", _ep(ep)))
-
-
-def _sources(ranges: Sequence[str], ips: Sequence[str], family: IPFamily) -> tuple[str, ...]:
-    """Source ranges of one family as non-overlapping CIDRs (an interval set refuses overlapping elements:
-    ``10.0.0.0/8`` with ``10.1.0.0/16``, or an admitted LB IP inside a range), single addresses without ``/32``."""
-    version = 4 if family == IPFamily.V4 else 6
-    nets = []
-    for text in (*ranges, *ips):
-        try:
-            net = ipaddress.ip_network(text, strict=False)
-        except ValueError:
-            continue
-        if net.version == version:
-            nets.append(net)
-    return tuple(_cidr(str(n)) for n in ipaddress.collapse_addresses(nets))  # type: ignore[type-var]
-
-
-def _cidr(text: str) -> str:
-    net = ipaddress.ip_network(text, strict=False)
-    return str(net.network_address) if net.prefixlen == net.max_prefixlen else str(net)
-
-
-def _any_contains(cidrs: Sequence[str], ips: Sequence[str]) -> bool:
-    nets = []
-    for c in cidrs:
-        try:
-            nets.append(ipaddress.ip_network(c, strict=False))
-        except ValueError:
-            continue
-    for ip in ips:
-        try:
-            addr = ipaddress.ip_address(ip)
-        except ValueError:
-            continue
-        if any(addr.version == n.version and addr in n for n in nets):
-            return True
-    return False
 
 
 # ----------------------------------------------------------------------------------------------- transactions

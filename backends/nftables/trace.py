@@ -13,51 +13,19 @@ Pure: no kernel, so ``kproxy show --trace`` and ``/rules`` can answer anywhere.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from kproxy.model import IPFamily, ServicePortName
 from kproxy.nodeaddr import FamilyContext
+from kproxy.toolkit.cidr import in_any
+from kproxy.toolkit.trace import Outcome as Outcome
+from kproxy.toolkit.trace import Packet as Packet
 
 from . import render
 
 _MAX_DEPTH = 20
-
-
-@dataclass(frozen=True, slots=True)
-class Packet:
-    src: str
-    proto: str  # tcp / udp / sctp
-    dst: str
-    dport: int
-    src_local: bool = False  # sent by the node itself (fib saddr type local)
-    dst_local: bool = False  # to one of the node's addresses (fib daddr type local)
-
-
-@dataclass(slots=True)
-class Outcome:
-    probability: float = 1.0
-    path: list[str] = field(default_factory=list)
-    masquerade: bool = False
-    dnat: str | None = None
-    verdict: str | None = None
-
-
-def _in_any(ip: str, cidrs: tuple[str, ...]) -> bool:
-    try:
-        addr = ipaddress.ip_address(ip)
-    except ValueError:
-        return False
-    for c in cidrs:
-        try:
-            if addr in ipaddress.ip_network(c, strict=False):
-                return True
-        except (ValueError, TypeError):
-            continue
-    return False
 
 
 _DNAT_MAP = re.compile(r"^meta l4proto (\w+) dnat ip6? to (.+) \. numgen random mod (\d+) map @(\S+)$")
@@ -94,7 +62,7 @@ class _Walker:
         return render.fixed_chain_rules(self.family).get(chain, ())
 
     def local_pod(self) -> bool:
-        return _in_any(self.pkt.src, self.ctx_sets[render.LOCAL_CIDRS])
+        return in_any(self.pkt.src, self.ctx_sets[render.LOCAL_CIDRS])
 
     def verdict(self, v: str, out: Outcome, depth: int) -> list[Outcome]:
         if v == "drop":
@@ -147,7 +115,7 @@ class _Walker:
             if f"@{render.FIREWALL} goto " in rule:
                 prefix = f"{p.dst} . {p.proto} . {p.dport}"
                 allowed = [c for k, c in self.firewall if k == prefix]
-                if _in_any(p.src, tuple(allowed)):
+                if in_any(p.src, tuple(allowed)):
                     out.path.append(f"{here} (source allowed)")
                     return self.walk(rule.rsplit(" ", 1)[1], out, depth + 1)
                 out.path.append(f"{chain}: source {p.src} not in loadBalancerSourceRanges")
@@ -211,7 +179,7 @@ def trace(ctx: FamilyContext, fragments: Mapping[ServicePortName, render.Fragmen
     if v is not None:
         start.path.append(f"services: @{render.SERVICE_IPS}[{key}] = {v}")
         outcomes = w.verdict(v, start, 0)
-    elif pkt.dst_local and _in_any(pkt.dst, w.ctx_sets[render.NODEPORT_CIDRS]):
+    elif pkt.dst_local and in_any(pkt.dst, w.ctx_sets[render.NODEPORT_CIDRS]):
         npkey = f"{pkt.proto} . {pkt.dport}"
         v = w.maps.get(render.SERVICE_NODEPORTS, {}).get(npkey)
         if v is None:
@@ -232,23 +200,9 @@ def trace(ctx: FamilyContext, fragments: Mapping[ServicePortName, render.Fragmen
                 masq = True
                 o.path.append(f"nat-postrouting: hairpin {ip} . {ip}: masquerade")
         verdict = f"DNAT {o.dnat}" if o.dnat else (o.verdict or "no service rule")
-        results.append(
-            {
-                "probability": round(o.probability, 6),
-                "verdict": verdict,
-                "masquerade": masq and o.dnat is not None,
-                "rules": o.path,
-            }
-        )
+        results.append(o.result(verdict, masq and o.dnat is not None, o.path))
     out: dict[str, Any] = {
-        "packet": {
-            "src": pkt.src,
-            "proto": pkt.proto,
-            "dst": pkt.dst,
-            "dport": pkt.dport,
-            "srcLocal": pkt.src_local,
-            "dstLocal": pkt.dst_local,
-        },
+        "packet": pkt.to_dict(),
         "hook": "output" if pkt.src_local else "prerouting",
         "outcomes": results,
     }

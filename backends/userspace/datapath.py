@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kproxy.toolkit.netns import enter_netns
+
 log = logging.getLogger(__name__)
 
 DIAL_TIMEOUTS = (0.25, 0.5, 1.0, 2.0)  # upstream's EndpointDialTimeouts
@@ -151,8 +153,6 @@ class Engine:
         def run() -> None:
             try:
                 if self.netns:
-                    from kproxy.nftkernel import enter_netns
-
                     enter_netns(self.netns)
                 loop = asyncio.new_event_loop()
                 self.loop = loop

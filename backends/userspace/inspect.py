@@ -19,7 +19,6 @@ same fields (another address in a match) is not seen.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 from collections import Counter
@@ -29,7 +28,9 @@ from functools import lru_cache
 from typing import Any
 
 from kproxy.model import IPFamily, ServicePortName
-from kproxy.nftkernel import elements
+from kproxy.toolkit.cidr import spans
+from kproxy.toolkit.nft import elements
+from kproxy.toolkit.verify import Findings
 
 from . import render
 from .render import Fragment
@@ -272,7 +273,7 @@ def parse_table(view: View, objs: list[dict[str, Any]]) -> None:
         body = o.get("map") or o.get("set")
         if body is not None and body.get("table") == render.TABLE:
             view.maps.add(str(body["name"]))
-    for name, key, value, comment in elements([o for o in objs if "map" in o or "set" in o]):
+    for name, key, value, comment, _ in elements(objs):
         if name == render.NODEPORT_CIDRS:
             view.nodeport_cidrs.append(key)
         elif name == render.PROXY_PORTS:
@@ -330,9 +331,7 @@ def service_problems(view: View, name: ServicePortName, frag: Fragment) -> str |
             problems.append(f"role {role}: its addresses name ports {sorted(held_ports)}, one proxy socket wanted")
         for number in sorted(held_ports):
             problems += _socket_problems(view, name, frag.proto, number, role, listeners.get(role))
-    if not problems:
-        return None
-    return "missing" if not found else "different: " + "; ".join(problems[:6])
+    return Findings(problems, found).verdict(6)
 
 
 def _socket_problems(
@@ -385,23 +384,3 @@ def extra(view: View, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
         if served.ident[1] not in names:
             out.append(f"a proxy socket (inode {inode}) serves {render.service_key(served.ident[1])}: not wanted")
     return out
-
-
-def spans(items: Iterable[str]) -> frozenset[tuple[int, int]]:
-    """Interval set elements (``a-b``, ``a/n``, ``a``) as merged integer spans, to compare kernel and wanted."""
-    spans = []
-    for item in items:
-        if "-" in item and "/" not in item:
-            a, b = item.split("-", 1)
-            spans.append((int(ipaddress.ip_address(a)), int(ipaddress.ip_address(b))))
-        else:
-            n = ipaddress.ip_network(item, strict=False)
-            spans.append((int(n.network_address), int(n.broadcast_address)))
-    spans.sort()
-    merged: list[tuple[int, int]] = []
-    for lo, hi in spans:
-        if merged and merged[-1][1] + 1 >= lo:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-        else:
-            merged.append((lo, hi))
-    return frozenset(merged)

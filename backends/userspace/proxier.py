@@ -20,6 +20,7 @@ the range into the input guard's ``proxy-ports`` set when the kernel holds anyth
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import itertools
 import logging
@@ -42,7 +43,7 @@ from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, BackendError, KernelProbe, Option
 from kproxy.toolkit import nft as nft_tools
 from kproxy.toolkit.cidr import spans
-from kproxy.toolkit.netns import in_netns
+from kproxy.toolkit.netns import in_netns, scratch_netns
 
 from . import inspect, render
 from .datapath import Engine, ListenerSpec
@@ -844,9 +845,9 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             if not res.ok:
                 self.kernel.call(drop_new)
                 self._known[fam] = False
-                summary, refused = nft_tools.refused(res, tx.owner_of)
+                summary, named = nft_tools.refused(res, tx.owner_of)
                 counts[f"{fam.value}/kernel_refusals"] = 1
-                return Applied(ok=False, refused=refused, error=summary, counts=MappingProxyType(counts))
+                return Applied(ok=False, refused=named, error=summary, counts=MappingProxyType(counts))
 
         # the kernel holds it: hand the data path its new sockets and endpoints, close what nothing names now
         specs: list[ListenerSpec] = []
@@ -912,66 +913,54 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         """What the kernel alone takes for the last full sync that built the table from nothing: ``nft -f`` of its
         exact transaction plus binding (and for TCP listening on) as many sockets, in a fresh namespace of its own
         (``kpu-floor-…``), deleted afterwards."""
-        import subprocess
-        import tempfile
-        import uuid
-
         work = [v for v in self._last_full.values() if v[0]]
         if not work:
             return None
-        ns = "kpu-floor-" + uuid.uuid4().hex[:8]
-        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
-        try:
-            total = 0.0
+        total = 0.0
+        with scratch_netns("kpu-floor-") as ns:
             for (text, tcp_n, udp_n), fam in zip(work, self._last_full, strict=True):
-                with tempfile.NamedTemporaryFile("w", suffix=".nft", prefix="kproxy-floor-") as f:
-                    f.write(text)
-                    f.flush()
-                    t0 = time.perf_counter()
-                    res = subprocess.run(
-                        ["ip", "netns", "exec", ns, "nft", "-f", f.name], capture_output=True, text=True, timeout=600
-                    )
-                    total += time.perf_counter() - t0
-                if res.returncode != 0:
-                    log.warning("floor: nft -f refused the transaction: %s", res.stderr.strip()[:300])
+                seconds = nft_tools.file_seconds(ns, text)
+                if seconds is None:
                     return None
-                box: list[float] = []
-
-                def bind(fam: IPFamily = fam, tcp_n: int = tcp_n, udp_n: int = udp_n, box: list[float] = box) -> None:
-                    af = socket.AF_INET if fam == IPFamily.V4 else socket.AF_INET6
-                    wildcard = "0.0.0.0" if fam == IPFamily.V4 else "::"
-                    # explicit ports, as _bind picks them; in batches closed in between, since this process
-                    # still holds its own proxy sockets and the descriptor limit is shared
-                    lo = 20000
-                    spent = 0.0
-                    try:
-                        for kind, n in ((socket.SOCK_STREAM, tcp_n), (socket.SOCK_DGRAM, udp_n)):
-                            for first in range(0, n, FLOOR_BATCH):
-                                socks = []
-                                t1 = time.perf_counter()
-                                try:
-                                    for i in range(first, min(n, first + FLOOR_BATCH)):
-                                        s = socket.socket(af, kind)
-                                        socks.append(s)
-                                        s.bind((wildcard, lo + i % 40000))
-                                        if kind == socket.SOCK_STREAM:
-                                            s.listen(BACKLOG)
-                                    spent += time.perf_counter() - t1
-                                finally:
-                                    for s in socks:
-                                        s.close()
-                        box.append(spent)
-                    except OSError as exc:
-                        log.warning("floor: binding %d sockets failed: %s", tcp_n + udp_n, exc)
-
                 try:
-                    in_netns(ns, bind, timeout=600, name="kpu-floor")
+                    bound = in_netns(
+                        ns, functools.partial(_bind_seconds, fam, tcp_n, udp_n), timeout=600, name="kpu-floor"
+                    )
                 except (OSError, TimeoutError) as exc:
                     log.warning("floor: binding sockets in %s failed: %s", ns, exc)
                     return None
-                if not box:
+                if bound is None:
                     return None
-                total += box[0]
-            return total
-        finally:
-            subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True, timeout=60)
+                total += seconds + bound
+        return total
+
+
+def _bind_seconds(fam: IPFamily, tcp_n: int, udp_n: int) -> float | None:
+    """Seconds binding (and for TCP listening on) ``tcp_n`` + ``udp_n`` wildcard sockets takes in the calling
+    thread's namespace (``measure_floor``), None when binding failed (logged)."""
+    af = socket.AF_INET if fam == IPFamily.V4 else socket.AF_INET6
+    wildcard = "0.0.0.0" if fam == IPFamily.V4 else "::"
+    # explicit ports, as _bind picks them; in batches closed in between, since this process
+    # still holds its own proxy sockets and the descriptor limit is shared
+    lo = 20000
+    spent = 0.0
+    try:
+        for kind, n in ((socket.SOCK_STREAM, tcp_n), (socket.SOCK_DGRAM, udp_n)):
+            for first in range(0, n, FLOOR_BATCH):
+                socks = []
+                t1 = time.perf_counter()
+                try:
+                    for i in range(first, min(n, first + FLOOR_BATCH)):
+                        so = socket.socket(af, kind)
+                        socks.append(so)
+                        so.bind((wildcard, lo + i % 40000))
+                        if kind == socket.SOCK_STREAM:
+                            so.listen(BACKLOG)
+                    spent += time.perf_counter() - t1
+                finally:
+                    for so in socks:
+                        so.close()
+    except OSError as exc:
+        log.warning("floor: binding %d sockets failed: %s", tcp_n + udp_n, exc)
+        return None
+    return spent

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName, Verdict
-from kproxy.nodeaddr import LOOPBACK, FamilyContext
+from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, Verdict
+from kproxy.nodeaddr import FamilyContext
+from kproxy.toolkit.cidr import Network, all_but_loopback
+from kproxy.toolkit.keys import service_key as service_key
+from kproxy.toolkit.nft import nft_family as nft_family
 
 TABLE = "kproxy-userspace"
 #: bumped whenever the fixed part's shape changes: a table of another layout is replaced whole
@@ -49,10 +53,6 @@ V_DROP = "drop"
 ROLES = ("c", "i", "e")
 
 
-def nft_family(family: IPFamily) -> str:
-    return "ip" if family == IPFamily.V4 else "ip6"
-
-
 def _addr_type(family: IPFamily) -> str:
     return "ipv4_addr" if family == IPFamily.V4 else "ipv6_addr"
 
@@ -63,11 +63,6 @@ def _daddr(family: IPFamily) -> str:
 
 def _saddr(family: IPFamily) -> str:
     return "ip saddr" if family == IPFamily.V4 else "ip6 saddr"
-
-
-def service_key(spn: ServicePortName) -> str:
-    """``ns/name[:port]/PROTO``: a service port's key in comments, ``describe()`` and ``kernel_view()``."""
-    return f"{spn}/{spn.protocol.value}"
 
 
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_./:-")
@@ -279,16 +274,13 @@ def proxy_ports_element(port_range: tuple[int, int]) -> str:
 
 def nodeport_cidrs(ctx: FamilyContext) -> tuple[str, ...]:
     """Where NodePorts answer, as nft interval elements: every address but loopback, or ``--nodeport-addresses``."""
-    loop = LOOPBACK[ctx.family]
     if ctx.nodeport_all_local:
-        everything = ipaddress.ip_network("0.0.0.0/0" if ctx.family == IPFamily.V4 else "::/0")
-        nets = sorted(everything.address_exclude(loop))  # type: ignore[arg-type]
-        return _ranges(nets)  # type: ignore[arg-type]
+        return _ranges(all_but_loopback(ctx.family))
     out = list(ctx.nodeport_cidrs) + [f"{ip}/{32 if ctx.family == IPFamily.V4 else 128}" for ip in ctx.nodeport_ips]
     return tuple(sorted(set(out)))
 
 
-def _ranges(nets: list[ipaddress.IPv4Network] | list[ipaddress.IPv6Network]) -> tuple[str, ...]:
+def _ranges(nets: Sequence[Network]) -> tuple[str, ...]:
     """Adjacent networks merged into ``a-b`` ranges (nft refuses overlapping and prefers few intervals)."""
     spans: list[list[int]] = []
     for n in nets:

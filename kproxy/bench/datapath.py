@@ -3,37 +3,49 @@
 
 From a pod to a ClusterIP whose only endpoint is a pod on the other node, with N services programmed on both nodes,
 and the same traffic to that pod's IP directly, against **the limit**: the same traffic between two pods on two
-nodes that have no proxy rules at all, measured in the same run. The lab has four nodes (prefix ``kpd-``, one pod
-each, IPv4): kproxy runs on node-1 and node-2 only; node-3 and node-4 never get a rule, so pod-3-1 -> pod-4-1 is the
-limit at every size. (The pod IP on the loaded node is not the limit: a proxy's rules also tax traffic that never
-touches a service, e.g. iptables' KUBE-SERVICES walk on every new connection, on both nodes.)
+nodes that have no proxy rules at all, measured in the same run. The lab has four nodes (eight with the diagnostic
+limits; prefix ``kpd-``, two pods each, IPv4): kproxy runs on node-1 and node-2 only; node-3 and node-4 never get a
+rule, so pod-3-1 -> pod-4-1 is the limit at every size. (The pod IP on the loaded node is not the limit: a proxy's
+rules also tax traffic that never touches a service, e.g. iptables' KUBE-SERVICES walk on every new connection, on
+both nodes.)
 
-Targets, measured in many short rounds whose order rotates, each target's client a long-lived ``dpclient --serve``
-in its pod (so drift on a shared machine hits all three alike and no process start sits between them):
+Targets, measured in many short rounds whose order is shuffled, every target with a client pod and a server pod of
+its own (``ROLES``: each echo server takes one operation per turn of the interleaving; a server shared by two targets
+answers each later than a server of one, which once put the pod IP 4-10 % "above" the limit):
 
 * ``limit``: pod-3-1 -> pod-4-1's IP (no proxy rules anywhere on the path);
-* ``podip``: pod-1-1 -> pod-2-1's IP across the loaded nodes;
-* ``clusterip``: pod-1-1 -> the target service's ClusterIP, DNATed to pod-2-1;
+* ``limit_twin``: pod-3-2 -> pod-4-2's IP, the limit's path between two other pods: the lab's self-test in every
+  run (twin / limit must be 1.0 within a couple of per cent; ``DatapathConfig.twin``);
+* ``podip``: pod-1-2 -> pod-2-2's IP across the loaded nodes;
+* ``clusterip``: pod-1-1 -> the target service's ClusterIP, DNATed (or translated at connect()) to pod-2-1; in mode
+  ``none`` pod-2-1's IP directly, so the calibration runs a real run's targets, pods and schedule;
 * diagnostic limits (``DatapathConfig.conntrack_limits``, on by default here, ``kproxy compare --conntrack-limits``):
-  ``limit_ct``, the limit's path with conntrack turned on in nodes 3 and 4 by a one-rule table, and ``limit_nat``,
-  the same with nat base chains and a DNAT rule that never matches (conntrack + the nat hooks + a null binding per
-  connection: what every NAT-based proxy pays before any rule of its own). Each table is loaded just before its
-  measurement and deleted (and the conntrack entries flushed) just after, so the plain limit in the same round has
-  neither. Why they exist: on this kernel conntrack's hooks register per network namespace only when a rule needs
-  them (a ct expression, a NAT rule; a nat chain alone does not), so the plain limit tracks nothing, and a NAT proxy
-  cannot reach it; the pod IP and the ClusterIP are also reported against ``limit_nat`` (``DatapathRun.ratios_vs``).
-  The conntrack entries in each path's nodes after every round are recorded: 0 on the limit's nodes shows it.
+  ``limit_ct``, the limit's path with conntrack turned on in nodes 5 and 6 by a one-rule table, and ``limit_nat``,
+  nodes 7 and 8 with nat base chains and a DNAT rule that never matches (conntrack + the nat hooks + a null binding
+  per connection: what every NAT-based proxy pays before any rule of its own). Why they exist: on this kernel
+  conntrack's hooks register per network namespace only when a rule needs them (a ct expression, a NAT rule; a nat
+  chain alone does not), so the plain limit tracks nothing, and a NAT proxy cannot reach it; the pod IP and the
+  ClusterIP are also reported against ``limit_nat`` (``DatapathRun.ratios_vs``). The conntrack entries in each
+  path's nodes after every round are recorded: 0 on the limit's nodes shows it.
 
-Metrics, per target and round (kproxy.bench.dpclient against the pods' echo servers; iperf3 for throughput):
-new TCP connections per second (connect, one request/response, close with RST) with the p50/p99 of a whole
-connection; request/response p50/p99 on one established TCP connection; UDP request/response p50/p99; bulk TCP
-throughput (``iperf3 -c``, Gbit/s). Each figure is the median over the rounds; each ratio is against the limit,
-oriented so that 1.0 means "as fast as without a proxy" and smaller is slower (rates: target / limit; latencies:
-limit / target), taken within each round and then the median over rounds (:func:`paired_ratios`), with the
-interquartile range of the per-round ratios beside it (:func:`ratio_spread`: the noise of a shared machine).
+One client (``dpclient --serve``) runs every target in turn, one operation each; it makes no socket itself. Each
+target's sockets come from a factory process (``dpclient --factory``) in the target's client pod and in its client
+node's cgroup, because a socket belongs to the cgroup of the process that made it and a bpf proxy's socket programs
+(connect4, sendmsg4) run for the socket's cgroup: the limits' sockets come from nodes that never run a proxy and pass
+no program; the pod IP's and the ClusterIP's come from node-1 and pass all of bpf's.
 
-Pinning (2 cores): every client (dpclient, iperf3 -c) runs under ``taskset -c 0``; the servers (the echo servers of
-pod-2-1 and pod-4-1, re-pinned with ``taskset -a -p -c 1``, and ``iperf3 -s``) on CPU 1. The kproxy processes and
+Metrics, per target and round (kproxy.bench.dpclient against the pods' echo servers; iperf3 for throughput): new TCP
+connections per second (connect, one request/response, close with RST) with the p50/p99 of a whole connection (a
+failed operation's time counts in its target's rate; a round in which some target failed more than
+``MAX_ERROR_FRACTION`` of a phase's operations is left out whole); request/response p50/p99 on one established TCP
+connection; UDP request/response p50/p99; bulk TCP throughput (``iperf3 -c``, Gbit/s). Each figure is the median
+over the rounds; each ratio is against the limit, oriented so that 1.0 means "as fast as without a proxy" and
+smaller is slower (rates: target / limit; latencies: limit / target), taken within each round and then the median
+over rounds (:func:`paired_ratios`), with the interquartile range of the per-round ratios beside it
+(:func:`ratio_spread`: the noise of a shared machine).
+
+Pinning (2 cores): every client (dpclient, its factories, iperf3 -c) runs under ``taskset -c 0``; the servers (the
+targets' echo servers, re-pinned with ``taskset -a -p -c 1``, and ``iperf3 -s``) on CPU 1. The kproxy processes and
 the lab's API stand-in are not pinned: they are idle while traffic runs (their sync is finished and checked first).
 
 Services: size N means N services programmed in total: the target plus N - 1 synthetic ones (kproxy.bench.synthetic:
@@ -42,9 +54,11 @@ the lab's API stand-in over its HTTP API before kproxy starts, so each size cost
 ascending order; each mode is started on both loaded nodes, waited for (``/healthz`` 200, then the ClusterIP answers
 over TCP and UDP), measured, stopped, and its rules removed (``kproxy cleanup --mode MODE`` in both nodes, then any
 table left, e.g. iptables-nft's empty built-in ones, whose forward chain would tax the next mode's every packet, and
-the conntrack entries). kproxy's CPU time while the traffic runs is recorded (it should be idle).
+the conntrack entries). kproxy's CPU time over a quiet interval before the traffic (``idle_cpu_s``: synced, no
+change, no traffic; an idle proxy must cost almost nothing) and while the traffic runs are recorded.
 
-Mode ``none`` starts no proxy: ``podip`` against ``limit`` then shows what the lab itself contributes (about 1.0).
+Mode ``none`` starts no proxy: every target against ``limit`` then shows what the lab itself contributes (1.0 within
+the noise), with the same targets and schedule as a real run.
 """
 
 from __future__ import annotations
