@@ -878,10 +878,15 @@ class DatapathLab:
             raise DatapathError(f"the interleaved dpclient, {req}: {answer['error']}")
         return list(answer["targets"])
 
-    def measure_round(self, targets: Sequence[str]) -> tuple[dict[str, dict[str, float]], dict[str, int], str]:
+    def measure_round(self, targets: Sequence[str]) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
+        """:meth:`judged_round` without the verdict: (figures per target, errors per target)."""
+        out, errors, _failure = self.judged_round(targets)
+        return out, errors
+
+    def judged_round(self, targets: Sequence[str]) -> tuple[dict[str, dict[str, float]], dict[str, int], str]:
         """One round over ``targets``: each request/response phase interleaved across all of them (one operation
         per target in turn), then iperf3 per target in the order given. (figures per target, errors per target,
-        why the round failed: "" when it did not)"""
+        why the round failed: "" when it did not, see :func:`round_failure`)"""
         client: dict[str, dict[str, Any]] = {t: {} for t in targets}
         for phase in ("crr", "rr", "udp"):
             for t, figures in zip(targets, self._multi_phase(phase, targets), strict=True):
@@ -938,7 +943,7 @@ def measure_run(dl: DatapathLab, mode: str, services: int, targets: Sequence[str
     for r in range(dl.config.rounds):
         order = round_order(targets, r)
         dl.progress(f"{mode} @ {services}: round {r + 1}/{dl.config.rounds}, {', '.join(order)} interleaved")
-        this_round, errors, failure = dl.measure_round(order)
+        this_round, errors, failure = dl.judged_round(order)
         for t in order:
             run.errors[t] = run.errors.get(t, 0) + errors[t]
         if failure:  # left out whole, every target's figures of it, so the rounds stay paired

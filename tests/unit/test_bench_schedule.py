@@ -81,7 +81,7 @@ def test_a_round_fails_above_the_error_threshold() -> None:
 
 
 class _Rounds:
-    """The bookkeeping side of a DatapathLab (no lab): measure_round answers scripted rounds, so measure_run's
+    """The bookkeeping side of a DatapathLab (no lab): judged_round answers scripted rounds, so measure_run's
     pairing and leaving-out can be checked. Traffic itself is the integration tests' (test_bench_dp_selftest)."""
 
     def __init__(self, rounds: list[tuple[dict[str, dict[str, float]], str]]) -> None:
@@ -100,7 +100,7 @@ class _Rounds:
     def conntrack_count(self, _ns: str) -> float | None:
         return None  # conntrack not loaded: nothing recorded
 
-    def measure_round(self, order: list[str]) -> tuple[dict[str, dict[str, float]], dict[str, int], str]:
+    def judged_round(self, order: list[str]) -> tuple[dict[str, dict[str, float]], dict[str, int], str]:
         figures, failure = self._rounds.pop(0)
         return {t: figures[t] for t in order}, {t: 0 for t in order}, failure
 
