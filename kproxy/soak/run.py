@@ -39,6 +39,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -567,9 +568,10 @@ class Soak:
         picked = self._rng_packets.sample(sorted(absent), min(len(absent), MAX_ABSENT))
         return chosen, {n: absent[n] for n in picked}
 
-    def _packets(self, model: Model, changed: set[str], final: bool) -> list[str]:
+    def _packets(self, model: Model, changed: set[str], final: bool, meanwhile: Callable[[], None]) -> list[str]:
         """Real packets from a pod of every node to every address of the chosen services (see
-        ``kproxy.soak.packets``), judged against the model: what was lost or wrong, with what was sent and got."""
+        ``kproxy.soak.packets``), judged against the model: what was lost or wrong, with what was sent and got.
+        ``meanwhile`` runs while the packets are out (most of a sweep is waiting for drops to time out)."""
         assert self.lab is not None
         lab = self.lab
         chosen, absent = self._choose(model, changed, final)
@@ -580,7 +582,7 @@ class Soak:
         node_ips = {n.name: {"IPv4": n.ip4, "IPv6": n.ip6} for n in lab.nodes}
         targets = plan(model, chosen, clients, node_ips, absent=absent)
         pod_of = {p.ip4: p.name for p in lab.pods} | {p.ip6: p.name for p in lab.pods if p.ip6}
-        results = self._sweep(targets)
+        results = self._sweep(targets, meanwhile)
         failures: list[str] = []
         self.packets["targets"] += len(targets)
         for t in targets:
@@ -595,8 +597,9 @@ class Soak:
             self.known_ips[n] = list(model.cluster_ips[n])
         return failures
 
-    def _sweep(self, targets: Sequence[Target]) -> dict[str, list[dict[str, Any]]]:
-        """``kproxy.soak.sweep`` in each client pod at once (its node's cgroup): target id -> results."""
+    def _sweep(self, targets: Sequence[Target], meanwhile: Callable[[], None]) -> dict[str, list[dict[str, Any]]]:
+        """``kproxy.soak.sweep`` in each client pod at once (its node's cgroup), ``meanwhile()`` while they run:
+        target id -> results."""
         assert self.lab is not None
         lab = self.lab
         procs = []
@@ -604,19 +607,25 @@ class Soak:
             pod = lab.pod(client)
             mine = [t.request() for t in targets if t.client == client]
             argv = netns.exec_argv(pod.ns, stdlib_module_argv("kproxy.soak.sweep"))
+            # the request from a file: the sweep starts at once and nothing here waits on a pipe before meanwhile()
+            request = tempfile.TemporaryFile()
+            request.write(json.dumps({"workers": 64, "targets": mine}).encode())
+            request.seek(0)
             proc = subprocess.Popen(
                 argv,
                 env=_env(),
-                stdin=subprocess.PIPE,
+                stdin=request,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 preexec_fn=netns.cgroup_preexec(lab.cgroup_path(pod.node)),
             )
-            procs.append((client, proc, json.dumps({"workers": 16, "targets": mine}).encode()))
+            request.close()  # the child has its own descriptor
+            procs.append((client, proc))
+        meanwhile()
         out: dict[str, list[dict[str, Any]]] = {}
-        for client, proc, request in procs:
+        for client, proc in procs:
             try:
-                stdout, stderr = proc.communicate(request, timeout=120)
+                stdout, stderr = proc.communicate(timeout=120)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.communicate()
@@ -902,9 +911,10 @@ class Soak:
         t0 = time.monotonic()
         services, slices = self._api_state()
         model = build(services, slices, namespace=NAMESPACE)
-        kernel = self._kernel_check(model)
+        kernel: dict[str, list[str]] = {}
         before = dict(self.packets)
-        failures = self._packets(model, self.churner.take_changed(), after == "final")
+        changed = self.churner.take_changed()
+        failures = self._packets(model, changed, after == "final", lambda: kernel.update(self._kernel_check(model)))
         api_diffs = self._api_differences()
         cp = {
             "after": after,

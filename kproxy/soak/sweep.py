@@ -3,7 +3,7 @@
 ``kproxy.soak.run`` starts it as ``ip netns exec POD python -S -m kproxy.soak.sweep`` in the pod's namespace and its
 node's cgroup (so a cgroup-attached backend translates its sockets as a pod's) and writes the targets to its stdin::
 
-    {"workers": 16, "targets": [{"id": "t1", "proto": "tcp", "host": "198.19.0.5", "port": 80,
+    {"workers": 64, "targets": [{"id": "t1", "proto": "tcp", "host": "198.19.0.5", "port": 80,
                                  "attempts": 3, "timeout": 1.0}, ...]}
 
 Each target's attempts run one after another, each a new connection (TCP) or a new connected socket (UDP) through
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 MAX_TARGETS = 5000
 MAX_ATTEMPTS = 10
 MAX_TIMEOUT = 5.0
-MAX_WORKERS = 32
+MAX_WORKERS = 64
 
 
 def _one(target: dict[str, Any], out: dict[str, list[dict[str, object]]], lock: threading.Lock) -> None:
@@ -68,7 +68,7 @@ def sweep(targets: list[dict[str, Any]], workers: int) -> dict[str, list[dict[st
 def main() -> int:
     request = json.loads(sys.stdin.read() or "{}")
     targets = [t for t in request.get("targets") or [] if isinstance(t, dict)]
-    print(json.dumps(sweep(targets, int(request.get("workers") or 16))), flush=True)
+    print(json.dumps(sweep(targets, int(request.get("workers") or 64))), flush=True)
     return 0
 
 
