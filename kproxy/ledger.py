@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from kproxy.admission import UNLIMITED, Book, Limits
 from kproxy.config import ProxyConfig
@@ -173,6 +173,10 @@ class LedgerProxier(Proxier, Generic[F, C]):
     """A backend that syncs through the ledger: implement ``context``, ``render`` and ``apply`` (and the optional
     methods below); ``sync``, ``describe`` and the refusal rounds come from here."""
 
+    #: seconds between the ledger's calls of ``needs_full`` per family (the cheap "is my state still there" check,
+    #: before each sync once due); None: the sync period, as upstream polls its canary chain
+    CHECK_INTERVAL_S: ClassVar[float | None] = 1.0
+
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
         super().__init__(config, netns=netns)
         self.families: tuple[IPFamily, ...] = tuple(f for f in (IPFamily.V4, IPFamily.V6) if f in config.ip_families)
@@ -182,6 +186,8 @@ class LedgerProxier(Proxier, Generic[F, C]):
         self._published: dict[IPFamily, Published[F]] = {f: _empty_published() for f in self.families}
         self._published_generation = 0
         self._node: NodeContext | None = None
+        self._checked_at: dict[IPFamily, float] = {}  # when ``needs_full`` was last asked, per family
+        self._full_requested: set[IPFamily] = set()  # ``request_full``'s, taken by the family's next sync
 
     # -- what a backend implements -----------------------------------------------------------------------------
 
@@ -214,8 +220,9 @@ class LedgerProxier(Proxier, Generic[F, C]):
         return UNLIMITED
 
     def needs_full(self, family: IPFamily) -> bool:
-        """A cheap check at the start of a partial sync (rate-limit it): True when this mode's state vanished from
-        the kernel (someone flushed it), so this family gets a full batch that repairs it."""
+        """A cheap check before a sync, asked at most every ``CHECK_INTERVAL_S`` per family (the ledger keeps the
+        time): True when this mode's state vanished from the kernel (someone flushed it; say so in the log) or a
+        read-back is due, so this family gets a full batch that repairs it."""
         return False
 
     def verify_view(self, family: IPFamily, ctx: C) -> Any:
@@ -324,9 +331,9 @@ class LedgerProxier(Proxier, Generic[F, C]):
         return pub.context, pub.fragments
 
     def request_full(self, family: IPFamily) -> None:
-        """Ask for a full batch of ``family`` at its next sync (the backend lost track of the kernel). Runner thread
-        (from ``apply``, ``needs_full`` or a bench hook)."""
-        self.records[family].need_full = True
+        """Ask for a full batch of ``family`` at its next sync (the backend lost track of the kernel, or its data path
+        saw its state go). Any thread: the request is taken at the start of that family's next sync."""
+        self._full_requested.add(family)
 
     def describe(self, key: ServicePortName | None = None) -> Description:
         """The published snapshot's common part, with the backend's detail beside it; never waits for a sync."""
@@ -417,11 +424,14 @@ class LedgerProxier(Proxier, Generic[F, C]):
         rec = self.records[fam]
         r0 = time.perf_counter()
         ctx = self.context(node, state)
-        full = changes.full or rec.need_full or ctx != rec.context
-        if not full:
+        requested = fam in self._full_requested
+        if requested:
+            self._full_requested.discard(fam)
+        full = changes.full or rec.need_full or ctx != rec.context or requested
+        if not full and self._check_due(fam):  # a full batch repairs whatever the check would find
             c0 = time.perf_counter()
             if self.needs_full(fam):
-                log.warning("%s: this mode's kernel state is gone (flushed by someone?): full resync", fam.value)
+                log.info("%s: the backend asks for a full batch (its kernel state changed under it)", fam.value)
                 full = True
             _add(timings, "check", time.perf_counter() - c0)
         services = state.family(fam)
@@ -555,6 +565,14 @@ class LedgerProxier(Proxier, Generic[F, C]):
             return error, full, need_full
         counts[f"{fam.value}/services"] = len(rec.fragments)
         return None, full, need_full
+
+    def _check_due(self, fam: IPFamily) -> bool:
+        interval = self.CHECK_INTERVAL_S if self.CHECK_INTERVAL_S is not None else self.config.sync_period
+        now = time.monotonic()
+        if now - self._checked_at.get(fam, float("-inf")) < interval:
+            return False
+        self._checked_at[fam] = now
+        return True
 
     def _admit(
         self,

@@ -42,8 +42,8 @@ from typing import Any, ClassVar
 from kproxy.admission import Limits
 from kproxy.config import ProxyConfig
 from kproxy.ledger import Applied, Batch, LedgerProxier
-from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
-from kproxy.nodeaddr import FamilyContext, NodeContext
+from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
+from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelProbe, LabNodeSpec, Option
 
 from . import inspect, loader, maps, nft, render, sockets
@@ -166,6 +166,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
     """The bpf mode (see ``backends/bpf/__init__.py``)."""
 
     mode: ClassVar[str] = "bpf"
+    CHECK_INTERVAL_S: ClassVar[float | None] = NEEDS_FULL_CHECK_S
     # the socket path translates before conntrack sees anything, but the companion table NATs external traffic
     uses_conntrack_nat: ClassVar[bool] = True
     options: ClassVar[tuple[Option, ...]] = (
@@ -209,7 +210,6 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         # ``nodeport-cidrs`` elements written (None: unknown)
         self._nft_users: dict[IPFamily, set[ServicePortName]] = {f: set() for f in self.families}
         self._nft_cidrs: dict[IPFamily, tuple[str, ...] | None] = {f: None for f in self.families}
-        self._last_check = 0.0
         self._kernel_read: dict[IPFamily, float] = {}
         # the repair of someone else's flush (``_check_kernel``): families owed a full sync that reads the kernel,
         # the map ids kproxy's fds hold, fds of unpinned maps (closed once the UDP reaper is idle), programs to attach
@@ -503,45 +503,23 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         )
 
     def needs_full(self, family: IPFamily) -> bool:
-        """Owed by ``_check_kernel``: someone flushed or deleted this mode's state."""
+        """Asked by the ledger at most every ``CHECK_INTERVAL_S`` per family. For the first family: are the pinned
+        maps the ones kproxy writes, are its programs attached and reading them, is the companion table there? What
+        someone flushed or deleted (the pins, the attachments, the table: ``kproxy cleanup`` of another process does
+        all three) is put back: the maps made and pinned again (empty) and their family owed a full sync that reads
+        the kernel and writes everything, the programs attached again after it (``apply``). A few bpf(2) calls and
+        one ``list tables``. A family is also owed a full batch when its read-back is due (``KERNEL_READ_S``: its
+        adopt reads the kernel, and its writes put back what someone edited in place)."""
+        if family is self.families[0] and self._fds:
+            try:
+                self._check_kernel_now()
+            except (OSError, RuntimeError, ValueError, nft.NftError) as exc:  # never a reason to fail the sync
+                log.warning("bpf: checking that the kernel state is still there failed: %s", exc)
         if family in self._owed:
             self._owed.discard(family)
             return True
-        return False
-
-    def sync(self, state: ProxyState, changes: Changes, node: NodeContext | None = None) -> SyncResult:
-        """The ledger's sync, with the check that this mode's kernel state is still there before it and the
-        programs attached again after it when someone detached them (once the maps hold everything again)."""
-        self._check_kernel()
-        now = time.monotonic()
-        for fam in self.families:
-            read = self._kernel_read.get(fam)
-            if read is not None and now - read >= KERNEL_READ_S:
-                # the read-back is due: a full batch of this family, whose adopt reads the kernel and whose writes
-                # put back what someone edited in place (a flush is ``needs_full``'s, with its warning)
-                self.request_full(fam)
-        result = super().sync(state, changes, node)
-        for fam in self.families:
-            if result.counts.get(f"{fam.value}/full"):
-                self._owed.discard(fam)
-        if self._reattach and result.ok and time.monotonic() >= self._reattach_after:
-            self._repair_programs()
-        return result
-
-    def _check_kernel(self) -> None:
-        """At most every ``NEEDS_FULL_CHECK_S`` (runner thread): are the pinned maps the ones kproxy writes, are its
-        programs attached and reading them, is the companion table there? What someone flushed or deleted (the pins,
-        the attachments, the table: ``kproxy cleanup`` of another process does all three) is put back: the maps
-        made and pinned again (empty) and their family owed a full sync that reads the kernel and writes everything,
-        the programs attached again after that sync. A few bpf(2) calls and one ``list tables``."""
-        now = time.monotonic()
-        if now - self._last_check < NEEDS_FULL_CHECK_S or not self._fds:
-            return
-        self._last_check = now
-        try:
-            self._check_kernel_now()
-        except (OSError, RuntimeError, ValueError, nft.NftError) as exc:  # never a reason to fail the sync itself
-            log.warning("bpf: checking that the kernel state is still there failed: %s", exc)
+        read = self._kernel_read.get(family)
+        return read is not None and time.monotonic() - read >= KERNEL_READ_S
 
     def _check_kernel_now(self) -> None:
         if self._retired and (self.last_reap is None or self.last_reap.done()):
@@ -703,6 +681,10 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         t3 = time.perf_counter()
         if read_at is not None:
             self._kernel_read[fam] = read_at
+        if batch.full:
+            self._owed.discard(fam)
+            if self._reattach and fam is self.families[-1] and time.monotonic() >= self._reattach_after:
+                self._repair_programs()  # the maps hold everything again: the programs may read them
         self._reap_udp(batch)
         counts = {
             f"{fam.value}/map_writes": plan.writes,

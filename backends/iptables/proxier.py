@@ -85,6 +85,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
     """Upstream kube-proxy's iptables layout, applied through iptables-restore (nf_tables or legacy flavour)."""
 
     mode: ClassVar[str] = "iptables"
+    CHECK_INTERVAL_S: ClassVar[float | None] = None  # the canary, once per sync period (as upstream)
     options: ClassVar[tuple[Option, ...]] = (
         Option(
             "iptables_flavour",
@@ -102,7 +103,6 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
             raise ValueError(f"--iptables-flavour {self.flavour_option!r}: choose auto, nft or legacy")
         self._kernel: Kernel | None = None
         self._written: dict[IPFamily, _Written] = {f: _Written() for f in self.families}
-        self._canary_checked = float("-inf")  # time.monotonic() of the last canary check (or full sync)
         self._canary_s: dict[IPFamily, float] = {}  # seconds the last check of a family took (0.0: skipped)
         self._counts: dict[tuple[int, int, IPFamily], int] = {}
         self._metrics: dict[str, Any] = {}
@@ -224,14 +224,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
         return render.render_service(sp, ctx)
 
     def needs_full(self, family: IPFamily) -> bool:
-        """The canary, checked at most once per sync period (upstream's monitor polls at that interval)."""
-        now = time.monotonic()
-        last = self._canary_checked
-        self._canary_s[family] = 0.0
-        if now - last < self.config.sync_period:
-            return False
-        if family is self.families[-1]:
-            self._canary_checked = now
+        """The canary (asked once per sync period: ``CHECK_INTERVAL_S``, upstream's monitor's interval)."""
         k = self.kernel
         c0 = time.perf_counter()
         present = all(k.chain_exists(family, table, render.KUBE_PROXY_CANARY) for table in CANARY_TABLES[k.flavour])
@@ -406,8 +399,6 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
         w.payloads, w.was_full, w.rules = payloads, batch.full, rules_written
         if batch.full:
             w.full = (batch.context, frags)
-            if fam is self.families[-1]:
-                self._canary_checked = time.monotonic()  # just written
         totals = render.total_rules(batch.context, frags)
         for t in ("filter", "nat"):
             counts[f"{fam.value}/{t}/total"] = totals[t]

@@ -89,6 +89,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
     """kproxy's nftables layout (see the package docstring), applied through libnftables in-process."""
 
     mode: ClassVar[str] = "nftables"
+    CHECK_INTERVAL_S: ClassVar[float | None] = CHECK_INTERVAL
     uses_conntrack_nat: ClassVar[bool] = True
 
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
@@ -96,7 +97,6 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         self._nft = nft_tools.OwnContext(netns)
         self._metrics: dict[str, Any] = {}
         self._kernel: dict[IPFamily, _KernelState] = {f: _KernelState() for f in self.families}
-        self._checked: dict[IPFamily, float] = {}
         self._last_full_text: dict[IPFamily, str] = {}
         self._last_text: dict[IPFamily, str] = {}
         # the last partial batch's changes (service, old, new), for measure_partial_floor
@@ -180,10 +180,6 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         return isinstance(adopted, adopt_mod.Adopted) and adopted.layout_ok and adopted.unchanged(fragment)
 
     def needs_full(self, family: IPFamily) -> bool:
-        now = time.monotonic()
-        if now - self._checked.get(family, float("-inf")) < CHECK_INTERVAL:
-            return False
-        self._checked[family] = now
         # the fixed chains' rules, read by their comments over netlink (no set elements: ~2 ms): a deleted table
         # has none, and so has a flushed one (its chains, maps and elements stay, and nothing is reached)
         rules, _ = adopt_mod.read_rules(self.nft, family)

@@ -141,6 +141,8 @@ class Engine:
         #: listeners whose socket stopped listening under the loop (``ss -K``, a closed descriptor): the loop stops
         #: reading them and the proxier's next sync (``needs_full``) binds new ones; written by the loop thread only
         self.dead: set[tuple[Any, ...]] = set()
+        #: told (loop thread) of each listener that died: the proxier asks the ledger for a full sync of its family
+        self.on_dead: Callable[[tuple[Any, ...]], None] | None = None
 
     # -- lifecycle (main / runner thread) --------------------------------------------------------------------
 
@@ -253,6 +255,8 @@ class Engine:
         if ident not in self.dead:
             log.warning("userspace: proxy socket %s stopped listening (%s): bound anew at the next sync", ident, why)
         self.dead.add(ident)
+        if self.on_dead is not None:
+            self.on_dead(ident)
 
     def table(self) -> dict[int, tuple[tuple[Any, ...], frozenset[Addr], float, bool]]:
         """What the loop serves, by socket inode: (ident, endpoints, affinity timeout, dead). Any thread (it runs in

@@ -181,6 +181,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     docstring)."""
 
     mode: ClassVar[str] = "userspace"
+    CHECK_INTERVAL_S: ClassVar[float | None] = CHECK_INTERVAL
     #: redirects are NAT through conntrack: stale UDP entries are reconciled, answered by the node's proxy ports
     uses_conntrack_nat: ClassVar[bool] = True
     #: established connections are the proxy's own sockets: they end with the process (restart, mode switch)
@@ -212,6 +213,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         self.udp_timeout = float(Duration(opts.get("udp_timeout", 0.25)))
         self._kernel = _kernel(netns)
         self.engine = Engine(netns, udp_timeout=self.udp_timeout)
+        self.engine.on_dead = lambda ident: self.request_full(ident[0])  # a full sync binds a new socket
         self._started = False
         self._ports: dict[Ident, int] = {}  # every proxy socket the data path holds, and its port
         self._used: set[tuple[int, str, int]] = set()  # (socket family, proto, port) taken by our sockets
@@ -223,7 +225,6 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         }
         self._known: dict[IPFamily, bool] = {f: False for f in self.families}
         self._local: dict[IPFamily, tuple[str, ...]] = {f: () for f in self.families}
-        self._checked: dict[IPFamily, float] = {}  # per family: each family's sync asks in turn
         self._rules_checked: dict[IPFamily, float] = {}  # the fixed rules' check, per family
         self._counts: dict[str, int] = {}
         self._last_full: dict[IPFamily, tuple[str, int, int]] = {}  # text, TCP and UDP sockets of a fresh full sync
@@ -395,12 +396,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         return adopted.by_comment.get(fragment.comment, set()) == set(fragment.kernel_elements(ports))
 
     def needs_full(self, family: IPFamily) -> bool:
-        if any(i[0] == family for i in list(self.engine.dead)):  # the loop saw a proxy socket stop listening
-            return True
         now = time.monotonic()
-        if now - self._checked.get(family, float("-inf")) < CHECK_INTERVAL:
-            return False
-        self._checked[family] = now
         # a small set, not the layout chain: nft 1.0.6 fetches the whole table (20,000 elements at 10,000 services,
         # 0.3-0.5 s) to list a chain, and only the set itself to list a set. The guard's set: a deleted table, or a
         # flushed set (the proxy ports open to direct connections) both bring the full sync that rewrites it

@@ -175,8 +175,7 @@ def test_the_programs_keep_tcp_peers_in_socket_storage_and_cleanup_removes_them(
         pinned = loader.pinned_ids(places)
         assert ("peer", IPFamily.V4) in pinned and ("peer", IPFamily.V6) in pinned
         assert loader.programs_problem(places, pinned, (IPFamily.V4, IPFamily.V6)) is None
-        p._last_check = 0.0
-        p._check_kernel()
+        p._check_kernel_now()
         assert not p._reattach
         ids = sorted(d["id"] for d in loader.ours(loader.attached(places.cgroup)))
     finally:
@@ -331,8 +330,7 @@ def test_the_companion_table_exists_only_while_a_service_needs_it(place: tuple[s
     def partial(st: ProxyState, *names: str) -> None:
         res = p.sync(st, Changes(full=False, services=frozenset(spn(n) for n in names)))
         assert res.ok, res.error
-        p._last_check = 0.0
-        p._check_kernel()
+        p._check_kernel_now()
         assert not p._owed, "the check took the table's absence for a flush"
         assert p.verify(st)["drift"] == 0
 

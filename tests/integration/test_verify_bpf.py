@@ -136,7 +136,7 @@ def test_verify_names_what_was_flushed_and_the_periodic_sync_repairs_it(
     from kproxy.backends.bpf import loader, maps, proxier
     from kproxy.backends.bpf.proxier import BpfProxier
 
-    monkeypatch.setattr(proxier, "NEEDS_FULL_CHECK_S", 0.0)  # the check's one-second rate limit: not what is tested
+    monkeypatch.setattr(BpfProxier, "CHECK_INTERVAL_S", 0.0)  # the check's one-second rate limit: not what is tested
     assert proxier.KERNEL_READ_S >= 20
     ns, opts = place
     cg = opts["bpf_cgroup_path"]
@@ -196,7 +196,7 @@ def test_verify_names_what_was_edited_by_hand_and_the_read_back_repairs_it(
     from kproxy.backends.bpf import maps, proxier, render
     from kproxy.backends.bpf.proxier import BpfProxier
 
-    monkeypatch.setattr(proxier, "NEEDS_FULL_CHECK_S", 0.0)
+    monkeypatch.setattr(BpfProxier, "CHECK_INTERVAL_S", 0.0)
     ns, opts = place
     config = ProxyConfig(mode="bpf", hostname_override="node-a", ip_families=(IPFamily.V4,), backend_options=opts)
     p = BpfProxier(config, netns=ns)
