@@ -5,6 +5,7 @@ fresh kproxy would be after a relist) and described with the ledger's common sch
 comparison is exactly "every change the soak made is reflected": the meaning of each object is the conformance
 suite's business; here a node that missed, reordered or kept a stale change differs from a fresh reading of the
 same API. ``/verify`` (the node reading its own kernel back) is the other half, checked by ``kproxy.soak.run``.
+Both are kproxy agreeing with itself; what the kernel does is judged apart, against ``kproxy.soak.model``.
 
 Pure: tests/unit/test_soak.py feeds it objects and ``/rules`` answers.
 """

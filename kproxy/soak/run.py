@@ -1,14 +1,19 @@
 """The soak run: a lab, churn through the API stand-in, faults on a schedule, traffic throughout, checkpoints.
 
-One ``Soak`` is one bounded run (``minutes`` of churn, then a final convergence): see ``kproxy.soak`` for what it
-proves. The schedule is a cycle of fault kinds; each turn is
+One ``Soak`` is one bounded run (``minutes`` of churn rounded up to whole cycles of the fault kinds, or ``cycles``
+of them, then a final convergence): see ``kproxy.soak`` for what it proves. The schedule is a cycle of fault kinds,
+run whole so that every kind runs; each turn is
 
 1. a *window* (``fault_window`` s) of churn at ``rate`` changes/s while the fault is on;
 2. the fault cleared and the churn paused: from then (or from the last write, if later) the time until every node
    programs exactly what the API holds (``/rules`` against ``kproxy.soak.expect``) and reads its kernel back without
    drift (``/verify``) is that fault's *convergence time*, bounded by ``converge_timeout``;
-3. a checkpoint: the differences left (lost changes if any), the drift, a sample of services probed with real
-   packets from a pod, the held connection's state.
+3. a checkpoint: the differences left (lost changes if any), the drift, and two checks that do not take kproxy's
+   word: the expectation of the soak's own reference model (``kproxy.soak.model``, computed from the API's objects,
+   not by kproxy's cache) against real packets (``kproxy.soak.packets``: TCP and UDP from a pod of every node to
+   every port, family and address, NodePorts too, of the services changed since the last checkpoint, a seeded
+   sample of at most ``sample``; lost or wrong answers with what was sent and what came back) and against the kernel
+   as the mode's ``kernel_view`` reads it (every service port there, none extra); the held connection's state.
 
 Faults (``FAULT_KINDS``): ``none`` (the baseline), ``watch_drop`` (every watch cut, twice), ``http_5xx`` (half the
 API requests answered 503 for the window, the soak's own writes retried), ``gone_410`` (history compacted and the

@@ -332,3 +332,15 @@ def test_cycles_and_sample_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
             run.Soak(bad)
     with pytest.raises(run.SoakError, match="--sample"):
         run.Soak(run.SoakOptions(mode="x", sample=0))
+
+
+def test_the_model_is_independent_of_kproxy() -> None:
+    """The model must not borrow kproxy's reading of the objects (the cache, topology, the service-port code)."""
+    import ast
+
+    import kproxy.soak.model as model_module
+
+    tree = ast.parse(Path(model_module.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported and not {m for m in imported if m.split(".")[0] == "kproxy"}, imported
