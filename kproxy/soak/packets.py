@@ -62,7 +62,7 @@ def plan(
     *,
     absent: Mapping[str, Sequence[str]] | None = None,
     attempts: int = 3,
-    timeout: float = 1.0,
+    timeout: float = 2.0,
     reject_timeout: float = 3.0,
     drop_timeout: float = 1.5,
 ) -> list[Target]:

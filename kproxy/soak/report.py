@@ -68,7 +68,8 @@ def table(report: Mapping[str, Any]) -> str:
         f"  checkpoints            {len(report.get('checkpoints', []))}, {report.get('cycles')} whole cycle(s) of "
         f"the faults",
         f"  packets (vs the model) {pk.get('sent')} sent to {pk.get('targets')} addresses of "
-        f"{pk.get('services_probed')} services (of {pk.get('services_changed')} changed) and "
+        f"{pk.get('services_probed')} services (sampled from {pk.get('services_changed')} changed; at the end "
+        f"from all) and "
         f"{pk.get('removed_probed')} removed: {pk.get('lost')} lost, {pk.get('wrong')} wrong",
         f"  kernel view (vs model) {kv.get('checked')} service ports checked: {kv.get('missing')} missing, "
         f"{kv.get('extra')} extra" + (" (the mode has no kernel view)" if kv.get("unsupported") else ""),

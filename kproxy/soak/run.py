@@ -553,10 +553,10 @@ class Soak:
         """The services to try (``ns/name``, a seeded sample of at most ``sample``) and the removed or rejected ones
         whose former ClusterIPs are tried (at most ``MAX_ABSENT``; never an address another service holds now)."""
         names = {f"{NAMESPACE}/{name}" for name in changed if name != ANCHOR}
-        if final:  # the end: every service is a candidate, the changed ones first
+        self.packets["services_changed"] += len(names)
+        if final:  # the end: every service is a candidate
             names |= {s for s in model.cluster_ips if s != f"{NAMESPACE}/{ANCHOR}"}
         valid = sorted(n for n in names if model.of(n))
-        self.packets["services_changed"] += len(names)
         chosen = sorted(self._rng_packets.sample(valid, min(len(valid), self.opts.sample)))
         held = {ip for n, ips in model.cluster_ips.items() if n not in model.rejected for ip in ips}
         absent: dict[str, list[str]] = {}
