@@ -12,10 +12,16 @@ One ``ss`` per namespace matches all the removed backends at once. A socket that
 directly, with the same address and port, is ended too (ss cannot filter by socket cookie): its peer is gone as well.
 
 Runs on a worker thread of its own, after the maps no longer lead to the backend: a sync never waits for it.
+
+In a container (the DaemonSet) this needs the host's PID namespace (``hostPID``: the pids of ``cgroup.procs`` must
+name processes in /proc), ``CAP_SYS_PTRACE`` (opening /proc/PID/ns/net of a process with capabilities kproxy
+lacks) and ``CAP_SYS_ADMIN`` (setns into that namespace): deploy/overlays/bpf has the measurements. Processes whose
+namespace cannot be opened are counted by reason and logged as a warning, never skipped silently.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -30,8 +36,10 @@ from . import maps
 log = logging.getLogger(__name__)
 
 
-def cgroup_namespaces(cgroup: Path) -> dict[int, int]:
-    """Network namespace inode -> one pid in it, for every process of ``cgroup`` and its children."""
+def cgroup_namespaces(cgroup: Path, unreachable: dict[str, int] | None = None) -> dict[int, int]:
+    """Network namespace inode -> one pid in it, for every process of ``cgroup`` and its children. Processes whose
+    namespace cannot be looked at are counted in ``unreachable`` by the reason (an errno's name, or ``"not in this
+    PID namespace, or gone"`` for a process ``cgroup.procs`` lists but /proc does not show)."""
     out: dict[int, int] = {}
     for procs in [cgroup / "cgroup.procs", *cgroup.glob("**/cgroup.procs")]:
         try:
@@ -41,10 +49,20 @@ def cgroup_namespaces(cgroup: Path) -> dict[int, int]:
         for pid in pids:
             try:
                 ino = os.stat(f"/proc/{pid}/ns/net").st_ino
-            except OSError:
+            except OSError as exc:
+                if unreachable is not None:
+                    why = _why(pid, exc)
+                    unreachable[why] = unreachable.get(why, 0) + 1
                 continue
             out.setdefault(ino, pid)
     return out
+
+
+def _why(pid: int, exc: OSError) -> str:
+    # a pid of another PID namespace reads as 0 in cgroup.procs, or names nothing (or another process) here
+    if pid == 0 or exc.errno == errno.ENOENT:
+        return "not in this PID namespace, or gone"
+    return errno.errorcode.get(exc.errno or 0, str(exc.errno))
 
 
 def translated_peers(rev_fd: int, family: IPFamily, peers: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -86,7 +104,8 @@ def destroy_connected_udp(
         except (OSError, maps.BpfError):
             hinted = None
     killed = 0
-    for _ino, pid in cgroup_namespaces(cgroup).items():
+    unreachable: dict[str, int] = {}
+    for _ino, pid in cgroup_namespaces(cgroup, unreachable).items():
         argv = ["nsenter", f"--net=/proc/{pid}/ns/net", "ss", "-K", "-n", "-u", *ss_filter(targets)]
         try:
             res = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
@@ -97,6 +116,15 @@ def destroy_connected_udp(
             log.warning("bpf: ss -K for %s: %s", targets, res.stderr.strip()[:200])
             continue
         killed += max(0, len([ln for ln in res.stdout.splitlines() if ln.strip()]) - 1)  # minus the header
+    if unreachable:
+        # their connected UDP sockets to the removed backends stay as they are: say so, never silently
+        log.warning(
+            "bpf: connected UDP sockets to %s not looked for in the network namespaces of %s process(es) of %s (%s)",
+            targets,
+            sum(unreachable.values()),
+            cgroup,
+            ", ".join(f"{why}: {n}" for why, n in sorted(unreachable.items())),
+        )
     if killed:
         seen = "" if hinted is None else f" ({len(hinted)} of them still in the reverse-NAT map)"
         log.info("bpf: ended %d connected UDP socket(s) to removed backends %s%s", killed, targets, seen)

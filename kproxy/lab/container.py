@@ -6,7 +6,7 @@ The image test (tests/integration/test_image.py) plugs it in through ``Lab.launc
 lab and the conformance scenarios do (probes, ``/rules``, logs, ``restart``'s SIGKILL) stays as it is.
 
 What the container gets comes from the rendered overlay (``kubectl kustomize deploy/overlays/<mode>``), never from
-a copy: the DaemonSet's command and environment, the kproxy container's capabilities, privilege, user,
+a copy: the DaemonSet's command and environment, ``hostPID``, the kproxy container's capabilities, privilege, user,
 seccomp profile, read-only root filesystem, memory limit and volume mounts (hostPath volumes from the machine,
 the ConfigMap written to files and mounted read-only). The lab adds only what a real node has and the lab lacks:
 
@@ -91,6 +91,7 @@ class PodSpec:
     memory_limit: str | None
     host_network: bool
     mounts: tuple[Mount, ...]
+    host_pid: bool = False
 
 
 def render_overlay(mode: str, overlays: Path = OVERLAYS) -> list[dict[str, Any]]:
@@ -160,6 +161,7 @@ def pod_spec(docs: Sequence[dict[str, Any]], mode: str) -> PodSpec:
         memory_limit=((c.get("resources") or {}).get("limits") or {}).get("memory"),
         host_network=bool(spec.get("hostNetwork", False)),
         mounts=tuple(mounts),
+        host_pid=bool(spec.get("hostPID", False)),
     )
 
 
@@ -284,6 +286,8 @@ class ContainerLauncher:
         out = [*self.podman, "run", "--rm", "--replace", "--pull", "never", "--name", name]
         out += ["--label", f"{LAB_LABEL}={lab.prefix}", "--hostname", node.name]
         out += ["--network", f"ns:/run/netns/{node.ns}"]
+        if spec.host_pid:
+            out += ["--pid", "host"]  # the machine's PID namespace stands in for the node's
         out += _ulimits()
         if spec.privileged:
             out.append("--privileged")

@@ -12,7 +12,9 @@ the legacy tables, as on such nodes), must be programmed in the node's own flavo
 of a leftover in it (other modes): that is what needs NET_RAW.
 
 ``KPROXY_IMAGE_DROP_CAPS=NET_RAW`` runs the same with a capability fewer than the overlay grants, to show that
-each one is needed (the tests must then fail). ``KPROXY_IMAGE_MODES=iptables`` restricts the modes.
+each one is needed (the tests must then fail); ``KPROXY_IMAGE_ADD_CAPS=BPF,PERFMON`` adds some, to try a narrower
+set in place of a dropped one (deploy/README.md has what each try gave). ``KPROXY_IMAGE_MODES=iptables`` restricts
+the modes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -30,9 +33,11 @@ from typing import Any
 
 import pytest
 
-from kproxy.conformance.report import FAIL, NOT_APPLICABLE
+from kproxy.conformance.context import Context
+from kproxy.conformance.report import FAIL, NOT_APPLICABLE, PASS
 from kproxy.conformance.runner import Session
-from kproxy.conformance.scenarios import BY_ID
+from kproxy.conformance.scenarios import BY_ID, Scenario
+from kproxy.lab import netns
 from kproxy.lab.cluster import CLUSTER_CIDR4, CLUSTER_CIDR6, Lab, LabNode
 from kproxy.lab.container import CREDENTIALS_DIR, OVERLAYS, ContainerLauncher, PodSpec, pod_spec, render_overlay
 from kproxy.proxier import availability, backend_class, installed_backends
@@ -42,10 +47,16 @@ pytestmark = [pytest.mark.root, pytest.mark.lab]
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = os.environ.get("KPROXY_IMAGE_LAB_PREFIX") or "kpi-"
 DROP_CAPS = tuple(c.strip().upper() for c in os.environ.get("KPROXY_IMAGE_DROP_CAPS", "").split(",") if c.strip())
+ADD_CAPS = tuple(c.strip().upper() for c in os.environ.get("KPROXY_IMAGE_ADD_CAPS", "").split(",") if c.strip())
 SCENARIOS = ("clusterip-tcp", "nodeport", "servers", "restart")
-CHECKS = (*SCENARIOS, "privileges", "legacy-node")
+CHECKS = (*SCENARIOS, "privileges", "legacy-node", "connected-udp")
+# Modes that translate at the socket (connect4): a connected UDP socket keeps the backend it was translated to, so
+# kproxy must end it when that backend goes (backends/bpf/sockets.py). The netfilter modes re-translate every
+# datagram once the stale conntrack entry is deleted; the userspace proxy relays each datagram itself.
+CONNECTED_UDP_MODES = ("bpf",)
 LAB_API_URL = "http://198.18.0.1:6443"  # the API stand-in as the lab's nodes reach it (Lab.lab_api_url)
 LEGACY_NODE = "node-2"
+READY_TIMEOUT_S = 150.0
 # Linux capability numbers (uapi/linux/capability.h) of the names overlays use.
 CAP_BITS = {
     "CHOWN": 0,
@@ -87,7 +98,12 @@ def _declared_not_applicable(mode: str) -> set[str]:
         return set()
 
 
-CASES = [(m, c) for m in MODES for c in CHECKS if c not in _declared_not_applicable(m)]
+CASES = [
+    (m, c)
+    for m in MODES
+    for c in CHECKS
+    if c not in _declared_not_applicable(m) and (c != "connected-udp" or m in CONNECTED_UDP_MODES)
+]
 
 
 def _tools_missing() -> list[str]:
@@ -134,7 +150,11 @@ class ImageLab:
                     _ipt(self.lab, legacy, "iptables-legacy", "-t", "nat", "-N", "KUBE-SERVICES")
                     _ipt(self.lab, legacy, "iptables-legacy", "-t", "nat", "-I", "PREROUTING", "-j", "KUBE-SERVICES")
                 session = Session(mode, self.lab)
-                session.prepare()
+                # prepare() with a longer wait: bcc compiles the bpf mode's programs at start, which took over the
+                # session's 40 s on this 2-core machine under other work
+                for node in self.lab.nodes:
+                    self.lab.start_kproxy(node, mode, session.kproxy_args)
+                session.wait_ready(timeout=READY_TIMEOUT_S)
                 self.session = session
             except Exception as exc:  # every check of the mode reports it
                 self.error = f"kproxy --mode {mode} in the image did not come up: {type(exc).__name__}: {exc}"
@@ -215,7 +235,8 @@ def _user_spec(mode: str, api_url: str) -> PodSpec:
         return text
 
     mounts = tuple(dataclasses.replace(m, files={k: filled(v) for k, v in m.files.items()}) for m in spec.mounts)
-    return dataclasses.replace(spec, mounts=mounts)
+    caps = tuple(dict.fromkeys([*spec.cap_add, *ADD_CAPS]))  # KPROXY_IMAGE_ADD_CAPS: a narrower set to try
+    return dataclasses.replace(spec, mounts=mounts, cap_add=caps)
 
 
 class FirstBootLauncher(ContainerLauncher):
@@ -370,6 +391,11 @@ def test_image(image_lab: ImageLab, mode: str, check: str) -> None:
         if result.status == FAIL:
             pytest.fail(f"{mode} {check} with kproxy in the image: {result.detail}", pytrace=False)
         print(f"{mode} {check}: pass in {result.seconds:.1f} s; {result.detail}")
+    elif check == "connected-udp":
+        result = session.run_scenario(CONNECTED_UDP)
+        if result.status != PASS:
+            pytest.fail(f"{mode} connected-udp with kproxy in the image: {result.detail}", pytrace=False)
+        print(f"{mode} connected-udp: pass in {result.seconds:.1f} s; {result.detail}")
     elif check == "privileges":
         _check_privileges(image_lab, mode)
     else:
@@ -427,6 +453,8 @@ def _check_privileges(image_lab: ImageLab, mode: str) -> None:
             assert ("ro" in mounts[path]) == m.read_only, f"{node.name}: {m.path} {mounts[path]}"
         netns = Path(f"/proc/{pid}/ns/net").stat().st_ino
         assert netns == Path(f"/run/netns/{node.ns}").stat().st_ino, f"{node.name}: not in the node's namespace"
+        host_pid = Path(f"/proc/{pid}/ns/pid").stat().st_ino == Path("/proc/self/ns/pid").stat().st_ino
+        assert host_pid is spec.host_pid, f"{node.name}: host PID namespace {host_pid}, hostPID {spec.host_pid}"
 
 
 def _check_legacy_node(image_lab: ImageLab, mode: str) -> None:
@@ -443,3 +471,91 @@ def _check_legacy_node(image_lab: ImageLab, mode: str) -> None:
         assert ":KUBE-SERVICES" not in nft.stdout.decode(), f"kproxy on {node.name} programmed nf_tables as well"
     else:
         assert "KUBE-SERVICES" not in legacy_text, f"{mode} left the legacy iptables leftover:\n{legacy_text}"
+
+
+# A resolver as glibc's: one connect() to the service, then send()/recv() on that socket; when the socket is ended
+# under it (sock_diag SOCK_DESTROY: ECONNABORTED, then EDESTADDRREQ), a new socket and a new connect(). Prints one line
+# per event; reads a line from stdin between the first answer and the loop (the test changes the endpoint then).
+RESOLVER = r"""
+import socket, sys, time
+ip, port, want, seconds = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+def connected():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(0.5); s.connect((ip, port)); return s
+def ask(s):
+    s.send(b"who"); return s.recv(200).decode().split()[0]
+s = connected()
+print("first", ask(s), "from", s.getpeername()[0], flush=True)
+sys.stdin.readline()
+t0, who, ended = time.monotonic(), "", 0
+while time.monotonic() - t0 < seconds:
+    try:
+        who = ask(s)
+    except socket.timeout:
+        who = "(timeout)"
+        continue
+    except OSError as e:
+        ended += 1
+        print("ended", e.errno, f"{time.monotonic() - t0:.2f}", flush=True)
+        s.close(); s = connected()
+        continue
+    if who == want:
+        print("reached", who, f"{time.monotonic() - t0:.2f}", "ended", ended, flush=True)
+        break
+    time.sleep(0.05)
+else:
+    print("pinned", who, "ended", ended, flush=True)
+"""
+CONNECTED_UDP_FOLLOW_S = 10.0
+
+
+def _connected_udp(ctx: Context) -> None:
+    """A resolver in a pod of node-1 keeps one connected UDP socket to a ClusterIP whose only endpoint is then
+    replaced: its next sends must reach the new endpoint, directly or after its socket was ended and it
+    reconnected (as glibc's resolver does), within a few seconds. kproxy runs in the image on node-1, so it must
+    find the pod's network namespace from inside its container (hostPID, backends/bpf/sockets.py)."""
+    n1, n2 = ctx.lab.node("node-1"), ctx.lab.node("node-2")
+    client, old, new = ctx.pods_on(n1)[1], ctx.pods_on(n2)[0], ctx.pods_on(n2)[1]
+    svc = ctx.service("resolver", [ctx.port(53, 8080, name="dns", protocol="UDP")])
+    ctx.apply(svc, ctx.slice_for(svc, [old]))
+    ip = next(a for a in svc["spec"]["clusterIPs"] if ":" not in a)
+    ctx.eventually(lambda: ctx.reach(client, ip, 53, "udp", count=1, timeout=0.5, only=[old]), what="programmed")
+    argv = netns.exec_argv(client.ns, [sys.executable, "-c", RESOLVER, ip, "53", new.name, str(CONNECTED_UDP_FOLLOW_S)])
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=netns.cgroup_preexec(ctx.lab.cgroup_path(n1)),  # a process of node-1, as a pod's would be
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        first = proc.stdout.readline().split()
+        ctx.expect(first[:2] == ["first", old.name], "the resolver's first answer", got=" ".join(first))
+        mark = len(ctx.lab.kproxy_log(n1))
+        ctx.apply(ctx.slice_for(svc, [new]))
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=CONNECTED_UDP_FOLLOW_S + 20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    lines = out.strip().splitlines()
+    # what node-1's kproxy said about it (the reaper logs what it ended and what it could not look at)
+    said = [ln.strip()[-400:] for ln in ctx.lab.kproxy_log(n1)[mark:].splitlines() if "UDP" in ln or "ss -K" in ln]
+    ctx.expect(
+        bool(lines) and lines[-1].startswith("reached"),
+        f"a connected UDP socket stayed pinned to {old.name} after the service's only endpoint became {new.name}",
+        sent=f"send() on one socket connect()ed to {ip}:53 from {client.name}, reconnecting when it is ended",
+        got="; ".join(lines)
+        + (f" (stderr: {err.strip()[-300:]})" if err.strip() else "")
+        + f"; node-1's kproxy: {' | '.join(said) or 'nothing about UDP sockets'}",
+        expected=f"answers from {new.name} within {CONNECTED_UDP_FOLLOW_S:.0f} s",
+    )
+    ctx.note("; ".join(lines))
+
+
+CONNECTED_UDP = Scenario(
+    "connected-udp", "a connected UDP client follows an endpoint change", _connected_udp, timeout_s=60.0
+)
