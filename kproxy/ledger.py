@@ -428,7 +428,9 @@ class LedgerProxier(Proxier, Generic[F, C]):
         if requested:
             self._full_requested.discard(fam)
         full = changes.full or rec.need_full or ctx != rec.context or requested
-        if not full and self._check_due(fam):  # a full batch repairs whatever the check would find
+        if full:  # a full batch repairs whatever the check would find: it counts as one
+            self._checked_at[fam] = time.monotonic()
+        elif self._check_due(fam):
             c0 = time.perf_counter()
             if self.needs_full(fam):
                 log.info("%s: the backend asks for a full batch (its kernel state changed under it)", fam.value)
