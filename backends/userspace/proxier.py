@@ -255,6 +255,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         return MappingProxyType(
             {
                 "etp-local": MappingProxyType({"client-ip": client_ip}),
+                "address-collision": MappingProxyType({"while-down": down}),
                 "dual-stack": MappingProxyType(
                     {
                         "client-ip": client_ip,

@@ -33,6 +33,7 @@ SCENARIOS_NOT_APPLICABLE: dict[str, set[str]] = {
 PARTS_NOT_APPLICABLE: dict[str, dict[str, set[str]]] = {
     "userspace": {
         "etp-local": {"client-ip"},
+        "address-collision": {"while-down"},
         "dual-stack": {"client-ip", "kernel-counters"},
         "restart": {"held-connection", "while-down"},
         "mode-switch": {"held-connections", "while-down"},
