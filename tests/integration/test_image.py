@@ -518,7 +518,9 @@ def _connected_udp(ctx: Context) -> None:
     svc = ctx.service("resolver", [ctx.port(53, 8080, name="dns", protocol="UDP")])
     ctx.apply(svc, ctx.slice_for(svc, [old]))
     ip = next(a for a in svc["spec"]["clusterIPs"] if ":" not in a)
-    ctx.eventually(lambda: ctx.reach(client, ip, 53, "udp", count=1, timeout=0.5, only=[old]), what="programmed")
+    ctx.eventually(
+        lambda: ctx.reach(client, ip, 53, "udp", count=1, timeout=0.5, only=[old]), timeout=30.0, what="programmed"
+    )
     argv = netns.exec_argv(client.ns, [sys.executable, "-c", RESOLVER, ip, "53", new.name, str(CONNECTED_UDP_FOLLOW_S)])
     proc = subprocess.Popen(
         argv,
