@@ -7,7 +7,8 @@ tried once, where no pod may answer. ``kproxy.soak.model`` says what each must m
 the packets and ``judge`` compares:
 
 * ``lost``: an answer was due and none came (the error is named);
-* ``wrong``: an answer came from a pod or port the model does not allow, a connection that must be rejected or
+* ``wrong``: an answer came from a pod or port the model does not allow (or, to an unconnected UDP socket, from
+  another address than the one it was sent to), a connection that must be rejected or
   dropped was answered, a reject came as a drop or the other way round, or a removed service still answered.
 
 Pure: tests/unit/test_soak_model.py checks the plan and the verdicts.
@@ -15,6 +16,7 @@ Pure: tests/unit/test_soak_model.py checks the plan and the verdicts.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +115,15 @@ def plan(
     return out
 
 
+def _same(source: str, host: str, port: int) -> bool:
+    """Whether ``source`` (``a.b.c.d:p`` or ``[v6]:p``) is ``host``:``port``, however the address is spelt."""
+    addr, _, num = source.rpartition(":")
+    try:
+        return ipaddress.ip_address(addr.strip("[]")) == ipaddress.ip_address(host) and int(num) == port
+    except ValueError:
+        return False
+
+
 def _reply(result: Mapping[str, Any]) -> tuple[str, int | None]:
     """(the answering pod, the pod's own port) from an echo reply to ``info``."""
     words = str(result.get("reply") or "").split()
@@ -146,6 +157,10 @@ def judge(t: Target, results: Sequence[Mapping[str, Any]] | None, pod_of: Mappin
         want = ", ".join(f"{pod}:{port}" for pod, port in sorted(allowed))
         if any(r.get("ok") and _reply(r) not in allowed for r in results):
             return "wrong", f"{sent}: got {got}, want one of {want}"
+        # an unconnected socket's answer must come from where it was sent
+        sources = sorted({str(r["source"]) for r in results if r.get("ok") and r.get("source")})
+        if any(not _same(src, t.host, t.port) for src in sources):
+            return "wrong", f"{sent}: answered from {', '.join(sources)}, want {_addr(t.host, t.port)}"
         if not results or not all(r.get("ok") for r in results):
             return "lost", f"{sent}: got {got}, want one of {want}"
         return None

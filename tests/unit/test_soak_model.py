@@ -248,6 +248,11 @@ def test_verdicts_name_what_was_sent_and_what_came_back() -> None:
     assert judge(_t(None), [_err("timeout")], POD_OF) is None and judge(_t(None), [_err("refused")], POD_OF) is None
     gone = judge(_t(None), [_ok("pod-1-2", 8080)], POD_OF)
     assert gone is not None and gone[0] == "wrong" and "gone" in gone[1]
+    # an unconnected UDP socket's answer from the pod itself (the source not translated back) is wrong
+    udp = _t(answer, "udp")
+    assert judge(udp, [_ok("pod-1-2", 8081), {**_ok("pod-1-2", 8081), "source": "198.19.0.1:81"}], POD_OF) is None
+    stray = judge(udp, [_ok("pod-1-2", 8081), {**_ok("pod-1-2", 8081), "source": "198.18.65.12:8081"}], POD_OF)
+    assert stray is not None and stray[0] == "wrong" and "answered from 198.18.65.12:8081" in stray[1]
 
 
 def _free_port() -> int:
@@ -295,6 +300,8 @@ def test_the_sweep_sends_real_packets_and_the_verdicts_follow(echo: int) -> None
     pods = {"127.0.0.1": "pod-x"}
     assert [judge(t, results[t.id], pods) for t in targets[:4]] == [None] * 4
     assert results["a"][0]["reply"].startswith("pod-x 127.0.0.1 ") and f"port={echo}" in results["a"][0]["reply"]
+    # the second UDP attempt went from an unconnected socket and says where its answer came from
+    assert [r.get("source") for r in results["b"]] == [None, f"127.0.0.1:{echo}", None]
     verdict = judge(targets[4], results["e"], pods)
     assert verdict is not None and verdict[0] == "lost" and "refused" in verdict[1]
 
