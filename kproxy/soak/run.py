@@ -437,7 +437,11 @@ class Soak:
         lab = Lab.up(
             nodes=o.nodes, pods_per_node=o.pods_per_node, mode=o.mode, ipv6=o.ipv6, prefix=o.prefix, timeout=90
         )
-        lab.wait_all(90)
+        try:
+            lab.wait_all(90)
+        except BaseException:
+            Lab.down(prefix=o.prefix, keep_logs=True)  # a lab whose kproxy never became healthy is not left behind
+            raise
         return lab
 
     #: per-namespace sysctls the soak sets on its nodes: a checkpoint sends up to hundreds of connections that must
