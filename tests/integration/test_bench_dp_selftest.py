@@ -39,7 +39,7 @@ def _cgroup_of(pid: int) -> str:
 
 
 def test_identical_targets_agree_and_sockets_come_from_their_nodes_cgroups() -> None:
-    cfg = datapath.DatapathConfig(rounds=5, seconds=0.4, iperf_seconds=1.0, prefix=PREFIX, conntrack_limits=False)
+    cfg = datapath.DatapathConfig(rounds=9, seconds=0.5, iperf_seconds=1.0, prefix=PREFIX, conntrack_limits=False)
     try:
         with datapath.DatapathLab(cfg) as dl:
             lab = dl.lab
