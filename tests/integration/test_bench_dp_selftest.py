@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kproxy.bench import datapath
+from kproxy.lab.cluster import Lab
 
 pytestmark = [
     pytest.mark.root,
@@ -51,7 +52,7 @@ def test_identical_targets_agree_and_sockets_come_from_their_nodes_cgroups() -> 
                 assert (node in ("node-1", "node-2")) == (target in ("podip", "clusterip")), (target, node)
             run = datapath.measure_run(dl, datapath.NONE_MODE, 1, datapath.targets_for(datapath.NONE_MODE, cfg))
     finally:
-        datapath.Lab.down(prefix=PREFIX)
+        Lab.down(prefix=PREFIX)
     assert not run.failed_rounds, run.failed_rounds
     assert len(run.rounds) == cfg.rounds
     twin = run.ratios[datapath.TWIN]
