@@ -323,7 +323,7 @@ class Daemon:
             full = _family_full(result, fam, changes.full)
             m.observe_sync(fam, elapsed, full)
             self.backend.observe_sync(fam, result, full=full, ok=True)
-            m.count_written(fam, int(result.counts.get(f"{fam.value}/deltas", 0)))
+            m.count_written(fam, result.family(fam).written)
             m.observe_phases(fam, result.timings.items())
             m.set_last_synced(fam, now_wall)
             m.observe_network_programming(fam, [t for f, t in changes.trigger_times if f is fam], now_wall)
@@ -472,10 +472,10 @@ _TRUE = ("1", "true", "yes")
 
 
 def _family_full(result: SyncResult, fam: IPFamily, default: bool) -> bool:
-    """Whether the backend synced ``fam`` in full (count ``<family>/full``; a backend may do so on its own, after a
-    failure of that family or a flush), else ``default``."""
-    value = result.counts.get(f"{fam.value}/full")
-    return default if value is None else bool(value)
+    """Whether the backend synced ``fam`` in full (a backend may do so on its own, after a failure of that family or
+    a flush), else ``default`` (when it said nothing of the family)."""
+    said = result.families.get(fam)
+    return default if said is None else said.full
 
 
 def parse_trace_query(query: Mapping[str, str]) -> tuple[str, str, str, int, bool, bool]:

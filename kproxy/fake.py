@@ -65,20 +65,7 @@ class FakeProxier(LedgerProxier[ServicePort, FamilyContext]):
             if self.fail_next > 0:
                 self.fail_next -= 1
                 return SyncResult(ok=False, full=changes.full, error="injected failure")
-        res = super().sync(state, changes, node)
-        with self.lock:
-            total = len(self.programmed)
-        return SyncResult(
-            ok=res.ok,
-            full=res.full,
-            error=res.error,
-            failed=res.failed,
-            counts=MappingProxyType({"services": total}),  # what it holds; the ledger's per-family counts stay out
-            timings=res.timings,
-            need_full_sync=res.need_full_sync,
-            failed_families=res.failed_families,
-            refused=res.refused,
-        )
+        return super().sync(state, changes, node)
 
     def limits(self, family: IPFamily) -> Limits:
         return self.capacity
@@ -105,7 +92,7 @@ class FakeProxier(LedgerProxier[ServicePort, FamilyContext]):
                         self.programmed.pop((fam, d.name), None)
                     else:
                         self.programmed[(fam, d.name)] = d.new_fragment
-            return Applied(counts=MappingProxyType({f"{fam}/services": len(batch.wanted)}))
+            return Applied()
 
     def adopt(self, family: IPFamily, ctx: FamilyContext) -> Mapping[ServicePortName, ServicePort]:
         """What the "kernel" holds: the fake's own record, as a real backend reads its table back."""

@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from kproxy.admission import UNLIMITED, Book, Limits
 from kproxy.config import ProxyConfig
 from kproxy.gcpause import collector_paused
-from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
+from kproxy.model import Changes, FamilySync, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext, NodeContext, resolve
 from kproxy.proxier import Description, Proxier, ServiceDescription
 
@@ -100,15 +100,56 @@ class Batch(Generic[F, C]):
 class Applied:
     """What ``apply`` reports. ``refused``: services the kernel refused (the rest of the batch may or may not have
     been applied: the ledger retries with those services kept on their old fragment or left out); ``error`` with
-    ``ok`` False and nothing refused: the family failed as a whole (a full sync follows). ``counts``/``timings`` feed
-    metrics and ``/rules``; ``need_full`` asks for a full sync soon."""
+    ``ok`` False and nothing refused: the family failed as a whole (a full sync follows). ``kernel_refusals``: kernel
+    transactions refused in this apply (also ones the backend retried itself); ``rules``/``rules_last``/``figures``
+    as ``FamilySync``'s (the last apply's stand); ``timings`` (seconds per phase) feed metrics; ``need_full`` asks for
+    a full sync soon."""
 
     ok: bool = True
     refused: Mapping[ServicePortName, str] = field(default_factory=lambda: MappingProxyType({}))
     error: str | None = None
-    counts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    kernel_refusals: int = 0
+    rules: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    rules_last: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    figures: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     timings: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     need_full: bool = False
+
+
+@dataclass(slots=True)
+class _Tally:
+    """What one family's sync gathers over its refusal rounds, for its ``FamilySync``."""
+
+    full: bool = False
+    written: int = 0
+    kernel_refusals: int = 0  # the backend's own count, summed over rounds
+    refusal_rounds: int = 0  # rounds that ended in refused services (when the backend counts none itself)
+    rules: Mapping[str, int] = field(default_factory=dict)
+    rules_last: Mapping[str, int] = field(default_factory=dict)
+    figures: Mapping[str, int] = field(default_factory=dict)
+    need_full: bool = False
+    error: str | None = None
+
+    def absorb(self, outcome: Applied) -> None:
+        self.kernel_refusals += outcome.kernel_refusals
+        if outcome.rules:
+            self.rules = outcome.rules
+        if outcome.rules_last:
+            self.rules_last = outcome.rules_last
+        if outcome.figures:
+            self.figures = outcome.figures
+        self.need_full = self.need_full or outcome.need_full
+
+    def result(self, services: int) -> FamilySync:
+        return FamilySync(
+            full=self.full,
+            written=self.written,
+            services=services,
+            kernel_refusals=self.kernel_refusals or self.refusal_rounds,
+            rules=MappingProxyType(dict(self.rules)),
+            rules_last=MappingProxyType(dict(self.rules_last)),
+            figures=MappingProxyType(dict(self.figures)),
+        )
 
 
 @dataclass(slots=True)
@@ -266,7 +307,7 @@ class LedgerProxier(Proxier, Generic[F, C]):
             node = resolve(self.config, state.node, families=self.families)
         self._node = node
         failed: dict[ServicePortName, str] = {}
-        counts: dict[str, int] = {}
+        families: dict[IPFamily, FamilySync] = {}
         timings: dict[str, float] = {}
         errors: list[str] = []
         failed_families: set[IPFamily] = set()
@@ -282,14 +323,12 @@ class LedgerProxier(Proxier, Generic[F, C]):
         )
         with collector_paused(True, light=not bulk):
             for fam in self.families:
-                error, fam_full, fam_need_full = self._sync_family(
-                    fam, state, changes, node.family(fam), failed, counts, timings
-                )
-                did_full = did_full or fam_full
-                need_full = need_full or fam_need_full
-                counts[f"{fam.value}/full"] = int(fam_full)
-                if error is not None:
-                    errors.append(f"{fam.value}: {error}")
+                tally = self._sync_family(fam, state, changes, node.family(fam), failed, timings)
+                families[fam] = tally.result(len(self.records[fam].fragments))
+                did_full = did_full or tally.full
+                need_full = need_full or tally.need_full
+                if tally.error is not None:
+                    errors.append(f"{fam.value}: {tally.error}")
                     failed_families.add(fam)
         self._published_generation = state.generation
         timings["total"] = time.perf_counter() - t0
@@ -303,7 +342,7 @@ class LedgerProxier(Proxier, Generic[F, C]):
             full=did_full,
             error="; ".join(errors) or None,
             failed=MappingProxyType(failed),
-            counts=MappingProxyType(counts),
+            families=MappingProxyType(families),
             timings=MappingProxyType(timings),
             need_full_sync=need_full,
             failed_families=frozenset(failed_families),
@@ -417,10 +456,9 @@ class LedgerProxier(Proxier, Generic[F, C]):
         changes: Changes,
         node: FamilyContext,
         failed: dict[ServicePortName, str],
-        counts: dict[str, int],
         timings: dict[str, float],
-    ) -> tuple[str | None, bool, bool]:
-        """(error or None, whether it was a full batch, whether the backend asks for a full sync)."""
+    ) -> _Tally:
+        """One family's sync: its batch, its refusal rounds, the commit; what it did (``error`` set: it failed)."""
         rec = self.records[fam]
         r0 = time.perf_counter()
         ctx = self.context(node, state)
@@ -463,10 +501,8 @@ class LedgerProxier(Proxier, Generic[F, C]):
         rendered: dict[ServicePortName, F] = {}
         keep: set[ServicePortName] = set()  # refused update: the fragment applied before stays
         skip: set[ServicePortName] = set()  # refused and nothing (acceptable) before: left out, treated as absent
-        refusals = 0
+        tally = _Tally(full=full)
         scratch: dict[str, Any] = {}
-        need_full = False
-        error: str | None = None
         render_s = time.perf_counter() - r0
         for attempt in range(MAX_ROUNDS):
             r1 = time.perf_counter()
@@ -521,20 +557,18 @@ class LedgerProxier(Proxier, Generic[F, C]):
             except Exception as exc:  # a backend bug must not lose the ledger: the family fails, a full sync follows
                 log.exception("%s: apply raised", fam.value)
                 outcome = Applied(ok=False, error=f"{type(exc).__name__}: {exc}")
-            for k, n in outcome.counts.items():
-                counts[k] = counts.get(k, 0) + n if k.endswith("kernel_refusals") else n
+            tally.absorb(outcome)
             for k, v in outcome.timings.items():
                 _add(timings, k, v)
-            need_full = need_full or outcome.need_full
             if outcome.ok and not outcome.refused:
                 self._commit(rec, fam, ctx, full, deltas, ports, wanted, keep, skip)
-                counts[f"{fam.value}/deltas"] = len(deltas)  # services written or removed (0: nothing changed)
-                error = None
+                tally.written = len(deltas)  # services written or removed (0: nothing changed)
+                tally.error = None
                 break
             if not outcome.refused:
-                error = outcome.error or "apply failed"
+                tally.error = outcome.error or "apply failed"
                 break
-            refusals += 1
+            tally.refusal_rounds += 1
             progressed = False
             for spn, why in outcome.refused.items():
                 if spn in skip:
@@ -552,21 +586,16 @@ class LedgerProxier(Proxier, Generic[F, C]):
                 failed[spn] = why
                 rec.failed[spn] = why
             if not progressed:
-                error = outcome.error or "the kernel refused services that were already left out"
+                tally.error = outcome.error or "the kernel refused services that were already left out"
                 break
         else:
-            error = f"still refused after {MAX_ROUNDS} rounds: {outcome.error or ''}".rstrip(": ")
+            tally.error = f"still refused after {MAX_ROUNDS} rounds: {outcome.error or ''}".rstrip(": ")
         _add(timings, "render", render_s)
-        # refused transactions: the backend's own count when it keeps one (it also sees refusals it retried itself)
-        if refusals:
-            counts.setdefault(f"{fam.value}/kernel_refusals", refusals)
-        if error is not None:
+        if tally.error is not None:
             rec.need_full = True
             rec.context = None  # unknown now: the next full sync adopts what the kernel holds
             self._publish(fam)
-            return error, full, need_full
-        counts[f"{fam.value}/services"] = len(rec.fragments)
-        return None, full, need_full
+        return tally
 
     def _check_due(self, fam: IPFamily) -> bool:
         interval = self.CHECK_INTERVAL_S if self.CHECK_INTERVAL_S is not None else self.config.sync_period

@@ -253,33 +253,60 @@ class Changes:
         return not self.full and not self.services
 
 
+def _no_counts() -> Mapping[str, int]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class FamilySync:
+    """What the sync of one IP family did, typed, so no module parses keys.
+
+    ``full``: synced in full; ``written``: service ports written or removed by the batch that committed (0: nothing
+    changed); ``services``: service ports the kernel holds for kproxy afterwards; ``kernel_refusals``: kernel
+    transactions (restores) refused on the way, also in a sync that recovered by skipping services (upstream's
+    restore-failure counters). ``rules`` / ``rules_last``: per table, the rules the mode holds and the rules its last
+    sync wrote (upstream's ``sync_proxy_rules_iptables_total`` / ``_last`` gauges). ``figures``: the backend's own
+    counts (map writes, elements added, transactions...), for ``/rules`` and the benchmarks."""
+
+    full: bool = False
+    written: int = 0
+    services: int = 0
+    kernel_refusals: int = 0
+    rules: Mapping[str, int] = field(default_factory=_no_counts)
+    rules_last: Mapping[str, int] = field(default_factory=_no_counts)
+    figures: Mapping[str, int] = field(default_factory=_no_counts)
+
+
 @dataclass(frozen=True, slots=True)
 class SyncResult:
     """What a backend reports after ``sync``.
 
     ``failed`` lists service ports whose rules the kernel refused: they were skipped, everything else was
     applied, and they stay dirty so the next sync retries them. ``error`` set with ``ok`` False means nothing
-    (or not everything) was applied and the whole change must be retried, as a full sync. ``counts`` carries
-    backend figures for metrics and ``/rules``; keys shaped ``<IPv4|IPv6>/<table>/<total|last>`` feed upstream's
-    ``sync_proxy_rules_iptables_total`` / ``_last`` gauges (for example ``IPv4/nat/total``).
-    ``need_full_sync`` asks for a full resync soon (for example, the canary chain vanished). ``failed_families``
-    names the families whose sync failed when ``ok`` is False (empty: all of them). A count
-    ``<IPv4|IPv6>/kernel_refusals`` tells how many kernel transactions (restores) were refused along the way, also in
-    a sync that recovered by skipping services (upstream's restore-failure counters); ``<IPv4|IPv6>/full`` (0 or 1)
-    whether that family was synced in full, when the backend decides that per family.
+    (or not everything) was applied and the whole change must be retried, as a full sync. ``families`` says what
+    each family's sync did (``FamilySync``). ``need_full_sync`` asks for a full resync soon (for example, the canary
+    chain vanished). ``failed_families`` names the families whose sync failed when ``ok`` is False (empty: all of
+    them).
     """
 
     ok: bool = True
     full: bool = False
     error: str | None = None
     failed: Mapping[ServicePortName, str] = field(default_factory=lambda: MappingProxyType({}))
-    counts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    families: Mapping[IPFamily, FamilySync] = field(default_factory=lambda: MappingProxyType({}))
     timings: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))  # seconds: render, apply..
     need_full_sync: bool = False
     failed_families: frozenset[IPFamily] = frozenset()
     #: service ports the core's admission refused in whole or in part (an address another service holds, more than
     #: the mode can hold), as ``reason: message``: reported, not retried (the answer changes only with the objects)
     refused: Mapping[ServicePortName, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def family(self, family: IPFamily) -> FamilySync:
+        """What ``family``'s sync did (an empty ``FamilySync`` when the backend said nothing of it)."""
+        return self.families.get(family) or _NOTHING
+
+
+_NOTHING = FamilySync()
 
 
 #: why the core refuses (part of) a service port before rendering it (``kproxy.admission``; the ``reason`` label of

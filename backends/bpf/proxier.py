@@ -219,7 +219,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         self._reattach = False
         self._reattach_after = 0.0
         self._metric_entries: Any = None
-        self._counts: dict[str, int] = {}
+        self._counts: dict[IPFamily, dict[str, int]] = {}  # the last apply's figures per family, for describe()
         self.attached: list[str] = []
         self._reaper = sockets.Reaper()
         self._memo: dict[tuple[ServicePortName, IPFamily], tuple[ServicePort, Context, Fragment]] = {}
@@ -585,7 +585,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             "cgroup": str(p.cgroup) if p else None,
             "mapSize": p.map_size if p else None,
             "attached": list(self.attached),
-            "counts": dict(self._counts),
+            "counts": {fam.value: dict(c) for fam, c in list(self._counts.items())},
         }
 
     # -- apply ----------------------------------------------------------------------------------------------------
@@ -686,17 +686,13 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             if self._reattach and fam is self.families[-1] and time.monotonic() >= self._reattach_after:
                 self._repair_programs()  # the maps hold everything again: the programs may read them
         self._reap_udp(batch)
-        counts = {
-            f"{fam.value}/map_writes": plan.writes,
-            f"{fam.value}/service_entries": index.svc_entries,
-            f"{fam.value}/backends": len(index.backends),
-        }
-        self._counts.update(counts)
+        figures = {"map_writes": plan.writes, "service_entries": index.svc_entries, "backends": len(index.backends)}
+        self._counts[fam] = figures
         if self._metric_entries is not None:
-            self._metric_entries.labels(ip_family=fam.value, map="service").set(counts[f"{fam.value}/service_entries"])
+            self._metric_entries.labels(ip_family=fam.value, map="service").set(index.svc_entries)
             self._metric_entries.labels(ip_family=fam.value, map="backend").set(len(index.backends))
         return Applied(
-            counts=MappingProxyType(counts),
+            figures=MappingProxyType(figures),
             # "apply": the map writes after planning ended; "pipelined": those written meanwhile (another thread)
             timings=MappingProxyType(
                 {"plan": t1 - t0, "apply": t2 - t1, "nft": t3 - t2, **({"pipelined": t_write} if writer else {})}

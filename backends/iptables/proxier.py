@@ -173,18 +173,20 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
             self._metrics["partial_failures"].labels(f.label)
 
     def observe_sync(self, family: IPFamily, result: SyncResult, *, full: bool, ok: bool) -> None:
-        """Rule gauges from ``<family>/<table>/total|last`` counts; every refused restore counted as a restore failure
+        """Rule gauges from the family's ``rules``/``rules_last``; every refused restore counted as a restore failure
         (the partial ones apart as well, as upstream), also in a sync that recovered by skipping services. A failed
         family that names no refusal failed before any restore was refused: one failure."""
         if not self._metrics:
             return
         label = family.label
-        for key, value in result.counts.items():
-            parts = key.split("/")
-            if len(parts) == 3 and parts[0] == label and parts[2] in ("total", "last"):
-                self._metrics[parts[2]].labels(label, parts[1]).set(value)
+        done = result.families.get(family)
+        if done is not None:
+            for table, n in done.rules.items():
+                self._metrics["total"].labels(label, table).set(n)
+            for table, n in done.rules_last.items():
+                self._metrics["last"].labels(label, table).set(n)
         default = 0 if ok or result.failed_families else 1
-        times = int(result.counts.get(f"{label}/kernel_refusals", default))
+        times = done.kernel_refusals if done is not None and done.kernel_refusals else default
         if times > 0:
             self._metrics["failures"].labels(label).inc(times)
             if not full:
@@ -259,7 +261,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
         fam, ctx, sc = batch.family, batch.context, batch.scratch
         kernel = self.kernel
         timings = {"build": 0.0, "apply": 0.0, "save": 0.0, "canary": self._canary_s.pop(fam, 0.0)}
-        counts: dict[str, int] = {}
+        refusals = 0  # restores the kernel refused in this apply
         frags = dict(batch.wanted)
         written: set[ServicePortName] = sc.setdefault("written", set())  # in a payload of this sync that committed
         created: set[str] = sc.setdefault("created", set())  # chains this sync's payloads declared
@@ -344,15 +346,14 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
                     written.update(spn for _, _, spn in restore.owners)
                     continue
                 error = _summarise(res.stderr, restore.text)
-                key = f"{fam.value}/kernel_refusals"
-                counts[key] = counts.get(key, 0) + 1
+                refusals += 1
                 m = _LINE.search(res.stderr)
                 line = int(m.group(1)) if m else 0
                 bad = restore.owner_of(line) if line else None
                 refused = restore
                 break
             if error is None:
-                return self._applied(batch, frags, payloads, rules_written, counts, timings)
+                return self._applied(batch, frags, payloads, rules_written, refusals, timings)
             self._written[fam].payloads, self._written[fam].was_full = payloads, batch.full
             deletion_refused = (
                 bad is None and not sc.get("keep_stale") and refused is not None and _deletes_at(refused.text, line)
@@ -365,7 +366,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
                 timings["save"] += time.perf_counter() - s0
                 sc["jumps"] = jumps
                 if err:
-                    return Applied(ok=False, error=f"{error}; then {err}", counts=counts, timings=timings)
+                    return Applied(ok=False, error=f"{error}; then {err}", kernel_refusals=refusals, timings=timings)
             if top is not None:
                 tops_tried.update(top)
             if deletion_refused:
@@ -379,11 +380,13 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
                     names = write
                 continue
             if bad is None:
-                return Applied(ok=False, error=error, counts=counts, timings=timings)
+                return Applied(ok=False, error=error, kernel_refusals=refusals, timings=timings)
             return Applied(
-                ok=False, refused=MappingProxyType({bad: error}), error=error, counts=counts, timings=timings
+                ok=False, refused=MappingProxyType({bad: error}), error=error, kernel_refusals=refusals, timings=timings
             )
-        return Applied(ok=False, error="a stale-chain deletion was refused again", counts=counts, timings=timings)
+        return Applied(
+            ok=False, error="a stale-chain deletion was refused again", kernel_refusals=refusals, timings=timings
+        )
 
     def _applied(
         self,
@@ -391,7 +394,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
         frags: dict[ServicePortName, Fragment],
         payloads: list[str],
         rules_written: dict[str, int],
-        counts: dict[str, int],
+        refusals: int,
         timings: dict[str, float],
     ) -> Applied:
         fam = batch.family
@@ -400,10 +403,14 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
         if batch.full:
             w.full = (batch.context, frags)
         totals = render.total_rules(batch.context, frags)
-        for t in ("filter", "nat"):
-            counts[f"{fam.value}/{t}/total"] = totals[t]
-            counts[f"{fam.value}/{t}/last"] = rules_written[t]
-        return Applied(ok=True, counts=counts, timings=timings)
+        tables = ("filter", "nat")
+        return Applied(
+            ok=True,
+            kernel_refusals=refusals,
+            rules=MappingProxyType({t: totals[t] for t in tables}),
+            rules_last=MappingProxyType({t: rules_written[t] for t in tables}),
+            timings=timings,
+        )
 
     # ------------------------------------------------------------------------------------------ verify
 

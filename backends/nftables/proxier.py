@@ -101,7 +101,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         self._last_text: dict[IPFamily, str] = {}
         # the last partial batch's changes (service, old, new), for measure_partial_floor
         self._last_partial: dict[IPFamily, list[tuple[ServicePortName, Fragment | None, Fragment | None]]] = {}
-        self._counts: dict[str, int] = {}
+        self._counts: dict[IPFamily, dict[str, int]] = {}  # the last apply's figures per family, for describe()
 
     # ------------------------------------------------------------------------------------------ hooks
 
@@ -301,7 +301,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         }
 
     def detail_global(self) -> dict[str, Any]:
-        return {"table": render.TABLE, "layout": render.LAYOUT, "counts": dict(self._counts)}
+        counts = {fam.value: dict(c) for fam, c in list(self._counts.items())}
+        return {"table": render.TABLE, "layout": render.LAYOUT, "counts": counts}
 
     # ------------------------------------------------------------------------------------------ apply
 
@@ -315,7 +316,6 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         in ``batch.scratch``, so the ledger's retry round starts from what the kernel holds."""
         fam = batch.family
         r0 = time.perf_counter()
-        counts: dict[str, int] = {}
         timings = {"render_apply": 0.0, "apply": 0.0}
         self._entry_owners(batch)
         if batch.full:
@@ -354,21 +354,23 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
                 pending = (nxt, text, self.nft.submit(text))
             else:
                 self._commit_chunk(batch, nxt)
-        counts[f"{fam.value}/elements_added"] = added
-        counts[f"{fam.value}/elements_deleted"] = deleted
-        counts[f"{fam.value}/commands"] = commands
-        counts[f"{fam.value}/transactions"] = len(texts) + (1 if error else 0)
+        figures = {
+            "elements_added": added,
+            "elements_deleted": deleted,
+            "commands": commands,
+            "transactions": len(texts) + (1 if error else 0),
+        }
         if error is not None:
             chunk, res = error
             summary, refused = nft_tools.refused(res, chunk.tx.owner_of)
-            counts[f"{fam.value}/kernel_refusals"] = 1
             if not refused:  # not a service's fault: read the kernel again at the full sync
                 self._kernel[fam] = _KernelState()
             return Applied(
                 ok=False,
                 refused=refused,
                 error=summary,
-                counts=MappingProxyType(counts),
+                kernel_refusals=1,
+                figures=MappingProxyType(figures),
                 timings=MappingProxyType(timings),
             )
         ks = self._kernel[fam]
@@ -381,9 +383,9 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         self._last_text[fam] = "".join(texts)
         if batch.full and batch.scratch.get("fresh"):
             self._last_full_text[fam] = "".join(texts)
-        counts[f"{fam.value}/shared_chains"] = len(ks.shared)
-        self._counts.update(counts)
-        return Applied(ok=True, counts=MappingProxyType(counts), timings=MappingProxyType(timings))
+        figures["shared_chains"] = len(ks.shared)
+        self._counts[fam] = figures
+        return Applied(ok=True, figures=MappingProxyType(figures), timings=MappingProxyType(timings))
 
     def _entry_owners(self, batch: Batch[Fragment, FamilyContext]) -> None:
         """Which service owns each map element after this batch (``scratch["entries"]``). Two services never claim

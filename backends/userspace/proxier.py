@@ -226,7 +226,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         self._known: dict[IPFamily, bool] = {f: False for f in self.families}
         self._local: dict[IPFamily, tuple[str, ...]] = {f: () for f in self.families}
         self._rules_checked: dict[IPFamily, float] = {}  # the fixed rules' check, per family
-        self._counts: dict[str, int] = {}
+        self._counts: dict[IPFamily, dict[str, int]] = {}  # the last apply's figures per family, for describe()
         self._last_full: dict[IPFamily, tuple[str, int, int]] = {}  # text, TCP and UDP sockets of a fresh full sync
 
     # ------------------------------------------------------------------------------------------ hooks
@@ -477,7 +477,8 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         }
 
     def detail_global(self) -> dict[str, Any]:
-        return {"table": render.TABLE, "layout": render.LAYOUT, "counts": dict(self._counts), **self.engine.stats()}
+        counts = {fam.value: dict(c) for fam, c in list(self._counts.items())}
+        return {"table": render.TABLE, "layout": render.LAYOUT, "counts": counts, **self.engine.stats()}
 
     def conntrack_answerers(self, sp: ServicePort) -> Iterable[tuple[str, int]]:
         """A UDP flow to a service is answered by the node: by the proxy socket of the service, from the address
@@ -831,10 +832,10 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
 
         text = tx.text()
         apply_s = 0.0
-        counts = {
-            f"{fam.value}/commands": len(tx.lines),
-            f"{fam.value}/elements_added": sum(1 for ln in tx.lines if ln.startswith("add element")),
-            f"{fam.value}/elements_deleted": sum(1 for ln in tx.lines if ln.startswith("delete element")),
+        figures = {
+            "commands": len(tx.lines),
+            "elements_added": sum(1 for ln in tx.lines if ln.startswith("add element")),
+            "elements_deleted": sum(1 for ln in tx.lines if ln.startswith("delete element")),
         }
         if text:
             res = self.kernel.run(text)
@@ -843,8 +844,9 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                 self.kernel.call(drop_new)
                 self._known[fam] = False
                 summary, named = nft_tools.refused(res, tx.owner_of)
-                counts[f"{fam.value}/kernel_refusals"] = 1
-                return Applied(ok=False, refused=named, error=summary, counts=MappingProxyType(counts))
+                return Applied(
+                    ok=False, refused=named, error=summary, kernel_refusals=1, figures=MappingProxyType(figures)
+                )
 
         # the kernel holds it: hand the data path its new sockets and endpoints, close what nothing names now
         specs: list[ListenerSpec] = []
@@ -881,11 +883,11 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                 else:
                     self._written[fam].pop(spn, None)
         self._known[fam] = True
-        counts[f"{fam.value}/proxy_sockets"] = sum(1 for i in self._ports if i[0] == fam)
-        self._counts.update(counts)
+        figures["proxy_sockets"] = sum(1 for i in self._ports if i[0] == fam)
+        self._counts[fam] = figures
         return Applied(
             ok=True,
-            counts=MappingProxyType(counts),
+            figures=MappingProxyType(figures),
             timings=MappingProxyType({"render_apply": render_s, "apply": apply_s}),
         )
 

@@ -171,14 +171,24 @@ class _State:
         return i
 
 
-def _written(result: SyncResult, backend: Any, batches_before: int) -> int:
-    """Services one sync wrote or removed: the ledger's ``<family>/deltas``; the fake backend keeps its batches
-    instead (its counts say what it holds)."""
-    deltas = [v for k, v in result.counts.items() if k.endswith("/deltas")]
-    if deltas:
-        return int(sum(deltas))
-    batches = getattr(backend, "batches", None)
-    return sum(len(b.deltas) for b in batches[batches_before:]) if batches is not None else 0
+def _written(result: SyncResult) -> int:
+    """Services one sync wrote or removed (every family's ``written``)."""
+    return sum(f.written for f in result.families.values())
+
+
+def flat_counts(result: SyncResult) -> dict[str, int]:
+    """The result's per-family figures as the bench's JSON has always spelt them (``IPv4/deltas``,
+    ``IPv4/nat/total``, ``IPv4/elements_added``...): an output format, never parsed back."""
+    out: dict[str, int] = {}
+    for fam, f in result.families.items():
+        p = fam.value
+        out.update({f"{p}/full": int(f.full), f"{p}/deltas": f.written, f"{p}/services": f.services})
+        if f.kernel_refusals:
+            out[f"{p}/kernel_refusals"] = f.kernel_refusals
+        out.update({f"{p}/{t}/total": n for t, n in f.rules.items()})
+        out.update({f"{p}/{t}/last": n for t, n in f.rules_last.items()})
+        out.update({f"{p}/{k}": n for k, n in f.figures.items()})
+    return out
 
 
 def _no_refusals(result: SyncResult, what: str) -> None:
@@ -271,14 +281,13 @@ def _full_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _State) 
     out.describe_ms = probe.figures()
     out.absorb_s, out.snapshot_s, out.full_sync_s = t1 - t0, t2 - t1, t3 - t1
     out.render_s = result.timings.get("render")
-    out.counts = {k: int(v) for k, v in result.counts.items()}
+    out.counts = flat_counts(result)
 
 
 def _partial_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _State) -> None:
     """``repeat`` partial syncs of one endpoint change each; each must write its service (and nothing else)."""
     applies: list[float] = []
     for r in range(out.repeat):
-        batches_before = len(getattr(backend, "batches", ()))
         s0 = time.perf_counter()
         i = gen.change_one(cache, r, out.services)
         state, changes = cache.snapshot()
@@ -292,7 +301,7 @@ def _partial_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _Stat
         if changes.full or not changes.services:
             raise BenchError(f"partial sync {r + 1}: expected one dirty service, got {changes}")
         _no_refusals(result, f"partial sync {r + 1}")
-        written = _written(result, backend, batches_before)
+        written = _written(result)
         out.partial_writes.append(written)
         if written != 1:  # the moved endpoint must reach the kernel, and nothing else needs rewriting
             raise BenchError(f"partial sync {r + 1} wrote {written} services, expected 1 ({gen.gen.__name__} {i})")
@@ -326,7 +335,7 @@ def _restart_phase(out: SyncBench, live: list[Any], cls: Any, config: ProxyConfi
     _no_refusals(result, "restart sync")
     out.restart_sync_s = t3 - t2
     out.restart_absorb_s, out.restart_snapshot_s, out.restart_total_s = t1 - t0, t2 - t1, t3 - t0
-    out.restart_writes = _written(result, fresh, 0)
+    out.restart_writes = _written(result)
 
 
 class _DescribeProbe:

@@ -175,18 +175,18 @@ def test_restart_adopts_the_pinned_maps_and_writes_nothing(place: tuple[str, dic
     try:
         res = first.sync(st, Changes(full=True))
         assert res.ok, res.error
-        assert res.counts["IPv4/map_writes"] > 0
+        assert res.family(IPFamily.V4).figures["map_writes"] > 0
     finally:
         first.close()
     second = BpfProxier(_config(opts), netns=ns)
     try:
         res = second.sync(st, Changes(full=True))
         assert res.ok, res.error
-        assert res.counts["IPv4/deltas"] == 0 and res.counts["IPv4/map_writes"] == 0
+        assert res.family(IPFamily.V4).written == 0 and res.family(IPFamily.V4).figures["map_writes"] == 0
         # a partial change after adoption writes the changed service only
         st2 = state(*(p for p in st if p.name != spn("a")), sp("a", "198.19.0.20", ("198.18.211.1",)), generation=2)
         res = second.sync(st2, Changes(full=False, services=frozenset({spn("a")})))
-        assert res.ok and res.counts["IPv4/deltas"] == 1
+        assert res.ok and res.family(IPFamily.V4).written == 1
         view = BpfProxier.kernel_view(LocalProbe(ns, MappingProxyType(opts)), IPFamily.V4)
         assert view is not None
         assert [ln for ln in view["ns1/a:p/TCP"] if "slot" in ln] == [

@@ -233,7 +233,7 @@ def test_big_full_sync_in_chunks_of_whole_services(netns: str, monkeypatch: pyte
     try:
         res = p.sync(state(*sps), Changes(full=True))
         assert res.ok, res.error
-        assert res.counts["IPv4/transactions"] > 5
+        assert res.family(IPFamily.V4).figures["transactions"] > 5
         listing = nft_list(netns, "list", "map", "ip", "kproxy", "service-ips")
         assert all(f"198.19.1.{i} . tcp . 80" in listing for i in range(60))
         assert listing.count("goto lb-i-3") == 60
@@ -331,7 +331,7 @@ def test_every_shape_through_full_partial_and_changed_restart(netns: str) -> Non
         try:
             res = q.sync(state(*_zoo(2), gen=3), Changes(full=True))
             assert res.ok and not res.failed, res
-            assert res.counts["IPv4/deltas"] == len(names)
+            assert res.family(IPFamily.V4).written == len(names)
             # and a second fresh process with nothing changed writes nothing
             r = NftablesProxier(CFG, netns=netns)
             try:
@@ -386,6 +386,6 @@ def test_a_refusal_in_a_later_chunk_keeps_what_earlier_chunks_committed(
         listing = nft_list(netns, "list", "map", "ip", "kproxy", "service-ips")
         assert sum(f"198.19.1.{i} . tcp . 80" in listing for i in range(60)) == 59
         assert "198.19.1.45 . tcp . 80" not in listing
-        assert res.counts["IPv4/kernel_refusals"] == 1
+        assert res.family(IPFamily.V4).kernel_refusals == 1
     finally:
         p.close()

@@ -175,7 +175,7 @@ def test_restore_failures_are_counted_for_the_family_that_had_them(running: tupl
     from types import MappingProxyType
 
     from kproxy.backends.iptables.proxier import IptablesProxier
-    from kproxy.model import Changes, SyncResult
+    from kproxy.model import Changes, FamilySync, SyncResult
 
     daemon, fake, _ = running
     # the counters are the iptables mode's own: its metrics on this daemon's registry, fed as the daemon feeds them
@@ -191,17 +191,17 @@ def test_restore_failures_are_counted_for_the_family_that_had_them(running: tupl
     failed = SyncResult(
         ok=False,
         error="IPv6: refused",
-        counts=MappingProxyType({"IPv6/kernel_refusals": 2}),
+        families=MappingProxyType({IPFamily.V6: FamilySync(kernel_refusals=2)}),
         failed_families=frozenset({IPFamily.V6}),
     )
     assert daemon._after_sync(state, Changes(full=False), failed, 0.01) is False
     assert (m.value(name, v4) or 0.0) - before["IPv4"] == 0
     assert (m.value(name, v6) or 0.0) - before["IPv6"] == 2 and (m.value(partial, v6) or 0.0) >= 2
-    recovered = SyncResult(ok=True, counts=MappingProxyType({"IPv4/kernel_refusals": 1}))
+    recovered = SyncResult(ok=True, families=MappingProxyType({IPFamily.V4: FamilySync(full=True, kernel_refusals=1)}))
     assert daemon._after_sync(state, Changes(full=True), recovered, 0.01) is True
     assert (m.value(name, v4) or 0.0) - before["IPv4"] == 1
     # a family that failed before any restore (its kernel could not be read) counts none; one the backend synced
-    # in full on its own (counts IPv6/full) is not a partial failure though the daemon asked for a partial sync
+    # in full on its own (its FamilySync says full) is not a partial failure though the daemon asked for a partial sync
     v6_partial = m.value(partial, v6) or 0.0
     early = SyncResult(ok=False, error="IPv6: save failed", failed_families=frozenset({IPFamily.V6}))
     assert daemon._after_sync(state, Changes(full=False), early, 0.01) is False
@@ -209,7 +209,7 @@ def test_restore_failures_are_counted_for_the_family_that_had_them(running: tupl
     own_full = SyncResult(
         ok=False,
         error="IPv6: refused",
-        counts=MappingProxyType({"IPv6/kernel_refusals": 1, "IPv6/full": 1}),
+        families=MappingProxyType({IPFamily.V6: FamilySync(full=True, kernel_refusals=1)}),
         failed_families=frozenset({IPFamily.V6}),
     )
     assert daemon._after_sync(state, Changes(full=False), own_full, 0.01) is False

@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from kproxy.backends.iptables.proxier import IptablesProxier
 from kproxy.config import ProxyConfig
 from kproxy.metrics import NETWORK_PROGRAMMING_BUCKETS, SYNC_BUCKETS, Metrics
-from kproxy.model import IPFamily, SyncResult
+from kproxy.model import FamilySync, IPFamily, SyncResult
 
 # Upstream's v1.34 metric reference for kube-proxy: exposed name -> (TYPE, label names).
 UPSTREAM = {
@@ -79,8 +79,8 @@ def touch_everything(m: Metrics, backend: IptablesProxier) -> None:
     m.observe_network_programming(v4, [1699999998.0], now=1700000000.0)
     m.add_changes(services=2, endpoints=3)
     m.set_pending(services=1, endpoints=4)
-    counts = {"IPv4/nat/total": 120, "IPv4/nat/last": 30, "IPv4/kernel_refusals": 1}
-    backend.observe_sync(v4, SyncResult(ok=False, counts=counts), full=False, ok=False)
+    done = FamilySync(kernel_refusals=1, rules={"nat": 120}, rules_last={"nat": 30})
+    backend.observe_sync(v4, SyncResult(ok=False, families={v4: done}), full=False, ok=False)
     m.set_no_local_endpoints(v4, internal=1, external=2)
     m.count_healthz(200)
     m.count_livez(503)
@@ -161,8 +161,11 @@ def test_families_start_at_zero_and_counts_feed_iptables_gauges() -> None:
     v6 = {"ip_family": "IPv6"}
     assert m.value("kubeproxy_sync_proxy_rules_iptables_restore_failures_total", v6) == 0
     assert m.value("kubeproxy_sync_proxy_rules_iptables_restore_failures_total", {"ip_family": "IPv4"}) is None
-    counts = {"IPv6/filter/total": 7, "IPv6/filter/last": 2, "IPv4/filter/total": 99, "services": 3}
-    backend.observe_sync(IPFamily.V6, SyncResult(counts=counts), full=True, ok=True)
+    families = {
+        IPFamily.V6: FamilySync(full=True, services=3, rules={"filter": 7}, rules_last={"filter": 2}),
+        IPFamily.V4: FamilySync(rules={"filter": 99}),
+    }
+    backend.observe_sync(IPFamily.V6, SyncResult(families=families), full=True, ok=True)
     assert m.value("kubeproxy_sync_proxy_rules_iptables_total", {**v6, "table": "filter"}) == 7
     assert m.value("kubeproxy_sync_proxy_rules_iptables_last", {**v6, "table": "filter"}) == 2
 
