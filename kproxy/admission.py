@@ -131,7 +131,7 @@ class Book:
     holder: dict[Key, ServicePortName] = field(default_factory=dict)
     #: the last ServicePort asked for, per name (the cache's value, before anything was taken out)
     wanted: dict[ServicePortName, ServicePort] = field(default_factory=dict)
-    #: what was admitted (None: refused whole)
+    #: what was admitted, for the service ports in ``altered`` only (None: refused whole); the others as wanted
     admitted: dict[ServicePortName, ServicePort | None] = field(default_factory=dict)
     waiting: dict[Key, set[ServicePortName]] = field(default_factory=dict)
     refused: dict[ServicePortName, Refusal] = field(default_factory=dict)
@@ -183,7 +183,7 @@ class Book:
 
     def version(self, spn: ServicePortName, sp: ServicePort) -> ServicePort | None:
         """The admitted version of ``spn`` after ``admit`` (``sp`` when the book has not refused any of it)."""
-        return self.admitted.get(spn, sp)
+        return self.admitted[spn] if spn in self.altered else sp
 
     def forget(self) -> None:
         limits, addrs = self.limits, self.nodeport_addresses
@@ -330,11 +330,12 @@ class Book:
         return self._set(spn, sp)
 
     def _set(self, spn: ServicePortName, sp: ServicePort | None) -> ServicePort | None:
-        self.admitted[spn] = sp
         if sp is self.wanted.get(spn):
             self.altered.discard(spn)
+            self.admitted.pop(spn, None)
         else:
             self.altered.add(spn)
+            self.admitted[spn] = sp
         return sp
 
     # -- capacity -------------------------------------------------------------------------------------------------
