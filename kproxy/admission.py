@@ -224,33 +224,28 @@ class Book:
         evicted: set[ServicePortName] = set()
         holder = self.holder
         fresh: set[Key] = set()  # keys handed out in this call (their holder held nothing before)
-        # ClusterIP keys first: a service port refused its ClusterIP claims nothing else
-        contested: dict[Key, list[ServicePortName]] = {}
-        for spn, sp in touched.items():
-            key = (sp.cluster_ip, sp.name.protocol, sp.port)
-            h = holder.get(key)
-            if h is None:
-                holder[key] = spn
-                fresh.add(key)
-            elif h != spn:
-                contested.setdefault(key, [h]).append(spn)
-        for key, names in contested.items():
-            self._contest(key, names, key in fresh, adopted_holder, evicted)
-        contested = {}
-        for spn, sp in touched.items():
-            if _plain(sp) or holder.get((sp.cluster_ip, sp.name.protocol, sp.port)) != spn:
-                continue
-            for key, kind in claims(sp).items():
-                if kind is Kind.CLUSTER_IP:
-                    continue
+
+        def hand_out(wants: Iterable[tuple[Key, ServicePortName]]) -> None:
+            contested: dict[Key, list[ServicePortName]] = {}
+            for key, spn in wants:
                 h = holder.get(key)
                 if h is None:
                     holder[key] = spn
                     fresh.add(key)
                 elif h != spn:
                     contested.setdefault(key, [h]).append(spn)
-        for key, names in contested.items():
-            self._contest(key, names, key in fresh, adopted_holder, evicted)
+            for key, names in contested.items():
+                self._contest(key, names, key in fresh, adopted_holder, evicted)
+
+        # ClusterIP keys first: a service port refused its ClusterIP claims nothing else
+        hand_out(((sp.cluster_ip, sp.name.protocol, sp.port), spn) for spn, sp in touched.items())
+        hand_out(
+            (key, spn)
+            for spn, sp in touched.items()
+            if not _plain(sp) and holder.get((sp.cluster_ip, sp.name.protocol, sp.port)) == spn
+            for key, kind in claims(sp).items()
+            if kind is not Kind.CLUSTER_IP
+        )
         return evicted
 
     def _contest(

@@ -626,28 +626,39 @@ def address_collision(ctx: Context) -> None:
         ctx.reach(client, own_vip, 80, count=3, only=claim_eps)
 
     # "throughout": a client keeps connecting to the owner's address while everything below happens
-    probes: list[tuple[str, Probe]] = []
-    phase = ["claimed"]
-    stop = threading.Event()
-
-    def keep_probing() -> None:
-        while not stop.is_set() and ctx.remaining() > 5:
-            try:
-                probes.append((phase[0], ctx.probe(client, vip, 80, count=1, timeout=1.0)))
-            except Exception as exc:  # recorded, judged below
-                probes.append((phase[0], Probe(client.name, "tcp", vip, 80, [_Err(str(exc))])))
-            time.sleep(0.2)
-
-    prober = threading.Thread(target=keep_probing, daemon=True)
-    prober.start()
-    try:
-        why = _collide(ctx, n1, client, vip, own_vip, owner_eps, claim_eps, owner_answers, phase)
-    finally:
-        stop.set()
-        prober.join(timeout=5)
+    with _Prober(ctx, client, vip, "claimed", interval=0.2) as prober:
+        why = _collide(ctx, n1, client, vip, own_vip, owner_eps, claim_eps, owner_answers, prober.phase)
     # a mode whose data path is kproxy itself declares that new connections fail while no process runs; no other may
-    judge_collision(probes, {p.name for p in owner_eps}, ctx.skips("while-down"))
-    ctx.note(f"{vip}:80 stayed with its owner through {len(probes)} connections; the claimant was told: {why}")
+    judge_collision(prober.probes, {p.name for p in owner_eps}, ctx.skips("while-down"))
+    ctx.note(f"{vip}:80 stayed with its owner through {len(prober.probes)} connections; the claimant was told: {why}")
+
+
+class _Prober:
+    """A client connecting to ``ip:80`` once per ``interval`` in a thread of its own while a scenario changes things;
+    each result is kept with the phase (``phase[0]``, set by the scenario) it was sent in."""
+
+    def __init__(self, ctx: Context, client: Any, ip: str, first_phase: str, interval: float) -> None:
+        self.ctx, self.client, self.ip, self.interval = ctx, client, ip, interval
+        self.phase = [first_phase]
+        self.probes: list[tuple[str, Probe]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self.ctx.remaining() > 5:
+            try:
+                self.probes.append((self.phase[0], self.ctx.probe(self.client, self.ip, 80, count=1, timeout=1.0)))
+            except Exception as exc:  # recorded, judged by the scenario
+                self.probes.append((self.phase[0], Probe(self.client.name, "tcp", self.ip, 80, [_Err(str(exc))])))
+            time.sleep(self.interval)
+
+    def __enter__(self) -> _Prober:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def judge_collision(probes: Sequence[tuple[str, Probe]], owners: set[str], gap_ok: bool) -> None:
@@ -1251,41 +1262,31 @@ def restart(ctx: Context) -> None:
     holding, judge_down = not ctx.skips("held-connection"), not ctx.skips("while-down")
     t_hold = ctx.now()
     held = ctx.lab.hold(client.ns, ip, 80, max(10.0, ctx.remaining() - 10), HOLD_INTERVAL) if holding else None
-    probes: list[tuple[str, Probe]] = []
-    phase = ["before"]
-    stop = threading.Event()
     hold_results: Any = []
     t_synced = t_after_end = 0.0
-
-    def keep_probing() -> None:
-        while not stop.is_set() and ctx.remaining() > 5:
-            try:
-                probes.append((phase[0], ctx.probe(client, ip, 80, count=1, timeout=1.0)))
-            except Exception as exc:  # recorded, judged below
-                probes.append((phase[0], Probe(client.name, "tcp", ip, 80, [_Err(str(exc))])))
-            time.sleep(0.15)
-
-    t = threading.Thread(target=keep_probing, daemon=True)
-    t.start()
+    prober = _Prober(ctx, client, ip, "before", interval=0.15)
+    phase = prober.phase
     try:
-        time.sleep(1.0)
-        phase[0] = "killed"
-        ctx.lab.stop_kproxy(n1, signal.SIGKILL)
-        time.sleep(1.5)
-        phase[0] = "restarting"
-        _start_kproxy(ctx, n1, ctx.mode)
-        # /healthz answers 200 while kproxy is still starting: only its first sync ends the restart
-        ctx.eventually(lambda: _healthz_ok(ctx, n1), timeout=START_WAIT, what="restarted kproxy healthy")
-        ctx.eventually(lambda: _synced_since_start(ctx, n1), timeout=SYNC_WAIT, what="restarted kproxy's first sync")
-        t_synced = ctx.now()
-        phase[0] = "after"
-        time.sleep(2.0)
-        t_after_end = ctx.now()
+        with prober:
+            time.sleep(1.0)
+            phase[0] = "killed"
+            ctx.lab.stop_kproxy(n1, signal.SIGKILL)
+            time.sleep(1.5)
+            phase[0] = "restarting"
+            _start_kproxy(ctx, n1, ctx.mode)
+            # /healthz is 503 until the restarted kproxy's first sync of every family
+            ctx.eventually(lambda: _healthz_ok(ctx, n1), timeout=START_WAIT, what="restarted kproxy healthy")
+            ctx.eventually(
+                lambda: _synced_since_start(ctx, n1), timeout=SYNC_WAIT, what="restarted kproxy's first sync"
+            )
+            t_synced = ctx.now()
+            phase[0] = "after"
+            time.sleep(2.0)
+            t_after_end = ctx.now()
     finally:
-        stop.set()
-        t.join(timeout=5)
         if held is not None:
             hold_results = ctx.lab.finish_hold(held, stop=True, timeout=30)
+    probes = prober.probes
     hold_list = list(hold_results) if isinstance(hold_results, (list, tuple)) else [hold_results]
     by_phase = judge_restart(
         ctx, client.name, ip, n1.name, hold_list, probes, t_hold, t_synced, t_after_end, holding, judge_down
