@@ -226,7 +226,6 @@ class LedgerProxier(Proxier, Generic[F, C]):
         self.books: dict[IPFamily, Book] = {f: Book() for f in self.families}
         self._published: dict[IPFamily, Published[F]] = {f: _empty_published() for f in self.families}
         self._published_generation = 0
-        self._node: NodeContext | None = None
         self._checked_at: dict[IPFamily, float] = {}  # when ``needs_full`` was last asked, per family
         self._full_requested: set[IPFamily] = set()  # ``request_full``'s, taken by the family's next sync
 
@@ -294,18 +293,12 @@ class LedgerProxier(Proxier, Generic[F, C]):
 
     # -- the contract ------------------------------------------------------------------------------------------
 
-    @property
-    def node_context(self) -> NodeContext | None:
-        """The node context of the last sync."""
-        return self._node
-
     def sync(self, state: ProxyState, changes: Changes, node: NodeContext | None = None) -> SyncResult:
         """Sync every family through the ledger, each on its own (as upstream runs one proxier per family): a family
         the kernel keeps refusing does not stop the other, and only the failed family needs a full sync next."""
         t0 = time.perf_counter()
         if node is None:  # tests and benchmarks: the daemon resolves it once per sync for everyone
             node = resolve(self.config, state.node, families=self.families)
-        self._node = node
         failed: dict[ServicePortName, str] = {}
         families: dict[IPFamily, FamilySync] = {}
         timings: dict[str, float] = {}

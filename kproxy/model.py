@@ -317,8 +317,3 @@ REFUSAL_REASONS = ("address-conflict", "capacity")
 def parse_ip(text: str) -> str:
     """Canonical text of an IP address (``::ffff:0:1`` style compression for v6); ValueError on garbage."""
     return str(ipaddress.ip_address(text))
-
-
-def parse_cidr(text: str) -> str:
-    """Canonical text of a CIDR (host bits must be zero); ValueError on garbage."""
-    return str(ipaddress.ip_network(text, strict=True))

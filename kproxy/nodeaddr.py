@@ -132,11 +132,6 @@ class NodeContext:
         """Every family's NodePort addresses (the health servers' and the conntrack reconciler's)."""
         return tuple(a for fc in self.families.values() for a in fc.nodeport_addresses)
 
-    @property
-    def nodeport_restricted(self) -> bool:
-        """Whether ``--nodeport-addresses`` narrows NodePorts (else health servers listen on the wildcard)."""
-        return any(not fc.nodeport_all_local for fc in self.families.values())
-
     def __hash__(self) -> int:
         return hash((self.node_name, tuple(sorted(self.families.items()))))
 

@@ -142,12 +142,3 @@ def table_present(family: IPFamily, netns: str | None = None) -> bool:
 def delete_table(family: IPFamily, netns: str | None = None) -> None:
     """Remove the family's companion table (nothing when it does not exist)."""
     run(delete_text(nft_family(family), TABLE), netns)
-
-
-def table_lines(family: IPFamily, netns: str | None = None) -> list[str]:
-    """``nft list table`` of the companion table, one line per line ([] when absent), for remnants and show."""
-    try:
-        out = run(f"list table {nft_family(family)} {TABLE}", netns)
-    except NftError:
-        return []
-    return [ln.strip() for ln in out.splitlines() if ln.strip()]

@@ -716,9 +716,6 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
                 self._places.cgroup, gone, self._fds.get(("rev", batch.family)), batch.family
             )
 
-    def _execute(self, fam: IPFamily, plan: Plan) -> None:
-        self._execute_steps(fam, plan.ordered())
-
     def _execute_steps(self, fam: IPFamily, steps: list[Step]) -> None:
         run_steps({role: self._fds[(role, fam)] for role in self.SYNC_ROLES}, fam, steps)
 

@@ -379,13 +379,6 @@ class FamilyIndex:
         st.owner = name
         self.owned.setdefault(name, set()).add(key)
 
-    def alloc_backend(self) -> int:
-        if self.free_backends:
-            return self.free_backends.pop()
-        i = self.next_backend
-        self.next_backend += 1
-        return i
-
     def alloc_rev(self) -> int:
         if self.free_revs:
             return self.free_revs.pop()

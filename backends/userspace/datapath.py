@@ -10,8 +10,8 @@ them, so when a sync returns the data path already uses the new endpoints, and t
   upstream's dial timeouts (250 ms, 500 ms, 1 s, 2 s), each failure trying the next endpoint with the client's
   affinity reset; no endpoint left: the client is reset (RST). Then ``_Relay``: per direction a pipe and
   ``os.splice`` socket -> pipe -> socket (no copy through Python), driven by ``add_reader``/``add_writer``, half
-  close passed on, an error on either side resets both. ``RELAY = "copy"`` selects a recv_into/send relay (measured
-  against splice, see the package docstring).
+  close passed on, an error on either side resets both (splice measured against a recv_into/send relay:
+  docs/PERFORMANCE.md).
 - UDP (``_UdpListener``): per client address a session with a connected socket to its endpoint; replies go back
   through the proxy socket from the address the client's datagram was redirected to (``IP_PKTINFO``), so conntrack
   reverses the redirect; a session idle longer than the UDP timeout is closed, and sessions to an endpoint that is
@@ -56,9 +56,6 @@ _LINGER_RST = struct.pack("ii", 1, 0)
 IP_PKTINFO = 8
 IPV6_RECVPKTINFO = 49
 IPV6_PKTINFO = 50
-
-#: "splice" (zero copy through a pipe) or "copy" (recv_into/send through a buffer); see the package docstring
-RELAY = "splice"
 
 Addr = tuple[str, int]
 
@@ -450,8 +447,7 @@ class _Relay:
         engine.open.add(self)
         engine.peak_connections = max(engine.peak_connections, engine.connections)
         self.open = 2
-        cls = _SpliceHalf if RELAY == "splice" else _CopyHalf
-        self.halves = (cls(self, a, b), cls(self, b, a))
+        self.halves = (_SpliceHalf(self, a, b), _SpliceHalf(self, b, a))
         for h in self.halves:
             h.start()
 
@@ -607,51 +603,6 @@ class _SpliceHalf(_Half):
             except (BlockingIOError, InterruptedError):
                 return False
             self.pending -= n
-        return True
-
-
-class _CopyHalf(_Half):
-    __slots__ = ("buf", "view", "start_at")
-
-    def __init__(self, relay: _Relay, src: socket.socket, dst: socket.socket) -> None:
-        super().__init__(relay, src, dst)
-        self.buf = bytearray(CHUNK)
-        self.view = memoryview(self.buf)
-        self.start_at = 0
-
-    def readable(self) -> None:
-        for _ in range(READ_ROUNDS):
-            try:
-                n = self.src.recv_into(self.view)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                self.relay.abort()
-                return
-            if n == 0:
-                self.eof = True
-                self._finish()
-                return
-            self.pending, self.start_at = n, 0
-            try:
-                drained = self.flush()
-            except OSError:
-                self.relay.abort()
-                return
-            if not drained:
-                self._wait_writable()
-                return
-            if n < SMALL:  # the socket most likely held no more: the level-triggered loop calls again if it did
-                return
-
-    def flush(self) -> bool:
-        while self.pending:
-            try:
-                n = self.dst.send(self.view[self.start_at : self.start_at + self.pending])
-            except (BlockingIOError, InterruptedError):
-                return False
-            self.pending -= n
-            self.start_at += n
         return True
 
 

@@ -186,8 +186,6 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
     uses_conntrack_nat: ClassVar[bool] = True
     #: established connections are the proxy's own sockets: they end with the process (restart, mode switch)
     survives_restart: ClassVar[bool] = False
-    #: the same, as ``kproxy soak`` asks it (the soak's proposed name for it)
-    datapath_in_process: ClassVar[bool] = True
     options: ClassVar[tuple[Option, ...]] = (
         Option(
             "proxy_port_range",

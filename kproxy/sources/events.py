@@ -136,6 +136,7 @@ class EventRecorder:
                 _preload_content=False,
                 _request_timeout=(self.timeout, self.timeout),
             )
+            resp.drain_conn()  # the answer's body is not wanted, but an unread one would be the next answer's start
             resp.release_conn()
         except Exception as exc:  # noqa: BLE001 - best effort by design
             self.failed += 1
