@@ -262,7 +262,15 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                     }
                 ),
                 "restart": MappingProxyType({"held-connection": own, "while-down": down}),
-                "mode-switch": MappingProxyType({"held-connections": own, "while-down": down}),
+                "mode-switch": MappingProxyType(
+                    {
+                        "held-connections": own,
+                        "while-down": down,
+                        "hand-over-reset": "a known gap, not a limit of the mechanism: as this mode takes over from "
+                        "another, one new connection per target may be reset (seen in 1 run of 3, 1 of about 120 "
+                        "connections, always just after its first sync; the cause is not found yet)",
+                    }
+                ),
             }
         )
 

@@ -36,7 +36,7 @@ PARTS_NOT_APPLICABLE: dict[str, dict[str, set[str]]] = {
         "address-collision": {"while-down"},
         "dual-stack": {"client-ip", "kernel-counters"},
         "restart": {"held-connection", "while-down"},
-        "mode-switch": {"held-connections", "while-down"},
+        "mode-switch": {"held-connections", "while-down", "hand-over-reset"},
     },
     "iptables": {},
     "nftables": {},
