@@ -35,10 +35,10 @@ import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kproxy.model import Protocol, ServicePort, ServicePortName
+from kproxy.model import ServicePort, ServicePortName
 
 #: ``(address, protocol, port)``; the address is "" for a NodePort (it is served on every NodePort address)
-Key = tuple[str, Protocol, int]
+Key = tuple[str, str, int]  # the protocol by its value: an Enum member's hash is a Python call
 
 
 class Kind(enum.IntEnum):
@@ -55,8 +55,8 @@ _KIND_TEXT = {Kind.CLUSTER_IP: "ClusterIP", Kind.EXTERNAL: "externalIP/load-bala
 def key_text(key: Key) -> str:
     addr, proto, port = key
     if not addr:
-        return f"nodePort {port}/{proto.value}"
-    return f"[{addr}]:{port}/{proto.value}" if ":" in addr else f"{addr}:{port}/{proto.value}"
+        return f"nodePort {port}/{proto}"
+    return f"[{addr}]:{port}/{proto}" if ":" in addr else f"{addr}:{port}/{proto}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +94,7 @@ def cost(sp: ServicePort, nodeport_addresses: int) -> Cost:
 def claims(sp: ServicePort) -> dict[Key, Kind]:
     """Every key ``sp`` claims, each once, with its strongest kind (an externalIP equal to the service's own ClusterIP
     is the ClusterIP claim)."""
-    proto, port = sp.name.protocol, sp.port
+    proto, port = sp.name.protocol.value, sp.port
     out: dict[Key, Kind] = {(sp.cluster_ip, proto, port): Kind.CLUSTER_IP}
     for ip in sp.external_ips:
         out.setdefault((ip, proto, port), Kind.EXTERNAL)
@@ -150,36 +150,47 @@ class Book:
         *,
         adopted_holder: AdoptedHolder | None = None,
     ) -> dict[ServicePortName, ServicePort | None]:
-        """Decide ``changed`` (every wanted service port on a full sync, the dirty ones otherwise; None: removed) and
-        return the admitted version of every service port whose admitted version may differ from before: those of
-        ``changed`` and any other one that gained or lost a key or room because of them."""
+        """Decide ``changed`` (every wanted service port on a full sync, the dirty ones otherwise; None: removed).
+        ``version`` then gives each one's admitted version; returned: the admitted version of every *other* service
+        port that gained or lost a key or room because of them (a caller must write those too)."""
         out: dict[ServicePortName, ServicePort | None] = {}
         touched: dict[ServicePortName, ServicePort] = {}
         freed: list[Key] = []
         first = not self.wanted
         wanted, refused = self.wanted, self.refused
         for spn, sp in changed:
+            if first:  # nothing decided yet: nothing to release (a ServicePortName's hash is a Python call: spare it)
+                if sp is not None:
+                    touched[spn] = sp
+                continue
             if sp is not None and wanted.get(spn) is sp and spn not in refused:
                 continue  # decided before, unchanged: its admitted version stands
             self._release(spn, sp, freed)
             if sp is None:
                 out[spn] = None
             else:
-                self.wanted[spn] = sp
+                wanted[spn] = sp
                 touched[spn] = sp
+        if first:
+            wanted.update(touched)  # a dict's own entries: no hash computed again
         # claimants waiting for a key that was just freed try again now
+        retried: list[ServicePortName] = []
         while freed:
             key = freed.pop()
             for w in sorted(self.waiting.pop(key, ())):
-                if w not in touched and w in self.wanted:
-                    touched[w] = self.wanted[w]
+                if w not in touched and w in wanted:
+                    touched[w] = wanted[w]
+                    retried.append(w)
         evicted = self._decide(touched, adopted_holder if first else None)
-        for spn in touched:
-            out[spn] = self._admitted_version(spn)
+        decided = [(spn, self._admitted_version(spn, sp)) for spn, sp in touched.items()]
+        others: dict[ServicePortName, ServicePort | None] = {}
+        for spn in retried:
+            others[spn] = self.version(spn, wanted[spn])
         for spn in evicted:
-            out[spn] = self._admitted_version(spn)
-        self._fit(out)
-        return out
+            if spn not in touched:
+                others[spn] = self._admitted_version(spn, wanted[spn])
+        self._fit(decided, out, others)
+        return others
 
     def version(self, spn: ServicePortName, sp: ServicePort) -> ServicePort | None:
         """The admitted version of ``spn`` after ``admit`` (``sp`` when the book has not refused any of it)."""
@@ -232,17 +243,17 @@ class Book:
                 if h is None:
                     holder[key] = spn
                     fresh.add(key)
-                elif h != spn:
+                elif h is not spn and h != spn:
                     contested.setdefault(key, [h]).append(spn)
             for key, names in contested.items():
                 self._contest(key, names, key in fresh, adopted_holder, evicted)
 
         # ClusterIP keys first: a service port refused its ClusterIP claims nothing else
-        hand_out(((sp.cluster_ip, sp.name.protocol, sp.port), spn) for spn, sp in touched.items())
+        hand_out(((sp.cluster_ip, sp.name.protocol.value, sp.port), spn) for spn, sp in touched.items())
         hand_out(
             (key, spn)
             for spn, sp in touched.items()
-            if not _plain(sp) and holder.get((sp.cluster_ip, sp.name.protocol, sp.port)) == spn
+            if not _plain(sp) and holder.get((sp.cluster_ip, sp.name.protocol.value, sp.port)) == spn
             for key, kind in claims(sp).items()
             if kind is not Kind.CLUSTER_IP
         )
@@ -281,20 +292,22 @@ class Book:
             if spn == current and not fresh:
                 evicted.add(spn)
 
-    def _admitted_version(self, spn: ServicePortName) -> ServicePort | None:
-        """``spn``'s wanted ServicePort less the keys it does not hold (None when it does not hold its ClusterIP)."""
-        sp = self.wanted[spn]
+    def _admitted_version(self, spn: ServicePortName, sp: ServicePort) -> ServicePort | None:
+        """``sp`` (``spn``'s wanted ServicePort) less the keys it does not hold (None when it does not hold its
+        ClusterIP)."""
+        wanted_sp = sp
         holder = self.holder
-        proto, port = sp.name.protocol, sp.port
+        proto, port = sp.name.protocol.value, sp.port
         cip_holder = holder.get((sp.cluster_ip, proto, port))
-        if cip_holder != spn:
+        if cip_holder is not spn and cip_holder != spn:
             self.refused[spn] = Refusal(
                 "address-conflict", f"ClusterIP {key_text((sp.cluster_ip, proto, port))} is held by {cip_holder}"
             )
-            return self._set(spn, None)
+            return self._set(spn, None, wanted_sp)
         if _plain(sp):
-            self.refused.pop(spn, None)
-            return self._set(spn, sp)
+            if self.refused:
+                self.refused.pop(spn, None)
+            return self._set(spn, sp, wanted_sp)
         lost: list[str] = []
 
         def mine(ip: str, what: str) -> bool:
@@ -322,12 +335,13 @@ class Book:
             self.refused[spn] = Refusal("address-conflict", "; ".join(lost))
         else:
             self.refused.pop(spn, None)
-        return self._set(spn, sp)
+        return self._set(spn, sp, wanted_sp)
 
-    def _set(self, spn: ServicePortName, sp: ServicePort | None) -> ServicePort | None:
-        if sp is self.wanted.get(spn):
-            self.altered.discard(spn)
-            self.admitted.pop(spn, None)
+    def _set(self, spn: ServicePortName, sp: ServicePort | None, wanted_sp: ServicePort | None) -> ServicePort | None:
+        if sp is wanted_sp:
+            if self.altered:
+                self.altered.discard(spn)
+                self.admitted.pop(spn, None)
         else:
             self.altered.add(spn)
             self.admitted[spn] = sp
@@ -349,13 +363,20 @@ class Book:
             t[1] += c.endpoints
             t[2] += c.entries
 
-    def _fit(self, out: dict[ServicePortName, ServicePort | None]) -> None:
-        """Check ``out``'s admitted versions against the limits (in place): one that does not fit becomes None."""
+    def _fit(
+        self,
+        decided: list[tuple[ServicePortName, ServicePort | None]],
+        removed: Mapping[ServicePortName, ServicePort | None],
+        others: dict[ServicePortName, ServicePort | None],
+    ) -> None:
+        """Check the admitted versions just decided against the limits: one that does not fit becomes None (in the
+        book, and in ``others`` for the others); one that waited for room and fits now joins ``others``."""
         lim = self.limits
         if lim == UNLIMITED:
             return
-        for spn in list(out):  # the cache's order: stable from one sync to the next
-            sp = out[spn]
+        for spn in removed:
+            self._use(spn, None)
+        for spn, sp in [*decided, *others.items()]:  # the cache's order: stable from one sync to the next
             if sp is None:
                 self._use(spn, None)
                 continue
@@ -364,18 +385,21 @@ class Book:
                 self.over_capacity.discard(spn)
                 continue
             self._use(spn, None)
-            out[spn] = self._set(spn, None)
+            self._set(spn, None, self.wanted.get(spn))
+            if spn in others:
+                others[spn] = None
             self.refused[spn] = Refusal("capacity", why)
             self.over_capacity.add(spn)
         released, self.room_freed = self.room_freed, False
         if released and self.over_capacity:
-            for spn in sorted(self.over_capacity - out.keys()):
-                sp = self._admitted_version(spn)
+            done = {spn for spn, _ in decided}
+            for spn in sorted(self.over_capacity - done - others.keys()):
+                sp = self._admitted_version(spn, self.wanted[spn])
                 if sp is not None and self._misfit(spn, sp) is None:
                     self.over_capacity.discard(spn)
-                    out[spn] = sp
+                    others[spn] = sp
                 elif sp is not None:
-                    self._set(spn, None)
+                    self._set(spn, None, self.wanted[spn])
                     self.refused[spn] = Refusal("capacity", self._misfit(spn, sp) or "")
 
     def _misfit(self, spn: ServicePortName, sp: ServicePort) -> str | None:
