@@ -81,7 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also measure the diagnostic limits every round: the limit's path with conntrack on, and with conntrack"
-        " and nat on (the floor of a NAT-based proxy); 5 targets a round instead of 3 (default: on)",
+        " and nat on (the floor of a NAT-based proxy); 6 targets a round instead of 4 (default: on)",
     )
     d.add_argument("--lab-prefix", default="kpd-", help="the lab's namespace prefix (default %(default)s)")
     d.add_argument("--format", choices=("json", "table"), default="table")

@@ -74,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--conntrack-limits",
         action="store_true",
         help="also measure the diagnostic limits every round (the limit's path with conntrack on, and with conntrack"
-        " and nat on: the floor of a NAT-based proxy); 5 targets a round instead of 3, so off by default to keep a"
+        " and nat on: the floor of a NAT-based proxy); 6 targets a round instead of 4, so off by default to keep a"
         " comparison of four modes inside 15 minutes here (kproxy bench datapath measures them unless"
         " --no-conntrack-limits)",
     )
