@@ -236,7 +236,15 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
 
     @classmethod
     def not_applicable(cls, options: Mapping[str, Any]) -> Mapping[str, str]:
-        return MappingProxyType({"source-ip": f"a userspace proxy cannot preserve the client's IP: {_SEEN_NODE}"})
+        return MappingProxyType(
+            {
+                "source-ip": f"a userspace proxy cannot preserve the client's IP: {_SEEN_NODE}",
+                "restart": "an established connection lives in the proxy process (it is one of the proxy's own "
+                "sockets), so it ends when that process is killed; and a known gap, not a limit of the mechanism: "
+                "in one run of the image test a new connection before the kill was reset (1 of 4), as in "
+                "mode-switch's hand-over-reset; the cause is not found yet",
+            }
+        )
 
     @classmethod
     def not_applicable_parts(cls, options: Mapping[str, Any]) -> Mapping[str, Mapping[str, str]]:
@@ -261,7 +269,6 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                         "elements with the same content cannot be seen (elements that come or go still are)",
                     }
                 ),
-                "restart": MappingProxyType({"held-connection": own, "while-down": down}),
                 "mode-switch": MappingProxyType(
                     {
                         "held-connections": own,
