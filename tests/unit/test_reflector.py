@@ -47,26 +47,13 @@ def node(name: str, zone: str = "z1") -> dict[str, Any]:
 
 
 @pytest.fixture
-def api() -> Iterator[ApiServer]:
-    server = serve([(None, "127.0.0.1", 0)], bookmark_interval=0.2, history=1000)
-    try:
-        yield server
-    finally:
-        server.close()
+def api(reflector_api: ApiServer) -> ApiServer:
+    return reflector_api
 
 
 @pytest.fixture
-def client(api: ApiServer) -> Iterator[kubernetes.client.ApiClient]:
-    c = make_api_client(master=api.url)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-@pytest.fixture
-def sink() -> RecordingSink:
-    return RecordingSink()
+def client(reflector_client: kubernetes.client.ApiClient) -> kubernetes.client.ApiClient:
+    return reflector_client
 
 
 @pytest.fixture

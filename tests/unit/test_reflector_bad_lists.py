@@ -9,9 +9,9 @@ from typing import Any
 import kubernetes
 import pytest
 
-from kproxy.lab.apiserver import ApiServer, serve
+from kproxy.lab.apiserver import ApiServer
 from kproxy.lab.apistore import BAD_LIST_SHAPES
-from kproxy.sources.kube import KubeSource, make_api_client
+from kproxy.sources.kube import KubeSource
 from kproxy.sources.recording import RecordingSink
 
 NODE = "node-1"
@@ -23,26 +23,13 @@ def svc(name: str) -> dict[str, Any]:
 
 
 @pytest.fixture
-def api() -> Iterator[ApiServer]:
-    server = serve([(None, "127.0.0.1", 0)], bookmark_interval=0.2, history=1000)
-    try:
-        yield server
-    finally:
-        server.close()
+def api(reflector_api: ApiServer) -> ApiServer:
+    return reflector_api
 
 
 @pytest.fixture
-def client(api: ApiServer) -> Iterator[kubernetes.client.ApiClient]:
-    c = make_api_client(master=api.url)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-@pytest.fixture
-def sink() -> RecordingSink:
-    return RecordingSink()
+def client(reflector_client: kubernetes.client.ApiClient) -> kubernetes.client.ApiClient:
+    return reflector_client
 
 
 @pytest.fixture
