@@ -12,8 +12,8 @@ protocol in ``kproxy.batch``). Everything around that is the same for every mode
   what the kernel holds, which the backend's ``adopt`` reads once, so a restart with nothing changed writes nothing;
 - the render memo: a service port whose ``ServicePort`` and context equal the applied ones keeps its applied
   fragment (rendering is pure), so a full sync of an unchanged table renders nothing;
-- the schedule of the cheap "is my state still there" check (``needs_full``), one policy for every mode: at most
-  every ``CHECK_INTERVAL_S`` per family, before a partial sync (a full batch repairs whatever it would find);
+- the schedule of the cheap "is my state still there" check (``needs_full``), one policy for every mode: before
+  every full batch but a first one, and before a partial batch at most every ``CHECK_INTERVAL_S`` per family;
 - the address ownership and capacity rules (``kproxy.admission``), decided before anything is rendered;
 - the refusal rounds: a service the kernel refuses is retried without it, up to ``MAX_ROUNDS`` times: it keeps its
   previously applied fragment if it had one (as upstream, whose failed restore leaves every old rule in place), else
@@ -267,11 +267,15 @@ class Ledger(Generic[F, C, A, V, S]):
         if requested:
             self._full_requested.discard(fam)
         full = changes.full or rec.need_full or ctx != rec.context or requested
-        if full:  # a full batch repairs whatever the check would find: it counts as one
+        # the cheap check runs before every full batch (a full batch re-establishes the truth: a backend that trusts
+        # its memory of what it wrote there must hear first that the kernel lost it) and before a partial one when
+        # due
+        if full and rec.context is None:  # a first sync, or one after a failure: adoption reads the kernel anyway
             self._checked_at[fam] = time.monotonic()
-        elif self._check_due(fam):
+        elif full or self._check_due(fam):
+            self._checked_at[fam] = time.monotonic()
             c0 = time.perf_counter()
-            if self.backend.needs_full(fam):
+            if self.backend.needs_full(fam) and not full:
                 log.info("%s: the backend asks for a full batch (its kernel state changed under it)", fam.value)
                 full = True
             _add(timings, "check", time.perf_counter() - c0)
