@@ -56,15 +56,9 @@ from typing import Any
 
 from kproxy.config import ProxyConfig
 from kproxy.lab import netns
-from kproxy.lab.cluster import (
-    API_PORT_IN_LAB,
-    CLUSTER_CIDR4,
-    CLUSTER_CIDR6,
-    Lab,
-    LabNode,
-    _env,
-    stdlib_module_argv,
-)
+from kproxy.lab.cluster import Lab
+from kproxy.lab.plan import API_PORT_IN_LAB, CLUSTER_CIDR4, CLUSTER_CIDR6, LabNode
+from kproxy.lab.state import module_env, stdlib_module_argv
 from kproxy.model import IPFamily
 from kproxy.proxier import LocalProbe, backend_class
 from kproxy.soak.churn import ANCHOR, NAMESPACE, Churn, PodRef, Write, api_differences
@@ -328,7 +322,7 @@ class Traffic:
         argv += ["--host", host, "--port", str(port), "--seconds", str(int(seconds))]
         self.proc = subprocess.Popen(
             argv,
-            env=_env(),
+            env=module_env(),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -622,7 +616,7 @@ class Soak:
             request.seek(0)
             proc = subprocess.Popen(
                 argv,
-                env=_env(),
+                env=module_env(),
                 stdin=request,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
