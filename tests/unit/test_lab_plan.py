@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kproxy.lab import netns
+from kproxy.lab.echo import _answer
 from kproxy.lab.plan import (
     CLUSTER_CIDR4,
     CLUSTER_CIDR6,
@@ -30,7 +31,6 @@ from kproxy.lab.plan import (
     node_batch,
     pod_batch,
 )
-from kproxy.lab.echo import _answer
 from kproxy.lab.probe import ProbeResult, build_argv, error_word
 
 
