@@ -15,6 +15,7 @@ Pure apart from that cache; imports ``objects``, ``validation`` and ``model``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -174,10 +175,24 @@ def parse_slice(
     )
 
 
-# Names and zones already validated: a cluster has few of them and every slice repeats them.
-_known_node_names: set[str] = set()
-_known_zones: set[str] = set()
-_KNOWN_LIMIT = 100_000
+# A cluster has few node names and zones and every slice repeats them: their checks are cached (bounded: slices are
+# input); an over-long string is never a valid one and never cached.
+@functools.lru_cache(maxsize=16384)
+def _is_node_name(text: str) -> bool:
+    try:
+        v.dns1123_subdomain(text, "nodeName")
+    except ValueError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_zone(text: str) -> bool:
+    try:
+        v.label_value(text, "zone")
+    except ValueError:
+        return False
+    return True
 
 
 def _endpoint_fast(raw: Any, family: IPFamily, node_name: str) -> RawEndpoint | None:
@@ -212,10 +227,10 @@ def _endpoint_fast(raw: Any, family: IPFamily, node_name: str) -> RawEndpoint | 
     elif terminating is not True and terminating is not False:
         return None
     ep_node = raw.get("nodeName")
-    if ep_node is not None and (type(ep_node) is not str or ep_node not in _known_node_names):
+    if ep_node is not None and (type(ep_node) is not str or len(ep_node) > 253 or not _is_node_name(ep_node)):
         return None
     zone = raw.get("zone")
-    if zone is not None and (type(zone) is not str or zone not in _known_zones):
+    if zone is not None and (type(zone) is not str or len(zone) > 63 or not _is_zone(zone)):
         return None
     return (sort_key, ip, ready, serving, terminating, ep_node, zone, ep_node == node_name, _NO_HINTS, _NO_HINTS)
 
@@ -240,13 +255,9 @@ def _endpoint_checked(raw: Any, what: str, family: IPFamily, node_name: str) -> 
     ep_node = ep.get("nodeName")
     if ep_node is not None:
         ep_node = v.dns1123_subdomain(ep_node, f"{what}.nodeName")
-        if len(_known_node_names) < _KNOWN_LIMIT:
-            _known_node_names.add(ep_node)
     zone = ep.get("zone")
     if zone is not None:
         zone = v.label_value(zone, f"{what}.zone")
-        if len(_known_zones) < _KNOWN_LIMIT:
-            _known_zones.add(zone)
     zone_hints, node_hints = _NO_HINTS, _NO_HINTS
     hints = ep.get("hints")
     if hints is not None:
