@@ -4,7 +4,7 @@ Upstream's ``pkg/proxy/endpointslicecache.go``: endpoints move between the slice
 one by one (``EndpointSliceCache``, by service and slice name) and merged per service port when the service is
 rebuilt (``merge_endpoints``: the same ip:port in two slices counts once, preferring the copy that says it is local).
 ``parse_slice`` validates a slice field by field (``kproxy.validation``) into a compact ``SliceInfo``; the common
-well-formed IPv4 endpoint takes a fast path that builds no message string (100k endpoints at bench scale). Nothing
+well-formed IPv4 endpoint takes a fast path that builds no message string (it runs once per endpoint). Nothing
 here knows what changed since the last sync: that is ``kproxy.cache``'s part (upstream's
 ``endpointschangetracker.go``).
 
@@ -85,10 +85,10 @@ _ep_new = Endpoint.__new__
 
 
 def _new_endpoint(r: RawEndpoint, port: int) -> Endpoint:
-    """``Endpoint(r[1], port, *r[2:])`` at half the cost: the frozen dataclass's ``__init__`` sets each field through
-    ``object.__setattr__`` by name; the slots' own descriptors do the same directly (the first snapshot at 10,000 x
-    10 builds 100,000 endpoints). The object is the same: same class, same field values, same hash and equality
-    (tests/unit/test_cache_perf.py compares them)."""
+    """``Endpoint(r[1], port, *r[2:])``, cheaper: the frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__`` by name; the slots' own descriptors do the same directly (this runs once per endpoint of a
+    full rebuild; docs/PERFORMANCE.md, "The core"). The object is the same: same class, same field values, same hash
+    and equality (tests/unit/test_cache_perf.py compares them)."""
     ep = _ep_new(Endpoint)
     _set_ip(ep, r[1])
     _set_port(ep, port)

@@ -2,9 +2,9 @@
 mode's companion table): one context per worker, transactions from a memfd, JSON reads, network-namespace entry.
 
 One ``Nft.run(text)`` is one ``nft_run_cmd_from_file`` call of Debian's python3-nftables: the whole text is one
-atomic transaction, as ``nft -f``, without starting a process (``nft add element`` from a shell costs ~20 ms, mostly
-process start). The text goes through a memfd "file" because libnftables names a refused command's line only for file
-input (from a buffer it prints the first line), and the backends map that line back to the service that owns it.
+atomic transaction, as ``nft -f``, without starting a process per command (docs/PERFORMANCE.md, "The core"). The
+text goes through a memfd "file" because libnftables names a refused command's line only for file input (from a
+buffer it prints the first line), and the backends map that line back to the service that owns it.
 Reads use JSON output (``libnftables-json(5)``), parsed with the standard library; ``kproxy.toolkit.nft`` turns
 set and map elements into text.
 
@@ -74,8 +74,8 @@ def available() -> str | None:
     except ImportError as exc:
         return f"python3-nftables is not importable ({exc}): apt-get install python3-nftables nftables"
     try:
-        # flowtables, not tables: libnftables 1.0.6 fetches every rule of every table for `list tables` (minutes of
-        # CPU beside iptables-nft's 10,000 services, in the after-first-sync hook), only tables for this
+        # flowtables, not tables: libnftables 1.0.6 fetches every rule of every table for `list tables` (costly beside
+        # another mode's large tables, docs/PERFORMANCE.md "The core"), only tables for this
         rc, _, err = nftables.Nftables().cmd("list flowtables")
     except OSError as exc:
         return f"libnftables cannot be loaded: {exc}"
@@ -214,8 +214,8 @@ class Nft:
 
     def query(self, text: str, *, json_output: bool = True, terse: bool = False) -> Result:
         """A read (``list ...``) from a buffer: no transaction, nothing to map back. ``terse``: the answer leaves set
-        and map elements out (``nft -t``; libnftables 1.0.6 still fetches them: seconds for a table of 100,000
-        elements, where ``rule_comments`` takes milliseconds)."""
+        and map elements out (``nft -t``; libnftables 1.0.6 still fetches them, so ``rule_comments`` is the cheap way
+        to read rules)."""
 
         def go() -> Result:
             nft = self._nft()
@@ -244,8 +244,8 @@ class Nft:
     def rule_comments(self, family: str, table: str) -> tuple[dict[str, list[str | None]] | None, str]:
         """Every rule of ``table`` (family ``ip`` or ``ip6``), chain -> the rules' comments in order (None for a rule
         without one), or (None, error). Read with one netlink rule dump (pyroute2), where the namespace's context
-        lives: libnftables' ``list chain`` fetches every set element of the table first (seconds at 10,000
-        services), a rule dump carries no elements (~2 ms). Chains without rules are not in the answer."""
+        lives: libnftables' ``list chain`` fetches every set element of the table first, a rule dump carries none
+        (docs/PERFORMANCE.md, "The core"). Chains without rules are not in the answer."""
 
         def go() -> dict[str, list[str | None]]:
             from pyroute2.nftables.main import NFTables

@@ -14,8 +14,8 @@ into the CIDRs around it.
 
 The node's own addresses come from netlink (``local_addresses``). The daemon reads them through an
 ``AddressWatch``: again only after the kernel announced an address change, so a sync in the steady state makes no
-netlink call at all (a fresh pyroute2 socket per sync cost 1-6 ms of every sync in the lab, most of it waiting for
-the GIL after its socket calls while the sources parsed objects).
+netlink call at all (a fresh netlink socket per sync was a measurable part of every sync: docs/PERFORMANCE.md,
+"The core").
 """
 
 from __future__ import annotations

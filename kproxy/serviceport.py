@@ -286,9 +286,9 @@ _set_cluster, _set_local, _set_has_any, _set_serving, _set_created = _SP_SETTERS
 
 def with_endpoints(t: ServicePort, cat: Categorized, eps: tuple[Endpoint, ...]) -> ServicePort:
     """The template ``t`` with its endpoints: ``dataclasses.replace(t, cluster_endpoints=..., ...)``, built through
-    the slots' descriptors (this runs once per service port on a full rebuild; ``replace``'s introspection cost more
-    than the rest of the rebuild together, and the frozen ``__init__``'s ``object.__setattr__`` by name twice what
-    this does). The result equals what the constructor gives (tests/unit/test_cache_perf.py)."""
+    the slots' descriptors (this runs once per service port on a full rebuild, where ``replace``'s introspection and
+    the frozen ``__init__``'s ``object.__setattr__`` by name were the costly part: docs/PERFORMANCE.md, "The core").
+    The result equals what the constructor gives (tests/unit/test_cache_perf.py)."""
     sp = _sp_new(ServicePort)
     (s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11) = _SP_TEMPLATE
     s0(sp, t.name)
