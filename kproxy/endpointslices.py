@@ -4,7 +4,7 @@ Upstream's ``pkg/proxy/endpointslicecache.go``: endpoints move between the slice
 one by one (``EndpointSliceCache``, by service and slice name) and merged per service port when the service is
 rebuilt (``merge_endpoints``: the same ip:port in two slices counts once, preferring the copy that says it is local).
 ``parse_slice`` validates a slice field by field (``kproxy.validation``) into a compact ``SliceInfo``; the common
-well-formed IPv4 endpoint takes a fast path that builds no message string (100k endpoints at bench scale). Nothing
+well-formed IPv4 endpoint takes a fast path that builds no message string (it runs once per endpoint). Nothing
 here knows what changed since the last sync: that is ``kproxy.cache``'s part (upstream's
 ``endpointschangetracker.go``).
 
@@ -15,6 +15,7 @@ Pure apart from that cache; imports ``objects``, ``validation`` and ``model``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -84,10 +85,10 @@ _ep_new = Endpoint.__new__
 
 
 def _new_endpoint(r: RawEndpoint, port: int) -> Endpoint:
-    """``Endpoint(r[1], port, *r[2:])`` at half the cost: the frozen dataclass's ``__init__`` sets each field through
-    ``object.__setattr__`` by name; the slots' own descriptors do the same directly (the first snapshot at 10,000 x
-    10 builds 100,000 endpoints). The object is the same: same class, same field values, same hash and equality
-    (tests/unit/test_cache_perf.py compares them)."""
+    """``Endpoint(r[1], port, *r[2:])``, cheaper: the frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__`` by name; the slots' own descriptors do the same directly (this runs once per endpoint of a
+    full rebuild; docs/PERFORMANCE.md, "The core"). The object is the same: same class, same field values, same hash
+    and equality (tests/unit/test_cache_perf.py compares them)."""
     ep = _ep_new(Endpoint)
     _set_ip(ep, r[1])
     _set_port(ep, port)
@@ -174,10 +175,24 @@ def parse_slice(
     )
 
 
-# Names and zones already validated: a cluster has few of them and every slice repeats them.
-_known_node_names: set[str] = set()
-_known_zones: set[str] = set()
-_KNOWN_LIMIT = 100_000
+# A cluster has few node names and zones and every slice repeats them: their checks are cached (bounded: slices are
+# input); an over-long string is never a valid one and never cached.
+@functools.lru_cache(maxsize=16384)
+def _is_node_name(text: str) -> bool:
+    try:
+        v.dns1123_subdomain(text, "nodeName")
+    except ValueError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_zone(text: str) -> bool:
+    try:
+        v.label_value(text, "zone")
+    except ValueError:
+        return False
+    return True
 
 
 def _endpoint_fast(raw: Any, family: IPFamily, node_name: str) -> RawEndpoint | None:
@@ -212,10 +227,10 @@ def _endpoint_fast(raw: Any, family: IPFamily, node_name: str) -> RawEndpoint | 
     elif terminating is not True and terminating is not False:
         return None
     ep_node = raw.get("nodeName")
-    if ep_node is not None and (type(ep_node) is not str or ep_node not in _known_node_names):
+    if ep_node is not None and (type(ep_node) is not str or len(ep_node) > 253 or not _is_node_name(ep_node)):
         return None
     zone = raw.get("zone")
-    if zone is not None and (type(zone) is not str or zone not in _known_zones):
+    if zone is not None and (type(zone) is not str or len(zone) > 63 or not _is_zone(zone)):
         return None
     return (sort_key, ip, ready, serving, terminating, ep_node, zone, ep_node == node_name, _NO_HINTS, _NO_HINTS)
 
@@ -240,13 +255,9 @@ def _endpoint_checked(raw: Any, what: str, family: IPFamily, node_name: str) -> 
     ep_node = ep.get("nodeName")
     if ep_node is not None:
         ep_node = v.dns1123_subdomain(ep_node, f"{what}.nodeName")
-        if len(_known_node_names) < _KNOWN_LIMIT:
-            _known_node_names.add(ep_node)
     zone = ep.get("zone")
     if zone is not None:
         zone = v.label_value(zone, f"{what}.zone")
-        if len(_known_zones) < _KNOWN_LIMIT:
-            _known_zones.add(zone)
     zone_hints, node_hints = _NO_HINTS, _NO_HINTS
     hints = ep.get("hints")
     if hints is not None:

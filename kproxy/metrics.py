@@ -70,10 +70,17 @@ class Metrics:
 
     def __init__(self, families: Sequence[IPFamily] = ()) -> None:
         self.registry: CollectorRegistry = _Registry()
+        # Declared in upstream's order, which is also the exposition's.
+        self._declare_sync_timing()
+        self._declare_change_tracking()
+        self._declare_health_and_conntrack()
+        self._declare_kproxy_own()
+        self._zero_families(families)
+
+    def _declare_sync_timing(self) -> None:
+        """Sync durations and timestamps, per family."""
         r = self.registry
         fam = ["ip_family"]
-
-        # Sync durations and timestamps.
         self.sync_proxy_rules_duration_seconds = Histogram(
             PREFIX + "sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds",
@@ -115,7 +122,10 @@ class Metrics:
             registry=r,
         )
 
-        # Change tracking (no ip_family label upstream).
+    def _declare_change_tracking(self) -> None:
+        """Pending and absorbed Service / EndpointSlice changes (no ip_family label upstream), and the
+        Local-policy services without endpoints."""
+        r = self.registry
         self.sync_proxy_rules_endpoint_changes_pending = Gauge(
             PREFIX + "sync_proxy_rules_endpoint_changes_pending", "Pending proxy rules Endpoint changes", registry=r
         )
@@ -136,7 +146,10 @@ class Metrics:
             registry=r,
         )
 
-        # Health endpoints.
+    def _declare_health_and_conntrack(self) -> None:
+        """The health endpoints' answers and the conntrack reconciler."""
+        r = self.registry
+        fam = ["ip_family"]
         self.proxy_healthz_total = Counter(
             PREFIX + "proxy_healthz", "Cumulative proxy healthz HTTP status", ["code"], registry=r
         )
@@ -159,7 +172,9 @@ class Metrics:
             registry=r,
         )
 
-        # kproxy's own: what upstream cannot tell you.
+    def _declare_kproxy_own(self) -> None:
+        """kproxy's own: what upstream cannot tell you (documented where each is defined)."""
+        r = self.registry
         self.kproxy_sync_failed_services = Gauge(
             "kproxy_sync_failed_services",
             "Service ports whose rules the kernel refused in the last sync (kept dirty and retried)",
@@ -208,6 +223,8 @@ class Metrics:
             registry=r,
         )
 
+    def _zero_families(self, families: Sequence[IPFamily]) -> None:
+        """Per-family series start at zero, so rate() and increase() work from the first scrape."""
         for family in families:
             label = family.label
             self.conntrack_reconciler_deleted_entries_total.labels(label)

@@ -2,9 +2,9 @@
 mode's companion table): one context per worker, transactions from a memfd, JSON reads, network-namespace entry.
 
 One ``Nft.run(text)`` is one ``nft_run_cmd_from_file`` call of Debian's python3-nftables: the whole text is one
-atomic transaction, as ``nft -f``, without starting a process (``nft add element`` from a shell costs ~20 ms, mostly
-process start). The text goes through a memfd "file" because libnftables names a refused command's line only for file
-input (from a buffer it prints the first line), and the backends map that line back to the service that owns it.
+atomic transaction, as ``nft -f``, without starting a process per command (docs/PERFORMANCE.md, "The core"). The
+text goes through a memfd "file" because libnftables names a refused command's line only for file input (from a
+buffer it prints the first line), and the backends map that line back to the service that owns it.
 Reads use JSON output (``libnftables-json(5)``), parsed with the standard library; ``kproxy.toolkit.nft`` turns
 set and map elements into text.
 
@@ -18,7 +18,9 @@ context per process shared under a lock (the userspace mode opens it before any 
 
 Descriptors: libnftables 1.0.6 waits for netlink answers with ``select()``, which aborts the process ("bit out of
 range 0 - FD_SETSIZE") when its socket's descriptor is 1024 or above. The userspace mode holds thousands of
-descriptors, so every context here is opened on a low descriptor freed for it from a small reserve taken at import.
+descriptors, so every context here is opened on a low descriptor freed for it from a small reserve. Nothing is opened
+at import: the reserve is taken when the process opens its first context (the userspace mode does that before its
+first proxy socket), and ``HANDLES.close()`` gives the reserve and the process's shared context back.
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ def available() -> str | None:
     except ImportError as exc:
         return f"python3-nftables is not importable ({exc}): apt-get install python3-nftables nftables"
     try:
-        # flowtables, not tables: libnftables 1.0.6 fetches every rule of every table for `list tables` (minutes of
-        # CPU beside iptables-nft's 10,000 services, in the after-first-sync hook), only tables for this
+        # flowtables, not tables: libnftables 1.0.6 fetches every rule of every table for `list tables` (costly beside
+        # another mode's large tables, docs/PERFORMANCE.md "The core"), only tables for this
         rc, _, err = nftables.Nftables().cmd("list flowtables")
     except OSError as exc:
         return f"libnftables cannot be loaded: {exc}"
@@ -82,34 +84,68 @@ def available() -> str | None:
     return None
 
 
-_RESERVE = 8
-_reserved: list[int] = []
-_reserve_lock = threading.Lock()
+class KernelHandles:
+    """The process's own libnftables handles: the reserve of low descriptors and the one shared context of
+    ``Nft(worker=False)``. Nothing is opened until first use; ``close`` gives both back (and the next use opens them
+    again)."""
 
+    RESERVE = 8
 
-def _refill() -> None:
-    with _reserve_lock:
-        while len(_reserved) < _RESERVE:
+    def __init__(self) -> None:
+        self._reserved: list[int] = []
+        self._filled = False  # the reserve is taken once, at the first context; later refills follow closes
+        self._reserve_lock = threading.Lock()
+        self._shared: Any = None
+        #: held while the shared context is in use: one caller at a time
+        self.shared_lock = threading.Lock()
+
+    def _refill_locked(self) -> None:
+        while len(self._reserved) < self.RESERVE:
             fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
             if fd >= 1000:
                 os.close(fd)
                 break
-            _reserved.append(fd)
+            self._reserved.append(fd)
+        self._filled = True
+
+    def refill(self) -> None:
+        """Take the reserve back up to its size (a context closed: its low descriptor is free again)."""
+        with self._reserve_lock:
+            self._refill_locked()
+
+    def new_context(self) -> Any:
+        """A libnftables context whose netlink socket (opened right away) takes a low descriptor freed for it."""
+        with self._reserve_lock:
+            if not self._filled:
+                self._refill_locked()
+            if self._reserved:
+                os.close(self._reserved.pop(0))
+            ctx = import_nftables().Nftables()
+        ctx.set_handle_output(False)
+        return ctx
+
+    def shared(self) -> Any:
+        """The process's shared context, opened on first use; the caller holds ``shared_lock``."""
+        if self._shared is None:
+            self._shared = self.new_context()
+        return self._shared
+
+    def close(self) -> None:
+        """Drop the shared context (its socket closes with it) and close the reserved descriptors."""
+        with self.shared_lock:
+            self._shared = None
+        with self._reserve_lock:
+            while self._reserved:
+                os.close(self._reserved.pop())
+            self._filled = False
+
+
+HANDLES = KernelHandles()
 
 
 def new_context() -> Any:
-    """A libnftables context whose netlink socket (opened right away) takes a low descriptor freed for it."""
-    with _reserve_lock:
-        if _reserved:
-            os.close(_reserved.pop(0))
-        ctx = import_nftables().Nftables()
-    ctx.set_handle_output(False)
-    return ctx
-
-
-_refill()
-_shared: list[Any] = []  # the context of Nft(worker=False): one per process
-_shared_lock = threading.Lock()
+    """A libnftables context on a low descriptor (see ``KernelHandles.new_context``)."""
+    return HANDLES.new_context()
 
 
 class Nft:
@@ -131,7 +167,7 @@ class Nft:
         if self._pool is None:
             fut: Future[T] = Future()
             try:
-                with _shared_lock:  # the process's shared context: one caller at a time
+                with HANDLES.shared_lock:  # the process's shared context: one caller at a time
                     fut.set_result(fn())
             except BaseException as exc:  # handed to the caller through the future, as a worker would
                 fut.set_exception(exc)
@@ -148,11 +184,9 @@ class Nft:
 
     def _nft(self) -> Any:
         if self._pool is None:
-            if not _shared:
-                _shared.append(new_context())
-            return _shared[0]
+            return HANDLES.shared()
         if self._ctx is None:  # made in the thread that uses it (its socket belongs to that namespace)
-            self._ctx = new_context()
+            self._ctx = HANDLES.new_context()
         return self._ctx
 
     def run(self, text: str, *, json_output: bool = False) -> Result:
@@ -180,8 +214,8 @@ class Nft:
 
     def query(self, text: str, *, json_output: bool = True, terse: bool = False) -> Result:
         """A read (``list ...``) from a buffer: no transaction, nothing to map back. ``terse``: the answer leaves set
-        and map elements out (``nft -t``; libnftables 1.0.6 still fetches them: seconds for a table of 100,000
-        elements, where ``rule_comments`` takes milliseconds)."""
+        and map elements out (``nft -t``; libnftables 1.0.6 still fetches them, so ``rule_comments`` is the cheap way
+        to read rules)."""
 
         def go() -> Result:
             nft = self._nft()
@@ -210,8 +244,8 @@ class Nft:
     def rule_comments(self, family: str, table: str) -> tuple[dict[str, list[str | None]] | None, str]:
         """Every rule of ``table`` (family ``ip`` or ``ip6``), chain -> the rules' comments in order (None for a rule
         without one), or (None, error). Read with one netlink rule dump (pyroute2), where the namespace's context
-        lives: libnftables' ``list chain`` fetches every set element of the table first (seconds at 10,000
-        services), a rule dump carries no elements (~2 ms). Chains without rules are not in the answer."""
+        lives: libnftables' ``list chain`` fetches every set element of the table first, a rule dump carries none
+        (docs/PERFORMANCE.md, "The core"). Chains without rules are not in the answer."""
 
         def go() -> dict[str, list[str | None]]:
             from pyroute2.nftables.main import NFTables
@@ -243,4 +277,4 @@ class Nft:
             self._pool = None
         if self._ctx is not None:
             self._ctx = None  # its socket closes with it: a low descriptor goes back to the reserve
-            _refill()
+            HANDLES.refill()

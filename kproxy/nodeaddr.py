@@ -14,13 +14,14 @@ into the CIDRs around it.
 
 The node's own addresses come from netlink (``local_addresses``). The daemon reads them through an
 ``AddressWatch``: again only after the kernel announced an address change, so a sync in the steady state makes no
-netlink call at all (a fresh pyroute2 socket per sync cost 1-6 ms of every sync in the lab, most of it waiting for
-the GIL after its socket calls while the sources parsed objects).
+netlink call at all (a fresh netlink socket per sync was a measurable part of every sync: docs/PERFORMANCE.md,
+"The core").
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import logging
 import socket
@@ -35,14 +36,12 @@ from kproxy.model import IPFamily, NodeInfo
 log = logging.getLogger(__name__)
 
 LOOPBACK = {IPFamily.V4: ipaddress.ip_network("127.0.0.0/8"), IPFamily.V6: ipaddress.ip_network("::1/128")}
-_LOGGED: set[str] = set()
 
 
-def _log_once(key: str, msg: str, *args: object) -> None:
-    # resolve() runs on every sync: say it once per process
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        log.error(msg, *args)
+@functools.lru_cache(maxsize=256)
+def _log_once(msg: str, *args: object) -> None:
+    # resolve() runs on every sync: say each (message, address) once per process (bounded: addresses are input)
+    log.error(msg, *args)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,13 +173,13 @@ def nodeports(addrs: Sequence[str], node: NodeInfo, family: IPFamily) -> tuple[b
     ips: list[str] = []
     for ip in primary:
         if ipaddress.ip_address(ip) in loop:
-            _log_once(ip, "--nodeport-addresses: node address %s is loopback; localhost NodePorts are unsupported", ip)
+            _log_once("--nodeport-addresses: node address %s is loopback; localhost NodePorts are unsupported", ip)
             continue
         ips.append(ip)
     out: list[str] = []
     for net in cidrs:
         if net.subnet_of(loop):  # type: ignore[arg-type]
-            _log_once(str(net), "--nodeport-addresses includes loopback %s; localhost NodePorts are not supported", net)
+            _log_once("--nodeport-addresses includes loopback %s; localhost NodePorts are not supported", net)
             continue
         parts = sorted(net.address_exclude(loop)) if loop.subnet_of(net) else [net]  # type: ignore[arg-type]
         out.extend(str(p) for p in parts)

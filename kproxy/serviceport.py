@@ -43,23 +43,77 @@ class ServiceInfo:
 def parse_service(
     obj: Mapping[str, Any], families: Sequence[IPFamily], proxy_name: str
 ) -> tuple[NamespacedName, ServiceInfo]:
-    """A Service object into its ServicePort templates; ``Ignored`` when it is not ours, ValueError when bad."""
+    """A Service object into its ServicePort templates; ``Ignored`` when it is not ours, ValueError when bad.
+
+    The steps run in the order below, so the first bad field met is the one named."""
     obj = v.mapping(obj, "Service")
     meta = v.mapping(obj.get("metadata"), "metadata")
+    key = _identity(meta, proxy_name)
+    spec = v.mapping(obj.get("spec"), "spec")
+    svc_type = v.one_of(spec.get("type"), _SERVICE_TYPES, "spec.type", "ClusterIP")
+    if svc_type == "ExternalName":
+        raise Ignored("type ExternalName")
+    cluster_ips = _cluster_ips(spec)
+    ports = _ports(spec)
+    external_ips = [
+        v.ip_address(x, f"spec.externalIPs[{i}]")
+        for i, x in enumerate(v.optional_sequence(spec.get("externalIPs"), "spec.externalIPs"))
+    ]
+    affinity_timeout = _affinity_timeout(spec)
+    etp = v.one_of(spec.get("externalTrafficPolicy"), _POLICIES, "spec.externalTrafficPolicy", "Cluster")
+    itp = v.one_of(spec.get("internalTrafficPolicy"), _POLICIES, "spec.internalTrafficPolicy", "Cluster")
+    hcnp = v.port_number(spec.get("healthCheckNodePort") or 0, "spec.healthCheckNodePort", allow_zero=True)
+    # Only the spec field, as upstream's newBaseServiceInfo: the service.beta.kubernetes.io/load-balancer-source-ranges
+    # annotation is for cloud load-balancer controllers, not for the proxy.
+    raw_ranges: Sequence[Any] = v.optional_sequence(
+        spec.get("loadBalancerSourceRanges"), "spec.loadBalancerSourceRanges"
+    )
+    source_ranges = [v.cidr(x, f"spec.loadBalancerSourceRanges[{i}]") for i, x in enumerate(raw_ranges)]
+    lb_ips = _load_balancer_ips(obj)
+
+    is_lb = svc_type == "LoadBalancer"
+    has_node_ports = svc_type in ("NodePort", "LoadBalancer")
+    # Upstream apiservice.ExternallyAccessible / ExternalPolicyLocal / NeedsHealthCheck (service-level).
+    externally_accessible = has_node_ports or bool(external_ips)
+    external_local = etp == "Local" and externally_accessible
+    raw_created = meta.get("creationTimestamp")
+    shape = _Shape(
+        key=key,
+        ports=tuple(ports),
+        has_node_ports=has_node_ports,
+        affinity_timeout=affinity_timeout,
+        external_local=external_local,
+        internal_local=itp == "Local",
+        health_port=hcnp if is_lb and external_local else 0,
+        created=raw_created[:64] if isinstance(raw_created, str) else "",
+    )
+    templates: list[ServicePort] = []
+    for fam in families:
+        cip = cluster_ips.get(fam)
+        if cip is None:
+            continue
+        ext = tuple(dict.fromkeys(ip for ip, f, _ in external_ips if f is fam))
+        lbs = tuple(dict.fromkeys(ip for ip, f, _ in lb_ips if f is fam)) if is_lb else ()
+        src = tuple(dict.fromkeys(c for c, f in source_ranges if f is fam))
+        templates.extend(_templates(shape, fam, cip, ext, lbs, src))
+    return key, ServiceInfo(tuple(templates))
+
+
+def _identity(meta: Mapping[str, Any], proxy_name: str) -> NamespacedName:
+    """The Service's name, or ``Ignored`` when its labels give it to another proxy or make it headless."""
     namespace = v.dns1123_label(meta.get("namespace"), "metadata.namespace")
     name = v.dns1035_label(meta.get("name"), "metadata.name")
-    key = NamespacedName(namespace, name)
     labels = v.string_map(meta.get("labels"), "metadata.labels")
     if LABEL_SERVICE_PROXY_NAME in labels and not (proxy_name and labels[LABEL_SERVICE_PROXY_NAME] == proxy_name):
         raise Ignored(f"labelled {LABEL_SERVICE_PROXY_NAME}={v.printable(labels[LABEL_SERVICE_PROXY_NAME])}")
     if LABEL_HEADLESS in labels:
         raise Ignored(f"labelled {LABEL_HEADLESS}")
+    return NamespacedName(namespace, name)
 
-    spec = v.mapping(obj.get("spec"), "spec")
-    svc_type = v.one_of(spec.get("type"), _SERVICE_TYPES, "spec.type", "ClusterIP")
-    if svc_type == "ExternalName":
-        raise Ignored("type ExternalName")
 
+def _cluster_ips(spec: Mapping[str, Any]) -> dict[IPFamily, str]:
+    """``spec.clusterIP`` / ``spec.clusterIPs``, at most one per family, consistent with ``spec.ipFamilies``;
+    ``Ignored`` when headless. Insertion order is the Service's primary family first."""
     cluster_ip = v.optional_string(spec.get("clusterIP"), "spec.clusterIP")
     cluster_ips = [
         v.string(x, f"spec.clusterIPs[{i}]")
@@ -71,16 +125,21 @@ def parse_service(
     if len(cluster_ips) > 2:
         raise ValueError(f"spec.clusterIPs: {len(cluster_ips)} addresses, at most 2 (one per family)")
     by_family: dict[IPFamily, str] = {}
-    ordered_families: list[IPFamily] = []
     for i, raw in enumerate(cluster_ips or [cluster_ip]):
         what = f"spec.clusterIPs[{i}]" if cluster_ips else "spec.clusterIP"
         text, fam, _ = v.ip_address(raw, what)
         if fam in by_family:
             raise ValueError(f"spec.clusterIPs: two {fam.value} addresses ({by_family[fam]} and {text})")
         by_family[fam] = text
-        ordered_families.append(fam)
+    ordered_families = list(by_family)
     if cluster_ip and cluster_ips and v.ip_address(cluster_ip, "spec.clusterIP")[0] != by_family[ordered_families[0]]:
         raise ValueError(f"spec.clusterIP {cluster_ip!r} differs from spec.clusterIPs[0] {cluster_ips[0]!r}")
+    _check_ip_families(spec, ordered_families)
+    return by_family
+
+
+def _check_ip_families(spec: Mapping[str, Any], ordered_families: Sequence[IPFamily]) -> None:
+    """``spec.ipFamilies``: no family twice, and each in the position of its cluster IP."""
     seen_families: set[IPFamily] = set()
     for i, raw in enumerate(v.optional_sequence(spec.get("ipFamilies"), "spec.ipFamilies")):
         fam = v.ip_family(raw, f"spec.ipFamilies[{i}]")
@@ -93,6 +152,9 @@ def parse_service(
                 f" {ordered_families[i].value}"
             )
 
+
+def _ports(spec: Mapping[str, Any]) -> list[tuple[str, Protocol, int, int]]:
+    """``spec.ports`` as (name, protocol, port, nodePort): present, not empty, no name or port/protocol twice."""
     raw_ports = spec.get("ports")
     if raw_ports is None:
         raise ValueError("spec.ports: missing")
@@ -118,36 +180,29 @@ def parse_service(
         names.add(pname)
         numbers.add((num, proto))
         ports.append((pname, proto, num, node_port))
+    return ports
 
-    external_ips = [
-        v.ip_address(x, f"spec.externalIPs[{i}]")
-        for i, x in enumerate(v.optional_sequence(spec.get("externalIPs"), "spec.externalIPs"))
-    ]
+
+def _affinity_timeout(spec: Mapping[str, Any]) -> int:
+    """The ClientIP affinity's timeout in seconds (upstream's default when unset), 0 without affinity."""
     affinity = v.one_of(spec.get("sessionAffinity"), ("None", "ClientIP"), "spec.sessionAffinity", "None")
-    affinity_timeout = 0
-    if affinity == "ClientIP":
-        config = v.optional_mapping(spec.get("sessionAffinityConfig"), "spec.sessionAffinityConfig")
-        client = v.optional_mapping(config.get("clientIP"), "spec.sessionAffinityConfig.clientIP")
-        timeout = client.get("timeoutSeconds")
-        affinity_timeout = DEFAULT_AFFINITY_TIMEOUT
-        if timeout is not None:
-            affinity_timeout = v.integer(timeout, "spec.sessionAffinityConfig.clientIP.timeoutSeconds")
-            if not 0 < affinity_timeout <= _MAX_AFFINITY_TIMEOUT:
-                raise ValueError(
-                    f"spec.sessionAffinityConfig.clientIP.timeoutSeconds: {affinity_timeout} not in"
-                    f" 1..{_MAX_AFFINITY_TIMEOUT}"
-                )
-    etp = v.one_of(spec.get("externalTrafficPolicy"), _POLICIES, "spec.externalTrafficPolicy", "Cluster")
-    itp = v.one_of(spec.get("internalTrafficPolicy"), _POLICIES, "spec.internalTrafficPolicy", "Cluster")
-    hcnp = v.port_number(spec.get("healthCheckNodePort") or 0, "spec.healthCheckNodePort", allow_zero=True)
+    if affinity != "ClientIP":
+        return 0
+    config = v.optional_mapping(spec.get("sessionAffinityConfig"), "spec.sessionAffinityConfig")
+    client = v.optional_mapping(config.get("clientIP"), "spec.sessionAffinityConfig.clientIP")
+    timeout = client.get("timeoutSeconds")
+    if timeout is None:
+        return DEFAULT_AFFINITY_TIMEOUT
+    affinity_timeout = v.integer(timeout, "spec.sessionAffinityConfig.clientIP.timeoutSeconds")
+    if not 0 < affinity_timeout <= _MAX_AFFINITY_TIMEOUT:
+        raise ValueError(
+            f"spec.sessionAffinityConfig.clientIP.timeoutSeconds: {affinity_timeout} not in 1..{_MAX_AFFINITY_TIMEOUT}"
+        )
+    return affinity_timeout
 
-    # Only the spec field, as upstream's newBaseServiceInfo: the service.beta.kubernetes.io/load-balancer-source-ranges
-    # annotation is for cloud load-balancer controllers, not for the proxy.
-    raw_ranges: Sequence[Any] = v.optional_sequence(
-        spec.get("loadBalancerSourceRanges"), "spec.loadBalancerSourceRanges"
-    )
-    source_ranges = [v.cidr(x, f"spec.loadBalancerSourceRanges[{i}]") for i, x in enumerate(raw_ranges)]
 
+def _load_balancer_ips(obj: Mapping[str, Any]) -> list[tuple[str, IPFamily, int]]:
+    """``status.loadBalancer.ingress`` addresses this node captures (ipMode VIP)."""
     lb_ips: list[tuple[str, IPFamily, int]] = []
     status = v.optional_mapping(obj.get("status"), "status")
     lb_status = v.optional_mapping(status.get("loadBalancer"), "status.loadBalancer")
@@ -161,44 +216,45 @@ def parse_service(
             # ipMode Proxy: the load balancer itself proxies to the node, so the VIP must not be captured here.
             if mode == "VIP":
                 lb_ips.append(parsed)
+    return lb_ips
 
-    is_lb = svc_type == "LoadBalancer"
-    has_node_ports = svc_type in ("NodePort", "LoadBalancer")
-    # Upstream apiservice.ExternallyAccessible / ExternalPolicyLocal / NeedsHealthCheck (service-level).
-    externally_accessible = has_node_ports or bool(external_ips)
-    external_local = etp == "Local" and externally_accessible
-    internal_local = itp == "Local"
-    health_port = hcnp if is_lb and external_local else 0
 
-    raw_created = meta.get("creationTimestamp")
-    created = raw_created[:64] if isinstance(raw_created, str) else ""
-    templates: list[ServicePort] = []
-    for fam in families:
-        cip = by_family.get(fam)
-        if cip is None:
-            continue
-        ext = tuple(dict.fromkeys(ip for ip, f, _ in external_ips if f is fam))
-        lbs = tuple(dict.fromkeys(ip for ip, f, _ in lb_ips if f is fam)) if is_lb else ()
-        src = tuple(dict.fromkeys(c for c, f in source_ranges if f is fam))
-        for pname, proto, num, node_port in ports:
-            templates.append(
-                ServicePort(
-                    name=ServicePortName(namespace, name, pname, proto),
-                    family=fam,
-                    cluster_ip=cip,
-                    port=num,
-                    node_port=node_port if has_node_ports else 0,
-                    external_ips=ext,
-                    load_balancer_ips=lbs,
-                    load_balancer_source_ranges=src,
-                    affinity_timeout=affinity_timeout,
-                    external_policy_local=external_local,
-                    internal_policy_local=internal_local,
-                    health_check_node_port=health_port,
-                    created=created,
-                )
-            )
-    return key, ServiceInfo(tuple(templates))
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Shape:
+    """What every template of one Service shares, whatever the family."""
+
+    key: NamespacedName
+    ports: tuple[tuple[str, Protocol, int, int], ...]
+    has_node_ports: bool
+    affinity_timeout: int
+    external_local: bool
+    internal_local: bool
+    health_port: int
+    created: str
+
+
+def _templates(
+    shape: _Shape, fam: IPFamily, cip: str, ext: tuple[str, ...], lbs: tuple[str, ...], src: tuple[str, ...]
+) -> list[ServicePort]:
+    """One template per port of the Service, in family ``fam``."""
+    return [
+        ServicePort(
+            name=ServicePortName(shape.key.namespace, shape.key.name, pname, proto),
+            family=fam,
+            cluster_ip=cip,
+            port=num,
+            node_port=node_port if shape.has_node_ports else 0,
+            external_ips=ext,
+            load_balancer_ips=lbs,
+            load_balancer_source_ranges=src,
+            affinity_timeout=shape.affinity_timeout,
+            external_policy_local=shape.external_local,
+            internal_policy_local=shape.internal_local,
+            health_check_node_port=shape.health_port,
+            created=shape.created,
+        )
+        for pname, proto, num, node_port in shape.ports
+    ]
 
 
 _SERVICE_PORT_FIELDS = (
@@ -230,9 +286,9 @@ _set_cluster, _set_local, _set_has_any, _set_serving, _set_created = _SP_SETTERS
 
 def with_endpoints(t: ServicePort, cat: Categorized, eps: tuple[Endpoint, ...]) -> ServicePort:
     """The template ``t`` with its endpoints: ``dataclasses.replace(t, cluster_endpoints=..., ...)``, built through
-    the slots' descriptors (this runs once per service port on a full rebuild; ``replace``'s introspection cost more
-    than the rest of the rebuild together, and the frozen ``__init__``'s ``object.__setattr__`` by name twice what
-    this does). The result equals what the constructor gives (tests/unit/test_cache_perf.py)."""
+    the slots' descriptors (this runs once per service port on a full rebuild, where ``replace``'s introspection and
+    the frozen ``__init__``'s ``object.__setattr__`` by name were the costly part: docs/PERFORMANCE.md, "The core").
+    The result equals what the constructor gives (tests/unit/test_cache_perf.py)."""
     sp = _sp_new(ServicePort)
     (s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11) = _SP_TEMPLATE
     s0(sp, t.name)

@@ -226,7 +226,7 @@ def test_nodeport_addresses_match_all_and_loopback(caplog: pytest.LogCaptureFixt
         == everything6
     )
     # loopback CIDRs are skipped, with an error in the log (once per process)
-    nodeaddr._LOGGED.clear()  # the node context decides it, once for every backend
+    nodeaddr._log_once.cache_clear()  # the node context decides it, once for every backend
     with caplog.at_level("ERROR", logger=nodeaddr.__name__):
         cfg = CFG.with_(nodeport_addresses=("127.0.0.0/8", "198.19.0.0/16", "::1/128", "127.0.0.1/32"))
         assert render.make_context(cfg, NODE, IPFamily.V4).nodeport_destinations == (
