@@ -69,7 +69,7 @@ from kproxy.lab.state import (
     write_json,
     write_pidfile,
 )
-from kproxy.lab.teardown import installed_backend, remove_lab
+from kproxy.lab.teardown import installed_backend, lab_namespaces, remove_lab
 from kproxy.proxier import DEFAULT_MODE, LabNodeSpec, option_arguments
 
 # the names other modules have always imported from here
@@ -416,7 +416,7 @@ class Lab(LabBase):
 
     def status(self) -> dict[str, Any]:
         pids = self._pids()
-        present = set(netns.list_netns(self.prefix))
+        present = set(lab_namespaces(self.prefix))
         return {
             "prefix": self.prefix,
             "state_dir": str(self.state_dir),

@@ -210,3 +210,14 @@ NODE_SYSCTLS: dict[str, str | int] = {
     "net.ipv4.conf.all.send_redirects": 0,
     "net.ipv4.conf.default.send_redirects": 0,
 }
+
+
+def is_lab_namespace(prefix: str, name: str) -> bool:
+    """Whether ``name`` is one of the namespaces a lab under ``prefix`` makes (its fabric, external host, nodes and
+    pods): a test's or a bench's own namespace that merely starts with the same prefix (``kpf-it-…`` beside the lab
+    ``kpf-``) is never the lab's to remove."""
+    rest = name[len(prefix) :] if name.startswith(prefix) else None
+    return rest is not None and _LAB_NS.fullmatch(rest) is not None
+
+
+_LAB_NS = re.compile(r"fabric|ext|n\d+(-p\d+)?")

@@ -16,7 +16,7 @@ from typing import Any
 
 from kproxy.config import ProxyConfig
 from kproxy.lab import netns
-from kproxy.lab.plan import LabError
+from kproxy.lab.plan import LabError, is_lab_namespace
 from kproxy.lab.state import CGROUP_MOUNT, STATE_ROOT, locked, read_pidfile, reap_live
 from kproxy.proxier import BackendError, Proxier, backend_class
 
@@ -46,7 +46,7 @@ def cleanup_node(ns: str, record: Mapping[str, Any]) -> None:
 
 def remove_lab(prefix: str, state_dir: Path, keep_logs: bool = False) -> None:
     """Remove the lab under ``prefix`` (the caller holds its lock); LabError if a process or namespace stays."""
-    names = netns.list_netns(prefix)
+    names = lab_namespaces(prefix)
     cgroups = [d for d in CGROUP_MOUNT.glob(f"{prefix}n*") if d.is_dir()] if CGROUP_MOUNT.is_dir() else []
     left = netns.terminate(_lab_pids(state_dir, names, cgroups))
     reap_live()
@@ -64,7 +64,7 @@ def remove_lab(prefix: str, state_dir: Path, keep_logs: bool = False) -> None:
         if netns.is_cgroup2_mount(CGROUP_MOUNT) and not [p for p in other_labs if p.exists()]:
             netns.umount(CGROUP_MOUNT)
     _remove_files(state_dir, keep_logs)
-    still = netns.list_netns(prefix)
+    still = lab_namespaces(prefix)
     if still:
         raise LabError(f"lab namespaces could not be removed: {still}")
 
@@ -119,3 +119,8 @@ def _remove_files(state_dir: Path, keep_logs: bool) -> None:
         # a second lab's own folder goes once empty; /run/kproxy-lab stays (locks, the cgroup2 mount point)
         with contextlib.suppress(OSError):
             state_dir.rmdir()
+
+
+def lab_namespaces(prefix: str) -> list[str]:
+    """The named namespaces of the lab under ``prefix`` (never another tool's that shares the prefix)."""
+    return [n for n in netns.list_netns(prefix) if is_lab_namespace(prefix, n)]

@@ -234,3 +234,15 @@ def test_a_prefix_that_is_the_start_of_other_labs_is_refused_everywhere(capsys: 
     assert run_demo("iptables", prefix="kp", replace_lab=True) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 3 and all("invalid lab prefix 'kp'" in line for line in err)
+
+
+def test_only_the_labs_own_namespaces_are_the_labs() -> None:
+    """``kproxy lab down`` removes its fabric, external host, nodes and pods, never a test's or a bench's namespace
+    that merely shares the prefix (a bpf test's ``kpf-it-…`` beside a lab ``kpf-``)."""
+    from kproxy.lab.plan import is_lab_namespace
+
+    plan = make_plan(2, 2, prefix="kpf-")
+    mine = {plan.fabric_ns, plan.external_ns, *(n.ns for n in plan.nodes), *(p.ns for p in plan.pods)}
+    assert all(is_lab_namespace("kpf-", n) for n in mine)
+    for other in ("kpf-it-1a2b3c", "kpf-vt-9", "kpf-n1x", "kpf-n", "kpf-fabricx", "kpl-n1", "kpf-floor-1"):
+        assert not is_lab_namespace("kpf-", other), other
