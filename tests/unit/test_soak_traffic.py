@@ -47,7 +47,10 @@ class Echo:
                 buf += data
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    conn.sendall(b"echo " + line + b"\n")
+                    try:
+                        conn.sendall(b"echo " + line + b"\n")
+                    except OSError:  # stop() shut the connection down while it answered
+                        return
 
     def stop(self) -> None:
         self.closed.set()
