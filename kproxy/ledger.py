@@ -367,6 +367,18 @@ class LedgerProxier(Proxier, Generic[F, C]):
         saw its state go). Any thread: the request is taken at the start of that family's next sync."""
         self._full_requested.add(family)
 
+    def check_now(self, family: IPFamily) -> bool:
+        """The cheap check (``needs_full``) of ``family`` now, between syncs (the drift watcher asks; runner thread
+        only): True when it found this mode's state gone, and then ``family``'s next sync is a full batch."""
+        rec = self.records.get(family)
+        if rec is None or rec.need_full:
+            return False  # nothing applied yet, or a full batch is owed already
+        self._checked_at[family] = time.monotonic()
+        if not self.needs_full(family):
+            return False
+        self.request_full(family)
+        return True
+
     def describe(self, key: ServicePortName | None = None) -> Description:
         """The published snapshot's common part, with the backend's detail beside it; never waits for a sync."""
         services: dict[str, dict[str, ServiceDescription]] = {}

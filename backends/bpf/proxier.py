@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 
 from kproxy.admission import Limits
 from kproxy.config import ProxyConfig
+from kproxy.drift import Drift
 from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext
@@ -167,6 +168,8 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
 
     mode: ClassVar[str] = "bpf"
     CHECK_INTERVAL_S: ClassVar[float | None] = NEEDS_FULL_CHECK_S
+    # the companion table announces its changes; pins, attachments and map identities are polled (``needs_full``)
+    DRIFT: ClassVar[Drift | None] = Drift(frozenset({render.TABLE}), poll_s=0.3)
     # the socket path translates before conntrack sees anything, but the companion table NATs external traffic
     uses_conntrack_nat: ClassVar[bool] = True
     options: ClassVar[tuple[Option, ...]] = (

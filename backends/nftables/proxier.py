@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 from prometheus_client import Counter as Counter_
 
 from kproxy.config import ProxyConfig
+from kproxy.drift import Drift
 from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.metrics import PREFIX
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
@@ -90,6 +91,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
 
     mode: ClassVar[str] = "nftables"
     CHECK_INTERVAL_S: ClassVar[float | None] = CHECK_INTERVAL
+    DRIFT: ClassVar[Drift | None] = Drift(frozenset({render.TABLE}))  # its table announces every change
     uses_conntrack_nat: ClassVar[bool] = True
 
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
