@@ -147,6 +147,7 @@ class Daemon:
         )
         self.drift: DriftWatcher | None = None  # made in start(), when the backend declares what to watch
         self._checks_owed: set[IPFamily] = set()
+        self.drift_repairs = 0  # full syncs asked for because someone else changed or removed this mode's state
         self._checks_lock = threading.Lock()
         self.healthz = HealthzServer(config.healthz_bind_address, self.health, self.metrics)
         self.metrics_server = MetricsServer(
@@ -269,6 +270,7 @@ class Daemon:
         """Someone else changed this mode's state (the watcher's thread): a full sync of those families."""
         log.info("drift: %s: repairing %s", why, ", ".join(sorted(f.value for f in families)))
         assert isinstance(self.backend, LedgerProxier)
+        self.drift_repairs += 1
         for fam in families:
             self.backend.request_full(fam)
         self.runner.run()
@@ -290,6 +292,7 @@ class Daemon:
             gone = [fam for fam in self.families if fam in owed and self.backend.check_now(fam)]
         if gone:
             log.info("drift: the check found %s state gone: repairing", ", ".join(f.value for f in gone))
+            self.drift_repairs += 1
             self.runner.run()
 
     @contextlib.contextmanager
