@@ -370,8 +370,12 @@ class DriftWatcher:
                 self._assembler.reset()
                 self._judge_lost()
                 continue
-            for tx in self._assembler.feed(parse(data)):
-                self._judge(tx)
+            self.consume(data)
+
+    def consume(self, data: bytes) -> None:
+        """One datagram of the notification group, judged (the watcher thread; tests feed captured ones)."""
+        for tx in self._assembler.feed(parse(data)):
+            self._judge(tx)
 
     def _in_window(self) -> bool:
         with self._lock:
@@ -403,6 +407,10 @@ class DriftWatcher:
             return
         self.repairs += 1
         self._repair(frozenset(self.families), why)
+
+    def settle(self) -> None:
+        """Apply the window ends asked for (the watcher thread does so after draining its socket)."""
+        self._close_windows()
 
     def _close_windows(self) -> None:
         with self._lock:
