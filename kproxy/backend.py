@@ -94,6 +94,9 @@ class LedgerProxier(Proxier, Generic[F, C, A, V, S]):
         saw its state go). Any thread."""
         self.ledger.request_full(family)
 
+    def check_now(self, family: IPFamily) -> bool:
+        return self.ledger.check_now(family)
+
     def applied(self, family: IPFamily) -> tuple[C | None, dict[ServicePortName, F]]:
         """(context, fragments) of what the ledger records as in the kernel: a consistent copy, any thread (what
         ``trace`` explains)."""

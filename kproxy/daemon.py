@@ -14,20 +14,28 @@ metrics, the backend's ``describe``, which reads the ledger's published snapshot
 backend's ``start`` runs in the main thread before the first sync, its ``close`` after the runner thread has ended.
 SIGTERM stops everything *without* touching kernel state, so established connections survive a restart or an
 upgrade.
+
+Drift repair (``kproxy.drift``): when the backend declares what announces damage to its kernel state, a watcher
+thread hears someone else's change at once and asks for a full sync of the family (``request_full`` and a runner
+request, so a storm is served once per min-sync-period), or for the backend's cheap check, which the runner thread
+runs between syncs (``runner.check``: ``needs_full`` stays in the runner thread). Every sync and check runs inside
+the watcher's own-write window, which is how kproxy's own writes are told apart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig, to_kube_proxy_configuration
 from kproxy.conntrack import ConntrackReconciler, reconcile_needed
+from kproxy.drift import DriftWatcher
 from kproxy.metrics import Metrics
 from kproxy.model import (
     Changes,
@@ -134,7 +142,12 @@ class Daemon:
             min_interval=config.min_sync_period,
             retry_interval=config.sync_period,
             max_interval=config.sync_period,
+            check_fn=self._check,
         )
+        self.drift: DriftWatcher | None = None  # made in start(), when the backend declares what to watch
+        self._checks_owed: set[IPFamily] = set()
+        self.drift_repairs = 0  # full syncs asked for because someone else changed or removed this mode's state
+        self._checks_lock = threading.Lock()
         self.healthz = HealthzServer(config.healthz_bind_address, self.health, self.metrics)
         self.metrics_server = MetricsServer(
             config.metrics_bind_address,
@@ -185,6 +198,7 @@ class Daemon:
         if before_sync is not None:
             before_sync()
         self.backend.start()
+        self._start_drift()
         self.runner.start()
         self.source.start()
         log.info("kproxy started: mode=%s node=%s", self.backend.mode, self.config.node_name)
@@ -196,6 +210,8 @@ class Daemon:
         self._stopped.set()
         self.source.stop()
         self.runner.stop(timeout=STOP_TIMEOUT)  # a full sync in progress finishes first (bounded by its length)
+        if self.drift is not None:
+            self.drift.stop()
         self.service_health.close()
         self.healthz.close()
         self.metrics_server.close()
@@ -239,9 +255,59 @@ class Daemon:
         if self._event_sink is not None:
             self._event_sink("FailedToStartServiceHealthcheck", msg, svc)
 
+    # -- drift repair ----------------------------------------------------------------------------------------
+    def _start_drift(self) -> None:
+        spec = self.backend.drift()
+        if spec is None:
+            return
+        self.drift = DriftWatcher(
+            spec, self.families, repair=self._drift_repair, check=self._drift_check, netns=self.backend.netns
+        )
+        self.drift.start()
+
+    def _drift_repair(self, families: frozenset[IPFamily], why: str) -> None:
+        """Someone else changed this mode's state (the watcher's thread): a full sync of those families."""
+        log.info("drift: %s: repairing %s", why, ", ".join(sorted(f.value for f in families)))
+        self.drift_repairs += 1
+        for fam in families:
+            self.backend.request_full(fam)
+        self.runner.run()
+
+    def _drift_check(self, families: frozenset[IPFamily], why: str) -> None:
+        """The backend's cheap check is owed now (the watcher's thread): run by the runner thread (``_check``)."""
+        log.debug("drift: %s: checking %s", why, ", ".join(sorted(f.value for f in families)))
+        with self._checks_lock:
+            self._checks_owed |= families
+        self.runner.check()
+
+    def _check(self) -> None:
+        """The runner thread's check between syncs: a family whose state is gone gets a full sync now."""
+        with self._checks_lock:
+            owed, self._checks_owed = self._checks_owed, set()
+        if not owed or not self.cache.ready:
+            return
+        with self._lock, self._own_writes():
+            gone = [fam for fam in self.families if fam in owed and self.backend.check_now(fam)]
+        if gone:
+            log.info("drift: the check found %s state gone: repairing", ", ".join(f.value for f in gone))
+            self.drift_repairs += 1
+            self.runner.run()
+
+    @contextlib.contextmanager
+    def _own_writes(self) -> Iterator[None]:
+        if self.drift is None:
+            yield
+            return
+        with self.drift.own_writes():
+            yield
+
     # -- the sync --------------------------------------------------------------------------------------------
     def _sync(self) -> bool:
         """One run of the runner. True on success; False asks for a retry (the change stays dirty)."""
+        with self._own_writes():
+            return self._sync_now()
+
+    def _sync_now(self) -> bool:
         if not self.cache.ready:
             if not self._ready_logged:
                 log.info("not syncing until Services and EndpointSlices have been received")

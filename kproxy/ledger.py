@@ -209,6 +209,18 @@ class Ledger(Generic[F, C, A, V, S]):
         with rec.lock:
             return rec.context, dict(rec.fragments)
 
+    def check_now(self, family: IPFamily) -> bool:
+        """The cheap check (``needs_full``) of ``family`` now, between syncs (the drift watcher asks; runner thread
+        only): True when it found this mode's state gone, and then ``family``'s next sync is a full batch."""
+        rec = self.records.get(family)
+        if rec is None or rec.need_full:
+            return False  # nothing applied yet, or a full batch is owed already
+        self._checked_at[family] = time.monotonic()
+        if not self.backend.needs_full(family):
+            return False
+        self.request_full(family)
+        return True
+
     # -- one family --------------------------------------------------------------------------------------------
 
     def _sync_family(

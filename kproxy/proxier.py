@@ -52,6 +52,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, TypedDict
 
 from kproxy.config import ProxyConfig
+from kproxy.drift import Drift
 from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import NodeContext
 
@@ -285,12 +286,19 @@ class Proxier:
     survives_restart: ClassVar[bool] = True
     #: This mode's own typed options (flags ``--<mode>-...``); their values reach ``config.backend_options``.
     options: ClassVar[tuple[Option, ...]] = ()
+    #: What announces damage to this mode's kernel state, for the drift watcher (``kproxy.drift``): the nf_tables
+    #: tables it writes, a poll interval for what the kernel does not announce; None: repaired at the sync period.
+    DRIFT: ClassVar[Drift | None] = None
 
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
         """``netns`` aims the backend at a named network namespace (tests and benchmarks); the daemon leaves it None
         and programs the namespace it runs in, as upstream does."""
         self.config = config
         self.netns = netns
+
+    def drift(self) -> Drift | None:
+        """``DRIFT``, or what this instance's kernel flavour needs (asked once, before the first sync)."""
+        return self.DRIFT
 
     # -- hooks that need no instance ----------------------------------------------------------------------------
 
@@ -370,6 +378,14 @@ class Proxier:
         thread; read-only. ``kproxy.backend.LedgerProxier`` implements it over ``verify_view``/``verify_service``/
         ``verify_extra``."""
         return None
+
+    def request_full(self, family: IPFamily) -> None:
+        """Ask for a full sync of ``family`` at its next sync (any thread). Ledger-driven backends honour it."""
+
+    def check_now(self, family: IPFamily) -> bool:
+        """Run the cheap "is my state still there" check of ``family`` now, between syncs (runner thread only): True
+        when the state is gone and a full sync of ``family`` is owed. Default: nothing to check."""
+        return False
 
     def cleanup(self) -> None:
         """Remove everything this mode wrote (``cleanup_leftovers`` with this instance's config and namespace)."""

@@ -12,6 +12,9 @@ Its guarantees, each unit-tested with a fake clock:
 4. ``max_interval < min_interval`` is a ValueError (upstream panics).
 5. Nothing runs before ``max_interval`` after ``loop()`` starts unless ``run()`` is called; the daemon calls
    ``run()`` when the cache is first ready.
+6. ``check()`` asks for the optional ``check_fn`` (a cheap look at the kernel, writing nothing) to run in the same
+   thread, as soon as no run is due; it does not wait for ``min_interval`` and does not count as a run. Requests
+   coalesce. It may call ``run()`` (the kernel state it looked at is gone): that run keeps the cool-down.
 
 One deliberate difference: upstream drops a ``Run()`` made before the loop goroutine is ready. Here a request made
 before ``start()`` is kept and served as soon as the loop starts, so the daemon cannot lose its first sync to a
@@ -154,6 +157,7 @@ class BoundedFrequencyRunner:
         max_interval: float,
         *,
         clock: Clock | None = None,
+        check_fn: Callable[[], None] | None = None,
     ) -> None:
         if max_interval < min_interval:
             raise ValueError(f"{name}: max_interval ({max_interval}) must be >= min_interval ({min_interval})")
@@ -165,8 +169,10 @@ class BoundedFrequencyRunner:
         self.retry_interval = retry_interval
         self.max_interval = max_interval
         self.clock: Clock = clock or RealClock()
+        self.check_fn = check_fn
         self._cond = threading.Condition()
         self._requested = False
+        self._check_requested = False
         self._retry_at: float | None = None
         self._retry_delay: float | None = None  # a retry_after() made before the loop started
         self._stop = threading.Event()
@@ -175,11 +181,20 @@ class BoundedFrequencyRunner:
         self.runs = 0  # completed runs, successful or not
         self.failures = 0  # completed runs that failed
         self.last_ok: bool | None = None
+        self.checks = 0  # completed check_fn calls
 
     def run(self) -> None:
         """Ask for a run as soon as allowed. Never blocks on ``fn``; requests coalesce."""
         with self._cond:
             self._requested = True
+            self._cond.notify_all()
+
+    def check(self) -> None:
+        """Ask for one ``check_fn`` call in the runner thread as soon as no run is due. Never blocks; coalesces."""
+        if self.check_fn is None:
+            raise RuntimeError(f"runner {self.name} has no check function")
+        with self._cond:
+            self._check_requested = True
             self._cond.notify_all()
 
     def retry_after(self, delay: float) -> None:
@@ -228,6 +243,14 @@ class BoundedFrequencyRunner:
                     earliest = done + self.min_interval
                     max_at = done + self.max_interval
                     continue
+                if self._check_requested:
+                    self._check_requested = False
+                    self._cond.release()
+                    try:
+                        self._call_check()
+                    finally:
+                        self._cond.acquire()
+                    continue
                 if due:
                     wake = earliest
                 else:
@@ -250,6 +273,14 @@ class BoundedFrequencyRunner:
         self.failures += 0 if ok else 1
         self.last_ok = ok
         return ok
+
+    def _call_check(self) -> None:
+        assert self.check_fn is not None
+        try:
+            self.check_fn()
+        except Exception:
+            log.exception("runner %s: check failed", self.name)
+        self.checks += 1
 
     def start(self) -> threading.Thread:
         """Run ``loop`` in a daemon thread named after the runner."""

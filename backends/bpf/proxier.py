@@ -43,6 +43,7 @@ from kproxy.admission import Limits
 from kproxy.backend import LedgerProxier
 from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
+from kproxy.drift import Drift
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelProbe, LabNodeSpec, Option
@@ -171,6 +172,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
 
     mode: ClassVar[str] = "bpf"
     CHECK_INTERVAL_S: ClassVar[float | None] = NEEDS_FULL_CHECK_S
+    # the companion table announces its changes; pins, attachments and map identities are polled (``needs_full``)
+    DRIFT: ClassVar[Drift | None] = Drift(frozenset({render.TABLE}), poll_s=0.3)
     # the socket path translates before conntrack sees anything, but the companion table NATs external traffic
     uses_conntrack_nat: ClassVar[bool] = True
     options: ClassVar[tuple[Option, ...]] = (

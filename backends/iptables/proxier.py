@@ -37,6 +37,7 @@ from prometheus_client import Counter, Gauge
 from kproxy.backend import LedgerProxier
 from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
+from kproxy.drift import Drift
 from kproxy.metrics import PREFIX
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext
@@ -47,7 +48,7 @@ from kproxy.toolkit.verify import Findings
 from . import adopt, render
 from . import cleanup as cleanup_mod
 from . import trace as trace_mod
-from .kernel import FLAVOURS, Kernel, Run, binary, detect_flavour, missing_binaries
+from .kernel import FLAVOURS, TABLES, Kernel, Run, binary, detect_flavour, missing_binaries
 from .render import Context, Fragment, JumpRule, Restore
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
 
     mode: ClassVar[str] = "iptables"
     CHECK_INTERVAL_S: ClassVar[float | None] = None  # the canary, once per sync period (as upstream)
+    # iptables-nft's tables announce their changes (shared tables: the KUBE- chains are this mode's)
+    DRIFT: ClassVar[Drift | None] = Drift(frozenset(TABLES), chains=("KUBE-",))
     options: ClassVar[tuple[Option, ...]] = (
         Option(
             "iptables_flavour",
@@ -218,6 +221,10 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
             self._kernel = Kernel(flavour, self.netns)
             log.info("iptables flavour: %s", flavour)
         return self._kernel
+
+    def drift(self) -> Drift | None:
+        """Legacy tables announce nothing: the canary is polled every second instead."""
+        return Drift(poll_s=1.0) if self.kernel.flavour == "legacy" else self.DRIFT
 
     def last_payloads(self, family: IPFamily) -> list[str]:
         """The restore payloads the last sync wrote for a family (tests assert on what was written)."""

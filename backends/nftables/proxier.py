@@ -27,6 +27,7 @@ from prometheus_client import Counter as Counter_
 from kproxy.backend import LedgerProxier
 from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
+from kproxy.drift import Drift
 from kproxy.metrics import PREFIX
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nftkernel import Nft, available
@@ -111,6 +112,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
 
     mode: ClassVar[str] = "nftables"
     CHECK_INTERVAL_S: ClassVar[float | None] = CHECK_INTERVAL
+    DRIFT: ClassVar[Drift | None] = Drift(frozenset({render.TABLE}))  # its table announces every change
     uses_conntrack_nat: ClassVar[bool] = True
 
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:

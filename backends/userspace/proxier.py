@@ -38,6 +38,7 @@ from kproxy.admission import Limits
 from kproxy.backend import LedgerProxier
 from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig, parse_duration
+from kproxy.drift import Drift
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Verdict
 from kproxy.nftkernel import Nft, available
 from kproxy.nodeaddr import FamilyContext
@@ -186,6 +187,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, inspect.V
 
     mode: ClassVar[str] = "userspace"
     CHECK_INTERVAL_S: ClassVar[float | None] = CHECK_INTERVAL
+    DRIFT: ClassVar[Drift | None] = Drift(frozenset({render.TABLE}))  # the redirect table announces its changes
     #: redirects are NAT through conntrack: stale UDP entries are reconciled, answered by the node's proxy ports
     uses_conntrack_nat: ClassVar[bool] = True
     #: established connections are the proxy's own sockets: they end with the process (restart, mode switch)
