@@ -58,8 +58,36 @@ def dual_stack(ctx: Context) -> None:
             time.sleep(0.2)
 
     guard_key = f"{ctx.namespace}/guard:tcp/TCP"
+    kernel_before = _guard_kernel_before(ctx, (n1, n2), guard_key)
+    t = threading.Thread(target=guard_loop, daemon=True)
+    t.start()
+    try:
+        _ipv6_objects_come_and_go(ctx, n1, n2, client)
+    finally:
+        stop.set()
+        t.join(timeout=5)
+    _judge_guard_kernel(ctx, (n1, n2), guard_key, kernel_before)
+    bad = [r for r in results if not getattr(r, "ok", False)]
+    ctx.expect(
+        results and not bad,
+        "IPv4 traffic was disturbed while IPv6 objects came and went",
+        sent=f"TCP {client.name} -> {gip}:80 every 0.2 s throughout",
+        got=Probe(client.name, "tcp", gip, 80, results).summary(),
+        expected="every probe answered",
+    )
+    ctx.note(
+        f"IPv6-only and dual-stack reached on both families; {len(results)} IPv4 guard probes all answered"
+        + (f"; the guard's kernel rules untouched on {', '.join(kernel_before)}" if kernel_before else "")
+    )
+
+
+def _guard_kernel_before(ctx: Context, nodes: tuple[Any, Any], guard_key: str) -> dict[str, list[str]]:
+    """The guard's kernel lines on each node whose mode has a kernel view, before the IPv6 objects come; the first
+    node's must carry some non-zero counter, or a rewrite with the same content could not be seen (a view without
+    counters makes that part not applicable)."""
+    n1 = nodes[0]
     kernel_before: dict[str, list[str]] = {}
-    for n in (n1, n2):
+    for n in nodes:
         lines = _guard_lines(ctx, n, guard_key)
         if lines is not None:
             kernel_before[n.name] = lines
@@ -78,37 +106,42 @@ def dual_stack(ctx: Context) -> None:
                 f"mode {ctx.mode}'s kernel view carries no counters, so a rewrite of the guard's rules with the same "
                 "content cannot be seen (lines that come or go still are)",
             )
-    t = threading.Thread(target=guard_loop, daemon=True)
-    t.start()
-    try:
-        eps6 = [ctx.pods_on(n1)[1], ctx.pods_on(n2)[0]]
-        v6 = ctx.service("v6only", families=("IPv6",))
-        ctx.apply(v6, ctx.slice_for(v6, eps6, family="IPv6"))
-        ip6 = cip(v6, "IPv6")
-        wait_reach(ctx, client, ip6, 80, only=eps6)
-        pr = ctx.reach(client, ip6, 80, count=20, only=eps6, all_of=eps6)
-        remote = {r.seen_ip for r in pr.ok if answer_is(r, ctx.pods_on(n2)[0].name)}
-        ctx.expect(
-            ctx.skips("client-ip") or remote == {client.ip6},
-            "IPv6: the remote backend did not see the client pod's IPv6 address",
-            sent=pr.sent,
-            got=f"seen: {sorted(map(str, remote))}",
-            expected=client.ip6,
-        )
-        eps_ds = [ctx.pods_on(n1)[2], ctx.pods_on(n2)[1]]
-        ds = ctx.service("dual", families=("IPv4", "IPv6"))
-        ctx.apply(ds, ctx.slice_for(ds, eps_ds, family="IPv4"), ctx.slice_for(ds, eps_ds, family="IPv6"))
-        for fam in ("IPv4", "IPv6"):
-            wait_reach(ctx, client, cip(ds, fam), 80, only=eps_ds)
-            ctx.reach(client, cip(ds, fam), 80, count=12, only=eps_ds, all_of=eps_ds)
-        ctx.delete_service("v6only")
-        ctx.eventually(
-            lambda: ctx.blocked(client, ip6, 80, timeout=1.0), timeout=SYNC_WAIT, what="after deleting v6only"
-        )
-        ctx.reach(client, cip(ds, "IPv4"), 80, count=4, only=eps_ds)
-    finally:
-        stop.set()
-        t.join(timeout=5)
+    return kernel_before
+
+
+def _ipv6_objects_come_and_go(ctx: Context, n1: Any, n2: Any, client: Any) -> None:
+    """An IPv6-only service (the remote endpoint sees the client's IPv6 address) and a dual-stack one are reached on
+    each family; the IPv6-only one is deleted again, and the dual-stack one's IPv4 half still answers."""
+    eps6 = [ctx.pods_on(n1)[1], ctx.pods_on(n2)[0]]
+    v6 = ctx.service("v6only", families=("IPv6",))
+    ctx.apply(v6, ctx.slice_for(v6, eps6, family="IPv6"))
+    ip6 = cip(v6, "IPv6")
+    wait_reach(ctx, client, ip6, 80, only=eps6)
+    pr = ctx.reach(client, ip6, 80, count=20, only=eps6, all_of=eps6)
+    remote = {r.seen_ip for r in pr.ok if answer_is(r, ctx.pods_on(n2)[0].name)}
+    ctx.expect(
+        ctx.skips("client-ip") or remote == {client.ip6},
+        "IPv6: the remote backend did not see the client pod's IPv6 address",
+        sent=pr.sent,
+        got=f"seen: {sorted(map(str, remote))}",
+        expected=client.ip6,
+    )
+    eps_ds = [ctx.pods_on(n1)[2], ctx.pods_on(n2)[1]]
+    ds = ctx.service("dual", families=("IPv4", "IPv6"))
+    ctx.apply(ds, ctx.slice_for(ds, eps_ds, family="IPv4"), ctx.slice_for(ds, eps_ds, family="IPv6"))
+    for fam in ("IPv4", "IPv6"):
+        wait_reach(ctx, client, cip(ds, fam), 80, only=eps_ds)
+        ctx.reach(client, cip(ds, fam), 80, count=12, only=eps_ds, all_of=eps_ds)
+    ctx.delete_service("v6only")
+    ctx.eventually(lambda: ctx.blocked(client, ip6, 80, timeout=1.0), timeout=SYNC_WAIT, what="after deleting v6only")
+    ctx.reach(client, cip(ds, "IPv4"), 80, count=4, only=eps_ds)
+
+
+def _judge_guard_kernel(
+    ctx: Context, nodes: tuple[Any, Any], guard_key: str, kernel_before: dict[str, list[str]]
+) -> None:
+    """The guard's IPv4 kernel lines on each node are as before, counters only rising."""
+    n1, n2 = nodes
     for name, before in kernel_before.items():
         node = n1 if name == n1.name else n2
         after = _guard_lines(ctx, node, guard_key) or []
@@ -121,18 +154,6 @@ def dual_stack(ctx: Context) -> None:
             got="; ".join(changes[:6]),
             expected="the same lines, counters only rising",
         )
-    bad = [r for r in results if not getattr(r, "ok", False)]
-    ctx.expect(
-        results and not bad,
-        "IPv4 traffic was disturbed while IPv6 objects came and went",
-        sent=f"TCP {client.name} -> {gip}:80 every 0.2 s throughout",
-        got=Probe(client.name, "tcp", gip, 80, results).summary(),
-        expected="every probe answered",
-    )
-    ctx.note(
-        f"IPv6-only and dual-stack reached on both families; {len(results)} IPv4 guard probes all answered"
-        + (f"; the guard's kernel rules untouched on {', '.join(kernel_before)}" if kernel_before else "")
-    )
 
 
 def _guard_lines(ctx: Context, node: Any, key: str) -> list[str] | None:

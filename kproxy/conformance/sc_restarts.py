@@ -114,6 +114,44 @@ def cleanup(ctx: Context) -> None:
         got="[]",
         expected="the running mode's objects",
     )
+    _cleanup_leaves_nothing(ctx, node)
+    # Nothing programmed: the NodePort is closed on this node (refused). (Not the ClusterIP: with no rules on this
+    # node a pod's SYN to it leaves by the default route, and the lab's router hands it to node-1, which has rules.)
+    ctx.blocked(ctx.external_ns, node.ip4, np_local, how="refused", count=2, timeout=1.0)
+    started_and_synced(ctx, node, ctx.mode, "restarted after cleanup")
+    wait_reach(ctx, client, ip, 80, only=eps, what=f"kproxy {ctx.mode} restarted after cleanup")
+    ctx.reach(client, ip, 80, count=6, only=eps)
+    ctx.note(f"kproxy cleanup left nothing of {ctx.mode} (checked {len(before)} objects before)")
+    others = [m for m in installed_backends() if m != ctx.mode and availability(m)]
+    if not others:
+        # nothing exercised it: its own not-applicable row, never part of this pass
+        ctx.part_not_applicable_here(
+            "another-mode", f"no mode besides {ctx.mode} is installed and available here to start over it"
+        )
+        return
+    tried = _other_modes_over(ctx, node, others)
+    started_and_synced(ctx, node, None, "back after the other modes")
+    wait_reach(ctx, client, ip, 80, only=eps, what=f"kproxy {ctx.mode} back after the other modes")
+    # ... and the mode it came back in removed what the others left
+    for other in tried:
+        left = remnants(ctx, other, node)
+        ctx.expect(
+            not left,
+            f"{len(left)} things of mode {other} remain after switching back to mode {ctx.mode}",
+            sent=f"kproxy --mode {other} stopped (SIGTERM) and kproxy --mode {ctx.mode} started in {node.ns}, "
+            f"serving {ip}:80 again; then the {other} remnant check there",
+            got="; ".join(left[:8]),
+            expected=f"nothing of mode {other} left",
+        )
+    ctx.note(
+        f"starting {', '.join(tried)} removed everything of {ctx.mode}, and switching back removed everything of "
+        + ", ".join(tried)
+    )
+
+
+def _cleanup_leaves_nothing(ctx: Context, node: Any) -> None:
+    """kproxy stopped (SIGTERM) on ``node``, then ``kproxy cleanup --mode MODE`` there: exit 0 and nothing of the
+    mode left in the kernel."""
     ctx.lab.stop_kproxy(node, signal.SIGTERM)
     command = getattr(ctx.lab, "kproxy_command", None)
     argv = [*(command() if command else [kproxy_bin()]), "cleanup", "--mode", ctx.mode]
@@ -133,20 +171,11 @@ def cleanup(ctx: Context) -> None:
         got="; ".join(left[:8]),
         expected="nothing of the mode left",
     )
-    # Nothing programmed: the NodePort is closed on this node (refused). (Not the ClusterIP: with no rules on this
-    # node a pod's SYN to it leaves by the default route, and the lab's router hands it to node-1, which has rules.)
-    ctx.blocked(ctx.external_ns, node.ip4, np_local, how="refused", count=2, timeout=1.0)
-    started_and_synced(ctx, node, ctx.mode, "restarted after cleanup")
-    wait_reach(ctx, client, ip, 80, only=eps, what=f"kproxy {ctx.mode} restarted after cleanup")
-    ctx.reach(client, ip, 80, count=6, only=eps)
-    ctx.note(f"kproxy cleanup left nothing of {ctx.mode} (checked {len(before)} objects before)")
-    others = [m for m in installed_backends() if m != ctx.mode and availability(m)]
-    if not others:
-        # nothing exercised it: its own not-applicable row, never part of this pass
-        ctx.part_not_applicable_here(
-            "another-mode", f"no mode besides {ctx.mode} is installed and available here to start over it"
-        )
-        return
+
+
+def _other_modes_over(ctx: Context, node: Any, others: list[str]) -> list[str]:
+    """Each of ``others`` started over the session's mode on ``node`` leaves nothing of it; the node is left running
+    the session's mode again (not yet synced). Returns the modes tried."""
     tried = []
     try:
         for other in others:
@@ -167,23 +196,7 @@ def cleanup(ctx: Context) -> None:
     finally:
         ctx.lab.stop_kproxy(node, signal.SIGTERM)
         start_kproxy(ctx, node, ctx.mode)
-    started_and_synced(ctx, node, None, "back after the other modes")
-    wait_reach(ctx, client, ip, 80, only=eps, what=f"kproxy {ctx.mode} back after the other modes")
-    # ... and the mode it came back in removed what the others left
-    for other in tried:
-        left = remnants(ctx, other, node)
-        ctx.expect(
-            not left,
-            f"{len(left)} things of mode {other} remain after switching back to mode {ctx.mode}",
-            sent=f"kproxy --mode {other} stopped (SIGTERM) and kproxy --mode {ctx.mode} started in {node.ns}, "
-            f"serving {ip}:80 again; then the {other} remnant check there",
-            got="; ".join(left[:8]),
-            expected=f"nothing of mode {other} left",
-        )
-    ctx.note(
-        f"starting {', '.join(tried)} removed everything of {ctx.mode}, and switching back removed everything of "
-        + ", ".join(tried)
-    )
+    return tried
 
 
 SWITCH_STEADY_S = 2.0  # seconds of traffic after each switch's first sync
@@ -226,43 +239,13 @@ def mode_switch(ctx: Context) -> None:
             "NodePort": ctx.lab.hold(ctx.external_ns, node.ip4, np_, budget, HOLD_INTERVAL),
         }
     targets = {"ClusterIP": (client, ip, 80), "NodePort": (ctx.external_ns, node.ip4, np_)}
-    probes: list[tuple[str, str, Probe]] = []
-    phase = [f"{ctx.mode} running"]
-    stop = threading.Event()
-
-    def keep_probing() -> None:
-        while not stop.is_set() and ctx.remaining() > 5:
-            for what, (src, host, port) in targets.items():
-                try:
-                    probes.append((phase[0], what, ctx.probe(src, host, port, count=1, timeout=1.0)))
-                except Exception as exc:  # recorded, judged below
-                    probes.append((phase[0], what, Probe(str(src), "tcp", host, port, [FailedResult(str(exc))])))
-            time.sleep(0.2)
-
-    prober = threading.Thread(target=keep_probing, daemon=True)
-    prober.start()
+    prober = _TargetsProber(ctx, targets, f"{ctx.mode} running")
     results: dict[str, list[Any]] = {}
     try:
-        time.sleep(1.0)
-        previous = ctx.mode
-        for mode in switches:
-            phase[0] = f"{previous} -> {mode}: starting"
-            ctx.lab.stop_kproxy(node, signal.SIGTERM)
-            started_and_synced(ctx, node, mode, f"started in mode {mode} over {previous}")
-            phase[0] = f"{previous} -> {mode}: {mode} running"
-            left = remnants(ctx, previous, node)
-            ctx.expect(
-                not left,
-                f"{len(left)} things of mode {previous} remain after mode {mode} started and synced",
-                sent=f"kproxy --mode {previous} stopped (SIGTERM), --mode {mode} started in {node.ns} and synced",
-                got="; ".join(left[:8]),
-                expected=f"nothing of {previous} left",
-            )
-            time.sleep(SWITCH_STEADY_S)
-            previous = mode
+        with prober:
+            time.sleep(1.0)
+            _switch_through(ctx, node, switches, prober.phase)
     finally:
-        stop.set()
-        prober.join(timeout=5)
         for what, proc in holds.items():
             results[what] = list(ctx.lab.finish_hold(proc, stop=True, timeout=30))
         if not ctx.lab.kproxy_running(node):  # a failure half-way: leave the node in the session's mode
@@ -277,6 +260,79 @@ def mode_switch(ctx: Context) -> None:
             got=Probe(str(src), "tcp", host, port, held).summary(),
             expected="every exchange answered",
         )
+    judged = _judge_new_connections(ctx, prober.probes)
+    down = ctx.skips("while-down")
+    ctx.note(
+        f"{len(switches)} switches ({ctx.mode} -> "
+        + " -> ".join(switches)
+        + "): "
+        + (
+            f"held ClusterIP and NodePort connections {', '.join(str(len(v)) for v in results.values())} exchanges "
+            "each all answered; "
+            if holds
+            else ""
+        )
+        + f"{len(judged)} new connections answered"
+        + (f" ({len(prober.probes) - len(judged)} made while {ctx.mode} was down not judged)" if down else "")
+    )
+
+
+class _TargetsProber:
+    """New connections to each of ``targets`` (what -> (source, host, port)) every ~0.2 s in a thread of its own
+    while the modes switch; each result is kept with the phase (``phase[0]``, set by the scenario) it was sent in."""
+
+    def __init__(self, ctx: Context, targets: dict[str, tuple[Any, str, int]], first_phase: str) -> None:
+        self.ctx, self.targets = ctx, targets
+        self.phase = [first_phase]
+        self.probes: list[tuple[str, str, Probe]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self.ctx.remaining() > 5:
+            for what, (src, host, port) in self.targets.items():
+                try:
+                    self.probes.append((self.phase[0], what, self.ctx.probe(src, host, port, count=1, timeout=1.0)))
+                except Exception as exc:  # recorded, judged by the scenario
+                    self.probes.append(
+                        (self.phase[0], what, Probe(str(src), "tcp", host, port, [FailedResult(str(exc))]))
+                    )
+            time.sleep(0.2)
+
+    def __enter__(self) -> _TargetsProber:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _switch_through(ctx: Context, node: Any, switches: list[str], phase: list[str]) -> None:
+    """Stop kproxy on ``node`` and start it in each of ``switches`` in turn; once each has synced, nothing of the
+    mode it replaced may remain. ``phase[0]`` says where the switching is, for the prober."""
+    previous = ctx.mode
+    for mode in switches:
+        phase[0] = f"{previous} -> {mode}: starting"
+        ctx.lab.stop_kproxy(node, signal.SIGTERM)
+        started_and_synced(ctx, node, mode, f"started in mode {mode} over {previous}")
+        phase[0] = f"{previous} -> {mode}: {mode} running"
+        left = remnants(ctx, previous, node)
+        ctx.expect(
+            not left,
+            f"{len(left)} things of mode {previous} remain after mode {mode} started and synced",
+            sent=f"kproxy --mode {previous} stopped (SIGTERM), --mode {mode} started in {node.ns} and synced",
+            got="; ".join(left[:8]),
+            expected=f"nothing of {previous} left",
+        )
+        time.sleep(SWITCH_STEADY_S)
+        previous = mode
+
+
+def _judge_new_connections(ctx: Context, probes: list[tuple[str, str, Probe]]) -> list[tuple[str, str, Probe]]:
+    """Every new connection made during the switches answered, but those the mode declares away: from its stop
+    until the next mode's first sync (``while-down``), and one reset per target as it takes over
+    (``hand-over-reset``). Returns the connections judged."""
     down = ctx.skips("while-down")  # from A's stop until B's first sync nothing of A's answers: not judged
     judged = [
         (ph, what, p)
@@ -302,16 +358,4 @@ def mode_switch(ctx: Context) -> None:
         got="; ".join(f"{ph} {what}: {p.summary()}" for ph, what, p in failed[:6]),
         expected="all answered, in every phase",
     )
-    ctx.note(
-        f"{len(switches)} switches ({ctx.mode} -> "
-        + " -> ".join(switches)
-        + "): "
-        + (
-            f"held ClusterIP and NodePort connections {', '.join(str(len(v)) for v in results.values())} exchanges "
-            "each all answered; "
-            if holds
-            else ""
-        )
-        + f"{len(judged)} new connections answered"
-        + (f" ({len(probes) - len(judged)} made while {ctx.mode} was down not judged)" if down else "")
-    )
+    return judged
