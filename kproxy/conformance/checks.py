@@ -94,8 +94,6 @@ def mentions(lines: Sequence[str], namespace: str, name: str) -> list[str]:
 
 
 UDP_FOLLOW_S = 2.0
-
-
 UDP_SOCKET_INTERVAL = 0.1
 
 
