@@ -35,10 +35,8 @@ from kproxy.conformance.values import (
 )
 
 SYNC_WAIT = 15.0  # how long a change may take to show up before a scenario gives up waiting
-
-
 #: how long a (re)started kproxy may take to answer /healthz 200, which it does once every family has synced once: its
-#: start (the bpf mode compiles its programs with bcc: 5-10 s alone on a busy 2-core machine), lists and first sync
+#: start (the bpf mode compiles its programs at start, which is slow on a busy machine), lists and first sync
 START_WAIT = 45.0
 
 
@@ -94,6 +92,8 @@ def http_url(host: str, port: int, path: str = "/") -> str:
 
 @dataclass
 class FailedResult:
+    """A probe that raised instead of returning, recorded as a failed result for the judge."""
+
     error: str
     ok: bool = False
     reply: str = ""
