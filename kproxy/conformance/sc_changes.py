@@ -91,7 +91,7 @@ def address_collision(ctx: Context) -> None:
         ctx.reach(client, own_vip, 80, count=3, only=claim_eps)
 
     # "throughout": a client keeps connecting to the owner's address while everything below happens
-    with Prober(ctx, client, vip, "claimed", interval=0.2) as prober:
+    with Prober.to(ctx, client, vip, "claimed", interval=0.2) as prober:
         why = _collide(ctx, n1, client, vip, own_vip, owner_eps, claim_eps, owner_answers, prober.phase)
     # a mode whose data path is kproxy itself declares that new connections fail while no process runs; no other may
     judge_collision(prober.probes, {p.name for p in owner_eps}, ctx.skips("while-down"))

@@ -7,7 +7,6 @@ The spec is docs/BEHAVIOUR.md's scenario table; ``kproxy.conformance.scenarios``
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from typing import Any
 
@@ -17,7 +16,6 @@ from kproxy.conformance.registry import scenario
 from kproxy.conformance.steps import (
     START_WAIT,
     SYNC_WAIT,
-    FailedResult,
     Prober,
     cip,
     healthz_ok,
@@ -57,7 +55,7 @@ def restart(ctx: Context) -> None:
     held = ctx.lab.hold(client.ns, ip, 80, max(10.0, ctx.remaining() - 10), HOLD_INTERVAL) if holding else None
     hold_results: Any = []
     t_synced = t_after_end = 0.0
-    prober = Prober(ctx, client, ip, "before", interval=0.15)
+    prober = Prober.to(ctx, client, ip, "before", interval=0.15)
     phase = prober.phase
     try:
         with prober:
@@ -239,7 +237,7 @@ def mode_switch(ctx: Context) -> None:
             "NodePort": ctx.lab.hold(ctx.external_ns, node.ip4, np_, budget, HOLD_INTERVAL),
         }
     targets = {"ClusterIP": (client, ip, 80), "NodePort": (ctx.external_ns, node.ip4, np_)}
-    prober = _TargetsProber(ctx, targets, f"{ctx.mode} running")
+    prober = Prober(ctx, targets, f"{ctx.mode} running", interval=0.2)
     results: dict[str, list[Any]] = {}
     try:
         with prober:
@@ -260,7 +258,7 @@ def mode_switch(ctx: Context) -> None:
             got=Probe(str(src), "tcp", host, port, held).summary(),
             expected="every exchange answered",
         )
-    judged = _judge_new_connections(ctx, prober.probes)
+    judged = _judge_new_connections(ctx, prober.records)
     down = ctx.skips("while-down")
     ctx.note(
         f"{len(switches)} switches ({ctx.mode} -> "
@@ -273,39 +271,8 @@ def mode_switch(ctx: Context) -> None:
             else ""
         )
         + f"{len(judged)} new connections answered"
-        + (f" ({len(prober.probes) - len(judged)} made while {ctx.mode} was down not judged)" if down else "")
+        + (f" ({len(prober.records) - len(judged)} made while {ctx.mode} was down not judged)" if down else "")
     )
-
-
-class _TargetsProber:
-    """New connections to each of ``targets`` (what -> (source, host, port)) every ~0.2 s in a thread of its own
-    while the modes switch; each result is kept with the phase (``phase[0]``, set by the scenario) it was sent in."""
-
-    def __init__(self, ctx: Context, targets: dict[str, tuple[Any, str, int]], first_phase: str) -> None:
-        self.ctx, self.targets = ctx, targets
-        self.phase = [first_phase]
-        self.probes: list[tuple[str, str, Probe]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set() and self.ctx.remaining() > 5:
-            for what, (src, host, port) in self.targets.items():
-                try:
-                    self.probes.append((self.phase[0], what, self.ctx.probe(src, host, port, count=1, timeout=1.0)))
-                except Exception as exc:  # recorded, judged by the scenario
-                    self.probes.append(
-                        (self.phase[0], what, Probe(str(src), "tcp", host, port, [FailedResult(str(exc))]))
-                    )
-            time.sleep(0.2)
-
-    def __enter__(self) -> _TargetsProber:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
 
 
 def _switch_through(ctx: Context, node: Any, switches: list[str], phase: list[str]) -> None:

@@ -15,7 +15,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from kproxy.conformance.values import (
     ScenarioFailure,
     body_of,
     hostport,
+    name_of,
 )
 
 SYNC_WAIT = 15.0  # how long a change may take to show up before a scenario gives up waiting
@@ -101,24 +102,37 @@ class FailedResult:
 
 
 class Prober:
-    """A client connecting to ``ip:80`` once per ``interval`` in a thread of its own while a scenario changes things;
-    each result is kept with the phase (``phase[0]``, set by the scenario) it was sent in."""
+    """New TCP connections to each of ``targets`` (what -> (source, host, port)), one round every ``interval`` s, in a
+    thread of its own while a scenario changes things; each result is kept with the phase (``phase[0]``, set by the
+    scenario) it was sent in. A probe that raises is recorded as failed, for the scenario to judge."""
 
-    def __init__(self, ctx: Context, client: Any, ip: str, first_phase: str, interval: float) -> None:
-        self.ctx, self.client, self.ip, self.interval = ctx, client, ip, interval
+    def __init__(
+        self, ctx: Context, targets: Mapping[str, tuple[Any, str, int]], first_phase: str, interval: float
+    ) -> None:
+        self.ctx, self.targets, self.interval = ctx, dict(targets), interval
         self.phase = [first_phase]
-        self.probes: list[tuple[str, Probe]] = []
+        self.records: list[tuple[str, str, Probe]] = []  # (phase, target, probe)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    @classmethod
+    def to(cls, ctx: Context, client: Any, ip: str, first_phase: str, interval: float) -> Prober:
+        """A prober of ``ip:80`` from ``client`` alone."""
+        return cls(ctx, {"": (client, ip, 80)}, first_phase, interval)
+
+    @property
+    def probes(self) -> list[tuple[str, Probe]]:
+        """(phase, probe) of every connection, whatever its target."""
+        return [(ph, pr) for ph, _, pr in self.records]
+
     def _run(self) -> None:
         while not self._stop.is_set() and self.ctx.remaining() > 5:
-            try:
-                self.probes.append((self.phase[0], self.ctx.probe(self.client, self.ip, 80, count=1, timeout=1.0)))
-            except Exception as exc:  # recorded, judged by the scenario
-                self.probes.append(
-                    (self.phase[0], Probe(self.client.name, "tcp", self.ip, 80, [FailedResult(str(exc))]))
-                )
+            for what, (src, host, port) in self.targets.items():
+                try:
+                    self.records.append((self.phase[0], what, self.ctx.probe(src, host, port, count=1, timeout=1.0)))
+                except Exception as exc:  # recorded, judged by the scenario
+                    failed = Probe(name_of(src), "tcp", host, port, [FailedResult(str(exc))])
+                    self.records.append((self.phase[0], what, failed))
             time.sleep(self.interval)
 
     def __enter__(self) -> Prober:
