@@ -17,10 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from kproxy.conformance.context import Context
-from kproxy.conformance.values import (
-    Probe,
-    ScenarioFailure,
-)
+from kproxy.conformance.values import Probe, ScenarioFailure
 
 
 def judge_outside_reject(ctx: Context, ext: Probe, sent_icmp: int, limited: int, node: str) -> None:

@@ -26,11 +26,7 @@ from kproxy.conformance.steps import (
     two_nodes,
     wait_reach,
 )
-from kproxy.conformance.values import (
-    API_TIMEOUT,
-    Probe,
-    answer_pod,
-)
+from kproxy.conformance.values import API_TIMEOUT, Probe, answer_pod
 
 
 @scenario("lifecycle", "create, delete, recreate a service; others untouched")

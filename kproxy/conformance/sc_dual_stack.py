@@ -13,18 +13,8 @@ from typing import Any
 from kproxy.conformance.checks import answer_is, split_counters, view_changes
 from kproxy.conformance.context import Context
 from kproxy.conformance.registry import scenario
-from kproxy.conformance.steps import (
-    SYNC_WAIT,
-    FailedResult,
-    cip,
-    kernel_view,
-    two_nodes,
-    wait_reach,
-)
-from kproxy.conformance.values import (
-    NotApplicable,
-    Probe,
-)
+from kproxy.conformance.steps import SYNC_WAIT, FailedResult, cip, kernel_view, two_nodes, wait_reach
+from kproxy.conformance.values import NotApplicable, Probe
 
 
 @scenario(

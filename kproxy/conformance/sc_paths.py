@@ -11,19 +11,8 @@ from typing import Any
 from kproxy.conformance.checks import judge_outside_reject
 from kproxy.conformance.context import Context
 from kproxy.conformance.registry import scenario
-from kproxy.conformance.steps import (
-    SYNC_WAIT,
-    barrier,
-    cip,
-    stdout_of,
-    two_nodes,
-    wait_reach,
-)
-from kproxy.conformance.values import (
-    Probe,
-    ScenarioFailure,
-    hostport,
-)
+from kproxy.conformance.steps import SYNC_WAIT, barrier, cip, stdout_of, two_nodes, wait_reach
+from kproxy.conformance.values import Probe, ScenarioFailure, hostport
 
 
 @scenario("clusterip-tcp", "pod -> ClusterIP:port over TCP, 3 endpoints on 2 nodes")

@@ -11,20 +11,8 @@ from typing import Any
 
 from kproxy.conformance.context import Context
 from kproxy.conformance.registry import scenario
-from kproxy.conformance.steps import (
-    SYNC_WAIT,
-    barrier,
-    cip,
-    http_url,
-    two_nodes,
-    wait_reach,
-)
-from kproxy.conformance.values import (
-    METRICS_PORT,
-    Probe,
-    body_of,
-    header,
-)
+from kproxy.conformance.steps import SYNC_WAIT, barrier, cip, http_url, two_nodes, wait_reach
+from kproxy.conformance.values import METRICS_PORT, Probe, body_of, header
 
 
 def _health(ctx: Context, node: Any, hc_port: int, svc_name: str, local: int) -> None:

@@ -29,11 +29,7 @@ from kproxy.conformance.steps import (
     two_nodes,
     wait_reach,
 )
-from kproxy.conformance.values import (
-    NotApplicableHere,
-    Probe,
-    hostport,
-)
+from kproxy.conformance.values import NotApplicableHere, Probe, hostport
 
 
 @scenario(

@@ -15,16 +15,8 @@ from typing import Any
 from kproxy.conformance.checks import SCALE_CONVERGE_S, SCALE_ENDPOINTS, SCALE_SAMPLE, SCALE_SERVICES, judge_syncs
 from kproxy.conformance.context import Context
 from kproxy.conformance.registry import scenario
-from kproxy.conformance.steps import (
-    barrier,
-    cip,
-    kproxy_bin,
-    parsed_metrics,
-    two_nodes,
-)
-from kproxy.conformance.values import (
-    METRICS_PORT,
-)
+from kproxy.conformance.steps import barrier, cip, kproxy_bin, parsed_metrics, two_nodes
+from kproxy.conformance.values import METRICS_PORT
 
 
 def measure_floor(ctx: Context) -> tuple[float | None, float | None]:

@@ -20,22 +20,8 @@ from kproxy.conformance.checks import (
 )
 from kproxy.conformance.context import Context
 from kproxy.conformance.registry import scenario
-from kproxy.conformance.steps import (
-    SYNC_WAIT,
-    cip,
-    http_url,
-    parsed_metrics,
-    two_nodes,
-    wait_reach,
-)
-from kproxy.conformance.values import (
-    API_TIMEOUT,
-    HEALTHZ_PORT,
-    METRICS_PORT,
-    ScenarioFailure,
-    body_of,
-    header,
-)
+from kproxy.conformance.steps import SYNC_WAIT, cip, http_url, parsed_metrics, two_nodes, wait_reach
+from kproxy.conformance.values import API_TIMEOUT, HEALTHZ_PORT, METRICS_PORT, ScenarioFailure, body_of, header
 
 
 def _node_eligibility(ctx: Context, node: Any) -> None:

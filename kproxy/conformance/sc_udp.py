@@ -15,18 +15,8 @@ from typing import Any
 from kproxy.conformance.checks import UDP_FOLLOW_S, UDP_SOCKET_INTERVAL, judge_udp_socket
 from kproxy.conformance.context import Context
 from kproxy.conformance.registry import scenario
-from kproxy.conformance.steps import (
-    SYNC_WAIT,
-    cip,
-    rc_of,
-    stdout_of,
-    two_nodes,
-    wait_reach,
-)
-from kproxy.conformance.values import (
-    Probe,
-    ScenarioFailure,
-)
+from kproxy.conformance.steps import SYNC_WAIT, cip, rc_of, stdout_of, two_nodes, wait_reach
+from kproxy.conformance.values import Probe, ScenarioFailure
 
 
 def _udp_follow(ctx: Context, client: Any, ip: str, src_port: int, target: Any, label: str) -> str:

@@ -12,16 +12,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from kproxy.conformance import (
-    sc_changes,
-    sc_dual_stack,
-    sc_paths,
-    sc_policy,
-    sc_restarts,
-    sc_scale,
-    sc_servers,
-    sc_udp,
-)
+from kproxy.conformance import sc_changes, sc_dual_stack, sc_paths, sc_policy, sc_restarts, sc_scale, sc_servers, sc_udp
 from kproxy.conformance.registry import Scenario, registered
 
 __all__ = ["BY_ID", "SCENARIOS", "SCENARIO_IDS", "THEMES", "Scenario"]
