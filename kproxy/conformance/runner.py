@@ -16,16 +16,11 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kproxy.conformance.context import (
-    HEALTHZ_PORT,
-    Addresses,
-    Context,
-    NotApplicable,
-    NotApplicableHere,
-    ScenarioFailure,
-)
+from kproxy.conformance.context import Context
+from kproxy.conformance.registry import Scenario
 from kproxy.conformance.report import FAIL, NOT_APPLICABLE, PASS, Report, Result
-from kproxy.conformance.scenarios import BY_ID, SCENARIOS, Scenario
+from kproxy.conformance.scenarios import BY_ID, SCENARIOS
+from kproxy.conformance.values import HEALTHZ_PORT, Addresses, NotApplicable, NotApplicableHere, ScenarioFailure
 
 log = logging.getLogger("kproxy.conformance")
 

@@ -34,9 +34,10 @@ from typing import Any
 import pytest
 
 from kproxy.conformance.context import Context
+from kproxy.conformance.registry import Scenario
 from kproxy.conformance.report import FAIL, NOT_APPLICABLE, PASS
 from kproxy.conformance.runner import Session
-from kproxy.conformance.scenarios import BY_ID, Scenario
+from kproxy.conformance.scenarios import BY_ID
 from kproxy.lab import netns
 from kproxy.lab.cluster import CLUSTER_CIDR4, CLUSTER_CIDR6, Lab, LabNode
 from kproxy.lab.container import CREDENTIALS_DIR, OVERLAYS, ContainerLauncher, PodSpec, pod_spec, render_overlay

@@ -19,10 +19,12 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from kproxy.conformance import scenarios as sc
-from kproxy.conformance.context import SERVICE_NAME_LABEL, Addresses, Context, Probe, ScenarioFailure
+from kproxy.conformance import checks, sc_changes, sc_udp
+from kproxy.conformance.context import Context
+from kproxy.conformance.registry import Scenario
 from kproxy.conformance.report import NOT_APPLICABLE, PASS
 from kproxy.conformance.runner import ConformanceError, Session, declared_not_applicable, requested_modes
+from kproxy.conformance.values import SERVICE_NAME_LABEL, Addresses, Probe, ScenarioFailure
 
 # ---------------------------------------------------------------------------------------------------- the fake lab
 
@@ -313,7 +315,7 @@ def endpoint_model(delay: float, quirk: Callable[[float, str, list[str]], R | No
 def run_churn(responder: Responder) -> Context:
     ctx, lab, api = make_ctx(responder, timeout_s=60.0)
     lab.api = api  # type: ignore[attr-defined]
-    sc.endpoint_churn(ctx)
+    sc_changes.endpoint_churn(ctx)
     return ctx
 
 
@@ -353,7 +355,7 @@ def test_endpoint_churn_fails_when_only_some_of_the_five_answer_in_time() -> Non
 def test_converge_fails_when_never_converged_within_the_wait() -> None:
     ctx, _, _ = make_ctx(answering("pod-1-1"))
     with pytest.raises(ScenarioFailure, match="never converged within 15 s"):
-        sc._converge(ctx, "kpj-pod-1-0", "198.19.1.2", lambda pr: pr.pods == {"pod-2-0"}, "x -> y")
+        sc_changes._converge(ctx, "kpj-pod-1-0", "198.19.1.2", lambda pr: pr.pods == {"pod-2-0"}, "x -> y")
 
 
 # ---------------------------------------------------------------------------------------------------- _udp_follow
@@ -371,7 +373,7 @@ def follow(at: float) -> str:
     ctx, lab, _ = make_ctx(udp_switch(at))
     lab.t0 = lab.clock.now  # type: ignore[attr-defined]
     client, target = lab.pods[0], lab.pods[4]
-    return sc._udp_follow(ctx, client, "198.19.1.2", 40123, target, "backend replaced")
+    return sc_udp._udp_follow(ctx, client, "198.19.1.2", 40123, target, "backend replaced")
 
 
 def test_udp_follow_passes_a_switch_within_two_seconds() -> None:
@@ -391,7 +393,7 @@ def restart_verdict(
 ) -> dict[str, list[Any]]:
     ctx, _, _ = make_ctx(answering("pod-2-0"))
     recorded = [(ph, Probe("pod-1-0", "tcp", "198.19.1.2", 80, [r])) for ph, rs in probes.items() for r in rs]
-    return sc.judge_restart(ctx, "pod-1-0", "198.19.1.2", "node-1", hold, recorded, 0.0, t_synced, t_after_end)
+    return checks.judge_restart(ctx, "pod-1-0", "198.19.1.2", "node-1", hold, recorded, 0.0, t_synced, t_after_end)
 
 
 GOOD_PROBES = {ph: [ans("pod-2-0")] * 3 for ph in ("before", "killed", "restarting", "after")}
@@ -434,14 +436,14 @@ def exposition(durations: list[float], written: int = 0, fulls: int = 0) -> str:
     they wrote, and the full syncs among them."""
     reg = CollectorRegistry()
     edges = [0.001 * 2**i for i in range(15)]
-    h = Histogram(sc.SYNC_METRIC, "sync", ["ip_family"], registry=reg, buckets=edges)
+    h = Histogram(checks.SYNC_METRIC, "sync", ["ip_family"], registry=reg, buckets=edges)
     h.labels(ip_family="IPv6").observe(9.0)  # another family's series must not count
     for d in durations:
         h.labels(ip_family="IPv4").observe(d)
-    w = Counter(sc.WRITTEN_METRIC.removesuffix("_total"), "written", ["ip_family"], registry=reg)
+    w = Counter(checks.WRITTEN_METRIC.removesuffix("_total"), "written", ["ip_family"], registry=reg)
     w.labels(ip_family="IPv4").inc(written)
     w.labels(ip_family="IPv6").inc(10**6)
-    f = Histogram(sc.FULL_SYNC_METRIC, "full", ["ip_family"], registry=reg, buckets=edges)
+    f = Histogram(checks.FULL_SYNC_METRIC, "full", ["ip_family"], registry=reg, buckets=edges)
     for _ in range(fulls):
         f.labels(ip_family="IPv4").observe(0.5)
     f.labels(ip_family="IPv6").observe(0.5)
@@ -453,8 +455,8 @@ def judge(
 ) -> str:
     """``written`` services and ``fulls`` full syncs between the two reads."""
     ctx, _, _ = make_ctx(answering())
-    b, a = sc.samples(exposition(before)), sc.samples(exposition(after, written, fulls))
-    return sc.judge_syncs(ctx, b, a, floor, **kw)
+    b, a = checks.samples(exposition(before)), checks.samples(exposition(after, written, fulls))
+    return checks.judge_syncs(ctx, b, a, floor, **kw)
 
 
 def test_sync_judge_passes_syncs_within_the_floor_bounds() -> None:
@@ -484,9 +486,9 @@ def test_sync_judge_fails_full_syncs_while_services_arrive() -> None:
 
 def test_sync_judge_needs_the_written_counter() -> None:
     ctx, _, _ = make_ctx(answering())
-    text = exposition([0.1]).replace(sc.WRITTEN_METRIC, "kproxy_something_else_total")
+    text = exposition([0.1]).replace(checks.WRITTEN_METRIC, "kproxy_something_else_total")
     with pytest.raises(ScenarioFailure, match="kproxy_sync_services_written_total is missing"):
-        sc.judge_syncs(ctx, sc.samples(exposition([])), sc.samples(text), 0.5)
+        checks.judge_syncs(ctx, checks.samples(exposition([])), checks.samples(text), 0.5)
 
 
 def test_sync_judge_fails_a_sync_that_ran_past_the_bound() -> None:
@@ -531,12 +533,12 @@ def test_sync_judge_without_a_floor_uses_the_stated_defaults() -> None:
 
 def test_metrics_are_read_with_prometheus_clients_parser() -> None:
     text = exposition([0.003]) + 'kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family="IPv4"} 1.7e9\n'
-    parsed = sc.samples(text)
-    assert sc.sample_value(parsed, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", ip_family="IPv4") == 1.7e9
-    total, count, buckets = sc.histogram(parsed, sc.SYNC_METRIC, ip_family="IPv4")
+    parsed = checks.samples(text)
+    assert checks.sample_value(parsed, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", ip_family="IPv4") == 1.7e9
+    total, count, buckets = checks.histogram(parsed, checks.SYNC_METRIC, ip_family="IPv4")
     assert (total, count, buckets[0.004], buckets[0.002]) == (pytest.approx(0.003), 1.0, 1.0, 0.0)
     with pytest.raises(ValueError):
-        sc.samples("kubeproxy_x{ip_family=IPv4} 1\n")  # malformed: the parser says so
+        checks.samples("kubeproxy_x{ip_family=IPv4} 1\n")  # malformed: the parser says so
 
 
 # ---------------------------------------------------------------------------------------------------- no endpoints
@@ -544,7 +546,7 @@ def test_metrics_are_read_with_prometheus_clients_parser() -> None:
 
 def outside(results: list[R], sent_icmp: int, limited: int) -> None:
     ctx, _, _ = make_ctx(answering())
-    sc.judge_outside_reject(ctx, Probe("kpj-ext", "tcp", "198.19.1.2", 80, list(results)), sent_icmp, limited, "n1")
+    checks.judge_outside_reject(ctx, Probe("kpj-ext", "tcp", "198.19.1.2", 80, list(results)), sent_icmp, limited, "n1")
 
 
 def test_outside_reject_passes_when_the_node_sent_an_icmp_error_for_each_syn() -> None:
@@ -573,11 +575,12 @@ def test_outside_reject_fails_an_answer() -> None:
 
 def test_configz_must_be_upstreams_wrapper_with_the_mode() -> None:
     good = {"kubeproxy.config.k8s.io": {"mode": "iptables", "hostnameOverride": "node-1", "clusterCIDR": "x"}}
-    assert sc.configz_problems(json.dumps(good), "iptables", "node-1") == []
-    assert sc.configz_problems(json.dumps({"mode": "iptables"}), "iptables", "node-1")  # any object passed before
-    assert sc.configz_problems(json.dumps(good), "nftables", "node-1") == ["mode 'iptables', not 'nftables'"]
-    assert sc.configz_problems(json.dumps(good), "iptables", "node-2")
-    assert sc.configz_problems("[]", "iptables", "node-1") and sc.configz_problems("<html>", "iptables", "node-1")
+    assert checks.configz_problems(json.dumps(good), "iptables", "node-1") == []
+    assert checks.configz_problems(json.dumps({"mode": "iptables"}), "iptables", "node-1")  # any object passed before
+    assert checks.configz_problems(json.dumps(good), "nftables", "node-1") == ["mode 'iptables', not 'nftables'"]
+    assert checks.configz_problems(json.dumps(good), "iptables", "node-2")
+    assert checks.configz_problems("[]", "iptables", "node-1")
+    assert checks.configz_problems("<html>", "iptables", "node-1")
 
 
 # ---------------------------------------------------------------------------------------------------- kernel views
@@ -589,16 +592,16 @@ def test_view_changes_sees_a_rewrite_through_its_reset_counters() -> None:
         "nft nat: -A KUBE-SERVICES -d 198.19.1.2/32 -j KUBE-SVC-X",
     ]
     rising = ["nft nat: [9:540] -A KUBE-SVC-X -j KUBE-SEP-Y", before[1]]
-    assert sc.view_changes(before, rising) == []
+    assert checks.view_changes(before, rising) == []
     reset = ["nft nat: [1:60] -A KUBE-SVC-X -j KUBE-SEP-Y", before[1]]
-    assert sc.view_changes(before, reset) == [
+    assert checks.view_changes(before, reset) == [
         "counters fell [7] -> [1] (rewritten): nft nat: [counters] -A KUBE-SVC-X -j KUBE-SEP-Y"
     ]
     changed = [before[0], "nft nat: -A KUBE-SERVICES -d 198.19.1.3/32 -j KUBE-SVC-X"]
-    assert any(c.startswith("gone: ") for c in sc.view_changes(before, changed))
-    assert sc.view_changes(before, before[:1]) == ["gone: " + before[1]]
+    assert any(c.startswith("gone: ") for c in checks.view_changes(before, changed))
+    assert checks.view_changes(before, before[:1]) == ["gone: " + before[1]]
     # nft's counter syntax is understood too
-    assert sc.view_changes(["x counter packets 5 bytes 300 y"], ["x counter packets 2 bytes 100 y"])
+    assert checks.view_changes(["x counter packets 5 bytes 300 y"], ["x counter packets 2 bytes 100 y"])
 
 
 def test_ignored_service_lookup_in_a_kernel_view() -> None:
@@ -607,10 +610,10 @@ def test_ignored_service_lookup_in_a_kernel_view() -> None:
         "conf-x/other-proxy-2:tcp/TCP": ["nat: -A KUBE-SVC-Z"],
     }
     lines = [ln for v in view.values() for ln in v]
-    assert sc._view_keys(view, "conf-x", "barrier-1-node-1") and sc._mentions(lines, "conf-x", "barrier-1-node-1")
-    assert sc._view_keys(view, "conf-x", "other-proxy") == []  # other-proxy-2 is another service
-    assert sc._mentions(['-m comment --comment "conf-x/headless:tcp cluster IP"'], "conf-x", "headless")
-    assert sc._mentions(['--comment "conf-x/marked-headless:tcp"'], "conf-x", "headless") == []
+    assert checks.view_keys(view, "conf-x", "barrier-1-node-1") and checks.mentions(lines, "conf-x", "barrier-1-node-1")
+    assert checks.view_keys(view, "conf-x", "other-proxy") == []  # other-proxy-2 is another service
+    assert checks.mentions(['-m comment --comment "conf-x/headless:tcp cluster IP"'], "conf-x", "headless")
+    assert checks.mentions(['--comment "conf-x/marked-headless:tcp"'], "conf-x", "headless") == []
 
 
 # ---------------------------------------------------------------------------------------------------- the runner
@@ -635,7 +638,7 @@ def test_a_part_nothing_exercised_is_its_own_not_applicable_row() -> None:
         ctx.note("first half checked")
         ctx.part_not_applicable_here("another-mode", "no second mode installed")
 
-    result = session.run_scenario(sc.Scenario("cleanup", "t", scenario))
+    result = session.run_scenario(Scenario("cleanup", "t", scenario))
     assert (result.status, result.detail) == (PASS, "first half checked")
     assert [(p.scenario, p.status, p.detail) for p in result.parts] == [
         ("cleanup/another-mode", NOT_APPLICABLE, "not on this host: no second mode installed")
@@ -645,7 +648,7 @@ def test_a_part_nothing_exercised_is_its_own_not_applicable_row() -> None:
         ctx.part_not_applicable_here("another-mode", "x")
         ctx.fail("broken")
 
-    assert session.run_scenario(sc.Scenario("cleanup", "t", failing_scenario)).parts == ()
+    assert session.run_scenario(Scenario("cleanup", "t", failing_scenario)).parts == ()
 
 
 def test_a_mode_declaring_an_unknown_scenario_not_applicable_is_refused() -> None:

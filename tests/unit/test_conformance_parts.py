@@ -10,8 +10,9 @@ from typing import Any
 import conformance.test_conformance as entry
 import pytest
 
-from kproxy.conformance import scenarios as sc
-from kproxy.conformance.context import Context, ScenarioFailure
+from kproxy.conformance import checks
+from kproxy.conformance.context import Context
+from kproxy.conformance.registry import Scenario
 from kproxy.conformance.report import FAIL, NOT_APPLICABLE, PASS
 from kproxy.conformance.runner import (
     ConformanceError,
@@ -19,6 +20,8 @@ from kproxy.conformance.runner import (
     declared_not_applicable,
     declared_not_applicable_parts,
 )
+from kproxy.conformance.scenarios import BY_ID
+from kproxy.conformance.values import Probe, ScenarioFailure
 from kproxy.proxier import MODE_NAMES, backend_class
 
 from .test_conformance_judge import Api, Clock, R, RunnerLab, ans, answering, err, make_ctx
@@ -85,7 +88,7 @@ def test_a_declared_part_is_left_out_and_reported_with_the_modes_reason() -> Non
             checked.append("held")
         ctx.note("new connections checked")
 
-    result = session.run_scenario(sc.Scenario("restart", "t", scenario, parts=frozenset({"held-connection"})))
+    result = session.run_scenario(Scenario("restart", "t", scenario, parts=frozenset({"held-connection"})))
     assert (result.status, result.detail, checked) == (PASS, "new connections checked", [])
     assert [(p.scenario, p.status, p.detail) for p in result.parts] == [
         ("restart/held-connection", NOT_APPLICABLE, "declared by mode fake: its own sockets")
@@ -100,7 +103,7 @@ def test_an_undeclared_part_found_not_applicable_fails_the_scenario() -> None:
     def scenario(ctx: Context) -> None:
         ctx.part_not_applicable("stale-entry", "no conntrack entry seen")
 
-    result = session.run_scenario(sc.Scenario("udp-conntrack", "t", scenario, parts=frozenset({"stale-entry"})))
+    result = session.run_scenario(Scenario("udp-conntrack", "t", scenario, parts=frozenset({"stale-entry"})))
     assert result.status == FAIL and result.parts == ()
     assert "part stale-entry found not applicable but not declared by mode fake" in result.detail
     assert "no conntrack entry seen" in result.detail
@@ -109,7 +112,7 @@ def test_an_undeclared_part_found_not_applicable_fails_the_scenario() -> None:
 def test_a_declared_part_the_scenario_never_reached_fails_it() -> None:
     session = _session()
     session.not_applicable_parts = {"restart": {"while-down": "x"}}
-    result = session.run_scenario(sc.Scenario("restart", "t", lambda ctx: None, parts=frozenset({"while-down"})))
+    result = session.run_scenario(Scenario("restart", "t", lambda ctx: None, parts=frozenset({"while-down"})))
     assert result.status == FAIL and "declares part while-down not applicable, but the scenario never reached it" in (
         result.detail
     )
@@ -155,7 +158,7 @@ def test_a_passing_case_lists_its_parts_for_the_summary() -> None:
     session = _session()
     session.not_applicable_parts = {"restart": {"held-connection": "its own sockets"}}
     labs = _Labs(session)
-    sc_restart = sc.BY_ID["restart"]
+    sc_restart = BY_ID["restart"]
     real = sc_restart.run
     try:
         object.__setattr__(sc_restart, "run", lambda ctx: ctx.skips("held-connection"))
@@ -170,7 +173,7 @@ def test_a_passing_case_lists_its_parts_for_the_summary() -> None:
 
 def _socket(log: list[tuple[float, str]], done: tuple[str, ...] = ()) -> str:
     ctx, _, _ = make_ctx(answering())
-    return sc.judge_udp_socket(ctx, log, 100.0, "pod-2-0", "pod-2-1", "pod-1-0 -> 198.19.1.2:80", done)
+    return checks.judge_udp_socket(ctx, log, 100.0, "pod-2-0", "pod-2-1", "pod-1-0 -> 198.19.1.2:80", done)
 
 
 BEFORE = [(99.0 + 0.1 * i, "pod-2-0") for i in range(8)]
@@ -211,8 +214,8 @@ def test_a_socket_that_never_had_the_old_backend_proves_nothing() -> None:
 
 def _restart(probes: dict[str, list[R]], hold: list[R]) -> None:
     ctx, _, _ = make_ctx(answering("pod-2-0"))
-    recorded = [(ph, sc.Probe("pod-1-0", "tcp", "198.19.1.2", 80, [r])) for ph, rs in probes.items() for r in rs]
-    sc.judge_restart(ctx, "pod-1-0", "198.19.1.2", "node-1", hold, recorded, 0.0, 4.0, 6.0, False, False)
+    recorded = [(ph, Probe("pod-1-0", "tcp", "198.19.1.2", 80, [r])) for ph, rs in probes.items() for r in rs]
+    checks.judge_restart(ctx, "pod-1-0", "198.19.1.2", "node-1", hold, recorded, 0.0, 4.0, 6.0, False, False)
 
 
 def test_restart_without_hold_and_down_window_judges_before_and_after() -> None:

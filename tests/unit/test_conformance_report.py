@@ -110,7 +110,7 @@ def test_runner_selects_in_table_order_and_names_unknown_ids() -> None:
 def test_addresses_are_unique_and_inside_the_plan() -> None:
     import ipaddress
 
-    from kproxy.conformance.context import Addresses
+    from kproxy.conformance.values import Addresses
 
     a = Addresses()
     v4 = [a.cluster_ip() for _ in range(1200)]
@@ -129,7 +129,8 @@ def _ctx():  # type: ignore[no-untyped-def]
 
     from kubernetes import client
 
-    from kproxy.conformance.context import Addresses, Context
+    from kproxy.conformance.context import Context
+    from kproxy.conformance.values import Addresses
     from kproxy.lab.cluster import make_plan
 
     plan = make_plan(2, 3, ipv6=True)
@@ -183,7 +184,7 @@ def test_built_objects_are_valid_kubernetes_objects() -> None:
 
 
 def test_failure_text_says_what_was_sent_got_and_expected() -> None:
-    from kproxy.conformance.context import ScenarioFailure, summarize
+    from kproxy.conformance.values import ScenarioFailure, summarize
     from kproxy.lab.probe import ProbeResult
 
     results = [ProbeResult(True, "pod-1-2 198.18.65.11 4000"), ProbeResult(False, error="timeout", seconds=1.0)]
@@ -194,7 +195,7 @@ def test_failure_text_says_what_was_sent_got_and_expected() -> None:
 
 
 def test_health_body_check_follows_upstreams_proxy_health_json() -> None:
-    from kproxy.conformance.scenarios import health_body_problems
+    from kproxy.conformance.checks import health_body_problems
 
     t = "2026-11-22T13:24:09.803943Z"
     assert health_body_problems({"lastUpdated": t, "currentTime": t, "nodeEligible": True}, "/healthz") == []
