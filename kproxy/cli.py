@@ -73,6 +73,7 @@ _CONFIG_FLAGS = {
     "manifests": "manifests",
     "service_proxy_name": "service_proxy_name",
     "max_service_entries": "max_service_entries",
+    "service_counters": "service_counters",
 }
 
 
@@ -129,6 +130,13 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=S,
         help="refuse a Service whose ports expand to more entries (addresses + endpoints, summed over its ports) "
         "than this (100000)",
+    )
+    p.add_argument(
+        "--service-counters",
+        action="store_true",
+        default=S,
+        help="count connections (and packets and bytes where the mode can) per service port and endpoint, as "
+        "kproxy_service_*_total metrics (kproxy top); off by default",
     )
     p.add_argument("--cleanup", action="store_true", help="remove every mode's rules and exit (as upstream)")
     p.add_argument(
