@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kproxy import __version__
+from kproxy import __version__, top
 from kproxy.bench.cli import register as register_bench
 from kproxy.config import (
     DETECT_LOCAL_MODES,
@@ -33,6 +33,7 @@ from kproxy.config import (
     parse_hostport,
 )
 from kproxy.conformance.cli import register as register_conformance
+from kproxy.counters import Measure
 from kproxy.demo import register as register_demo
 from kproxy.lab.apicli import register as register_apiserver
 from kproxy.lab.cli import register as register_lab
@@ -397,6 +398,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     except (OSError, urllib.error.URLError, ValueError) as exc:
         print(f"kproxy show: cannot read {url}: {exc} (is `kproxy run` running on this node?)", file=sys.stderr)
         return 1
+    if args.service and not args.trace:
+        data["counters"] = _show_counters(args.metrics_bind_address, args.service)
     if args.format == "json":
         print(json.dumps(data, indent=2, sort_keys=True))
         return 0
@@ -405,6 +408,14 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     print(render_show_table(data))
     return 0
+
+
+def _show_counters(address: str, service: str) -> dict[str, Any] | None:
+    """The service's traffic counters (``kproxy top``'s figures), None when that kproxy does not count."""
+    try:
+        return top.for_service(address, service)
+    except (OSError, urllib.error.URLError, ValueError) as exc:
+        return {"error": f"cannot read the counters: {exc}"}
 
 
 def parse_trace_target(target: str) -> tuple[str, str, str]:
@@ -436,6 +447,12 @@ def render_show_table(data: dict[str, Any]) -> str:
         lines.append(f"  REFUSED BY KERNEL {key}: {why}")
     for key, why in sorted((data.get("rejectedObjects") or {}).items()):
         lines.append(f"  REJECTED {key}: {why}")
+    counters = data.get("counters")
+    if isinstance(counters, dict) and "services" in counters:
+        offered = frozenset(Measure(m) for m in counters.get("offered") or ())
+        lines.append(top.render(counters["services"], offered, len(counters["services"])))
+    elif isinstance(counters, dict):
+        lines.append(f"counters: {counters.get('error')}")
     backend = data.get("backend") or {}
     services = backend.get("services") or {}
     for name in sorted(services):
@@ -526,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench(sub)  # also registers `compare` (kproxy.bench.compare)
     register_demo(sub)
     register_soak(sub)
+    top.register(sub)
     return parser
 
 
