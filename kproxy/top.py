@@ -110,23 +110,24 @@ def figures(cur: Scrape, prev: Scrape | None = None) -> list[dict[str, Any]]:
                     "bytesPerSecond": _rate(values.get("bytes"), was.get("bytes"), seconds),
                 }
             )
-        _shares(endpoints, "connectionsPerSecond" if seconds else "connections")
+        basis = _shares(endpoints, "connectionsPerSecond" if seconds else "connections")
         row["endpoints"] = endpoints
-        spread = fairness([float(e["basis"]) for e in endpoints]) if endpoints else None
+        spread = fairness(basis) if endpoints else None
         row["fairness"] = spread.as_dict() if spread is not None else None
         rows.append(row)
     return rows
 
 
-def _shares(endpoints: list[dict[str, Any]], basis: str) -> None:
-    values = [e.get(basis) or 0.0 for e in endpoints]
+def _shares(endpoints: list[dict[str, Any]], basis: str) -> list[float]:
+    """Each endpoint's share of ``basis`` against the even split; the values of ``basis``."""
+    values = [float(e.get(basis) or 0.0) for e in endpoints]
     total = sum(values)
     even = 1.0 / len(endpoints) if endpoints else 0.0
     for e, v in zip(endpoints, values, strict=True):
-        e["basis"] = v
         e["share"] = v / total if total else None
         e["evenShare"] = even
         e["shareVsEven"] = (v / total) / even if total else None
+    return values
 
 
 def sort_rows(rows: list[dict[str, Any]], by: str) -> list[dict[str, Any]]:
