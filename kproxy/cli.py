@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kproxy import __version__
+from kproxy import __version__, top
 from kproxy.bench.cli import register as register_bench
 from kproxy.config import (
     DETECT_LOCAL_MODES,
@@ -33,6 +33,7 @@ from kproxy.config import (
     parse_hostport,
 )
 from kproxy.conformance.cli import register as register_conformance
+from kproxy.counters import Measure
 from kproxy.demo import register as register_demo
 from kproxy.lab.apicli import register as register_apiserver
 from kproxy.lab.cli import register as register_lab
@@ -73,6 +74,7 @@ _CONFIG_FLAGS = {
     "manifests": "manifests",
     "service_proxy_name": "service_proxy_name",
     "max_service_entries": "max_service_entries",
+    "service_counters": "service_counters",
 }
 
 
@@ -129,6 +131,13 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=S,
         help="refuse a Service whose ports expand to more entries (addresses + endpoints, summed over its ports) "
         "than this (100000)",
+    )
+    p.add_argument(
+        "--service-counters",
+        action="store_true",
+        default=S,
+        help="count connections (and packets and bytes where the mode can) per service port and endpoint, as "
+        "kproxy_service_*_total metrics (kproxy top); off by default",
     )
     p.add_argument("--cleanup", action="store_true", help="remove every mode's rules and exit (as upstream)")
     p.add_argument(
@@ -389,6 +398,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     except (OSError, urllib.error.URLError, ValueError) as exc:
         print(f"kproxy show: cannot read {url}: {exc} (is `kproxy run` running on this node?)", file=sys.stderr)
         return 1
+    if args.service and not args.trace:
+        data["counters"] = _show_counters(args.metrics_bind_address, args.service)
     if args.format == "json":
         print(json.dumps(data, indent=2, sort_keys=True))
         return 0
@@ -397,6 +408,14 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     print(render_show_table(data))
     return 0
+
+
+def _show_counters(address: str, service: str) -> dict[str, Any] | None:
+    """The service's traffic counters (``kproxy top``'s figures), None when that kproxy does not count."""
+    try:
+        return top.for_service(address, service)
+    except (OSError, urllib.error.URLError, ValueError) as exc:
+        return {"error": f"cannot read the counters: {exc}"}
 
 
 def parse_trace_target(target: str) -> tuple[str, str, str]:
@@ -428,6 +447,12 @@ def render_show_table(data: dict[str, Any]) -> str:
         lines.append(f"  REFUSED BY KERNEL {key}: {why}")
     for key, why in sorted((data.get("rejectedObjects") or {}).items()):
         lines.append(f"  REJECTED {key}: {why}")
+    counters = data.get("counters")
+    if isinstance(counters, dict) and "services" in counters:
+        offered = frozenset(Measure(m) for m in counters.get("offered") or ())
+        lines.append(top.render(counters["services"], offered, len(counters["services"])))
+    elif isinstance(counters, dict):
+        lines.append(f"counters: {counters.get('error')}")
     backend = data.get("backend") or {}
     services = backend.get("services") or {}
     for name in sorted(services):
@@ -518,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench(sub)  # also registers `compare` (kproxy.bench.compare)
     register_demo(sub)
     register_soak(sub)
+    top.register(sub)
     return parser
 
 

@@ -155,6 +155,8 @@ class ProxyConfig:
     #: a Service whose ports expand to more entries (the sum over its ports of addresses + endpoints) is refused
     #: whole: one small object must not expand without bound (kproxy.cache)
     max_service_entries: int = DEFAULT_MAX_SERVICE_ENTRIES
+    #: per-service traffic counters (kproxy.counters): off by default, so the default data path is unchanged
+    service_counters: bool = False
 
     @property
     def node_name(self) -> str:
@@ -191,6 +193,8 @@ class ProxyConfig:
                 f"maxServiceEntries (--max-service-entries): {self.max_service_entries}, must be between 1 and "
                 f"{MAX_SERVICE_ENTRIES_LIMIT}"
             )
+        if not isinstance(self.service_counters, bool):
+            raise ConfigError(f"serviceCounters (--service-counters): {self.service_counters!r} is not true or false")
         parse_hostport(self.healthz_bind_address, "healthzBindAddress")
         parse_hostport(self.metrics_bind_address, "metricsBindAddress")
         if len(self.cluster_cidrs) > 2 or len({IPFamily.of(c) for c in self.cluster_cidrs}) < len(self.cluster_cidrs):
@@ -263,6 +267,8 @@ def _yaml_fields(doc: Mapping[str, Any]) -> dict[str, Any]:
             out["min_sync_period"] = parse_duration(src["minSyncPeriod"], f"{prefix}minSyncPeriod")
     if doc.get("maxServiceEntries") is not None:  # kproxy's own field
         out["max_service_entries"] = int(doc["maxServiceEntries"])
+    if doc.get("serviceCounters") is not None:  # kproxy's own field
+        out["service_counters"] = doc["serviceCounters"]  # a bool, or validate() says what it is
     if doc.get("portRange") not in (None, ""):  # upstream's field for the userspace mode's proxy ports
         out.setdefault("backend_options", {})["proxy_port_range"] = str(doc["portRange"])
     kubeconfig = (doc.get("clientConnection") or {}).get("kubeconfig")
@@ -331,5 +337,6 @@ def to_kube_proxy_configuration(cfg: ProxyConfig) -> dict[str, Any]:
         "minSyncPeriod": f"{cfg.min_sync_period:g}s",
         "iptables": {"masqueradeAll": cfg.masquerade_all, "masqueradeBit": cfg.masquerade_bit},
         "clientConnection": {"kubeconfig": cfg.kubeconfig},
+        "serviceCounters": cfg.service_counters,  # kproxy's own field
         "backendOptions": {k: v for k, v in cfg.backend_options.items() if isinstance(v, (str, int, float, bool))},
     }

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig, to_kube_proxy_configuration
 from kproxy.conntrack import ConntrackReconciler, reconcile_needed
+from kproxy.counters import register as register_counters
 from kproxy.drift import DriftWatcher
 from kproxy.metrics import Metrics
 from kproxy.model import (
@@ -165,6 +166,7 @@ class Daemon:
         self._after_first_sync: Callable[[], None] | None = None
         self.applied: ProxyState | None = None  # the state of the last successful sync (what /verify checks)
         backend.register_metrics(self.metrics.registry, self.families)
+        register_counters(self.metrics.registry, backend, config)  # per-service counters, with --service-counters
         self.reconciler = reconciler if reconciler is not None else ConntrackReconciler()
         self.source = source_factory(self.cache)
         self.status = SyncStatus()

@@ -5,6 +5,8 @@ cover the delta, refusal and retry rules once for all modes; core tests drive th
 metrics through it, and ``kproxy bench sync --mode fake`` times the cache and ledger alone with it. ``fail_next``
 makes the next N syncs fail as a whole; ``reject`` makes the "kernel" refuse services (with a reason), one per
 apply, as iptables-restore stops at the first bad line; ``capacity`` declares limits as a real mode does.
+``set_counters`` gives a service port the traffic counters its "kernel" reports (``counters``, every measure), only
+while it is programmed, as a real mode's counters go with its service.
 
 It is registered as the ``fake`` entry point of ``kproxy.backends`` but never listed among the modes.
 """
@@ -20,6 +22,7 @@ from kproxy.admission import UNLIMITED, Limits
 from kproxy.backend import LedgerProxier
 from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
+from kproxy.counters import ALL_MEASURES, CounterDump, Measure, PortCounters
 from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext, NodeContext
 from kproxy.proxier import FAKE_MODE, Availability, KernelProbe
@@ -31,6 +34,7 @@ class FakeProxier(LedgerProxier[ServicePort, FamilyContext, Programmed, Programm
     """A backend with no kernel (see the module docstring)."""
 
     mode: ClassVar[str] = FAKE_MODE
+    counters_offered: ClassVar[frozenset[Measure]] = ALL_MEASURES
 
     def __init__(self, config: ProxyConfig | None = None, *, netns: str | None = None) -> None:
         super().__init__(config or ProxyConfig(), netns=netns)
@@ -41,6 +45,7 @@ class FakeProxier(LedgerProxier[ServicePort, FamilyContext, Programmed, Programm
         self.fail_next = 0
         self.reject: dict[ServicePortName, str] = {}  # services the "kernel" refuses, with the reason
         self.capacity: Limits = UNLIMITED  # what the "kernel" can hold per family (``limits``)
+        self.counts: dict[tuple[IPFamily, ServicePortName], PortCounters] = {}  # the "kernel's" counters
         self.cleaned = False
         self.started = self.closed = False
 
@@ -69,6 +74,17 @@ class FakeProxier(LedgerProxier[ServicePort, FamilyContext, Programmed, Programm
                 self.fail_next -= 1
                 return SyncResult(ok=False, full=changes.full, error="injected failure")
         return super().sync(state, changes, node)
+
+    def set_counters(self, family: IPFamily, name: ServicePortName, counters: PortCounters) -> None:
+        """What the "kernel" counted for ``name`` in ``family`` (reported while it is programmed)."""
+        with self.lock:
+            self.counts[(family, name)] = counters
+
+    def counters(self, family: IPFamily) -> CounterDump:
+        with self.lock:
+            fam = family.value
+            ports = {spn: pc for (f, spn), pc in self.counts.items() if f == family and (fam, spn) in self.programmed}
+        return CounterDump(family, ports)
 
     def limits(self, family: IPFamily) -> Limits:
         return self.capacity

@@ -16,9 +16,10 @@ the exposed names equal upstream's exactly.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from kproxy.model import REFUSAL_REASONS, IPFamily
@@ -47,10 +48,40 @@ NETWORK_PROGRAMMING_BUCKETS = (
 )
 
 
-class _Registry(CollectorRegistry):
-    """A registry whose exposition leaves out prometheus-client's ``*_created`` samples (upstream has none)."""
+class TextCollector(Protocol):
+    """A collector that renders its own exposition text (``kproxy.counters``: 100,000s of series, which
+    prometheus-client's formatter takes seconds over); ``collect()`` yields the same families for other readers."""
+
+    def collect(self) -> Iterable[Metric]: ...
+
+    def write(self, out: bytearray) -> None: ...
+
+
+class Registry(CollectorRegistry):
+    """A registry whose exposition leaves out prometheus-client's ``*_created`` samples (upstream has none), and
+    appends the text of its ``TextCollector``s (``exposition()``, what ``/metrics`` serves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._text: list[TextCollector] = []
+
+    def register_text(self, collector: TextCollector) -> None:
+        self._text.append(collector)
+
+    def exposition(self) -> bytearray:
+        """The text format: prometheus-client's for the ordinary metrics, then each text collector's own, written
+        into one growing buffer (100,000s of counter lines are tens of MB: no second copy)."""
+        out = bytearray(generate_latest(_Collecting(self._own)))
+        for collector in list(self._text):
+            collector.write(out)
+        return out
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._own()
+        for collector in list(self._text):
+            yield from collector.collect()
+
+    def _own(self) -> Iterator[Metric]:
         for metric in super().collect():
             samples = [s for s in metric.samples if not s.name.endswith("_created")]
             if len(samples) == len(metric.samples):
@@ -61,6 +92,13 @@ class _Registry(CollectorRegistry):
             yield copy
 
 
+class _Collecting:
+    """What ``generate_latest`` takes: anything with ``collect()``."""
+
+    def __init__(self, collect: Callable[[], Iterator[Metric]]) -> None:
+        self.collect = collect
+
+
 class Metrics:
     """Every metric kproxy exports, one attribute per upstream metric, plus helpers the daemon calls.
 
@@ -69,7 +107,7 @@ class Metrics:
     """
 
     def __init__(self, families: Sequence[IPFamily] = ()) -> None:
-        self.registry: CollectorRegistry = _Registry()
+        self.registry: Registry = Registry()
         # Declared in upstream's order, which is also the exposition's.
         self._declare_sync_timing()
         self._declare_change_tracking()
@@ -319,6 +357,10 @@ class Metrics:
 
     def set_invalid_objects(self, kind: str, count: int) -> None:
         self.kproxy_invalid_objects.labels(kind).set(count)
+
+    def exposition(self) -> bytes:
+        """What ``/metrics`` serves."""
+        return bytes(self.registry.exposition())
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         """The current value of one exposed sample (for tests and ``kproxy show``); None if absent."""

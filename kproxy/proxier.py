@@ -52,6 +52,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, TypedDict
 
 from kproxy.config import ProxyConfig
+from kproxy.counters import CounterDump, Measure
 from kproxy.drift import Drift
 from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import NodeContext
@@ -289,6 +290,10 @@ class Proxier:
     #: What announces damage to this mode's kernel state, for the drift watcher (``kproxy.drift``): the nf_tables
     #: tables it writes, a poll interval for what the kernel does not announce; None: repaired at the sync period.
     DRIFT: ClassVar[Drift | None] = None
+    #: What ``counters`` counts with ``--service-counters`` (``kproxy.counters``; connections in every mode that
+    #: counts at all, packets and bytes where they cost no per-packet work the mode would not otherwise do); empty:
+    #: the mode has no counters yet. The metrics, ``kproxy top`` and the docs show the rest as n/a.
+    counters_offered: ClassVar[frozenset[Measure]] = frozenset()
 
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
         """``netns`` aims the backend at a named network namespace (tests and benchmarks); the daemon leaves it None
@@ -397,6 +402,12 @@ class Proxier:
 
     def observe_sync(self, family: IPFamily, result: SyncResult, *, full: bool, ok: bool) -> None:
         """Feed this mode's own metrics (``register_metrics``) after each sync of ``family``."""
+
+    def counters(self, family: IPFamily) -> CounterDump | None:
+        """Every programmed service port's traffic counters in ``family`` (``counters_offered`` says which), read
+        from the kernel in one dump (one nft listing, one ``iptables-save -c``, one map iteration), or None when
+        the mode does not count or ``config.service_counters`` is off. Any thread (a scrape); read-only."""
+        return None
 
     def conntrack_answerers(self, sp: ServicePort) -> Iterable[tuple[str, int]]:
         """Who may legitimately answer a UDP flow to ``sp``'s addresses (address, port): every serving endpoint, as

@@ -34,8 +34,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client import generate_latest
-
 from kproxy.config import parse_hostport
 from kproxy.metrics import Metrics
 from kproxy.server.connections import Admission, BoundedHandler, start_connection
@@ -379,7 +377,7 @@ class MetricsServer(_BackgroundServer):
                 parts = urlsplit(self.path)
                 nosniff = {"X-Content-Type-Options": "nosniff"}
                 if parts.path == "/metrics":
-                    return Response(200, METRICS_CONTENT_TYPE, generate_latest(outer.metrics.registry))
+                    return Response(200, METRICS_CONTENT_TYPE, outer.metrics.exposition())
                 if parts.path == "/proxyMode":
                     return Response(200, TEXT, outer.mode.encode(), nosniff)
                 if parts.path == "/healthz":

@@ -1,0 +1,277 @@
+"""Per-service traffic counters (``--service-counters``): the one value every mode hands over, and its metrics.
+
+Decisions:
+
+- A mode reads its counters from the kernel in **one dump per family** (nftables counters in one listing,
+  ``iptables-save -c``, one BPF map iteration, the userspace relay's own tallies) and returns a ``CounterDump``:
+  per service port, the service's own counts and each endpoint's. Nothing walks 10,000 services in Python beyond
+  turning that dump into exposition lines.
+- What is counted: **connections** (new TCP connections, new UDP flows, new SCTP associations), which every mode
+  counts, and **packets** and **bytes** where the mode counts them without a per-packet cost it would not otherwise
+  pay. A mode declares which (``Proxier.counters_offered``); a measure it does not offer is ``None`` in ``Counts``,
+  never 0, and its metric family is absent, so ``kproxy top`` and the docs say "n/a" rather than a false zero.
+- One family of metrics whatever the mode: ``kproxy_service_{connections,packets,bytes}_total{namespace, service,
+  port, protocol, family}`` and ``kproxy_endpoint_..._total{..., endpoint}``, plus
+  ``kproxy_service_counters_offered{measure}`` (1 or 0), so a reader knows what the mode offers. ``port`` is the
+  port's name (empty for an unnamed port), as in ``ns/name[:port]/PROTO``; ``endpoint`` is ``ip:port`` (``[ip]:port``
+  for IPv6).
+- The collector renders its own exposition text: prometheus-client's formatter costs tens of microseconds per
+  sample, seconds for 100,000 endpoint series, so ``kproxy.metrics`` appends this text to the registry's and the
+  collector's ``collect()`` (for any other reader of the registry) parses that same text: one renderer. The budget
+  (a scrape at 10,000 services x 10 endpoints) is measured in docs/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from kproxy.config import ProxyConfig
+from kproxy.metrics import Registry
+from kproxy.model import IPFamily, ServicePortName
+
+
+class Measure(str, enum.Enum):
+    """What a mode can count per service port and endpoint."""
+
+    CONNECTIONS = "connections"  # new TCP connections, new UDP flows, new SCTP associations
+    PACKETS = "packets"
+    BYTES = "bytes"
+
+
+ALL_MEASURES: frozenset[Measure] = frozenset(Measure)
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """Counters of one service port or one endpoint since the kernel object holding them was made. ``packets`` and
+    ``bytes`` are None where the mode cannot count them (never 0 for "unknown")."""
+
+    connections: int
+    packets: int | None = None
+    bytes: int | None = None
+
+    def get(self, measure: Measure) -> int | None:
+        if measure is Measure.CONNECTIONS:
+            return self.connections
+        return self.packets if measure is Measure.PACKETS else self.bytes
+
+
+def _sum(column: tuple[int, ...] | None) -> int | None:
+    return None if column is None else sum(column)
+
+
+@dataclass(frozen=True, slots=True)
+class PortCounters:
+    """One service port's counters in one family. ``total``: what the kernel counted for the service itself (it may
+    exceed the endpoints' sum: connections rejected for want of endpoints). Per endpoint, by columns in
+    ``endpoints`` order (``ip:port``, ``[ip]:port`` for IPv6): ``connections``, and ``packets`` / ``bytes`` (None:
+    not counted). Columns, not one object per endpoint: a dump of 100,000 endpoints stays a few MB and a scrape
+    formats a port's endpoints in one call."""
+
+    total: Counts
+    endpoints: tuple[str, ...] = ()
+    connections: tuple[int, ...] = ()
+    packets: tuple[int, ...] | None = None
+    bytes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.endpoints)
+        for measure in Measure:
+            column = self.column(measure)
+            if column is not None and len(column) != n:
+                raise ValueError(f"PortCounters: {len(column)} {measure.value} values for {n} endpoints")
+
+    @classmethod
+    def of(cls, endpoints: Mapping[str, Counts], total: Counts | None = None) -> PortCounters:
+        """From per-endpoint counts; ``total`` defaults to their sum (a mode that counts per endpoint only). A
+        measure is a column only when every endpoint has it."""
+        eps = tuple(endpoints)
+        values = tuple(endpoints.values())
+        conns = tuple(c.connections for c in values)
+        packets = None if any(c.packets is None for c in values) else tuple(c.packets or 0 for c in values)
+        bytes_ = None if any(c.bytes is None for c in values) else tuple(c.bytes or 0 for c in values)
+        if total is None:
+            total = Counts(sum(conns), _sum(packets), _sum(bytes_))
+        return cls(total, eps, conns, packets, bytes_)
+
+    def column(self, measure: Measure) -> tuple[int, ...] | None:
+        if measure is Measure.CONNECTIONS:
+            return self.connections
+        return self.packets if measure is Measure.PACKETS else self.bytes
+
+    def per_endpoint(self) -> dict[str, Counts]:
+        p, b = self.packets, self.bytes
+        return {
+            ep: Counts(self.connections[i], None if p is None else p[i], None if b is None else b[i])
+            for i, ep in enumerate(self.endpoints)
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CounterDump:
+    """Every service port's counters in one family, read from the kernel in one go. A service the mode no longer
+    programs is absent (its counters go with it)."""
+
+    family: IPFamily
+    ports: Mapping[ServicePortName, PortCounters]
+
+
+class CounterSource(Protocol):
+    """What the collector needs of a backend (``kproxy.proxier.Proxier`` has both)."""
+
+    @property
+    def counters_offered(self) -> frozenset[Measure]: ...
+
+    def counters(self, family: IPFamily) -> CounterDump | None: ...
+
+
+# ------------------------------------------------------------------------------------------------- exposition
+
+LABELS = ("namespace", "service", "port", "protocol", "family")
+ENDPOINT_LABEL = "endpoint"
+OFFERED = "kproxy_service_counters_offered"
+_HELP = {
+    Measure.CONNECTIONS: "New connections (TCP), new flows (UDP) and new associations (SCTP)",
+    Measure.PACKETS: "Packets",
+    Measure.BYTES: "Bytes",
+}
+_NEEDS_ESCAPE = re.compile(r'[\\"\n]')
+
+
+def metric_name(measure: Measure, endpoint: bool = False) -> str:
+    """The exposed name: ``kproxy_service_connections_total``, ``kproxy_endpoint_bytes_total``, ..."""
+    return f"kproxy_{'endpoint' if endpoint else 'service'}_{measure.value}_total"
+
+
+def _esc(value: str) -> str:
+    if _NEEDS_ESCAPE.search(value) is None:
+        return value
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _offered_text(offered: frozenset[Measure]) -> str:
+    lines = [
+        f"# HELP {OFFERED} Whether this mode counts the measure per service port and endpoint (--service-counters)\n",
+        f"# TYPE {OFFERED} gauge\n",
+    ]
+    lines += [f'{OFFERED}{{measure="{m.value}"}} {int(m in offered)}\n' for m in Measure]
+    return "".join(lines)
+
+
+#: per (family, service port): its endpoints, and the format strings of its service line and endpoint lines (the
+#: metric name is argument 0, the values follow), so a scrape formats one port's endpoints in one C call
+_Formats = dict[tuple[IPFamily, ServicePortName], tuple[tuple[str, ...], str, str]]
+
+
+def _formats(family: IPFamily, spn: ServicePortName, endpoints: tuple[str, ...]) -> tuple[tuple[str, ...], str, str]:
+    labels = (
+        (
+            f'namespace="{_esc(spn.namespace)}",service="{_esc(spn.name)}",port="{_esc(spn.port)}",'
+            f'protocol="{spn.protocol.value}",family="{family.value}"'
+        )
+        .replace("{", "{{")
+        .replace("}", "}}")
+    )
+    service = "{0}{{" + labels + "}} {1}\n"
+    lines = [
+        "{0}{{" + labels + ',endpoint="' + _esc(ep).replace("{", "{{").replace("}", "}}") + '"}} {' + str(i + 1) + "}\n"
+        for i, ep in enumerate(endpoints)
+    ]
+    return endpoints, service, "".join(lines)
+
+
+def _head(measure: Measure, endpoint: bool) -> str:
+    name = metric_name(measure, endpoint)
+    what = "endpoint of a service port" if endpoint else "service port"
+    return f"# HELP {name} {_HELP[measure]} per {what}, as the kernel counted them\n# TYPE {name} counter\n"
+
+
+def _families(
+    dumps: Sequence[CounterDump], measures: Sequence[Measure], old: _Formats, new: _Formats
+) -> list[bytearray]:
+    """Per measure, the service family's and the endpoint family's text, in one walk over the dumps: the hot loop of
+    a scrape. A port's format strings are reused from the last scrape while its endpoints stay the same. Byte
+    arrays, grown in place: a scrape holds its text about once, not as pieces plus their join."""
+    names = [(metric_name(m), metric_name(m, endpoint=True)) for m in measures]
+    texts = [(bytearray(_head(m, False).encode()), bytearray(_head(m, True).encode())) for m in measures]
+    plan = list(zip(measures, names, texts, strict=True))
+    for dump in dumps:
+        family = dump.family
+        for spn, pc in dump.ports.items():
+            key = (family, spn)
+            cached = old.get(key)
+            if cached is None or cached[0] != pc.endpoints:
+                cached = _formats(family, spn, pc.endpoints)
+            new[key] = cached
+            _, service_fmt, endpoint_fmt = cached
+            for measure, (service_name, endpoint_name), (services, endpoints) in plan:
+                total = pc.total.get(measure)
+                if total is not None:
+                    services += service_fmt.format(service_name, total).encode()
+                column = pc.column(measure)
+                if column:
+                    endpoints += endpoint_fmt.format(endpoint_name, *column).encode()
+    return [text for pair in texts for text in pair]
+
+
+class CounterCollector:
+    """A prometheus-client collector over a backend's dumps, one per family per scrape. ``exposition()`` is what
+    ``/metrics`` serves; ``collect()`` parses that same text for any other reader of the registry."""
+
+    def __init__(self, source: CounterSource, families: Iterable[IPFamily]) -> None:
+        self.source = source
+        self.families = tuple(families)
+        self._formats: _Formats = {}  # the last scrape's: a removed service's entry goes with the next scrape
+
+    def dumps(self) -> list[CounterDump]:
+        out = []
+        for family in self.families:
+            dump = self.source.counters(family)
+            if dump is not None:
+                out.append(dump)
+        return out
+
+    def write(self, out: bytearray) -> None:
+        """Append the counter families' text (Prometheus text format 0.0.4) to ``out``: the offered gauge, then per
+        offered measure the service family and the endpoint family. A measure not offered has no family at all."""
+        offered = frozenset(self.source.counters_offered)
+        dumps = self.dumps()
+        new: _Formats = {}
+        parts = _families(dumps, [m for m in Measure if m in offered], self._formats, new)
+        self._formats = new
+        out += _offered_text(offered).encode()
+        for part in parts:
+            out += part
+            part.clear()  # each family's text goes once copied: the scrape's peak stays near one copy of the text
+
+    def exposition(self) -> bytes:
+        out = bytearray()
+        self.write(out)
+        return bytes(out)
+
+    def describe(self) -> list[Metric]:
+        return []  # no collect() at registration: a scrape's worth of work for nothing
+
+    def collect(self) -> Iterator[Metric]:
+        yield from text_string_to_metric_families(self.exposition().decode())
+
+
+def register(registry: object, proxier: CounterSource, config: ProxyConfig) -> CounterCollector | None:
+    """Put the counter families on the daemon's registry when ``config.service_counters`` is on (None otherwise).
+    On kproxy's own registry (``kproxy.metrics.Registry``) ``/metrics`` takes the collector's own text; on any other
+    prometheus-client registry it is an ordinary collector."""
+    if not config.service_counters:
+        return None
+    collector = CounterCollector(proxier, config.ip_families)
+    if isinstance(registry, Registry):
+        registry.register_text(collector)
+    else:
+        registry.register(collector)  # type: ignore[attr-defined]
+    return collector
