@@ -54,7 +54,7 @@ class TextCollector(Protocol):
 
     def collect(self) -> Iterable[Metric]: ...
 
-    def write(self, out: bytearray) -> None: ...
+    def write(self, out: list[bytes | bytearray]) -> None: ...
 
 
 class Registry(CollectorRegistry):
@@ -68,10 +68,11 @@ class Registry(CollectorRegistry):
     def register_text(self, collector: TextCollector) -> None:
         self._text.append(collector)
 
-    def exposition(self) -> bytearray:
-        """The text format: prometheus-client's for the ordinary metrics, then each text collector's own, written
-        into one growing buffer (100,000s of counter lines are tens of MB: no second copy)."""
-        out = bytearray(generate_latest(_Collecting(self._own)))
+    def exposition(self) -> list[bytes | bytearray]:
+        """The text format in pieces, in order: prometheus-client's for the ordinary metrics, then each text
+        collector's own (100,000s of counter lines are tens of MB: the pieces go to the socket one after another,
+        never joined into a second copy)."""
+        out: list[bytes | bytearray] = [generate_latest(_Collecting(self._own))]
         for collector in list(self._text):
             collector.write(out)
         return out
@@ -358,9 +359,13 @@ class Metrics:
     def set_invalid_objects(self, kind: str, count: int) -> None:
         self.kproxy_invalid_objects.labels(kind).set(count)
 
+    def exposition_pieces(self) -> list[bytes | bytearray]:
+        """What ``/metrics`` serves, in pieces written one after another (tens of MB with per-service counters)."""
+        return self.registry.exposition()
+
     def exposition(self) -> bytes:
-        """What ``/metrics`` serves."""
-        return bytes(self.registry.exposition())
+        """What ``/metrics`` serves, as one text (tests and tools)."""
+        return b"".join(self.registry.exposition())
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         """The current value of one exposed sample (for tests and ``kproxy show``); None if absent."""

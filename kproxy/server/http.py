@@ -30,7 +30,7 @@ import logging
 import socket
 import socketserver
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -89,7 +89,13 @@ class Response:
 
     __slots__ = ("status", "content_type", "body", "headers")
 
-    def __init__(self, status: int, content_type: str, body: bytes, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        content_type: str,
+        body: bytes | Sequence[bytes | bytearray],
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self.status = status
         self.content_type = content_type
         self.body = body
@@ -121,10 +127,12 @@ class QuietHandler(BoundedHandler):
         self.send_header("Content-Type", resp.content_type)
         for name, value in resp.headers.items():
             self.send_header(name, value)
-        self.send_header("Content-Length", str(len(resp.body)))
+        pieces = [resp.body] if isinstance(resp.body, bytes) else resp.body  # a long body comes in pieces
+        self.send_header("Content-Length", str(sum(len(p) for p in pieces)))
         self.end_headers()
         if send_body:
-            self.wfile.write(resp.body)
+            for piece in pieces:
+                self.wfile.write(piece)  # type: ignore[arg-type]  # any buffer: a bytearray is not copied
 
     def do_GET(self) -> None:
         self._serve()
@@ -377,7 +385,7 @@ class MetricsServer(_BackgroundServer):
                 parts = urlsplit(self.path)
                 nosniff = {"X-Content-Type-Options": "nosniff"}
                 if parts.path == "/metrics":
-                    return Response(200, METRICS_CONTENT_TYPE, outer.metrics.exposition())
+                    return Response(200, METRICS_CONTENT_TYPE, outer.metrics.exposition_pieces())
                 if parts.path == "/proxyMode":
                     return Response(200, TEXT, outer.mode.encode(), nosniff)
                 if parts.path == "/healthz":

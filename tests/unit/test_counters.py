@@ -97,13 +97,15 @@ def test_families_from_the_fake_dump() -> None:
     m = Metrics((IPFamily.V4, IPFamily.V6))
     register(m.registry, fake, ON)
     got = samples(m.exposition().decode())
-    svc_conn, ep_bytes = metric_name(Measure.CONNECTIONS), metric_name(Measure.BYTES, endpoint=True)
+    svc_conn, ep_conn = metric_name(Measure.CONNECTIONS), metric_name(Measure.CONNECTIONS, endpoint=True)
     assert got[(svc_conn, labels(A, "IPv4"))] == 10
     assert got[(svc_conn, labels(B, "IPv4"))] == 5  # the service's own count, beyond its endpoints' 4
     assert got[(svc_conn, labels(A, "IPv6"))] == 2
-    assert got[(ep_bytes, labels(A, "IPv4", "10.0.0.1:8080"))] == 7000
-    assert got[(ep_bytes, labels(A, "IPv6", "[fd00::1]:8080"))] == 2000
-    assert got[(metric_name(Measure.PACKETS, endpoint=True), labels(B, "IPv4", "10.0.0.3:53"))] == 8
+    assert got[(ep_conn, labels(A, "IPv4", "10.0.0.1:8080"))] == 7
+    assert got[(ep_conn, labels(A, "IPv6", "[fd00::1]:8080"))] == 2
+    assert got[(metric_name(Measure.BYTES), labels(A, "IPv4"))] == 10000  # packets and bytes per service port
+    assert got[(metric_name(Measure.PACKETS), labels(B, "IPv4"))] == 9
+    assert not [k for k in got if k[0] in (metric_name(m, endpoint=True) for m in (Measure.PACKETS, Measure.BYTES))]
     for measure in Measure:
         assert got[("kproxy_service_counters_offered", (("measure", measure.value),))] == 1
     # the registry's collect() (what any other reader sees) says the same, and so do the ordinary metrics
@@ -150,8 +152,9 @@ def test_a_scrape_at_10k_services_of_10_endpoints_renders_every_sample() -> None
     m = Metrics((IPFamily.V4,))
     register(m.registry, fake, ProxyConfig(service_counters=True, ip_families=(IPFamily.V4,)))
     text = m.exposition().decode()
-    assert text.count("\nkproxy_endpoint_bytes_total{") == 100_000
+    assert text.count("\nkproxy_endpoint_connections_total{") == 100_000
     assert text.count("\nkproxy_service_connections_total{") == 10_000
+    assert text.count("\nkproxy_service_bytes_total{") == 10_000 and "kproxy_endpoint_bytes_total" not in text
     assert (
         'kproxy_endpoint_connections_total{namespace="ns",service="svc-9999",port="http",protocol="TCP",'
         'family="IPv4",endpoint="10.39.15.9:8080"} 10008\n' in text
