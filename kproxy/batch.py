@@ -74,7 +74,15 @@ class Batch(Generic[F, C, A, S]):
         return tuple(d.name for d in self.deltas if d.new_fragment is not None)
 
 
-def _frozen_empty() -> Mapping[Any, Any]:
+def _no_refusals() -> Mapping[ServicePortName, str]:
+    return MappingProxyType({})
+
+
+def _no_counts() -> Mapping[str, int]:
+    return MappingProxyType({})
+
+
+def _no_timings() -> Mapping[str, float]:
     return MappingProxyType({})
 
 
@@ -88,13 +96,13 @@ class Applied:
     a full sync soon."""
 
     ok: bool = True
-    refused: Mapping[ServicePortName, str] = field(default_factory=_frozen_empty)
+    refused: Mapping[ServicePortName, str] = field(default_factory=_no_refusals)
     error: str | None = None
     kernel_refusals: int = 0
-    rules: Mapping[str, int] = field(default_factory=_frozen_empty)
-    rules_last: Mapping[str, int] = field(default_factory=_frozen_empty)
-    figures: Mapping[str, int] = field(default_factory=_frozen_empty)
-    timings: Mapping[str, float] = field(default_factory=_frozen_empty)
+    rules: Mapping[str, int] = field(default_factory=_no_counts)
+    rules_last: Mapping[str, int] = field(default_factory=_no_counts)
+    figures: Mapping[str, int] = field(default_factory=_no_counts)
+    timings: Mapping[str, float] = field(default_factory=_no_timings)
     need_full: bool = False
 
 

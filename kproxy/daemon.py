@@ -45,7 +45,6 @@ from kproxy.model import (
     ProxyState,
     ServicePortName,
     SyncResult,
-    Verdict,
     parse_ip,
 )
 from kproxy.nodeaddr import AddressWatch, NodeContext, health_check_addresses, local_addresses, resolve
@@ -54,6 +53,7 @@ from kproxy.runner import BoundedFrequencyRunner
 from kproxy.server.health import ProxyHealth
 from kproxy.server.http import HealthzServer, MetricsServer
 from kproxy.server.service_health import ServiceHealthServer
+from kproxy.syncfacts import SyncFacts
 
 log = logging.getLogger(__name__)
 
@@ -66,34 +66,6 @@ class Source(Protocol):
 
 
 SourceFactory = Callable[[ServiceCache], Source]
-
-
-def health_check_ports(state: ProxyState) -> dict[NamespacedName, int]:
-    """healthCheckNodePort per service (eTP=Local load balancers), for the service health servers."""
-    out: dict[NamespacedName, int] = {}
-    for sp in state:
-        if sp.health_check_node_port:
-            out[sp.name.service] = sp.health_check_node_port
-    return out
-
-
-def local_ready_endpoints(state: ProxyState) -> dict[NamespacedName, int]:
-    """Upstream's LocalReadyEndpoints: unique local *ready* endpoint IPs per service (terminating excluded), over all
-    of the service's endpoints, whatever the traffic policies chose (a load balancer with no ingress IP yet has no
-    external addresses, so no local set, and still answers its health check from its local pods).
-
-    Counted per IP family and the larger count kept, as upstream's two single-stack proxiers each report their
-    own family's count to the one shared health server: a dual-stack pod is one endpoint, not two."""
-    ips: dict[tuple[NamespacedName, IPFamily], set[str]] = {}
-    for sp in state:
-        if not sp.health_check_node_port:
-            continue
-        bucket = ips.setdefault((sp.name.service, sp.family), set())
-        bucket.update(ep.ip for ep in sp.serving_endpoints if ep.is_local and ep.ready)
-    out: dict[NamespacedName, int] = {}
-    for (svc, _fam), found in ips.items():
-        out[svc] = max(out.get(svc, 0), len(found))
-    return out
 
 
 @dataclass
@@ -165,6 +137,7 @@ class Daemon:
         self.node: NodeContext | None = None  # resolved at the start of each sync
         self._after_first_sync: Callable[[], None] | None = None
         self.applied: ProxyState | None = None  # the state of the last successful sync (what /verify checks)
+        self.facts = SyncFacts(self.families)  # what metrics and the health servers need, in O(changes)
         backend.register_metrics(self.metrics.registry, self.families)
         register_counters(self.metrics.registry, backend, config)  # per-service counters, with --service-counters
         self.reconciler = reconciler if reconciler is not None else ConntrackReconciler()
@@ -333,32 +306,11 @@ class Daemon:
                 self.status.syncs += 1
 
     def _after_sync(self, state: ProxyState, changes: Changes, result: SyncResult, elapsed: float) -> bool:
-        m = self.metrics
+        """Record a sync: health, metrics, the cache's commit, the health servers, conntrack; True when nothing is
+        left to retry."""
         if not result.ok:
-            self._need_full = True
-            self.status.failures += 1
-            self.status.last_error = result.error
-            log.error(
-                "sync failed (%s sync, %d changed services): %s",
-                "full" if changes.full else "partial",
-                len(changes.services),
-                result.error,
-            )
-            now_wall = time.time()
-            for fam in self.families:
-                full = _family_full(result, fam, changes.full)
-                if result.failed_families and fam not in result.failed_families:
-                    # this family was programmed (as upstream's per-family proxiers, it is healthy on its own)
-                    self.health.updated(fam)
-                    m.observe_sync(fam, elapsed, full)
-                    m.observe_phases(fam, result.timings.items())
-                    m.set_last_synced(fam, now_wall)
-                    self.backend.observe_sync(fam, result, full=full, ok=True)
-                    continue
-                m.observe_sync(fam, elapsed, full, ok=False)
-                self.backend.observe_sync(fam, result, full=full, ok=False)
+            self._after_failure(changes, result, elapsed)
             return False
-
         failed: dict[ServicePortName, str] = dict(result.failed)
         self.cache.commit(changes, failed=failed.keys())
         self.applied = state
@@ -368,8 +320,48 @@ class Daemon:
                 first()
             except Exception:  # e.g. another mode's cleanup: never a reason to stop proxying
                 log.exception("after-first-sync hook failed")
-        now_wall = time.time()
         periodic = changes.full and self.status.last_full > 0  # not the first full sync of this process
+        self._record_success(changes, result, failed)
+        self.facts.update(state, changes)
+        self._observe(changes, result, elapsed, len(failed))
+        self.service_health.sync_services(self.facts.health_ports())
+        self.service_health.sync_endpoints(self.facts.local_ready())
+        if periodic:
+            self._verify_after_periodic(state)
+        if self.backend.uses_conntrack_nat and (self._conntrack_owed or reconcile_needed(changes, state)):
+            self._conntrack_owed = not self._reconcile_conntrack(state)
+        if result.need_full_sync:
+            self.runner.run()  # the backend wants a full sync (it says so when it lost track of the kernel)
+        # Services the kernel refused stay dirty: ask the runner to come back after the retry interval.
+        return not failed
+
+    def _after_failure(self, changes: Changes, result: SyncResult, elapsed: float) -> None:
+        m = self.metrics
+        self._need_full = True
+        self.status.failures += 1
+        self.status.last_error = result.error
+        log.error(
+            "sync failed (%s sync, %d changed services): %s",
+            "full" if changes.full else "partial",
+            len(changes.services),
+            result.error,
+        )
+        now_wall = time.time()
+        for fam in self.families:
+            full = _family_full(result, fam, changes.full)
+            if result.failed_families and fam not in result.failed_families:
+                # this family was programmed (as upstream's per-family proxiers, it is healthy on its own)
+                self.health.updated(fam)
+                m.observe_sync(fam, elapsed, full)
+                m.observe_phases(fam, result.timings.items())
+                m.set_last_synced(fam, now_wall)
+                self.backend.observe_sync(fam, result, full=full, ok=True)
+                continue
+            m.observe_sync(fam, elapsed, full, ok=False)
+            self.backend.observe_sync(fam, result, full=full, ok=False)
+
+    def _record_success(self, changes: Changes, result: SyncResult, failed: Mapping[ServicePortName, str]) -> None:
+        now_wall = time.time()
         if changes.full or result.full:
             self._last_full_at = time.monotonic()
             self.status.last_full = now_wall
@@ -385,6 +377,10 @@ class Daemon:
             )
         self._report_refused(result.refused)
 
+    def _observe(self, changes: Changes, result: SyncResult, elapsed: float, failed: int) -> None:
+        """The metrics of a successful sync, in O(changes) (``self.facts`` is kept up to date from the changes)."""
+        m = self.metrics
+        now_wall = time.time()
         stats = self.cache.stats()
         for fam in self.families:
             self.health.updated(fam)
@@ -396,35 +392,21 @@ class Daemon:
             m.set_last_synced(fam, now_wall)
             m.observe_network_programming(fam, [t for f, t in changes.trigger_times if f is fam], now_wall)
             # upstream counts the service ports whose Local policy drops traffic for want of local endpoints
-            ports = state.family(fam).values()
-            m.set_no_local_endpoints(
-                fam,
-                internal=sum(sp.internal_policy_local and sp.internal_verdict is Verdict.DROP for sp in ports),
-                external=sum(sp.external_policy_local and sp.external_verdict is Verdict.DROP for sp in ports),
-            )
+            internal, external = self.facts.no_local_endpoints(fam)
+            m.set_no_local_endpoints(fam, internal=internal, external=external)
         m.set_pending(stats.get("service_changes_pending", 0), stats.get("endpoint_changes_pending", 0))
-        m.set_sync_failed_services(len(failed))
+        m.set_sync_failed_services(failed)
         m.set_refused(result.refused.values())
         m.set_invalid_objects("all", stats.get("invalid_objects", 0))
 
-        self.service_health.sync_services(health_check_ports(state))
-        self.service_health.sync_endpoints(local_ready_endpoints(state))
-
-        if periodic:
-            # read the kernel back between syncs (here, in the runner thread): drift the full sync could not repair
-            try:
-                report = self.backend.verify(state, self.node)
-                if report is not None:
-                    m.set_drift(int(report["drift"]))
-            except Exception:
-                log.exception("verify after the periodic full sync failed")
-
-        if self.backend.uses_conntrack_nat and (self._conntrack_owed or reconcile_needed(changes, state)):
-            self._conntrack_owed = not self._reconcile_conntrack(state)
-        if result.need_full_sync:
-            self.runner.run()  # the backend wants a full sync (it says so when it lost track of the kernel)
-        # Services the kernel refused stay dirty: ask the runner to come back after the retry interval.
-        return not failed
+    def _verify_after_periodic(self, state: ProxyState) -> None:
+        """Read the kernel back between syncs (here, in the runner thread): drift the full sync could not repair."""
+        try:
+            report = self.backend.verify(state, self.node)
+            if report is not None:
+                self.metrics.set_drift(int(report["drift"]))
+        except Exception:
+            log.exception("verify after the periodic full sync failed")
 
     def _report_refused(self, refused: Mapping[ServicePortName, str]) -> None:
         """What the core refused (``kproxy.admission``): in ``/rules`` beside the kernel's refusals (not retried:

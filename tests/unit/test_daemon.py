@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -335,7 +336,6 @@ def test_health_check_servers_follow_nodeport_addresses(tmp_path: Path) -> None:
 def test_local_ready_endpoints_counts_a_dual_stack_pod_once() -> None:
     from types import MappingProxyType
 
-    from kproxy.daemon import local_ready_endpoints
     from kproxy.model import Endpoint, NodeInfo, ProxyState, ServicePort
 
     spn = ServicePortName("demo", "lb", "http", Protocol.TCP)
@@ -354,14 +354,13 @@ def test_local_ready_endpoints_counts_a_dual_stack_pod_once() -> None:
         ),
     }
     state = ProxyState({f: MappingProxyType({spn: sp}) for f, sp in sps.items()}, NodeInfo("node-1"))
-    assert local_ready_endpoints(state) == {spn.service: 1}
+    assert facts(state).local_ready() == {spn.service: 1}
 
 
 def test_local_ready_endpoints_of_a_load_balancer_without_ingress_yet() -> None:
     """eTP=Local, no node ports and no ingress IP yet: no external address, so the traffic policy chose no local
     set; upstream's LocalReadyEndpoints still counts the ready local pod, so the health check answers 200."""
     from kproxy.cache import ServiceCache
-    from kproxy.daemon import health_check_ports, local_ready_endpoints
 
     cache = ServiceCache("node-1", ip_families=(IPFamily.V4,))
     spec = {"healthCheckNodePort": 32000, "allocateLoadBalancerNodePorts": False}
@@ -372,8 +371,17 @@ def test_local_ready_endpoints_of_a_load_balancer_without_ingress_yet() -> None:
     cache.mark_synced("endpointslices")
     state, _ = cache.snapshot()
     svc = ServicePortName("demo", "lb", "http", Protocol.TCP).service
-    assert health_check_ports(state) == {svc: 32000}
-    assert local_ready_endpoints(state) == {svc: 1}
+    assert facts(state).health_ports() == {svc: 32000}
+    assert facts(state).local_ready() == {svc: 1}
+
+
+def facts(state: Any) -> Any:
+    from kproxy.model import Changes
+    from kproxy.syncfacts import SyncFacts
+
+    got = SyncFacts((IPFamily.V4, IPFamily.V6))
+    got.update(state, Changes(full=True))
+    return got
 
 
 class FlakyConntrack:
