@@ -110,8 +110,8 @@ Where kproxy deviates from upstream's userspace mode, and why:
   (the input guard above); upstream's were reachable directly on every address of the node, from any host, and
   came from the ephemeral range by default.
 
-Conformance scenarios not applicable to this mode (``UserspaceProxier.not_applicable``): ``source-ip`` and
-``etp-local`` (the endpoint sees the node, never the client's address), ``dual-stack`` (its IPv6 check needs the
-remote backend to see the client pod's IPv6 address; IPv6 and dual-stack services are served), ``restart`` (an
-established connection lives in the proxy process and ends with it).
+Conformance: ``source-ip`` is not applicable (the endpoint sees the node, never the client's address); declared parts
+(``UserspaceProxier.not_applicable_parts``): the client address of ``etp-local`` and ``dual-stack``, the held
+connections of ``restart`` and ``mode-switch`` (an established connection is one of the proxy process's own sockets
+and ends with that process), and the while-down window of ``restart``, ``mode-switch`` and ``address-collision``.
 """

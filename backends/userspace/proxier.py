@@ -239,10 +239,6 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         return MappingProxyType(
             {
                 "source-ip": f"a userspace proxy cannot preserve the client's IP: {_SEEN_NODE}",
-                "restart": "an established connection lives in the proxy process (it is one of the proxy's own "
-                "sockets), so it ends when that process is killed; and a known gap, not a limit of the mechanism: "
-                "in one run of the image test a new connection before the kill was reset (1 of 4), as in "
-                "mode-switch's hand-over-reset; the cause is not found yet",
             }
         )
 
@@ -269,13 +265,11 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
                         "elements with the same content cannot be seen (elements that come or go still are)",
                     }
                 ),
+                "restart": MappingProxyType({"held-connection": own, "while-down": down}),
                 "mode-switch": MappingProxyType(
                     {
                         "held-connections": own,
                         "while-down": down,
-                        "hand-over-reset": "a known gap, not a limit of the mechanism: as this mode takes over from "
-                        "another, one new connection per target may be reset (seen in 1 run of 3, 1 of about 120 "
-                        "connections, always just after its first sync; the cause is not found yet)",
                     }
                 ),
             }

@@ -127,7 +127,7 @@ def test_options_and_not_applicable() -> None:
     assert Duration("250ms") == 0.25 and Duration("2s") == 2.0 and Duration("0.5") == 0.5
     na = UserspaceProxier.not_applicable({})
     assert set(na) <= set(SCENARIO_IDS)
-    assert set(na) == {"source-ip", "restart"}  # the rest of what it cannot do is declared per part
+    assert set(na) == {"source-ip"}  # the rest of what it cannot do is declared per part
 
 
 def test_reading_the_table_back() -> None:
