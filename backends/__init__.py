@@ -16,23 +16,24 @@ Adding a mode ``foo`` is this list:
    why).
 4. ``backends/foo/render.py`` (pure, table-tested without root): one ``ServicePort`` plus the family's context to a
    *fragment* (a frozen value compared with ``==``: rule text, map elements, map entries, a socket spec).
-5. ``backends/foo/proxier.py``: ``class FooProxier(kproxy.ledger.LedgerProxier[Fragment, Context])`` with
+5. ``backends/foo/proxier.py``: ``class FooProxier(kproxy.backend.LedgerProxier[F, C, A, V, S])`` naming its own types
+   (``kproxy.batch``: the fragment, the rendering context, what ``adopt`` and ``verify_view`` read, its scratch across
+   refusal rounds; ``None`` for what it has not), with
    - ``mode = "foo"``, ``available()`` (the reason names what is missing), ``options`` (typed ``Option`` values);
-   - ``context(node, state)``: the family's rendering context from the ``FamilyContext`` (hashable; a change forces
-     a full batch);
-   - ``render(sp, ctx)``: delegates to render.py;
-   - ``apply(batch)``: make the kernel hold the batch (full: exactly ``batch.wanted``; partial: ``batch.deltas``) in as
-     few kernel transactions as the kernel allows, and report services the kernel refused (``Applied.refused``) or
-     a failure (``Applied(ok=False, error=...)``); never raise for one bad service;
-   - ``adopt(family, ctx)`` and ``adopted_unchanged(...)``: read what the kernel holds once per full batch, so a
-     restart with nothing changed writes nothing; ``needs_full(family)``: a cheap "is my state still there";
-   - ``detail(name, family, fragment)`` / ``detail_global()``: the backend's own part of ``describe()`` (pure);
-   - classmethods ``cleanup_leftovers(config, netns=)``, ``remnants(probe)``, ``kernel_view(probe, family)``,
-     ``not_applicable(options)``, ``lab_options(node, options)`` (a cgroup or pin folder of the lab node's own);
-   - ``register_metrics(registry, families)`` / ``observe_sync(...)`` for upstream's mode-specific metrics;
-   - ``start()`` / ``close()`` if it runs threads or loaders; ``trace(...)`` (the packet explainer);
-     ``conntrack_answerers(sp)`` if something other than the endpoints answers UDP flows;
-     ``measure_floor()`` / ``measure_partial_floor()`` for ``kproxy bench sync``.
+   - the driven protocol (``kproxy.batch.Backend``): ``context(node, state)``, ``render(sp, ctx)`` (delegates to
+     render.py), ``apply(batch)`` (make the kernel hold the batch in as few kernel transactions as it allows, report
+     services the kernel refused or a failure, never raise for one bad service); optionally ``adopt`` with
+     ``adopted_unchanged`` (so a restart with nothing changed writes nothing), ``needs_full`` (the cheap "is my state
+     still there", scheduled by the ledger every ``CHECK_INTERVAL_S``), ``limits`` (what fits), ``verify_view`` with
+     ``verify_error``/``verify_service``/``verify_extra``, ``detail``/``detail_global``; it asks for a full sync with
+     ``request_full(family)`` and never overrides ``sync``;
+   - the kernel hooks (classmethods): ``cleanup_leftovers(config, netns=)``, ``remnants(probe)``,
+     ``kernel_view(probe, family)``; the lab hooks: ``not_applicable(options)``, ``not_applicable_parts(options)``,
+     ``lab_options(node, options)``; the bench hooks: ``measure_floor()``, ``measure_partial_floor()``;
+   - optionally ``register_metrics``/``observe_sync``, ``start()``/``close()``, ``trace(...)``,
+     ``conntrack_answerers(sp)``.
+   ``tests/unit/test_fifth_mode.py`` is such a mode in forty lines: it passes the ledger's and the verify contract's
+   tests without any other code.
 6. Tests: ``tests/unit/test_foo_render.py`` (every behaviour, no root), ``tests/integration/test_foo_backend.py`` (real
    kernel state in a namespace of the test's own), and ``kproxy conformance --mode foo`` (every scenario, in CI through
    ``tests/conformance``: installed modes are picked up by themselves).

@@ -17,14 +17,17 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from kproxy.admission import UNLIMITED, Limits
+from kproxy.backend import LedgerProxier
+from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
-from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext, NodeContext
 from kproxy.proxier import FAKE_MODE, Availability, KernelProbe
 
+Programmed = Mapping[ServicePortName, ServicePort]  # what the fake's "kernel" holds in one family
 
-class FakeProxier(LedgerProxier[ServicePort, FamilyContext]):
+
+class FakeProxier(LedgerProxier[ServicePort, FamilyContext, Programmed, Programmed, None]):
     """A backend with no kernel (see the module docstring)."""
 
     mode: ClassVar[str] = FAKE_MODE
@@ -34,7 +37,7 @@ class FakeProxier(LedgerProxier[ServicePort, FamilyContext]):
         self.lock = threading.Lock()
         self.programmed: dict[tuple[str, ServicePortName], ServicePort] = {}
         self.syncs: list[Changes] = []
-        self.batches: list[Batch[ServicePort, FamilyContext]] = []
+        self.batches: list[Batch[ServicePort, FamilyContext, Programmed, None]] = []
         self.fail_next = 0
         self.reject: dict[ServicePortName, str] = {}  # services the "kernel" refuses, with the reason
         self.capacity: Limits = UNLIMITED  # what the "kernel" can hold per family (``limits``)
@@ -76,7 +79,7 @@ class FakeProxier(LedgerProxier[ServicePort, FamilyContext]):
     def render(self, sp: ServicePort, ctx: FamilyContext) -> ServicePort:
         return sp
 
-    def apply(self, batch: Batch[ServicePort, FamilyContext]) -> Applied:
+    def apply(self, batch: Batch[ServicePort, FamilyContext, Programmed, None]) -> Applied:
         with self.lock:
             self.batches.append(batch)
             for d in batch.deltas:
@@ -94,10 +97,23 @@ class FakeProxier(LedgerProxier[ServicePort, FamilyContext]):
                         self.programmed[(fam, d.name)] = d.new_fragment
             return Applied()
 
-    def adopt(self, family: IPFamily, ctx: FamilyContext) -> Mapping[ServicePortName, ServicePort]:
+    def adopt(self, family: IPFamily, ctx: FamilyContext) -> Programmed:
         """What the "kernel" holds: the fake's own record, as a real backend reads its table back."""
         with self.lock:
             return {spn: sp for (fam, spn), sp in self.programmed.items() if fam == family.value}
+
+    def adopted_unchanged(self, adopted: Programmed, name: ServicePortName, fragment: ServicePort) -> bool:
+        return adopted.get(name) == fragment
+
+    def verify_view(self, family: IPFamily, ctx: FamilyContext) -> Programmed:
+        return self.adopt(family, ctx)
+
+    def verify_service(self, view: Programmed, name: ServicePortName, fragment: ServicePort) -> str | None:
+        held = view.get(name)
+        return None if held == fragment else "missing" if held is None else "different"
+
+    def verify_extra(self, view: Programmed, wanted: Mapping[ServicePortName, ServicePort]) -> list[str]:
+        return [f"{k}: not wanted" for k in view if k not in wanted]
 
     def detail(self, name: ServicePortName, family: IPFamily, fragment: ServicePort) -> dict[str, Any]:
         return {"programmed": True}

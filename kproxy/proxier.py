@@ -14,7 +14,8 @@ the docs; it is the only place in the core that names a mode. The core never imp
 backends register under the ``kproxy.backends`` entry-point group (see pyproject.toml) and are looked up through it,
 which import-linter enforces.
 
-What a backend implements (a fifth mode is this list; ``kproxy.ledger.LedgerProxier`` documents each method):
+What a backend implements (a fifth mode is this list; ``kproxy.batch.Backend`` documents the driven protocol and
+``kproxy.backend.LedgerProxier`` its defaults):
 
 1. ``mode`` (a name in ``MODES``) and ``available()``: can this host run it, and if not, why.
 2. The per-service translation, through ``LedgerProxier``: ``context()`` (the family's rendering context, from the
@@ -260,7 +261,7 @@ class Description(TypedDict, total=False):
 
 class Proxier:
     """Base class of every backend (see the module docstring for the list a backend implements). Ledger-driven
-    backends derive from ``kproxy.ledger.LedgerProxier``, which implements ``sync`` and ``describe``.
+    backends derive from ``kproxy.backend.LedgerProxier``, whose ``sync``, ``describe`` and ``verify`` are the ledger's.
 
     Rules of the contract:
     - ``__init__`` must not touch the kernel or start threads; ``start`` may start threads; ``sync`` touches the
@@ -366,7 +367,7 @@ class Proxier:
     def verify(self, state: ProxyState, node: NodeContext | None = None) -> dict[str, Any] | None:
         """Read back what the kernel holds and diff it against what ``state`` wants (``kproxy verify``, ``/verify``,
         the drift metric): ``{"drift": n, ...}``, or None when the mode cannot read its kernel state back. Any
-        thread; read-only. ``kproxy.ledger.LedgerProxier`` implements it over ``verify_view``/``verify_service``/
+        thread; read-only. ``kproxy.backend.LedgerProxier`` implements it over ``verify_view``/``verify_service``/
         ``verify_extra``."""
         return None
 

@@ -40,8 +40,9 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from kproxy.admission import Limits
+from kproxy.backend import LedgerProxier
+from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
-from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelProbe, LabNodeSpec, Option
@@ -162,7 +163,10 @@ class Adopted:
 _NODEPORT_CIDRS: dict[tuple[IPFamily, bool, tuple[str, ...], tuple[str, ...]], tuple[str, ...]] = {}
 
 
-class BpfProxier(LedgerProxier[Fragment, Context]):
+BpfBatch = Batch[Fragment, Context, Adopted, None]
+
+
+class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
     """The bpf mode (see ``backends/bpf/__init__.py``)."""
 
     mode: ClassVar[str] = "bpf"
@@ -222,7 +226,6 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         self._counts: dict[IPFamily, dict[str, int]] = {}  # the last apply's figures per family, for describe()
         self.attached: list[str] = []
         self._reaper = sockets.Reaper()
-        self._memo: dict[tuple[ServicePortName, IPFamily], tuple[ServicePort, Context, Fragment]] = {}
         self.last_reap: Future[int] | None = None
         self._last_full: tuple[IPFamily, list[Step]] | None = None
         self._last_partial: tuple[IPFamily, list[Step]] | None = None
@@ -362,14 +365,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         return Context(node.family, tuple(sorted(node.nodeport_addresses)), cidrs)
 
     def render(self, sp: ServicePort, ctx: Context) -> Fragment:
-        """``render.render``, remembered per service: the cache hands the same ServicePort object until the service
-        changes, so a periodic full sync of 10,000 unchanged services renders none of them again."""
-        hit = self._memo.get((sp.name, sp.family))
-        if hit is not None and hit[0] is sp and hit[1] == ctx:
-            return hit[2]
-        frag = render.render(sp, ctx)
-        self._memo[(sp.name, sp.family)] = (sp, ctx, frag)
-        return frag
+        return render.render(sp, ctx)
 
     def adopt(self, family: IPFamily, ctx: Context) -> Adopted:
         """What the maps hold. Read from the kernel at the first sync, after a failure and at least every
@@ -445,13 +441,13 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             problem = loader.programs_problem(p, loader.pinned_ids(p), (family,))
         return Adopted(index, view, counts, table, problem=problem, nft_problem=nft_problem)
 
-    def verify_view(self, family: IPFamily, ctx: Context) -> Any:
+    def verify_view(self, family: IPFamily, ctx: Context) -> Adopted:
         """Always the kernel through the pins (never the trusted index, never kproxy's own fds), the programs'
         attachments and the companion table's rules."""
         return self._read_pinned(family)
 
-    def verify_service(self, view: Any, name: ServicePortName, fragment: Fragment) -> str | None:
-        a: Adopted = view
+    def verify_service(self, view: Adopted, name: ServicePortName, fragment: Fragment) -> str | None:
+        a = view
         fronts = render.decoded(fragment)
         held = {k: a.view[k] for k in fronts if k in a.view}
         if not held and not any(e in a.nft.elements for e in fragment.nft.elements):
@@ -476,8 +472,8 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             return f"different: companion chain {lost[0]} missing or not holding its rules"
         return "different: reverse-NAT id or name"
 
-    def verify_extra(self, view: Any, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
-        a: Adopted = view
+    def verify_extra(self, view: Adopted, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
+        a = view
         keys = {render.service_key(n) for n in wanted}
         out = []
         for k, got in a.view.items():
@@ -488,8 +484,8 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         out += [f"nft element {m} {k} : {v}: not wanted" for m, k, v in sorted(a.nft.elements - want_elems)]
         return out
 
-    def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: Fragment) -> bool:
-        a: Adopted = adopted
+    def adopted_unchanged(self, adopted: Adopted, name: ServicePortName, fragment: Fragment) -> bool:
+        a = adopted
         if a.trusted is not None:
             return a.trusted.get(name) == fragment
         if not a.view:  # the maps hold no frontend (a first sync): nothing is there already
@@ -598,7 +594,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
         size = self._where().map_size
         return Limits(service_ports=0xFFFF, endpoints_per_port=0xFFFF, entries=size, endpoints=size - 1)
 
-    def apply(self, batch: Batch[Fragment, Context]) -> Applied:
+    def apply(self, batch: BpfBatch) -> Applied:
         fam = batch.family
         if not batch.full and not batch.deltas:
             return Applied()  # nothing of this family changed
@@ -643,10 +639,6 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
                         writer.submit(chunk)
                 if batch.full and not was_empty:
                     render.sweep(index, batch.wanted, plan)
-                    if len(self._memo) > 2 * len(batch.wanted) + 1000:
-                        self._memo = {
-                            k: m for k, m in self._memo.items() if k[1] != batch.family or k[0] in batch.wanted
-                        }
                 render.finish_plan(plan)
             finally:
                 if writer is not None:
@@ -699,7 +691,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
             ),
         )
 
-    def _reap_udp(self, batch: Batch[Fragment, Context]) -> None:
+    def _reap_udp(self, batch: BpfBatch) -> None:
         """Connected UDP sockets to backends a UDP service just lost are ended (see ``backends.bpf.sockets``); only
         when the programs are attached (a benchmark has no sockets to end)."""
         if not self.attached or self._places is None:
@@ -719,7 +711,7 @@ class BpfProxier(LedgerProxier[Fragment, Context]):
     def _execute_steps(self, fam: IPFamily, steps: list[Step]) -> None:
         run_steps({role: self._fds[(role, fam)] for role in self.SYNC_ROLES}, fam, steps)
 
-    def _apply_nft(self, batch: Batch[Fragment, Context], adopted: Adopted | None, names: set[ServicePortName]) -> None:
+    def _apply_nft(self, batch: BpfBatch, adopted: Adopted | None, names: set[ServicePortName]) -> None:
         """The companion table's share of a batch. The table exists only while some service has a companion part
         (NodePorts, externalIPs, LB IPs, services without endpoints or with Local policy and no local endpoint):
         its nat chains and ct rules turn conntrack on for every packet of the namespace, pod-to-pod traffic

@@ -34,8 +34,9 @@ from typing import Any, ClassVar
 
 from prometheus_client import Counter, Gauge
 
+from kproxy.backend import LedgerProxier
+from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
-from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.metrics import PREFIX
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext
@@ -81,7 +82,21 @@ class _Written:
     full: tuple[Context, dict[ServicePortName, Fragment]] | None = None
 
 
-class IptablesProxier(LedgerProxier[Fragment, Context]):
+@dataclass(slots=True)
+class _Scratch:
+    """What the refusal rounds of one family's sync carry."""
+
+    written: set[ServicePortName] = field(default_factory=set)  # in a payload of this sync that committed
+    created: set[str] = field(default_factory=set)  # chains this sync's payloads declared
+    tops: set[str] = field(default_factory=set)  # shared chains earlier rounds wrote
+    jumps: list[JumpRule] | None = None  # the jump rules still to insert
+    keep_stale: bool = False  # a stale-chain deletion was refused: keep them this sync
+
+
+IptBatch = Batch[Fragment, Context, Adoption, _Scratch]
+
+
+class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules", _Scratch]):
     """Upstream kube-proxy's iptables layout, applied through iptables-restore (nf_tables or legacy flavour)."""
 
     mode: ClassVar[str] = "iptables"
@@ -252,26 +267,26 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
         jumps.update(f"nat/{line}" for line in res.stdout.splitlines() if line.startswith(builtin))
         return Adoption(adopt.kernel_service_chains(res.stdout), jumps, res.stdout.count("\n-A "))
 
-    def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: Fragment) -> bool:
-        return isinstance(adopted, Adoption) and bool(adopted.chains) and adopt.unchanged(fragment, adopted.chains)
+    def adopted_unchanged(self, adopted: Adoption, name: ServicePortName, fragment: Fragment) -> bool:
+        return bool(adopted.chains) and adopt.unchanged(fragment, adopted.chains)
 
-    def apply(self, batch: Batch[Fragment, Context]) -> Applied:
+    def apply(self, batch: IptBatch) -> Applied:
         """One round for one family: the payloads for ``batch``, applied in order; the first refused line's service
         is reported refused (the ledger retries without it)."""
+        if batch.scratch is None:
+            batch.scratch = _Scratch()
         fam, ctx, sc = batch.family, batch.context, batch.scratch
         kernel = self.kernel
         timings = {"build": 0.0, "apply": 0.0, "save": 0.0, "canary": self._canary_s.pop(fam, 0.0)}
         refusals = 0  # restores the kernel refused in this apply
         frags = dict(batch.wanted)
-        written: set[ServicePortName] = sc.setdefault("written", set())  # in a payload of this sync that committed
-        created: set[str] = sc.setdefault("created", set())  # chains this sync's payloads declared
-        tops_tried: set[str] = sc.setdefault("tops", set())  # shared chains earlier rounds wrote
+        written, created, tops_tried = sc.written, sc.created, sc.tops
         if batch.full:
-            adoption = batch.adopted if isinstance(batch.adopted, Adoption) else Adoption()
+            adoption = batch.adopted or Adoption()
             if adoption.error:
                 return Applied(ok=False, error=adoption.error)
-            if "jumps" not in sc:
-                sc["jumps"] = [j for j in render.JUMP_RULES if f"{j.table}/-A {j.chain} {j.spec}" not in adoption.jumps]
+            if sc.jumps is None:
+                sc.jumps = [j for j in render.JUMP_RULES if f"{j.table}/-A {j.chain} {j.spec}" not in adoption.jumps]
             # services an earlier round committed differ from the adoption read: they are written again
             write: list[ServicePortName] | None = [
                 *batch.written,
@@ -284,7 +299,8 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
             stale = {c for c in set(adoption.chains) | created if c not in wanted_chains}
             kernel_rules = adoption.rules
         else:
-            sc.setdefault("jumps", [])
+            if sc.jumps is None:
+                sc.jumps = []
             updates = {d.name: d.new_fragment for d in batch.deltas}
             write = [spn for spn, f in updates.items() if f is not None]
             top = render.changed_top_chains(batch.applied, updates) | tops_tried
@@ -292,7 +308,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
             wanted_chains = {c for spn in updates if spn in frags for c in frags[spn].chains}
             stale = (old | created) - wanted_chains
             kernel_rules = sum(len(f.rules) for f in batch.applied.values())
-        jumps: list[JumpRule] = sc["jumps"]
+        jumps: list[JumpRule] = sc.jumps or []
         chunk = _chunk_lines(kernel_rules) if kernel.flavour == "nft" else None
         names = list(frags) if write is None else write
         # a big full sync on nf_tables streams its chunks (see render.stream_restores)
@@ -301,7 +317,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
         payloads: list[str] = []
         rules_written = {"filter": 0, "nat": 0}
         for _try in range(MAX_DELETION_RETRIES + 1):
-            if sc.get("keep_stale"):
+            if sc.keep_stale:
                 stale = set()
             b0 = time.perf_counter()
             created.update(c for spn in names for c in frags[spn].chains)
@@ -356,7 +372,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
                 return self._applied(batch, frags, payloads, rules_written, refusals, timings)
             self._written[fam].payloads, self._written[fam].was_full = payloads, batch.full
             deletion_refused = (
-                bad is None and not sc.get("keep_stale") and refused is not None and _deletes_at(refused.text, line)
+                bad is None and not sc.keep_stale and refused is not None and _deletes_at(refused.text, line)
             )
             if (deletion_refused or bad is not None) and any(j.table == "filter" for j in jumps):
                 # the refused payload's filter part (with its jumps) may have committed before its nat part was
@@ -364,7 +380,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
                 s0 = time.perf_counter()
                 jumps, err = self._without_present_filter_jumps(fam, jumps)
                 timings["save"] += time.perf_counter() - s0
-                sc["jumps"] = jumps
+                sc.jumps = jumps
                 if err:
                     return Applied(ok=False, error=f"{error}; then {err}", kernel_refusals=refusals, timings=timings)
             if top is not None:
@@ -374,7 +390,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
                 # jumps to it (a pre-1.24 KUBE-XLB- chain is swept, others are not ours); without this the same
                 # payload would be refused at every sync and the family never programmed again
                 log.warning("iptables-restore refused the payload (%s): retrying without deleting stale chains", error)
-                sc["keep_stale"] = True
+                sc.keep_stale = True
                 if batch.full and write is not None:
                     write = [*write, *(spn for spn in written if spn in frags and spn not in write)]
                     names = write
@@ -390,7 +406,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
 
     def _applied(
         self,
-        batch: Batch[Fragment, Context],
+        batch: IptBatch,
         frags: dict[ServicePortName, Fragment],
         payloads: list[str],
         rules_written: dict[str, int],
@@ -430,7 +446,10 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
                     rules.setdefault(f"{table}/{chain}", []).append(canon)
         return _KernelRules(ctx, rules)
 
-    def verify_service(self, view: Any, name: ServicePortName, fragment: Fragment) -> str | None:
+    def verify_error(self, view: _KernelRules) -> str | None:
+        return view.error
+
+    def verify_service(self, view: _KernelRules, name: ServicePortName, fragment: Fragment) -> str | None:
         """The service's own nat chains rule for rule, and each of its lines in the shared chains."""
         assert isinstance(view, _KernelRules)
         f = Findings()
@@ -457,7 +476,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context]):
                     f.problems.append(f"rule missing in {key}: {line}")
         return f.verdict()
 
-    def verify_extra(self, view: Any, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
+    def verify_extra(self, view: _KernelRules, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
         """Service chains no wanted service owns, and lines in the shared chains no wanted service (or the fixed
         part) accounts for."""
         assert isinstance(view, _KernelRules)

@@ -24,8 +24,9 @@ from typing import Any, ClassVar
 
 from prometheus_client import Counter as Counter_
 
+from kproxy.backend import LedgerProxier
+from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
-from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.metrics import PREFIX
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nftkernel import Nft, available
@@ -60,6 +61,26 @@ class _KernelState:
 
 
 @dataclass(slots=True)
+class _Scratch:
+    """What the refusal rounds of one full batch carry: the chunks an earlier round committed."""
+
+    entries: dict[tuple[str, str], ServicePortName] | None = None  # entry owners after this round's batch
+    committed: dict[ServicePortName, Fragment | None] = field(default_factory=dict)
+    stale_done: set[str] = field(default_factory=set)
+    kernel: _KernelState | None = None  # what the kernel holds after the committed chunks
+    fresh: bool = False  # the table was (re)made from nothing
+
+
+NftBatch = Batch[Fragment, FamilyContext, adopt_mod.Adopted, _Scratch]
+
+
+def _scratch(batch: NftBatch) -> _Scratch:
+    if batch.scratch is None:
+        batch.scratch = _Scratch()
+    return batch.scratch
+
+
+@dataclass(slots=True)
 class _Chunk:
     """One transaction and what the kernel holds once it commits."""
 
@@ -85,7 +106,7 @@ class _TableView:
     error: str | None = None
 
 
-class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
+class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, _TableView, _Scratch]):
     """kproxy's nftables layout (see the package docstring), applied through libnftables in-process."""
 
     mode: ClassVar[str] = "nftables"
@@ -176,7 +197,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         got.seconds = time.perf_counter() - t0
         return got
 
-    def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: Fragment) -> bool:
+    def adopted_unchanged(self, adopted: adopt_mod.Adopted, name: ServicePortName, fragment: Fragment) -> bool:
         return isinstance(adopted, adopt_mod.Adopted) and adopted.layout_ok and adopted.unchanged(fragment)
 
     def needs_full(self, family: IPFamily) -> bool:
@@ -222,7 +243,10 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         view.fixed = adopt_mod.fixed_problems(family, rules)
         return view
 
-    def verify_service(self, view: Any, name: ServicePortName, fragment: Fragment) -> str | None:
+    def verify_error(self, view: _TableView) -> str | None:
+        return view.error
+
+    def verify_service(self, view: _TableView, name: ServicePortName, fragment: Fragment) -> str | None:
         """Every element of the service in its map with its value (slots included), its own chains, its hairpin
         elements."""
         assert isinstance(view, _TableView)
@@ -246,7 +270,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         f.problems += [f"{render.HAIRPIN}: {key} missing" for key in fragment.hairpin if key not in hairpin]
         return f.verdict()
 
-    def verify_extra(self, view: Any, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
+    def verify_extra(self, view: _TableView, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
         """Elements of the service maps that no wanted service accounts for (the hairpin and context sets are
         shared and kept on purpose: not counted)."""
         assert isinstance(view, _TableView)
@@ -306,7 +330,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
 
     # ------------------------------------------------------------------------------------------ apply
 
-    def apply(self, batch: Batch[Fragment, FamilyContext]) -> Applied:
+    def apply(self, batch: NftBatch) -> Applied:
         """One transaction for a partial batch. A full batch is one transaction too when it replaces the table (no
         moment without rules) or is small; a big one is split into transactions of whole services (``CHUNK``
         elements each: libnftables holds ~2.4 kB per element it parses, 264 MB for 10,000 x 10 in one go), the
@@ -378,16 +402,18 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             self._last_partial[fam] = [(d.name, d.old_fragment, d.new_fragment) for d in batch.deltas]
         else:
             self._last_partial.pop(fam, None)
-        ks.entries = batch.scratch.pop("entries", ks.entries)
+        sc = _scratch(batch)
+        if sc.entries is not None:
+            ks.entries, sc.entries = sc.entries, None
         ks.known = True
         self._last_text[fam] = "".join(texts)
-        if batch.full and batch.scratch.get("fresh"):
+        if batch.full and sc.fresh:
             self._last_full_text[fam] = "".join(texts)
         figures["shared_chains"] = len(ks.shared)
         self._counts[fam] = figures
         return Applied(ok=True, figures=MappingProxyType(figures), timings=MappingProxyType(timings))
 
-    def _entry_owners(self, batch: Batch[Fragment, FamilyContext]) -> None:
+    def _entry_owners(self, batch: NftBatch) -> None:
         """Which service owns each map element after this batch (``scratch["entries"]``). Two services never claim
         one address . protocol . port: the core decides that before rendering (``kproxy.admission``)."""
         if batch.full:
@@ -402,9 +428,9 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             for d in batch.deltas:
                 for m, k, _ in d.new_fragment.entries if d.new_fragment is not None else ():
                     owners[(m, k)] = d.name
-        batch.scratch["entries"] = owners
+        _scratch(batch).entries = owners
 
-    def _partial(self, batch: Batch[Fragment, FamilyContext], ks: _KernelState) -> _Chunk:
+    def _partial(self, batch: NftBatch, ks: _KernelState) -> _Chunk:
         tx = render.Transaction(batch.family)
         refs = Counter(ks.refs)
         hairpin: set[str] = set()
@@ -421,20 +447,20 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         _hairpin(tx, hairpin, set())
         return _Chunk(tx, services, shared=shared, refs=refs, hairpin=ks.hairpin | hairpin)
 
-    def _full_chunks(self, batch: Batch[Fragment, FamilyContext]) -> Iterator[_Chunk]:
+    def _full_chunks(self, batch: NftBatch) -> Iterator[_Chunk]:
         """The transactions of a full batch (see ``apply``), built as they are asked for."""
         fam = batch.family
-        scratch = batch.scratch
-        adopted = batch.adopted if isinstance(batch.adopted, adopt_mod.Adopted) else None
-        committed: dict[ServicePortName, Fragment | None] = scratch.setdefault("committed", {})
+        scratch = _scratch(batch)
+        adopted = batch.adopted
+        committed = scratch.committed
         tx = render.Transaction(fam)
-        known: _KernelState | None = scratch.get("kernel")  # after chunks of an earlier round committed
+        known = scratch.kernel  # after chunks of an earlier round committed
         replace = False
         damaged: set[str] = set()
         if known is not None:
             present_shared, present_hairpin, present_context = known.shared, known.hairpin, known.context or {}
         elif adopted is None or not adopted.table or not adopted.layout_ok:
-            scratch["fresh"] = True
+            scratch.fresh = True
             replace = adopted is None or adopted.table
             if replace:
                 # unreadable, or another layout: replaced whole in one transaction (no moment without rules)
@@ -448,13 +474,13 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             damaged = {c for c in present_shared if not adopt_mod.shared_ok(c, fam, adopted.rules)}
             present_hairpin = set(adopted.hairpin)
             present_context = dict(adopted.context)
-        if known is None and adopted is not None and scratch.get("fresh"):
+        if known is None and adopted is not None and scratch.fresh:
             adopted = None  # nothing of the old table survives
         wanted_ctx = render.context_elements(batch.context)
         want_form = adopt_mod.wanted_context(wanted_ctx)
         for name, items in wanted_ctx.items():
             if present_context.get(name) != want_form[name]:
-                if not scratch.get("fresh"):
+                if not scratch.fresh:
                     tx.head.append(f"flush set {tx.fam} {render.TABLE} {name}")
                 if items:
                     tx.head.append(f"add element {tx.fam} {render.TABLE} {name} {{ {', '.join(items)} }}")
@@ -519,7 +545,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
             # services the kernel holds that nothing wants (deleted while kproxy was down)
             handled = {f.comment for f in batch.wanted.values()}
             handled.update(render.comment_key(render.service_key(spn)) for spn in in_batch)
-            done = scratch.setdefault("stale_done", set())
+            done = scratch.stale_done
             for ckey, svc in adopted.services.items():
                 if ckey not in handled and ckey not in done:
                     render.change_service(tx, None, None, None, old_keys=svc.keys())
@@ -538,7 +564,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         _hairpin(tx, set(), both_hairpin - needed_hairpin)
         yield chunk(last=True)
 
-    def _commit_chunk(self, batch: Batch[Fragment, FamilyContext], chunk: _Chunk) -> None:
+    def _commit_chunk(self, batch: NftBatch, chunk: _Chunk) -> None:
         """Record what a committed transaction left in the kernel."""
         ks = self._kernel[batch.family]
         ks.shared = set(chunk.shared)
@@ -548,9 +574,10 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext]):
         if chunk.context is not None:
             ks.context = chunk.context
         if batch.full:
-            batch.scratch.setdefault("committed", {}).update(chunk.services)
-            batch.scratch.setdefault("stale_done", set()).update(chunk.stale)
-            batch.scratch["kernel"] = _KernelState(
+            sc = _scratch(batch)
+            sc.committed.update(chunk.services)
+            sc.stale_done.update(chunk.stale)
+            sc.kernel = _KernelState(
                 shared=set(chunk.shared), hairpin=set(chunk.hairpin), context=chunk.context, known=True
             )
 

@@ -35,8 +35,9 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from kproxy.admission import Limits
+from kproxy.backend import LedgerProxier
+from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig, parse_duration
-from kproxy.ledger import Applied, Batch, LedgerProxier
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Verdict
 from kproxy.nftkernel import Nft, available
 from kproxy.nodeaddr import FamilyContext
@@ -176,7 +177,10 @@ def _kernel(netns: str | None) -> nft_tools.OwnContext:
 _SEEN_NODE = "the endpoint sees the node (the proxy's own connection), never the client's address"
 
 
-class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
+UsBatch = Batch[Fragment, FamilyContext, Adopted, None]
+
+
+class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, inspect.View, None]):
     """Proxy sockets in kproxy itself, reached through redirects in a table of this mode's own (see the package
     docstring)."""
 
@@ -395,8 +399,8 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
         socks = self.kernel.call(lambda: inspect.listening(family))
         return {pp for pp, inodes in socks.items() if any(i in mine for i in inodes)}
 
-    def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: Fragment) -> bool:
-        if not isinstance(adopted, Adopted) or not adopted.layout_ok:
+    def adopted_unchanged(self, adopted: Adopted, name: ServicePortName, fragment: Fragment) -> bool:
+        if not adopted.layout_ok:
             return False
         ports = adopted.ports(fragment)
         if set(ports) != set(fragment.roles()):
@@ -455,15 +459,16 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
             }
         return view
 
-    def verify_service(self, view: Any, name: ServicePortName, fragment: Fragment) -> str | None:
+    def verify_error(self, view: inspect.View) -> str | None:
+        return view.error
+
+    def verify_service(self, view: inspect.View, name: ServicePortName, fragment: Fragment) -> str | None:
         """Its elements with their verdicts and marks, the fixed rules its traffic passes, and for each proxy port
         its elements name: a socket of this process listening there that the data path serves for this service
         and role, balancing over the wanted endpoints."""
-        assert isinstance(view, inspect.View)
         return inspect.service_problems(view, name, fragment)
 
-    def verify_extra(self, view: Any, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
-        assert isinstance(view, inspect.View)
+    def verify_extra(self, view: inspect.View, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
         return inspect.extra(view, wanted)
 
     def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
@@ -681,13 +686,13 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext]):
 
     # ------------------------------------------------------------------------------------------ apply
 
-    def apply(self, batch: Batch[Fragment, FamilyContext]) -> Applied:
+    def apply(self, batch: UsBatch) -> Applied:
         # (the cyclic collector is held off by the ledger's shared pause around the whole sync: kproxy.gcpause)
         self.start()
         span = render.proxy_ports_element(self.port_span())  # resolved here: bind_all runs on the kernel's thread
         fam = batch.family
         t0 = time.perf_counter()
-        adopted = batch.adopted if isinstance(batch.adopted, Adopted) else None
+        adopted = batch.adopted
         tx = _Tx()
         f = render.nft_family(fam)
         refused: dict[ServicePortName, str] = {}

@@ -21,10 +21,8 @@ appears without a change here.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -34,9 +32,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kproxy import __version__
 from kproxy.bench.reference_nft import DEFAULT_MAX_ENDPOINTS
 from kproxy.bench.reference_nft import NAME as REFERENCE_NAME
+from kproxy.bench.results import compare_results
 
 SYNC_TIMEOUT = 3600.0
 
@@ -80,62 +78,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     c.add_argument("--lab-prefix", default="kpd-", help="the data-path lab's prefix (default %(default)s)")
     c.set_defaults(func=cmd_compare)
-
-
-# --- facts about the machine ---------------------------------------------------------------------------------------
-
-
-def _first_line(argv: Sequence[str]) -> str:
-    try:
-        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "(not found)"
-    text = (proc.stdout or proc.stderr).strip()
-    return text.splitlines()[0] if text else "(no output)"
-
-
-def machine_facts() -> dict[str, Any]:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gib = 0.0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_gib = int(line.split()[1]) / 1024 / 1024
-    except OSError:
-        pass
-    os_name = ""
-    try:
-        for line in Path("/etc/os-release").read_text().splitlines():
-            if line.startswith("PRETTY_NAME="):
-                os_name = line.split("=", 1)[1].strip('"')
-    except OSError:
-        pass
-    repo = Path(__file__).resolve().parent.parent.parent
-    commit = _first_line(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"])
-    dirty = subprocess.run(
-        ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-    ).stdout.strip()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(mem_gib, 1),
-        "os": os_name,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "kproxy": __version__,
-        "commit": commit + (" (with uncommitted changes)" if dirty else ""),
-        "iptables": _first_line(["iptables", "--version"]),
-        "nft": _first_line(["nft", "--version"]),
-        "iperf3": _first_line(["iperf3", "--version"]),
-        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
 
 
 def selected_modes(requested: str | None) -> tuple[list[str], dict[str, str]]:
@@ -252,6 +194,22 @@ def _parse_sizes(text: str) -> list[int]:
     return parse_sizes(text)
 
 
+def compare_command(args: argparse.Namespace) -> str:
+    """The command behind a results document, every option spelled out from the parsed ones (defaults too): it
+    reruns the same comparison however this one was started (``kproxy compare``, a wrapper, a test), and never
+    depends on the process's own command line."""
+    argv = ["compare", *(["--modes", args.modes] if args.modes else []), "--services", args.services]
+    argv += ["--endpoints", str(args.endpoints), "--out", args.out]
+    argv += ["--sync-runs", str(args.sync_runs), "--repeat", str(args.repeat)]
+    argv += ["--reference-max-endpoints", str(args.reference_max_endpoints)]
+    if args.datapath_services:
+        argv += ["--datapath-services", args.datapath_services]
+    argv += ["--rounds", str(args.rounds), "--seconds", str(args.seconds), "--iperf-seconds", str(args.iperf_seconds)]
+    flags = ("no_reference", "no_sync", "no_datapath", "no_baseline", "conntrack_limits")
+    argv += ["--" + flag.replace("_", "-") for flag in flags if getattr(args, flag)]
+    return "kproxy " + shlex.join([*argv, "--lab-prefix", args.lab_prefix])
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         print("kproxy compare: needs root (network namespaces for every benchmark)", file=sys.stderr)
@@ -268,20 +226,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {
-        "command": "kproxy compare " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["compare"] else sys.argv[1:]),
-        "machine": machine_facts(),
-        "modes": modes,
-        "skipped_modes": skipped,
-        "sizes": sizes,
-        "datapath_sizes": [] if args.no_datapath else dp_sizes,
-        "endpoints": args.endpoints,
-        "sync": [],
-        "reference": [],
-        "cache_alone": [],
-        "datapath": None,
-        "notes": [],
-    }
+    results = compare_results(
+        compare_command(args), modes, skipped, sizes, [] if args.no_datapath else dp_sizes, args.endpoints
+    )
     baseline = not args.no_baseline
     n_sync = 0 if args.no_sync else len(sizes) * (len(modes) * args.sync_runs + (0 if args.no_reference else 1))
     n_dp = 0

@@ -23,7 +23,8 @@ import time
 from typing import Any
 
 from kproxy.bench import dpclient
-from kproxy.bench.datapath import METRICS, flatten, ratio
+from kproxy.bench.dpstats import flatten, ratio
+from kproxy.bench.results import METRICS
 
 MAX_ROUNDS = 50
 

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kproxy.bench.results import as_results
 from kproxy.proxier import MODE_NAMES
 
 DATAPATH_PANELS = (
@@ -268,8 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: python -m kproxy.bench.plots RESULTS.json OUTDIR", file=sys.stderr)
         return 2
-    from kproxy.bench.report import as_results
-
     results = as_results(json.loads(Path(args[0]).read_text()))
     out = Path(args[1])
     out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kproxy.bench.datapath import METRICS, UNITS
+from kproxy.bench.results import METRICS, UNITS, as_results
 
 RATIO_COLUMNS = (
     ("conn_rate", "conn/s"),
@@ -201,8 +201,26 @@ def datapath_section(results: dict[str, Any]) -> list[str]:
         " round (target and limit seconds apart) and the median over the rounds is shown."
     )
     lines.append("")
-    lines.append("### Ratios against the limit")
+    lines += _ratio_table(runs)
+    lines += floor_section(runs)
+    lines += _absolute_table(runs)
+    failed = [r for r in runs if r.get("error")]
+    if failed:
+        lines.append("Not measured:")
+        lines.append("")
+        lines += [f"- {r['mode']} at {r['services']:,} services: {r['error']}" for r in failed]
+        lines.append("")
+    lines += _kproxy_table(runs)
+    lines.append("Commands (each mode's figures are what this command measures; compare ran them in one lab):")
     lines.append("")
+    for mode, cmd in (dp.get("commands") or {}).items():
+        lines.append(f"- {mode}: `{cmd}`")
+    lines.append("")
+    return lines
+
+
+def _ratio_table(runs: list[dict[str, Any]]) -> list[str]:
+    lines = ["### Ratios against the limit", ""]
     lines.append(
         "Each cell: the median of the per-round ratios, and in brackets their first and third quartiles (half the"
         " rounds fall inside): the noise of this shared machine, and how far apart two figures must be to differ."
@@ -224,9 +242,11 @@ def datapath_section(results: dict[str, Any]) -> list[str]:
             table.append([r["mode"], f"{r['services']:,}", name, *cells])
     lines += _table(head, table)
     lines.append("")
-    lines += floor_section(runs)
-    lines.append("### Absolute medians")
-    lines.append("")
+    return lines
+
+
+def _absolute_table(runs: list[dict[str, Any]]) -> list[str]:
+    lines = ["### Absolute medians", ""]
     head = ["mode", "services", "target", *(f"{m} ({UNITS[m]})" for m, _, _, _ in METRICS)]
     table = []
     for r in runs:
@@ -238,12 +258,11 @@ def datapath_section(results: dict[str, Any]) -> list[str]:
                 )
     lines += _table(head, table)
     lines.append("")
-    failed = [r for r in runs if r.get("error")]
-    if failed:
-        lines.append("Not measured:")
-        lines.append("")
-        lines += [f"- {r['mode']} at {r['services']:,} services: {r['error']}" for r in failed]
-        lines.append("")
+    return lines
+
+
+def _kproxy_table(runs: list[dict[str, Any]]) -> list[str]:
+    """kproxy itself in each run: ready time, memory, idle and busy CPU, errors, rounds left out."""
     extra = []
     for r in runs:
         if r.get("ready_s"):
@@ -254,22 +273,18 @@ def datapath_section(results: dict[str, Any]) -> list[str]:
             idle = f"{idle} in {r.get('idle_seconds', 0):g} s" if idle else "-"
             left_out = str(len(r.get("failed_rounds") or []))
             extra.append([r["mode"], f"{r['services']:,}", f"{r['ready_s']:.1f}", rss, idle, cpu, errs, left_out])
-    if extra:
-        lines.append(
-            "kproxy in the lab: seconds from start on both nodes to healthy and the ClusterIP answering,"
-            " resident memory, CPU it used idle (synced, no traffic, no change: it must be almost nothing) and while"
-            " the traffic ran (it should be idle: a busy proxy slows every target on this 2-core machine, the limit"
-            " too), failed operations during the measurements, and rounds left out for them (over 1 % of a phase's"
-            " operations failed for some target):"
-        )
-        lines.append("")
-        head = ["mode", "services", "ready s", "kproxy RSS", "kproxy idle CPU", "kproxy CPU while measuring"]
-        lines += _table([*head, "errors", "failed rounds"], extra)
-        lines.append("")
-    lines.append("Commands (each mode's figures are what this command measures; compare ran them in one lab):")
-    lines.append("")
-    for mode, cmd in (dp.get("commands") or {}).items():
-        lines.append(f"- {mode}: `{cmd}`")
+    if not extra:
+        return []
+    lines = [
+        "kproxy in the lab: seconds from start on both nodes to healthy and the ClusterIP answering,"
+        " resident memory, CPU it used idle (synced, no traffic, no change: it must be almost nothing) and while"
+        " the traffic ran (it should be idle: a busy proxy slows every target on this 2-core machine, the limit"
+        " too), failed operations during the measurements, and rounds left out for them (over 1 % of a phase's"
+        " operations failed for some target):",
+        "",
+    ]
+    head = ["mode", "services", "ready s", "kproxy RSS", "kproxy idle CPU", "kproxy CPU while measuring"]
+    lines += _table([*head, "errors", "failed rounds"], extra)
     lines.append("")
     return lines
 
@@ -460,23 +475,6 @@ def floor_summary(doc: dict[str, Any], folder: str) -> list[str]:
     lines += _table(head, rows)
     lines.append("")
     return lines
-
-
-def as_results(doc: dict[str, Any], command: str = "") -> dict[str, Any]:
-    """A ``kproxy compare`` results document as is; a ``kproxy bench datapath --format json`` document wrapped as one
-    (its data-path part only, with this machine's facts and the command given), so both render the same way."""
-    if "datapath" in doc or "runs" not in doc:
-        return doc
-    from kproxy.bench.compare import machine_facts
-
-    command = command or doc.get("command") or "kproxy bench datapath"
-    return {
-        "command": command,
-        "machine": doc.get("machine") or machine_facts(),
-        "datapath": doc,
-        "notes": list(doc.get("notes") or []),
-        "modes": list(dict.fromkeys(r["mode"] for r in doc.get("runs") or [])),
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

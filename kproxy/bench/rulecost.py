@@ -30,11 +30,10 @@ from kproxy.bench.datapath import (
     DatapathConfig,
     DatapathError,
     DatapathLab,
-    paired_ratios,
-    ratio_spread,
     round_order,
     stop_on_sigterm,
 )
+from kproxy.bench.dpstats import paired_ratios, ratio_spread
 
 TABLE = "ip kproxy"
 BASE_CHAINS = ("nat-prerouting", "nat-output", "nat-postrouting")

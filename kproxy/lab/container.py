@@ -41,7 +41,9 @@ from typing import Any
 
 import yaml
 
-from kproxy.lab.cluster import CGROUP_MOUNT, Lab, LabError, LabNode
+from kproxy.lab.cluster import Lab
+from kproxy.lab.plan import LabError, LabNode
+from kproxy.lab.state import CGROUP_MOUNT
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ROOT / "deploy" / "overlays"

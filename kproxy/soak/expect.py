@@ -16,8 +16,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kproxy.cache import ServiceCache
-from kproxy.ledger import describe_port, service_key
 from kproxy.model import IPFamily
+from kproxy.readback import describe_port
+from kproxy.toolkit.keys import service_key
 
 # what /rules says about a service port that the expectation also says; applied/failed are checked apart
 COMPARED = (

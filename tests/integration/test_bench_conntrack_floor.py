@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kproxy.bench.datapath import DIAG_RULESETS, DIAG_TABLE
+from kproxy.bench.dpconfig import DIAG_RULESETS, DIAG_TABLE
 
 pytestmark = [
     pytest.mark.root,

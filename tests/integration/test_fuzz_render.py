@@ -36,9 +36,9 @@ from modes import require_mode
 
 from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig
-from kproxy.ledger import service_key
 from kproxy.model import IPFamily
 from kproxy.proxier import MODE_NAMES, Proxier, backend_class
+from kproxy.toolkit.keys import service_key
 
 from .scratch import scratch_netns
 

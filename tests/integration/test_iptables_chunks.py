@@ -162,7 +162,7 @@ def test_service_refused_in_a_later_chunk_is_skipped_and_its_chains_removed(
 
     text = save(netns, flavour)
     assert "nosuchmatch" not in text
-    frags = {sp.name: render.render_service(sp, p.records[IPFamily.V4].context) for sp in good}  # type: ignore[arg-type]
+    frags = {sp.name: render.render_service(sp, p.applied(IPFamily.V4)[0]) for sp in good}  # type: ignore[arg-type]
     assert_programmed(text, good, frags)
     assert not (bad_chains & chains(text)), bad_chains & chains(text)
     assert bad_sp.cluster_ip + "/32" not in text and "ns1/s20:http" not in text
@@ -178,7 +178,7 @@ def test_service_refused_in_a_later_chunk_is_skipped_and_its_chains_removed(
     assert res.ok and not res.failed, res
     assert not res.full
     text = save(netns, flavour)
-    frags[BAD] = render.render_service(bad_sp, p.records[IPFamily.V4].context)  # type: ignore[arg-type]
+    frags[BAD] = render.render_service(bad_sp, p.applied(IPFamily.V4)[0])  # type: ignore[arg-type]
     assert_programmed(text, sps, frags)
     assert len({c for c in chains(text) if c.startswith("KUBE-SEP-")}) == N_SERVICES
 
@@ -194,7 +194,7 @@ def test_refused_update_in_a_later_chunk_keeps_old_rules_and_drops_new_chains(
     old = [service(i) for i in range(N_SERVICES)]
     res = p.sync(state(old), Changes(full=True))
     assert res.ok and not res.failed, res
-    ctx = p.records[IPFamily.V4].context
+    ctx = p.applied(IPFamily.V4)[0]
     assert ctx is not None
     old_bad = render.render_service(old[BAD_INDEX], ctx)
 
@@ -302,7 +302,7 @@ def test_streamed_full_sync_whose_chain_deletion_is_refused_retries_without_dele
     assert res.ok and not res.failed, res.error
     assert [ok for _, ok, _ in calls].count(False) == 1 and not calls[-1][0].count("\n-X ")  # retried without -X
     text = save(netns, "nft")
-    frags = {sp.name: render.render_service(sp, p.records[IPFamily.V4].context) for sp in rest}  # type: ignore[arg-type]
+    frags = {sp.name: render.render_service(sp, p.applied(IPFamily.V4)[0]) for sp in rest}  # type: ignore[arg-type]
     assert_programmed(text, rest, frags)
     services = [ln for ln in section(text, "nat").splitlines() if ln.startswith("-A KUBE-SERVICES ")]
     assert sep in chains(text) and not any(f"-d {gone.cluster_ip}/32" in ln for ln in services)

@@ -24,7 +24,7 @@ import pytest
 
 from kproxy.lab import Lab, LabPod
 from kproxy.lab import netns as lab_netns
-from kproxy.lab.cluster import CGROUP_MOUNT, STATE_ROOT, state_dir_for
+from kproxy.lab.state import CGROUP_MOUNT, STATE_ROOT, state_dir_for
 
 pytestmark = [
     pytest.mark.root,

@@ -13,7 +13,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from kproxy.bench import datapath, dpclient, plots, reference_nft, report, synthetic
+from kproxy.bench import datapath, dpclient, dpconfig, dpobjects, dpstats, plots, reference_nft, report, synthetic
 from kproxy.bench.reference_nft import Counts, hash_and_truncate, render_full, render_partial
 from kproxy.cache import ServiceCache
 from kproxy.cli import build_parser
@@ -89,10 +89,10 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 def test_ratios_are_oriented_so_one_means_no_cost() -> None:
-    assert datapath.ratio("conn_rate", 900.0, 1000.0) == pytest.approx(0.9)  # a rate: target / limit
-    assert datapath.ratio("rr_p99_us", 200.0, 100.0) == pytest.approx(0.5)  # a latency: limit / target
-    assert datapath.ratio("tcp_gbps", 10.0, 10.0) == 1.0
-    assert datapath.ratio("conn_rate", 0.0, 1000.0) is None
+    assert dpstats.ratio("conn_rate", 900.0, 1000.0) == pytest.approx(0.9)  # a rate: target / limit
+    assert dpstats.ratio("rr_p99_us", 200.0, 100.0) == pytest.approx(0.5)  # a latency: limit / target
+    assert dpstats.ratio("tcp_gbps", 10.0, 10.0) == 1.0
+    assert dpstats.ratio("conn_rate", 0.0, 1000.0) is None
 
 
 def test_flatten_and_medians() -> None:
@@ -101,13 +101,13 @@ def test_flatten_and_medians() -> None:
         "rr": {"ops": 10, "rate": 20000.0, "p50_us": 45.0, "p99_us": 90.0},
         "udp": {"ops": 0, "rate": 0.0, "p50_us": 0.0, "p99_us": 0.0},  # no answers: no figure rather than zero
     }
-    flat = datapath.flatten(client, {"gbps": 12.5})
+    flat = dpstats.flatten(client, {"gbps": 12.5})
     assert flat["conn_rate"] == 5000.0 and flat["rr_p99_us"] == 90.0 and flat["tcp_gbps"] == 12.5
     assert "udp_p50_us" not in flat
-    assert datapath.medians([{"a": 1.0}, {"a": 3.0}, {"a": 2.0, "b": 5.0}]) == {"a": 2.0, "b": 5.0}
-    assert datapath.iperf_gbps({"end": {"sum_received": {"bits_per_second": 2.5e9}}}) == 2.5
+    assert dpstats.medians([{"a": 1.0}, {"a": 3.0}, {"a": 2.0, "b": 5.0}]) == {"a": 2.0, "b": 5.0}
+    assert dpstats.iperf_gbps({"end": {"sum_received": {"bits_per_second": 2.5e9}}}) == 2.5
     with pytest.raises(datapath.DatapathError):
-        datapath.iperf_gbps({"error": "unable to connect"})
+        dpstats.iperf_gbps({"error": "unable to connect"})
 
 
 def test_ratios_are_paired_within_rounds() -> None:
@@ -117,7 +117,7 @@ def test_ratios_are_paired_within_rounds() -> None:
         {"limit": {"conn_rate": 500.0}, "clusterip": {"conn_rate": 400.0}},
         {"limit": {"conn_rate": 1000.0}, "clusterip": {"conn_rate": 800.0}},
     ]
-    assert datapath.paired_ratios(rounds, ("limit", "clusterip")) == {"clusterip": {"conn_rate": pytest.approx(0.8)}}
+    assert dpstats.paired_ratios(rounds, ("limit", "clusterip")) == {"clusterip": {"conn_rate": pytest.approx(0.8)}}
 
 
 def test_ratios_against_a_diagnostic_limit_and_their_spread() -> None:
@@ -126,11 +126,11 @@ def test_ratios_against_a_diagnostic_limit_and_their_spread() -> None:
         {"limit": {"conn_rate": 1000.0}, "limit_nat": {"conn_rate": 800.0}, "podip": {"conn_rate": 800.0}},
         {"limit": {"conn_rate": 1000.0}, "limit_nat": {"conn_rate": 900.0}, "podip": {"conn_rate": 900.0}},
     ]
-    vs_nat = datapath.paired_ratios(rounds, ("limit_nat", "podip"), base="limit_nat")
+    vs_nat = dpstats.paired_ratios(rounds, ("limit_nat", "podip"), base="limit_nat")
     assert vs_nat == {"podip": {"conn_rate": pytest.approx(1.0)}}  # all of the pod IP's cost is the NAT floor
-    spread = datapath.ratio_spread(rounds, ("limit", "podip"))
+    spread = dpstats.ratio_spread(rounds, ("limit", "podip"))
     assert spread["podip"]["conn_rate"] == pytest.approx([0.84, 0.89])  # quartiles of 0.88, 0.80, 0.90
-    assert datapath.quartiles([0.5]) == [0.5, 0.5] and datapath.quartiles([]) == []
+    assert dpstats.quartiles([0.5]) == [0.5, 0.5] and dpstats.quartiles([]) == []
 
 
 def test_diagnostic_limits_are_measured_by_default_and_can_be_left_out() -> None:
@@ -139,11 +139,11 @@ def test_diagnostic_limits_are_measured_by_default_and_can_be_left_out() -> None
     assert datapath.targets_for("nftables", cfg) == both
     assert datapath.targets_for("none", cfg) == both  # the calibration: a real run's targets and schedule
     off = datapath.DatapathConfig(conntrack_limits=False, twin=False)
-    assert datapath.targets_for("iptables", off) == datapath.TARGETS and not off.describe()["conntrack_limits_detail"]
+    assert datapath.targets_for("iptables", off) == dpconfig.TARGETS and not off.describe()["conntrack_limits_detail"]
     # the diagnostic tables: conntrack via a ct expression; conntrack and nat via nat base chains and a DNAT rule
     # whose address nothing uses (so it never translates anything)
-    assert "ct state established" in datapath.DIAG_RULESETS["limit_ct"]
-    nat = datapath.DIAG_RULESETS["limit_nat"]
+    assert "ct state established" in dpconfig.DIAG_RULESETS["limit_ct"]
+    nat = dpconfig.DIAG_RULESETS["limit_nat"]
     assert nat.count("type nat hook") == 3 and "ip daddr 198.19.255.254 tcp dport 1 dnat" in nat
 
 
@@ -156,12 +156,12 @@ def test_parse_sizes() -> None:
 
 def test_objects_written_to_the_lab_api_are_valid() -> None:
     pod = LabPod(name="pod-2-1", ns="kpd-n2-p1", node="node-2", ip4="198.18.66.11", ip6="")
-    svc, eps = datapath.target_objects(pod)
+    svc, eps = dpobjects.target_objects(pod)
     for obj in (svc, eps):
         kubernetes_validate.validate(obj, "1.32", strict=True)
     assert eps["endpoints"][0]["addresses"] == ["198.18.66.11"]
     assert {(p["protocol"], p["port"]) for p in svc["spec"]["ports"]} == {("TCP", 80), ("UDP", 80), ("TCP", 5201)}
-    objs = list(datapath.synthetic_objects(3, 4, 2))
+    objs = list(dpobjects.synthetic_objects(3, 4, 2))
     assert [o["kind"] for o in objs] == ["Service", "EndpointSlice"] * 2
     for o in objs:  # what the API server assigns on create is not sent
         assert not {"uid", "resourceVersion", "generateName"} & set(o["metadata"])
@@ -169,15 +169,15 @@ def test_objects_written_to_the_lab_api_are_valid() -> None:
     assert objs[0]["spec"]["clusterIP"] == synthetic.cluster_ip(3)
 
 
-def _result() -> datapath.DatapathResult:
-    res = datapath.DatapathResult(config=datapath.DatapathConfig(rounds=1).describe())
+def _result() -> dpconfig.DatapathResult:
+    res = dpconfig.DatapathResult(config=datapath.DatapathConfig(rounds=1).describe())
     lim = {"conn_rate": 5000.0, "rr_p99_us": 100.0, "tcp_gbps": 10.0}
     for n, slow in ((1, 1.0), (1000, 0.8)):
         run = datapath.DatapathRun(mode="iptables", services=n, ready_s=2.0, kproxy_rss_mb={"node-1": 80.0})
         cip = {"conn_rate": 5000.0 * slow, "rr_p99_us": 100.0 / slow, "tcp_gbps": 10.0}
         run.medians = {"limit": lim, "podip": dict(cip), "clusterip": cip}
         run.ratios = {
-            t: {m: datapath.ratio(m, v, lim[m]) or 0.0 for m, v in cip.items()} for t in ("podip", "clusterip")
+            t: {m: dpstats.ratio(m, v, lim[m]) or 0.0 for m, v in cip.items()} for t in ("podip", "clusterip")
         }
         res.runs.append(run)
     return res
@@ -332,6 +332,28 @@ def test_compare_and_datapath_are_registered() -> None:
     assert args.reference == "upstream-nftables"
 
 
+def test_compare_writes_its_command_from_the_parsed_options_not_from_sys_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """results.json's command reruns the same comparison whoever started it: it is built from the options, and
+    parsing it again gives the same options (every one spelled out), whatever the process's own argv says."""
+    import shlex
+
+    from kproxy.bench.compare import compare_command
+
+    monkeypatch.setattr("sys.argv", ["pytest", "-k", "something else"])
+    parser = build_parser()
+    for given in (
+        ["compare"],
+        ["compare", "--modes", "iptables,nftables", "--services", "10,100", "--endpoints", "3", "--out", "/tmp/o x"],
+        ["compare", "--datapath-services", "5", "--rounds", "2", "--seconds", "0.25", "--no-sync", "--no-baseline"],
+        ["compare", "--no-reference", "--no-datapath", "--conntrack-limits", "--lab-prefix", "kpz-", "--repeat", "1"],
+    ):
+        args = parser.parse_args(given)
+        command = compare_command(args)
+        assert command.startswith("kproxy compare ") and "pytest" not in command and "something" not in command
+        again = parser.parse_args(shlex.split(command)[1:])
+        assert vars(again) == vars(args), command
+
+
 def test_compare_takes_modes_from_the_installed_backends() -> None:
     from kproxy.bench.compare import selected_modes
     from kproxy.proxier import MODE_NAMES, availability, installed_backends
@@ -401,5 +423,5 @@ def test_report_shows_idle_cpu_the_twin_and_left_out_rounds() -> None:
     assert "| node-1 0.05 s, node-2 0.04 s in 10 s |" in text and "kproxy idle CPU" in text
     row = next(line for line in text.splitlines() if line.startswith("| iptables | 1,000 | 2.0 |"))
     assert row.endswith("| none | 1 |")  # no errors counted in this run's figures, one round left out
-    table = datapath.format_table(datapath.DatapathResult(config=results["datapath"]["config"]))  # type: ignore[index]
+    table = datapath.format_table(dpconfig.DatapathResult(config=results["datapath"]["config"]))  # type: ignore[index]
     assert "twin" in table

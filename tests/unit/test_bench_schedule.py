@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kproxy.bench import datapath
+from kproxy.bench import datapath, dpconfig, dpstats
 from kproxy.lab.cluster import make_plan
 
 LOADED = {"node-1", "node-2"}
@@ -18,39 +18,39 @@ LOADED = {"node-1", "node-2"}
 
 def _nodes() -> dict[str, str]:
     """pod name -> node name in the benchmark's lab (8 nodes: the conntrack limits are on)."""
-    plan = make_plan(8, datapath.PODS_PER_NODE, ipv6=False, prefix="kpd-")
+    plan = make_plan(8, dpconfig.PODS_PER_NODE, ipv6=False, prefix="kpd-")
     return {p.name: p.node for p in plan.pods}
 
 
 def test_every_target_has_a_server_and_a_client_pod_of_its_own() -> None:
     cfg = datapath.DatapathConfig()
     targets = datapath.targets_for("nftables", cfg)
-    assert set(targets) == set(datapath.ROLES)  # every target measured by default has a role, and only those
-    servers = [datapath.ROLES[t][1] for t in targets]
-    clients = [datapath.ROLES[t][0] for t in targets]
+    assert set(targets) == set(dpconfig.ROLES)  # every target measured by default has a role, and only those
+    servers = [dpconfig.ROLES[t][1] for t in targets]
+    clients = [dpconfig.ROLES[t][0] for t in targets]
     assert len(set(servers)) == len(servers), servers  # no server shared: one operation per turn each
     assert len(set(clients)) == len(clients), clients
     nodes = _nodes()
     assert set(servers) | set(clients) <= set(nodes)  # every pod exists in the lab the benchmark builds
     # the ClusterIP's only endpoint is its server (the Service written to the lab's API)
-    assert datapath.ROLES["clusterip"][1] == "pod-2-1"
+    assert dpconfig.ROLES["clusterip"][1] == "pod-2-1"
 
 
 def test_the_twin_crosses_the_limits_nodes_between_other_pods() -> None:
     nodes = _nodes()
-    limit, twin = datapath.ROLES["limit"], datapath.ROLES[datapath.TWIN]
+    limit, twin = dpconfig.ROLES["limit"], dpconfig.ROLES[datapath.TWIN]
     assert [nodes[p] for p in limit] == [nodes[p] for p in twin]  # the same path
     assert set(limit).isdisjoint(twin)  # its own pods, so its own server
 
 
 def test_limits_start_from_nodes_without_a_proxy_and_service_traffic_from_a_loaded_one() -> None:
     nodes = _nodes()
-    for t in datapath.LIMIT_TARGETS:
-        client, server = datapath.ROLES[t]
+    for t in dpconfig.LIMIT_TARGETS:
+        client, server = dpconfig.ROLES[t]
         # a limit's sockets are made in its client's node's cgroup: never one with a proxy's socket programs
         assert nodes[client] not in LOADED and nodes[server] not in LOADED, t
     for t in ("podip", "clusterip"):
-        client, server = datapath.ROLES[t]
+        client, server = dpconfig.ROLES[t]
         assert (nodes[client], nodes[server]) == ("node-1", "node-2"), t
 
 
@@ -71,13 +71,13 @@ def _fig(ops: int, errors: int) -> dict[str, Any]:
 
 def test_a_round_fails_above_the_error_threshold() -> None:
     clean = {"limit": {"crr": _fig(1000, 0), "udp": _fig(1000, 0)}, "podip": {"crr": _fig(1000, 0)}}
-    assert datapath.round_failure(clean) == ""
+    assert dpstats.round_failure(clean) == ""
     one_lost = {**clean, "podip": {"crr": _fig(1000, 5)}}  # 0.5 %: under the threshold
-    assert datapath.round_failure(one_lost) == ""
+    assert dpstats.round_failure(one_lost) == ""
     lossy = {**clean, "podip": {"crr": _fig(1000, 30)}}  # 3 %
-    why = datapath.round_failure(lossy)
+    why = dpstats.round_failure(lossy)
     assert "podip crr: 30 of 1030" in why and "limit" not in why
-    assert datapath.round_failure({"limit": {"rr": _fig(0, 1)}}) != ""  # nothing but a failure
+    assert dpstats.round_failure({"limit": {"rr": _fig(0, 1)}}) != ""  # nothing but a failure
 
 
 class _Rounds:

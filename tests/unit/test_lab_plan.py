@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from kproxy.lab import netns
-from kproxy.lab.cluster import (
+from kproxy.lab.echo import _answer
+from kproxy.lab.plan import (
     CLUSTER_CIDR4,
     CLUSTER_CIDR6,
     MAX_NODES,
@@ -30,7 +31,6 @@ from kproxy.lab.cluster import (
     node_batch,
     pod_batch,
 )
-from kproxy.lab.echo import _answer
 from kproxy.lab.probe import ProbeResult, build_argv, error_word
 
 
@@ -136,7 +136,7 @@ def test_probe_errors_and_argv() -> None:
 
 
 def test_a_lab_is_live_only_with_processes_and_ready_or_being_built() -> None:
-    from kproxy.lab.cluster import lab_is_live
+    from kproxy.lab.state import lab_is_live
 
     assert not lab_is_live(None, processes_alive=True, owner_alive=True)  # nothing recorded
     assert lab_is_live({"ready": True}, processes_alive=True, owner_alive=False)  # someone's lab
@@ -167,11 +167,11 @@ def _state(tmp: Path, prefix: str, ready: bool, owner_pid: int) -> dict[str, obj
 def test_live_reads_the_state_and_checks_the_recorded_processes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kproxy.lab import cluster
+    from kproxy.lab import cluster, state
     from kproxy.lab.cli import live_lab_problem
 
-    monkeypatch.setattr(cluster, "STATE_ROOT", tmp_path)
-    d = cluster.state_dir_for("kpu-")
+    monkeypatch.setattr(state, "STATE_ROOT", tmp_path)
+    d = state.state_dir_for("kpu-")
     assert d == tmp_path / "prefix" / "kpu"
     assert cluster.Lab.live(prefix="kpu-") is None  # no state at all
     (d / "pids").mkdir(parents=True)

@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 
+from kproxy.backend import LedgerProxier
+from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
 from kproxy.fake import FakeProxier
-from kproxy.ledger import MAX_ROUNDS, Applied, Batch, LedgerProxier
+from kproxy.ledger import MAX_ROUNDS
 from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
 from kproxy.nodeaddr import FamilyContext
 
@@ -48,7 +50,7 @@ def partial(*names: str) -> Changes:
     return Changes(full=False, services=frozenset(spn(n) for n in names))
 
 
-def v4_batches(fake: FakeProxier) -> list[Batch[ServicePort, FamilyContext]]:
+def v4_batches(fake: FakeProxier) -> list[Batch[ServicePort, FamilyContext, None, None]]:
     return [b for b in fake.batches if b.family is IPFamily.V4]
 
 
@@ -118,7 +120,7 @@ def test_a_refused_update_keeps_the_old_version_and_a_refused_new_service_is_lef
     assert not fake.describe()["services"]["ns/a:http/TCP"]["IPv4"]["failed"]
 
 
-class Refusing(LedgerProxier[ServicePort, FamilyContext]):
+class Refusing(LedgerProxier[ServicePort, FamilyContext, None, None, None]):
     """A backend whose 'kernel' refuses what ``refuse`` says, however often; or raises."""
 
     mode = "refusing"
@@ -127,7 +129,7 @@ class Refusing(LedgerProxier[ServicePort, FamilyContext]):
         super().__init__(ProxyConfig(ip_families=(IPFamily.V4, IPFamily.V6)))
         self.refuse: dict[IPFamily, set[ServicePortName]] = {IPFamily.V4: set(), IPFamily.V6: set()}
         self.raise_in: set[IPFamily] = set()
-        self.applied: list[Batch[ServicePort, FamilyContext]] = []
+        self.applied: list[Batch[ServicePort, FamilyContext, None, None]] = []
         self.gate: threading.Event | None = None
         self.entered = threading.Event()  # set when an apply has begun (and waits on ``gate``, if any)
 
@@ -137,7 +139,7 @@ class Refusing(LedgerProxier[ServicePort, FamilyContext]):
     def render(self, sp: ServicePort, ctx: FamilyContext) -> ServicePort:
         return sp
 
-    def apply(self, batch: Batch[ServicePort, FamilyContext]) -> Applied:
+    def apply(self, batch: Batch[ServicePort, FamilyContext, None, None]) -> Applied:
         self.entered.set()
         if self.gate is not None:
             self.gate.wait(10)
@@ -158,12 +160,13 @@ def test_a_service_refused_every_round_fails_the_family_and_the_other_family_syn
     r.refuse[IPFamily.V6] = {a6.name}
     res = r.sync(state(sp("a", 2), sp("a", 2, IPFamily.V6)), partial("a"))
     assert res.ok and res.failed == {a6.name: "refused"}  # kept its old version, then left out: the family goes on
-    assert a6.name not in r.records[IPFamily.V6].fragments and r.records[IPFamily.V4].fragments[a4.name] == sp("a", 2)
+    records = r.ledger.records
+    assert a6.name not in records[IPFamily.V6].fragments and records[IPFamily.V4].fragments[a4.name] == sp("a", 2)
     r.raise_in = {IPFamily.V6}
     res = r.sync(state(sp("a", 3), sp("a", 3, IPFamily.V6)), partial("a"))
     assert not res.ok and res.failed_families == {IPFamily.V6} and "backend bug" in (res.error or "")
-    assert r.records[IPFamily.V4].fragments[a4.name] == sp("a", 3)  # IPv4 was programmed all the same
-    assert r.records[IPFamily.V6].need_full and r.records[IPFamily.V6].context is None
+    assert records[IPFamily.V4].fragments[a4.name] == sp("a", 3)  # IPv4 was programmed all the same
+    assert records[IPFamily.V6].need_full and records[IPFamily.V6].context is None
     r.raise_in, r.refuse[IPFamily.V6] = set(), set()
     r.applied.clear()
     res = r.sync(state(sp("a", 3), sp("a", 3, IPFamily.V6)), partial("a"))
@@ -173,7 +176,7 @@ def test_a_service_refused_every_round_fails_the_family_and_the_other_family_syn
 
 def test_rounds_are_bounded() -> None:
     class Endless(Refusing):
-        def apply(self, batch: Batch[ServicePort, FamilyContext]) -> Applied:
+        def apply(self, batch: Batch[ServicePort, FamilyContext, None, None]) -> Applied:
             self.applied.append(batch)
             fresh = [d.name for d in batch.deltas if d.new_fragment is not None]
             if fresh:
@@ -274,13 +277,13 @@ def test_the_fault_switch_fails_applies_and_counts_down(tmp_path: Any, monkeypat
     """kproxy soak's "failed kernel apply": N owed failures, each a failed family (a full sync follows), then none."""
     from kproxy.ledger import FAULT_SWITCH
 
+    monkeypatch.setenv(FAULT_SWITCH, str(tmp_path))  # read once, when the ledger is made (as a daemon starts)
     fake = FakeProxier(ProxyConfig(hostname_override="node-9", ip_families=(IPFamily.V4,)))
     a = sp("a")
     assert fake.sync(state(a), Changes(full=True)).ok
     (tmp_path / "node-9").mkdir()
     switch = tmp_path / "node-9" / "fail-apply"
     switch.write_text("1\n")
-    monkeypatch.setenv(FAULT_SWITCH, str(tmp_path))
     res = fake.sync(state(sp("a", 2)), partial("a"))
     assert not res.ok and "injected" in (res.error or "") and switch.read_text().strip() == "0"
     assert fake.programmed[("IPv4", a.name)] == a  # nothing applied

@@ -21,7 +21,7 @@ TABLE = ROOT / "proxier.py"
 # masqueradeBit, syncPeriod), which kproxy reads and writes as upstream does whatever the mode.
 # And the machine facts of ``kproxy compare`` name the iptables tool's version, whatever modes ran; libnftables'
 # JSON output is a document whose top key is "nftables" (nftkernel.py reads it for every mode that uses nft).
-ALLOWED = {("config.py", "iptables"), ("compare.py", "iptables"), ("nftkernel.py", "nftables")}
+ALLOWED = {("config.py", "iptables"), ("results.py", "iptables"), ("nftkernel.py", "nftables")}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

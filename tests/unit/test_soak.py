@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from kproxy.ledger import describe_port
 from kproxy.model import IPFamily
+from kproxy.readback import describe_port
 from kproxy.soak.churn import NAMESPACE, Churn, PodRef, Write, api_differences
 from kproxy.soak.cli import register
 from kproxy.soak.expect import differences, expected_services
