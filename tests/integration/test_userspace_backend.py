@@ -316,7 +316,7 @@ print(len(answers), len(set(answers)))
     out = run_in(lab.client, code, timeout=120)
     assert out == "1000 2"
     # every one of them was open at once, each relayed by the one loop thread (no thread per connection)
-    assert proxier.engine.peak_connections >= 1000
+    assert proxier.engine.counters.peak_connections >= 1000
     assert threading.active_count() < 50
 
 
@@ -358,7 +358,7 @@ def test_proxy_port_range(lab: Lab) -> None:
         assert res.ok and not res.failed and len(res.refused) == 1
         why = next(iter(res.refused.values()))
         assert why == "capacity: needs 1 service ports; this mode holds at most 3 per family (3 in use)"
-        assert sorted(p._ports.values()) == [41000, 41001, 41002]
+        assert sorted(p.bound.values()) == [41000, 41001, 41002]
         served = [s.port for s in four if s.name not in res.refused]
         assert len(served) == 3
         for port in served:
@@ -402,7 +402,7 @@ print(ok, bad)
 def test_a_second_instance_in_one_process_takes_the_sockets_over(lab: Lab, proxier: UserspaceProxier) -> None:
     st = state(sp("web", TWO), sp("dns", TWO, Protocol.UDP))
     assert proxier.sync(st, Changes(full=True)).ok
-    ports = dict(proxier._ports)
+    ports = dict(proxier.bound)
     fresh = UserspaceProxier(CFG, netns=lab.node)
     fresh.start()
     try:
@@ -410,7 +410,7 @@ def test_a_second_instance_in_one_process_takes_the_sockets_over(lab: Lab, proxi
         assert (
             res.ok and res.family(IPFamily.V4).figures["elements_added"] == 0
         )  # the same ports, handed over: nothing written
-        assert fresh._ports == ports and proxier._ports == {}
+        assert fresh.bound == ports and proxier.bound == {}
         assert set(tcp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
         assert set(udp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
     finally:
@@ -435,7 +435,7 @@ def test_proxy_ports_take_only_redirected_traffic(lab: Lab, proxier: UserspacePr
     assert res.ok and not res.failed, res.error
 
     def port(s: ServicePort) -> int:
-        return proxier._ports[(s.family, s.name, "c")]
+        return proxier.bound[(s.family, s.name, "c")]
 
     # the redirected paths work: ClusterIP from a pod and from the node, NodePort and externalIP from outside
     assert tcp(lab.client, CIP)[0] in ("ep1", "ep2")
@@ -460,8 +460,8 @@ def test_a_flushed_guard_is_reported_and_rewritten(lab: Lab, proxier: UserspaceP
     next full sync writes the range back, so a direct connection is refused again."""
     st = state(sp("web", TWO))
     assert proxier.sync(st, Changes(full=True)).ok
-    port = proxier._ports[(IPFamily.V4, spn("web"), "c")]
-    lo, hi = proxier.port_span()
+    port = proxier.bound[(IPFamily.V4, spn("web"), "c")]
+    lo, hi = proxier.pool.span()
     assert lo <= port <= hi and (lo, hi) == (20000, 29999)  # the dedicated default range
     nft = ["ip", "netns", "exec", lab.node, "nft", "flush", "set", "ip", render.TABLE, render.PROXY_PORTS]
     subprocess.run(nft, check=True, timeout=30, capture_output=True)
@@ -490,7 +490,7 @@ def test_a_restart_with_another_range_moves_the_ports_and_the_guard(lab: Lab) ->
     second = UserspaceProxier(cfg, netns=lab.node)
     try:
         assert second.sync(st, Changes(full=True)).ok
-        assert all(41000 <= p <= 41009 for p in second._ports.values()), second._ports
+        assert all(41000 <= p <= 41009 for p in second.bound.values()), second.bound
         listed = subprocess.run(
             ["ip", "netns", "exec", lab.node, "nft", "list", "set", "ip", render.TABLE, render.PROXY_PORTS],
             check=True,
@@ -501,7 +501,7 @@ def test_a_restart_with_another_range_moves_the_ports_and_the_guard(lab: Lab) ->
         assert "41000-41009" in listed and "20000" not in listed, listed
         assert set(tcp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
         assert set(udp(lab.client, CIP, count=2)) == {"ep1", "ep2"}
-        web = second._ports[(IPFamily.V4, spn("web"), "c")]
+        web = second.bound[(IPFamily.V4, spn("web"), "c")]
         assert tcp(lab.client, NODE_IP, web) == ["ConnectionRefusedError"]
     finally:
         second.close()
