@@ -558,5 +558,5 @@ def test_no_new_connection_is_reset_while_syncs_run(lab: Lab, proxier: Userspace
     got = json.loads(out)
     assert got["done"] == CONNECTIONS, got
     assert got["bad"] == [], (got["bad"][:10], proxier.engine.stats())
-    assert syncs > 50 and full > 10, (syncs, full)  # the syncs really ran alongside
+    assert syncs >= 20 and full >= 4, (syncs, full)  # the syncs really ran alongside
     assert proxier.engine.stats()["failedDials"] == 0
