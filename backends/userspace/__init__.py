@@ -2,13 +2,13 @@
 to be fast. kproxy itself holds one proxy socket per service port and relays every connection; redirect rules in a
 table of this mode's own send service traffic to those sockets.
 
-Modules: ``render`` (pure: a ServicePort to a fragment of redirect elements and listeners; the table's text),
-``proxier`` (``UserspaceProxier`` on the core's ledger: proxy sockets, one nft transaction per batch, adoption,
-cleanup, remnants, kernel_view, trace: the packet explainer), ``datapath`` (the event loop: accept, dial, relay, UDP
-sessions, round robin and affinity), ``inspect``
-(what ``kproxy verify`` and a full sync's repair read back: the table with its fixed rules, the namespace's listening
-sockets from the kernel, which are this process's own and which service each serves in the data path).
-libnftables is reached through the core's ``kproxy.nftkernel``.
+Modules: ``render`` (pure: a ServicePort to a fragment of redirect elements and listeners; the table's text and a
+batch's transaction), ``proxier`` (``UserspaceProxier``: the ledger's protocol, one nft transaction per batch),
+``adopt`` (the table and the data path read back, for adoption and for ``kproxy verify``), ``cleanup`` (remnants,
+kernel view, deleting the tables), ``trace`` (the packet explainer), ``kernel`` (libnftables, the socket tables, the
+open-file limit, the bench's floor), ``ports`` (``--proxy-port-range`` and the proxy port allocator), and the data
+path: ``datapath`` (the event loop thread), ``tcp`` (accept, dial, splice relay), ``udp`` (sessions), ``balancer``
+(round robin and affinity), ``stats`` (its counters). libnftables is reached through the core's ``kproxy.nftkernel``.
 
 Layout (table ``kproxy-userspace`` in family ``ip`` and again in ``ip6``; nothing outside it, never another table;
 the nftables mode's table is named ``kproxy``):
@@ -50,7 +50,7 @@ port of it held is refused with ``ProxyPortsExhausted`` (the ledger reports it f
 Upstream's design was
 kept rather than one socket per protocol with ``SO_ORIGINAL_DST``: that option exists for TCP only (UDP would need
 TPROXY and ``IP_RECVORIGDSTADDR``), it costs a getsockopt per connection, and a socket per port costs one
-descriptor (10,000 services: 10,000 descriptors; ``start`` raises the soft open-file limit to the hard one).
+descriptor (``start`` raises the soft open-file limit to the hard one).
 
 Data path (``datapath.py``): one asyncio event loop in a thread of its own, in the backend's namespace; no thread
 per connection. TCP: accept in batches, round robin over the endpoints the cache chose (shuffled on each change),
@@ -77,7 +77,7 @@ the new list). Full batches diff everything wanted against what ``adopt`` read, 
 rules name (``SO_REUSEADDR``) and writes nothing when it can; a second instance in the same process (``kproxy bench
 sync``'s restart figure) takes the sockets over from the first; a restart with another range binds every socket anew
 inside it and rewrites ``proxy-ports``. kproxy picks proxy ports itself, walking the range: the kernel's bind(0)
-searches for a free port for every socket, which is forty times slower at 10,000 sockets. libnftables (1.0.6)
+searches for a free port for every socket, which is far slower at thousands of sockets. libnftables (1.0.6)
 ``select()``s on its netlink socket and aborts the process when that descriptor is 1024 or above, so its context is
 opened before any proxy socket (``kproxy.nftkernel``). The "is my table still there" check before a partial sync lists
 the one-element ``proxy-ports`` set, at most once a second per family: nft 1.0.6 lists a chain by fetching the whole
@@ -92,8 +92,7 @@ fixed part is damaged (in one transaction, the sockets kept) and binds new socke
 (from the kernel's socket table); the data path notices a listener destroyed under it (``ss -K``: accept fails with
 EINVAL) and the next partial sync becomes a full one. Before partial syncs, at most once a second, kproxy lists the
 small ``proxy-ports`` set (a deleted table, or the set emptied or changed: the guard off), and at most once per sync
-period the table without elements (0.15 s at 10,000 services) to compare the fixed rules (a flushed table keeps its
-sets; a deleted rule).
+period the table without elements to compare the fixed rules (a flushed table keeps its sets; a deleted rule).
 
 Restart: established connections are the proxy process's own sockets, so they end when it stops (by nature of this
 mode; upstream's userspace proxier behaved the same); the redirect rules stay, and new connections are refused from
@@ -110,8 +109,8 @@ Where kproxy deviates from upstream's userspace mode, and why:
   (the input guard above); upstream's were reachable directly on every address of the node, from any host, and
   came from the ephemeral range by default.
 
-Conformance scenarios not applicable to this mode (``UserspaceProxier.not_applicable``): ``source-ip`` and
-``etp-local`` (the endpoint sees the node, never the client's address), ``dual-stack`` (its IPv6 check needs the
-remote backend to see the client pod's IPv6 address; IPv6 and dual-stack services are served), ``restart`` (an
-established connection lives in the proxy process and ends with it).
+Conformance: ``source-ip`` is not applicable (the endpoint sees the node, never the client's address); declared parts
+(``UserspaceProxier.not_applicable_parts``): the client address of ``etp-local`` and ``dual-stack``, the held
+connections of ``restart`` and ``mode-switch`` (an established connection is one of the proxy process's own sockets
+and ends with that process), and the while-down window of ``restart``, ``mode-switch`` and ``address-collision``.
 """

@@ -1,8 +1,9 @@
 """Pure rendering of the userspace mode: one ServicePort to a ``Fragment`` (its redirect elements and the listeners
 its proxy sockets serve), and the nftables text of this mode's own table.
 
-Nothing here touches the kernel or a socket, so unit tests assert on exact fragments and commands. The layout and
-the reasons for it are in ``backends/userspace/__init__.py``.
+Nothing here touches the kernel or a socket, so unit tests assert on exact fragments and commands; a batch's
+transaction (``Tx``: the table's fixed part, its sets, the element diff) is built here too, from plain values. The
+layout and the reasons for it are in ``backends/userspace/__init__.py``.
 
 A fragment names its listeners by *role*: ``c`` serves every address of the service (internal and external traffic
 go to the same endpoints), or ``i`` (ClusterIP) and ``e`` (NodePort, externalIPs, load-balancer IPs) when a Local
@@ -14,14 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
-from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, Verdict
+from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName, Verdict
 from kproxy.nodeaddr import FamilyContext
 from kproxy.toolkit.cidr import Network, all_but_loopback
 from kproxy.toolkit.keys import service_key as service_key
 from kproxy.toolkit.nft import nft_family as nft_family
+from kproxy.toolkit.nft import owner_at
 
 TABLE = "kproxy-userspace"
 #: bumped whenever the fixed part's shape changes: a table of another layout is replaced whole
@@ -301,3 +303,107 @@ def element_line(family: IPFamily, op: str, map_: str, key: str, value: str, com
         return f"delete element {f} {TABLE} {map_} {{ {key} }}"
     data = f" : {value}" if value else ""
     return f'add element {f} {TABLE} {map_} {{ {key} comment "{comment}"{data} }}'
+
+
+# ------------------------------------------------------------------------------------------------ transactions
+
+ElemKey = tuple[str, str]  # (map, key)
+Elements = frozenset[tuple[str, str, str]]  # (map, key, value) of one service
+
+
+@dataclass(slots=True)
+class Tx:
+    """One transaction's lines and, per line, the service that owns it (to map a refused line back)."""
+
+    lines: list[str] = field(default_factory=list)
+    owners: list[ServicePortName | None] = field(default_factory=list)
+
+    def add(self, line: str, owner: ServicePortName | None = None) -> None:
+        self.lines.append(line)
+        self.owners.append(owner)
+
+    def owner_of(self, line: int) -> ServicePortName | None:
+        return owner_at(self.owners, line)
+
+    def text(self) -> str:
+        return "".join(ln + "\n" for ln in self.lines)
+
+    def figures(self) -> dict[str, int]:
+        return {
+            "commands": len(self.lines),
+            "elements_added": sum(1 for ln in self.lines if ln.startswith("add element")),
+            "elements_deleted": sum(1 for ln in self.lines if ln.startswith("delete element")),
+        }
+
+
+def table_lines(
+    tx: Tx, family: IPFamily, *, fresh: bool, replace: bool, cidrs: tuple[str, ...] | None, span: str | None
+) -> None:
+    """A full batch's table part: the fixed part when ``fresh`` (a table there, ``replace``: deleted in the same
+    transaction), and the ``nodeport-cidrs`` and guard's ``proxy-ports`` sets rewritten with ``cidrs`` and ``span``
+    (None: the kernel holds them already)."""
+    f, t = nft_family(family), TABLE
+    if fresh:
+        if replace:  # unreadable or another layout: replaced in one transaction
+            tx.add(f"add table {f} {t}")
+            tx.add(f"delete table {f} {t}")
+        for line in fixed_commands(family):
+            tx.add(line)
+    if cidrs is not None:
+        if not fresh:
+            tx.add(f"flush set {f} {t} {NODEPORT_CIDRS}")
+        if cidrs:
+            tx.add(f"add element {f} {t} {NODEPORT_CIDRS} {{ {', '.join(cidrs)} }}")
+    if span is not None:
+        if not fresh:
+            tx.add(f"flush set {f} {t} {PROXY_PORTS}")
+        tx.add(f"add element {f} {t} {PROXY_PORTS} {{ {span} }}")
+
+
+def full_element_lines(
+    tx: Tx,
+    family: IPFamily,
+    kernel: Mapping[ElemKey, tuple[str, str]],
+    want: Mapping[ServicePortName, Elements],
+    comments: Mapping[ServicePortName, str],
+) -> None:
+    """A full batch's elements: what ``want`` holds against what the ``kernel`` holds ((map, key) -> (value,
+    comment)): deletes of what differs or nobody wants, then adds."""
+    if not kernel:  # nothing there (a fresh table): every element is an add, no diff to compute
+        for spn, elems in want.items():
+            c = comments[spn]
+            for m, k, v in elems:
+                tx.add(element_line(family, "add", m, k, v, c), spn)
+        return
+    desired: dict[ElemKey, tuple[str, ServicePortName]] = {}
+    for spn, elems in want.items():
+        for m, k, v in elems:
+            desired[(m, k)] = (v, spn)
+    for mk, (v, c) in kernel.items():
+        if mk not in desired or desired[mk][0] != v or comments.get(desired[mk][1]) != c:
+            tx.add(element_line(family, "delete", mk[0], mk[1], "", ""))
+    for mk, (v, spn) in desired.items():
+        if mk not in kernel or kernel[mk][0] != v or kernel[mk][1] != comments[spn]:
+            tx.add(element_line(family, "add", mk[0], mk[1], v, comments[spn]), spn)
+
+
+def delta_element_lines(
+    tx: Tx,
+    family: IPFamily,
+    names: Iterable[ServicePortName],
+    written: Mapping[ServicePortName, Elements],
+    want: Mapping[ServicePortName, Elements],
+    comments: Mapping[ServicePortName, str],
+) -> None:
+    """A partial batch's elements: for each of ``names``, what was ``written`` against what it ``want``s now (a
+    service absent from ``want`` is removed): every delete first, then the adds."""
+    adds: list[tuple[str, str, str, ServicePortName]] = []
+    for spn in names:
+        old_keys = {(m, k): v for m, k, v in written.get(spn, frozenset())}
+        new_keys = {(m, k): v for m, k, v in want.get(spn, frozenset())}
+        for mk, v in old_keys.items():
+            if new_keys.get(mk) != v:
+                tx.add(element_line(family, "delete", mk[0], mk[1], "", ""), spn)
+        adds += [(m, k, v, spn) for (m, k), v in new_keys.items() if old_keys.get((m, k)) != v]
+    for m, k, v, spn in adds:
+        tx.add(element_line(family, "add", m, k, v, comments[spn]), spn)

@@ -200,7 +200,7 @@ SWITCH_STEADY_S = 2.0  # seconds of traffic after each switch's first sync
     "mode-switch",
     "another mode replaces the running one under traffic, and back",
     timeout_s=200,
-    parts={"held-connections", "while-down", "hand-over-reset"},
+    parts={"held-connections", "while-down"},
 )
 def mode_switch(ctx: Context) -> None:
     """``kproxy run --mode B`` replaces a running ``--mode A`` on a node, under traffic, for every other available
@@ -292,28 +292,17 @@ def _switch_through(ctx: Context, node: Any, switches: list[str], phase: list[st
         previous = mode
 
 
-def _judge_new_connections(ctx: Context, probes: list[tuple[str, str, Probe]]) -> list[tuple[str, str, Probe]]:
-    """Every new connection made during the switches answered, but those the mode declares away: from its stop
-    until the next mode's first sync (``while-down``), and one reset per target as it takes over
-    (``hand-over-reset``). Returns the connections judged."""
+def _judge_new_connections(ctx: Context, probes: list[tuple[str, str, str, Probe]]) -> list[tuple[str, str, Probe]]:
+    """Every new connection made during the switches answered, but those the mode declares away: started or ended
+    from its stop until the next mode's first sync (``while-down``: its connections end with its process). Returns
+    the connections judged."""
     down = ctx.skips("while-down")  # from A's stop until B's first sync nothing of A's answers: not judged
-    judged = [
-        (ph, what, p)
-        for ph, what, p in probes
-        if not (down and ph.startswith(f"{ctx.mode} -> ") and ph.endswith(": starting"))
-    ]
+
+    def stopped(ph: str) -> bool:  # the mode's process was stopped: a probe in flight then ends with it
+        return ph.startswith(f"{ctx.mode} -> ") and ph.endswith(": starting")
+
+    judged = [(ph, what, p) for ph, end, what, p in probes if not (down and (stopped(ph) or stopped(end)))]
     failed = [(ph, what, p) for ph, what, p in judged if not all(getattr(r, "ok", False) for r in p.results)]
-    if ctx.skips("hand-over-reset"):  # declared: at most one reset per target as the mode takes over
-        taking_over = f"-> {ctx.mode}: {ctx.mode} running"
-        first: set[tuple[str, str]] = set()
-        kept = []
-        for ph, what, p in failed:
-            refused = all("refused" in str(getattr(r, "error", "") or r) for r in p.results if not r.ok)
-            if ph.endswith(taking_over) and refused and (ph, what) not in first:
-                first.add((ph, what))
-                continue
-            kept.append((ph, what, p))
-        failed = kept
     ctx.expect(
         judged and not failed,
         f"{len(failed)} of {len(judged)} new connections judged failed during the mode switches",

@@ -103,15 +103,16 @@ class FailedResult:
 
 class Prober:
     """New TCP connections to each of ``targets`` (what -> (source, host, port)), one round every ``interval`` s, in a
-    thread of its own while a scenario changes things; each result is kept with the phase (``phase[0]``, set by the
-    scenario) it was sent in. A probe that raises is recorded as failed, for the scenario to judge."""
+    thread of its own while a scenario changes things; each result is kept with the phases (``phase[0]``, set by the
+    scenario) it started and ended in: a probe still in flight when the phase changed (a kill landed while it ran)
+    belongs to both. A probe that raises is recorded as failed, for the scenario to judge."""
 
     def __init__(
         self, ctx: Context, targets: Mapping[str, tuple[Any, str, int]], first_phase: str, interval: float
     ) -> None:
         self.ctx, self.targets, self.interval = ctx, dict(targets), interval
         self.phase = [first_phase]
-        self.records: list[tuple[str, str, Probe]] = []  # (phase, target, probe)
+        self.records: list[tuple[str, str, str, Probe]] = []  # (phase at the start, at the end, target, probe)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -122,17 +123,18 @@ class Prober:
 
     @property
     def probes(self) -> list[tuple[str, Probe]]:
-        """(phase, probe) of every connection, whatever its target."""
-        return [(ph, pr) for ph, _, pr in self.records]
+        """(phase, probe) of every connection, whatever its target; ``A -> B`` for one that spanned a change."""
+        return [(start if start == end else f"{start} -> {end}", pr) for start, end, _, pr in self.records]
 
     def _run(self) -> None:
         while not self._stop.is_set() and self.ctx.remaining() > 5:
             for what, (src, host, port) in self.targets.items():
+                start = self.phase[0]
                 try:
-                    self.records.append((self.phase[0], what, self.ctx.probe(src, host, port, count=1, timeout=1.0)))
+                    probe = self.ctx.probe(src, host, port, count=1, timeout=1.0)
                 except Exception as exc:  # recorded, judged by the scenario
-                    failed = Probe(name_of(src), "tcp", host, port, [FailedResult(str(exc))])
-                    self.records.append((self.phase[0], what, failed))
+                    probe = Probe(name_of(src), "tcp", host, port, [FailedResult(str(exc))])
+                self.records.append((start, self.phase[0], what, probe))
             time.sleep(self.interval)
 
     def __enter__(self) -> Prober:

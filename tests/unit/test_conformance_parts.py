@@ -28,7 +28,7 @@ from .test_conformance_judge import Api, Clock, R, RunnerLab, ans, answering, er
 
 # What each mode cannot do, exactly: a scenario or part added to a mode's declaration, or dropped from it, fails here.
 SCENARIOS_NOT_APPLICABLE: dict[str, set[str]] = {
-    "userspace": {"source-ip", "restart"},
+    "userspace": {"source-ip"},
     "iptables": set(),
     "nftables": set(),
     "bpf": set(),
@@ -38,7 +38,8 @@ PARTS_NOT_APPLICABLE: dict[str, dict[str, set[str]]] = {
         "etp-local": {"client-ip"},
         "address-collision": {"while-down"},
         "dual-stack": {"client-ip", "kernel-counters"},
-        "mode-switch": {"held-connections", "while-down", "hand-over-reset"},
+        "restart": {"held-connection", "while-down"},
+        "mode-switch": {"held-connections", "while-down"},
     },
     "iptables": {},
     "nftables": {},

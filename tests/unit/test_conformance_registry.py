@@ -48,7 +48,7 @@ FIELDS = {
     "udp-conntrack": ("udp_conntrack", (), 90.0, ("stale-entry",)),
     "restart": ("restart", (), 90.0, ("held-connection", "while-down")),
     "cleanup": ("cleanup", (), 150.0, ()),
-    "mode-switch": ("mode_switch", (), 200.0, ("hand-over-reset", "held-connections", "while-down")),
+    "mode-switch": ("mode_switch", (), 200.0, ("held-connections", "while-down")),
     "dual-stack": ("dual_stack", ("ipv6",), 90.0, ("client-ip", "kernel-counters", "kernel-rules")),
     "scale-smoke": ("scale_smoke", (), 280.0, ()),
 }

@@ -9,14 +9,9 @@ from types import MappingProxyType
 
 import pytest
 
-from kproxy.backends.userspace import inspect, render
-from kproxy.backends.userspace.proxier import (
-    DEFAULT_PORT_RANGE,
-    PortRange,
-    ProxyPortsExhausted,
-    UserspaceProxier,
-    parse_port_range,
-)
+from kproxy.backends.userspace import adopt, render
+from kproxy.backends.userspace.ports import DEFAULT_PORT_RANGE, PortRange, ProxyPortsExhausted, parse_port_range
+from kproxy.backends.userspace.proxier import UserspaceProxier
 from kproxy.config import ProxyConfig
 from kproxy.model import IPFamily
 from kproxy.proxier import BackendError
@@ -54,31 +49,32 @@ def test_default_range_is_dedicated_and_sized() -> None:
     assert not ports & set(NODEPORTS) and not ports & set(EPHEMERAL)
     assert not ports & set(range(10248, 10261))  # kubelet's and kube-proxy's own ports
     p = UserspaceProxier(ProxyConfig(ip_families=(IPFamily.V4,)))
-    assert p.port_range == (lo, hi) and p.port_span() == (lo, hi)
-    assert p.proxy_port_capacity() == hi - lo + 1 == 10000
-    assert proxier("41000+3").proxy_port_capacity() == 3
+    assert p.pool.range == (lo, hi) and p.pool.span() == (lo, hi)
+    assert p.pool.capacity() == hi - lo + 1 == 10000
+    assert p.limits(IPFamily.V4).service_ports == 10000
+    assert proxier("41000+3").pool.capacity() == 3
 
 
 def test_allocator_walks_the_range_and_skips_held_ports() -> None:
     p = proxier("41000+4")
     af = 2  # AF_INET
-    p._used.add((af, "tcp", 41001))
-    first = list(p._candidates(af, "tcp"))
+    p.pool.used.add((af, "tcp", 41001))
+    first = list(p.pool.candidates(af, "tcp"))
     assert sorted(first) == [41000, 41002, 41003]  # each free port once, the held one never
-    assert sorted(p._candidates(af, "udp")) == [41000, 41001, 41002, 41003]  # UDP ports are counted apart
-    p._used.add((af, "tcp", first[0]))
-    nxt = next(p._candidates(af, "tcp"))
+    assert sorted(p.pool.candidates(af, "udp")) == [41000, 41001, 41002, 41003]  # UDP ports are counted apart
+    p.pool.used.add((af, "tcp", first[0]))
+    nxt = next(p.pool.candidates(af, "tcp"))
     assert nxt == first[1]  # the cursor goes on from the last port handed out
-    assert p.in_span(41003) and not p.in_span(41004) and not p.in_span(40999)
+    assert p.pool.contains(41003) and not p.pool.contains(41004) and not p.pool.contains(40999)
 
 
 def test_exhausted_range_refuses_with_a_typed_error_and_makes_no_socket() -> None:
     p = proxier("41000+3")
     for port in (41000, 41001, 41002):
-        p._used.add((2, "tcp", port))
-    assert list(p._candidates(2, "tcp")) == []
+        p.pool.used.add((2, "tcp", port))
+    assert list(p.pool.candidates(2, "tcp")) == []
     with pytest.raises(ProxyPortsExhausted) as err:
-        p._bind(IPFamily.V4, "tcp", 45000)  # a port its rules named from an earlier range is not taken either
+        p.pool.bind(IPFamily.V4, "tcp", 45000)  # a port its rules named from an earlier range is not taken either
     exc = err.value
     assert isinstance(exc, BackendError)
     assert (exc.family, exc.proto, exc.span, exc.held, exc.busy) == (IPFamily.V4, "tcp", (41000, 41002), 3, 0)
@@ -86,7 +82,7 @@ def test_exhausted_range_refuses_with_a_typed_error_and_makes_no_socket() -> Non
         "no proxy port free in --proxy-port-range 41000-41002 (3 ports) for IPv4 TCP: 3 held by this proxy's "
         "sockets, 0 by other sockets; widen the range"
     )
-    assert p._used == {(2, "tcp", 41000), (2, "tcp", 41001), (2, "tcp", 41002)}
+    assert p.pool.used == {(2, "tcp", 41000), (2, "tcp", 41001), (2, "tcp", 41002)}
 
 
 def test_the_input_guard_in_the_fixed_table() -> None:
@@ -99,12 +95,12 @@ def test_the_input_guard_in_the_fixed_table() -> None:
         assert f"add rule {f} {t} input meta l4proto {{ tcp, udp }} th dport @proxy-ports jump proxy-guard" in cmds
         guard = [c.split(f" {render.GUARD} ", 1)[1] for c in cmds if c.startswith(f"add rule {f} {t} {render.GUARD} ")]
         assert guard == ["ct direction reply accept", "ct status dnat accept", "reject with tcp reset", "reject"]
-        fixed = inspect.expected_fixed(fam)
+        fixed = adopt.expected_fixed(fam)
         assert fixed.hooks["input"] == ("filter", "input", "accept")
         assert render.PROXY_PORTS in fixed.maps
     # "dnat" after "ct status" is a value, not a dnat statement: the signature matches libnftables' JSON listing
-    assert inspect.text_signature("ct status dnat accept") == {"ct.status", "accept"}
-    assert inspect.json_signature(
+    assert adopt.text_signature("ct status dnat accept") == {"ct.status", "accept"}
+    assert adopt.json_signature(
         [{"match": {"op": "in", "left": {"ct": {"key": "status"}}, "right": "dnat"}}, {"accept": None}]
     ) == {"ct.status", "accept"}
     assert render.proxy_ports_element((20000, 29999)) == "20000-29999"

@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 
 from kproxy.backends.userspace import render
-from kproxy.backends.userspace.datapath import Balancer
-from kproxy.backends.userspace.proxier import Duration, UserspaceProxier, parse_port_range
+from kproxy.backends.userspace.balancer import Balancer
+from kproxy.backends.userspace.ports import parse_port_range
+from kproxy.backends.userspace.proxier import UserspaceProxier
+from kproxy.backends.userspace.udp import Duration
 from kproxy.conformance.scenarios import SCENARIO_IDS
 from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
 from kproxy.nodeaddr import FamilyContext
@@ -127,11 +129,11 @@ def test_options_and_not_applicable() -> None:
     assert Duration("250ms") == 0.25 and Duration("2s") == 2.0 and Duration("0.5") == 0.5
     na = UserspaceProxier.not_applicable({})
     assert set(na) <= set(SCENARIO_IDS)
-    assert set(na) == {"source-ip", "restart"}  # the rest of what it cannot do is declared per part
+    assert set(na) == {"source-ip"}  # the rest of what it cannot do is declared per part
 
 
 def test_reading_the_table_back() -> None:
-    from kproxy.backends.userspace.proxier import Adopted
+    from kproxy.backends.userspace.adopt import Adopted
     from kproxy.toolkit.cidr import spans
     from kproxy.toolkit.nft import elements
 

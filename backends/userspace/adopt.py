@@ -1,14 +1,14 @@
-"""What the userspace mode holds, read back for ``kproxy verify`` and for a full sync's repair: this mode's table
-(maps, sets, chains, the fixed rules), the namespace's listening sockets from the kernel's socket tables, which of
-them are this process's own, and which service each of those serves in the data path.
+"""What the userspace mode's table and data path hold, read back: once per full sync (``read``: adoption, so a restart
+rebinds the ports its rules name and writes nothing when it can) and for ``kproxy verify`` (``View``, judged by
+``service_problems`` and ``extra``).
 
 Nothing here trusts the ledger or the proxier's own records: the table comes from libnftables' ``list table``, the
-sockets from ``/proc/thread-self/net/{tcp,tcp6,udp,udp6}`` read in the backend's namespace (the kernel's socket
-tables), ownership from this process's descriptors (``/proc/self/fd`` -> ``socket:[inode]``), and what a socket
-serves from the data path's own listener table (the loop that relays the connections, not a record of what was
-written). So ``verify`` finds a redirect rule deleted by hand, a flushed table (rules gone, maps left), an element
-changed by hand (a verdict, or a port that now names another service's socket or none), a proxy socket closed by
-hand (``ss -K``) or a port another process took, and a listener whose endpoints the data path did not take.
+sockets from the kernel's socket tables of the backend's namespace (``kernel.listening``), ownership from this
+process's descriptors, and what a socket serves from the data path's own listener table (the loop that relays the
+connections, not a record of what was written). So ``verify`` finds a redirect rule deleted by hand, a flushed
+table (rules gone, maps left), an element changed by hand (a verdict, or a port that now names another service's
+socket or none), a proxy socket closed by hand (``ss -K``) or a port another process took, and a listener whose
+endpoints the data path did not take.
 
 The fixed rules are compared by *signature* (the maps and sets a rule names, its jump/goto targets, its payload and
 meta fields, its redirect/reject/drop/vmap statements) rather than by text: libnftables prints rules in its own
@@ -19,7 +19,7 @@ same fields (another address in a match) is not seen.
 
 from __future__ import annotations
 
-import os
+import logging
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -35,12 +35,13 @@ from kproxy.toolkit.verify import Findings
 from . import render
 from .render import Fragment
 
+log = logging.getLogger(__name__)
+
 Signature = frozenset[str]
+ElemKey = tuple[str, str]  # (map, key)
 _KEYWORDS = ("redirect", "reject", "drop", "vmap", "masquerade", "dnat", "snat", "accept")
 _FIELDS = ("ip", "ip6", "th", "meta", "ct")
 _WORD = re.compile(r"[a-z][a-z0-9]*")
-TCP_LISTEN = "0A"
-UDP_UNCONNECTED = "07"
 
 
 # ------------------------------------------------------------------------------------------------ the fixed rules
@@ -190,7 +191,74 @@ def needed_rules(frag: Fragment) -> set[tuple[str, int]]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------------ sockets
+# ------------------------------------------------------------------------------------------------------ adoption
+
+
+@dataclass(slots=True)
+class Adopted:
+    """What this mode's table holds in one family (read once per full batch)."""
+
+    table: bool = False
+    layout_ok: bool = False
+    elements: dict[ElemKey, tuple[str, str]] = field(default_factory=dict)  # (map, key) -> (value, comment)
+    by_comment: dict[str, set[tuple[str, str, str]]] = field(default_factory=dict)
+    nodeport_cidrs: tuple[tuple[int, int], ...] = ()
+    proxy_ports: tuple[str, ...] = ()  # the proxy-ports set's elements (the guard's range)
+    #: (proto, port) of the wildcard sockets listening now that are this process's own (None: not read)
+    live: set[tuple[str, int]] | None = None
+
+    def ports(self, frag: Fragment) -> dict[str, int]:
+        """The proxy port the kernel's elements name for each of ``frag``'s roles (where they agree)."""
+        out: dict[str, int] = {}
+        for e in frag.entries:
+            if not e.role:
+                continue
+            got = self.elements.get((render.PORT_MAPS[e.map], e.key))
+            if got is not None and got[0].isdigit() and got[1] == frag.comment:
+                out.setdefault(e.role, int(got[0]))
+        return out
+
+    def unchanged(self, frag: Fragment) -> bool:
+        """Whether the table holds ``frag`` exactly (its elements, with the ports they name)."""
+        if not self.layout_ok:
+            return False
+        ports = self.ports(frag)
+        if set(ports) != set(frag.roles()):
+            return False
+        return self.by_comment.get(frag.comment, set()) == set(frag.kernel_elements(ports))
+
+
+def read(objs: list[dict[str, Any]] | None, family: IPFamily, live: set[tuple[str, int]] | None) -> Adopted:
+    """The table's ``list table`` JSON objects (None: there is no table) as ``Adopted``; a table of another layout
+    or with its fixed part damaged (a rule deleted, a flushed table, a rule someone added) is not adopted
+    (``layout_ok`` False: replaced whole)."""
+    if objs is None:
+        return Adopted(live=live)
+    got = Adopted(table=True, live=live)
+    got.layout_ok = any((o.get("chain") or {}).get("name") == render.LAYOUT for o in objs)
+    if got.layout_ok:
+        damaged = fixed_problems(objs, family)
+        if damaged:
+            log.warning(
+                "%s: this mode's table is damaged (%s): it is replaced", family.value, "; ".join(damaged.values())
+            )
+            got.layout_ok = False
+    if not got.layout_ok:
+        return got
+    cidrs: list[str] = []
+    for name, key, value, comment, _ in elements(objs):
+        if name == render.NODEPORT_CIDRS:
+            cidrs.append(key)
+        elif name == render.PROXY_PORTS:
+            got.proxy_ports += (key,)
+        elif name in render.SERVICE_MAPS:
+            got.elements[(name, key)] = (value, comment)
+            got.by_comment.setdefault(comment, set()).add((name, key, value))
+    got.nodeport_cidrs = spans(cidrs)
+    return got
+
+
+# ------------------------------------------------------------------------------------------------------ verify
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,49 +269,6 @@ class Served:
     endpoints: frozenset[tuple[str, int]]
     affinity: float
     dead: bool  # the loop saw it stop listening (closed under it)
-
-
-def listening(family: IPFamily) -> dict[tuple[str, int], list[int]]:
-    """(proto, port) -> inodes of the sockets bound to the wildcard address and listening (TCP) or unconnected (UDP),
-    from the kernel's socket tables of the calling thread's namespace (call it in the backend's)."""
-    suffix = "" if family == IPFamily.V4 else "6"
-    wildcard = "0" * (8 if family == IPFamily.V4 else 32)
-    out: dict[tuple[str, int], list[int]] = {}
-    for proto, state in (("tcp", TCP_LISTEN), ("udp", UDP_UNCONNECTED)):
-        try:
-            with open(f"/proc/thread-self/net/{proto}{suffix}") as fh:
-                next(fh, None)
-                for line in fh:
-                    cols = line.split()
-                    if len(cols) < 10 or cols[3] != state:
-                        continue
-                    addr, _, port = cols[1].partition(":")
-                    if addr != wildcard or cols[2].split(":")[0].strip("0"):
-                        continue
-                    out.setdefault((proto, int(port, 16)), []).append(int(cols[9]))
-        except FileNotFoundError:
-            continue  # no IPv6 in this namespace's kernel
-    return out
-
-
-def own_socket_inodes() -> set[int]:
-    """The inodes of every socket this process holds a descriptor of."""
-    out: set[int] = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return out
-    for name in names:
-        try:
-            link = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue  # closed meanwhile
-        if link.startswith("socket:["):
-            out.add(int(link[8:-1]))
-    return out
-
-
-# ------------------------------------------------------------------------------------------------------ the view
 
 
 @dataclass(slots=True)
