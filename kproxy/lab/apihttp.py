@@ -59,6 +59,7 @@ class RequestRecord:
     query: dict[str, str]
     time: float
     status: int = 0
+    client: str = ""  # the client's address: which lab node asked
 
     @property
     def watch(self) -> bool:
@@ -166,9 +167,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_json(200, api.bulk(self._body()))
                 return
             if path == "/_requests":
-                self._send_json(200, [asdict(r) for r in list(api.requests)[-500:]])
+                last = int(query.get("limit") or 500)  # the newest `limit` (default 500; the log keeps 10,000)
+                self._send_json(200, [asdict(r) for r in list(api.requests)[-last:]] if last > 0 else [])
                 return
-            record = RequestRecord(method, path, query, time.time())
+            record = RequestRecord(method, path, query, time.time(), client=str(self.client_address[0]))
             self.record = record
             api.requests.append(record)
             api.inject_faults()
@@ -474,11 +476,15 @@ class ApiServer:
 
     def bulk(self, body: Any) -> dict[str, Any]:
         """POST /_bulk: create every object of ``{"items": [...]}`` (Services, EndpointSlices, ... as the API
-        returns them), far faster than one request each; a scale run loads its objects so and kproxy then lists
-        them through the ordinary paginated API. Answers ``{"created": N, "failures": [Status + index]}``."""
+        returns them), or with ``"replace": true`` replace existing ones (no resourceVersion precondition), far
+        faster than one request each: a scale run loads and churns its objects so, while kproxy lists and watches
+        them through the ordinary API. Answers ``{"created" or "replaced": N, "failures": [Status + index]}``."""
         items = body.get("items") if isinstance(body, Mapping) else None
         if not isinstance(items, list):
             raise ApiError(400, "BadRequest", 'a bulk load is {"items": [objects]}')
+        if isinstance(body, Mapping) and body.get("replace"):
+            replaced, failures = self.store.replace_many(items)
+            return {"replaced": replaced, "failures": failures}
         created, failures = self.store.create_many(items)
         return {"created": created, "failures": failures}
 

@@ -224,7 +224,25 @@ class Store:
         """Create every object (taking ownership: they are stored uncopied), `chunk` per hold of the lock so
         watches and lists keep being served; (how many were created, the Status of the first 20 failures with the
         failing object's index). The bulk-load path of a scale run: what kproxy lists afterwards is the same."""
-        created, failures = 0, ObjectList()
+        return self._many(objects, chunk, lambda res, obj: self._create(res, obj, None))
+
+    def replace_many(self, objects: Iterable[Any], chunk: int = 1000) -> tuple[int, ObjectList]:
+        """Replace every object (as `update` without a resourceVersion precondition), as `create_many` creates."""
+
+        def replace(res: Resource, obj: dict[str, Any]) -> None:
+            object_meta(obj).pop("resourceVersion", None)
+            ns, name = self._key(res, obj, None)
+            old = self._objects[res.key].get((ns, name))
+            if old is None:
+                raise _not_found(res, name)
+            self._replace(res, old, obj, None)
+
+        return self._many(objects, chunk, replace)
+
+    def _many(
+        self, objects: Iterable[Any], chunk: int, one: Callable[[Resource, dict[str, Any]], object]
+    ) -> tuple[int, ObjectList]:
+        done, failures = 0, ObjectList()
         pending = list(enumerate(objects))
         for first in range(0, len(pending), chunk):
             with self.cond:
@@ -232,12 +250,12 @@ class Store:
                     try:
                         if not isinstance(obj, dict):
                             raise ApiError(400, "BadRequest", "every item must be an object")
-                        self._create(resource_for(obj), obj, None)
-                        created += 1
+                        one(resource_for(obj), obj)
+                        done += 1
                     except ApiError as exc:
                         if len(failures) < 20:
                             failures.append({**exc.status(), "index": index})
-        return created, failures
+        return done, failures
 
     def _create(self, res: Resource, new: dict[str, Any], namespace: str | None) -> dict[str, Any]:
         """Store `new` (owned by the store from now on) as a new object; the caller holds `cond`."""
