@@ -201,3 +201,15 @@ def test_bulk_load_creates_what_lists_then_page_through(api: ApiServer) -> None:
             pages += 1
         assert pages == 3 and names == [f"b{i:04d}" for i in range(1200)]
         assert len({s.spec.cluster_ip for s in core.list_service_for_all_namespaces().items}) == 1200
+
+
+def test_bulk_replace_changes_objects_and_reports_the_missing(api: ApiServer) -> None:
+    api.store.create(svc("r1", labels={"v": "1"}))
+    rv = api.store.resource_version
+    changed = svc("r1", labels={"v": "2"})
+    changed["metadata"]["resourceVersion"] = "1"  # ignored: a bulk replace has no precondition
+    answer = api.bulk({"items": [changed, svc("missing")], "replace": True})
+    assert answer["replaced"] == 1 and [(f["index"], f["code"]) for f in answer["failures"]] == [(1, 404)]
+    got = api.store.get("services", "default", "r1")
+    assert got["metadata"]["labels"] == {"v": "2"} and int(got["metadata"]["resourceVersion"]) == rv + 1
+    assert got["spec"]["clusterIP"]  # the allocation is kept, as a replace keeps it
