@@ -37,12 +37,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kproxy.bench import synthetic
-from kproxy.lab import netns
-from kproxy.lab.cluster import Lab, LabError, LabPod, stdlib_module_argv
 from kproxy.objects import ANNOTATION_TRIGGER_TIME
+
+if TYPE_CHECKING:  # the lab loads when the command runs, not with every `kproxy` command line
+    from kproxy.lab.cluster import Lab, LabPod
 
 BULK_CHUNK = 4000  # objects per bulk request: a few MB of JSON
 PROGRAMMING = "kubeproxy_network_programming_duration_seconds"
@@ -166,6 +167,8 @@ def scrape(lab: Lab, ns: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     [(labels, value)]."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from kproxy.lab.cluster import LabError
+
     got = lab.probe_http(ns, "http://127.0.0.1:10249/metrics", timeout=10.0)
     if got.status != 200 or got.body is None:
         raise LabError(f"/metrics in {ns}: {got}")
@@ -244,6 +247,9 @@ def list_phase(log: Sequence[Mapping[str, Any]], client_ip: str, start: float) -
 
 
 def start_sweep(lab: Lab, ns: str, targets: list[tuple[str, int]], seconds: float) -> subprocess.Popen[bytes]:
+    from kproxy.lab import netns
+    from kproxy.lab.cluster import stdlib_module_argv
+
     argv = [*stdlib_module_argv("kproxy.bench.apiscale_probe"), "--seconds", str(seconds)]
     env = dict(os.environ)
     root = str(Path(synthetic.__file__).parent.parent.parent)  # -S: the package is found through PYTHONPATH only
@@ -264,6 +270,8 @@ def start_sweep(lab: Lab, ns: str, targets: list[tuple[str, int]], seconds: floa
 
 
 def finish_sweep(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
+    from kproxy.lab.cluster import LabError
+
     out, err = proc.communicate(timeout=timeout)
     if proc.returncode != 0:
         raise LabError(f"the sweep failed ({proc.returncode}): {err.decode(errors='replace')[-2000:]}")
@@ -346,6 +354,8 @@ def churn(lab: Lab, client: Any, cfg: ScaleConfig, out: ScaleResult) -> None:
 
 
 def run(cfg: ScaleConfig) -> ScaleResult:
+    from kproxy.lab.cluster import Lab
+
     cfg.check()
     ports = synthetic.service_ports(cfg.services, ports_every=cfg.ports_every)
     out = ScaleResult(config=asdict(cfg), service_ports=ports)
@@ -422,6 +432,8 @@ def cmd_apiscale(args: argparse.Namespace) -> int:
         lab_prefix=args.lab_prefix,
         timeout=args.timeout,
     )
+    from kproxy.lab.cluster import LabError
+
     try:
         result = run(cfg)
     except (ValueError, LabError, RuntimeError) as exc:
