@@ -190,6 +190,10 @@ class Reflector:
         self.synced = threading.Event()
         self._stop = threading.Event()
         self._rv = ""  # the resourceVersion to watch from; "" means relist
+        # The resourceVersion the next list asks for, as client-go's relistResourceVersion: "0" first (any version:
+        # the API server may answer from its watch cache, sparing etcd when every node starts at once), then the
+        # last list's (not older than that); "" (a consistent read) once the server said a version is gone.
+        self._list_rv = "0"
         self._watch_lines = 0  # lines the current watch has delivered
         self._resp: Any = None
         self._resp_lock = threading.Lock()
@@ -246,17 +250,17 @@ class Reflector:
             except _Expired:
                 self.stats.expired += 1
                 log.info("reflector %s: resourceVersion %s expired, relisting", self.kind, self._rv)
-                self._rv = ""
+                self._rv = self._list_rv = ""
             except Exception as exc:  # noqa: BLE001 - every failure is retried; only stop() ends the loop
                 if self._stop.is_set():
                     break
                 if isinstance(exc, ApiException) and exc.status == 410:
                     self.stats.expired += 1
-                    self._rv = ""
+                    self._rv = self._list_rv = ""
                     continue
                 if _too_large(exc):
                     # The server is behind our resourceVersion (restarted, or another replica): start over.
-                    self._rv = ""
+                    self._rv = self._list_rv = ""
                 if isinstance(exc, _Relist):
                     self._rv = ""
                 if isinstance(exc, _BadList):
@@ -282,6 +286,7 @@ class Reflector:
         list, no resourceVersion) raises `_BadList` before the sink sees anything: believing a `200 {}` from a
         broken proxy would replace every object with nothing."""
         items, rv = self._pages()
+        self._list_rv = rv
         self.stats.lists += 1
         self.stats.last_rv = rv
         try:
@@ -301,12 +306,13 @@ class Reflector:
         `limit`, as the pager's FullListIfExpired does, rather than paging again from the start."""
         items: list[dict[str, Any]] = []
         token, rv = "", ""
+        first = {"resource_version": self._list_rv} if self._list_rv else {}
         while True:
             kw = self._selectors()
             if self.page_size:
                 kw["limit"] = self.page_size
-            if token:
-                kw["_continue"] = token
+            # later pages carry the token alone: upstream refuses a resourceVersion beside one
+            kw.update({"_continue": token} if token else first)
             try:
                 page, meta = self._page(**kw)
             except ApiException as exc:
@@ -317,7 +323,7 @@ class Reflector:
                     "reflector %s: continue token expired after %d items; listing without limit", self.kind, len(items)
                 )
                 items, rv, token = [], "", ""
-                page, meta = self._page(**self._selectors())
+                page, meta = self._page(**self._selectors(), **first)
             rv = rv or _list_rv(meta)
             items.extend(page)
             token = meta.get("continue") or ""

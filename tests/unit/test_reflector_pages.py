@@ -9,6 +9,7 @@ from typing import Any
 
 import kubernetes
 import pytest
+from kubernetes.client import ApiException
 
 from kproxy.lab.apiserver import ApiServer
 from kproxy.sources.kube import DEFAULT_PAGE_SIZE, KubeSource, Reflector
@@ -27,14 +28,17 @@ def svc(name: str) -> dict[str, Any]:
 
 
 def service_reflector(
-    client: kubernetes.client.ApiClient, sink: RecordingSink, before_page: Callable[[dict[str, Any]], None]
+    client: kubernetes.client.ApiClient,
+    sink: RecordingSink,
+    before_page: Callable[[dict[str, Any]], None],
+    before_watch: Callable[[dict[str, Any]], None] = lambda _kw: None,
 ) -> Reflector:
-    """A Services reflector whose every list request first calls `before_page` with its arguments."""
+    """A Services reflector whose every list request first calls `before_page` with its arguments (and every
+    watch request `before_watch`, which may raise what the server would answer)."""
     core = kubernetes.client.CoreV1Api(client)
 
     def list_fn(**kw: Any) -> Any:
-        if not kw.get("watch"):
-            before_page(kw)
+        (before_watch if kw.get("watch") else before_page)(kw)
         return core.list_service_for_all_namespaces(**kw)
 
     return Reflector(
@@ -87,7 +91,9 @@ def test_the_first_list_comes_in_pages_of_500_and_the_watch_starts_at_its_versio
     pages = lists(reflector_api)
     assert DEFAULT_PAGE_SIZE == 500 and [q.get("limit") for q in pages] == ["500"] * 3
     assert "continue" not in pages[0] and all(q.get("continue") for q in pages[1:])
-    assert all("resourceVersion" not in q for q in pages)  # a consistent read; the token carries the version
+    # As client-go's first list: resourceVersion=0 (the server may answer from its watch cache) on the first page,
+    # the token alone on the others (upstream refuses a resourceVersion beside a token).
+    assert pages[0]["resourceVersion"] == "0" and all("resourceVersion" not in q for q in pages[1:])
     assert reflector.stats.lists == 1
     # The watch starts from the list's resourceVersion, so the change made between pages arrives as an event.
     assert sink.wait_for(lambda s: ("default", "late") in s.services)
@@ -119,6 +125,7 @@ def test_an_expired_continue_token_falls_back_to_one_list_without_limit(
     pages = lists(reflector_api)
     # page 1, page 2 (410 Expired), then the pager's fallback: one list without limit or continue
     assert [("limit" in q, "continue" in q) for q in pages] == [(True, False), (True, True), (False, False)]
+    assert pages[2].get("resourceVersion") == "0"  # the fallback asks for what the first page asked for
     assert len(sink.services) == 1101 and ("default", "late") in sink.services
     stats = reflector.stats
     assert stats.expired_pages == 1 and stats.expired == 0 and stats.lists == 1 and stats.errors == 0
@@ -139,3 +146,27 @@ def test_kube_source_lists_every_kind_in_pages(
         source.stop()
     assert len(sink.services) == 501
     assert [q.get("limit") for q in lists(reflector_api)] == ["500", "500"]
+
+
+def test_after_a_410_the_relist_is_a_consistent_read(
+    reflector_api: ApiServer,
+    reflector_client: kubernetes.client.ApiClient,
+    sink: RecordingSink,
+    started: list[Reflector],
+) -> None:
+    store = reflector_api.store
+    store.create(svc("a"))
+    watches: list[str] = []
+
+    def gone_once(kw: dict[str, Any]) -> None:
+        watches.append(kw["resource_version"])
+        if len(watches) == 1:  # the first watch is answered 410 Gone, as a server whose history moved on
+            raise ApiException(status=410, reason="Gone")
+
+    reflector = service_reflector(reflector_client, sink, lambda _kw: None, gone_once)
+    started.append(reflector)
+    reflector.start()
+    assert sink.wait_for(lambda _s: reflector.stats.lists >= 2 and len(watches) >= 2)
+    pages = lists(reflector_api)
+    assert pages[0]["resourceVersion"] == "0" and "resourceVersion" not in pages[1]
+    assert reflector.stats.expired == 1 and ("default", "a") in sink.services
