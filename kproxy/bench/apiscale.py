@@ -17,7 +17,8 @@ the objects coming from the API the way they do in a cluster. The run:
 4. the churn (``--churn-rate`` K per second for ``--churn-seconds`` T): every tenth of a second K/10 EndpointSlices
    each move one endpoint to another pod, stamped with ``endpoints.kubernetes.io/last-change-trigger-time`` as the
    EndpointSlice controller stamps them (bulk replace, through the official client); then the p50/p99 of
-   ``kubeproxy_network_programming_duration_seconds`` over the churn, from the histogram's buckets (upstream's
+   ``kubeproxy_network_programming_duration_seconds`` over the churn, read once kproxy has observed every change
+   (``caught_up_s`` after the last one; bounded by ``--timeout``), from the histogram's buckets (upstream's
    buckets: 0, 0.25, 0.5, 1, 2, ... s, so a quantile below 1 s is interpolated within a quarter-second bucket).
 
 JSON (``--format json``) or a short table. The lab is taken down at the end, also on failure. Figures belong in
@@ -341,16 +342,31 @@ def churn(lab: Lab, client: Any, cfg: ScaleConfig, out: ScaleResult) -> None:
             batch.append(endpoint_slice(i, cfg, pods, variant=tick + 1, trigger=stamp))
         sent += bulk(client, lab.api_url, batch, replace=True)
     elapsed = time.monotonic() - t0
-    time.sleep(3.0)  # the last changes' syncs (min-sync-period 0 in the lab): a bounded wait, then read
     out.churn = {"changes": sent, "seconds": round(elapsed, 3), "rate": round(sent / elapsed, 1), "late_ticks": late}
     for node in lab.nodes:
-        after = buckets(scrape(lab, node.ns), PROGRAMMING)
-        delta = {le: after[le] - before[node.name].get(le, 0.0) for le in after}
+        delta, caught_up = _programmed(lab, node.ns, before[node.name], sent, t0 + elapsed, cfg.timeout)
         out.churn[node.name] = {
             "observed": delta.get(float("inf"), 0.0),
+            "caught_up_s": caught_up,
             "p50_s": quantile(0.5, delta),
             "p99_s": quantile(0.99, delta),
         }
+
+
+def _programmed(
+    lab: Lab, ns: str, before: Mapping[float, float], sent: int, churn_end: float, timeout: float
+) -> tuple[dict[float, float], float | None]:
+    """The latency histogram's growth since `before` once every change is observed (or `timeout` ran out), and
+    when that was, in seconds after the churn's last change (None: it never caught up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        after = buckets(scrape(lab, ns), PROGRAMMING)
+        delta = {le: after[le] - before.get(le, 0.0) for le in after}
+        if delta.get(float("inf"), 0.0) >= sent:
+            return delta, round(time.monotonic() - churn_end, 3)
+        if time.monotonic() >= deadline:
+            return delta, None
+        time.sleep(1.0)
 
 
 def run(cfg: ScaleConfig) -> ScaleResult:
@@ -398,7 +414,9 @@ def table(r: ScaleResult) -> str:
         rows.append(("churn", f"{ch['changes']} changes in {ch['seconds']} s ({ch['rate']}/s)"))
         for name in r.nodes:
             if name in ch:
-                rows.append((f"{name}: programming p50 / p99", f"{ch[name]['p50_s']} / {ch[name]['p99_s']} s"))
+                got = f"{ch[name]['p50_s']} / {ch[name]['p99_s']} s ({ch[name]['observed']:.0f} observed)"
+                rows.append((f"{name}: programming p50 / p99", got))
+                rows.append((f"{name}: caught up after the churn", f"{ch[name]['caught_up_s']} s"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 

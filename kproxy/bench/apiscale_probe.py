@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import sys
 import time
 
 MAX_TARGETS = 100_000
 MAX_SECONDS = 3600.0
+
+
+def _word(exc: OSError) -> str:
+    """An error as one word (ECONNRESET, EHOSTUNREACH, ...), whatever asyncio wrapped it in."""
+    return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
 
 
 async def _one(host: str, port: int, timeout: float) -> str:
@@ -30,7 +36,7 @@ async def _one(host: str, port: int, timeout: float) -> str:
     except ConnectionRefusedError:
         return "refused"
     except OSError as exc:
-        return exc.strerror or type(exc).__name__
+        return _word(exc)
     try:
         writer.write(b"apiscale\n")
         line = await asyncio.wait_for(reader.readline(), timeout)
@@ -38,7 +44,7 @@ async def _one(host: str, port: int, timeout: float) -> str:
     except (asyncio.TimeoutError, TimeoutError):
         return "timeout"
     except OSError as exc:
-        return exc.strerror or type(exc).__name__
+        return _word(exc)
     finally:
         writer.close()
 
