@@ -87,6 +87,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     d.add_argument("--format", choices=("json", "table"), default="table")
     d.set_defaults(func=cmd_datapath)
 
+    from kproxy.bench import apiscale  # light: the lab loads only when the command runs
+
+    apiscale.register(sub)
+
     register_compare(subparsers)
 
 

@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--service-cidr",
         action="append",
         default=[],
-        help="ClusterIP range(s) to allocate from (default 198.19.128.0/17 and fd00:198:18:ffff::/112)",
+        help="ClusterIP range(s) to allocate from (default 198.19.128.0/17 and fd00:198:18:ffff::/108)",
     )
     p.set_defaults(func=run_command)
 

@@ -3,12 +3,14 @@
 There is no kube-apiserver on the development machine, so the lab cluster, the conformance suite and
 the source/reflector tests talk to this server instead. It speaks enough of the real protocol for the OFFICIAL
 `kubernetes` Python client (CoreV1Api, DiscoveryV1Api, EventsV1Api), for kproxy's reflectors and for kubectl
-(`kubectl get` gets the same columns as from a real cluster). It is three parts, imported here under one name:
+(`kubectl get` gets the same columns as from a real cluster). Its parts, imported here under one name:
 
-- ``kproxy.lab.apistore``: the objects, resourceVersions, watch history, selectors, Service defaults and
-  allocations, patches and fault settings (``Store``, ``Faults``, ``ApiError``);
-- ``kproxy.lab.apihttp``: the HTTP/watch server over a store (``ApiServer``, ``serve``, ``parse_listen``), with
-  the Table view of ``kproxy.lab.apitable`` for kubectl;
+- ``kproxy.lab.apistore``: the objects, resourceVersions, watch history, selectors and fault settings (``Store``,
+  ``Faults``), over ``kproxy.lab.apiobjects`` (resources, ``ApiError``, patches) and ``kproxy.lab.apialloc``
+  (Service defaults, clusterIP and nodePort allocation);
+- ``kproxy.lab.apihttp``: the HTTP server over a store (``ApiServer``, ``serve``, ``parse_listen``), with paginated
+  lists (``kproxy.lab.apipages``), watches (``kproxy.lab.apiwatch``), routes and discovery
+  (``kproxy.lab.apiroutes``) and the Table view of ``kproxy.lab.apitable`` for kubectl;
 - ``kproxy.lab.apicli``: `kproxy apiserver` (``register``, ``main``), the only part `kproxy` loads at start.
 
 Run as `kproxy apiserver` or `python -m kproxy.lab.apiserver` (the lab starts it so).

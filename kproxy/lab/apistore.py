@@ -1,212 +1,67 @@
 """The API stand-in's store: objects, one resourceVersion counter, the watch history, selectors and faults.
 
 The part of the stand-in (see ``kproxy.lab.apiserver``) that knows what the API *holds*, with no HTTP in it:
-the resources it serves (Services with /status, discovery.k8s.io/v1 EndpointSlices, Nodes with /status, core and
-events.k8s.io/v1 Events), create/replace/patch/delete with the real server's conflicts and Status errors
-(``ApiError``), JSON merge and JSON patches, Service defaults and allocations (clusterIPs from the service CIDRs,
-nodePorts, healthCheckNodePort) as the real registry makes them, lists at a resourceVersion (consistent snapshots),
-the bounded watch history (``events_after``; ``compact()`` drops it), label/field selectors, and the fault
-settings (``Faults``) that the HTTP layer applies.
+create/replace/patch/delete with the real server's conflicts and Status errors, Service defaults and allocations
+(``kproxy.lab.apialloc``), the state at a resourceVersion (``state_at``: consistent snapshots for lists and their
+pages), the bounded watch history (``events_after``; ``compact()`` drops it, and with it every older
+resourceVersion, as etcd's compaction does), label/field selectors, and the fault settings (``Faults``) that the
+HTTP layer applies. The resources, Status errors and patches are ``kproxy.lab.apiobjects``'s, re-exported here.
 
-Imports only the standard library and ``kproxy.sources.selectors``.
+Imports only the standard library, ``kproxy.sources.selectors`` and the stand-in's lower modules.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
-import ipaddress
-import random
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from typing import Any, NamedTuple
 
+from kproxy.lab.apialloc import NODE_PORT_RANGE, ServiceAllocator
+from kproxy.lab.apiobjects import (
+    RESOURCE_BY_PATH,
+    RESOURCES,
+    ApiError,
+    Resource,
+    _not_found,
+    _now,
+    _ns_key,
+    json_patch,
+    merge_patch,
+    object_meta,
+    resource_for,
+    status_body,
+)
 from kproxy.sources.selectors import SelectorError, field_matcher, label_matcher
 
+__all__ = [
+    "DEFAULT_HISTORY",
+    "DEFAULT_SERVICE_CIDRS",
+    "NODE_PORT_RANGE",
+    "RESOURCES",
+    "RESOURCE_BY_PATH",
+    "ApiError",
+    "Faults",
+    "Resource",
+    "Store",
+    "WatchEvent",
+    "json_patch",
+    "merge_patch",
+    "object_meta",
+    "resource_for",
+    "selector_matcher",
+    "storage_key",
+    "status_body",
+]
+
 DEFAULT_HISTORY = 10000
-DEFAULT_SERVICE_CIDRS = ("198.19.128.0/17", "fd00:198:18:ffff::/112")
-NODE_PORT_RANGE = (30000, 32767)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Resources
-
-
-@dataclass(frozen=True, slots=True)
-class Resource:
-    key: str  # store key, also what Store's Python methods take
-    group: str  # "" for the core group
-    version: str
-    plural: str
-    kind: str
-    namespaced: bool
-    status_subresource: bool
-
-    @property
-    def api_version(self) -> str:
-        return f"{self.group}/{self.version}" if self.group else self.version
-
-
-RESOURCES: dict[str, Resource] = {
-    r.key: r
-    for r in (
-        Resource("services", "", "v1", "services", "Service", True, True),
-        Resource("endpointslices", "discovery.k8s.io", "v1", "endpointslices", "EndpointSlice", True, False),
-        Resource("nodes", "", "v1", "nodes", "Node", False, True),
-        Resource("events", "", "v1", "events", "Event", True, False),
-        Resource("events.k8s.io", "events.k8s.io", "v1", "events", "Event", True, False),
-    )
-}
-RESOURCE_BY_PATH = {(r.group, r.version, r.plural): r for r in RESOURCES.values()}
-_BY_KIND = {(r.api_version, r.kind): r for r in RESOURCES.values()}
-_ALIASES = {"service": "services", "endpointslice": "endpointslices", "node": "nodes", "event": "events"}
-
-
-def resource_for(name_or_obj: str | Mapping[str, Any]) -> Resource:
-    """Resolve "services" / "Service" / an object with apiVersion+kind to its Resource."""
-    if isinstance(name_or_obj, Mapping):
-        key = (str(name_or_obj.get("apiVersion", "")), str(name_or_obj.get("kind", "")))
-        if key not in _BY_KIND:
-            raise ApiError(400, "BadRequest", f"no kind {key[1]!r} is registered for version {key[0]!r}")
-        return _BY_KIND[key]
-    name = name_or_obj.lower()
-    name = _ALIASES.get(name, name)
-    if name not in RESOURCES:
-        raise KeyError(f"unknown resource {name_or_obj!r}")
-    return RESOURCES[name]
-
-
-class ApiError(Exception):
-    """An API failure; the HTTP layer turns it into a Status body with this code and reason."""
-
-    def __init__(self, code: int, reason: str, message: str, details: Mapping[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
-        self.message = message
-        self.details = dict(details or {})
-
-    def status(self) -> dict[str, Any]:
-        return status_body(self.code, self.reason, self.message, self.details)
-
-
-def status_body(code: int, reason: str, message: str, details: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Success" if code < 300 else "Failure",
-        "message": message,
-        "reason": reason,
-        "code": code,
-    }
-    if details:
-        body["details"] = dict(details)
-    if code < 300:
-        del body["message"], body["reason"]
-    return body
-
-
-def _not_found(res: Resource, name: str) -> ApiError:
-    group_res = f"{res.plural}.{res.group}" if res.group else res.plural
-    return ApiError(
-        404, "NotFound", f'{group_res} "{name}" not found', {"name": name, "group": res.group, "kind": res.plural}
-    )
-
-
-def _ns_key(res: Resource, namespace: str | None) -> str:
-    return (namespace or "default") if res.namespaced else ""
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Patches
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch (also used for strategic merge patch: lists are replaced, not merged)."""
-    if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
-    result = dict(target) if isinstance(target, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
-
-
-def _pointer(path: str) -> list[str]:
-    if path == "":
-        return []
-    if not path.startswith("/"):
-        raise ApiError(422, "Invalid", f"invalid JSON pointer {path!r}")
-    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
-
-
-def json_patch(target: Any, ops: Any) -> Any:
-    """RFC 6902 JSON patch: add, remove, replace, test, copy, move."""
-    if not isinstance(ops, list):
-        raise ApiError(400, "BadRequest", "JSON patch must be a list of operations")
-    doc = copy.deepcopy(target)
-
-    def parent(parts: list[str]) -> tuple[Any, str]:
-        node = doc
-        for p in parts[:-1]:
-            node = node[int(p)] if isinstance(node, list) else node[p]
-        return node, parts[-1]
-
-    def get(parts: list[str]) -> Any:
-        node = doc
-        for p in parts:
-            node = node[int(p)] if isinstance(node, list) else node[p]
-        return node
-
-    def add(parts: list[str], value: Any) -> None:
-        node, last = parent(parts)
-        if isinstance(node, list):
-            node.insert(len(node) if last == "-" else int(last), value)
-        else:
-            node[last] = value
-
-    def remove(parts: list[str]) -> Any:
-        node, last = parent(parts)
-        return node.pop(int(last)) if isinstance(node, list) else node.pop(last)
-
-    try:
-        for op in ops:
-            kind, parts = op["op"], _pointer(op["path"])
-            if kind == "add":
-                add(parts, copy.deepcopy(op["value"]))
-            elif kind == "remove":
-                remove(parts)
-            elif kind == "replace":
-                remove(parts)
-                add(parts, copy.deepcopy(op["value"]))
-            elif kind == "test":
-                if get(parts) != op["value"]:
-                    raise ApiError(422, "Invalid", f"test operation failed at {op['path']}")
-            elif kind in ("copy", "move"):
-                src = _pointer(op["from"])
-                value = copy.deepcopy(get(src))
-                if kind == "move":
-                    remove(src)
-                add(parts, value)
-            else:
-                raise ApiError(400, "BadRequest", f"unknown JSON patch operation {kind!r}")
-    except (KeyError, IndexError, ValueError, TypeError) as exc:
-        raise ApiError(422, "Invalid", f"JSON patch failed: {exc!r}") from exc
-    return doc
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The store
+# IPv4 from the lab's service range (198.19.0.0/18 is the conformance suite's, 198.19.100.0/24 and .200.0/24 its
+# external and load-balancer IPs); IPv6 a /108 (1,048,576 addresses, the size of kube-apiserver's default /12)
+# inside fd00:198:18:ffff::/64, which the lab routes.
+DEFAULT_SERVICE_CIDRS = ("198.19.128.0/17", "fd00:198:18:ffff::/108")
 
 
 class WatchEvent(NamedTuple):
@@ -218,12 +73,6 @@ class WatchEvent(NamedTuple):
 
 
 ObjectList = list[dict[str, Any]]  # named here because Store.list shadows the builtin inside the class
-
-
-def object_meta(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """An object's metadata, or an empty dict when it has none (or a malformed one)."""
-    meta = obj.get("metadata")
-    return meta if isinstance(meta, dict) else {}
 
 
 class Store:
@@ -240,10 +89,7 @@ class Store:
         self._floor = self._rv  # a watch from rv >= floor can be served from history
         self._events: collections.deque[WatchEvent] = collections.deque()
         self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in RESOURCES}
-        self._nets = [ipaddress.ip_network(c) for c in service_cidrs]
-        self._ips_used: set[str] = set()
-        self._ports_used: set[int] = set()
-        self._ip_cursor: dict[int, int] = {}
+        self._alloc = ServiceAllocator(service_cidrs)
         self.closed = False
 
     # --- reading
@@ -284,39 +130,44 @@ class Store:
         match: Callable[[Mapping[str, Any]], bool],
         at_rv: int | None = None,
     ) -> tuple[ObjectList, int]:
-        """Matching stored objects (shared, do not mutate) sorted by namespace/name, at `at_rv` or now."""
-        with self.cond:
-            current = self._rv
-            if at_rv is None or at_rv == current:
-                state = dict(self._objects[res.key])
-                rv = current
-            else:
-                if at_rv < self._floor:
-                    raise ApiError(410, "Expired", f"too old resource version: {at_rv} ({self._floor})")
-                if at_rv > current:
-                    raise ApiError(
-                        504,
-                        "Timeout",
-                        f"Too large resource version: {at_rv}, current: {current}",
-                        {"retryAfterSeconds": 1},
-                    )
-                state = dict(self._objects[res.key])
-                # Undo, newest first, every event after at_rv: the state as it was at that resourceVersion.
-                for ev in reversed(self._events):
-                    if ev.rv <= at_rv:
-                        break
-                    if ev.resource != res.key:
-                        continue
-                    key = (object_meta(ev.obj).get("namespace", ""), object_meta(ev.obj).get("name", ""))
-                    if ev.type == "ADDED":
-                        state.pop(key, None)
-                    else:
-                        state[key] = ev.old if ev.old is not None else ev.obj
-                rv = at_rv
+        """Matching stored objects (shared, do not mutate) in etcd's key order, at `at_rv` or now."""
+        state, rv = self.state_at(res, at_rv)
         items = [
-            obj for (ns, _name), obj in sorted(state.items()) if (namespace is None or ns == namespace) and match(obj)
+            obj
+            for (ns, _name), obj in sorted(state.items(), key=lambda kv: storage_key(*kv[0]))
+            if (namespace is None or ns == namespace) and match(obj)
         ]
         return items, rv
+
+    def state_at(self, res: Resource, at_rv: int | None = None) -> tuple[dict[tuple[str, str], dict[str, Any]], int]:
+        """Every stored object of `res` by (namespace, name) as it was at `at_rv` (now if None), and that version:
+        410 Expired if the history no longer reaches back to it, 504 if it is in the future."""
+        with self.cond:
+            current = self._rv
+            state = dict(self._objects[res.key])
+            if at_rv is None or at_rv == current:
+                return state, current
+            if at_rv < self._floor:
+                raise ApiError(410, "Expired", f"too old resource version: {at_rv} ({self._floor})")
+            if at_rv > current:
+                raise ApiError(
+                    504,
+                    "Timeout",
+                    f"Too large resource version: {at_rv}, current: {current}",
+                    {"retryAfterSeconds": 1},
+                )
+            # Undo, newest first, every event after at_rv: the state as it was at that resourceVersion.
+            for ev in reversed(self._events):
+                if ev.rv <= at_rv:
+                    break
+                if ev.resource != res.key:
+                    continue
+                key = (object_meta(ev.obj).get("namespace", ""), object_meta(ev.obj).get("name", ""))
+                if ev.type == "ADDED":
+                    state.pop(key, None)
+                else:
+                    state[key] = ev.old if ev.old is not None else ev.obj
+            return state, at_rv
 
     def events_after(self, rv: int) -> tuple[Sequence[WatchEvent], int] | None:
         """Events with resourceVersion > rv and the current resourceVersion; None if rv is older than the history.
@@ -366,34 +217,75 @@ class Store:
     def create(self, obj: Mapping[str, Any], *, resource: str | None = None, namespace: str | None = None) -> dict:
         res = resource_for(resource or obj)
         new = copy.deepcopy(dict(obj))
+        with self.cond:
+            return copy.deepcopy(self._create(res, new, namespace))
+
+    def create_many(self, objects: Iterable[Any], chunk: int = 1000) -> tuple[int, ObjectList]:
+        """Create every object (taking ownership: they are stored uncopied), `chunk` per hold of the lock so
+        watches and lists keep being served; (how many were created, the Status of the first 20 failures with the
+        failing object's index). The bulk-load path of a scale run: what kproxy lists afterwards is the same."""
+        return self._many(objects, chunk, lambda res, obj: self._create(res, obj, None))
+
+    def replace_many(self, objects: Iterable[Any], chunk: int = 1000) -> tuple[int, ObjectList]:
+        """Replace every object (as `update` without a resourceVersion precondition), as `create_many` creates."""
+
+        def replace(res: Resource, obj: dict[str, Any]) -> None:
+            object_meta(obj).pop("resourceVersion", None)
+            ns, name = self._key(res, obj, None)
+            old = self._objects[res.key].get((ns, name))
+            if old is None:
+                raise _not_found(res, name)
+            self._replace(res, old, obj, None)
+
+        return self._many(objects, chunk, replace)
+
+    def _many(
+        self, objects: Iterable[Any], chunk: int, one: Callable[[Resource, dict[str, Any]], object]
+    ) -> tuple[int, ObjectList]:
+        done, failures = 0, ObjectList()
+        pending = list(enumerate(objects))
+        for first in range(0, len(pending), chunk):
+            with self.cond:
+                for index, obj in pending[first : first + chunk]:
+                    try:
+                        if not isinstance(obj, dict):
+                            raise ApiError(400, "BadRequest", "every item must be an object")
+                        one(resource_for(obj), obj)
+                        done += 1
+                    except ApiError as exc:
+                        if len(failures) < 20:
+                            failures.append({**exc.status(), "index": index})
+        return done, failures
+
+    def _create(self, res: Resource, new: dict[str, Any], namespace: str | None) -> dict[str, Any]:
+        """Store `new` (owned by the store from now on) as a new object; the caller holds `cond`."""
         new["apiVersion"], new["kind"] = res.api_version, res.kind
         meta = new.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:5]}"
-        with self.cond:
-            ns, name = self._key(res, new, namespace)
-            if (ns, name) in self._objects[res.key]:
-                group_res = f"{res.plural}.{res.group}" if res.group else res.plural
-                raise ApiError(
-                    409,
-                    "AlreadyExists",
-                    f'{group_res} "{name}" already exists',
-                    {"name": name, "group": res.group, "kind": res.plural},
-                )
-            if res.namespaced:
-                meta["namespace"] = ns
-            else:
-                meta.pop("namespace", None)
-            if res.key == "services":
-                self._default_service(new, None)
-            self._rv += 1
-            meta["uid"] = str(uuid.uuid4())
-            meta["creationTimestamp"] = _now()
-            meta["resourceVersion"] = str(self._rv)
-            meta.pop("deletionTimestamp", None)
-            self._objects[res.key][(ns, name)] = new
-            self._bump(res, "ADDED", new, None)
-            return copy.deepcopy(new)
+        ns, name = self._key(res, new, namespace)
+        if (ns, name) in self._objects[res.key]:
+            group_res = f"{res.plural}.{res.group}" if res.group else res.plural
+            raise ApiError(
+                409,
+                "AlreadyExists",
+                f'{group_res} "{name}" already exists',
+                {"name": name, "group": res.group, "kind": res.plural},
+            )
+        if res.namespaced:
+            meta["namespace"] = ns
+        else:
+            meta.pop("namespace", None)
+        if res.key == "services":
+            self._alloc.default_service(new, None)
+        self._rv += 1
+        meta["uid"] = str(uuid.uuid4())
+        meta["creationTimestamp"] = _now()
+        meta["resourceVersion"] = str(self._rv)
+        meta.pop("deletionTimestamp", None)
+        self._objects[res.key][(ns, name)] = new
+        self._bump(res, "ADDED", new, None)
+        return new
 
     def update(
         self,
@@ -448,7 +340,7 @@ class Store:
             else:
                 new.pop("status", None)
         if res.key == "services" and subresource != "status":
-            self._default_service(new, old)
+            self._alloc.default_service(new, old)
         meta["resourceVersion"] = old_meta["resourceVersion"]
         if new == old:
             return copy.deepcopy(old)
@@ -503,7 +395,7 @@ class Store:
             if old is None:
                 raise _not_found(res, name)
             if res.key == "services":
-                self._release(old)
+                self._alloc.release(old)
             self._rv += 1
             gone = copy.deepcopy(old)
             object_meta(gone)["resourceVersion"] = str(self._rv)
@@ -526,168 +418,11 @@ class Store:
             updated = self.update(updated, resource=res.key, subresource="status")
         return updated
 
-    # --- Service defaults and allocations, as the real registry does them
 
-    def _default_service(self, svc: dict[str, Any], old: dict[str, Any] | None) -> None:
-        spec = svc.setdefault("spec", {})
-        old_spec = (old or {}).get("spec", {})
-        typ = spec.setdefault("type", "ClusterIP")
-        if typ == "ExternalName":
-            # ExternalName services have no cluster IP or node ports; give back any the old version held.
-            if old is not None:
-                self._release(old)
-            for key in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy", "healthCheckNodePort"):
-                spec.pop(key, None)
-            for port in spec.get("ports") or []:
-                port.pop("nodePort", None)
-            return
-        spec.setdefault("sessionAffinity", "None")
-        spec.setdefault("internalTrafficPolicy", "Cluster")
-        for port in spec.get("ports") or []:
-            port.setdefault("protocol", "TCP")
-            port.setdefault("targetPort", port.get("port"))
-        if old is not None:
-            # Allocated values that an update leaves out are kept (the registry's patchAllocatedValues).
-            for key in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy", "healthCheckNodePort"):
-                if key in old_spec and not spec.get(key):
-                    spec[key] = old_spec[key]
-            old_ports = {(p.get("port"), p.get("protocol")): p.get("nodePort") for p in old_spec.get("ports") or []}
-            for port in spec.get("ports") or []:
-                if not port.get("nodePort") and old_ports.get((port.get("port"), port.get("protocol"))):
-                    port["nodePort"] = old_ports[(port.get("port"), port.get("protocol"))]
-            if old_spec.get("clusterIP") and spec.get("clusterIP") != old_spec.get("clusterIP"):
-                raise ApiError(
-                    422,
-                    "Invalid",
-                    f'Service "{object_meta(svc).get("name")}" is invalid: spec.clusterIPs[0]: field is immutable',
-                )
-            self._release(old)
-        try:
-            self._allocate(svc, typ)
-        except ApiError:
-            if old is not None:
-                self._claim(old)
-            raise
-
-    def _claim(self, svc: Mapping[str, Any]) -> None:
-        spec = svc.get("spec") or {}
-        for ip in spec.get("clusterIPs") or []:
-            if ip and ip != "None":
-                self._ips_used.add(ip)
-        for port in spec.get("ports") or []:
-            if port.get("nodePort"):
-                self._ports_used.add(int(port["nodePort"]))
-        if spec.get("healthCheckNodePort"):
-            self._ports_used.add(int(spec["healthCheckNodePort"]))
-
-    def _release(self, svc: Mapping[str, Any]) -> None:
-        spec = svc.get("spec") or {}
-        for ip in spec.get("clusterIPs") or []:
-            self._ips_used.discard(ip)
-        for port in spec.get("ports") or []:
-            if port.get("nodePort"):
-                self._ports_used.discard(int(port["nodePort"]))
-        if spec.get("healthCheckNodePort"):
-            self._ports_used.discard(int(spec["healthCheckNodePort"]))
-
-    def _allocate(self, svc: dict[str, Any], typ: str) -> None:
-        spec = svc["spec"]
-        name = object_meta(svc).get("name")
-        ips = [ip for ip in spec.get("clusterIPs") or ([spec["clusterIP"]] if spec.get("clusterIP") else [])]
-        if ips and ips[0] != "None":
-            for ip in ips:
-                if ip in self._ips_used:
-                    raise ApiError(
-                        422,
-                        "Invalid",
-                        f'Service "{name}" is invalid: spec.clusterIPs: Invalid value: "{ip}": '
-                        "provided IP is already allocated",
-                    )
-        new_ports: list[int] = []
-        try:
-            if not ips:
-                families = spec.get("ipFamilies") or ["IPv4"]
-                if spec.get("ipFamilyPolicy") in ("PreferDualStack", "RequireDualStack") and len(families) == 1:
-                    families = [families[0], "IPv6" if families[0] == "IPv4" else "IPv4"]
-                ips = [self._next_ip(4 if f == "IPv4" else 6) for f in families]
-            if ips[0] != "None":
-                spec["clusterIP"], spec["clusterIPs"] = ips[0], ips
-                spec["ipFamilies"] = ["IPv6" if ":" in ip else "IPv4" for ip in ips]
-                spec.setdefault("ipFamilyPolicy", "RequireDualStack" if len(ips) > 1 else "SingleStack")
-                self._ips_used.update(ips)
-            else:
-                spec["clusterIP"], spec["clusterIPs"] = "None", ["None"]
-                spec.setdefault("ipFamilies", ["IPv4"])
-                spec.setdefault("ipFamilyPolicy", "SingleStack")
-            if typ in ("NodePort", "LoadBalancer"):
-                spec.setdefault("externalTrafficPolicy", "Cluster")
-                # One Service may use a nodePort once per protocol (TCP and UDP on the same number), as the
-                # real allocator allows; across Services a nodePort is taken once.
-                mine: dict[int, set[str]] = {}
-                for port in spec.get("ports") or []:
-                    proto = str(port.get("protocol") or "TCP")
-                    if port.get("nodePort") and int(port["nodePort"]) in mine:
-                        np = int(port["nodePort"])
-                        if proto in mine[np]:
-                            raise ApiError(
-                                422,
-                                "Invalid",
-                                f'Service "{name}" is invalid: spec.ports[].nodePort: Duplicate value: {np}/{proto}',
-                            )
-                        mine[np].add(proto)
-                        continue
-                    if port.get("nodePort"):
-                        np = int(port["nodePort"])
-                        if np in self._ports_used:
-                            raise ApiError(
-                                422,
-                                "Invalid",
-                                f'Service "{name}" is invalid: spec.ports[].nodePort: Invalid value: '
-                                f"{np}: provided port is already allocated",
-                            )
-                    else:
-                        np = self._next_port()
-                        port["nodePort"] = np
-                    mine.setdefault(np, set()).add(proto)
-                    self._ports_used.add(np)
-                    new_ports.append(np)
-                if typ == "LoadBalancer":
-                    spec.setdefault("allocateLoadBalancerNodePorts", True)
-                    if spec.get("externalTrafficPolicy") == "Local" and not spec.get("healthCheckNodePort"):
-                        spec["healthCheckNodePort"] = self._next_port()
-                        self._ports_used.add(spec["healthCheckNodePort"])
-                        new_ports.append(spec["healthCheckNodePort"])
-        except ApiError:
-            for ip in ips:
-                self._ips_used.discard(ip)
-            for np in new_ports:
-                self._ports_used.discard(np)
-            raise
-
-    def _next_ip(self, family: int) -> str:
-        for net in self._nets:
-            if net.version != family:
-                continue
-            size = min(net.num_addresses, 1 << 20)
-            start = self._ip_cursor.get(family, 10)
-            for i in range(size):
-                offset = 1 + (start + i) % (size - 2)  # skip network and broadcast-like ends
-                ip = str(net.network_address + offset)
-                if ip not in self._ips_used:
-                    self._ip_cursor[family] = offset
-                    return ip
-        raise ApiError(422, "Invalid", f"no free IPv{family} ClusterIP in {[str(n) for n in self._nets]}")
-
-    def _next_port(self) -> int:
-        lo, hi = NODE_PORT_RANGE
-        for _ in range(hi - lo + 1):
-            port = random.randint(lo, hi)
-            if port not in self._ports_used:
-                return port
-        for port in range(lo, hi + 1):
-            if port not in self._ports_used:
-                return port
-        raise ApiError(422, "Invalid", "no free nodePort")
+def storage_key(namespace: str, name: str) -> str:
+    """An object's key below its resource's prefix, as etcd holds it ("NAMESPACE/NAME", or "NAME" for a
+    cluster-scoped kind): lists come in this key's byte order, and a continue token names a position in it."""
+    return f"{namespace}/{name}" if namespace else name
 
 
 def selector_matcher(label_selector: str, field_selector: str) -> Callable[[Mapping[str, Any]], bool]:

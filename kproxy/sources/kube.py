@@ -3,7 +3,8 @@
 Used by the daemon (`kproxy run`) to feed the cache (an `ObjectSink`) with Services, EndpointSlices and this node's
 Node. Each kind has one `Reflector` thread that does what client-go's reflector does for upstream kube-proxy:
 
-    list (paginated) -> sink.replace_*  -> mark_synced (once) -> watch from the list's resourceVersion
+    list (pages of 500, as client-go's pager) -> sink.replace_*  -> mark_synced (once) -> watch from the list's RV
+      a continue token expired between pages (410)  -> one list without limit (the pager's FullListIfExpired)
       an answer that is not this kind's list with a resourceVersion -> nothing applied; back off and relist
       ADDED/MODIFIED -> upsert, DELETED -> delete, BOOKMARK -> remember the resourceVersion only
       watch ended normally or the connection broke -> watch again from the last resourceVersion (no relist)
@@ -140,6 +141,7 @@ class ReflectorStats:
     watch_ends: int = 0  # watches that ended normally (server timeout)
     errors: int = 0  # failed requests, broken connections, malformed events, sink failures
     expired: int = 0  # 410s that forced a relist
+    expired_pages: int = 0  # continue tokens that expired mid-list (then listed again without limit)
     bad_lists: int = 0  # list answers refused unapplied (not this kind's list, no resourceVersion), also in errors
     events: int = 0  # ADDED/MODIFIED/DELETED applied
     bookmarks: int = 0
@@ -188,6 +190,10 @@ class Reflector:
         self.synced = threading.Event()
         self._stop = threading.Event()
         self._rv = ""  # the resourceVersion to watch from; "" means relist
+        # The resourceVersion the next list asks for, as client-go's relistResourceVersion: "0" first (any version:
+        # the API server may answer from its watch cache, sparing etcd when every node starts at once), then the
+        # last list's (not older than that); "" (a consistent read) once the server said a version is gone.
+        self._list_rv = "0"
         self._watch_lines = 0  # lines the current watch has delivered
         self._resp: Any = None
         self._resp_lock = threading.Lock()
@@ -244,17 +250,17 @@ class Reflector:
             except _Expired:
                 self.stats.expired += 1
                 log.info("reflector %s: resourceVersion %s expired, relisting", self.kind, self._rv)
-                self._rv = ""
+                self._rv = self._list_rv = ""
             except Exception as exc:  # noqa: BLE001 - every failure is retried; only stop() ends the loop
                 if self._stop.is_set():
                     break
                 if isinstance(exc, ApiException) and exc.status == 410:
                     self.stats.expired += 1
-                    self._rv = ""
+                    self._rv = self._list_rv = ""
                     continue
                 if _too_large(exc):
                     # The server is behind our resourceVersion (restarted, or another replica): start over.
-                    self._rv = ""
+                    self._rv = self._list_rv = ""
                 if isinstance(exc, _Relist):
                     self._rv = ""
                 if isinstance(exc, _BadList):
@@ -279,36 +285,8 @@ class Reflector:
         """List every page, check the answer, then hand it to the sink whole. A malformed answer (not this kind's
         list, no resourceVersion) raises `_BadList` before the sink sees anything: believing a `200 {}` from a
         broken proxy would replace every object with nothing."""
-        items: list[dict[str, Any]] = []
-        token = ""
-        while True:
-            kw = self._selectors()
-            if self.page_size:
-                kw["limit"] = self.page_size
-            if token:
-                kw["_continue"] = token
-            resp = self._list_fn(_preload_content=False, _request_timeout=(self.connect_timeout, 60.0), **kw)
-            try:
-                body = json.loads(resp.data)
-            except ValueError as exc:
-                raise _BadList(f"list response is not JSON ({exc})") from None
-            finally:
-                resp.release_conn()
-            page, meta = self._check_page(body)
-            for item in page:
-                if isinstance(item, dict):
-                    # List items come without kind/apiVersion; give them the same shape as watched objects.
-                    item.setdefault("apiVersion", self._api_version)
-                    item.setdefault("kind", self._object_kind)
-                    items.append(item)
-            token = meta.get("continue") or ""
-            if not isinstance(token, str):
-                raise _BadList(f"metadata.continue is a {type(token).__name__}, not a string")
-            if not token:
-                rv = meta.get("resourceVersion")
-                if not isinstance(rv, str) or not rv:
-                    raise _BadList("list response without a resourceVersion")
-                break
+        items, rv = self._pages()
+        self._list_rv = rv
         self.stats.lists += 1
         self.stats.last_rv = rv
         try:
@@ -320,6 +298,58 @@ class Reflector:
             self.synced.set()
             self._synced_cb()
         return rv
+
+    def _pages(self) -> tuple[list[dict[str, Any]], str]:
+        """Every item and the list's resourceVersion, as client-go's pager gathers them: `page_size` items a
+        request, following `continue`; the resourceVersion is the first page's (every page of a consistent list
+        carries it). A continue token that expired meanwhile (410 on a later page) falls back to one list without
+        `limit`, as the pager's FullListIfExpired does, rather than paging again from the start."""
+        items: list[dict[str, Any]] = []
+        token, rv = "", ""
+        first = {"resource_version": self._list_rv} if self._list_rv else {}
+        while True:
+            kw = self._selectors()
+            if self.page_size:
+                kw["limit"] = self.page_size
+            # later pages carry the token alone: upstream refuses a resourceVersion beside one
+            kw.update({"_continue": token} if token else first)
+            try:
+                page, meta = self._page(**kw)
+            except ApiException as exc:
+                if exc.status != 410 or not token:
+                    raise
+                self.stats.expired_pages += 1
+                log.info(
+                    "reflector %s: continue token expired after %d items; listing without limit", self.kind, len(items)
+                )
+                items, rv, token = [], "", ""
+                page, meta = self._page(**self._selectors(), **first)
+            rv = rv or _list_rv(meta)
+            items.extend(page)
+            token = meta.get("continue") or ""
+            if not isinstance(token, str):
+                raise _BadList(f"metadata.continue is a {type(token).__name__}, not a string")
+            if not token:
+                return items, rv
+
+    def _page(self, **kw: Any) -> tuple[list[dict[str, Any]], Mapping[str, Any]]:
+        """One list request: its checked items (with kind and apiVersion, as watched objects) and metadata."""
+        resp = self._list_fn(_preload_content=False, _request_timeout=(self.connect_timeout, 60.0), **kw)
+        try:
+            body = json.loads(resp.data)
+        except ValueError as exc:
+            raise _BadList(f"list response is not JSON ({exc})") from None
+        finally:
+            resp.release_conn()
+        page, meta = self._check_page(body)
+        items = []
+        for item in page:
+            if isinstance(item, dict):
+                # List items come without kind/apiVersion; give them the same shape as watched objects.
+                item.setdefault("apiVersion", self._api_version)
+                item.setdefault("kind", self._object_kind)
+                items.append(item)
+        return items, meta
 
     def _check_page(self, body: Any) -> tuple[list[Any], Mapping[str, Any]]:
         """One page's items and metadata, once the page is known to be this kind's list; `_BadList` otherwise."""
@@ -414,6 +444,13 @@ def _lines(resp: Any) -> Iterator[bytes]:
                 yield line
     if buf.strip():
         yield buf
+
+
+def _list_rv(meta: Mapping[str, Any]) -> str:
+    rv = meta.get("resourceVersion")
+    if not isinstance(rv, str) or not rv:
+        raise _BadList("list response without a resourceVersion")
+    return rv
 
 
 def _too_large(exc: BaseException) -> bool:

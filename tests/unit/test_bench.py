@@ -45,7 +45,7 @@ def test_generators_are_lazy_and_deterministic() -> None:
     assert synthetic.cluster_ip(1) == "198.19.0.1"
     assert synthetic.cluster_ip(10_000) == "198.19.39.16"
     with pytest.raises(ValueError):
-        synthetic.cluster_ip(70_000)
+        synthetic.cluster_ip(synthetic.MAX_SERVICES + 1)
     ips = {synthetic.endpoint_ip(i, j, 10) for i in range(1, 101) for j in range(10)}
     assert len(ips) == 1000 and all(ip.startswith("198.18.") for ip in ips)
     # The variant moves exactly the last endpoint to an address the service did not have.
