@@ -138,8 +138,27 @@ class ApiWriter:
         return n
 
 
+#: addresses the bench's own objects hold (its target's ClusterIP, the NAT floor's rule), never a synthetic service's
+RESERVED_IPS = frozenset({TARGET_CLUSTER_IP, "198.19.255.253", "198.19.255.254"})
+#: the synthetic indexes with those addresses (the first /16 of the synthetic blocks: index = offset in 198.19/16)
+_RESERVED = sorted(
+    int(ip.split(".")[2]) * 256 + int(ip.split(".")[3]) for ip in RESERVED_IPS if ip.startswith("198.19.")
+)
+
+
+def synthetic_index(k: int) -> int:
+    """The synthetic set's index of the ``k``-th service the bench programs, skipping those whose ClusterIP the bench
+    reserves (at 100,000 services the synthetic set reaches 198.19.200.10, the target's own)."""
+    for r in _RESERVED:
+        if r <= k:
+            k += 1
+    return k
+
+
 def synthetic_objects(first: int, last: int, endpoints: int) -> Iterable[dict[str, Any]]:
-    """Services ``first..last`` of the synthetic set (and their slices), as the API's create takes them."""
-    for i in range(first, last + 1):
+    """Services ``first..last`` of the synthetic set (and their slices), as the API's create takes them, none on a
+    reserved address."""
+    for k in range(first, last + 1):
+        i = synthetic_index(k)
         yield _strip(synthetic.service(i))
         yield _strip(synthetic.endpoint_slice(i, endpoints))

@@ -56,3 +56,12 @@ def test_multiport_services_count_as_service_ports_in_the_cache(ipv6: bool) -> N
     assert len(multi) == n // every and all(sp.port == 9090 for sp in multi)
     assert {sp.cluster_ip for sp in ports} == {synthetic.cluster_ip(i, ipv6) for i in range(1, n + 1)}
     assert synthetic.service_ports(n) == n  # no multi-port services unless asked
+
+
+def test_the_datapath_bench_never_programs_a_synthetic_service_on_its_own_addresses() -> None:
+    """At 100,000 services the synthetic set reaches 198.19.200.10 (the datapath bench's target ClusterIP) and
+    198.19.255.254 (its NAT floor's rule): the bench skips those indexes, and still programs N distinct services."""
+    from kproxy.bench.dpobjects import RESERVED_IPS, synthetic_index
+
+    ips = [synthetic.cluster_ip(synthetic_index(k)) for k in range(1, 100_001)]
+    assert len(set(ips)) == 100_000 and not set(ips) & RESERVED_IPS
