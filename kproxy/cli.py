@@ -2,10 +2,11 @@
 ``bench``, ``compare``) whose sub-commands each tool package registers itself.
 
 Flag names follow upstream kube-proxy where one exists (``--cluster-cidr``, ``--hostname-override``,
-``--nodeport-addresses``, ``--masquerade-all``, ``--min-sync-period``, ``--sync-period``, ``--healthz-bind-address``,
-``--metrics-bind-address``, ``--kubeconfig``, ``--master``, ``--config``, ``--cleanup``, ``--proxy-mode``), so a
-kube-proxy DaemonSet's arguments carry over. Backends declare their own flags (``Proxier.add_arguments``); the
-mode list in ``--help`` comes from the one mode table in ``kproxy.proxier``.
+``--nodeport-addresses``, ``--iptables-localhost-nodeports``, ``--masquerade-all``, ``--min-sync-period``,
+``--sync-period``, ``--healthz-bind-address``, ``--metrics-bind-address``, ``--kubeconfig``, ``--master``,
+``--config``, ``--cleanup``, ``--proxy-mode``), so a kube-proxy DaemonSet's arguments carry over. Backends declare
+their own flags (``Proxier.add_arguments``); the mode list in ``--help`` comes from the one mode table in
+``kproxy.proxier``.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ _CONFIG_FLAGS = {
     "pod_interface_name_prefix": "pod_interface_name_prefix",
     "nodeport_addresses": "nodeport_addresses",
     "masquerade_all": "masquerade_all",
+    "iptables_localhost_nodeports": "localhost_nodeports",
     "iptables_masquerade_bit": "masquerade_bit",
     "min_sync_period": "min_sync_period",
     "sync_period": "sync_period",
@@ -110,6 +112,16 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="CIDRs (or 'primary') whose local addresses accept NodePorts; default all",
     )
     p.add_argument("--masquerade-all", action="store_true", default=S, help="SNAT all traffic to service IPs")
+    p.add_argument(
+        "--iptables-localhost-nodeports",
+        type=_bool_flag,
+        nargs="?",
+        const=True,
+        default=S,
+        metavar="BOOL",
+        help="NodePorts answer on 127.0.0.1 too when --nodeport-addresses lets loopback in; IPv4 only; every mode "
+        "(true; upstream's iptables.localhostNodePorts)",
+    )
     p.add_argument("--iptables-masquerade-bit", type=int, default=S, help="fwmark bit for masquerading (14)")
     p.add_argument("--min-sync-period", type=_duration_flag, default=S, help="min interval between syncs (1s)")
     p.add_argument(
@@ -144,6 +156,16 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--no-cleanup-other-modes", action="store_true", help="do not remove other modes' leftovers at start-up"
     )
     p.set_defaults(func=cmd_run, backend_flags=_add_backend_flags(p))
+
+
+def _bool_flag(text: str) -> bool:
+    """A boolean flag's value as Go's flag package reads it (``--flag``, ``--flag=false``)."""
+    value = text.strip().lower()
+    if value in ("1", "t", "true"):
+        return True
+    if value in ("0", "f", "false"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
 
 
 def _duration_flag(text: str) -> float:

@@ -140,6 +140,10 @@ class ProxyConfig:
     pod_interface_name_prefix: str = ""  # detectLocal.interfaceNamePrefix (InterfaceNamePrefix mode)
     nodeport_addresses: tuple[str, ...] = ()  # CIDRs, or ("primary",); empty = every local address
     masquerade_all: bool = False
+    #: upstream's ``iptables.localhostNodePorts`` (``--iptables-localhost-nodeports``, default true): NodePorts answer
+    #: on 127.0.0.1 too, when ``--nodeport-addresses`` lets loopback in; IPv4 only (``kproxy.nodeaddr``). Every mode
+    #: honours it here, not only iptables.
+    localhost_nodeports: bool = True
     masquerade_bit: int = 14
     min_sync_period: float = 1.0
     sync_period: float = 30.0
@@ -192,6 +196,11 @@ class ProxyConfig:
             raise ConfigError(
                 f"maxServiceEntries (--max-service-entries): {self.max_service_entries}, must be between 1 and "
                 f"{MAX_SERVICE_ENTRIES_LIMIT}"
+            )
+        if not isinstance(self.localhost_nodeports, bool):
+            raise ConfigError(
+                f"iptables.localhostNodePorts (--iptables-localhost-nodeports): {self.localhost_nodeports!r} is not "
+                "true or false"
             )
         if not isinstance(self.service_counters, bool):
             raise ConfigError(f"serviceCounters (--service-counters): {self.service_counters!r} is not true or false")
@@ -255,6 +264,8 @@ def _yaml_fields(doc: Mapping[str, Any]) -> dict[str, Any]:
     masq_all = doc.get("iptables", {}).get("masqueradeAll") if ipt else None
     if masq_all is not None:
         out["masquerade_all"] = bool(masq_all)
+    if ipt.get("localhostNodePorts") is not None:
+        out["localhost_nodeports"] = ipt["localhostNodePorts"]  # a bool, or validate() says what it is
     if ipt.get("masqueradeBit") is not None:
         out["masquerade_bit"] = int(ipt["masqueradeBit"])
     for src, prefix in (
@@ -335,7 +346,11 @@ def to_kube_proxy_configuration(cfg: ProxyConfig) -> dict[str, Any]:
         "metricsBindAddress": cfg.metrics_bind_address,
         "syncPeriod": f"{cfg.sync_period:g}s",
         "minSyncPeriod": f"{cfg.min_sync_period:g}s",
-        "iptables": {"masqueradeAll": cfg.masquerade_all, "masqueradeBit": cfg.masquerade_bit},
+        "iptables": {
+            "masqueradeAll": cfg.masquerade_all,
+            "masqueradeBit": cfg.masquerade_bit,
+            "localhostNodePorts": cfg.localhost_nodeports,
+        },
         "clientConnection": {"kubeconfig": cfg.kubeconfig},
         "serviceCounters": cfg.service_counters,  # kproxy's own field
         "backendOptions": {k: v for k, v in cfg.backend_options.items() if isinstance(v, (str, int, float, bool))},

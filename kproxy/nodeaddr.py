@@ -8,9 +8,16 @@ ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix) and ``pkg/proxy/uti
 decisions are made here in kproxy's terms; each backend spells them in its own syntax (``-s CIDR`` / ``-i br0`` for
 iptables, ``ip saddr CIDR`` / ``iifname "veth*"`` for nftables, a prefix check in a BPF program).
 
-Localhost NodePorts are not supported by any mode (upstream's ``localhostNodePorts`` needs ``route_localnet``): a
-loopback CIDR in ``--nodeport-addresses`` is skipped with an error in the log, and a CIDR around loopback is split
-into the CIDRs around it.
+Localhost NodePorts (upstream's ``iptables.localhostNodePorts``, ``--iptables-localhost-nodeports``, default true)
+are decided here once, per family, and every mode serves them from ``FamilyContext.localhost_nodeports``: NodePorts
+answer on 127.0.0.1 to the node's own processes when the flag is on, the family is IPv4 (``[::1]:NODEPORT`` never
+worked upstream: IPv6 has no ``route_localnet``) and ``--nodeport-addresses`` lets loopback in (none given, a
+match-all CIDR, or a CIDR holding 127.0.0.1; upstream's ``ContainsIPv4Loopback``; ``primary`` alone does not).
+``--nodeport-addresses`` keeps its meaning for every other address: the CIDRs a backend matches leave loopback out
+(a CIDR around it is split into the CIDRs around it) and 127.0.0.1 is carried by the flag alone, so no backend
+matches loopback by accident; a loopback CIDR that does not serve (the flag off, or IPv6) is said once in the log,
+as upstream says it. How each mode serves it (route_localnet and upstream's rules, a redirect on the output path, a
+connect-time frontend, a relay) is in its package docstring.
 
 The node's own addresses come from netlink (``local_addresses``). The daemon reads them through an
 ``AddressWatch``: again only after the kernel announced an address change, so a sync in the steady state makes no
@@ -36,6 +43,8 @@ from kproxy.model import IPFamily, NodeInfo
 log = logging.getLogger(__name__)
 
 LOOPBACK = {IPFamily.V4: ipaddress.ip_network("127.0.0.0/8"), IPFamily.V6: ipaddress.ip_network("::1/128")}
+#: where localhost NodePorts answer (IPv4 only)
+LOCALHOST = "127.0.0.1"
 
 
 @functools.lru_cache(maxsize=256)
@@ -79,17 +88,23 @@ class FamilyContext:
     #: every address this network namespace holds in this family, loopback included
     local_addresses: tuple[str, ...] = ()
     masquerade_all: bool = False
+    #: NodePorts answer on 127.0.0.1 to the node's own processes (see the module docstring; IPv4 only)
+    localhost_nodeports: bool = False
 
     @property
     def nodeport_addresses(self) -> tuple[str, ...]:
-        """The addresses of this node that accept NodePorts now (resolved against ``local_addresses``)."""
+        """The addresses of this node that accept NodePorts now (resolved against ``local_addresses``), 127.0.0.1
+        last when localhost NodePorts are served."""
         loop = LOOPBACK[self.family]
         mine = [ipaddress.ip_address(a) for a in self.local_addresses]
         if self.nodeport_all_local:
-            return tuple(str(a) for a in mine if a not in loop)
-        nets = [ipaddress.ip_network(c) for c in self.nodeport_cidrs]
-        out = [str(a) for a in mine if any(a in n for n in nets)]
-        out += [ip for ip in self.nodeport_ips if ip not in out]
+            out = [str(a) for a in mine if a not in loop]
+        else:
+            nets = [ipaddress.ip_network(c) for c in self.nodeport_cidrs]
+            out = [str(a) for a in mine if any(a in n for n in nets)]
+            out += [ip for ip in self.nodeport_ips if ip not in out]
+        if self.localhost_nodeports:
+            out.append(LOCALHOST)
         return tuple(out)
 
     def without_addresses(self) -> FamilyContext:
@@ -104,6 +119,7 @@ class FamilyContext:
             self.node_ips,
             (),
             self.masquerade_all,
+            self.localhost_nodeports,
         )
 
 
@@ -154,8 +170,31 @@ def nodeports(addrs: Sequence[str], node: NodeInfo, family: IPFamily) -> tuple[b
     """``--nodeport-addresses`` for one family: (every local address but loopback, CIDRs, primary addresses).
 
     As upstream: no CIDR of this family, or one that is 0.0.0.0/0 or ::/0, means every local address (loopback
-    excluded here, see the module docstring). ``primary`` means the Node's addresses of the family."""
+    excluded here: localhost NodePorts are ``localhost_nodeports``' alone). ``primary`` means the Node's addresses of
+    the family."""
     loop = LOOPBACK[family]
+    cidrs, primary = _family_cidrs(addrs, node, family)
+    if (not cidrs and not primary) or any(n.prefixlen == 0 for n in cidrs):
+        return True, (), ()
+    ips: list[str] = []
+    for ip in primary:
+        if ipaddress.ip_address(ip) in loop:
+            _log_once("--nodeport-addresses: node address %s is loopback; it is not a NodePort address", ip)
+            continue
+        ips.append(ip)
+    out: list[str] = []
+    for net in cidrs:
+        if net.subnet_of(loop):  # type: ignore[arg-type]
+            continue  # localhost NodePorts: localhost_nodeports() decides
+        parts = sorted(net.address_exclude(loop)) if loop.subnet_of(net) else [net]  # type: ignore[arg-type]
+        out.extend(str(p) for p in parts)
+    return False, tuple(out), tuple(ips)
+
+
+def _family_cidrs(
+    addrs: Sequence[str], node: NodeInfo, family: IPFamily
+) -> tuple[list[ipaddress.IPv4Network | ipaddress.IPv6Network], list[str]]:
+    """``--nodeport-addresses``' CIDRs of one family, and the Node's addresses of the family if ``primary`` is named."""
     cidrs: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
     primary: list[str] = []
     for item in addrs:
@@ -168,22 +207,26 @@ def nodeports(addrs: Sequence[str], node: NodeInfo, family: IPFamily) -> tuple[b
             continue
         if (net.version == 6) == (family == IPFamily.V6):
             cidrs.append(net)
-    if (not cidrs and not primary) or any(n.prefixlen == 0 for n in cidrs):
-        return True, (), ()
-    ips: list[str] = []
-    for ip in primary:
-        if ipaddress.ip_address(ip) in loop:
-            _log_once("--nodeport-addresses: node address %s is loopback; localhost NodePorts are unsupported", ip)
-            continue
-        ips.append(ip)
-    out: list[str] = []
-    for net in cidrs:
-        if net.subnet_of(loop):  # type: ignore[arg-type]
-            _log_once("--nodeport-addresses includes loopback %s; localhost NodePorts are not supported", net)
-            continue
-        parts = sorted(net.address_exclude(loop)) if loop.subnet_of(net) else [net]  # type: ignore[arg-type]
-        out.extend(str(p) for p in parts)
-    return False, tuple(out), tuple(ips)
+    return cidrs, primary
+
+
+def localhost_nodeports(config: ProxyConfig, node: NodeInfo, family: IPFamily) -> bool:
+    """Whether NodePorts answer on 127.0.0.1 in ``family`` (see the module docstring): upstream's decision in
+    ``NewProxier`` (``localhostNodePorts`` and ``nodePortAddresses.ContainsIPv4Loopback()``), IPv4 only."""
+    cidrs, primary = _family_cidrs(config.nodeport_addresses, node, family)
+    lets_in = (not cidrs and not primary) or any(
+        n.prefixlen == 0 or ipaddress.ip_address(LOCALHOST) in n for n in cidrs
+    )
+    named = [n for n in cidrs if n.prefixlen and n.overlaps(LOOPBACK[family])]  # type: ignore[arg-type]
+    if family == IPFamily.V6:
+        for net in named:
+            _log_once("--nodeport-addresses includes localhost %s: localhost NodePorts are not supported on IPv6", net)
+        return False
+    if not config.localhost_nodeports:
+        for net in named:
+            _log_once("--nodeport-addresses includes localhost %s but --iptables-localhost-nodeports=false", net)
+        return False
+    return lets_in
 
 
 def resolve(
@@ -208,6 +251,7 @@ def resolve(
             node_ips=tuple(ip for ip in node.addresses if IPFamily.of(ip) == fam),
             local_addresses=tuple(a for a in addrs if IPFamily.of(a) == fam),
             masquerade_all=config.masquerade_all,
+            localhost_nodeports=localhost_nodeports(config, node, fam),
         )
     return NodeContext(config.node_name, MappingProxyType(out))
 
