@@ -15,7 +15,10 @@ the nftables mode's table is named ``kproxy``):
 - ``services`` (jumped to from ``prerouting`` at dstnat, for pods and other hosts, and from ``output`` at -100, for
   the node's own processes): ``ip daddr . meta l4proto . th dport vmap @service-ips`` (ClusterIPs, externalIPs,
   load-balancer IPs) and ``ip daddr @nodeport-cidrs fib daddr type local meta l4proto . th dport vmap
-  @service-nodeports`` (NodePorts on ``--nodeport-addresses``, loopback excluded).
+  @service-nodeports`` (NodePorts on ``--nodeport-addresses``, loopback excluded, plus 127.0.0.1 when the core
+  serves localhost NodePorts). ``prerouting`` first returns for loopback destinations (IPv4): a packet from outside
+  to 127.0.0.1 is a martian the kernel would drop, and a redirect before routing would let it in, so localhost
+  NodePorts are redirected on the output path only, to the node's own processes, with no ``route_localnet``.
 - An element's verdict is ``goto redirect-svc`` / ``goto redirect-np`` (``redirect to : ip daddr . meta l4proto .
   th dport map @service-ports``: the proxy socket's port for that address, or by protocol . node port in
   ``@nodeport-ports``), ``goto firewall`` (load-balancer IPs with ``loadBalancerSourceRanges``: the source must be in
@@ -105,9 +108,11 @@ Where kproxy deviates from upstream's userspace mode, and why:
 - Upstream relayed in two goroutines per connection with ``io.Copy``; this relays with splice in one event loop.
 - Local traffic policies are honoured (upstream's userspace mode predates them). SCTP is not proxied (as upstream;
   this kernel has no SCTP sockets either): its service addresses reject new associations, with a warning.
-- Localhost NodePorts are not supported (as in every kproxy mode). The proxy ports take only redirected traffic
-  (the input guard above); upstream's were reachable directly on every address of the node, from any host, and
-  came from the ephemeral range by default.
+- Localhost NodePorts (upstream's ``localhostNodePorts``, an iptables-mode feature there) are served natively:
+  127.0.0.1:NODEPORT from the node's own processes is redirected to the proxy socket like any NodePort (IPv4, when
+  ``--iptables-localhost-nodeports`` and ``--nodeport-addresses`` let it: ``kproxy.nodeaddr``). The proxy ports take
+  only redirected traffic (the input guard above); upstream's were reachable directly on every address of the node,
+  from any host, and came from the ephemeral range by default.
 
 Conformance: ``source-ip`` is not applicable (the endpoint sees the node, never the client's address); declared parts
 (``UserspaceProxier.not_applicable_parts``): the client address of ``etp-local`` and ``dual-stack``, the held

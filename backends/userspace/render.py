@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName, Verdict
-from kproxy.nodeaddr import FamilyContext
+from kproxy.nodeaddr import LOCALHOST, FamilyContext
 from kproxy.toolkit.cidr import Network, all_but_loopback
 from kproxy.toolkit.keys import service_key as service_key
 from kproxy.toolkit.nft import nft_family as nft_family
@@ -27,7 +27,7 @@ from kproxy.toolkit.nft import owner_at
 
 TABLE = "kproxy-userspace"
 #: bumped whenever the fixed part's shape changes: a table of another layout is replaced whole
-LAYOUT = "layout-kproxy-userspace-2"
+LAYOUT = "layout-kproxy-userspace-3"
 
 SERVICE_IPS = "service-ips"  # address . proto . port : verdict
 SERVICE_PORTS = "service-ports"  # address . proto . port : proxy port
@@ -242,11 +242,22 @@ def fixed_commands(family: IPFamily) -> list[str]:
         f"add rule {f} {t} services {d} @{NODEPORT_CIDRS} fib daddr type local meta l4proto . th dport "
         f"vmap @{SERVICE_NODEPORTS}",
         f"add chain {f} {t} prerouting {{ type nat hook prerouting priority dstnat; policy accept; }}",
+        *_martian_guard(family),
         f"add rule {f} {t} prerouting jump services",
         f"add chain {f} {t} output {{ type nat hook output priority -100; policy accept; }}",
         f"add rule {f} {t} output jump services",
         *guard_commands(family),
     ]
+
+
+def _martian_guard(family: IPFamily) -> list[str]:
+    """Packets from outside to a loopback address are martians the kernel drops after routing; a redirect before
+    routing would rewrite them to the receiving interface's address and let them in (CVE-2020-8558's exposure, which
+    upstream closes with ``route_localnet``'s drop rule). So localhost NodePorts (127.0.0.1 in ``nodeport-cidrs``)
+    are redirected on the output path only: prerouting leaves loopback destinations alone."""
+    if family != IPFamily.V4:
+        return []  # ::1 is never a NodePort address (kproxy.nodeaddr)
+    return [f"add rule ip {TABLE} prerouting ip daddr 127.0.0.0/8 return"]
 
 
 def guard_commands(family: IPFamily) -> list[str]:
@@ -275,10 +286,13 @@ def proxy_ports_element(port_range: tuple[int, int]) -> str:
 
 
 def nodeport_cidrs(ctx: FamilyContext) -> tuple[str, ...]:
-    """Where NodePorts answer, as nft interval elements: every address but loopback, or ``--nodeport-addresses``."""
+    """Where NodePorts answer, as nft interval elements: every address but loopback, or ``--nodeport-addresses``;
+    and 127.0.0.1 when the core serves localhost NodePorts (reached from the node only: ``_martian_guard``)."""
+    localhost = [ipaddress.ip_network(f"{LOCALHOST}/32")] if ctx.localhost_nodeports else []
     if ctx.nodeport_all_local:
-        return _ranges(all_but_loopback(ctx.family))
+        return _ranges(sorted([*all_but_loopback(ctx.family), *localhost]))  # type: ignore[type-var]
     out = list(ctx.nodeport_cidrs) + [f"{ip}/{32 if ctx.family == IPFamily.V4 else 128}" for ip in ctx.nodeport_ips]
+    out += [str(n) for n in localhost]
     return tuple(sorted(set(out)))
 
 

@@ -560,3 +560,32 @@ def test_no_new_connection_is_reset_while_syncs_run(lab: Lab, proxier: Userspace
     assert got["bad"] == [], (got["bad"][:10], proxier.engine.stats())
     assert syncs >= 20 and full >= 4, (syncs, full)  # the syncs really ran alongside
     assert proxier.engine.stats()["failedDials"] == 0
+
+
+def test_localhost_nodeports_from_the_node_only_and_turned_off(lab: Lab) -> None:
+    """``127.0.0.1:NODEPORT`` from the node's own processes reaches the endpoints (TCP and UDP; upstream's
+    ``localhostNodePorts``, on by default), redirected on the output path; ``--iptables-localhost-nodeports=false``
+    and a ``--nodeport-addresses`` without loopback turn it off (refused) while the node's address still serves."""
+    web = sp("np", TWO, port=84, node_port=30084)
+    dns = sp("npu", TWO, Protocol.UDP, port=84, node_port=30085)
+    for cfg, served in (
+        (CFG, True),
+        (CFG.with_(localhost_nodeports=False), False),
+        (CFG.with_(nodeport_addresses=("198.18.100.0/24",)), False),
+        (CFG.with_(nodeport_addresses=("127.0.0.0/8", "198.18.100.0/24")), True),
+    ):
+        p = UserspaceProxier(cfg, netns=lab.node)
+        p.start()
+        try:
+            res = p.sync(state(web, dns), Changes(full=True))
+            assert res.ok and not res.failed, res.error
+            want = {"ep1", "ep2"} if served else {"ConnectionRefusedError"}
+            assert set(tcp(lab.node, "127.0.0.1", 30084, count=2)) == want, cfg
+            if served:
+                assert set(udp(lab.node, "127.0.0.1", 30085, count=2)) == {"ep1", "ep2"}
+            assert set(tcp(lab.node, NODE_IP, 30084, count=2)) == {"ep1", "ep2"}  # the node's address serves anyway
+            assert set(tcp(lab.client, NODE_IP, 30084, count=2)) == {"ep1", "ep2"}
+            assert p.verify(state(web, dns))["drift"] == 0
+        finally:
+            p.close()
+    UserspaceProxier.cleanup_leftovers(CFG, netns=lab.node)

@@ -101,6 +101,21 @@ def test_nodeport_cidrs_exclude_loopback() -> None:
     assert render.nodeport_cidrs(narrowed) == ("198.18.0.0/24",)
 
 
+def test_localhost_nodeports_add_127_0_0_1_reached_from_the_node_only() -> None:
+    """The core's decision (``FamilyContext.localhost_nodeports``) puts 127.0.0.1 into ``nodeport-cidrs``; the
+    prerouting chain leaves loopback destinations alone, so only the node's own processes (output hook) reach it."""
+    on = FamilyContext(IPFamily.V4, localhost_nodeports=True)
+    assert render.nodeport_cidrs(on) == ("0.0.0.0-126.255.255.255", "127.0.0.1", "128.0.0.0-255.255.255.255")
+    narrowed = FamilyContext(
+        IPFamily.V4, nodeport_all_local=False, nodeport_cidrs=("198.18.0.0/24",), localhost_nodeports=True
+    )
+    assert render.nodeport_cidrs(narrowed) == ("127.0.0.1/32", "198.18.0.0/24")
+    fixed = render.fixed_commands(IPFamily.V4)
+    guard = fixed.index(f"add rule ip {render.TABLE} prerouting ip daddr 127.0.0.0/8 return")
+    assert guard < fixed.index(f"add rule ip {render.TABLE} prerouting jump services")
+    assert not [ln for ln in render.fixed_commands(IPFamily.V6) if "return" in ln]
+
+
 def test_balancer_round_robin_affinity_and_removal() -> None:
     b = Balancer()
     eps = (("a", 1), ("b", 2), ("c", 3))
