@@ -6,9 +6,10 @@ Modules: ``render`` (pure: a ServicePort to a fragment of redirect elements and 
 batch's transaction), ``proxier`` (``UserspaceProxier``: the ledger's protocol, one nft transaction per batch),
 ``adopt`` (the table and the data path read back, for adoption and for ``kproxy verify``), ``cleanup`` (remnants,
 kernel view, deleting the tables), ``trace`` (the packet explainer), ``kernel`` (libnftables, the socket tables, the
-open-file limit, the bench's floor), ``ports`` (``--proxy-port-range`` and the proxy port allocator), and the data
-path: ``datapath`` (the event loop thread), ``tcp`` (accept, dial, splice relay), ``udp`` (sessions), ``balancer``
-(round robin and affinity), ``stats`` (its counters). libnftables is reached through the core's ``kproxy.nftkernel``.
+open-file limit, the bench's floor), ``ports`` (``--proxy-port-range`` and the proxy port allocator). The data path
+is the core's relay, ``kproxy.relay`` (the event loop thread, TCP accept/dial/splice, UDP sessions, round robin and
+affinity, counters), which the nftables mode shares for its localhost NodePorts. libnftables is reached through the
+core's ``kproxy.nftkernel``.
 
 Layout (table ``kproxy-userspace`` in family ``ip`` and again in ``ip6``; nothing outside it, never another table;
 the nftables mode's table is named ``kproxy``):
@@ -55,7 +56,7 @@ kept rather than one socket per protocol with ``SO_ORIGINAL_DST``: that option e
 TPROXY and ``IP_RECVORIGDSTADDR``), it costs a getsockopt per connection, and a socket per port costs one
 descriptor (``start`` raises the soft open-file limit to the hard one).
 
-Data path (``datapath.py``): one asyncio event loop in a thread of its own, in the backend's namespace; no thread
+Data path (``kproxy.relay``): one asyncio event loop in a thread of its own, in the backend's namespace; no thread
 per connection. TCP: accept in batches, round robin over the endpoints the cache chose (shuffled on each change),
 ClientIP affinity with the service's timeout (entries of removed endpoints dropped at once, stale ones swept every
 second), dial without blocking with upstream's timeouts 250 ms, 500 ms, 1 s, 2 s, each failure moving to the next

@@ -35,6 +35,8 @@ from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Ver
 from kproxy.nftkernel import Nft, available
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelProbe, Option
+from kproxy.relay.datapath import Engine, ListenerSpec
+from kproxy.relay.udp import Duration
 from kproxy.toolkit import nft as nft_tools
 from kproxy.toolkit.cidr import spans
 from kproxy.toolkit.trace import traced
@@ -43,7 +45,6 @@ from . import cleanup, render
 from . import trace as tracing
 from .adopt import Adopted, Served, View, extra, fixed_problems, parse_table, service_problems
 from .adopt import read as read_adopted
-from .datapath import Engine, ListenerSpec
 from .kernel import context as kernel_context
 from .kernel import floor_seconds, guard_ports, listening, missing, own_socket_inodes, raise_open_file_limit, read_table
 from .ports import (
@@ -55,7 +56,6 @@ from .ports import (
     socket_family,
 )
 from .render import Elements, Fragment, Tx
-from .udp import Duration
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
         self.pool = PortPool(
             parse_port_range(str(opts.get("proxy_port_range", DEFAULT_PORT_RANGE))), lambda fn: self.kernel.call(fn)
         )
-        self.engine = Engine(netns, udp_timeout=self.udp_timeout)
+        self.engine = Engine(netns, udp_timeout=self.udp_timeout, name="kproxy-userspace-datapath")
         self.engine.on_dead = lambda ident: self.request_full(ident[0])  # a full sync binds a new socket
         self._started = False
         self.bound: dict[Ident, int] = {}  # every proxy socket the data path holds, and its port

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 
 from kproxy.backends.userspace import render
-from kproxy.backends.userspace.balancer import Balancer
 from kproxy.backends.userspace.ports import parse_port_range
 from kproxy.backends.userspace.proxier import UserspaceProxier
-from kproxy.backends.userspace.udp import Duration
 from kproxy.conformance.scenarios import SCENARIO_IDS
 from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
 from kproxy.nodeaddr import FamilyContext
+from kproxy.relay.balancer import Balancer
+from kproxy.relay.udp import Duration
 
 
 def sp(proto: Protocol = Protocol.TCP, eps: int = 2, local: int = 0, **kw: object) -> ServicePort:

@@ -1,7 +1,8 @@
-"""The userspace data path: proxy sockets served by one event loop thread, bytes moved by ``splice`` (zero copy).
+"""The relay's engine: proxy sockets served by one event loop thread, bytes moved by ``splice`` (zero copy).
 
-One ``Engine`` per backend runs an asyncio event loop in a thread of its own (started by ``UserspaceProxier.start``,
-never in ``__init__``), in the backend's network namespace. Everything the loop touches (listeners, balancers,
+One ``Engine`` per user runs an asyncio event loop in a thread of its own (started by the backend's ``start``,
+never in its ``__init__``), in the backend's network namespace: the userspace mode relays every service through
+it, the nftables mode its localhost NodePorts alone. Everything the loop touches (listeners, balancers,
 connections, UDP sessions) is changed only in the loop thread: the runner thread hands over ready-made listening
 sockets and endpoint lists with ``Engine.update`` (``call_soon_threadsafe``) and waits until the loop has taken
 them, so when a sync returns the data path already uses the new endpoints, and the loop never waits for a sync.
@@ -48,8 +49,9 @@ class ListenerSpec:
 class Engine:
     """The event loop thread and every proxy socket (see the module docstring)."""
 
-    def __init__(self, netns: str | None = None, udp_timeout: float = 0.25) -> None:
+    def __init__(self, netns: str | None = None, udp_timeout: float = 0.25, name: str = "kproxy-relay") -> None:
         self.netns = netns
+        self.name = name  # the loop thread's name, and the log's
         self.udp_timeout = udp_timeout
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -93,7 +95,7 @@ class Engine:
                 self.open.clear()
                 loop.close()
 
-        self._thread = threading.Thread(target=run, name="kproxy-userspace-datapath", daemon=True)
+        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
         self._thread.start()
         ready.wait(10)
         if errors:
@@ -113,7 +115,7 @@ class Engine:
         """Run ``fn`` in the loop thread and wait for its result (the runner thread's way in)."""
         loop = self.loop
         if loop is None:
-            raise RuntimeError("the userspace data path is not running")
+            raise RuntimeError(f"{self.name}: the relay is not running")
         done = threading.Event()
         box: list[Any] = []
 
@@ -127,7 +129,7 @@ class Engine:
 
         loop.call_soon_threadsafe(call)
         if not done.wait(timeout):
-            raise TimeoutError("the userspace data path did not answer")
+            raise TimeoutError(f"{self.name}: the relay did not answer")
         ok, value = box[0]
         if not ok:
             raise value
@@ -171,7 +173,7 @@ class Engine:
     def died(self, ident: Ident, why: str) -> None:
         """A listener's socket stopped listening under the loop (loop thread): stop reading it, remember it."""
         if ident not in self.dead:
-            log.warning("userspace: proxy socket %s stopped listening (%s): bound anew at the next sync", ident, why)
+            log.warning("%s: proxy socket %s stopped listening (%s): bound anew at next sync", self.name, ident, why)
         self.dead.add(ident)
         if self.on_dead is not None:
             self.on_dead(ident)

@@ -1,4 +1,4 @@
-"""The userspace data path's TCP side: a proxy socket's accepts, the dial to an endpoint, and the relay.
+"""The relay's TCP side: a proxy socket's accepts, the dial to an endpoint, and the relay.
 
 - ``TcpListener``: accept in batches (``ACCEPT_BATCH``) and hand each client to a ``_Dial``.
 - ``_Dial``: pick an endpoint (the listener's ``Balancer``), connect without blocking with upstream's dial timeouts
@@ -8,7 +8,7 @@
   ``add_reader``/``add_writer``, a few splices per wake-up; half close passed on; an error on either side resets
   both. Why splice and what the pipe size buys: docs/PERFORMANCE.md.
 
-Everything here runs in the engine's loop thread (``kproxy.backends.userspace.datapath``).
+Everything here runs in the engine's loop thread (``kproxy.relay.datapath``).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class TcpListener:
                     self.engine.died(self.ident, str(exc))
                     return
                 # EMFILE and friends: the client waits in the backlog, try again soon
-                log.warning("userspace: accept failed: %s", exc)
+                log.warning("relay: accept failed: %s", exc)
                 return
             self.engine.counters.accepted += 1
             client.setblocking(False)

@@ -1,4 +1,4 @@
-"""The userspace data path's statistics, and what its listeners share with the engine that runs them.
+"""The relay's statistics, and what its listeners share with the engine that runs them.
 
 The counters are changed only in the loop thread (no lock: one writer); ``Engine.stats`` reads them for
 ``describe()``. ``Host`` is the engine as a listener sees it (``tcp``, ``udp``): the loop, the set of open dials

@@ -1,4 +1,4 @@
-"""The userspace data path's UDP side: a session per client address with a connected socket to its endpoint.
+"""The relay's UDP side: a session per client address with a connected socket to its endpoint.
 
 Replies go back through the proxy socket from the address the client's datagram was redirected to (``IP_PKTINFO``),
 so conntrack reverses the redirect; a session idle longer than the UDP timeout is closed, and sessions to an
