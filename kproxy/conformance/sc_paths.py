@@ -1,5 +1,6 @@
-"""Conformance scenarios, the basic paths: ClusterIP over TCP and UDP, several ports, NodePort, externalIP, load
-balancer source ranges, rejection without endpoints, session affinity, the client's source address and hairpin.
+"""Conformance scenarios, the basic paths: ClusterIP over TCP and UDP, several ports, NodePort, localhost NodePort,
+externalIP, load balancer source ranges, rejection without endpoints, session affinity, the client's source address
+and hairpin.
 
 The spec is docs/BEHAVIOUR.md's scenario table; ``kproxy.conformance.scenarios`` fixes the order.
 """
@@ -11,7 +12,7 @@ from typing import Any
 from kproxy.conformance.checks import judge_outside_reject
 from kproxy.conformance.context import Context
 from kproxy.conformance.registry import scenario
-from kproxy.conformance.steps import SYNC_WAIT, barrier, cip, stdout_of, two_nodes, wait_reach
+from kproxy.conformance.steps import SYNC_WAIT, barrier, cip, started_and_synced, stdout_of, two_nodes, wait_reach
 from kproxy.conformance.values import Probe, ScenarioFailure, hostport
 
 
@@ -134,6 +135,51 @@ def nodeport(ctx: Context) -> None:
         ctx.reach(client, node.ip4, np_, count=3, only=eps)
         ctx.reach(node, node.ip4, np_, count=3, only=eps)
     ctx.note(f"nodePort {np_}: external client, pod and node itself reached both nodes")
+
+
+LOCALHOST = "127.0.0.1"
+
+
+@scenario(
+    "localhost-nodeport",
+    "the node itself -> 127.0.0.1:nodePort (TCP, UDP); off with --iptables-localhost-nodeports=false or a "
+    "--nodeport-addresses without loopback",
+    timeout_s=180,
+)
+def localhost_nodeport(ctx: Context) -> None:
+    n1, n2 = two_nodes(ctx)
+    eps = [ctx.pods_on(n1)[1], ctx.pods_on(n2)[1]]
+    svc = ctx.service(
+        "lnp",
+        [ctx.port(80, 8080, name="tcp", protocol="TCP"), ctx.port(53, 8080, name="udp", protocol="UDP")],
+        type="NodePort",
+    )
+    ctx.apply(svc, ctx.slice_for(svc, eps))
+    np_tcp, np_udp = (p["nodePort"] for p in svc["spec"]["ports"])
+    # upstream's default (localhostNodePorts true, no --nodeport-addresses): the node's own processes reach it
+    wait_reach(ctx, n1, LOCALHOST, np_tcp, only=eps, what=f"{LOCALHOST}:{np_tcp} from {n1.name} itself")
+    ctx.reach(n1, LOCALHOST, np_tcp, count=6, only=eps)
+    wait_reach(ctx, n1, LOCALHOST, np_udp, "udp", only=eps)
+    ctx.reach(n1, LOCALHOST, np_udp, "udp", count=4, only=eps)
+    try:
+        for extra in (["--iptables-localhost-nodeports=false"], ["--nodeport-addresses", f"{n1.ip4}/32"]):
+            _restart_with(ctx, n1, extra)
+            wait_reach(ctx, n1, n1.ip4, np_tcp, only=eps, what=f"{n1.ip4}:{np_tcp} after a restart with {extra}")
+            ctx.blocked(n1, LOCALHOST, np_tcp, how="refused", count=2)
+    finally:
+        _restart_with(ctx, n1, [])
+    wait_reach(ctx, n1, LOCALHOST, np_tcp, only=eps, what="localhost NodePort back with the default flags")
+    ctx.note(
+        f"{LOCALHOST}:{np_tcp}/TCP and :{np_udp}/UDP answered on {n1.name} itself; refused with "
+        "--iptables-localhost-nodeports=false and with --nodeport-addresses of the node's address alone"
+    )
+
+
+def _restart_with(ctx: Context, node: Any, extra: list[str]) -> None:
+    """kproxy on ``node`` stopped and started again with the suite's arguments plus ``extra``; waits for its sync."""
+    ctx.lab.stop_kproxy(node)
+    ctx.lab.start_kproxy(node, ctx.mode, [*ctx.kproxy_argv, *extra])
+    started_and_synced(ctx, node, None, f"restarted with {' '.join(extra) or 'its usual flags'}")
 
 
 @scenario("externalip", "external client -> externalIP:port")

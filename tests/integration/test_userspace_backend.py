@@ -582,7 +582,7 @@ def test_localhost_nodeports_from_the_node_only_and_turned_off(lab: Lab) -> None
             want = {"ep1", "ep2"} if served else {"ConnectionRefusedError"}
             assert set(tcp(lab.node, "127.0.0.1", 30084, count=2)) == want, cfg
             if served:
-                assert set(udp(lab.node, "127.0.0.1", 30085, count=2)) == {"ep1", "ep2"}
+                assert set(udp(lab.node, "127.0.0.1", 30085, count=2)) == {"ep1", "ep2"}, (cfg, p.engine.stats())
             assert set(tcp(lab.node, NODE_IP, 30084, count=2)) == {"ep1", "ep2"}  # the node's address serves anyway
             assert set(tcp(lab.client, NODE_IP, 30084, count=2)) == {"ep1", "ep2"}
             assert p.verify(state(web, dns))["drift"] == 0

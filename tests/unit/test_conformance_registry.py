@@ -16,6 +16,7 @@ IDS = (
     "multiport",
     "same-port-two-protocols",
     "nodeport",
+    "localhost-nodeport",
     "externalip",
     "loadbalancer",
     "no-endpoints-reject",
@@ -42,6 +43,7 @@ IDS = (
 #: id -> (function name, needs, timeout_s, parts) where any differs from the defaults ((), 60.0, ())
 FIELDS = {
     "session-affinity": ("session_affinity", (), 90.0, ()),
+    "localhost-nodeport": ("localhost_nodeport", (), 180.0, ()),
     "etp-local": ("etp_local", (), 90.0, ("client-ip",)),
     "address-collision": ("address_collision", (), 120.0, ("while-down",)),
     "ignored-services": ("ignored_services", (), 60.0, ("kernel-rules",)),
