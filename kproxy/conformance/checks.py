@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,11 +102,13 @@ UDP_REPAIR_S = 1.0
 class UdpPhase:
     """One stretch of a UDP client's record, from ``at`` (the runner's clock, taken just before the API write that
     began it) to the next phase's ``at``. ``answer``: the pod that must answer every datagram sent ``bound`` s after
-    ``at`` or later, and answer some; None: none may be answered then (the service has no endpoints, or is gone)."""
+    ``at`` or later, and answer some; None: none may be answered then (the service has no endpoints, or is gone).
+    ``part``: the scenario's part this phase is (a mode may declare it not applicable; its failure names it)."""
 
     at: float
     change: str
     answer: str | None
+    part: str = ""
 
 
 def judge_udp_phases(
@@ -118,9 +120,11 @@ def judge_udp_phases(
     sent: str,
     bound: float,
     done: Sequence[str] = (),
+    skip: Collection[str] = (),
 ) -> list[str]:
     """A UDP client's record (send time, the answering pod or ``!<error>``) against ``phases``: before the second
-    phase, answered by the first phase's pod alone (timeouts aside); then each phase as its ``UdpPhase`` says.
+    phase, answered by the first phase's pod alone (timeouts aside); then each phase as its ``UdpPhase`` says, every
+    phase judged (one failure names all that failed) but those of a part in ``skip`` (declared not applicable).
     Returns one figure per phase after the first: when its pod first answered, or from when nothing answered."""
     problem = next((d for d in done if d), "")
     first_end = phases[1].at if len(phases) > 1 else float("inf")
@@ -132,47 +136,74 @@ def judge_udp_phases(
         got=" ".join(before[-8:]) or "no datagram before the change" + (f" ({problem})" if problem else ""),
         expected=f"answers from {phases[0].answer}",
     )
-    figures = []
+    figures, failures = [], []
     for i, ph in enumerate(phases[1:], start=1):
         end = phases[i + 1].at if i + 1 < len(phases) else float("inf")
         window = [(t - ph.at, w) for t, w in log if ph.at <= t < end]
-        shown = " ".join(f"+{t:.2f}:{w}" for t, w in window[:12])
-        got = (
-            shown
-            + (f" ... ({len(window)} datagrams)" if len(window) > 12 else "")
-            + (f" [{problem}]" if problem else "")
-        )
-        at_sent = sent + f", {ph.change} at +0.00"
-        if ph.answer is not None:
-            late = [(t, w) for t, w in window if t > bound and w != ph.answer]
-            reached = [t for t, w in window if w == ph.answer]
-            ctx.expect(
-                reached and not late,
-                f"{subject} did not follow {ph.change} to {ph.answer} within {bound:g} s"
-                + (f": at +{late[0][0]:.2f} s still {late[0][1]}" if late else ""),
-                sent=at_sent,
-                got=got,
-                expected=f"every datagram sent from +{bound:g} s on answered by {ph.answer}",
-            )
-            figures.append(f"first answer from {ph.answer} at +{reached[0]:.2f} s")
+        if ph.part and ph.part in skip:
+            figures.append(f"not judged (part {ph.part} declared not applicable)")
             continue
-        late = [(t, w) for t, w in window if t > bound and not w.startswith("!")]
-        what = f"{subject} was still answered {bound:g} s after {ph.change}"
-        if late:
-            what += f": at +{late[0][0]:.2f} s by {late[0][1]}"
-        elif not any(t > bound for t, _ in window):
-            what = f"{subject} sent no datagram from +{bound:g} s after {ph.change} on, so its end was not tested"
-        ctx.expect(
-            any(t > bound for t, _ in window) and not late,
-            what,
-            sent=at_sent,
-            got=got,
-            expected=f"no datagram sent from +{bound:g} s on answered (a stale flow would still reach the old pod)",
-        )
-        answered = [t for t, w in window if not w.startswith("!")]
-        silent = next((t for t, _ in window if not answered or t > answered[-1]), 0.0)
-        figures.append(f"unanswered from +{silent:.2f} s")
+        try:
+            figures.append(_udp_phase(ph, window, subject, sent, bound, problem))
+        except ScenarioFailure as exc:
+            failures.append(exc)
+    if failures:
+        raise one_failure(failures)
     return figures
+
+
+def _udp_phase(
+    ph: UdpPhase, window: Sequence[tuple[float, str]], subject: str, sent: str, bound: float, problem: str
+) -> str:
+    """One phase of ``judge_udp_phases`` on its datagrams (time since the change, word); its figure, or raises."""
+    got = (
+        " ".join(f"+{t:.2f}:{w}" for t, w in window[:12])
+        + (f" ... ({len(window)} datagrams)" if len(window) > 12 else "")
+        + (f" [{problem}]" if problem else "")
+    )
+    sent += f", {ph.change} at +0.00"
+    named = f" (part {ph.part})" if ph.part else ""
+    if ph.answer is not None:
+        late = [(t, w) for t, w in window if t > bound and w != ph.answer]
+        reached = [t for t, w in window if w == ph.answer]
+        if reached and not late:
+            return f"first answer from {ph.answer} at +{reached[0]:.2f} s"
+        raise ScenarioFailure(
+            f"{subject} did not follow {ph.change} to {ph.answer} within {bound:g} s"
+            + (f": at +{late[0][0]:.2f} s still {late[0][1]}" if late else "")
+            + named,
+            sent=sent,
+            got=got,
+            expected=f"every datagram sent from +{bound:g} s on answered by {ph.answer}",
+        )
+    late = [(t, w) for t, w in window if t > bound and not w.startswith("!")]
+    answered = [t for t, w in window if not w.startswith("!")]
+    if not late and any(t > bound for t, _ in window):
+        silent = next(t for t, _ in window if not answered or t > answered[-1])
+        return f"unanswered from +{silent:.2f} s"
+    what = f"{subject} was still answered {bound:g} s after {ph.change}"
+    if late:
+        what += f": at +{late[0][0]:.2f} s by {late[0][1]}"
+    else:
+        what = f"{subject} sent no datagram from +{bound:g} s after {ph.change} on, so its end was not tested"
+    raise ScenarioFailure(
+        what + named,
+        sent=sent,
+        got=got,
+        expected=f"no datagram sent from +{bound:g} s on answered (a stale flow would still reach the old pod)",
+    )
+
+
+def one_failure(failures: Sequence[ScenarioFailure]) -> ScenarioFailure:
+    """Several failures of one scenario as one, each named in it (one stays as it is)."""
+    if len(failures) == 1:
+        return failures[0]
+    return ScenarioFailure(
+        f"{len(failures)} failures: " + " | ".join(f.what for f in failures),
+        sent=" | ".join(dict.fromkeys(f.sent for f in failures if f.sent)),
+        got=" | ".join(f.got for f in failures),
+        expected=" | ".join(dict.fromkeys(f.expected for f in failures if f.expected)),
+    )
 
 
 def reconnects(log: Sequence[tuple[float, str]], since: float) -> int:

@@ -47,7 +47,7 @@ FIELDS = {
     "address-collision": ("address_collision", (), 120.0, ("while-down",)),
     "ignored-services": ("ignored_services", (), 60.0, ("kernel-rules",)),
     "udp-conntrack": ("udp_conntrack", (), 90.0, ("stale-entry",)),
-    "udp-stale-flows": ("udp_stale_flows", (), 120.0, ()),
+    "udp-stale-flows": ("udp_stale_flows", (), 120.0, ("held-socket-re-create",)),
     "restart": ("restart", (), 90.0, ("held-connection", "while-down")),
     "cleanup": ("cleanup", (), 150.0, ()),
     "mode-switch": ("mode_switch", (), 200.0, ("hand-over-reset", "held-connections", "while-down")),
