@@ -9,11 +9,13 @@ Decisions:
   the kernel modes' packet lengths). **Packets are not offered**: a relay reads a byte stream, not packets (one splice
   carries many segments, and the kernel's per-socket segment counts are the relay's own two connections with their
   ACKs, not the client's packets), and a per-datagram count for UDP alone would make the measure mean two things.
-- Nothing exists when counting is off: a listener's ``tally`` is None, the relay is the plain one, no byte is
-  counted anywhere. On, TCP bytes cost no work per splice: the kernel already counts each socket's received bytes
-  (``TCP_INFO``'s ``tcpi_bytes_received``), read once per connection when it closes (both sockets), and for the
-  connections still open when a dump is taken. UDP pays an addition per datagram (no kernel count exists per UDP
-  socket); off, one ``is None`` test per datagram batch member.
+- Nothing exists when counting is off: a listener's ``tally`` is None and its relays are the plain ones. TCP bytes
+  cost no work per splice, on or off: each relay half already keeps running totals of the bytes it took from its
+  socket and gave to the other (what waits in its pipe is their difference), and a counting relay adds its halves'
+  totals to the tally when it ends; a dump adds those of the relays still open. No syscall either (``TCP_INFO``'s
+  ``tcpi_bytes_received`` would cost two per connection, a few microseconds, and counts the FIN as a byte). UDP adds
+  each datagram's length when counting (no total exists per datagram otherwise); off, one ``is None`` test per
+  datagram.
 - A tally belongs to its listener: a service port's counters go when its proxy socket is closed (service removed, a
   socket bound anew after it died), and the counts of an endpoint go when the endpoint leaves the balancer. They do
   not survive a restart: the process holds them, as it holds the connections. A service port with two proxy sockets
@@ -24,8 +26,6 @@ Decisions:
 
 from __future__ import annotations
 
-import socket
-import struct
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
@@ -40,31 +40,11 @@ if TYPE_CHECKING:
     from .tcp import TcpListener
     from .udp import UdpListener
 
-#: struct tcp_info: tcpi_state is the first byte, tcpi_bytes_received a u64 at offset 128 (Linux 4.1+)
-_TCP_INFO_LEN = 136
-_STATE_AT = 0
-_RECEIVED_AT = 128
-#: states in which the peer's FIN has arrived: it takes one sequence number, which tcpi_bytes_received counts
-_FIN_IN = frozenset({6, 8, 9, 11})  # TIME_WAIT, CLOSE_WAIT, LAST_ACK, CLOSING
 DUMP_TIMEOUT_S = 10.0
 
 
-def received(sock: socket.socket, eof: bool) -> int:
-    """The payload bytes the kernel received on ``sock``; ``eof``: the relay read its end (the FIN is not payload).
-    0 for a socket already closed."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
-    except OSError:
-        return 0
-    if len(info) < _TCP_INFO_LEN:
-        return 0
-    (count,) = struct.unpack_from("Q", info, _RECEIVED_AT)
-    fin = eof or info[_STATE_AT] in _FIN_IN
-    return max(count - 1, 0) if fin else int(count)
-
-
 class Metered(Protocol):
-    """An open TCP relay that can say how many bytes it received so far (both sockets)."""
+    """An open TCP relay that can say how many bytes it took from its two sockets so far."""
 
     def moved(self) -> int: ...
 

@@ -8,8 +8,9 @@
   ``add_reader``/``add_writer``, a few splices per wake-up; half close passed on; an error on either side resets
   both. Why splice and what the pipe size buys: docs/PERFORMANCE.md.
 - With ``--service-counters`` (the listener's ``tally``, else None): ``_CountedRelay`` in place of ``_Relay``, which
-  counts the connection for its endpoint and reads its bytes from the kernel when it closes (``counters``); the
-  splice path is the same code either way.
+  counts the connection for its endpoint and adds the bytes its halves moved when it closes (``counters``); the
+  splice path is the same code either way (each half keeps running totals of the bytes it took and gave, which is
+  the bookkeeping of what waits in its pipe, and the count).
 
 Everything here runs in the engine's loop thread (``kproxy.backends.userspace.datapath``).
 """
@@ -25,7 +26,7 @@ import socket
 import struct
 
 from .balancer import Addr, Balancer
-from .counters import Tally, received
+from .counters import Tally
 from .stats import Host, Ident
 
 log = logging.getLogger(__name__)
@@ -236,8 +237,7 @@ class _Relay:
 
 
 class _CountedRelay(_Relay):
-    """A relay of a counting listener: in its tally's open relays until it ends, then its bytes join the tally's
-    (read from the kernel before its sockets close)."""
+    """A relay of a counting listener: in its tally's open relays until it ends, then its bytes join the tally's."""
 
     __slots__ = ("tally",)
 
@@ -247,8 +247,8 @@ class _CountedRelay(_Relay):
         super().__init__(engine, a, b)
 
     def moved(self) -> int:
-        """Bytes received from the client and from the endpoint so far."""
-        return received(self.a, self.halves[0].eof) + received(self.b, self.halves[1].eof)
+        """Bytes taken from the client and from the endpoint so far (the halves' own running totals)."""
+        return self.halves[0].taken + self.halves[1].taken
 
     def abort(self) -> None:
         self.tally.closed(self)
@@ -260,13 +260,15 @@ class _CountedRelay(_Relay):
 
 
 class _Half:
-    __slots__ = ("relay", "src", "dst", "sfd", "dfd", "pending", "eof", "reading", "writing", "done", "loop")
+    __slots__ = ("relay", "src", "dst", "sfd", "dfd", "taken", "given", "eof", "reading", "writing", "done", "loop")
 
     def __init__(self, relay: _Relay, src: socket.socket, dst: socket.socket) -> None:
         self.relay = relay
         self.src, self.dst = src, dst
         self.sfd, self.dfd = src.fileno(), dst.fileno()
-        self.pending = 0
+        # running totals of the bytes taken from ``src`` into the pipe and given from it to ``dst``: what waits in
+        # the pipe is their difference, and ``taken`` is this direction's byte count (``--service-counters``)
+        self.taken = self.given = 0
         self.eof = self.reading = self.writing = self.done = False
         loop = relay.engine.loop
         assert loop is not None
@@ -366,7 +368,7 @@ class _SpliceHalf(_Half):
                 self.eof = True
                 self._finish()
                 return
-            self.pending += n
+            self.taken += n
             try:
                 drained = self.flush()
             except OSError:
@@ -379,10 +381,10 @@ class _SpliceHalf(_Half):
                 return
 
     def flush(self) -> bool:
-        while self.pending:
+        while self.given < self.taken:
             try:
-                n = os.splice(self.pr, self.dfd, self.pending, flags=SPLICE_FLAGS)
+                n = os.splice(self.pr, self.dfd, self.taken - self.given, flags=SPLICE_FLAGS)
             except (BlockingIOError, InterruptedError):
                 return False
-            self.pending -= n
+            self.given += n
         return True
