@@ -126,12 +126,16 @@ COUNTS: dict[str, tuple[str, str]] = {
 
 def counts(exposition: str) -> dict[str, float | None]:
     """COUNTS read from one /metrics text (prometheus_client's parser): per family summed over the other labels,
-    then combined over the families as COUNTS says; None when the daemon does not export the sample."""
+    then combined over the families as COUNTS says; 0 for a declared metric without samples yet, None when the
+    daemon does not declare it."""
     from prometheus_client.parser import text_string_to_metric_families
 
     per: dict[str, dict[str, float]] = {}
     wanted = {sample: key for key, (sample, _) in COUNTS.items()}
     for fam in text_string_to_metric_families(exposition):
+        for sample, key in wanted.items():
+            if sample in (fam.name, f"{fam.name}_total", f"{fam.name}_count"):
+                per.setdefault(key, {})  # declared: a labelled count with no sample yet is 0
         for s in fam.samples:
             key = wanted.get(s.name)
             if key is not None:
@@ -140,8 +144,11 @@ def counts(exposition: str) -> dict[str, float | None]:
                 fams[label] = fams.get(label, 0.0) + s.value
     out: dict[str, float | None] = {}
     for key, (_, how) in COUNTS.items():
-        values = list(per.get(key, {}).values())
-        out[key] = (sum(values) if how == "sum" else max(values)) if values else None
+        if key not in per:
+            out[key] = None
+            continue
+        values = list(per[key].values()) or [0.0]
+        out[key] = sum(values) if how == "sum" else max(values)
     return out
 
 
@@ -565,6 +572,9 @@ def cmd_idle(args: argparse.Namespace) -> int:
     except (IdleError, OSError, subprocess.SubprocessError) as exc:
         print(f"kproxy bench idle: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # everything the run made is gone by now (the places unwound)
+        print("kproxy bench idle: interrupted; its namespaces, cgroups and processes are removed", file=sys.stderr)
+        return 130
     after = machine()
     if args.format == "json":
         report = {
