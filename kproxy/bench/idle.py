@@ -137,9 +137,9 @@ def counts(exposition: str) -> dict[str, float | None]:
             if sample in (fam.name, f"{fam.name}_total", f"{fam.name}_count"):
                 per.setdefault(key, {})  # declared: a labelled count with no sample yet is 0
         for s in fam.samples:
-            key = wanted.get(s.name)
-            if key is not None:
-                fams = per.setdefault(key, {})
+            found = wanted.get(s.name)
+            if found is not None:
+                fams = per.setdefault(found, {})
                 label = s.labels.get("ip_family", "")
                 fams[label] = fams.get(label, 0.0) + s.value
     out: dict[str, float | None] = {}
