@@ -9,8 +9,9 @@ process a node runs and watches it do nothing; the decisions:
 - **Fed from a manifest folder** (``kproxy.sources.files``) holding ``kproxy bench sync``'s synthetic state, so no
   API server runs beside it. That source looks at the folder with ``stat`` once a second (a few system calls); a
   node's kube source waits on its watch instead.
-- **The window** starts once ``/healthz`` answers 200 (the first sync, and the after-first-sync hook that removes
-  other modes' leftovers, are done) and ``--settle`` seconds have passed. CPU is ``utime + stime`` of the process and
+- **The window** starts once the runner's first sync is done (``/rules``' sync count: ``/healthz`` answers 200 as
+  soon as the rules are in, before the sync's after-work such as the conntrack reconcile, which can take minutes)
+  and ``--settle`` seconds have passed; both times are reported. CPU is ``utime + stime`` of the process and
   of its children it has waited for (``/proc/PID/stat`` fields 14-17), so an ``iptables-restore`` counts; RSS from
   ``/proc/PID/status``; syncs, full syncs, services written and drift checks and repairs are the increase of the
   daemon's own ``/metrics`` counters over the window (scraped outside it). The busiest threads
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -168,7 +170,8 @@ class IdleRun:
     mode: str
     services: int
     endpoints: int
-    first_sync_s: float  # from the start of the process to /healthz 200
+    first_sync_s: float  # from the start of the process to /healthz 200 (the rules are in)
+    sync_done_s: float  # ... to the end of the runner's first sync (its after-sync work: the conntrack reconcile...)
     window_s: float
     cpu_s: float
     rss_mb: float
@@ -200,7 +203,7 @@ def _count(v: int | None) -> str:
 def format_table(runs: Sequence[IdleRun], note: str = "") -> str:
     """The short table: one line per mode."""
     head = (
-        f"{'mode':<10} {'1st sync s':>10} {'window s':>8} {'CPU s/min':>9} {'core %':>7} {'RSS MB':>7} "
+        f"{'mode':<10} {'1st sync s':>10} {'done s':>7} {'window s':>8} {'CPU s/min':>9} {'core %':>7} {'RSS MB':>7} "
         f"{'syncs':>5} {'full':>4} {'written':>7} {'checks':>6} {'repairs':>7}  busiest thread"
     )
     lines = [head, "-" * len(head)]
@@ -209,7 +212,7 @@ def format_table(runs: Sequence[IdleRun], note: str = "") -> str:
         busy = r.busiest_threads[0] if r.busiest_threads else None
         where = f"{busy['comm']} (tid {busy['tid']}) {busy['cpu_s']:.2f} s" if busy else "-"
         lines.append(
-            f"{r.mode:<10} {r.first_sync_s:>10.1f} {r.window_s:>8.1f} {r.cpu_s_per_min:>9.3f} "
+            f"{r.mode:<10} {r.first_sync_s:>10.1f} {r.sync_done_s:>7.1f} {r.window_s:>8.1f} {r.cpu_s_per_min:>9.3f} "
             f"{100 * r.core_share:>6.2f}% {r.rss_mb:>7.1f} {_count(c.get('syncs')):>5} "
             f"{_count(c.get('full_syncs')):>4} {_count(c.get('services_written')):>7} "
             f"{_count(c.get('drift_checks')):>6} {_count(c.get('drift_repairs')):>7}  {where}"
@@ -427,16 +430,36 @@ def _log_tail(path: Path, lines: int = 15) -> str:
     return tail(path, lines)
 
 
-def _wait_first_sync(proc: subprocess.Popen[bytes], ns: str, timeout: float, log: Path) -> float:
-    """Seconds until /healthz answers 200; IdleError (with the log's tail) when the daemon exits or never gets there."""
+#: ``/rules`` of one service port (service 1 of the synthetic state): its ``sync.syncs`` counts the runner's syncs
+#: once each is done, its after-sync work included; asking for one port keeps the answer small at any scale
+RULES_ONE = "/rules?service=" + urllib.parse.quote(f"{synthetic.NAMESPACE}/{synthetic.service_name(1)}:http/TCP")
+
+
+def _synced(ns: str) -> bool:
+    status, body = http_get(ns, METRICS, RULES_ONE, timeout=5.0)
+    if status != 200:
+        return False
+    try:
+        return int(json.loads(body)["sync"]["syncs"]) >= 1
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def _wait_first_sync(proc: subprocess.Popen[bytes], ns: str, timeout: float, log: Path) -> tuple[float, float]:
+    """Seconds until /healthz answers 200 (the first sync's rules are in), and until the runner's first sync is
+    done (``/rules``); IdleError (with the log's tail) when the daemon exits or does not get there in time."""
     t0 = time.monotonic()
+    healthy: float | None = None
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
             raise IdleError(f"kproxy exited with {proc.returncode}; its log ends with:\n{_log_tail(log)}")
-        if http_get(ns, HEALTHZ, "/healthz", timeout=2.0)[0] == 200:
-            return time.monotonic() - t0
+        if healthy is None and http_get(ns, HEALTHZ, "/healthz", timeout=2.0)[0] == 200:
+            healthy = time.monotonic() - t0
+        if healthy is not None and _synced(ns):
+            return healthy, time.monotonic() - t0
         time.sleep(0.2)
-    raise IdleError(f"no first sync within {timeout:g} s; the log ends with:\n{_log_tail(log)}")
+    what = "no first sync" if healthy is None else f"/healthz 200 after {healthy:.1f} s, but the first sync not done"
+    raise IdleError(f"{what} within {timeout:g} s; the log ends with:\n{_log_tail(log)}")
 
 
 def _idle(proc: subprocess.Popen[bytes], seconds: float, log: Path) -> None:
@@ -465,8 +488,11 @@ def measure(mode: str, cfg: IdleConfig, manifests: Path, workdir: Path, progress
         log = stack.enter_context(open(log_path, "wb"))
         proc = stack.enter_context(_daemon(_daemon_argv(mode, ns, manifests, options), cgroup, log))
         progress(f"{mode}: kproxy run started (pid {proc.pid}, namespace {ns}); waiting for its first sync")
-        first = _wait_first_sync(proc, ns, cfg.sync_timeout, log_path)
-        progress(f"{mode}: first sync after {first:.1f} s; settling {cfg.settle:g} s, then {cfg.seconds:g} s idle")
+        first, done = _wait_first_sync(proc, ns, cfg.sync_timeout, log_path)
+        progress(
+            f"{mode}: first sync after {first:.1f} s (done after {done:.1f} s); settling {cfg.settle:g} s, then"
+            f" {cfg.seconds:g} s idle"
+        )
         _idle(proc, cfg.settle, log_path)
         before_counts = _scrape(ns)
         t0, st0, th0 = time.monotonic(), read_stat(proc.pid), thread_ticks(proc.pid)
@@ -479,6 +505,7 @@ def measure(mode: str, cfg: IdleConfig, manifests: Path, workdir: Path, progress
         services=cfg.services,
         endpoints=cfg.endpoints,
         first_sync_s=round(first, 2),
+        sync_done_s=round(done, 2),
         window_s=round(t1 - t0, 3),
         cpu_s=round((st1.ticks - st0.ticks) / CLK_TCK, 3),
         rss_mb=round((status_kib(status, "VmRSS") or 0) / 1024, 1),

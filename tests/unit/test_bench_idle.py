@@ -93,7 +93,18 @@ def test_busiest_threads() -> None:
 def _run(mode: str, cpu_s: float, checks: int | None) -> idle.IdleRun:
     counts = {"syncs": 2, "full_syncs": 0, "services_written": 0, "drift_checks": checks, "drift_repairs": 0}
     return idle.IdleRun(
-        mode, 10000, 10, 41.5, 60.0, cpu_s, 612.3, 700.0, 9, counts, [{"tid": 77, "comm": "python3", "cpu_s": 0.42}]
+        mode,
+        10000,
+        10,
+        41.5,
+        50.25,
+        60.0,
+        cpu_s,
+        612.3,
+        700.0,
+        9,
+        counts,
+        [{"tid": 77, "comm": "python3", "cpu_s": 0.42}],
     )
 
 
@@ -105,8 +116,21 @@ def test_the_figures_and_the_table() -> None:
     table = idle.format_table([bpf, nft], "2 cores; load 9")
     lines = table.splitlines()
     assert lines[0].split()[:2] == ["mode", "1st"] and len(lines) == 5
-    assert lines[2].split()[:11] == ["bpf", "41.5", "60.0", "0.900", "1.50%", "612.3", "2", "0", "0", "200", "0"]
-    assert lines[3].split()[9] == "-"  # a count the daemon did not export is shown as such, never as 0
+    assert lines[2].split()[:12] == [
+        "bpf",
+        "41.5",
+        "50.2",
+        "60.0",
+        "0.900",
+        "1.50%",
+        "612.3",
+        "2",
+        "0",
+        "0",
+        "200",
+        "0",
+    ]
+    assert lines[3].split()[10] == "-"  # a count the daemon did not export is shown as such, never as 0
     assert "python3 (tid 77) 0.42 s" in lines[2] and lines[4] == "2 cores; load 9"
 
 
