@@ -44,6 +44,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from kproxy.bench import synthetic
+from kproxy.config import ProxyConfig
+from kproxy.lab import netns
+from kproxy.lab.state import module_env, tail
+from kproxy.proxier import LabNodeSpec, backend_class, installed_backends, option_arguments
+from kproxy.toolkit.netns import in_netns
 
 NODE = "node-1"  # synthetic's node: half of every service's endpoints are local
 CLUSTER_CIDR = "198.18.64.0/18"
@@ -251,7 +256,6 @@ def busiest(before: Mapping[int, tuple[str, int]], after: Mapping[int, tuple[str
 
 def http_get(ns: str, where: tuple[str, int], path: str, timeout: float = 10.0) -> tuple[int, str]:
     """(status, body) of one GET inside the namespace ``ns`` (a thread of this process enters it)."""
-    from kproxy.toolkit.netns import in_netns
 
     def get() -> tuple[int, str]:
         try:
@@ -299,10 +303,6 @@ def _namespace(name: str) -> Iterator[str]:
 def _node_place(mode: str, ns: str, workdir: Path) -> Iterator[tuple[dict[str, Any], Path]]:
     """A cgroup of the node's own under this benchmark's cgroup2 mount, and the backend's per-node options for it;
     afterwards what the backend left outside the namespace goes (``cleanup_leftovers``), then the cgroup."""
-    from kproxy.config import ProxyConfig
-    from kproxy.lab import netns
-    from kproxy.proxier import LabNodeSpec, backend_class
-
     netns.mount_cgroup2(CGROUP_MOUNT)
     cg = CGROUP_PARENT / ns
     cg.mkdir(parents=True, exist_ok=True)
@@ -322,8 +322,6 @@ def _node_place(mode: str, ns: str, workdir: Path) -> Iterator[tuple[dict[str, A
 
 def _release_mount() -> None:
     """Unmount this benchmark's cgroup2 mount when no run (of any prefix) has a cgroup under it."""
-    from kproxy.lab import netns
-
     if not netns.is_cgroup2_mount(CGROUP_MOUNT):
         return
     with contextlib.suppress(OSError):
@@ -337,8 +335,6 @@ def _release_mount() -> None:
 
 def remove_stale(prefix: str) -> list[str]:
     """Remove what runs with ``prefix`` whose process is gone left behind (killed outright); their names."""
-    from kproxy.lab import netns
-
     gone = []
     pattern = re.compile(rf"{re.escape(prefix)}(\d+)-([a-z]+)")
     for name in netns.list_netns(prefix):
@@ -347,17 +343,11 @@ def remove_stale(prefix: str) -> list[str]:
             continue
         with contextlib.ExitStack() as stack:
             stack.callback(subprocess.run, ["ip", "netns", "delete", name], check=False, capture_output=True)
-            if m.group(2) in _installed():
+            if m.group(2) in installed_backends():
                 with tempfile.TemporaryDirectory(prefix="kproxy-idle-") as tmp:
                     stack.enter_context(_node_place(m.group(2), name, Path(tmp)))
         gone.append(name)
     return gone
-
-
-def _installed() -> set[str]:
-    from kproxy.proxier import installed_backends
-
-    return set(installed_backends())
 
 
 # --- one mode ----------------------------------------------------------------------------------------------------
@@ -374,8 +364,6 @@ class IdleConfig:
 
 
 def _daemon_argv(mode: str, ns: str, manifests: Path, options: Mapping[str, Any]) -> list[str]:
-    from kproxy.proxier import backend_class, option_arguments
-
     argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "kproxy", "run", "--mode", mode]
     argv += ["--manifests", str(manifests), "--hostname-override", NODE, "--cluster-cidr", CLUSTER_CIDR]
     argv += ["--healthz-bind-address", f"{HEALTHZ[0]}:{HEALTHZ[1]}"]
@@ -400,9 +388,6 @@ def _preexec(enter_cgroup: Callable[[], None] | None) -> Callable[[], None]:
 def _daemon(argv: list[str], cgroup: Path, log: IO[bytes]) -> Iterator[subprocess.Popen[bytes]]:
     """``kproxy run`` in the node's cgroup, in a session of its own (a Ctrl-C reaches this benchmark, which stops it);
     SIGTERM at the end (kproxy's own stop), SIGKILL if it does not exit."""
-    from kproxy.lab import netns
-    from kproxy.lab.state import module_env
-
     proc = subprocess.Popen(
         argv,
         stdout=log,
@@ -422,12 +407,6 @@ def _daemon(argv: list[str], cgroup: Path, log: IO[bytes]) -> Iterator[subproces
                 break
             except subprocess.TimeoutExpired:
                 continue
-
-
-def _log_tail(path: Path, lines: int = 15) -> str:
-    from kproxy.lab.state import tail
-
-    return tail(path, lines)
 
 
 #: ``/rules`` of one service port (service 1 of the synthetic state): its ``sync.syncs`` counts the runner's syncs
@@ -452,14 +431,14 @@ def _wait_first_sync(proc: subprocess.Popen[bytes], ns: str, timeout: float, log
     healthy: float | None = None
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise IdleError(f"kproxy exited with {proc.returncode}; its log ends with:\n{_log_tail(log)}")
+            raise IdleError(f"kproxy exited with {proc.returncode}; its log ends with:\n{tail(log, 15)}")
         if healthy is None and http_get(ns, HEALTHZ, "/healthz", timeout=2.0)[0] == 200:
             healthy = time.monotonic() - t0
         if healthy is not None and _synced(ns):
             return healthy, time.monotonic() - t0
         time.sleep(0.2)
     what = "no first sync" if healthy is None else f"/healthz 200 after {healthy:.1f} s, but the first sync not done"
-    raise IdleError(f"{what} within {timeout:g} s; the log ends with:\n{_log_tail(log)}")
+    raise IdleError(f"{what} within {timeout:g} s; the log ends with:\n{tail(log, 15)}")
 
 
 def _idle(proc: subprocess.Popen[bytes], seconds: float, log: Path) -> None:
@@ -468,7 +447,7 @@ def _idle(proc: subprocess.Popen[bytes], seconds: float, log: Path) -> None:
         proc.wait(seconds)
     except subprocess.TimeoutExpired:
         return
-    raise IdleError(f"kproxy exited with {proc.returncode} while idle; its log ends with:\n{_log_tail(log)}")
+    raise IdleError(f"kproxy exited with {proc.returncode} while idle; its log ends with:\n{tail(log, 15)}")
 
 
 def _scrape(ns: str) -> dict[str, float | None]:
@@ -557,7 +536,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def _check(args: argparse.Namespace, modes: list[str]) -> str | None:
     from kproxy.bench.datapath import check_modes
-    from kproxy.lab import netns
 
     if not modes:
         return "--mode: name at least one mode"
