@@ -15,7 +15,7 @@ from kproxy.config import ProxyConfig
 from kproxy.ledger import Ledger
 from kproxy.model import Changes, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext, NodeContext
-from kproxy.proxier import Description, Proxier
+from kproxy.proxier import Description, Proxier, VerifyReport
 from kproxy.readback import describe, verify
 
 
@@ -86,7 +86,7 @@ class LedgerProxier(Proxier, Generic[F, C, A, V, S]):
     def describe(self, key: ServicePortName | None = None) -> Description:
         return describe(self.ledger, key)
 
-    def verify(self, state: ProxyState, node: NodeContext | None = None) -> dict[str, Any]:
+    def verify(self, state: ProxyState, node: NodeContext | None = None) -> VerifyReport:
         return verify(self.ledger, state, node)
 
     def request_full(self, family: IPFamily) -> None:

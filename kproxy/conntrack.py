@@ -8,7 +8,10 @@ rules again for it. Two kinds of entry therefore outlive the rules that made the
     point elsewhere, and even after the service has lost all its endpoints (the reject rule matches the service
     address, but these packets were already rewritten to the dead endpoint: kubernetes#139628);
 (b) entries that were never DNATed (reply source == original destination: the packet met "no endpoints" and was
-    rejected or dropped) once the service has endpoints again: the client keeps being rejected.
+    rejected or dropped) once the service has endpoints again: the client keeps being rejected;
+(c) entries DNATed for a service that was deleted: today's state has no target for its address, so the reconciler
+    remembers the UDP service addresses of its last pass and treats one gone since as a target nothing may answer
+    (kubernetes#141371, where upstream left such flows behind).
 
 Like upstream's ``pkg/proxy/conntrack/cleanup.go`` ``CleanStaleEntries`` since kubernetes#126130, this works
 from STATE, not from events: after each successful sync it dumps the UDP entries and deletes those that
@@ -133,6 +136,9 @@ class ConntrackReconciler:
         self.families = tuple(families)
         self.last_duration = 0.0
         self.last_ok = True  # False after a reconciliation that could not finish: one is still owed
+        #: the UDP service address:ports of the last reconciliation per family: a service deleted since has no target
+        #: in the state, and the flows still rewritten to its endpoints must go too (upstream's kubernetes#141371)
+        self._known: dict[IPFamily, frozenset[AddrPort]] = {}
 
     def _socket(self, family: IPFamily) -> Any:
         kwargs: dict[str, Any] = {"nfgen_family": _AF[family]}
@@ -174,16 +180,26 @@ class ConntrackReconciler:
     def _reconcile_family(
         self, state: ProxyState, family: IPFamily, node_ips: Collection[str], answerers: Answerers, local: bool
     ) -> int:
-        if not any(sp.protocol is Protocol.UDP for sp in state.family(family).values()):
+        known = self._known.get(family, frozenset())
+        if not known and not any(sp.protocol is Protocol.UDP for sp in state.family(family).values()):
             return 0
         if local and any(sp.node_port and sp.protocol is Protocol.UDP for sp in state.family(family).values()):
             try:
                 node_ips = {*node_ips, *local_addresses(self.netns)}
             except (NetlinkError, OSError) as exc:
                 log.warning("conntrack: listing local addresses failed, node ports matched on node IPs only: %s", exc)
-        targets = service_targets(state, family, node_ips, answerers)
-        if not targets:
-            return 0
+        current = service_targets(state, family, node_ips, answerers)
+        # a service address gone since the last reconciliation: nothing may answer for it any more
+        targets = {**{key: _Target(frozenset()) for key in known - current.keys()}, **current}
+        count, ok = self._delete_stale(family, targets) if targets else (0, True)
+        # what this family now holds; after a failure the gone addresses stay known, so the next call retries them
+        self._known[family] = frozenset(current) if ok else known | frozenset(current)
+        self.last_ok = self.last_ok and ok
+        return count
+
+    def _delete_stale(self, family: IPFamily, targets: dict[AddrPort, _Target]) -> tuple[int, bool]:
+        """Delete the entries to ``targets`` that contradict them: (how many, whether every step worked)."""
+        ok = True
         af = _AF[family]
         count = 0
         ct = self._socket(family)
@@ -206,12 +222,12 @@ class ConntrackReconciler:
                     count += 1
                 except NetlinkError as exc:
                     if exc.code != errno.ENOENT:  # gone meanwhile (timed out): nothing to do
-                        self.last_ok = False
+                        ok = False
                         log.warning("conntrack: deleting %s failed: %s", tup, exc)
         except (NetlinkError, OSError) as exc:
-            self.last_ok = False
+            ok = False
             log.warning("conntrack: %s reconcile failed after %d deletions: %s", family.value, count, exc)
         finally:
             ct.close()
         log.debug("conntrack: deleted %d stale %s UDP entries", count, family.value)
-        return count
+        return count, ok

@@ -244,6 +244,7 @@ class Daemon:
         """Someone else changed this mode's state (the watcher's thread): a full sync of those families."""
         log.info("drift: %s: repairing %s", why, ", ".join(sorted(f.value for f in families)))
         self.drift_repairs += 1
+        self.metrics.count_drift_repair()
         for fam in families:
             self.backend.request_full(fam)
         self.runner.run()
@@ -261,11 +262,13 @@ class Daemon:
             owed, self._checks_owed = self._checks_owed, set()
         if not owed or not self.cache.ready:
             return
+        self.metrics.count_drift_check()
         with self._lock, self._own_writes():
             gone = [fam for fam in self.families if fam in owed and self.backend.check_now(fam)]
         if gone:
             log.info("drift: the check found %s state gone: repairing", ", ".join(f.value for f in gone))
             self.drift_repairs += 1
+            self.metrics.count_drift_repair()
             self.runner.run()
 
     @contextlib.contextmanager

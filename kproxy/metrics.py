@@ -241,6 +241,17 @@ class Metrics:
             registry=r,
         )
         self.kproxy_drift_services.set(-1)
+        self.kproxy_drift_checks_total = Counter(
+            "kproxy_drift_checks",
+            'Cheap "is my state still there" checks the drift watcher asked for between syncs (its poll, or a change'
+            " it could not attribute), run by the runner thread (kproxy.drift)",
+            registry=r,
+        )
+        self.kproxy_drift_repairs_total = Counter(
+            "kproxy_drift_repairs",
+            "Full syncs asked for because someone else changed or removed this mode's kernel state (kproxy.drift)",
+            registry=r,
+        )
         self.kproxy_syncs_total = Counter(
             "kproxy_syncs",
             "Backend syncs by IP family and result (success or failure)",
@@ -343,6 +354,12 @@ class Metrics:
 
     def set_drift(self, count: int) -> None:
         self.kproxy_drift_services.set(count)
+
+    def count_drift_check(self) -> None:
+        self.kproxy_drift_checks_total.inc()
+
+    def count_drift_repair(self) -> None:
+        self.kproxy_drift_repairs_total.inc()
 
     def set_sync_failed_services(self, count: int) -> None:
         self.kproxy_sync_failed_services.set(count)

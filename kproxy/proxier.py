@@ -258,6 +258,21 @@ class Description(TypedDict, total=False):
     live: dict[str, Any]
 
 
+class VerifyReport(TypedDict):
+    """``verify()``: the kernel read back against what the state wants. ``services`` maps ``ns/name[:port]/PROTO``
+    to ``{IPv4|IPv6: "missing" | "different: ..."}``; ``extra`` what the kernel holds that nothing wanted accounts
+    for; ``refused`` the differences of services the kernel refused (known, not drift); ``errors`` families that
+    could not be read; ``drift`` counts services, extras and errors."""
+
+    mode: str
+    generation: int
+    drift: int
+    services: dict[str, dict[str, str]]
+    extra: list[str]
+    refused: dict[str, dict[str, str]]
+    errors: list[str]
+
+
 # ------------------------------------------------------------------------------------------------- the contract
 
 
@@ -377,7 +392,7 @@ class Proxier:
     def describe(self, key: ServicePortName | None = None) -> Description:
         raise NotImplementedError(f"{type(self).__name__} must implement 'describe(key)'")
 
-    def verify(self, state: ProxyState, node: NodeContext | None = None) -> dict[str, Any] | None:
+    def verify(self, state: ProxyState, node: NodeContext | None = None) -> VerifyReport | None:
         """Read back what the kernel holds and diff it against what ``state`` wants (``kproxy verify``, ``/verify``,
         the drift metric): ``{"drift": n, ...}``, or None when the mode cannot read its kernel state back. Any
         thread; read-only. ``kproxy.backend.LedgerProxier`` implements it over ``verify_view``/``verify_service``/

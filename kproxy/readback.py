@@ -11,7 +11,7 @@ from kproxy.batch import A, C, F, S, V
 from kproxy.ledger import Ledger
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName
 from kproxy.nodeaddr import NodeContext, resolve
-from kproxy.proxier import Description, ServiceDescription
+from kproxy.proxier import Description, ServiceDescription, VerifyReport
 from kproxy.toolkit.keys import service_key
 
 
@@ -78,7 +78,7 @@ def describe(ledger: Ledger[F, C, A, V, S], key: ServicePortName | None = None) 
     }
 
 
-def verify(ledger: Ledger[F, C, A, V, S], state: ProxyState, node: NodeContext | None = None) -> dict[str, Any]:
+def verify(ledger: Ledger[F, C, A, V, S], state: ProxyState, node: NodeContext | None = None) -> VerifyReport:
     """Read back what the kernel holds (``verify_view``: never the ledger's memory) and diff it against what
     ``state`` wants, per service: ``missing``, ``different`` (with what), and ``extra`` objects no wanted service
     accounts for. Services the kernel refused (the ledger knows why) are listed apart under ``refused``: known,

@@ -30,11 +30,13 @@ from kproxy.admission import Limits
 from kproxy.backend import LedgerProxier
 from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
+from kproxy.counters import CounterDump, Measure
 from kproxy.drift import Drift
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Verdict
 from kproxy.nftkernel import Nft, available
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelProbe, Option
+from kproxy.relay import counters
 from kproxy.relay.datapath import Engine, ListenerSpec
 from kproxy.relay.udp import Duration
 from kproxy.toolkit import nft as nft_tools
@@ -95,6 +97,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
     uses_conntrack_nat: ClassVar[bool] = True
     #: established connections are the proxy's own sockets: they end with the process (restart, mode switch)
     survives_restart: ClassVar[bool] = False
+    counters_offered: ClassVar[frozenset[Measure]] = frozenset({Measure.CONNECTIONS, Measure.BYTES})
     options: ClassVar[tuple[Option, ...]] = (
         Option(
             "proxy_port_range",
@@ -121,7 +124,9 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
         self.pool = PortPool(
             parse_port_range(str(opts.get("proxy_port_range", DEFAULT_PORT_RANGE))), lambda fn: self.kernel.call(fn)
         )
-        self.engine = Engine(netns, udp_timeout=self.udp_timeout, name="kproxy-userspace-datapath")
+        self.engine = Engine(
+            netns, udp_timeout=self.udp_timeout, counting=config.service_counters, name="kproxy-userspace-datapath"
+        )
         self.engine.on_dead = lambda ident: self.request_full(ident[0])  # a full sync binds a new socket
         self._started = False
         self.bound: dict[Ident, int] = {}  # every proxy socket the data path holds, and its port
@@ -333,6 +338,10 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
     def detail_global(self) -> dict[str, Any]:
         counts = {fam.value: dict(c) for fam, c in list(self._counts.items())}
         return {"table": render.TABLE, "layout": render.LAYOUT, "counts": counts, **self.engine.stats()}
+
+    def counters(self, family: IPFamily) -> CounterDump | None:
+        """The relay's own tallies (``counters.dump``, one step of its loop); None with counting off."""
+        return counters.dump(self.engine, family) if self.engine.counting else None
 
     def conntrack_answerers(self, sp: ServicePort) -> Iterable[tuple[str, int]]:
         """A UDP flow to a service is answered by the node: by the proxy socket of the service, from the address

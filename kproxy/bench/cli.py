@@ -90,6 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     from kproxy.bench import apiscale  # light: the lab loads only when the command runs
 
     apiscale.register(sub)
+    register_idle(sub)
 
     register_compare(subparsers)
 
@@ -211,6 +212,13 @@ def cmd_datapath(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(result.to_json(), indent=2) if args.format == "json" else format_table(result))
     return 0
+
+
+def register_idle(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``kproxy bench idle`` (kproxy.bench.idle): its parser and handler live with it."""
+    from kproxy.bench.idle import register
+
+    register(sub)
 
 
 def register_compare(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

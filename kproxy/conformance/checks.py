@@ -10,7 +10,8 @@ from __future__ import annotations
 import collections
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -92,6 +93,122 @@ def mentions(lines: Sequence[str], namespace: str, name: str) -> list[str]:
 
 UDP_FOLLOW_S = 2.0
 UDP_SOCKET_INTERVAL = 0.1
+#: how soon a UDP client that keeps its source port must reach a live endpoint again (or stop reaching a gone one)
+#: after a scale to zero and back, or a delete and re-create of its Service: issue 24's bound
+UDP_REPAIR_S = 1.0
+
+
+@dataclass(frozen=True)
+class UdpPhase:
+    """One stretch of a UDP client's record, from ``at`` (the runner's clock, taken just before the API write that
+    began it) to the next phase's ``at``. ``answer``: the pod that must answer every datagram sent ``bound`` s after
+    ``at`` or later, and answer some; None: none may be answered then (the service has no endpoints, or is gone).
+    ``part``: the scenario's part this phase is (a mode may declare it not applicable; its failure names it)."""
+
+    at: float
+    change: str
+    answer: str | None
+    part: str = ""
+
+
+def judge_udp_phases(
+    ctx: Context,
+    log: Sequence[tuple[float, str]],
+    phases: Sequence[UdpPhase],
+    *,
+    subject: str,
+    sent: str,
+    bound: float,
+    done: Sequence[str] = (),
+    skip: Collection[str] = (),
+) -> list[str]:
+    """A UDP client's record (send time, the answering pod or ``!<error>``) against ``phases``: before the second
+    phase, answered by the first phase's pod alone (timeouts aside); then each phase as its ``UdpPhase`` says, every
+    phase judged (one failure names all that failed) but those of a part in ``skip`` (declared not applicable).
+    Returns one figure per phase after the first: when its pod first answered, or from when nothing answered."""
+    problem = next((d for d in done if d), "")
+    first_end = phases[1].at if len(phases) > 1 else float("inf")
+    before = [w for t, w in log if t < first_end]
+    ctx.expect(
+        before and set(before) - {"!timeout"} == {phases[0].answer},
+        f"{subject} was not answered by {phases[0].answer} alone before the change",
+        sent=sent,
+        got=" ".join(before[-8:]) or "no datagram before the change" + (f" ({problem})" if problem else ""),
+        expected=f"answers from {phases[0].answer}",
+    )
+    figures, failures = [], []
+    for i, ph in enumerate(phases[1:], start=1):
+        end = phases[i + 1].at if i + 1 < len(phases) else float("inf")
+        window = [(t - ph.at, w) for t, w in log if ph.at <= t < end]
+        if ph.part and ph.part in skip:
+            figures.append(f"not judged (part {ph.part} declared not applicable)")
+            continue
+        try:
+            figures.append(_udp_phase(ph, window, subject, sent, bound, problem))
+        except ScenarioFailure as exc:
+            failures.append(exc)
+    if failures:
+        raise one_failure(failures)
+    return figures
+
+
+def _udp_phase(
+    ph: UdpPhase, window: Sequence[tuple[float, str]], subject: str, sent: str, bound: float, problem: str
+) -> str:
+    """One phase of ``judge_udp_phases`` on its datagrams (time since the change, word); its figure, or raises."""
+    got = (
+        " ".join(f"+{t:.2f}:{w}" for t, w in window[:12])
+        + (f" ... ({len(window)} datagrams)" if len(window) > 12 else "")
+        + (f" [{problem}]" if problem else "")
+    )
+    sent += f", {ph.change} at +0.00"
+    named = f" (part {ph.part})" if ph.part else ""
+    if ph.answer is not None:
+        late = [(t, w) for t, w in window if t > bound and w != ph.answer]
+        reached = [t for t, w in window if w == ph.answer]
+        if reached and not late:
+            return f"first answer from {ph.answer} at +{reached[0]:.2f} s"
+        raise ScenarioFailure(
+            f"{subject} did not follow {ph.change} to {ph.answer} within {bound:g} s"
+            + (f": at +{late[0][0]:.2f} s still {late[0][1]}" if late else "")
+            + named,
+            sent=sent,
+            got=got,
+            expected=f"every datagram sent from +{bound:g} s on answered by {ph.answer}",
+        )
+    late = [(t, w) for t, w in window if t > bound and not w.startswith("!")]
+    answered = [t for t, w in window if not w.startswith("!")]
+    if not late and any(t > bound for t, _ in window):
+        silent = next(t for t, _ in window if not answered or t > answered[-1])
+        return f"unanswered from +{silent:.2f} s"
+    what = f"{subject} was still answered {bound:g} s after {ph.change}"
+    if late:
+        what += f": at +{late[0][0]:.2f} s by {late[0][1]}"
+    else:
+        what = f"{subject} sent no datagram from +{bound:g} s after {ph.change} on, so its end was not tested"
+    raise ScenarioFailure(
+        what + named,
+        sent=sent,
+        got=got,
+        expected=f"no datagram sent from +{bound:g} s on answered (a stale flow would still reach the old pod)",
+    )
+
+
+def one_failure(failures: Sequence[ScenarioFailure]) -> ScenarioFailure:
+    """Several failures of one scenario as one, each named in it (one stays as it is)."""
+    if len(failures) == 1:
+        return failures[0]
+    return ScenarioFailure(
+        f"{len(failures)} failures: " + " | ".join(f.what for f in failures),
+        sent=" | ".join(dict.fromkeys(f.sent for f in failures if f.sent)),
+        got=" | ".join(f.got for f in failures),
+        expected=" | ".join(dict.fromkeys(f.expected for f in failures if f.expected)),
+    )
+
+
+def reconnects(log: Sequence[tuple[float, str]], since: float) -> int:
+    """How often the client replaced its socket on an error (``+reconnect``) from ``since`` on."""
+    return sum(1 for t, w in log if t >= since and w.endswith("+reconnect"))
 
 
 def judge_udp_socket(
@@ -99,33 +216,14 @@ def judge_udp_socket(
 ) -> str:
     """The long-lived socket's verdict: answered by ``old`` before the change; every datagram sent later than
     UDP_FOLLOW_S after it answered by ``new``, and some were. Returns the figure for the note."""
+    phases = [UdpPhase(float("-inf"), "", old), UdpPhase(t_change, "the endpoint change", new)]
     sent = f"one connected UDP socket {what}, a datagram every {UDP_SOCKET_INTERVAL} s (0.3 s timeout)"
-    before = [w for t, w in log if t < t_change]
-    after = [(t - t_change, w) for t, w in log if t >= t_change]
-    shown = " ".join(f"+{t:.2f}:{w}" for t, w in after[:12])
-    problem = next((d for d in done if d), "")
-    ctx.expect(
-        before and set(before) - {"!timeout"} == {old},
-        f"the long-lived UDP socket was not answered by {old} alone before the change",
-        sent=sent,
-        got=" ".join(before[-8:]) or "no datagram before the change" + (f" ({problem})" if problem else ""),
-        expected=f"answers from {old}",
+    (figure,) = judge_udp_phases(
+        ctx, log, phases, subject="the long-lived UDP socket", sent=sent, bound=UDP_FOLLOW_S, done=done
     )
-    late = [(t, w) for t, w in after if t > UDP_FOLLOW_S and w != new]
-    reached = [t for t, w in after if w == new]
-    ctx.expect(
-        reached and not late,
-        f"the long-lived UDP socket did not follow the endpoint change to {new} within {UDP_FOLLOW_S:.0f} s"
-        + (f": at +{late[0][0]:.2f} s still {late[0][1]}" if late else ""),
-        sent=sent + ", the service's endpoint replaced at +0.00",
-        got=shown
-        + (f" ... ({len(after)} datagrams)" if len(after) > 12 else "")
-        + (f" [{problem}]" if problem else ""),
-        expected=f"every datagram sent from +{UDP_FOLLOW_S:.0f} s on answered by {new}",
-    )
-    reconnects = sum(1 for _, w in after if w.endswith("+reconnect"))
-    return f"long-lived socket: first answer from {new} at +{reached[0]:.2f} s" + (
-        f" after {reconnects} reconnect(s) on a socket error" if reconnects else ", the same socket throughout"
+    n = reconnects(log, t_change)
+    return f"long-lived socket: {figure}" + (
+        f" after {n} reconnect(s) on a socket error" if n else ", the same socket throughout"
     )
 
 

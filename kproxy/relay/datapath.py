@@ -7,7 +7,8 @@ connections, UDP sessions) is changed only in the loop thread: the runner thread
 sockets and endpoint lists with ``Engine.update`` (``call_soon_threadsafe``) and waits until the loop has taken
 them, so when a sync returns the data path already uses the new endpoints, and the loop never waits for a sync.
 The listeners are ``tcp.TcpListener`` (accept, dial, splice relay) and ``udp.UdpListener`` (sessions); each balances
-with a ``balancer.Balancer``; the counters are ``stats.Stats``.
+with a ``balancer.Balancer``; the counters are ``stats.Stats``, and with ``counting`` (``--service-counters``) each
+listener's ``counters.Tally``, read in one step of the loop by ``counters.dump``.
 """
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ class ListenerSpec:
 class Engine:
     """The event loop thread and every proxy socket (see the module docstring)."""
 
-    def __init__(self, netns: str | None = None, udp_timeout: float = 0.25, name: str = "kproxy-relay") -> None:
+    def __init__(
+        self, netns: str | None = None, udp_timeout: float = 0.25, counting: bool = False, name: str = "kproxy-relay"
+    ) -> None:
         self.netns = netns
         self.name = name  # the loop thread's name, and the log's
         self.udp_timeout = udp_timeout
+        self.counting = counting
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.listeners: dict[Ident, TcpListener | UdpListener] = {}
@@ -162,6 +166,8 @@ class Engine:
             gone = lst.balancer.update(spec.endpoints, spec.affinity)
             if gone and isinstance(lst, UdpListener):
                 lst.drop_sessions(gone)
+            if gone and lst.tally is not None:
+                lst.tally.forget(gone)
 
     def _sweep(self) -> None:
         assert self.loop is not None

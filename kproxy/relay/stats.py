@@ -2,7 +2,8 @@
 
 The counters are changed only in the loop thread (no lock: one writer); ``Engine.stats`` reads them for
 ``describe()``. ``Host`` is the engine as a listener sees it (``tcp``, ``udp``): the loop, the set of open dials
-and relays closed with the loop, the counters, the UDP idle timeout and where a listener reports that its socket
+and relays closed with the loop, the counters, the UDP idle timeout, whether listeners count their traffic per
+service (``counters``) and where a listener reports that its socket
 stopped listening. A protocol rather than the engine's class, so the listeners do not import the engine that
 imports them.
 """
@@ -50,6 +51,8 @@ class Host(Protocol):
 
     loop: asyncio.AbstractEventLoop | None
     udp_timeout: float
+    #: ``--service-counters``: each listener keeps a ``counters.Tally`` (None when off: nothing counts)
+    counting: bool
     counters: Stats
     #: dials and relays in progress: aborted when the loop stops, so their sockets never wait for the collector
     open: set[Closable]

@@ -7,6 +7,10 @@
 - ``_Relay``: per direction a pipe and ``os.splice`` socket -> pipe -> socket (no copy through Python), driven by
   ``add_reader``/``add_writer``, a few splices per wake-up; half close passed on; an error on either side resets
   both. Why splice and what the pipe size buys: docs/PERFORMANCE.md.
+- With ``--service-counters`` (the listener's ``tally``, else None): ``_CountedRelay`` in place of ``_Relay``, which
+  counts the connection for its endpoint and adds the bytes its halves moved when it closes (``counters``); the
+  splice path is the same code either way (each half keeps running totals of the bytes it took and gave, which is
+  the bookkeeping of what waits in its pipe, and the count).
 
 Everything here runs in the engine's loop thread (``kproxy.relay.datapath``).
 """
@@ -21,7 +25,8 @@ import os
 import socket
 import struct
 
-from .balancer import Balancer
+from .balancer import Addr, Balancer
+from .counters import Tally
 from .stats import Host, Ident
 
 log = logging.getLogger(__name__)
@@ -53,6 +58,7 @@ class TcpListener:
         self.ident = ident
         self.sock = sock
         self.balancer = Balancer()
+        self.tally = Tally() if engine.counting else None
         self.family = sock.family
         assert engine.loop is not None
         sock.setblocking(False)
@@ -89,7 +95,7 @@ class TcpListener:
 class _Dial:
     """Connecting one accepted client to an endpoint, with upstream's timeouts and retries."""
 
-    __slots__ = ("listener", "client", "client_ip", "tries", "server", "timer")
+    __slots__ = ("listener", "client", "client_ip", "tries", "server", "timer", "ep")
 
     def __init__(self, listener: TcpListener, client: socket.socket, client_ip: str) -> None:
         self.listener = listener
@@ -98,6 +104,7 @@ class _Dial:
         self.tries = 0
         self.server: socket.socket | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.ep: Addr | None = None
         listener.engine.open.add(self)
 
     def abort(self) -> None:
@@ -119,12 +126,13 @@ class _Dial:
         assert loop is not None
         if self.tries >= len(DIAL_TIMEOUTS):
             engine.counters.failed_dials += 1
-            self.abort()
+            self._refused()
             return
         ep = self.listener.balancer.next(self.client_ip, reset=self.tries > 0)
         if ep is None:  # no endpoints (the redirect rules reject those; this is a race with a sync)
-            self.abort()
+            self._refused()
             return
+        self.ep = ep
         fam = socket.AF_INET6 if ":" in ep[0] else socket.AF_INET
         server = socket.socket(fam, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
         server.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -138,6 +146,11 @@ class _Dial:
             return
         loop.add_writer(server.fileno(), self._writable)
         self.timer = loop.call_later(DIAL_TIMEOUTS[self.tries], self._timeout)
+
+    def _refused(self) -> None:
+        if self.listener.tally is not None:
+            self.listener.tally.refused()
+        self.abort()
 
     def _writable(self) -> None:
         assert self.server is not None
@@ -172,7 +185,13 @@ class _Dial:
         assert self.server is not None
         self.listener.engine.open.discard(self)
         self.client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        relay = _Relay(self.listener.engine, self.client, self.server)
+        tally = self.listener.tally
+        if tally is None:
+            relay = _Relay(self.listener.engine, self.client, self.server)
+        else:
+            assert self.ep is not None
+            tally.connected(self.ep)
+            relay = _CountedRelay(self.listener.engine, self.client, self.server, tally)
         relay.halves[0].readable()  # the client's request usually waits already: pass it on without a loop turn
 
 
@@ -217,14 +236,39 @@ class _Relay:
             self.open = -1
 
 
+class _CountedRelay(_Relay):
+    """A relay of a counting listener: in its tally's open relays until it ends, then its bytes join the tally's."""
+
+    __slots__ = ("tally",)
+
+    def __init__(self, engine: Host, a: socket.socket, b: socket.socket, tally: Tally) -> None:
+        self.tally = tally
+        tally.live.add(self)
+        super().__init__(engine, a, b)
+
+    def moved(self) -> int:
+        """Bytes taken from the client and from the endpoint so far (the halves' own running totals)."""
+        return self.halves[0].taken + self.halves[1].taken
+
+    def abort(self) -> None:
+        self.tally.closed(self)
+        super().abort()
+
+    def close(self) -> None:
+        self.tally.closed(self)
+        super().close()
+
+
 class _Half:
-    __slots__ = ("relay", "src", "dst", "sfd", "dfd", "pending", "eof", "reading", "writing", "done", "loop")
+    __slots__ = ("relay", "src", "dst", "sfd", "dfd", "taken", "given", "eof", "reading", "writing", "done", "loop")
 
     def __init__(self, relay: _Relay, src: socket.socket, dst: socket.socket) -> None:
         self.relay = relay
         self.src, self.dst = src, dst
         self.sfd, self.dfd = src.fileno(), dst.fileno()
-        self.pending = 0
+        # running totals of the bytes taken from ``src`` into the pipe and given from it to ``dst``: what waits in
+        # the pipe is their difference, and ``taken`` is this direction's byte count (``--service-counters``)
+        self.taken = self.given = 0
         self.eof = self.reading = self.writing = self.done = False
         loop = relay.engine.loop
         assert loop is not None
@@ -324,7 +368,7 @@ class _SpliceHalf(_Half):
                 self.eof = True
                 self._finish()
                 return
-            self.pending += n
+            self.taken += n
             try:
                 drained = self.flush()
             except OSError:
@@ -337,10 +381,10 @@ class _SpliceHalf(_Half):
                 return
 
     def flush(self) -> bool:
-        while self.pending:
+        while self.given < self.taken:
             try:
-                n = os.splice(self.pr, self.dfd, self.pending, flags=SPLICE_FLAGS)
+                n = os.splice(self.pr, self.dfd, self.taken - self.given, flags=SPLICE_FLAGS)
             except (BlockingIOError, InterruptedError):
                 return False
-            self.pending -= n
+            self.given += n
         return True

@@ -2,7 +2,9 @@
 
 Replies go back through the proxy socket from the address the client's datagram was redirected to (``IP_PKTINFO``),
 so conntrack reverses the redirect; a session idle longer than the UDP timeout is closed, and sessions to an
-endpoint that is gone are closed at once (the client's next datagram picks a live one). Loop thread only.
+endpoint that is gone are closed at once (the client's next datagram picks a live one). With ``--service-counters``
+(the listener's ``tally``, else None) a new session counts as a flow of its endpoint and every datagram's payload
+is added to the bytes, both directions (``counters``). Loop thread only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from kproxy.config import parse_duration
 
 from .balancer import Addr, Balancer
+from .counters import Tally
 from .stats import Host, Ident
 
 UDP_BATCH = 64
@@ -56,6 +59,7 @@ class UdpListener:
         self.ident = ident
         self.sock = sock
         self.balancer = Balancer()
+        self.tally = Tally() if engine.counting else None
         self.sessions: dict[Any, _UdpSession] = {}
         self.v6 = sock.family == socket.AF_INET6
         if self.v6:
@@ -91,6 +95,7 @@ class UdpListener:
         return b""
 
     def _readable(self) -> None:
+        tally = self.tally
         for _ in range(UDP_BATCH):
             try:
                 data, anc, _flags, addr = self.sock.recvmsg(65535, 256)
@@ -101,6 +106,8 @@ class UdpListener:
                     self.detach()
                     self.engine.died(self.ident, str(exc))
                 return
+            if tally is not None:
+                tally.bytes += len(data)
             session = self.sessions.get(addr)
             if session is None:
                 ep = self.balancer.next(str(addr[0]))
@@ -115,6 +122,8 @@ class UdpListener:
                     continue
                 session = _UdpSession(addr, ep, out, self._reply_cmsg(anc))
                 self.sessions[addr] = session
+                if tally is not None:
+                    tally.connected(ep)
                 self.engine.counters.udp_sessions += 1
                 self.loop.add_reader(out.fileno(), self._reply, session)
                 if self.sweeper is None:
@@ -129,6 +138,7 @@ class UdpListener:
         level = socket.IPPROTO_IPV6 if self.v6 else socket.IPPROTO_IP
         kind = IPV6_PKTINFO if self.v6 else IP_PKTINFO
         cmsg = [(level, kind, session.local)] if session.local else []
+        tally = self.tally
         for _ in range(UDP_BATCH):
             try:
                 data = session.sock.recv(65535)
@@ -138,6 +148,8 @@ class UdpListener:
                 self._close_session(session)
                 return
             session.last = time.monotonic()
+            if tally is not None:
+                tally.bytes += len(data)
             try:
                 self.sock.sendmsg([data], cmsg, 0, session.client)
             except OSError:

@@ -248,3 +248,21 @@ def test_zero_endpoints_then_endpoints_again(topo: Topo) -> None:
     assert topo.send(a.client, 41000, a.vip, SVC_PORT) == "refused"
     assert rec.reconcile(_state(a, (a.new,)), nodes)[fam] == 1
     assert topo.send(a.client, 41000, a.vip, SVC_PORT) == a.new
+
+
+def test_a_deleted_service_takes_its_rewritten_flows_with_it(topo: Topo) -> None:
+    """Upstream's kubernetes#141371: once a UDP Service is deleted the state has no target for its address, and a
+    reconciler that only looks at today's services leaves the flow rewritten to its old endpoint: a client on a
+    fixed source port keeps reaching that pod. The reconciler remembers the addresses it knew."""
+    a, fam = V4, IPFamily.V4
+    rec = ConntrackReconciler(netns=topo.node_ns)
+    topo.ipt(fam, "-t", "nat", "-A", "PREROUTING", *_dnat(a, a.other, 7000, a.other))  # a chain never empty
+    topo.ipt(fam, "-t", "nat", "-A", "PREROUTING", *_dnat(a, a.vip, SVC_PORT, a.old))
+    assert topo.send(a.client, 42000, a.vip, SVC_PORT) == a.old
+    assert rec.reconcile(_state(a, (a.old,)), node_ips=[a.node])[fam] == 0  # live: kept
+    topo.ipt(fam, "-t", "nat", "-D", "PREROUTING", *_dnat(a, a.vip, SVC_PORT, a.old))  # the Service is deleted
+    empty = ProxyState(services={fam: {}}, node=NodeInfo("node-1"))
+    assert topo.send(a.client, 42000, a.vip, SVC_PORT) == a.old  # the entry still rewrites it
+    assert rec.reconcile(empty, node_ips=[a.node])[fam] == 1
+    assert f"src={a.old} " not in topo.conntrack(fam)
+    assert rec.reconcile(empty, node_ips=[a.node])[fam] == 0  # forgotten once done

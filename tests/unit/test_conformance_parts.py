@@ -1,7 +1,7 @@
 """Declared not-applicable parts, lab gaps in pytest, and the verdicts of the parts issue 21 added: a mode says up
 front which parts of a scenario it cannot do (``not_applicable_parts``), the exact sets are pinned here, an
 undeclared part fails the scenario, a lab gap fails the pytest case as it fails ``kproxy conformance``, and the
-long-lived UDP socket's and the restart's verdicts hold without the parts a mode declares away."""
+long-lived UDP socket's, udp-stale-flows' and the restart's verdicts hold without the parts a mode declares away."""
 
 from __future__ import annotations
 
@@ -226,3 +226,84 @@ def test_restart_without_hold_and_down_window_judges_before_and_after() -> None:
         _restart({"before": [ans("pod-2-0")], **down, "after": [ans("pod-2-0"), err("refused")]}, [])
     with pytest.raises(ScenarioFailure, match="no new connection was made in the 2.0 s after"):
         _restart({"before": [ans("pod-2-0")], **down}, [])
+
+
+# ------------------------------------------------------------------------------------- udp-stale-flows' phases
+
+T0, T1, T2, T3 = 100.0, 110.0, 120.0, 130.0  # scale to zero, back up, Service deleted, re-created
+PHASES = [
+    checks.UdpPhase(float("-inf"), "", "pod-2-1"),
+    checks.UdpPhase(T0, "the scale to zero", None),
+    checks.UdpPhase(T1, "the scale back up", "pod-2-2"),
+    checks.UdpPhase(T2, "the Service's deletion", None),
+    checks.UdpPhase(T3, "its re-creation on the same ClusterIP", "pod-2-3", "held-socket-re-create"),
+]
+
+
+def _every(start: float, end: float, word: str) -> list[tuple[float, str]]:
+    return [(start + 0.1 * i, word) for i in range(round((end - start) / 0.1))]
+
+
+def _phases(log: list[tuple[float, str]], skip: tuple[str, ...] = ()) -> list[str]:
+    ctx, _, _ = make_ctx(answering())
+    return checks.judge_udp_phases(
+        ctx, log, PHASES, subject="the long-lived UDP socket", sent="one socket", bound=1.0, skip=skip
+    )
+
+
+def _honest(stale_after_delete: str = "!timeout", re_created: str = "pod-2-3") -> list[tuple[float, str]]:
+    """A record of a client that follows every change at +0.3 s (or not, where the arguments say)."""
+    return (
+        _every(90.0, T0 + 0.3, "pod-2-1")
+        + _every(T0 + 0.3, T1, "!ECONNREFUSED")
+        + _every(T1, T1 + 0.3, "!ECONNREFUSED")
+        + _every(T1 + 0.3, T2 + 0.3, "pod-2-2")
+        + _every(T2 + 0.3, T3, stale_after_delete)
+        + _every(T3, T3 + 0.3, "!timeout")
+        + _every(T3 + 0.3, T3 + 5, re_created)
+    )
+
+
+def test_a_client_that_follows_every_change_within_the_bound_passes() -> None:
+    assert _phases(_honest()) == [
+        "unanswered from +0.30 s",
+        "first answer from pod-2-2 at +0.30 s",
+        "unanswered from +0.30 s",
+        "first answer from pod-2-3 at +0.30 s",
+    ]
+
+
+def test_a_flow_left_behind_by_a_deleted_service_fails() -> None:
+    """kubernetes#141371: the Service is gone, its flow still reaches the endpoint it had."""
+    with pytest.raises(
+        ScenarioFailure, match=r"still answered 1 s after the Service's deletion: at \+1\.\d\d s by pod-2-2"
+    ):
+        _phases(_honest(stale_after_delete="pod-2-2"))
+
+
+def test_a_flow_kept_on_its_endpoint_after_a_scale_to_zero_fails() -> None:
+    """kubernetes#139628: no endpoints, yet the flow still reaches the one it was DNATed to."""
+    log = _every(90.0, T1, "pod-2-1") + [(t, w) for t, w in _honest() if t >= T1]
+    with pytest.raises(ScenarioFailure, match=r"still answered 1 s after the scale to zero: at \+1\.\d\d s by pod-2-1"):
+        _phases(log)
+
+
+def test_a_phase_without_datagrams_after_the_bound_tested_nothing() -> None:
+    log = [(t, w) for t, w in _honest() if not T0 + 0.5 < t < T1]
+    with pytest.raises(ScenarioFailure, match="sent no datagram from \\+1 s after the scale to zero on"):
+        _phases(log)
+
+
+def test_a_failed_part_is_named_and_a_declared_one_not_judged() -> None:
+    stuck = _honest(re_created="!timeout")
+    with pytest.raises(ScenarioFailure, match=r"to pod-2-3 within 1 s: at \+1\.\d\d s still !timeout \(part held-s"):
+        _phases(stuck)
+    assert _phases(stuck, skip=("held-socket-re-create",))[-1] == (
+        "not judged (part held-socket-re-create declared not applicable)"
+    )
+
+
+def test_every_failed_phase_is_named_in_one_failure() -> None:
+    log = _every(90.0, T1, "pod-2-1") + [(t, w) for t, w in _honest(stale_after_delete="pod-2-2") if t >= T1]
+    with pytest.raises(ScenarioFailure, match=r"^2 failures: .*after the scale to zero.* \| .*after the Service's del"):
+        _phases(log)
