@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from kproxy.toolkit.nft import delete_tables
 
-from . import render
+from . import layout
 
 
 def cleanup_tables(netns: str | None = None) -> list[str]:
     """Delete kproxy's table in both families if present; the errors, logged (empty: clean)."""
-    return delete_tables(netns, render.TABLE)
+    return delete_tables(netns, layout.TABLE)

@@ -38,7 +38,7 @@ from kproxy.toolkit.trace import traced
 from kproxy.toolkit.verify import Findings
 
 from . import adopt as adopt_mod
-from . import render
+from . import layout, render
 from . import trace as trace_mod
 from .render import Fragment
 
@@ -96,7 +96,7 @@ class _Chunk:
 @dataclass(slots=True)
 class _TableView:
     """What ``verify`` read: every map and set of the table (name -> key -> value), the chain names, the comments of
-    every chain's rules (``render.rule_tag``) and how the fixed chains differ from the layout."""
+    every chain's rules (``layout.rule_tag``) and how the fixed chains differ from the layout."""
 
     family: IPFamily = IPFamily.V4
     maps: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -133,23 +133,23 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
 
     @classmethod
     def remnants(cls, probe: KernelProbe) -> list[str]:
-        return nft_tools.remnants(probe, render.TABLE)
+        return nft_tools.remnants(probe, layout.TABLE)
 
     @classmethod
     def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
-        found = nft_tools.elements(nft_tools.listed(probe, family, render.TABLE) or ())
+        found = nft_tools.elements(nft_tools.listed(probe, family, layout.TABLE) or ())
         # slots carry no comment: their key is their entry's plus a slot number, and the entry names the service
         owner = {
             el.key: adopt_mod.split_comment(el.comment)[0]
             for el in found
-            if el.set in (render.SERVICE_IPS, render.SERVICE_NODEPORTS)
+            if el.set in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS)
         }
         out: dict[str, list[str]] = {}
         for el in found:
             ckey, _ = adopt_mod.split_comment(el.comment)
             if ckey:
                 out.setdefault(ckey, []).append(nft_tools.element_line(el))
-            elif el.set.startswith(tuple(render.SLOT_BASES)) and (ckey := owner.get(el.key.rpartition(" . ")[0], "")):
+            elif el.set.startswith(tuple(layout.SLOT_BASES)) and (ckey := owner.get(el.key.rpartition(" . ")[0], "")):
                 out.setdefault(ckey, []).append(nft_tools.element_line(el, ckey))
         return out
 
@@ -190,7 +190,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
 
     def adopt(self, family: IPFamily, ctx: FamilyContext) -> adopt_mod.Adopted | None:
         t0 = time.perf_counter()
-        got, err = adopt_mod.read(self.nft, family, render.layout_chain(family))
+        got, err = adopt_mod.read(self.nft, family, layout.layout_chain(family))
         if got is None:
             log.warning("%s: reading kproxy's nftables table failed (%s): it will be replaced", family.value, err)
             return None
@@ -221,7 +221,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         """The whole table read back (every map and set with its elements, chain names): unlike adoption, which
         trusts the digests in the entry comments, ``verify`` compares every element, slots included."""
         fam = render.nft_family(family)
-        objs, err = self.nft.read(f"list table {fam} {render.TABLE}")
+        objs, err = self.nft.read(f"list table {fam} {layout.TABLE}")
         view = _TableView(family)
         if objs is None:
             if "No such file" in err or "does not exist" in err:
@@ -230,10 +230,10 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
             return view
         for obj in objs:
             body = obj.get("map") or obj.get("set")
-            if body is not None and body.get("table") == render.TABLE:
+            if body is not None and body.get("table") == layout.TABLE:
                 view.maps[body["name"]] = {el.key: el.value for el in nft_tools.elements([obj])}
             chain = obj.get("chain")
-            if chain is not None and chain.get("table") == render.TABLE:
+            if chain is not None and chain.get("table") == layout.TABLE:
                 view.chains.add(chain["name"])
         rules, err = adopt_mod.read_rules(self.nft, family)
         if rules is None:
@@ -266,8 +266,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
             elif not adopt_mod.shared_ok(chain, view.family, view.rules):
                 f.problems.append(f"shared chain {chain}: its rules differ")
         f.problems += view.fixed  # every service goes through the fixed chains
-        hairpin = view.maps.get(render.HAIRPIN, {})
-        f.problems += [f"{render.HAIRPIN}: {key} missing" for key in fragment.hairpin if key not in hairpin]
+        hairpin = view.maps.get(layout.HAIRPIN, {})
+        f.problems += [f"{layout.HAIRPIN}: {key} missing" for key in fragment.hairpin if key not in hairpin]
         return f.verdict()
 
     def verify_extra(self, view: _TableView, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
@@ -278,7 +278,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         for frag in wanted.values():
             for m, key, _ in frag.elements:
                 mine.setdefault(m, set()).add(key)
-        skip = {render.HAIRPIN, *render.CONTEXT_SETS}
+        skip = {layout.HAIRPIN, *layout.CONTEXT_SETS}
         out: list[str] = []
         for m, elements in view.maps.items():
             if m in skip or m.startswith("aff-"):  # affinity sets: the kernel's own entries, with timeouts
@@ -315,7 +315,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
 
     def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
         return {
-            "table": f"{render.nft_family(family)} {render.TABLE}",
+            "table": f"{render.nft_family(family)} {layout.TABLE}",
             "elements": [f"{m}: {k}" + (f" : {v}" if v else "") for m, k, v in fragment.elements],
             "sharedChains": list(fragment.shared),
             "chains": {n: list(rules) for n, rules in fragment.chains},
@@ -326,7 +326,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
 
     def detail_global(self) -> dict[str, Any]:
         counts = {fam.value: dict(c) for fam, c in list(self._counts.items())}
-        return {"table": render.TABLE, "layout": render.LAYOUT, "counts": counts}
+        return {"table": layout.TABLE, "layout": layout.LAYOUT, "counts": counts}
 
     # ------------------------------------------------------------------------------------------ apply
 
@@ -464,26 +464,26 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
             replace = adopted is None or adopted.table
             if replace:
                 # unreadable, or another layout: replaced whole in one transaction (no moment without rules)
-                tx.head.append(f"add table {tx.fam} {render.TABLE}")
-                tx.head.append(f"delete table {tx.fam} {render.TABLE}")
-            tx.head.extend(render.fixed_commands(fam))
+                tx.head.append(f"add table {tx.fam} {layout.TABLE}")
+                tx.head.append(f"delete table {tx.fam} {layout.TABLE}")
+            tx.head.extend(layout.fixed_commands(fam))
             present_shared, present_hairpin, present_context = set(), set(), {}
         else:
-            present_shared = {c for c in adopted.chains if render.is_shared_chain(c)}
+            present_shared = {c for c in adopted.chains if layout.is_shared_chain(c)}
             # a shared chain whose rules were changed by hand is written again (flushed first)
             damaged = {c for c in present_shared if not adopt_mod.shared_ok(c, fam, adopted.rules)}
             present_hairpin = set(adopted.hairpin)
             present_context = dict(adopted.context)
         if known is None and adopted is not None and scratch.fresh:
             adopted = None  # nothing of the old table survives
-        wanted_ctx = render.context_elements(batch.context)
+        wanted_ctx = layout.context_elements(batch.context)
         want_form = adopt_mod.wanted_context(wanted_ctx)
         for name, items in wanted_ctx.items():
             if present_context.get(name) != want_form[name]:
                 if not scratch.fresh:
-                    tx.head.append(f"flush set {tx.fam} {render.TABLE} {name}")
+                    tx.head.append(f"flush set {tx.fam} {layout.TABLE} {name}")
                 if items:
-                    tx.head.append(f"add element {tx.fam} {render.TABLE} {name} {{ {', '.join(items)} }}")
+                    tx.head.append(f"add element {tx.fam} {layout.TABLE} {name} {{ {', '.join(items)} }}")
         refs = Counter(s for f in batch.wanted.values() for s in set(_with_deps(f.shared)))
         needed_shared = set(refs)
         needed_hairpin = {h for f in batch.wanted.values() for h in f.hairpin}
@@ -527,7 +527,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
             ):  # the kernel holds the old version whole (an entry deleted by hand leaves the digest in the others)
                 render.change_service(tx, d.name, d.old_fragment, d.new_fragment)
             else:
-                sid = render.service_chain_id(d.name)
+                sid = layout.service_chain_id(d.name)
                 render.change_service(
                     tx,
                     d.name,
@@ -544,15 +544,15 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         if adopted is not None:
             # services the kernel holds that nothing wants (deleted while kproxy was down)
             handled = {f.comment for f in batch.wanted.values()}
-            handled.update(render.comment_key(render.service_key(spn)) for spn in in_batch)
+            handled.update(layout.comment_key(render.service_key(spn)) for spn in in_batch)
             done = scratch.stale_done
             for ckey, svc in adopted.services.items():
                 if ckey not in handled and ckey not in done:
                     render.change_service(tx, None, None, None, old_keys=svc.keys())
                     stale.add(ckey)
             # chains of services the deltas handle (changed or removed) are theirs to rewrite or delete
-            wanted_sids = {render.service_chain_id(spn) for spn in (*batch.wanted, *in_batch)}
-            stale_chains = [c for c in adopted.chains if render.is_service_chain(c) and _sid_of(c) not in wanted_sids]
+            wanted_sids = {layout.service_chain_id(spn) for spn in (*batch.wanted, *in_batch)}
+            stale_chains = [c for c in adopted.chains if layout.is_service_chain(c) and _sid_of(c) not in wanted_sids]
             for c in stale_chains:
                 tx.flush_chain(c, None)
             for c in stale_chains:
@@ -645,7 +645,7 @@ def _with_deps(names: Any) -> set[str]:
     out: set[str] = set()
     for n in names:
         out.add(n)
-        out.update(render.shared_chain_needs(n))
+        out.update(layout.shared_chain_needs(n))
     return out
 
 
@@ -679,5 +679,5 @@ def _shared_changes(tx: render.Transaction, present: set[str], refs: Counter[str
 
 
 def _hairpin(tx: render.Transaction, add: set[str], delete: set[str]) -> None:
-    tx.delete_keys(((render.HAIRPIN, h) for h in sorted(delete)), None)
-    tx.add_elements(((render.HAIRPIN, h, "") for h in sorted(add)), None, None)
+    tx.delete_keys(((layout.HAIRPIN, h) for h in sorted(delete)), None)
+    tx.add_elements(((layout.HAIRPIN, h, "") for h in sorted(add)), None, None)

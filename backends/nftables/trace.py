@@ -23,7 +23,7 @@ from kproxy.toolkit.cidr import in_any
 from kproxy.toolkit.trace import Outcome as Outcome
 from kproxy.toolkit.trace import Packet as Packet
 
-from . import render
+from . import layout, render
 
 _MAX_DEPTH = 20
 
@@ -44,25 +44,25 @@ class _Walker:
         self.hairpin: set[str] = set()
         for frag in fragments.values():
             for m, k, v in frag.elements:
-                if m == render.FIREWALL:
+                if m == layout.FIREWALL:
                     prefix, _, cidr = k.rpartition(" . ")
                     self.firewall.append((prefix, cidr))
                 else:
                     self.maps.setdefault(m, {})[k] = v
             self.chains.update(frag.chains)
             self.hairpin.update(frag.hairpin)
-        self.ctx_sets = render.context_elements(ctx)
+        self.ctx_sets = layout.context_elements(ctx)
         self.notes: list[str] = []
 
     def rules(self, chain: str) -> tuple[str, ...]:
         if chain in self.chains:
             return self.chains[chain]
-        if render.is_shared_chain(chain):
-            return render.shared_chain_rules(chain, self.family)
-        return render.fixed_chain_rules(self.family).get(chain, ())
+        if layout.is_shared_chain(chain):
+            return layout.shared_chain_rules(chain, self.family)
+        return layout.fixed_chain_rules(self.family).get(chain, ())
 
     def local_pod(self) -> bool:
-        return in_any(self.pkt.src, self.ctx_sets[render.LOCAL_CIDRS])
+        return in_any(self.pkt.src, self.ctx_sets[layout.LOCAL_CIDRS])
 
     def verdict(self, v: str, out: Outcome, depth: int) -> list[Outcome]:
         if v == "drop":
@@ -70,7 +70,7 @@ class _Walker:
             return [out]
         if v.startswith("goto "):
             target = v[5:]
-            if target == render.REJECT_CHAIN:
+            if target == layout.REJECT_CHAIN:
                 out.path.append(f"{target}: reject")
                 out.verdict = "REJECT"
                 return [out]
@@ -86,24 +86,24 @@ class _Walker:
         fam = "ip6" if self.family == IPFamily.V6 else "ip"
         for rule in self.rules(chain):
             here = f"{chain}: {rule}"
-            if rule == f"jump {render.MASQ_INTERNAL}":
+            if rule == f"jump {layout.MASQ_INTERNAL}":
                 if not self.local_pod():
                     out.masquerade = True
                     out.path.append(f"{here} (source is not a local pod: masquerade)")
                 else:
                     out.path.append(f"{here} (source is a local pod: no masquerade)")
                 continue
-            if rule == f"ct label set {render.MASQ_LABEL}":
+            if rule == f"ct label set {layout.MASQ_LABEL}":
                 out.masquerade = True
                 out.path.append(here)
                 continue
-            if rule.startswith(f"{fam} saddr @{render.LOCAL_CIDRS} goto "):
+            if rule.startswith(f"{fam} saddr @{layout.LOCAL_CIDRS} goto "):
                 if self.local_pod():
                     out.path.append(here)
                     return self.walk(rule.rsplit(" ", 1)[1], out, depth + 1)
                 continue
-            if rule.startswith(f"iifname @{render.LOCAL_IFACES} "):
-                if self.ctx_sets[render.LOCAL_IFACES]:
+            if rule.startswith(f"iifname @{layout.LOCAL_IFACES} "):
+                if self.ctx_sets[layout.LOCAL_IFACES]:
                     self.notes.append("interface-based local detection is not evaluated for a hypothetical packet")
                 continue
             if rule.startswith("fib saddr type local "):
@@ -112,7 +112,7 @@ class _Walker:
                     out.path.append(here)
                     return self.walk(rule.rsplit(" ", 1)[1], out, depth + 1)
                 continue
-            if f"@{render.FIREWALL} goto " in rule:
+            if f"@{layout.FIREWALL} goto " in rule:
                 prefix = f"{p.dst} . {p.proto} . {p.dport}"
                 allowed = [c for k, c in self.firewall if k == prefix]
                 if in_any(p.src, tuple(allowed)):
@@ -175,21 +175,21 @@ def trace(ctx: FamilyContext, fragments: Mapping[ServicePortName, render.Fragmen
     start = Outcome()
     key = f"{pkt.dst} . {pkt.proto} . {pkt.dport}"
     outcomes: list[Outcome]
-    v = w.maps.get(render.SERVICE_IPS, {}).get(key)
+    v = w.maps.get(layout.SERVICE_IPS, {}).get(key)
     if v is not None:
-        start.path.append(f"services: @{render.SERVICE_IPS}[{key}] = {v}")
+        start.path.append(f"services: @{layout.SERVICE_IPS}[{key}] = {v}")
         outcomes = w.verdict(v, start, 0)
-    elif pkt.dst_local and in_any(pkt.dst, w.ctx_sets[render.NODEPORT_CIDRS]):
+    elif pkt.dst_local and in_any(pkt.dst, w.ctx_sets[layout.NODEPORT_CIDRS]):
         npkey = f"{pkt.proto} . {pkt.dport}"
-        v = w.maps.get(render.SERVICE_NODEPORTS, {}).get(npkey)
+        v = w.maps.get(layout.SERVICE_NODEPORTS, {}).get(npkey)
         if v is None:
-            start.path.append(f"services: no element {npkey} in @{render.SERVICE_NODEPORTS}")
+            start.path.append(f"services: no element {npkey} in @{layout.SERVICE_NODEPORTS}")
             outcomes = [start]
         else:
-            start.path.append(f"services: @{render.SERVICE_NODEPORTS}[{npkey}] = {v}")
+            start.path.append(f"services: @{layout.SERVICE_NODEPORTS}[{npkey}] = {v}")
             outcomes = w.verdict(v, start, 0)
     else:
-        start.path.append(f"services: no element {key} in @{render.SERVICE_IPS}")
+        start.path.append(f"services: no element {key} in @{layout.SERVICE_IPS}")
         outcomes = [start]
     results = []
     for o in outcomes:
