@@ -1,7 +1,8 @@
 """Reading back what kproxy's nftables table holds, once per full sync, cheaply (``Adopted``).
 
-Listing the whole table at 10,000 services x 10 endpoints takes 4-6 s (libnftables formats every element of the
-100,000-element ``backends`` map), and ``nft list chain`` or ``list tables`` fetch the whole table too (nft 1.0.6).
+Listing the whole table at 10,000 services x 10 endpoints takes seconds (libnftables formats every element of the
+100,000-element ``backends`` map; docs/PERFORMANCE.md), and ``nft list chain`` or ``list tables`` fetch the whole
+table too (nft 1.0.6).
 So adoption reads only what is small: chain names (``list chains``), every chain's rules by the comment kproxy
 writes on each (``layout.rule_tag``; one netlink rule dump, which carries no set elements: a deleted rule, a flushed
 chain or table and a rule added by hand are seen), the ``service-ips`` and ``service-nodeports``

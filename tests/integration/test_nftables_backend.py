@@ -225,9 +225,9 @@ def test_real_packets_dnat_and_reject(netns: str) -> None:
 
 
 def test_big_full_sync_in_chunks_of_whole_services(netns: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kproxy.backends.nftables import proxier as proxier_mod
+    from kproxy.backends.nftables import plan
 
-    monkeypatch.setattr(proxier_mod, "CHUNK", 40)
+    monkeypatch.setattr(plan, "CHUNK", 40)
     sps = [sp(f"s{i:03d}", f"198.19.1.{i}", tuple(f"198.18.2.{i % 200 + j}" for j in range(3))) for i in range(60)]
     p = NftablesProxier(CFG, netns=netns)
     try:
@@ -363,9 +363,9 @@ def test_a_refusal_in_a_later_chunk_keeps_what_earlier_chunks_committed(
 ) -> None:
     """A service the kernel refuses (here: a verdict naming a chain that does not exist) in the third of several
     transactions: the ledger's retry round starts from what the first two committed, and everything else lands."""
-    from kproxy.backends.nftables import proxier as proxier_mod
+    from kproxy.backends.nftables import plan
 
-    monkeypatch.setattr(proxier_mod, "CHUNK", 40)
+    monkeypatch.setattr(plan, "CHUNK", 40)
     sps = [sp(f"s{i:03d}", f"198.19.1.{i}", tuple(f"198.18.2.{i % 200 + j}" for j in range(3))) for i in range(60)]
     bad = sps[45].name
     p = NftablesProxier(CFG, netns=netns)
