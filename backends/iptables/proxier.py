@@ -565,7 +565,8 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _S
 
 
 def _chunk_lines(kernel_rules: int) -> int:
-    """Lines per nf_tables payload. Each payload pays a fixed cost that grows with the rules already in the table
-    (iptables-nft fetches them all: 0.4 s at 430k rules) plus a cost quadratic in its own size (about 0.4 s for
-    10,000 lines); their sum over a change of L lines, L x (F/c + a x c), is least at c = sqrt(F/a)."""
+    """Lines per nf_tables payload. Each payload pays a fixed cost F that grows with the rules already in the table
+    (iptables-nft fetches them all) plus a cost quadratic in its own size (a per line squared); their sum over a
+    change of L lines, L x (F/c + a x c), is least at c = sqrt(F/a), and F/a is about 250 per rule in the table
+    (docs/PERFORMANCE.md, iptables mode)."""
     return max(CHUNK_LINES, min(4 * CHUNK_LINES, int((250 * kernel_rules) ** 0.5)))

@@ -171,8 +171,8 @@ def build_restores(
     """``build_restore``, split into several payloads when ``chunk_lines`` is set and the change is bigger.
 
     Why: the nf_tables flavour's ``iptables-restore --noflush`` spends time quadratic in the size of one payload (a
-    linear search per rule in userspace: 1,000 services x 10 endpoints take 8.7 s in one payload, 2,000 take 43 s,
-    and the same lines in 3,000-line payloads take under a second). Each chunk holds whole services' own chains,
+    linear search per rule in userspace; the same lines in 3,000-line payloads take a small fraction of the time:
+    docs/PERFORMANCE.md, iptables mode). Each chunk holds whole services' own chains,
     SEP/SVC/EXT/FW together, so every service still changes atomically; the last payload rewrites the shared chains
     (which then start pointing at the new chains), inserts missing jumps and deletes stale chains. Every state in
     between is a consistent mix of old and new services. The legacy flavour commits the whole table per payload,
