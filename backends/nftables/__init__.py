@@ -41,12 +41,16 @@ Layout (table ``kproxy`` in family ``ip`` and again in ``ip6``; nothing outside 
 Why this layout: the kernel pays per chain, superlinearly in a transaction (upstream's chain per service and per
 endpoint is 110k chains at 10,000 services x 10 endpoints), while elements are cheap; the figures are in
 docs/PERFORMANCE.md. With chains indexed by endpoint count there are a handful of chains whatever the number of
-services. An endpoint change is element deletes and adds only
-(the service's slots, and its entry, whose comment carries the fragment digest): no chain is rewritten. Element
-comments (``ns/name:port/PROTO #digest``) on the entries name their service, for ``kernel_view`` and adoption; slots
-carry none (their key extends their entry's, and comments on every slot cost ``nft -f`` a measurable share). The
-entry maps carry per-element counters: new connections per service address (``nft list map ip kproxy
-service-ips``), nearly free since nat chains see only a connection's first packet.
+services. An endpoint change is element deletes and adds only (the service's slots, and its digest element): no
+chain is rewritten, and the service's entries are rewritten only when their verdict changes (another endpoint
+count, no endpoints any more). That keeps a partial sync independent of the table's size: adding an element with a
+``goto`` verdict marks the table for validation, and at commit the kernel walks every element of every verdict
+map reachable from a base chain (``nf_tables_validate``), O(services) on each such commit. So the fragment digest
+lives in a plain set, ``service-digests`` (one element per service port, keyed by its ClusterIP entry, commented
+``ns/name:port/PROTO #digest``), and the entries carry their service's name (``ns/name:port/PROTO``), for
+``kernel_view`` and adoption; slots carry none (their key extends their entry's, and comments on every slot cost
+``nft -f`` a measurable share). The entry maps carry per-element counters: new connections per service address
+(``nft list map ip kproxy service-ips``), nearly free since nat chains see only a connection's first packet.
 
 Syncs: one atomic transaction per family per batch through libnftables in-process (no process per change), handed
 over as a memfd file so a refused element's line maps back to its service (the ledger retries without it). Elements
@@ -63,7 +67,8 @@ always one transaction. A full sync (start, after a failure, periodically, or wh
 flushed: the fixed chains' rules are checked at most once a second at the start of partial syncs) adopts first: it
 reads chain names, every chain's rules by the comment kproxy writes on each (a digest of the rule: one netlink rule
 dump, no set elements; a rule deleted, added or replaced by hand, or a flushed table, is seen and rewritten), and
-the small maps (``service-ips``, ``service-nodeports``, firewall, hairpin, context sets), never the 100,000-slot
+the small maps and sets (``service-ips``, ``service-nodeports``, ``service-digests``, firewall, hairpin, context
+sets), never the 100,000-slot
 maps (listing the whole table takes seconds at 10k x 10; ``nft list tables`` and ``list chain`` fetch all of it too
 in nft 1.0.6). A service whose entries and digest match is left alone, so a restart with nothing changed writes
 nothing; a changed or vanished service's slot keys follow from its entries' verdicts (``lb-i-3``: slots 0..2). A

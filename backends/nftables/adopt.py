@@ -6,8 +6,9 @@ table too (nft 1.0.6).
 So adoption reads only what is small: chain names (``list chains``), every chain's rules by the comment kproxy
 writes on each (``layout.rule_tag``; one netlink rule dump, which carries no set elements: a deleted rule, a flushed
 chain or table and a rule added by hand are seen), the ``service-ips`` and ``service-nodeports``
-maps (one element per service address, each commented ``<service key> #<fragment digest>``), the firewall and
-hairpin sets and the three context sets. A service whose entries and digest equal the new fragment's is unchanged;
+maps (one element per service address, each commented with its service's key), the ``service-digests`` set (one
+element per service port, commented ``<service key> #<fragment digest>``), the firewall and hairpin sets and the
+three context sets. A service whose entries and digest equal the new fragment's is unchanged;
 for any other, the keys of its big-map elements follow from its entries (an entry's verdict names the shared chain,
 ``lb-i-3``, hence the slots 0..2 of its key in ``backends``), so it can be rewritten exactly without the big read.
 """
@@ -33,7 +34,8 @@ class Service:
     """One service's skeleton as the kernel holds it."""
 
     digest: str | None = None
-    digests_agree: bool = True
+    digests_agree: bool = True  # False: more than one digest element names it
+    digest_key: str | None = None  # the key of its service-digests element
     entries: dict[tuple[str, str], str] = field(default_factory=dict)  # (map, key) -> verdict
     firewall: list[str] = field(default_factory=list)  # firewall-allow keys
 
@@ -66,6 +68,8 @@ class Service:
                 continue
         for k in self.firewall:
             out[(layout.FIREWALL, k)] = ""
+        if self.digest_key is not None:
+            out[(layout.SERVICE_DIGESTS, self.digest_key)] = ""
         return out
 
 
@@ -154,13 +158,22 @@ def read(nft: Nft, family: IPFamily, layout_chain: str) -> tuple[Adopted | None,
         if objs is None:
             return None, err
         for _, key, value, comment, _ in elements(objs):
-            ckey, digest = split_comment(comment)
+            ckey, _ = split_comment(comment)
             svc = out.services.get(ckey)
             if svc is None:
-                svc = out.services[ckey] = Service(digest=digest)
-            elif svc.digest != digest:
-                svc.digests_agree = False
+                svc = out.services[ckey] = Service()
             svc.entries[(name, key)] = value
+    objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.SERVICE_DIGESTS}")
+    if objs is None:
+        return None, err
+    for el in elements(objs):
+        ckey, digest = split_comment(el.comment)
+        svc = out.services.get(ckey)
+        if svc is None:  # a digest without entries: the service is rewritten (its digest element deleted first)
+            svc = out.services[ckey] = Service(digests_agree=False)
+        elif svc.digest_key is not None:
+            svc.digests_agree = False
+        svc.digest, svc.digest_key = digest, el.key
     objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.FIREWALL}")
     if objs is None:
         return None, err

@@ -18,13 +18,16 @@ from kproxy.toolkit.keys import service_key
 
 TABLE = "kproxy"
 #: bumped whenever the fixed part's shape changes: a table of another layout is replaced whole (see proxier)
-LAYOUT = "kproxy-nftables-layout-1"
+LAYOUT = "kproxy-nftables-layout-2"
 #: conntrack label bit that asks nat-postrouting to masquerade a connection (see __init__.py: no packet marks)
 MASQ_LABEL = 127
 
 # maps and sets (names shown by `nft list table`, readable like upstream's service-ips / service-nodeports)
 SERVICE_IPS = "service-ips"
 SERVICE_NODEPORTS = "service-nodeports"
+#: one element per service port, keyed by its ClusterIP entry, whose comment carries the fragment digest: a plain set,
+#: so rewriting it costs no verdict-map validation (see __init__.py)
+SERVICE_DIGESTS = "service-digests"
 BACKENDS = "backends"
 SHORTCUT_BACKENDS = "shortcut-backends"
 NODEPORT_BACKENDS = "nodeport-backends"
@@ -50,6 +53,7 @@ def slot_map(base: str, proto: str) -> str:
 SERVICE_MAPS = (
     SERVICE_IPS,
     SERVICE_NODEPORTS,
+    SERVICE_DIGESTS,
     *(slot_map(b, p) for b in SLOT_BASES for p in PROTOCOLS),
     FIREWALL,
 )
@@ -164,6 +168,7 @@ def set_declarations(family: IPFamily) -> list[tuple[str, str, str]]:
         # packet), shown by `nft list map` and kernel_view; a rewritten entry starts from zero
         ("map", SERVICE_IPS, f"type {addr} . inet_proto . inet_service : verdict; counter;"),
         ("map", SERVICE_NODEPORTS, "type inet_proto . inet_service : verdict; counter;"),
+        ("set", SERVICE_DIGESTS, f"type {addr} . inet_proto . inet_service;"),
         *slots,
         ("set", FIREWALL, f"type {addr} . inet_proto . inet_service . {addr}; flags interval;"),
         ("set", HAIRPIN, f"type {addr} . {addr};"),

@@ -153,7 +153,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         elements."""
         assert isinstance(view, TableView)
         f = Findings()
-        for m, key, value in fragment.elements:
+        for m, key, value in (*fragment.elements, (layout.SERVICE_DIGESTS, fragment.digest_key, "")):
             f.check(f"{m}: {key}", view.maps.get(m, {}).get(key), value)
         for chain, rules in fragment.chains:
             if chain not in view.chains:
@@ -180,6 +180,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         for frag in wanted.values():
             for m, key, _ in frag.elements:
                 mine.setdefault(m, set()).add(key)
+            mine.setdefault(layout.SERVICE_DIGESTS, set()).add(frag.digest_key)
         skip = {layout.HAIRPIN, *layout.CONTEXT_SETS}
         out: list[str] = []
         for m, elements in view.maps.items():

@@ -40,6 +40,7 @@ from .layout import (
     NODEPORT_SHORTCUT_BACKENDS,
     PROTOCOLS,
     REJECT_CHAIN,
+    SERVICE_DIGESTS,
     SERVICE_IPS,
     SERVICE_NODEPORTS,
     SERVICES,
@@ -92,9 +93,9 @@ Element = tuple[str, str, str]  # (map or set, key, value; "" for a set)
 
 @dataclass(frozen=True, slots=True)
 class Fragment:
-    """One service port's share of the table in one family (compared with ==; ``digest`` is written into the
-    comments of its ``service-ips`` / ``service-nodeports`` elements, so adoption compares services by reading
-    those two small maps only).
+    """One service port's share of the table in one family (compared with ==; ``digest`` is written into the comment
+    of its element in ``service-digests``, keyed by its ClusterIP entry, so adoption compares services by reading
+    small sets and maps only; its ``service-ips`` / ``service-nodeports`` entries carry the service's name).
 
     ``elements``: its elements in the shared maps; ``shared``: the shared chains it jumps to; ``chains``/``sets``:
     chains and dynamic sets of its own (ClientIP affinity only); ``hairpin``: ``ep . ep`` elements of its local
@@ -117,6 +118,11 @@ class Fragment:
     @property
     def digest_comment(self) -> str:
         return f"{comment_key(self.key)} #{self.digest}"
+
+    @property
+    def digest_key(self) -> str:
+        """The key of its ``service-digests`` element: its ClusterIP entry's (always its first element)."""
+        return self.elements[0][1]
 
     @property
     def entries(self) -> tuple[Element, ...]:
@@ -505,43 +511,68 @@ def change_service(
 ) -> None:
     """Add to ``tx`` what turns ``old`` into ``new`` for one service (None: absent). ``old_keys`` (values None when
     unknown) / ``old_chains`` / ``old_sets`` stand for ``old`` when only the kernel's skeleton of it is known (adopted
-    after a restart): every element whose value is unknown is deleted and written again."""
+    after a restart): every element whose value is unknown is deleted and written again. An entry whose verdict is
+    unchanged is left alone (adding a verdict-map element makes the kernel validate every element of the table's
+    verdict maps at commit); the digest element changes with the digest."""
     if old is None and not old_keys and not old_chains and not old_sets:
         if new is not None:  # the common case of a full sync into an empty table: no diff to make
             kinds = (SERVICE_IPS, SERVICE_NODEPORTS)
             tx.add_elements((e for e in new.elements if e[0] not in kinds and e[0] != FIREWALL), None, spn)
             tx.add_elements((e for e in new.elements if e[0] == FIREWALL), new.comment, spn)
-            tx.add_elements((e for e in new.elements if e[0] in kinds), new.digest_comment, spn)
+            tx.add_elements((e for e in new.elements if e[0] in kinds), new.comment, spn)
+            tx.add_elements(((SERVICE_DIGESTS, new.digest_key, ""),), new.digest_comment, spn)
             for name, spec in new.sets:
                 tx.add_set(name, spec, spn)
             for name, rules in new.chains:
                 tx.write_chain(name, rules, spn, exists=False)
         return
-    before: Mapping[tuple[str, str], str | None] = element_keys(old) if old is not None else (old_keys or {})
+    _change_elements(tx, spn, old, new, old_keys)
+    _change_chains(tx, spn, old, new, old_chains, old_sets)
+
+
+def _change_elements(
+    tx: Transaction,
+    spn: ServicePortName | None,
+    old: Fragment | None,
+    new: Fragment | None,
+    old_keys: Mapping[tuple[str, str], str | None] | None,
+) -> None:
+    skeleton = old_keys or {}
+    before: Mapping[tuple[str, str], str | None] = (
+        element_keys(old) if old is not None else {k: v for k, v in skeleton.items() if k[0] != SERVICE_DIGESTS}
+    )
     after = element_keys(new) if new is not None else {}
-    digest_changed = old is None or new is None or old.digest != new.digest
-    dels = []
-    adds: list[Element] = []
-    for mk, v in before.items():
-        nv = after.get(mk)
-        if nv is None or nv != v or (digest_changed and mk[0] in (SERVICE_IPS, SERVICE_NODEPORTS)):
-            dels.append(mk)
-    for mk, v in after.items():
-        if mk not in before or before[mk] != v or (digest_changed and mk[0] in (SERVICE_IPS, SERVICE_NODEPORTS)):
-            adds.append((mk[0], mk[1], v))
+    old_digest = old.digest_key if old is not None else next((k for m, k in skeleton if m == SERVICE_DIGESTS), None)
+    digest_changed = old is None or new is None or old.digest != new.digest or old.digest_key != new.digest_key
+    dels = [mk for mk, v in before.items() if (nv := after.get(mk)) is None or nv != v]
+    if old_digest is not None and digest_changed:
+        dels.append((SERVICE_DIGESTS, old_digest))
     if dels:
         tx.delete_keys(dels, spn)
-    if new is not None and adds:
-        entries = [e for e in adds if e[0] in (SERVICE_IPS, SERVICE_NODEPORTS)]
-        others = [e for e in adds if e[0] not in (SERVICE_IPS, SERVICE_NODEPORTS)]
-        if others:
-            # slots carry no comment (their key starts with their entry's, which names the service): 6% of nft -f
-            tx.add_elements((e for e in others if e[0] != FIREWALL), None, spn)
-            tx.add_elements((e for e in others if e[0] == FIREWALL), new.comment, spn)
-        if entries:
-            tx.add_elements(entries, new.digest_comment, spn)
+    if new is None:
+        return
+    adds = [(mk[0], mk[1], v) for mk, v in after.items() if mk not in before or before[mk] != v]
+    entries = [e for e in adds if e[0] in (SERVICE_IPS, SERVICE_NODEPORTS)]
+    others = [e for e in adds if e[0] not in (SERVICE_IPS, SERVICE_NODEPORTS)]
+    if others:
+        # slots carry no comment (their key starts with their entry's, which names the service)
+        tx.add_elements((e for e in others if e[0] != FIREWALL), None, spn)
+        tx.add_elements((e for e in others if e[0] == FIREWALL), new.comment, spn)
+    if entries:
+        tx.add_elements(entries, new.comment, spn)
+    if digest_changed:
+        tx.add_elements(((SERVICE_DIGESTS, new.digest_key, ""),), new.digest_comment, spn)
 
-    # per-service chains and sets (ClientIP affinity)
+
+def _change_chains(
+    tx: Transaction,
+    spn: ServicePortName | None,
+    old: Fragment | None,
+    new: Fragment | None,
+    old_chains: Iterable[str],
+    old_sets: Iterable[str],
+) -> None:
+    """Per-service chains and sets (ClientIP affinity)."""
     old_chain_rules = dict(old.chains) if old is not None else {c: None for c in old_chains}
     new_chain_rules = dict(new.chains) if new is not None else {}
     old_set_specs = dict(old.sets) if old is not None else {s: None for s in old_sets}
