@@ -37,6 +37,7 @@ from prometheus_client import Counter, Gauge
 from kproxy.backend import LedgerProxier
 from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
+from kproxy.counters import CounterDump
 from kproxy.drift import Drift
 from kproxy.metrics import PREFIX
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
@@ -47,6 +48,7 @@ from kproxy.toolkit.verify import Findings
 
 from . import adopt, render
 from . import cleanup as cleanup_mod
+from . import counters as counters_mod
 from . import trace as trace_mod
 from .kernel import FLAVOURS, TABLES, Kernel, Run, binary, detect_flavour, missing_binaries
 from .render import Context, Fragment, JumpRule, Restore
@@ -104,6 +106,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
     CHECK_INTERVAL_S: ClassVar[float | None] = None  # the canary, once per sync period (as upstream)
     # iptables-nft's tables announce their changes (shared tables: the KUBE- chains are this mode's)
     DRIFT: ClassVar[Drift | None] = Drift(frozenset(TABLES), chains=("KUBE-",))
+    counters_offered = counters_mod.OFFERED  # connections: a nat rule never sees a connection's later packets
     options: ClassVar[tuple[Option, ...]] = (
         Option(
             "iptables_flavour",
@@ -209,6 +212,10 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
             self._metrics["failures"].labels(label).inc(times)
             if not full:
                 self._metrics["partial_failures"].labels(label).inc(times)
+
+    def counters(self, family: IPFamily) -> CounterDump | None:
+        """New connections per service port and endpoint, from the nat table's DNAT rules (``counters.py``)."""
+        return counters_mod.read(self, family) if self.config.service_counters else None
 
     # ------------------------------------------------------------------------------------------ the kernel
 
