@@ -15,15 +15,18 @@ Decisions:
   any service is added or removed, while a service's own chains are rewritten only when that service changes.
   Connections the mode does not NAT are not counted: those rejected or dropped for want of (local) endpoints (their
   rules are in the filter table).
-- **One dump per family per scrape**: ``iptables -t nat -L -nvx`` through the backend's kernel helper (it prints the
-  same counters as ``iptables-save -c -t nat`` and takes about half the time at 10,000 services x 10 endpoints on the
-  nf_tables flavour, see docs/PERFORMANCE.md). Chain names are mapped back to service ports and endpoints from the
-  ledger's applied fragments (each fragment's DNAT rules name their SEP chain and endpoint); that mapping is kept per
-  fragment object and made again only for a fragment that changed.
-- **Lifetime**: counters live in the kernel's rules. A restart that adopts the kernel's chains (it writes nothing for
-  an unchanged service) keeps them; a service whose chains are written again (its endpoints changed, a full rewrite)
-  starts at 0, because the backend's ``iptables-restore --counters`` payloads carry no ``[packets:bytes]`` and so
-  set 0. A service the kernel does not hold (its chains are missing from the dump) is left out of the dump.
+- **One dump per family per scrape**: ``iptables-save -c -t nat`` through the backend's kernel helper.
+  ``iptables -t nat -L -nvx`` prints the same counters but is no faster on the nf_tables flavour (both fetch and print
+  every rule of the table) and prints 60 % more text, three times as long to parse (figures: docs/PERFORMANCE.md).
+  Chain names are mapped back to service ports and endpoints from the ledger's applied fragments (each fragment's
+  DNAT rules name their SEP chain and endpoint); that mapping is kept per fragment object and made again only for a
+  fragment that changed.
+- **Lifetime**: counters live in the kernel's rules. A restart keeps them: its full sync adopts the chains the kernel
+  holds as wanted and writes nothing of them. A service whose own chains are written again (its endpoints changed,
+  or its chains were not as wanted) starts at 0: the rewritten rules are new rules, and the backend's payloads carry
+  no ``[packets:bytes]`` for its ``iptables-restore --counters`` to carry over. A service the kernel does not hold
+  (its chains missing from the save) is left out of the dump; a service port without endpoints has no nat rules
+  and is reported with 0 connections.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from __future__ import annotations
 import re
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Protocol
 
 from kproxy.counters import CounterDump, Counts, Measure, PortCounters
@@ -47,8 +51,8 @@ OFFERED: frozenset[Measure] = frozenset({Measure.CONNECTIONS})
 
 _DNAT_PREFIX = "-A KUBE-SEP-"
 _DNAT = " -j DNAT --to-destination "
-# ``iptables -L -nvx``: a chain's header, and a rule's row "PACKETS BYTES TARGET ..."
-_CHAIN = re.compile(r"^Chain (KUBE-SEP-[A-Z2-7]{16}) |^ *(\d+) +\d+ +DNAT ", re.M)
+# a SEP chain's DNAT rule in ``iptables-save -c``: "[PACKETS:BYTES] -A KUBE-SEP-... -j DNAT ..."
+_SAVED_DNAT = re.compile(r"^\[(\d+):\d+\] -A (KUBE-SEP-[A-Z2-7]{16}) [^\n]*-j DNAT ", re.M)
 
 
 class _Source(Protocol):
@@ -67,6 +71,7 @@ class _Plan:
     fragment: Fragment
     chains: tuple[str, ...]
     endpoints: tuple[str, ...]
+    take: Callable[[Mapping[str, int]], tuple[int, ...]]  # the chains' counts out of the save's, in one C call
 
 
 def plan(fragment: Fragment) -> _Plan:
@@ -79,21 +84,25 @@ def plan(fragment: Fragment) -> _Plan:
             if at > 0:
                 chains.append(rule[3 : rule.index(" ", 3)])
                 endpoints.append(rule[at + len(_DNAT) :].split(" ", 1)[0])
-    return _Plan(fragment, tuple(chains), tuple(endpoints))
+    return _Plan(fragment, tuple(chains), tuple(endpoints), _taker(chains))
 
 
-def parse_listing(text: str) -> dict[str, int]:
-    """``iptables -t nat -L -nvx`` -> packets of each ``KUBE-SEP-`` chain's DNAT rule (summed, should a chain hold
+def _taker(chains: list[str]) -> Callable[[Mapping[str, int]], tuple[int, ...]]:
+    """The chains' counts as a tuple (KeyError when one is missing)."""
+    if len(chains) > 1:
+        take: Callable[[Mapping[str, int]], tuple[int, ...]] = itemgetter(*chains)
+        return take
+    one = chains[0] if chains else None
+    return lambda packets: () if one is None else (packets[one],)
+
+
+def parse_save(text: str) -> dict[str, int]:
+    """``iptables-save -c -t nat`` -> packets of each ``KUBE-SEP-`` chain's DNAT rule (summed, should a chain hold
     more than one)."""
     out: dict[str, int] = {}
-    chain: str | None = None
-    for m in _CHAIN.finditer(text):
-        name, packets = m.group(1), m.group(2)
-        if name is not None:
-            chain = name
-            out.setdefault(name, 0)
-        elif chain is not None:
-            out[chain] += int(packets)
+    for m in _SAVED_DNAT.finditer(text):
+        chain = m.group(2)
+        out[chain] = out.get(chain, 0) + int(m.group(1))
     return out
 
 
@@ -111,7 +120,7 @@ def dump(
         if p is None or p.fragment is not fragment:
             p = plans[spn] = plan(fragment)
         try:
-            conns = tuple([packets[c] for c in p.chains])
+            conns = p.take(packets)
         except KeyError:
             continue  # the kernel does not hold this service's chains (flushed by someone): not programmed
         ports[spn] = PortCounters(Counts(sum(conns)), p.endpoints, conns)
@@ -126,13 +135,13 @@ _lock = threading.Lock()
 
 def read(proxier: _Source, family: IPFamily) -> CounterDump:
     """Every service port the ledger records as applied in ``family``, with its connections per endpoint, from one
-    listing of the nat table. BackendError when the listing fails."""
+    save of the nat table. BackendError when the save fails."""
     _, fragments = proxier.applied(family)
     kernel = proxier.kernel
-    res = kernel.run([binary("", family, kernel.flavour), *kernel.wait(family), "-t", "nat", "-L", "-nvx"])
+    res = kernel.save(family, "nat", counters=True)
     if not res.ok:
-        raise BackendError(f"{binary('', family, kernel.flavour)} -t nat -L -nvx: {res.stderr.strip()}")
-    packets = parse_listing(res.stdout)
+        raise BackendError(f"{binary('save', family, kernel.flavour)} -c -t nat: {res.stderr.strip()}")
+    packets = parse_save(res.stdout)
     with _lock:
         plans = _plans.setdefault(proxier, {}).setdefault(family, {})
         return dump(family, fragments, packets, plans)

@@ -186,9 +186,9 @@ def test_counters_off_reads_nothing(netns: str, flavour: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("KPROXY_COUNTERS_SCALE"), reason="set KPROXY_COUNTERS_SCALE=1 (minutes)")
-def test_one_dump_at_ten_thousand_services(netns: str) -> None:
-    """The scrape budget: one ``counters()`` at 10,000 services x 10 endpoints (nf_tables flavour), timed."""
-    p = proxier(netns, "nft")
+def test_one_dump_at_ten_thousand_services(netns: str, flavour: str) -> None:
+    """The scrape budget: one ``counters()`` at 10,000 services x 10 endpoints, timed (printed: run with -s)."""
+    p = proxier(netns, flavour)
     sps = []
     for i in range(10_000):
         name = ServicePortName("scale", f"s{i}", "http", Protocol.TCP)
@@ -202,4 +202,4 @@ def test_one_dump_at_ten_thousand_services(netns: str) -> None:
     seconds = time.perf_counter() - t0
     assert dump is not None and len(dump.ports) == 10_000
     assert all(len(pc.endpoints) == 10 and pc.total.connections == 0 for pc in dump.ports.values())
-    print(f"counters() at 10,000 x 10: {seconds:.2f} s")
+    print(f"{flavour}: counters() at 10,000 x 10: {seconds:.2f} s")
