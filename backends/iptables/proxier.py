@@ -214,7 +214,8 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
                 self._metrics["partial_failures"].labels(label).inc(times)
 
     def counters(self, family: IPFamily) -> CounterDump | None:
-        """New connections per service port and endpoint, from the nat table's DNAT rules (``counters.py``)."""
+        """New connections per service port and endpoint from the nat table's DNAT rule counters (``counters.py``);
+        no packets or bytes: a connection's later packets never reach a nat rule."""
         return counters_mod.read(self, family) if self.config.service_counters else None
 
     # ------------------------------------------------------------------------------------------ the kernel
