@@ -32,6 +32,7 @@ from prometheus_client import Counter, Gauge
 from kproxy.backend import LedgerProxier
 from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
+from kproxy.counters import CounterDump
 from kproxy.drift import Drift
 from kproxy.metrics import PREFIX
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
@@ -41,6 +42,7 @@ from kproxy.toolkit.trace import traced
 
 from . import adopt, kernel, render
 from . import cleanup as cleanup_mod
+from . import counters as counters_mod
 from . import trace as trace_mod
 from .adopt import Adoption, KernelRules
 from .kernel import FLAVOURS, TABLES, Kernel, binary, detect_flavour, missing_binaries
@@ -114,6 +116,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _S
     CHECK_INTERVAL_S: ClassVar[float | None] = None  # the canary, once per sync period (as upstream)
     # iptables-nft's tables announce their changes (shared tables: the KUBE- chains are this mode's)
     DRIFT: ClassVar[Drift | None] = Drift(frozenset(TABLES), chains=("KUBE-",))
+    counters_offered = counters_mod.OFFERED  # connections: a nat rule never sees a connection's later packets
     options: ClassVar[tuple[Option, ...]] = (
         Option(
             "iptables_flavour",
@@ -217,6 +220,11 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _S
             self._metrics["failures"].labels(label).inc(times)
             if not full:
                 self._metrics["partial_failures"].labels(label).inc(times)
+
+    def counters(self, family: IPFamily) -> CounterDump | None:
+        """New connections per service port and endpoint from the nat table's DNAT rule counters (``counters.py``);
+        no packets or bytes: a connection's later packets never reach a nat rule."""
+        return counters_mod.read(self, family) if self.config.service_counters else None
 
     # ------------------------------------------------------------------------------------------ the kernel
 
