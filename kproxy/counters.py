@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import enum
 import re
+import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -151,6 +153,10 @@ _NEEDS_ESCAPE = re.compile(r'[\\"\n]')
 ENDPOINT_MEASURES = frozenset({Measure.CONNECTIONS})
 
 
+#: a mode whose counter read takes this long or more is read in the background, its last read served meanwhile
+SYNC_READ_S = 0.5
+
+
 def metric_name(measure: Measure, endpoint: bool = False) -> str:
     """The exposed name: ``kproxy_service_connections_total``, ``kproxy_endpoint_bytes_total``, ..."""
     return f"kproxy_{'endpoint' if endpoint else 'service'}_{measure.value}_total"
@@ -238,14 +244,36 @@ class CounterCollector:
         self.source = source
         self.families = tuple(families)
         self._formats: _Formats = {}  # the last scrape's: a removed service's entry goes with the next scrape
+        self._lock = threading.Lock()
+        self._last: list[CounterDump] = []  # the last read, served while a slow read runs
+        self._read_s = 0.0  # how long the last read took
+        self._reading: threading.Thread | None = None
 
     def dumps(self) -> list[CounterDump]:
+        """The backend's dumps. A mode that reads its counters fast (under ``SYNC_READ_S``) is read at every scrape;
+        a slow one (iptables' save of the nat table takes seconds at 10,000 services) answers from its last read
+        while the next runs in the background, one at a time, so a scrape never waits for the kernel."""
+        with self._lock:
+            slow = self._read_s >= SYNC_READ_S
+            if slow and self._reading is None:
+                self._reading = threading.Thread(target=self._read, name="kproxy-counters", daemon=True)
+                self._reading.start()
+        if not slow:
+            self._read()
+        with self._lock:
+            return list(self._last)
+
+    def _read(self) -> None:
+        t0 = time.monotonic()
         out = []
-        for family in self.families:
-            dump = self.source.counters(family)
-            if dump is not None:
-                out.append(dump)
-        return out
+        try:
+            for family in self.families:
+                dump = self.source.counters(family)
+                if dump is not None:
+                    out.append(dump)
+        finally:
+            with self._lock:
+                self._last, self._read_s, self._reading = out, time.monotonic() - t0, None
 
     def write(self, out: list[bytes | bytearray]) -> None:
         """Append the counter families' text (Prometheus text format 0.0.4) to ``out``, a piece per family: the

@@ -202,7 +202,7 @@ def answer(cur: Scrape, prev: Scrape | None, sort: str) -> dict[str, Any]:
 def for_service(address: str, service: str, timeout: float = 10.0) -> dict[str, Any] | None:
     """``kproxy show --service``'s counters: the figures of the service ports ``service`` names (totals: one
     scrape), or None when that kproxy does not count. Errors as ``scrape``'s."""
-    from kproxy.daemon import ServiceFilter  # the same ns/name[:port][/PROTO] matching as /rules?service=
+    from kproxy.queries import ServiceFilter  # the same ns/name[:port][/PROTO] matching as /rules?service=
 
     wanted = ServiceFilter.parse(service)
     cur = scrape(metrics_url(address), timeout)

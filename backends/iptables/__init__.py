@@ -4,11 +4,14 @@ This is kproxy's reference backend: its rules are upstream's (``pkg/proxy/iptabl
 rule, so people who read kube-proxy's chains read these, and the conformance suite's expectations can be checked
 against the rules first.
 
-Modules: ``render`` (pure: a ServicePort -> its fragment, fragments -> restore text, chunking), ``proxier``
-(``IptablesProxier``: the core ledger's hooks: one round of a batch, adoption, canary, describe detail, floors; the
-ledger keeps what is applied and runs the refusal rounds), ``kernel`` (the only place that runs iptables binaries;
-flavour detection), ``cleanup`` (pure selection of what to delete, and ``cleanup_leftovers()``), ``inspect``
-(``remnants`` and the per-service ``kernel_view`` read from ``iptables-save``, for conformance and ``cleanup``).
+Modules: ``layout`` (pure: upstream's shared chains, the jumps into them, the family's context, the fragment type,
+the fixed rules), ``render`` (pure: a ServicePort -> its fragment, with upstream's chain names and hashing),
+``restore`` (pure: fragments -> restore payloads, chunking), ``proxier`` (``IptablesProxier``: the ledger's protocol,
+one round of a batch; the ledger keeps what is applied and runs the refusal rounds), ``adopt`` (the canonical
+comparison of rules, for adoption and ``verify``), ``kernel`` (the only place that runs iptables binaries: flavour
+detection, applying payloads, the reads for adoption and ``verify``, the bench's floors), ``cleanup`` (``remnants``
+and the per-service ``kernel_view`` read from ``iptables-save``, the pure selection of what to delete, and
+``cleanup_leftovers()``), ``trace`` (the packet explainer).
 
 Layout (upstream's names and hashing):
 - filter: ``KUBE-SERVICES`` (REJECT/DROP for service IPs without usable endpoints), ``KUBE-EXTERNAL-SERVICES``
@@ -27,13 +30,13 @@ Layout (upstream's names and hashing):
 
 Where kproxy deviates from upstream, and why:
 - Shared chains (KUBE-SERVICES, KUBE-NODEPORTS, ...) are rewritten only when a dirty service's lines in them
-  changed, not on every sync: rewriting KUBE-SERVICES costs 0.64 s at 10,000 services; an endpoint change does not
-  touch it.
+  changed, not on every sync: rewriting KUBE-SERVICES is costly at 10,000 services (docs/PERFORMANCE.md); an endpoint
+  change does not touch it.
 - On the nf_tables flavour a big change (a full sync) is split into payloads of ~3,000 lines, each holding whole
   services (their SEP, SVC/SVL, EXT and FW chains together), KUBE-MARK-MASQ in the first, the shared chains,
   missing jumps and stale-chain deletions in the last. ``iptables-nft-restore --noflush`` (1.8.9) spends time
-  quadratic in a payload's size: 1,000 services x 10 endpoints take 8.7 s in one payload, 2,000 take 43 s (10,000
-  would take many minutes); chunked they take about 1 s per 1,000. Each service still changes atomically and each
+  quadratic in a payload's size, so one payload for thousands of services takes minutes where chunks take seconds
+  (docs/PERFORMANCE.md, iptables mode). Each service still changes atomically and each
   intermediate state is a consistent mix of old and new services. The legacy flavour gets one payload. A big full
   sync streams: chunk N+1's text is built while iptables-restore applies chunk N (``render.stream_restores``).
 - Jumps from the built-in chains are inserted (``-I CHAIN 1``) inside the full sync's payload when
@@ -42,7 +45,7 @@ Where kproxy deviates from upstream, and why:
 - Full syncs adopt: they read ``iptables-save -t nat`` once and rewrite only the services whose chains differ from
   what the kernel holds (compared rule by rule in a canonical form, ``adopt.py``), plus the shared chains. Upstream
   rewrites everything on every full sync; here a restart at 10,000 services leaves unchanged services' rules and
-  counters alone and costs seconds instead of ~35 s of nf_tables payloads, and a chain changed behind kproxy's back
+  counters alone and costs seconds instead of rewriting every chain, and a chain changed behind kproxy's back
   is still repaired. Stale service chains are found from the same read on full syncs and from what kproxy itself
   wrote on partial syncs (upstream reads ``iptables-save`` once per sync period). Jumps are checked with
   ``iptables -S <built-in chain>``.

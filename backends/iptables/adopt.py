@@ -3,7 +3,7 @@
 A full sync (start-up, periodic, after a failure) reads the nat table once with ``iptables-save`` and compares, per
 service, every chain kproxy would write with the chain the kernel has. Services that match are not rewritten: a
 restarted kproxy then leaves their rules (and counters) alone, and a full sync at 10,000 services costs the save and
-the shared chains instead of 430,000 lines (35 s on the nf_tables flavour, where each payload re-fetches the table).
+the shared chains instead of every line (on the nf_tables flavour each payload re-fetches the table).
 
 The comparison is on a canonical form of each rule, so ``iptables-save``'s spelling (``-s 1.2.3.4/32``, options in
 its own order, ``--mask 255.255.255.255 --rsource`` defaults, 11-digit probabilities, quoted comments) equals
@@ -15,9 +15,14 @@ holds for every packet that reached the chain).
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kproxy.model import ServicePortName
+from kproxy.toolkit.verify import Findings
 
 from . import render
 
@@ -96,8 +101,8 @@ def canonical(line: str) -> tuple[str, Canon]:
 
 def kernel_service_chains(save_text: str) -> dict[str, list[str]]:
     """Service chains of an ``iptables-save -t nat`` text: chain -> its rule lines, in order, as saved. They are
-    canonicalised only when compared (``unchanged``), one service at a time: 320,000 rules at 10,000 services take
-    ~40 MB as lines and several hundred MB as canonical tuples held all at once."""
+    canonicalised only when compared (``unchanged``), one service at a time: canonical tuples of a whole table held
+    all at once take many times the memory of its lines."""
     out: dict[str, list[str]] = {}
     for line in save_text.splitlines():
         if line.startswith(":"):
@@ -130,3 +135,87 @@ def unchanged(frag: render.Fragment, kernel: Mapping[str, Sequence[str | Canon]]
         if [canonical(x)[1] if isinstance(x, str) else x for x in held] != rules:
             return False
     return True
+
+
+@dataclass(slots=True)
+class Adoption:
+    """What a full batch read from the kernel before writing: the nat table's service chains (canonical rules), the
+    jump rules present in the built-in chains ("table/-A CHAIN spec"), how many nat rules there are; or the error."""
+
+    chains: dict[str, list[str]] = field(default_factory=dict)
+    jumps: set[str] = field(default_factory=set)
+    rules: int = 0
+    error: str | None = None
+
+
+# ------------------------------------------------------------------------------------------ verify
+
+
+@dataclass(slots=True)
+class KernelRules:
+    """What ``verify`` read: the rules of kproxy's chains ("table/CHAIN" -> canonical rules, in order)."""
+
+    ctx: render.Context
+    rules: dict[str, list[Canon]]
+    error: str | None = None
+    sets: dict[str, set[Canon]] = field(default_factory=dict)  # the shared chains' rules as sets, on demand
+
+
+def spell(key: str, canon: Canon) -> str:
+    """A canonical rule back in iptables words (for messages)."""
+    words = [f"-A {key.split('/', 1)[1]}"]
+    for neg, opt, vals in canon:
+        words.append(("! " if neg else "") + " ".join((opt, *vals)))
+    return " ".join(words)
+
+
+def verify_service(view: KernelRules, fragment: render.Fragment) -> str | None:
+    """The service's own nat chains rule for rule, and each of its lines in the shared chains."""
+    f = Findings()
+    own: dict[str, list[Canon]] = {c: [] for c in fragment.chains}
+    for line in fragment.rules:
+        chain, canon = canonical(line)
+        own.setdefault(chain, []).append(canon)
+    for chain, wanted in own.items():
+        held = view.rules.get(f"nat/{chain}")
+        if held is None:
+            f.problems.append(f"chain nat/{chain} missing")
+            continue
+        f.found += 1
+        if held != wanted:
+            f.problems.append(f"chain nat/{chain}: {len(held)} rules, {len(wanted)} wanted, or in another form")
+    for key, lines in fragment.top.items():
+        held_lines = view.sets.get(key)
+        if held_lines is None:
+            held_lines = view.sets[key] = set(view.rules.get(key, []))
+        for line in lines:
+            if canonical(line)[1] in held_lines:
+                f.found += 1
+            else:
+                f.problems.append(f"rule missing in {key}: {line}")
+    return f.verdict()
+
+
+def verify_extra(view: KernelRules, wanted: Mapping[ServicePortName, render.Fragment]) -> list[str]:
+    """Service chains no wanted service owns, and lines in the shared chains no wanted service (or the fixed
+    part) accounts for."""
+    chains = {f"nat/{c}" for f in wanted.values() for c in f.chains}
+    out = [
+        f"{key}: a service chain no service owns"
+        for key in view.rules
+        if key.startswith("nat/") and render.is_service_chain(key[4:]) and key not in chains
+    ]
+    expected: dict[str, list[Canon]] = {}
+    for key, (head, tail) in render.render_fixed(view.ctx).items():
+        expected.setdefault(key, []).extend(canonical(line)[1] for line in (*head, *tail))
+    for frag in wanted.values():
+        for key, lines in frag.top.items():
+            expected.setdefault(key, []).extend(canonical(line)[1] for line in lines)
+    for key in render.ALL_TOP:
+        left = collections.Counter(expected.get(key, []))
+        for canon in view.rules.get(key, []):
+            if left[canon] > 0:
+                left[canon] -= 1
+            else:
+                out.append(f"{key}: a rule no service accounts for: {spell(key, canon)}")
+    return out

@@ -7,14 +7,24 @@ namespace they made. The daemon uses neither: it runs in the node's namespace, a
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import subprocess
 import threading
 import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kproxy.model import IPFamily
+
+from .adopt import Adoption, Canon, KernelRules, canonical, kernel_service_chains
+from .layout import JUMP_RULES, Context, JumpRule
+from .restore import Restore
+
+log = logging.getLogger(__name__)
 
 FLAVOURS = ("nft", "legacy")
 TABLES = ("mangle", "filter", "nat")
@@ -192,3 +202,186 @@ def detect_flavour(netns: str | None = None) -> str:
     if stats["nft"][1]:
         return "nft"
     return "legacy" if stats["legacy"][0] > stats["nft"][0] else "nft"
+
+
+# ------------------------------------------------------------------------------------------ reading kproxy's rules
+
+
+def filter_builtin_rules(kernel: Kernel, fam: IPFamily) -> tuple[set[str], str | None]:
+    """The rules of filter's INPUT, FORWARD and OUTPUT ("filter/-A CHAIN spec"), one ``iptables -S`` per chain:
+    filter is small on both flavours (on legacy every -S reads the whole table, so nat is read by one save)."""
+    present: set[str] = set()
+    for chain in ("INPUT", "FORWARD", "OUTPUT"):
+        res = kernel.list_chain(fam, "filter", chain)
+        if not res.ok:
+            return present, f"{binary('', fam, kernel.flavour)} -t filter -S {chain}: {res.stderr.strip()}"
+        present.update(f"filter/{line}" for line in res.stdout.splitlines() if line.startswith("-A "))
+    return present, None
+
+
+def read_adoption(kernel: Kernel, family: IPFamily) -> Adoption:
+    """The nat table's service chains (canonical, for adoption), the jumps present in the built-in chains and the nat
+    table's rule count, read once per full batch. The nat jumps come with the nat table's save (on the legacy flavour
+    every ``-S`` reads the whole table)."""
+    jumps, err = filter_builtin_rules(kernel, family)
+    if err:
+        return Adoption(error=err)
+    res = kernel.save(family, "nat")
+    if not res.ok:
+        return Adoption(error=f"{binary('save', family, kernel.flavour)} -t nat: {res.stderr.strip()}")
+    builtin = ("-A PREROUTING ", "-A OUTPUT ", "-A POSTROUTING ")
+    jumps.update(f"nat/{line}" for line in res.stdout.splitlines() if line.startswith(builtin))
+    return Adoption(kernel_service_chains(res.stdout), jumps, res.stdout.count("\n-A "))
+
+
+def read_rules(kernel: Kernel, family: IPFamily, ctx: Context) -> KernelRules:
+    """Every rule of kproxy's chains in nat and filter, read now with ``iptables-save`` (canonical), for ``verify``."""
+    rules: dict[str, list[Canon]] = {}
+    for table in ("nat", "filter"):
+        res = kernel.save(family, table)
+        if not res.ok:
+            return KernelRules(ctx, {}, f"{binary('save', family, kernel.flavour)} -t {table}: {res.stderr}")
+        for line in res.stdout.splitlines():
+            if line.startswith(":KUBE-"):
+                rules.setdefault(f"{table}/{line[1:].split(' ', 1)[0]}", [])
+            elif line.startswith("-A KUBE-"):
+                chain, canon = canonical(line)
+                rules.setdefault(f"{table}/{chain}", []).append(canon)
+    return KernelRules(ctx, rules)
+
+
+# ------------------------------------------------------------------------------------------ applying payloads
+
+LINE = re.compile(r"line:? (\d+)")
+
+
+TABLE_LINE = re.compile(r"^\*(\w+)$", re.M)
+
+
+def apply_overlapped(
+    kernel: Kernel, fam: IPFamily, restores: Iterable[Restore]
+) -> Iterator[tuple[Restore, Run, float]]:
+    """Apply payloads in order, one at a time, each in a worker thread while the next is taken from ``restores``
+    (rendered, when it is a generator): yields (payload, result, seconds spent taking the next payload) as each
+    one finishes. The caller stops at the first refusal; the payload rendered meanwhile is never applied.
+
+    ``iptables-restore`` runs in its own process (the kernel's work is in its system calls), so on two cores the
+    rendering of chunk N+1 in Python costs no wall time while chunk N is applied."""
+    it = iter(restores)
+
+    def take() -> tuple[Restore | None, float]:
+        t0 = time.perf_counter()
+        for r in it:
+            if r.text:
+                return r, time.perf_counter() - t0
+        return None, time.perf_counter() - t0
+
+    cur, spent = take()
+    if cur is None:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="iptables-restore") as pool:
+        while cur is not None:
+            fut = pool.submit(kernel.restore, fam, cur.text)
+            nxt, more = take()
+            res = fut.result()
+            yield cur, res, spent
+            if not res.ok:
+                return
+            cur, spent = nxt, more
+
+
+def deletes_at(text: str, line: int) -> bool:
+    """Whether the payload's refused line (1-based) is a chain deletion (``-X``), as both flavours report a chain
+    that something still jumps to."""
+    lines = text.splitlines()
+    return 0 < line <= len(lines) and lines[line - 1].startswith("-X ")
+
+
+def timed_restores(kernel: Kernel, payloads: Mapping[IPFamily, list[str]], what: str) -> float | None:
+    """Seconds ``iptables-restore`` took for every payload, in order; None (logged) when one is refused."""
+    total = 0.0
+    for fam, texts in payloads.items():
+        for text in texts:
+            res = kernel.restore(fam, text)
+            if not res.ok:
+                log.warning("%s failed: %s", what, res.stderr.strip())
+                return None
+            total += res.seconds
+    return total
+
+
+def replayable(text: str) -> str:
+    """A restore payload without its chain deletions (``-X``, which cannot be repeated) and without the declarations
+    (``:CHAIN``) that flushed those chains before, which would create them again."""
+    lines = text.splitlines(keepends=True)
+    gone = {f":{line[3:].strip()} " for line in lines if line.startswith("-X ")}
+    return "".join(line for line in lines if not line.startswith("-X ") and line[: line.find(" ") + 1] not in gone)
+
+
+def jump_text(jumps: list[JumpRule], op: str) -> str:
+    """A restore payload deleting (``-D``) or inserting at the top (``-I``, in the order a full sync does) jumps."""
+    lines: list[str] = []
+    for table in ("filter", "nat"):
+        mine = [j for j in jumps if j.table == table]
+        if mine:
+            pos = " 1" if op == "-I" else ""
+            lines += [f"*{table}", *(f"{op} {j.chain}{pos} {j.spec}" for j in mine), "COMMIT"]
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def summarise(stderr: str, text: str) -> str:
+    """The first line of iptables-restore's complaint plus the payload line it names."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not ln.startswith("Try `")]
+    summary = "; ".join(lines[:3]) or "iptables-restore failed"
+    m = LINE.search(stderr)
+    if m:
+        n = int(m.group(1))
+        payload = text.split("\n")
+        if 1 <= n <= len(payload):
+            summary += f" [line {n}: {payload[n - 1][:300]}]"
+    return summary
+
+
+# ------------------------------------------------------------------------------------------ the bench's floors
+
+
+def namespace_floor(flavour: str, payloads: Mapping[IPFamily, list[str]]) -> float | None:
+    """Seconds ``iptables-restore`` takes for ``payloads`` into a fresh namespace of its own (``kpb-…``), deleted
+    afterwards; None without ``ip`` or when a payload is refused."""
+    if shutil.which("ip") is None:
+        return None
+    ns = "kpb-" + uuid.uuid4().hex[:10]
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
+    try:
+        return timed_restores(Kernel(flavour, ns), payloads, "floor restore")
+    finally:
+        subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True, timeout=30)
+
+
+def unhooked_floor(k: Kernel, payloads: Mapping[IPFamily, list[str]]) -> tuple[float | None, list[IPFamily]]:
+    """The replay of ``payloads`` with the jumps from the built-in chains into the tables they write deleted first
+    and inserted again afterwards: (seconds or None, the families whose jumps could not be inserted again)."""
+    tables = {fam: {m.group(1) for t in texts for m in TABLE_LINE.finditer(t)} for fam, texts in payloads.items()}
+    jumps = {fam: [j for j in JUMP_RULES if j.table in tables[fam]] for fam in payloads}
+    unhooked: dict[IPFamily, list[JumpRule]] = {}
+    seconds: float | None = None
+    lost: list[IPFamily] = []
+    try:
+        for fam, js in jumps.items():
+            for table in ("filter", "nat"):  # one restore per table: each is deleted whole or not at all
+                mine = [j for j in js if j.table == table]
+                if not mine:
+                    continue
+                res = k.restore(fam, jump_text(mine, "-D"))
+                if not res.ok:
+                    log.warning("partial floor: could not unhook: %s", res.stderr.strip())
+                    return None, lost
+                unhooked.setdefault(fam, []).extend(mine)
+        seconds = timed_restores(k, payloads, "partial floor replay without the jumps")
+    finally:
+        for fam, js in unhooked.items():
+            res = k.restore(fam, jump_text(js, "-I"))
+            if not res.ok:
+                log.error("partial floor: could not insert the jumps again: %s", res.stderr.strip())
+                lost.append(fam)
+    return seconds, lost

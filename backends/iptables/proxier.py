@@ -19,15 +19,10 @@ committed; a refused stale-chain deletion (another program's chain still jumps t
 
 from __future__ import annotations
 
-import collections
 import logging
-import re
-import shutil
 import subprocess
 import time
-import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -37,18 +32,20 @@ from prometheus_client import Counter, Gauge
 from kproxy.backend import LedgerProxier
 from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
+from kproxy.counters import CounterDump
 from kproxy.drift import Drift
 from kproxy.metrics import PREFIX
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext
-from kproxy.proxier import Availability, BackendError, KernelProbe, Option
+from kproxy.proxier import Availability, KernelProbe, Option
 from kproxy.toolkit.trace import traced
-from kproxy.toolkit.verify import Findings
 
-from . import adopt, render
+from . import adopt, kernel, render
 from . import cleanup as cleanup_mod
+from . import counters as counters_mod
 from . import trace as trace_mod
-from .kernel import FLAVOURS, TABLES, Kernel, Run, binary, detect_flavour, missing_binaries
+from .adopt import Adoption, KernelRules
+from .kernel import FLAVOURS, TABLES, Kernel, binary, detect_flavour, missing_binaries
 from .render import Context, Fragment, JumpRule, Restore
 
 log = logging.getLogger(__name__)
@@ -58,18 +55,6 @@ CHUNK_LINES = 3000  # lines per payload on the nf_tables flavour (see render.bui
 # Upstream's monitor polls mangle (small, cheap). The nf_tables flavour looks one chain up by name, so nat (the table
 # a flush hurts) is cheap to check too; the legacy flavour reads a whole table per check (1 s for nat at 10k services).
 CANARY_TABLES = {"nft": ("mangle", "nat"), "legacy": ("mangle",)}
-_LINE = re.compile(r"line:? (\d+)")
-
-
-@dataclass(slots=True)
-class Adoption:
-    """What a full batch read from the kernel before writing: the nat table's service chains (canonical rules), the
-    jump rules present in the built-in chains ("table/-A CHAIN spec"), how many nat rules there are; or the error."""
-
-    chains: dict[str, list[str]] = field(default_factory=dict)
-    jumps: set[str] = field(default_factory=set)
-    rules: int = 0
-    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -94,16 +79,44 @@ class _Scratch:
     keep_stale: bool = False  # a stale-chain deletion was refused: keep them this sync
 
 
+@dataclass(slots=True)
+class _Plan:
+    """One round's decisions (``IptablesProxier._plan``), kept across its tries."""
+
+    write: list[ServicePortName] | None  # services whose own chains are written (None: all)
+    top: set[str] | None  # shared chains to rewrite (None: all)
+    stale: set[str]  # chains to delete
+    kernel_rules: int  # rules already in the kernel (the chunk size follows)
+    jumps: list[JumpRule] = field(default_factory=list)
+    chunk: int | None = None
+    names: list[ServicePortName] = field(default_factory=list)
+    stream: bool = False
+    refusals: int = 0  # restores the kernel refused in this apply
+    rules_written: dict[str, int] = field(default_factory=lambda: {"filter": 0, "nat": 0})
+
+
+@dataclass(slots=True)
+class _Round:
+    """One try of a round: the payloads applied, and the refused one (``error`` None: all applied)."""
+
+    payloads: list[str] = field(default_factory=list)
+    error: str | None = None
+    refused: Restore | None = None
+    bad: ServicePortName | None = None
+    line: int = 0
+
+
 IptBatch = Batch[Fragment, Context, Adoption, _Scratch]
 
 
-class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules", _Scratch]):
+class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _Scratch]):
     """Upstream kube-proxy's iptables layout, applied through iptables-restore (nf_tables or legacy flavour)."""
 
     mode: ClassVar[str] = "iptables"
     CHECK_INTERVAL_S: ClassVar[float | None] = None  # the canary, once per sync period (as upstream)
     # iptables-nft's tables announce their changes (shared tables: the KUBE- chains are this mode's)
     DRIFT: ClassVar[Drift | None] = Drift(frozenset(TABLES), chains=("KUBE-",))
+    counters_offered = counters_mod.OFFERED  # connections: a nat rule never sees a connection's later packets
     options: ClassVar[tuple[Option, ...]] = (
         Option(
             "iptables_flavour",
@@ -149,13 +162,11 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
 
     @classmethod
     def remnants(cls, probe: KernelProbe) -> list[str]:
-        found: list[str] = _inspect().remnants(probe)
-        return found
+        return cleanup_mod.remnants(probe)
 
     @classmethod
     def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
-        view: dict[str, list[str]] = _inspect().kernel_view(probe, family)
-        return view
+        return cleanup_mod.kernel_view(probe, family)
 
     def register_metrics(self, registry: Any, families: Sequence[IPFamily]) -> None:
         """Upstream's iptables-mode metrics (``pkg/proxy/metrics``: registered for this mode only)."""
@@ -210,6 +221,11 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
             if not full:
                 self._metrics["partial_failures"].labels(label).inc(times)
 
+    def counters(self, family: IPFamily) -> CounterDump | None:
+        """New connections per service port and endpoint from the nat table's DNAT rule counters (``counters.py``);
+        no packets or bytes: a connection's later packets never reach a nat rule."""
+        return counters_mod.read(self, family) if self.config.service_counters else None
+
     # ------------------------------------------------------------------------------------------ the kernel
 
     @property
@@ -259,35 +275,38 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
         return True
 
     def adopt(self, family: IPFamily, ctx: Context) -> Adoption:
-        """The nat table's service chains (canonical, for adoption), the jumps present in the built-in chains and
-        the nat table's rule count, read once per full batch."""
-        kernel = self.kernel
-        # the nat jumps come with the nat table's save (on the legacy flavour every -S reads the whole table, 1 s for
-        # nat at 10,000 services)
-        jumps, err = self._filter_builtin_rules(family)
-        if err:
-            return Adoption(error=err)
-        res = kernel.save(family, "nat")
-        if not res.ok:
-            return Adoption(error=f"{binary('save', family, kernel.flavour)} -t nat: {res.stderr.strip()}")
-        builtin = ("-A PREROUTING ", "-A OUTPUT ", "-A POSTROUTING ")
-        jumps.update(f"nat/{line}" for line in res.stdout.splitlines() if line.startswith(builtin))
-        return Adoption(adopt.kernel_service_chains(res.stdout), jumps, res.stdout.count("\n-A "))
+        return kernel.read_adoption(self.kernel, family)
 
     def adopted_unchanged(self, adopted: Adoption, name: ServicePortName, fragment: Fragment) -> bool:
         return bool(adopted.chains) and adopt.unchanged(fragment, adopted.chains)
 
     def apply(self, batch: IptBatch) -> Applied:
         """One round for one family: the payloads for ``batch``, applied in order; the first refused line's service
-        is reported refused (the ledger retries without it)."""
+        is reported refused (the ledger retries without it). A refused stale-chain deletion is retried once without
+        deletions, within the round."""
         if batch.scratch is None:
             batch.scratch = _Scratch()
-        fam, ctx, sc = batch.family, batch.context, batch.scratch
-        kernel = self.kernel
-        timings = {"build": 0.0, "apply": 0.0, "save": 0.0, "canary": self._canary_s.pop(fam, 0.0)}
-        refusals = 0  # restores the kernel refused in this apply
         frags = dict(batch.wanted)
-        written, created, tops_tried = sc.written, sc.created, sc.tops
+        timings = {"build": 0.0, "apply": 0.0, "save": 0.0, "canary": self._canary_s.pop(batch.family, 0.0)}
+        plan = self._plan(batch, frags)
+        if isinstance(plan, Applied):
+            return plan
+        for _try in range(MAX_DELETION_RETRIES + 1):
+            done = self._round(batch, plan, frags, timings)
+            if done.error is None:
+                return self._applied(batch, frags, done.payloads, plan.rules_written, plan.refusals, timings)
+            failed = self._after_refusal(batch, plan, done, timings)
+            if failed is not None:
+                return failed
+        return Applied(
+            ok=False, error="a stale-chain deletion was refused again", kernel_refusals=plan.refusals, timings=timings
+        )
+
+    def _plan(self, batch: IptBatch, frags: dict[ServicePortName, Fragment]) -> _Plan | Applied:
+        """What the round writes: the services whose chains are written (None: all), the shared chains (None: all),
+        the stale chains to delete, the jumps to insert, the payload size."""
+        sc = batch.scratch
+        assert sc is not None
         if batch.full:
             adoption = batch.adopted or Adoption()
             if adoption.error:
@@ -297,119 +316,127 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
             # services an earlier round committed differ from the adoption read: they are written again
             write: list[ServicePortName] | None = [
                 *batch.written,
-                *(spn for spn in written if spn in frags and spn not in batch.written),
+                *(spn for spn in sc.written if spn in frags and spn not in batch.written),
             ]
             if not adoption.chains:
                 write = None  # nothing of ours in the kernel: everything
-            top: set[str] | None = None
             wanted_chains = {c for f in frags.values() for c in f.chains}
-            stale = {c for c in set(adoption.chains) | created if c not in wanted_chains}
-            kernel_rules = adoption.rules
+            stale = {c for c in set(adoption.chains) | sc.created if c not in wanted_chains}
+            plan = _Plan(write, None, stale, adoption.rules)
         else:
             if sc.jumps is None:
                 sc.jumps = []
             updates = {d.name: d.new_fragment for d in batch.deltas}
-            write = [spn for spn, f in updates.items() if f is not None]
-            top = render.changed_top_chains(batch.applied, updates) | tops_tried
+            top = render.changed_top_chains(batch.applied, updates) | sc.tops
             old = {c for d in batch.deltas if d.old_fragment is not None for c in d.old_fragment.chains}
             wanted_chains = {c for spn in updates if spn in frags for c in frags[spn].chains}
-            stale = (old | created) - wanted_chains
             kernel_rules = sum(len(f.rules) for f in batch.applied.values())
-        jumps: list[JumpRule] = sc.jumps or []
-        chunk = _chunk_lines(kernel_rules) if kernel.flavour == "nft" else None
-        names = list(frags) if write is None else write
+            write = [spn for spn, f in updates.items() if f is not None]
+            plan = _Plan(write, top, (old | sc.created) - wanted_chains, kernel_rules)
+        plan.jumps = sc.jumps or []
+        plan.chunk = _chunk_lines(plan.kernel_rules) if self.kernel.flavour == "nft" else None
+        plan.names = list(frags) if plan.write is None else plan.write
         # a big full sync on nf_tables streams its chunks (see render.stream_restores)
-        size = 3 * (len(frags) + self._endpoint_count(batch.state, fam))
-        stream = batch.full and chunk is not None and size > 2 * chunk
-        payloads: list[str] = []
-        rules_written = {"filter": 0, "nat": 0}
-        for _try in range(MAX_DELETION_RETRIES + 1):
-            if sc.keep_stale:
-                stale = set()
-            b0 = time.perf_counter()
-            created.update(c for spn in names for c in frags[spn].chains)
-            restores: Iterable[Restore]
-            if stream:
-                # a big full sync: whole services per chunk, the shared chains last, as each chunk is built (the
-                # same payloads as build_restores makes for a change bigger than a chunk)
-                writing = set(names)
-                restores = render.stream_restores(
-                    ctx,
-                    ((spn, f, spn in writing) for spn, f in frags.items()),
-                    top=top,
-                    delete_chains=lambda gone=stale: gone,  # type: ignore[misc]
-                    jump_rules=jumps,
-                    canary=True,
-                    chunk_lines=chunk or 0,
-                )
-            else:
-                restores = render.build_restores(
-                    ctx,
-                    frags,
-                    write=write,
-                    top=top,
-                    delete_chains=stale,
-                    jump_rules=jumps,
-                    canary=batch.full,
-                    chunk_lines=chunk,
-                )
-            timings["build"] += time.perf_counter() - b0
-            payloads = []
-            error: str | None = None
-            refused: Restore | None = None
-            bad: ServicePortName | None = None
-            line = 0
-            for restore, res, building in _apply_overlapped(kernel, fam, restores):
-                timings["build"] += building
-                timings["apply"] += res.seconds
-                payloads.append(restore.text)
-                if res.ok:
-                    for t, n in restore.rules.items():
-                        rules_written[t] += n
-                    written.update(spn for _, _, spn in restore.owners)
-                    continue
-                error = _summarise(res.stderr, restore.text)
-                refusals += 1
-                m = _LINE.search(res.stderr)
-                line = int(m.group(1)) if m else 0
-                bad = restore.owner_of(line) if line else None
-                refused = restore
-                break
-            if error is None:
-                return self._applied(batch, frags, payloads, rules_written, refusals, timings)
-            self._written[fam].payloads, self._written[fam].was_full = payloads, batch.full
-            deletion_refused = (
-                bad is None and not sc.keep_stale and refused is not None and _deletes_at(refused.text, line)
+        size = 3 * (len(frags) + self._endpoint_count(batch.state, batch.family))
+        plan.stream = batch.full and plan.chunk is not None and size > 2 * plan.chunk
+        return plan
+
+    def _restores(self, batch: IptBatch, plan: _Plan, frags: dict[ServicePortName, Fragment]) -> Iterable[Restore]:
+        if plan.stream:
+            # a big full sync: whole services per chunk, the shared chains last, as each chunk is built (the same
+            # payloads as build_restores makes for a change bigger than a chunk)
+            writing = set(plan.names)
+            return render.stream_restores(
+                batch.context,
+                ((spn, f, spn in writing) for spn, f in frags.items()),
+                top=plan.top,
+                delete_chains=lambda gone=plan.stale: gone,  # type: ignore[misc]
+                jump_rules=plan.jumps,
+                canary=True,
+                chunk_lines=plan.chunk or 0,
             )
-            if (deletion_refused or bad is not None) and any(j.table == "filter" for j in jumps):
-                # the refused payload's filter part (with its jumps) may have committed before its nat part was
-                # refused: insert only what is still missing (nat, always last, never committed)
-                s0 = time.perf_counter()
-                jumps, err = self._without_present_filter_jumps(fam, jumps)
-                timings["save"] += time.perf_counter() - s0
-                sc.jumps = jumps
-                if err:
-                    return Applied(ok=False, error=f"{error}; then {err}", kernel_refusals=refusals, timings=timings)
-            if top is not None:
-                tops_tried.update(top)
-            if deletion_refused:
-                # no service's line: most likely a chain deletion, refused because another program's chain still
-                # jumps to it (a pre-1.24 KUBE-XLB- chain is swept, others are not ours); without this the same
-                # payload would be refused at every sync and the family never programmed again
-                log.warning("iptables-restore refused the payload (%s): retrying without deleting stale chains", error)
-                sc.keep_stale = True
-                if batch.full and write is not None:
-                    write = [*write, *(spn for spn in written if spn in frags and spn not in write)]
-                    names = write
-                continue
-            if bad is None:
-                return Applied(ok=False, error=error, kernel_refusals=refusals, timings=timings)
-            return Applied(
-                ok=False, refused=MappingProxyType({bad: error}), error=error, kernel_refusals=refusals, timings=timings
-            )
-        return Applied(
-            ok=False, error="a stale-chain deletion was refused again", kernel_refusals=refusals, timings=timings
+        return render.build_restores(
+            batch.context,
+            frags,
+            write=plan.write,
+            top=plan.top,
+            delete_chains=plan.stale,
+            jump_rules=plan.jumps,
+            canary=batch.full,
+            chunk_lines=plan.chunk,
         )
+
+    def _round(
+        self, batch: IptBatch, plan: _Plan, frags: dict[ServicePortName, Fragment], timings: dict[str, float]
+    ) -> _Round:
+        """The payloads of one try, applied until the first refusal."""
+        sc = batch.scratch
+        assert sc is not None
+        if sc.keep_stale:
+            plan.stale = set()
+        b0 = time.perf_counter()
+        sc.created.update(c for spn in plan.names for c in frags[spn].chains)
+        restores = self._restores(batch, plan, frags)
+        timings["build"] += time.perf_counter() - b0
+        done = _Round()
+        for restore, res, building in kernel.apply_overlapped(self.kernel, batch.family, restores):
+            timings["build"] += building
+            timings["apply"] += res.seconds
+            done.payloads.append(restore.text)
+            if res.ok:
+                for t, n in restore.rules.items():
+                    plan.rules_written[t] += n
+                sc.written.update(spn for _, _, spn in restore.owners)
+                continue
+            done.error = kernel.summarise(res.stderr, restore.text)
+            plan.refusals += 1
+            m = kernel.LINE.search(res.stderr)
+            done.line = int(m.group(1)) if m else 0
+            done.bad = restore.owner_of(done.line) if done.line else None
+            done.refused = restore
+            break
+        return done
+
+    def _after_refusal(self, batch: IptBatch, plan: _Plan, done: _Round, timings: dict[str, float]) -> Applied | None:
+        """What a refused payload means: a service to report, a stale-chain deletion to retry without (None: try
+        again), or a failed family."""
+        fam, sc, error = batch.family, batch.scratch, done.error or ""
+        assert sc is not None
+        self._written[fam].payloads, self._written[fam].was_full = done.payloads, batch.full
+        deletion_refused = (
+            done.bad is None
+            and not sc.keep_stale
+            and done.refused is not None
+            and kernel.deletes_at(done.refused.text, done.line)
+        )
+        if (deletion_refused or done.bad is not None) and any(j.table == "filter" for j in plan.jumps):
+            # the refused payload's filter part (with its jumps) may have committed before its nat part was
+            # refused: insert only what is still missing (nat, always last, never committed)
+            s0 = time.perf_counter()
+            plan.jumps, err = self._without_present_filter_jumps(fam, plan.jumps)
+            timings["save"] += time.perf_counter() - s0
+            sc.jumps = plan.jumps
+            if err:
+                return Applied(ok=False, error=f"{error}; then {err}", kernel_refusals=plan.refusals, timings=timings)
+        if plan.top is not None:
+            sc.tops.update(plan.top)
+        if deletion_refused:
+            # no service's line: most likely a chain deletion, refused because another program's chain still
+            # jumps to it (a pre-1.24 KUBE-XLB- chain is swept, others are not ours); without this the same
+            # payload would be refused at every sync and the family never programmed again
+            log.warning("iptables-restore refused the payload (%s): retrying without deleting stale chains", error)
+            sc.keep_stale = True
+            if batch.full and plan.write is not None:
+                plan.write = [
+                    *plan.write,
+                    *(spn for spn in sc.written if spn in batch.wanted and spn not in plan.write),
+                ]
+                plan.names = plan.write
+            return None
+        if done.bad is None:
+            return Applied(ok=False, error=error, kernel_refusals=plan.refusals, timings=timings)
+        refused = MappingProxyType({done.bad: error})
+        return Applied(ok=False, refused=refused, error=error, kernel_refusals=plan.refusals, timings=timings)
 
     def _applied(
         self,
@@ -437,76 +464,17 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
 
     # ------------------------------------------------------------------------------------------ verify
 
-    def verify_view(self, family: IPFamily, ctx: Context) -> _KernelRules:
-        """Every rule of kproxy's chains in nat and filter, read now with ``iptables-save`` (canonical)."""
-        kernel = self.kernel
-        rules: dict[str, list[adopt.Canon]] = {}
-        for table in ("nat", "filter"):
-            res = kernel.save(family, table)
-            if not res.ok:
-                return _KernelRules(ctx, {}, f"{binary('save', family, kernel.flavour)} -t {table}: {res.stderr}")
-            for line in res.stdout.splitlines():
-                if line.startswith(":KUBE-"):
-                    rules.setdefault(f"{table}/{line[1:].split(' ', 1)[0]}", [])
-                elif line.startswith("-A KUBE-"):
-                    chain, canon = adopt.canonical(line)
-                    rules.setdefault(f"{table}/{chain}", []).append(canon)
-        return _KernelRules(ctx, rules)
+    def verify_view(self, family: IPFamily, ctx: Context) -> KernelRules:
+        return kernel.read_rules(self.kernel, family, ctx)
 
-    def verify_error(self, view: _KernelRules) -> str | None:
+    def verify_error(self, view: KernelRules) -> str | None:
         return view.error
 
-    def verify_service(self, view: _KernelRules, name: ServicePortName, fragment: Fragment) -> str | None:
-        """The service's own nat chains rule for rule, and each of its lines in the shared chains."""
-        assert isinstance(view, _KernelRules)
-        f = Findings()
-        own: dict[str, list[adopt.Canon]] = {c: [] for c in fragment.chains}
-        for line in fragment.rules:
-            chain, canon = adopt.canonical(line)
-            own.setdefault(chain, []).append(canon)
-        for chain, wanted in own.items():
-            held = view.rules.get(f"nat/{chain}")
-            if held is None:
-                f.problems.append(f"chain nat/{chain} missing")
-                continue
-            f.found += 1
-            if held != wanted:
-                f.problems.append(f"chain nat/{chain}: {len(held)} rules, {len(wanted)} wanted, or in another form")
-        for key, lines in fragment.top.items():
-            held_lines = view.sets.get(key)
-            if held_lines is None:
-                held_lines = view.sets[key] = set(view.rules.get(key, []))
-            for line in lines:
-                if adopt.canonical(line)[1] in held_lines:
-                    f.found += 1
-                else:
-                    f.problems.append(f"rule missing in {key}: {line}")
-        return f.verdict()
+    def verify_service(self, view: KernelRules, name: ServicePortName, fragment: Fragment) -> str | None:
+        return adopt.verify_service(view, fragment)
 
-    def verify_extra(self, view: _KernelRules, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
-        """Service chains no wanted service owns, and lines in the shared chains no wanted service (or the fixed
-        part) accounts for."""
-        assert isinstance(view, _KernelRules)
-        chains = {f"nat/{c}" for f in wanted.values() for c in f.chains}
-        out = [
-            f"{key}: a service chain no service owns"
-            for key in view.rules
-            if key.startswith("nat/") and render.is_service_chain(key[4:]) and key not in chains
-        ]
-        expected: dict[str, list[adopt.Canon]] = {}
-        for key, (head, tail) in render.render_fixed(view.ctx).items():
-            expected.setdefault(key, []).extend(adopt.canonical(line)[1] for line in (*head, *tail))
-        for frag in wanted.values():
-            for key, lines in frag.top.items():
-                expected.setdefault(key, []).extend(adopt.canonical(line)[1] for line in lines)
-        for key in render.ALL_TOP:
-            left = collections.Counter(expected.get(key, []))
-            for canon in view.rules.get(key, []):
-                if left[canon] > 0:
-                    left[canon] -= 1
-                else:
-                    out.append(f"{key}: a rule no service accounts for: {_spell(key, canon)}")
-        return out
+    def verify_extra(self, view: KernelRules, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
+        return adopt.verify_extra(view, wanted)
 
     # ------------------------------------------------------------------------------------------ describe, trace
 
@@ -529,7 +497,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
 
     def measure_floor(self) -> float | None:
         """Seconds ``iptables-restore`` (same flavour, same flags) takes for the last full sync's exact payloads in a
-        fresh namespace of its own (prefix ``kpb-``), deleted afterwards."""
+        fresh namespace of its own, deleted afterwards (``kernel.namespace_floor``)."""
         flavour = self.kernel.flavour
         chunk = _chunk_lines(0) if flavour == "nft" else None
         payloads = {
@@ -549,14 +517,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
             for fam, w in self._written.items()
             if w.full is not None
         }
-        if not payloads or shutil.which("ip") is None:
-            return None
-        ns = "kpb-" + uuid.uuid4().hex[:10]
-        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
-        try:
-            return _timed_restores(Kernel(flavour, ns), payloads, "floor restore")
-        finally:
-            subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True, timeout=30)
+        return kernel.namespace_floor(flavour, payloads) if payloads else None
 
     def measure_partial_floor(self) -> dict[str, float] | None:
         """Replay the last partial sync's payloads with ``iptables-restore`` (same flavour, same flags) into the table
@@ -564,48 +525,30 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
         additions, so ``floor_s`` is what the kernel and the restore tool alone take for that change.
 
         On the nf_tables flavour it then measures the same replay once more with the jumps from the built-in chains
-        into kproxy's chains (``render.JUMP_RULES`` of the tables the payload writes) deleted, and inserts them again:
-        ``unhooked_s``. nf_tables validates every rule reachable from a base chain on each commit that adds a rule
-        (``nf_tables_validate`` at commit), so the gap between the two is that walk over the whole service table,
-        which no payload shape avoids. Benchmarks only: the node's services are unhooked for the moment it takes."""
+        into kproxy's chains deleted (``unhooked_s``, ``kernel.unhooked_floor``): nf_tables validates every rule
+        reachable from a base chain on each commit that adds a rule (``nf_tables_validate`` at commit), so the gap
+        between the two is that walk over the whole service table, which no payload shape avoids. Benchmarks only:
+        the node's services are unhooked for the moment it takes."""
         if self._kernel is None:
             return None
         k = self._kernel
-        payloads = {fam: [_replayable(t) for t in w.payloads] for fam, w in self._written.items() if not w.was_full}
+        payloads = {
+            fam: [kernel.replayable(t) for t in w.payloads] for fam, w in self._written.items() if not w.was_full
+        }
         payloads = {fam: [t for t in texts if t] for fam, texts in payloads.items()}
         payloads = {fam: texts for fam, texts in payloads.items() if texts}
         if not payloads:
             return None
-
-        floor = _timed_restores(k, payloads, "partial floor replay")
+        floor = kernel.timed_restores(k, payloads, "partial floor replay")
         if floor is None:
             return None
         out = {"floor_s": floor}
-        if k.flavour != "nft":
-            return out
-        tables = {fam: {m.group(1) for t in texts for m in _TABLE.finditer(t)} for fam, texts in payloads.items()}
-        jumps = {fam: [j for j in render.JUMP_RULES if j.table in tables[fam]] for fam in payloads}
-        unhooked: dict[IPFamily, list[JumpRule]] = {}
-        try:
-            for fam, js in jumps.items():
-                for table in ("filter", "nat"):  # one restore per table: each is deleted whole or not at all
-                    mine = [j for j in js if j.table == table]
-                    if not mine:
-                        continue
-                    res = k.restore(fam, _jump_text(mine, "-D"))
-                    if not res.ok:
-                        log.warning("partial floor: could not unhook: %s", res.stderr.strip())
-                        return out
-                    unhooked.setdefault(fam, []).extend(mine)
-            seconds = _timed_restores(k, payloads, "partial floor replay without the jumps")
-            if seconds is not None:
-                out["unhooked_s"] = seconds
-        finally:
-            for fam, js in unhooked.items():
-                res = k.restore(fam, _jump_text(js, "-I"))
-                if not res.ok:  # the next full sync inserts missing jumps anyway
-                    log.error("partial floor: could not insert the jumps again: %s", res.stderr.strip())
-                    self.request_full(fam)
+        if k.flavour == "nft":
+            unhooked, lost = kernel.unhooked_floor(k, payloads)
+            if unhooked is not None:
+                out["unhooked_s"] = unhooked
+            for fam in lost:  # the next full sync inserts missing jumps anyway
+                self.request_full(fam)
         return out
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -630,140 +573,15 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, "_KernelRules",
 
     def _without_present_filter_jumps(self, fam: IPFamily, jumps: list[JumpRule]) -> tuple[list[JumpRule], str | None]:
         """``jumps`` without the filter ones the kernel holds now."""
-        present, err = self._filter_builtin_rules(fam)
+        present, err = kernel.filter_builtin_rules(self.kernel, fam)
         if err:
             return jumps, err
         return [j for j in jumps if j.table != "filter" or f"filter/-A {j.chain} {j.spec}" not in present], None
 
-    def _filter_builtin_rules(self, fam: IPFamily) -> tuple[set[str], str | None]:
-        """The rules of filter's INPUT, FORWARD and OUTPUT ("filter/-A CHAIN spec"), one ``iptables -S`` per chain:
-        filter is small on both flavours (on legacy every -S reads the whole table, so nat is read by one save)."""
-        kernel = self.kernel
-        present: set[str] = set()
-        for chain in ("INPUT", "FORWARD", "OUTPUT"):
-            res = kernel.list_chain(fam, "filter", chain)
-            if not res.ok:
-                return present, f"{binary('', fam, kernel.flavour)} -t filter -S {chain}: {res.stderr.strip()}"
-            present.update(f"filter/{line}" for line in res.stdout.splitlines() if line.startswith("-A "))
-        return present, None
-
-
-@dataclass(slots=True)
-class _KernelRules:
-    """What ``verify`` read: the rules of kproxy's chains ("table/CHAIN" -> canonical rules, in order)."""
-
-    ctx: Context
-    rules: dict[str, list[adopt.Canon]]
-    error: str | None = None
-    sets: dict[str, set[adopt.Canon]] = field(default_factory=dict)  # the shared chains' rules as sets, on demand
-
-
-def _spell(key: str, canon: adopt.Canon) -> str:
-    """A canonical rule back in iptables words (for messages)."""
-    words = [f"-A {key.split('/', 1)[1]}"]
-    for neg, opt, vals in canon:
-        words.append(("! " if neg else "") + " ".join((opt, *vals)))
-    return " ".join(words)
-
-
-def _inspect() -> Any:
-    """The kernel-inspection module (``inspect.py``: remnants and per-service kernel views), imported on use."""
-    try:
-        from . import inspect as inspect_mod
-    except ImportError as exc:  # pragma: no cover - the module ships with the backend
-        raise BackendError(f"iptables kernel inspection unavailable: {exc}") from None
-    return inspect_mod
-
-
-_TABLE = re.compile(r"^\*(\w+)$", re.M)
-
-
-def _apply_overlapped(
-    kernel: Kernel, fam: IPFamily, restores: Iterable[Restore]
-) -> Iterator[tuple[Restore, Run, float]]:
-    """Apply payloads in order, one at a time, each in a worker thread while the next is taken from ``restores``
-    (rendered, when it is a generator): yields (payload, result, seconds spent taking the next payload) as each
-    one finishes. The caller stops at the first refusal; the payload rendered meanwhile is never applied.
-
-    ``iptables-restore`` runs in its own process (the kernel's work is in its system calls), so on two cores the
-    rendering of chunk N+1 in Python costs no wall time while chunk N is applied."""
-    it = iter(restores)
-
-    def take() -> tuple[Restore | None, float]:
-        t0 = time.perf_counter()
-        for r in it:
-            if r.text:
-                return r, time.perf_counter() - t0
-        return None, time.perf_counter() - t0
-
-    cur, spent = take()
-    if cur is None:
-        return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="iptables-restore") as pool:
-        while cur is not None:
-            fut = pool.submit(kernel.restore, fam, cur.text)
-            nxt, more = take()
-            res = fut.result()
-            yield cur, res, spent
-            if not res.ok:
-                return
-            cur, spent = nxt, more
-
-
-def _deletes_at(text: str, line: int) -> bool:
-    """Whether the payload's refused line (1-based) is a chain deletion (``-X``), as both flavours report a chain
-    that something still jumps to."""
-    lines = text.splitlines()
-    return 0 < line <= len(lines) and lines[line - 1].startswith("-X ")
-
-
-def _timed_restores(kernel: Kernel, payloads: Mapping[IPFamily, list[str]], what: str) -> float | None:
-    """Seconds ``iptables-restore`` took for every payload, in order; None (logged) when one is refused."""
-    total = 0.0
-    for fam, texts in payloads.items():
-        for text in texts:
-            res = kernel.restore(fam, text)
-            if not res.ok:
-                log.warning("%s failed: %s", what, res.stderr.strip())
-                return None
-            total += res.seconds
-    return total
-
-
-def _replayable(text: str) -> str:
-    """A restore payload without its chain deletions (``-X``, which cannot be repeated) and without the declarations
-    (``:CHAIN``) that flushed those chains before, which would create them again."""
-    lines = text.splitlines(keepends=True)
-    gone = {f":{line[3:].strip()} " for line in lines if line.startswith("-X ")}
-    return "".join(line for line in lines if not line.startswith("-X ") and line[: line.find(" ") + 1] not in gone)
-
-
-def _jump_text(jumps: list[JumpRule], op: str) -> str:
-    """A restore payload deleting (``-D``) or inserting at the top (``-I``, in the order a full sync does) jumps."""
-    lines: list[str] = []
-    for table in ("filter", "nat"):
-        mine = [j for j in jumps if j.table == table]
-        if mine:
-            pos = " 1" if op == "-I" else ""
-            lines += [f"*{table}", *(f"{op} {j.chain}{pos} {j.spec}" for j in mine), "COMMIT"]
-    return "\n".join(lines) + "\n" if lines else ""
-
 
 def _chunk_lines(kernel_rules: int) -> int:
-    """Lines per nf_tables payload. Each payload pays a fixed cost that grows with the rules already in the table
-    (iptables-nft fetches them all: 0.4 s at 430k rules) plus a cost quadratic in its own size (about 0.4 s for
-    10,000 lines); their sum over a change of L lines, L x (F/c + a x c), is least at c = sqrt(F/a)."""
+    """Lines per nf_tables payload. Each payload pays a fixed cost F that grows with the rules already in the table
+    (iptables-nft fetches them all) plus a cost quadratic in its own size (a per line squared); their sum over a
+    change of L lines, L x (F/c + a x c), is least at c = sqrt(F/a), and F/a is about 250 per rule in the table
+    (docs/PERFORMANCE.md, iptables mode)."""
     return max(CHUNK_LINES, min(4 * CHUNK_LINES, int((250 * kernel_rules) ** 0.5)))
-
-
-def _summarise(stderr: str, text: str) -> str:
-    """The first line of iptables-restore's complaint plus the payload line it names."""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not ln.startswith("Try `")]
-    summary = "; ".join(lines[:3]) or "iptables-restore failed"
-    m = _LINE.search(stderr)
-    if m:
-        n = int(m.group(1))
-        payload = text.split("\n")
-        if 1 <= n <= len(payload):
-            summary += f" [line {n}: {payload[n - 1][:300]}]"
-    return summary

@@ -1,9 +1,11 @@
 """The nftables mode: verdict maps in a table of kproxy's own, a number of chains that does not grow with services.
 
-Modules: ``render`` (pure: ServicePorts -> fragments of map elements, shared chains named by endpoint count, the
-fixed part, transactions), ``proxier`` (``NftablesProxier`` on the core's ledger: apply, adopt, describe, floor;
-libnftables in-process through the core's ``kproxy.nftkernel``), ``adopt`` (reading the table back cheaply), ``trace``
-(the packet explainer), ``cleanup`` (delete the two tables).
+Modules: ``layout`` (pure: the table's names, the fixed part, the shared chains named by endpoint count),
+``render`` (pure: ServicePorts -> fragments of map elements, fragment changes -> transactions), ``plan`` (the
+transactions of one batch, and what the kernel holds after each), ``proxier`` (``NftablesProxier``: the ledger's
+protocol), ``kernel`` (libnftables in-process through the core's ``kproxy.nftkernel``: applying chunks, reading the
+table for ``verify``, the bench's floors), ``adopt`` (reading the table back cheaply), ``trace`` (the packet
+explainer), ``cleanup`` (remnants, the per-service kernel view, deleting the two tables).
 
 Layout (table ``kproxy`` in family ``ip`` and again in ``ip6``; nothing outside it):
 - ``services`` (from ``nat-prerouting`` at dstnat and ``nat-output`` at -100): ``ip daddr . meta l4proto . th dport
@@ -39,36 +41,39 @@ Layout (table ``kproxy`` in family ``ip`` and again in ``ip6``; nothing outside 
 Why this layout: the kernel pays per chain, superlinearly in a transaction (upstream's chain per service and per
 endpoint is 110k chains at 10,000 services x 10 endpoints), while elements are cheap; the figures are in
 docs/PERFORMANCE.md. With chains indexed by endpoint count there are a handful of chains whatever the number of
-services. An endpoint change is element deletes and adds only
-(the service's slots, and its entry, whose comment carries the fragment digest): no chain is rewritten. Element
-comments (``ns/name:port/PROTO #digest``) on the entries name their service, for ``kernel_view`` and adoption; slots
-carry none (their key extends their entry's; 100,000 slot comments cost 6% of ``nft -f``). The
-entry maps carry per-element counters: new connections per service address (``nft list map ip kproxy
-service-ips``), nearly free since nat chains see only a connection's first packet.
+services. An endpoint change is element deletes and adds only (the service's slots, and its digest element): no
+chain is rewritten, and the service's entries are rewritten only when their verdict changes (another endpoint
+count, no endpoints any more). That keeps a partial sync independent of the table's size: adding an element with a
+``goto`` verdict marks the table for validation, and at commit the kernel walks every element of every verdict
+map reachable from a base chain (``nf_tables_validate``), O(services) on each such commit. So the fragment digest
+lives in a plain set, ``service-digests`` (one element per service port, keyed by its ClusterIP entry, commented
+``ns/name:port/PROTO #digest``), and the entries carry their service's name (``ns/name:port/PROTO``), for
+``kernel_view`` and adoption; slots carry none (their key extends their entry's, and comments on every slot cost
+``nft -f`` a measurable share). The entry maps carry per-element counters: new connections per service address
+(``nft list map ip kproxy service-ips``), nearly free since nat chains see only a connection's first packet.
 
 Syncs: one atomic transaction per family per batch through libnftables in-process (no process per change), handed
-over as a memfd file so a refused element's line maps back to its service (the ledger retries without it).
-Elements go in one ``add element`` / ``delete element`` command per map, one element per line (thousands of small
-commands cost libnftables three times as much: 2,000 services x 10, 1.2 s against 0.36 s). A partial sync writes the
-dirty services' element changes (and a shared chain the first time a count appears, its removal with the last
-user). The one exception to "one transaction": a big full sync (over 10,000 elements) is applied as transactions of
-whole services, shared chains first and their removal last, so every service still changes atomically and every
-intermediate state is a consistent mix of old and new services (as the iptables backend's chunked restores).
-libnftables holds ~2.4 kB per element it parses: 10,000 x 10 in one transaction peaks at 264 MB in ``nft -f``
-alone, 440 MB for the whole process, against ~190 MB in chunks of 10,000 (230 MB with 25,000, 170 MB with 3,000;
-no time difference above this machine's noise); each chunk is applied in the
-libnftables thread (it releases the GIL) while the next is built. A table being replaced (another layout, or
-unreadable) is always one transaction. A
-full sync (start, after a failure, periodically, or when the table vanished or was flushed: the fixed chains'
-rules are checked at most once a second at the start of partial syncs) adopts first: it reads chain names, every
-chain's rules by the comment kproxy writes on each (a digest of the rule: one netlink rule dump, no set elements, ~2
-ms; a rule deleted, added or replaced by hand, or a flushed table, is seen and rewritten), and the small maps
-(``service-ips``,
-``service-nodeports``, firewall, hairpin, context sets), never the 100,000-slot maps (listing the whole table takes
-4-6 s at 10k x 10; ``nft list tables`` and ``list chain`` fetch all of it too in nft 1.0.6). A service whose entries
-and digest match is left alone, so a restart with nothing changed writes nothing; a changed or vanished service's
-slot keys follow from its entries' verdicts (``lb-i-3``: slots 0..2). A table of another layout, or one that cannot
-be read, is replaced in one transaction (``add table; delete table; …``), so there is no moment without rules.
+over as a memfd file so a refused element's line maps back to its service (the ledger retries without it). Elements
+go in one ``add element`` / ``delete element`` command per map, one element per line (thousands of small commands
+cost libnftables several times as much). A partial sync writes the dirty services' element changes (and a shared
+chain the first time a count appears, its removal with the last user). The one exception to "one transaction": a big
+full sync (over 10,000 elements) is applied as transactions of whole services, shared chains first and their removal
+last, so every service still changes atomically and every intermediate state is a consistent mix of old and new
+services (as the iptables backend's chunked restores). libnftables holds a few kB per element it parses, so one
+transaction for a big table peaks at several times the memory of chunks of 10,000 elements, with no time difference
+(docs/PERFORMANCE.md, "The nftables layout's reasons"); each chunk is applied in the libnftables thread (it releases
+the GIL) while the next is built (``plan``, ``kernel``). A table being replaced (another layout, or unreadable) is
+always one transaction. A full sync (start, after a failure, periodically, or when the table vanished or was
+flushed: the fixed chains' rules are checked at most once a second at the start of partial syncs) adopts first: it
+reads chain names, every chain's rules by the comment kproxy writes on each (a digest of the rule: one netlink rule
+dump, no set elements; a rule deleted, added or replaced by hand, or a flushed table, is seen and rewritten), and
+the small maps and sets (``service-ips``, ``service-nodeports``, ``service-digests``, firewall, hairpin, context
+sets), never the 100,000-slot
+maps (listing the whole table takes seconds at 10k x 10; ``nft list tables`` and ``list chain`` fetch all of it too
+in nft 1.0.6). A service whose entries and digest match is left alone, so a restart with nothing changed writes
+nothing; a changed or vanished service's slot keys follow from its entries' verdicts (``lb-i-3``: slots 0..2). A
+table of another layout, or one that cannot be read, is replaced in one transaction (``add table; delete table;
+…``), so there is no moment without rules.
 
 What it costs (full, partial and restart syncs, against the kernel's own ``nft -f`` and upstream's layout):
 docs/PERFORMANCE.md.

@@ -1,12 +1,14 @@
 """Reading back what kproxy's nftables table holds, once per full sync, cheaply (``Adopted``).
 
-Listing the whole table at 10,000 services x 10 endpoints takes 4-6 s (libnftables formats every element of the
-100,000-element ``backends`` map), and ``nft list chain`` or ``list tables`` fetch the whole table too (nft 1.0.6).
+Listing the whole table at 10,000 services x 10 endpoints takes seconds (libnftables formats every element of the
+100,000-element ``backends`` map; docs/PERFORMANCE.md), and ``nft list chain`` or ``list tables`` fetch the whole
+table too (nft 1.0.6).
 So adoption reads only what is small: chain names (``list chains``), every chain's rules by the comment kproxy
-writes on each (``render.rule_tag``; one netlink rule dump, which carries no set elements: a deleted rule, a flushed
+writes on each (``layout.rule_tag``; one netlink rule dump, which carries no set elements: a deleted rule, a flushed
 chain or table and a rule added by hand are seen), the ``service-ips`` and ``service-nodeports``
-maps (one element per service address, each commented ``<service key> #<fragment digest>``), the firewall and
-hairpin sets and the three context sets. A service whose entries and digest equal the new fragment's is unchanged;
+maps (one element per service address, each commented with its service's key), the ``service-digests`` set (one
+element per service port, commented ``<service key> #<fragment digest>``), the firewall and hairpin sets and the
+three context sets. A service whose entries and digest equal the new fragment's is unchanged;
 for any other, the keys of its big-map elements follow from its entries (an entry's verdict names the shared chain,
 ``lb-i-3``, hence the slots 0..2 of its key in ``backends``), so it can be rewritten exactly without the big read.
 """
@@ -22,7 +24,7 @@ from kproxy.nftkernel import Nft
 from kproxy.toolkit.cidr import spans
 from kproxy.toolkit.nft import elements
 
-from . import render
+from . import layout, render
 
 Tags = tuple[str | None, ...]  # the comments of a chain's rules, in order (None: a rule without one)
 
@@ -32,7 +34,8 @@ class Service:
     """One service's skeleton as the kernel holds it."""
 
     digest: str | None = None
-    digests_agree: bool = True
+    digests_agree: bool = True  # False: more than one digest element names it
+    digest_key: str | None = None  # the key of its service-digests element
     entries: dict[tuple[str, str], str] = field(default_factory=dict)  # (map, key) -> verdict
     firewall: list[str] = field(default_factory=list)  # firewall-allow keys
 
@@ -41,21 +44,21 @@ class Service:
         out: dict[tuple[str, str], str | None] = dict(self.entries)
         for (mapname, key), verdict in self.entries.items():
             comps = key.split(" . ")
-            proto = comps[1] if mapname == render.SERVICE_IPS and len(comps) > 1 else comps[0]
+            proto = comps[1] if mapname == layout.SERVICE_IPS and len(comps) > 1 else comps[0]
             target = verdict[5:] if verdict.startswith("goto ") else ""
             if target.startswith("fw-"):
                 target = target[3:]
             parts = target.split("-")
             try:
                 if parts[0] in ("lb", "np") and len(parts) == 3:
-                    primary = render.slot_map(render.BACKENDS if parts[0] == "lb" else render.NODEPORT_BACKENDS, proto)
+                    primary = layout.slot_map(layout.BACKENDS if parts[0] == "lb" else layout.NODEPORT_BACKENDS, proto)
                     for i in range(int(parts[2])):
                         out[(primary, f"{key} . {i}")] = None
                 elif parts[0] in ("lbl", "npl") and len(parts) == 3:
                     addr = parts[0] == "lbl"
-                    primary = render.slot_map(render.BACKENDS if addr else render.NODEPORT_BACKENDS, proto)
-                    shortcut = render.slot_map(
-                        render.SHORTCUT_BACKENDS if addr else render.NODEPORT_SHORTCUT_BACKENDS, proto
+                    primary = layout.slot_map(layout.BACKENDS if addr else layout.NODEPORT_BACKENDS, proto)
+                    shortcut = layout.slot_map(
+                        layout.SHORTCUT_BACKENDS if addr else layout.NODEPORT_SHORTCUT_BACKENDS, proto
                     )
                     for i in range(int(parts[1])):
                         out[(primary, f"{key} . {i}")] = None
@@ -64,7 +67,9 @@ class Service:
             except ValueError:
                 continue
         for k in self.firewall:
-            out[(render.FIREWALL, k)] = ""
+            out[(layout.FIREWALL, k)] = ""
+        if self.digest_key is not None:
+            out[(layout.SERVICE_DIGESTS, self.digest_key)] = ""
         return out
 
 
@@ -78,21 +83,21 @@ class Adopted:
     layout_ok: bool = False
     services: dict[str, Service] = field(default_factory=dict)
     chains: set[str] = field(default_factory=set)
-    rules: dict[str, Tags] = field(default_factory=dict)  # chain -> its rules' comments (render.rule_tag)
+    rules: dict[str, Tags] = field(default_factory=dict)  # chain -> its rules' comments (layout.rule_tag)
     sets: set[str] = field(default_factory=set)
     hairpin: set[str] = field(default_factory=set)
     context: dict[str, tuple[tuple[int, int], ...] | tuple[str, ...]] = field(default_factory=dict)
     seconds: float = 0.0
 
     def service(self, spn: ServicePortName) -> Service | None:
-        return self.services.get(render.comment_key(render.service_key(spn)))
+        return self.services.get(layout.comment_key(render.service_key(spn)))
 
     def get(self, spn: ServicePortName) -> Service | None:
         return self.service(spn)
 
     def service_chains(self, sid: str) -> list[str]:
         marks = (f"-{sid}-", f"-{sid}")
-        return [c for c in self.chains if render.is_service_chain(c) and any(m in c for m in marks)]
+        return [c for c in self.chains if layout.is_service_chain(c) and any(m in c for m in marks)]
 
     def service_sets(self, sid: str) -> list[str]:
         return [s for s in self.sets if s.startswith(f"aff-{sid}-")]
@@ -109,7 +114,7 @@ class Adopted:
 
 
 def context_form(name: str, items: Iterable[str]) -> tuple[tuple[int, int], ...] | tuple[str, ...]:
-    if name == render.LOCAL_IFACES:
+    if name == layout.LOCAL_IFACES:
         return tuple(sorted(i.strip('"') for i in items))
     return spans(items)
 
@@ -131,11 +136,11 @@ def read(nft: Nft, family: IPFamily, layout_chain: str) -> tuple[Adopted | None,
         return None, err
     for o in objs:
         ch = o.get("chain")
-        if ch and ch.get("table") == render.TABLE:
+        if ch and ch.get("table") == layout.TABLE:
             out.chains.add(ch["name"])
     if not out.chains:
         # no chain: either no table, or an empty one; a set read tells them apart
-        probe, _ = nft.read(f"list set {fam} {render.TABLE} {render.LOCAL_CIDRS}")
+        probe, _ = nft.read(f"list set {fam} {layout.TABLE} {layout.LOCAL_CIDRS}")
         out.table = probe is not None
         out.layout_ok = False
         return out, ""
@@ -148,19 +153,28 @@ def read(nft: Nft, family: IPFamily, layout_chain: str) -> tuple[Adopted | None,
     out.layout_ok = layout_chain in out.chains and not fixed_problems(family, rules)
     if not out.layout_ok:
         return out, ""
-    for name in (render.SERVICE_IPS, render.SERVICE_NODEPORTS):
-        objs, err = nft.read(f"list map {fam} {render.TABLE} {name}")
+    for name in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS):
+        objs, err = nft.read(f"list map {fam} {layout.TABLE} {name}")
         if objs is None:
             return None, err
         for _, key, value, comment, _ in elements(objs):
-            ckey, digest = split_comment(comment)
+            ckey, _ = split_comment(comment)
             svc = out.services.get(ckey)
             if svc is None:
-                svc = out.services[ckey] = Service(digest=digest)
-            elif svc.digest != digest:
-                svc.digests_agree = False
+                svc = out.services[ckey] = Service()
             svc.entries[(name, key)] = value
-    objs, err = nft.read(f"list set {fam} {render.TABLE} {render.FIREWALL}")
+    objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.SERVICE_DIGESTS}")
+    if objs is None:
+        return None, err
+    for el in elements(objs):
+        ckey, digest = split_comment(el.comment)
+        svc = out.services.get(ckey)
+        if svc is None:  # a digest without entries: the service is rewritten (its digest element deleted first)
+            svc = out.services[ckey] = Service(digests_agree=False)
+        elif svc.digest_key is not None:
+            svc.digests_agree = False
+        svc.digest, svc.digest_key = digest, el.key
+    objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.FIREWALL}")
     if objs is None:
         return None, err
     for el in elements(objs):
@@ -169,12 +183,12 @@ def read(nft: Nft, family: IPFamily, layout_chain: str) -> tuple[Adopted | None,
         if svc is None:
             svc = out.services[ckey] = Service(digests_agree=False)
         svc.firewall.append(el.key)
-    objs, err = nft.read(f"list set {fam} {render.TABLE} {render.HAIRPIN}")
+    objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.HAIRPIN}")
     if objs is None:
         return None, err
     out.hairpin = {el.key for el in elements(objs)}
-    for name in render.CONTEXT_SETS:
-        objs, err = nft.read(f"list set {fam} {render.TABLE} {name}")
+    for name in layout.CONTEXT_SETS:
+        objs, err = nft.read(f"list set {fam} {layout.TABLE} {name}")
         if objs is None:
             return None, err
         out.context[name] = context_form(name, [el.key for el in elements(objs)])
@@ -185,13 +199,13 @@ def read(nft: Nft, family: IPFamily, layout_chain: str) -> tuple[Adopted | None,
 
 
 def tags(rules: Sequence[str]) -> Tags:
-    """The comments kproxy writes on ``rules`` (``render.rule_tag``): what a chain holding them exactly reads back."""
-    return tuple(render.rule_tag(r) for r in rules)
+    """The comments kproxy writes on ``rules`` (``layout.rule_tag``): what a chain holding them exactly reads back."""
+    return tuple(layout.rule_tag(r) for r in rules)
 
 
 def read_rules(nft: Nft, family: IPFamily) -> tuple[dict[str, Tags] | None, str]:
     """Chain -> the comments of its rules, in order, for kproxy's table (chains without rules are absent)."""
-    got, err = nft.rule_comments(render.nft_family(family), render.TABLE)
+    got, err = nft.rule_comments(render.nft_family(family), layout.TABLE)
     if got is None:
         return None, err
     return {chain: tuple(found) for chain, found in got.items()}, ""
@@ -200,7 +214,7 @@ def read_rules(nft: Nft, family: IPFamily) -> tuple[dict[str, Tags] | None, str]
 def fixed_problems(family: IPFamily, rules: Mapping[str, Tags]) -> list[str]:
     """How the fixed chains' rules in the kernel differ from the layout's ([] when they are exactly it)."""
     out: list[str] = []
-    for chain, wanted in render.fixed_chain_rules(family).items():
+    for chain, wanted in layout.fixed_chain_rules(family).items():
         held = rules.get(chain, ())
         if held != tags(wanted):
             out.append(
@@ -214,7 +228,7 @@ def fixed_problems(family: IPFamily, rules: Mapping[str, Tags]) -> list[str]:
 def shared_ok(name: str, family: IPFamily, rules: Mapping[str, Tags]) -> bool:
     """Whether the kernel holds shared chain ``name`` with exactly the rules its name stands for."""
     try:
-        return rules.get(name, ()) == tags(render.shared_chain_rules(name, family))
+        return rules.get(name, ()) == tags(layout.shared_chain_rules(name, family))
     except ValueError:
         return False
 

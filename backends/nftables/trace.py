@@ -23,9 +23,11 @@ from kproxy.toolkit.cidr import in_any
 from kproxy.toolkit.trace import Outcome as Outcome
 from kproxy.toolkit.trace import Packet as Packet
 
-from . import render
+from . import layout, render
 
 _MAX_DEPTH = 20
+#: a rule the packet passes on to the next (a walk's steps return it, or outcomes, or None for "not understood")
+_NEXT: list[Outcome] = []
 
 
 _DNAT_MAP = re.compile(r"^meta l4proto (\w+) dnat ip6? to (.+) \. numgen random mod (\d+) map @(\S+)$")
@@ -44,25 +46,25 @@ class _Walker:
         self.hairpin: set[str] = set()
         for frag in fragments.values():
             for m, k, v in frag.elements:
-                if m == render.FIREWALL:
+                if m == layout.FIREWALL:
                     prefix, _, cidr = k.rpartition(" . ")
                     self.firewall.append((prefix, cidr))
                 else:
                     self.maps.setdefault(m, {})[k] = v
             self.chains.update(frag.chains)
             self.hairpin.update(frag.hairpin)
-        self.ctx_sets = render.context_elements(ctx)
+        self.ctx_sets = layout.context_elements(ctx)
         self.notes: list[str] = []
 
     def rules(self, chain: str) -> tuple[str, ...]:
         if chain in self.chains:
             return self.chains[chain]
-        if render.is_shared_chain(chain):
-            return render.shared_chain_rules(chain, self.family)
-        return render.fixed_chain_rules(self.family).get(chain, ())
+        if layout.is_shared_chain(chain):
+            return layout.shared_chain_rules(chain, self.family)
+        return layout.fixed_chain_rules(self.family).get(chain, ())
 
     def local_pod(self) -> bool:
-        return in_any(self.pkt.src, self.ctx_sets[render.LOCAL_CIDRS])
+        return in_any(self.pkt.src, self.ctx_sets[layout.LOCAL_CIDRS])
 
     def verdict(self, v: str, out: Outcome, depth: int) -> list[Outcome]:
         if v == "drop":
@@ -70,7 +72,7 @@ class _Walker:
             return [out]
         if v.startswith("goto "):
             target = v[5:]
-            if target == render.REJECT_CHAIN:
+            if target == layout.REJECT_CHAIN:
                 out.path.append(f"{target}: reject")
                 out.verdict = "REJECT"
                 return [out]
@@ -82,91 +84,106 @@ class _Walker:
         if depth > _MAX_DEPTH:
             out.verdict = "LOOP"
             return [out]
-        p = self.pkt
-        fam = "ip6" if self.family == IPFamily.V6 else "ip"
         for rule in self.rules(chain):
             here = f"{chain}: {rule}"
-            if rule == f"jump {render.MASQ_INTERNAL}":
-                if not self.local_pod():
-                    out.masquerade = True
-                    out.path.append(f"{here} (source is not a local pod: masquerade)")
-                else:
-                    out.path.append(f"{here} (source is a local pod: no masquerade)")
+            got = self._source_rule(chain, rule, here, out, depth)
+            if got is None:
+                got = self._target_rule(rule, here, out, depth)
+            if got is _NEXT:
                 continue
-            if rule == f"ct label set {render.MASQ_LABEL}":
-                out.masquerade = True
-                out.path.append(here)
-                continue
-            if rule.startswith(f"{fam} saddr @{render.LOCAL_CIDRS} goto "):
-                if self.local_pod():
-                    out.path.append(here)
-                    return self.walk(rule.rsplit(" ", 1)[1], out, depth + 1)
-                continue
-            if rule.startswith(f"iifname @{render.LOCAL_IFACES} "):
-                if self.ctx_sets[render.LOCAL_IFACES]:
-                    self.notes.append("interface-based local detection is not evaluated for a hypothetical packet")
-                continue
-            if rule.startswith("fib saddr type local "):
-                if p.src_local:
-                    out.masquerade = True
-                    out.path.append(here)
-                    return self.walk(rule.rsplit(" ", 1)[1], out, depth + 1)
-                continue
-            if f"@{render.FIREWALL} goto " in rule:
-                prefix = f"{p.dst} . {p.proto} . {p.dport}"
-                allowed = [c for k, c in self.firewall if k == prefix]
-                if in_any(p.src, tuple(allowed)):
-                    out.path.append(f"{here} (source allowed)")
-                    return self.walk(rule.rsplit(" ", 1)[1], out, depth + 1)
-                out.path.append(f"{chain}: source {p.src} not in loadBalancerSourceRanges")
-                continue
-            if rule.startswith(f"{fam} saddr @aff-"):
-                continue  # no affinity entry yet
-            if rule.startswith("update @"):
-                continue
-            if rule == "drop":
-                out.path.append(here)
-                out.verdict = "DROP"
-                return [out]
-            if rule.startswith("goto "):
-                out.path.append(here)
-                return self.walk(rule[5:], out, depth + 1)
-            m = _DNAT_MAP.match(rule)
-            if m:
-                if m.group(1) != p.proto:
-                    continue
-                k, mapname = int(m.group(3)), m.group(4)
-                base = f"{p.dst} . {p.proto} . {p.dport}" if "daddr" in m.group(2) else f"{p.proto} . {p.dport}"
-                results = []
-                for i in range(k):
-                    value = self.maps.get(mapname, {}).get(f"{base} . {i}")
-                    o = Outcome(
-                        out.probability / k, [*out.path, here, f"@{mapname}[{base} . {i}] = {value}"], out.masquerade
-                    )
-                    if value is None:
-                        o.verdict = "no backend in slot (inconsistent map)"
-                    else:
-                        ip, _, port = value.partition(" . ")
-                        o.dnat = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-                    results.append(o)
-                return results
-            m = _DNAT_CONST.match(rule)
-            if m:
-                ip, port = m.group(1), m.group(2)
-                out.path.append(here)
-                out.dnat = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-                return [out]
-            m = _VMAP.match(rule)
-            if m:
-                k = int(m.group(1))
-                results = []
-                for item in m.group(2).split(", "):
-                    _, _, target = item.partition(" : goto ")
-                    o = Outcome(out.probability / k, [*out.path, here], out.masquerade)
-                    results.extend(self.walk(target, o, depth + 1))
-                return results
+            if got is not None:
+                return got
             out.path.append(f"{here} (not understood by the explainer)")
         return [out]
+
+    def _source_rule(self, chain: str, rule: str, here: str, out: Outcome, depth: int) -> list[Outcome] | None:
+        """Rules that decide by the packet's source (masquerade, local pods, the node, firewall, affinity):
+        ``_NEXT`` when the packet goes on to the next rule, None when ``rule`` is not one of them."""
+        p = self.pkt
+        fam = "ip6" if self.family == IPFamily.V6 else "ip"
+        if rule == f"jump {layout.MASQ_INTERNAL}":
+            if not self.local_pod():
+                out.masquerade = True
+                out.path.append(f"{here} (source is not a local pod: masquerade)")
+            else:
+                out.path.append(f"{here} (source is a local pod: no masquerade)")
+            return _NEXT
+        if rule == f"ct label set {layout.MASQ_LABEL}":
+            out.masquerade = True
+            out.path.append(here)
+            return _NEXT
+        if rule.startswith(f"{fam} saddr @{layout.LOCAL_CIDRS} goto "):
+            if self.local_pod():
+                out.path.append(here)
+                return self.walk(rule.rsplit(" ", 1)[1], out, depth + 1)
+            return _NEXT
+        if rule.startswith(f"iifname @{layout.LOCAL_IFACES} "):
+            if self.ctx_sets[layout.LOCAL_IFACES]:
+                self.notes.append("interface-based local detection is not evaluated for a hypothetical packet")
+            return _NEXT
+        if rule.startswith("fib saddr type local "):
+            if p.src_local:
+                out.masquerade = True
+                out.path.append(here)
+                return self.walk(rule.rsplit(" ", 1)[1], out, depth + 1)
+            return _NEXT
+        if f"@{layout.FIREWALL} goto " in rule:
+            prefix = f"{p.dst} . {p.proto} . {p.dport}"
+            allowed = [c for k, c in self.firewall if k == prefix]
+            if in_any(p.src, tuple(allowed)):
+                out.path.append(f"{here} (source allowed)")
+                return self.walk(rule.rsplit(" ", 1)[1], out, depth + 1)
+            out.path.append(f"{chain}: source {p.src} not in loadBalancerSourceRanges")
+            return _NEXT
+        if rule.startswith((f"{fam} saddr @aff-", "update @")):
+            return _NEXT  # no affinity entry yet
+        return None
+
+    def _target_rule(self, rule: str, here: str, out: Outcome, depth: int) -> list[Outcome] | None:
+        """Rules that end the walk or fork it: drop, goto, DNAT from a slot map or to a constant, a numgen vmap."""
+        if rule == "drop":
+            out.path.append(here)
+            out.verdict = "DROP"
+            return [out]
+        if rule.startswith("goto "):
+            out.path.append(here)
+            return self.walk(rule[5:], out, depth + 1)
+        m = _DNAT_MAP.match(rule)
+        if m:
+            return self._dnat_slots(m, here, out) if m.group(1) == self.pkt.proto else _NEXT
+        m = _DNAT_CONST.match(rule)
+        if m:
+            ip, port = m.group(1), m.group(2)
+            out.path.append(here)
+            out.dnat = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+            return [out]
+        m = _VMAP.match(rule)
+        if m:
+            k = int(m.group(1))
+            results = []
+            for item in m.group(2).split(", "):
+                _, _, target = item.partition(" : goto ")
+                o = Outcome(out.probability / k, [*out.path, here], out.masquerade)
+                results.extend(self.walk(target, o, depth + 1))
+            return results
+        return None
+
+    def _dnat_slots(self, m: re.Match[str], here: str, out: Outcome) -> list[Outcome]:
+        """``numgen random mod K map @slots``: one outcome per slot, each with probability 1/K."""
+        p = self.pkt
+        k, mapname = int(m.group(3)), m.group(4)
+        base = f"{p.dst} . {p.proto} . {p.dport}" if "daddr" in m.group(2) else f"{p.proto} . {p.dport}"
+        results = []
+        for i in range(k):
+            value = self.maps.get(mapname, {}).get(f"{base} . {i}")
+            o = Outcome(out.probability / k, [*out.path, here, f"@{mapname}[{base} . {i}] = {value}"], out.masquerade)
+            if value is None:
+                o.verdict = "no backend in slot (inconsistent map)"
+            else:
+                ip, _, port = value.partition(" . ")
+                o.dnat = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+            results.append(o)
+        return results
 
 
 def trace(ctx: FamilyContext, fragments: Mapping[ServicePortName, render.Fragment], pkt: Packet) -> dict[str, Any]:
@@ -175,21 +192,21 @@ def trace(ctx: FamilyContext, fragments: Mapping[ServicePortName, render.Fragmen
     start = Outcome()
     key = f"{pkt.dst} . {pkt.proto} . {pkt.dport}"
     outcomes: list[Outcome]
-    v = w.maps.get(render.SERVICE_IPS, {}).get(key)
+    v = w.maps.get(layout.SERVICE_IPS, {}).get(key)
     if v is not None:
-        start.path.append(f"services: @{render.SERVICE_IPS}[{key}] = {v}")
+        start.path.append(f"services: @{layout.SERVICE_IPS}[{key}] = {v}")
         outcomes = w.verdict(v, start, 0)
-    elif pkt.dst_local and in_any(pkt.dst, w.ctx_sets[render.NODEPORT_CIDRS]):
+    elif pkt.dst_local and in_any(pkt.dst, w.ctx_sets[layout.NODEPORT_CIDRS]):
         npkey = f"{pkt.proto} . {pkt.dport}"
-        v = w.maps.get(render.SERVICE_NODEPORTS, {}).get(npkey)
+        v = w.maps.get(layout.SERVICE_NODEPORTS, {}).get(npkey)
         if v is None:
-            start.path.append(f"services: no element {npkey} in @{render.SERVICE_NODEPORTS}")
+            start.path.append(f"services: no element {npkey} in @{layout.SERVICE_NODEPORTS}")
             outcomes = [start]
         else:
-            start.path.append(f"services: @{render.SERVICE_NODEPORTS}[{npkey}] = {v}")
+            start.path.append(f"services: @{layout.SERVICE_NODEPORTS}[{npkey}] = {v}")
             outcomes = w.verdict(v, start, 0)
     else:
-        start.path.append(f"services: no element {key} in @{render.SERVICE_IPS}")
+        start.path.append(f"services: no element {key} in @{layout.SERVICE_IPS}")
         outcomes = [start]
     results = []
     for o in outcomes:

@@ -347,7 +347,8 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
         """A UDP flow to a service is answered by the node: by the proxy socket of the service, from the address
         the redirect chose (the receiving interface's first address, or loopback for the node's own traffic)."""
         fam = sp.family
-        ports = [p for (f, spn, _), p in list(self.bound.items()) if f == fam and spn == sp.name]
+        bound = self.bound  # keyed (family, service port, role): three lookups, never a walk of every socket
+        ports = [p for p in (bound.get((fam, sp.name, role)) for role in render.ROLES) if p is not None]
         if not ports or (sp.internal_verdict is not Verdict.FORWARD and sp.external_verdict is not Verdict.FORWARD):
             return []
         addrs = set(self._local.get(fam, ())) | {"127.0.0.1" if fam == IPFamily.V4 else "::1"}

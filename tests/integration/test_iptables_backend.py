@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kproxy.backends.iptables import inspect, render
+from kproxy.backends.iptables import cleanup, layout, render
 from kproxy.backends.iptables.cleanup import cleanup_leftovers
 from kproxy.backends.iptables.kernel import detect_flavour
 from kproxy.backends.iptables.proxier import IptablesProxier
@@ -358,26 +358,26 @@ def kubelets_chains(netns: str, flavour: str) -> None:
 
 def test_cleanup_leaves_nothing_of_ours(netns: str, flavour: str) -> None:
     """Nothing of the mode left, by the widest reading: every KUBE- line of both families and both flavours that
-    is not kubelet's (``inspect.remnants``), after a sync that made every kind of chain, KUBE-SVL- included."""
+    is not kubelet's (``cleanup.remnants``), after a sync that made every kind of chain, KUBE-SVL- included."""
     kubelets_chains(netns, flavour)
     ns_run(netns, f"iptables-{flavour}", "-t", "nat", "-N", "OTHER")
     ns_run(netns, f"iptables-{flavour}", "-t", "nat", "-A", "PREROUTING", "-j", "OTHER")
     p = proxier(netns, flavour)
     assert p.sync(state(SP_A, SP_B, SP_C6, SP_LOCAL), Changes(full=True)).ok
-    before = inspect.remnants(LocalProbe(netns))
+    before = cleanup.remnants(LocalProbe(netns))
     for prefix in ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-"):
         assert any(f":{prefix}" in ln for ln in before), f"no {prefix} chain to clean up: {before}"
     p.cleanup()
-    assert inspect.remnants(LocalProbe(netns)) == []
+    assert cleanup.remnants(LocalProbe(netns)) == []
     v4 = save(netns, flavour)
     assert "-A INPUT -j KUBE-FIREWALL" in v4 and "-A PREROUTING -j OTHER" in v4
     assert ":KUBE-KUBELET-CANARY" in section(v4, "nat") and ":KUBE-IPTABLES-HINT" in section(v4, "mangle")
     # the module-level function works with no proxier, on both flavours, and is idempotent
     assert p.sync(state(SP_A, SP_LOCAL), Changes(full=True)).ok
-    assert inspect.remnants(LocalProbe(netns))
+    assert cleanup.remnants(LocalProbe(netns))
     cleanup_leftovers(netns)
     cleanup_leftovers(netns)
-    assert inspect.remnants(LocalProbe(netns)) == []
+    assert cleanup.remnants(LocalProbe(netns)) == []
 
 
 def test_kernel_rejected_service_is_skipped(netns: str, flavour: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -506,7 +506,7 @@ def test_failing_family_does_not_stop_the_other(netns: str, flavour: str, monkey
             fixed[render.N_MARK_MASQ] = ((*head, "-A KUBE-MARK-MASQ -m nosuchmatch --foo -j ACCEPT"), tail)
         return fixed
 
-    monkeypatch.setattr(render, "render_fixed", broken)
+    monkeypatch.setattr(layout, "render_fixed", broken)
     p = proxier(netns, flavour)
     res = p.sync(state(SP_A, SP_C6), Changes(full=True))
     assert not res.ok and res.error is not None and res.error.startswith("IPv4: ") and "IPv6" not in res.error
@@ -522,7 +522,7 @@ def test_failing_family_does_not_stop_the_other(netns: str, flavour: str, monkey
     (payload6,) = p.last_payloads(IPFamily.V6)
     assert "KUBE-PROXY-CANARY" not in payload6 and "[fd00:198:18:1::2]:80" in save(netns, flavour, v6=True)
     # fixed: the next (partial) sync brings IPv4 up with a full sync of that family alone
-    monkeypatch.setattr(render, "render_fixed", original)
+    monkeypatch.setattr(layout, "render_fixed", original)
     res = p.sync(state(SP_A, c2), Changes(full=False, services=frozenset()))
     assert res.ok and res.full, res.error
     assert render.service_chain(A) in chains(save(netns, flavour))

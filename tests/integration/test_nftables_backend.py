@@ -84,6 +84,9 @@ def test_full_partial_restart_repair_cleanup(netns: str) -> None:
         assert res.ok, res.error
         tx = p.last_transaction(IPFamily.V4)
         assert "chain" not in tx and "delete element ip kproxy backends-tcp {\n198.19.0.1 . tcp . 80 . 1\n}" in tx
+        # its entry keeps its verdict: not rewritten (a verdict-map element added costs a validation of the whole
+        # table at commit); its digest element is
+        assert "service-ips" not in tx and "add element ip kproxy service-digests {\n198.19.0.1 . tcp . 80 " in tx
         assert "198.18.1.9 . 8080" in nft_list(netns, "list", "map", "ip", "kproxy", "backends-tcp")
 
         # a new endpoint count creates its shared chain once, in the same transaction
@@ -114,7 +117,11 @@ def test_full_partial_restart_repair_cleanup(netns: str) -> None:
         probe = LocalProbe(netns)
         view = NftablesProxier.kernel_view(probe, IPFamily.V4) or {}
         entry = [line for line in view["ns1/a:p/TCP"] if line.startswith("service-ips: 198.19.0.1 . tcp . 80 counter ")]
-        assert len(entry) == 1 and 'packets 0 bytes 0 comment "ns1/a:p/TCP #' in entry[0], view
+        assert len(entry) == 1 and 'packets 0 bytes 0 comment "ns1/a:p/TCP" : goto lb-i-3' in entry[0], view
+        assert any(
+            line.startswith('service-digests: 198.19.0.1 . tcp . 80 comment "ns1/a:p/TCP #')
+            for line in view["ns1/a:p/TCP"]
+        )
         # slots carry no comment in the kernel; the view names their service through the entry they extend
         assert any(line.startswith("backends-tcp: 198.19.0.1 . tcp . 80 . 2 ") for line in view["ns1/a:p/TCP"])
         assert sorted(NftablesProxier.remnants(probe)) == ["table ip kproxy", "table ip6 kproxy"]
@@ -225,9 +232,9 @@ def test_real_packets_dnat_and_reject(netns: str) -> None:
 
 
 def test_big_full_sync_in_chunks_of_whole_services(netns: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kproxy.backends.nftables import proxier as proxier_mod
+    from kproxy.backends.nftables import plan
 
-    monkeypatch.setattr(proxier_mod, "CHUNK", 40)
+    monkeypatch.setattr(plan, "CHUNK", 40)
     sps = [sp(f"s{i:03d}", f"198.19.1.{i}", tuple(f"198.18.2.{i % 200 + j}" for j in range(3))) for i in range(60)]
     p = NftablesProxier(CFG, netns=netns)
     try:
@@ -363,9 +370,9 @@ def test_a_refusal_in_a_later_chunk_keeps_what_earlier_chunks_committed(
 ) -> None:
     """A service the kernel refuses (here: a verdict naming a chain that does not exist) in the third of several
     transactions: the ledger's retry round starts from what the first two committed, and everything else lands."""
-    from kproxy.backends.nftables import proxier as proxier_mod
+    from kproxy.backends.nftables import plan
 
-    monkeypatch.setattr(proxier_mod, "CHUNK", 40)
+    monkeypatch.setattr(plan, "CHUNK", 40)
     sps = [sp(f"s{i:03d}", f"198.19.1.{i}", tuple(f"198.18.2.{i % 200 + j}" for j in range(3))) for i in range(60)]
     bad = sps[45].name
     p = NftablesProxier(CFG, netns=netns)

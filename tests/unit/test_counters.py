@@ -199,3 +199,31 @@ def test_gamma_and_fairness_edges() -> None:
 
 def test_fake_offers_every_measure() -> None:
     assert FakeProxier.counters_offered == ALL_MEASURES
+
+
+def test_a_slow_mode_is_read_in_the_background_and_a_scrape_never_waits() -> None:
+    """iptables reads its counters with a save of the nat table (seconds at 10,000 services): once a read is that
+    slow, a scrape answers from the last read while one next read runs in the background."""
+    import threading
+
+    from kproxy.counters import CounterCollector, CounterDump
+
+    release, asked = threading.Event(), threading.Event()
+    reads: list[int] = []
+
+    class Slow:
+        counters_offered = frozenset({Measure.CONNECTIONS})
+
+        def counters(self, family: IPFamily) -> CounterDump:
+            reads.append(1)
+            if len(reads) > 1:
+                asked.set()
+                assert release.wait(30)
+            return CounterDump(family, {})
+
+    c = CounterCollector(Slow(), (IPFamily.V4,))
+    assert [d.family for d in c.dumps()] == [IPFamily.V4]  # the first read: at the scrape
+    c._read_s = 5.0  # that read was slow
+    assert [d.family for d in c.dumps()] == [IPFamily.V4]  # the last read, at once
+    assert asked.wait(30) and c.dumps() and len(reads) == 2  # one background read at a time, still not waited for
+    release.set()

@@ -16,9 +16,10 @@ import pytest
 import yaml
 
 from kproxy.config import ProxyConfig
-from kproxy.daemon import Daemon, ServiceFilter
+from kproxy.daemon import Daemon
 from kproxy.fake import FakeProxier
 from kproxy.model import IPFamily, Protocol, ServicePortName
+from kproxy.queries import ServiceFilter
 from kproxy.sources.files import FilesSource
 
 

@@ -235,28 +235,37 @@ def test_fixed_part_is_context_free_and_ordered() -> None:
 # ----------------------------------------------------------------------------------------------- transactions
 
 
-def test_endpoint_change_writes_only_changed_slots_and_the_entry() -> None:
+def test_endpoint_change_writes_only_changed_slots_and_the_digest() -> None:
+    """The entry (a verdict-map element) stays: adding one makes the kernel validate every element of the table's
+    verdict maps at commit, a cost that grows with the number of services. Only the slot that changed and the
+    service's digest element are written."""
     old = render.render_service(svc("web", THREE), CTX4)
     new = render.render_service(svc("web", (THREE[0], THREE[1], ep("198.18.3.3"))), CTX4)
     tx = render.Transaction(IPFamily.V4)
     render.change_service(tx, spn("web"), old, new)
     text = tx.text()
     assert text.splitlines() == [
-        "delete element ip kproxy service-ips {",
-        "198.18.200.1 . tcp . 80",
-        "}",
         "delete element ip kproxy backends-tcp {",
         "198.18.200.1 . tcp . 80 . 2",
+        "}",
+        "delete element ip kproxy service-digests {",
+        "198.18.200.1 . tcp . 80",
         "}",
         "add element ip kproxy backends-tcp {",
         "198.18.200.1 . tcp . 80 . 2 : 198.18.3.3 . 8080",
         "}",
-        "add element ip kproxy service-ips {",
-        f'198.18.200.1 . tcp . 80 comment "ns1/web:http/TCP #{new.digest}" : goto lb-i-3',
+        "add element ip kproxy service-digests {",
+        f'198.18.200.1 . tcp . 80 comment "ns1/web:http/TCP #{new.digest}"',
         "}",
     ]
+    assert "service-ips" not in text
     assert [o for line, o in tx.lines() if not line.endswith(("{", "}"))] == [spn("web")] * 4
     assert tx.owner_of(2) == spn("web") and tx.owner_of(1) is None
+    # a changed verdict (another endpoint count) rewrites the entry, under the service's name
+    fewer = render.render_service(svc("web", THREE[:2]), CTX4)
+    tx = render.Transaction(IPFamily.V4)
+    render.change_service(tx, spn("web"), old, fewer)
+    assert '198.18.200.1 . tcp . 80 comment "ns1/web:http/TCP" : goto lb-i-2' in tx.text().splitlines()
 
 
 def test_removal_deletes_every_key_and_affinity_chains_after_flushing() -> None:

@@ -1,4 +1,4 @@
-"""The iptables mode read back from the kernel (``backends/iptables/inspect.py``), and the start-up removal of other
+"""The iptables mode read back from the kernel (``backends/iptables/cleanup.py``), and the start-up removal of other
 modes' leftovers (``kproxy.proxier.cleanup_other_modes``) over real KUBE- chains with a stub second backend.
 
 Each test makes a namespace ``kpj-ins-<random>`` (removed in the finalizer, also on failure); both iptables
@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import pytest
 
 import kproxy.proxier as proxier_mod
-from kproxy.backends.iptables import inspect
+from kproxy.backends.iptables import cleanup
 from kproxy.backends.iptables.proxier import IptablesProxier
 from kproxy.config import ProxyConfig
 from kproxy.model import Changes, Endpoint, IPFamily, ServicePort
@@ -78,7 +78,7 @@ def test_kernel_view_groups_each_service_and_its_counters_tell_a_rewrite(netns: 
     p = proxier(netns, flavour)
     assert p.sync(state(SP_A, SP_LOCAL), Changes(full=True)).ok
     probe = LocalProbe(netns)
-    view = inspect.kernel_view(probe, IPFamily.V4)
+    view = cleanup.kernel_view(probe, IPFamily.V4)
     assert set(view) == {A_KEY, "ns1/local:http/TCP"}, sorted(view)
     a = view[A_KEY]
     # the shared chains' entries (no counters) and the service's own chains, each endpoint's included
@@ -92,7 +92,7 @@ def test_kernel_view_groups_each_service_and_its_counters_tell_a_rewrite(netns: 
     assert set(counted(a)) == {0}
     for _ in range(3):
         connect_through(netns, "198.19.0.1", 80)
-    busy = inspect.kernel_view(probe, IPFamily.V4)[A_KEY]
+    busy = cleanup.kernel_view(probe, IPFamily.V4)[A_KEY]
     assert sum(counted(busy)) >= 3
     # a sync of another service leaves A's rules and counters alone ...
     moved = ServicePort(
@@ -101,11 +101,11 @@ def test_kernel_view_groups_each_service_and_its_counters_tell_a_rewrite(netns: 
         local_endpoints=(Endpoint("198.18.1.6", 80, is_local=True),), has_any_endpoints=True,
     )  # fmt: skip
     assert p.sync(state(SP_A, moved), Changes(full=False, services=frozenset({SP_LOCAL.name}))).ok
-    assert inspect.kernel_view(probe, IPFamily.V4)[A_KEY] == busy
+    assert cleanup.kernel_view(probe, IPFamily.V4)[A_KEY] == busy
     # ... and writing A's KUBE-SVC- chain again, rule for rule, resets its counters: what dual-stack looks for
     restore = ["ip", "netns", "exec", netns, f"iptables-{flavour}-restore", "--noflush"]
     subprocess.run(restore, input=_rewrite_payload(busy), text=True, check=True, timeout=30)
-    rewritten = inspect.kernel_view(probe, IPFamily.V4)[A_KEY]
+    rewritten = cleanup.kernel_view(probe, IPFamily.V4)[A_KEY]
     assert [ln.split("] ", 1)[-1] for ln in rewritten] == [ln.split("] ", 1)[-1] for ln in busy]
     assert sum(counted(rewritten)) < sum(counted(busy))
 
@@ -121,11 +121,11 @@ def _rewrite_payload(view_lines: list[str]) -> str:
 def test_remnants_see_every_kube_line_but_kubelets(netns: str, flavour: str) -> None:
     kubelets_chains(netns, flavour)
     probe = LocalProbe(netns)
-    assert inspect.remnants(probe) == []  # kubelet's chains alone are nobody's leftovers
+    assert cleanup.remnants(probe) == []  # kubelet's chains alone are nobody's leftovers
     ipt = f"iptables-{flavour}"
     ns_run(netns, ipt, "-t", "nat", "-N", "KUBE-SOMETHING-NEW")  # a chain cleanup does not know by name
     ns_run(netns, f"ip6tables-{flavour}", "-t", "filter", "-N", "KUBE-OTHER")
-    left = inspect.remnants(probe)
+    left = cleanup.remnants(probe)
     assert any(
         ln.endswith(":KUBE-SOMETHING-NEW - [0:0]") and ln.startswith(f"iptables-{flavour}-save: ") for ln in left
     )
@@ -173,10 +173,10 @@ def test_starting_another_mode_removes_iptables_leftovers(netns: str, flavour: s
     p = proxier(netns, flavour)
     assert p.sync(state(SP_A, SP_LOCAL), Changes(full=True)).ok
     probe = LocalProbe(netns)
-    assert any(":KUBE-SVL-" in ln for ln in inspect.remnants(probe))
+    assert any(":KUBE-SVL-" in ln for ln in cleanup.remnants(probe))
     config = ProxyConfig(mode="userspace", backend_options={"iptables_flavour": flavour})
     assert cleanup_other_modes(config, netns=netns) == {"iptables": None}
-    assert inspect.remnants(probe) == []
+    assert cleanup.remnants(probe) == []
     assert two_modes.cleanups == []  # the mode that starts keeps what is its own
     assert ":KUBE-KUBELET-CANARY" in ns_run(netns, f"iptables-{flavour}-save", "-t", "nat")
 
@@ -187,15 +187,15 @@ def test_starting_iptables_removes_the_other_mode_and_keeps_its_own(
     p = proxier(netns, flavour)
     assert p.sync(state(SP_A), Changes(full=True)).ok
     probe = LocalProbe(netns)
-    before = inspect.remnants(probe)
+    before = cleanup.remnants(probe)
     assert cleanup_other_modes(ProxyConfig(mode="iptables"), netns=netns) == {"userspace": None}
     assert two_modes.cleanups == [("userspace", netns)]
-    assert inspect.remnants(probe) == before
+    assert cleanup.remnants(probe) == before
     # one mode's cleanup failing is reported and stops nobody
     two_modes.fail = True
     out = cleanup_other_modes(ProxyConfig(mode="nftables"), netns=netns)
     assert out == {"iptables": None, "userspace": "RuntimeError: stub cleanup failed"}
-    assert inspect.remnants(probe) == []
+    assert cleanup.remnants(probe) == []
 
 
 def test_a_failing_save_is_an_error_not_nothing_left() -> None:
@@ -206,6 +206,6 @@ def test_a_failing_save_is_an_error_not_nothing_left() -> None:
             return subprocess.CompletedProcess(list(argv), 4, "", "iptables-save: lock held")
 
     with pytest.raises(proxier_mod.BackendError, match="lock held"):
-        inspect.remnants(Broken())
+        cleanup.remnants(Broken())
     with pytest.raises(proxier_mod.BackendError, match="lock held"):
-        inspect.kernel_view(Broken(), IPFamily.V4)
+        cleanup.kernel_view(Broken(), IPFamily.V4)

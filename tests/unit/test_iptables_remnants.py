@@ -1,6 +1,6 @@
-"""``backends/iptables/inspect.py`` on text: how ``iptables-save -c`` lines are grouped per service port, and which
+"""``backends/iptables/cleanup.py`` on text: how ``iptables-save -c`` lines are grouped per service port, and which
 KUBE- lines are remnants. No root: the probe is a stand-in returning canned output (the kernel side is in
-tests/integration/test_iptables_inspect.py)."""
+tests/integration/test_iptables_remnants.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kproxy.backends.iptables import inspect
+from kproxy.backends.iptables import cleanup
 from kproxy.model import IPFamily
 from kproxy.proxier import BackendError
 
@@ -52,7 +52,7 @@ COMMIT
 
 
 def test_lines_are_grouped_by_the_service_port_their_comment_or_chain_names() -> None:
-    view = inspect.group_by_service(SAVE, prefix="nft ")
+    view = cleanup.group_by_service(SAVE, prefix="nft ")
     assert set(view) == {"ns1/a:http/TCP", "ns1/b/UDP", "ns1/c:web/TCP"}
     a = view["ns1/a:http/TCP"]
     # large-cluster style: the SVC/SEP rules carry no comment, and still belong to a through the jumps
@@ -88,7 +88,7 @@ class Canned:
 
 @pytest.fixture
 def all_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(inspect.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(cleanup.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
 
 
 @pytest.mark.usefixtures("all_installed")
@@ -99,7 +99,7 @@ def test_remnants_are_every_kube_line_but_kubelets_and_the_userspace_modes() -> 
         ":KUBE-SOMETHING-ELSE - [0:0]\n-A FORWARD -m comment --comment x -j KUBE-SOMETHING-ELSE\nCOMMIT\n"
     )
     probe = Canned({"iptables-legacy-save": (0, text, "")})
-    left = inspect.remnants(probe)
+    left = cleanup.remnants(probe)
     assert left == [
         "iptables-legacy-save: :KUBE-SOMETHING-ELSE - [0:0]",
         "iptables-legacy-save: -A FORWARD -m comment --comment x -j KUBE-SOMETHING-ELSE",
@@ -113,13 +113,13 @@ def test_remnants_are_every_kube_line_but_kubelets_and_the_userspace_modes() -> 
 def test_a_failing_save_raises_rather_than_reporting_nothing() -> None:
     probe = Canned({"ip6tables-nft-save": (1, "", "Fatal: can't open lock file")})
     with pytest.raises(BackendError, match="ip6tables-nft-save failed .*lock file"):
-        inspect.remnants(probe)
+        cleanup.remnants(probe)
     with pytest.raises(BackendError, match="ip6tables-nft-save -c failed"):
-        inspect.kernel_view(probe, IPFamily.V6)
+        cleanup.kernel_view(probe, IPFamily.V6)
 
 
 def test_a_flavour_not_installed_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(inspect.shutil, "which", lambda tool: None if "legacy" in tool else f"/usr/sbin/{tool}")
+    monkeypatch.setattr(cleanup.shutil, "which", lambda tool: None if "legacy" in tool else f"/usr/sbin/{tool}")
     probe = Canned({"iptables-nft-save": (0, SAVE, "")})
-    assert set(inspect.kernel_view(probe, IPFamily.V4)) == {"ns1/a:http/TCP", "ns1/b/UDP", "ns1/c:web/TCP"}
+    assert set(cleanup.kernel_view(probe, IPFamily.V4)) == {"ns1/a:http/TCP", "ns1/b/UDP", "ns1/c:web/TCP"}
     assert [c[0] for c in probe.calls] == ["iptables-nft-save"]

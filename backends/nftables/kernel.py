@@ -1,0 +1,160 @@
+"""Talking to the kernel for the nftables mode: applying a batch's transactions through libnftables in-process
+(``kproxy.nftkernel``), reading the whole table back for ``verify``, and the bench's floors.
+
+Each chunk of a batch is applied in libnftables' worker thread (it releases the GIL) while the next one is built; the
+first refused transaction stops the batch, and libnftables' line numbers name the services that own the refused
+commands (``kproxy.toolkit.nft.refused``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from kproxy.model import IPFamily, ServicePortName
+from kproxy.nftkernel import Nft, Result
+from kproxy.toolkit import nft as nft_tools
+from kproxy.toolkit.netns import scratch_netns
+
+from . import adopt as adopt_mod
+from . import layout, render
+from .plan import Chunk
+from .render import Fragment
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What applying a batch's chunks did: the committed texts, the figures, the timings, and the refused chunk
+    with libnftables' answer (None: all committed)."""
+
+    texts: list[str] = field(default_factory=list)
+    figures: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=lambda: {"render_apply": 0.0, "apply": 0.0})
+    error: tuple[Chunk, Result] | None = None
+
+
+def apply_chunks(nft: Nft, chunks: Iterator[Chunk], committed: Callable[[Chunk], None]) -> Outcome:
+    """Apply ``chunks`` in order, each while the next is built; ``committed(chunk)`` after each one the kernel took.
+    Stops at the first refusal."""
+    out = Outcome()
+    added = deleted = commands = 0
+    pending: tuple[Chunk, str, Future[Result]] | None = None
+    while True:
+        b0 = time.perf_counter()
+        nxt = next(chunks, None)
+        text = nxt.tx.text() if nxt is not None else ""
+        out.timings["render_apply"] += time.perf_counter() - b0
+        if pending is not None:
+            chunk, ptext, fut = pending
+            res = fut.result()
+            out.timings["apply"] += res.seconds
+            if not res.ok:
+                out.error = (chunk, res)
+                break
+            committed(chunk)
+            out.texts.append(ptext)
+            pending = None
+        if nxt is None:
+            break
+        added += nxt.tx.elements_added
+        deleted += nxt.tx.elements_deleted
+        commands += text.count("\n")
+        if text:
+            pending = (nxt, text, nft.submit(text))
+        else:
+            committed(nxt)
+    out.figures = {
+        "elements_added": added,
+        "elements_deleted": deleted,
+        "commands": commands,
+        "transactions": len(out.texts) + (1 if out.error else 0),
+    }
+    return out
+
+
+def creates_objects(family: IPFamily, texts: list[str]) -> bool:
+    """Whether committed texts created or removed chains or sets (such a change is not replayed by the floor)."""
+    fam = render.nft_family(family)
+    return any(f" {w} {fam} " in t for t in texts for w in ("chain", "set"))
+
+
+Change = tuple[ServicePortName, Fragment | None, Fragment | None]
+
+
+def partial_floor(nft: Nft, changes: dict[IPFamily, list[Change]]) -> float | None:
+    """The kernel's own time (libnftables in-process) to take the last partial sync's element changes again: each
+    change is first undone (untimed), then the same transaction is run and timed. None when undoing or replaying
+    failed (logged)."""
+    total = 0.0
+    for fam, done in changes.items():
+        undo, redo = render.Transaction(fam), render.Transaction(fam)
+        for spn, old, new in done:
+            render.change_service(undo, spn, new, old)
+            render.change_service(redo, spn, old, new)
+        res = nft.run(undo.text())
+        if not res.ok:
+            log.warning("partial floor: undoing the last change failed: %s", nft_tools.summary(res.error))
+            return None
+        res = nft.run(redo.text())
+        if not res.ok:
+            log.warning("partial floor: replaying the last change failed: %s", nft_tools.summary(res.error))
+            return None
+        total += res.seconds
+    return total
+
+
+def file_floor(texts: list[str]) -> float | None:
+    """Seconds ``nft -f`` takes for ``texts`` (one transaction each) in a fresh namespace of its own
+    (``kpn-floor-…``), deleted afterwards."""
+    total = 0.0
+    with scratch_netns("kpn-floor-") as ns:
+        for text in texts:
+            seconds = nft_tools.file_seconds(ns, text)
+            if seconds is None:
+                return None
+            total += seconds
+    return total
+
+
+@dataclass(slots=True)
+class TableView:
+    """What ``verify`` read: every map and set of the table (name -> key -> value), the chain names, the comments of
+    every chain's rules (``layout.rule_tag``) and how the fixed chains differ from the layout."""
+
+    family: IPFamily = IPFamily.V4
+    maps: dict[str, dict[str, str]] = field(default_factory=dict)
+    chains: set[str] = field(default_factory=set)
+    rules: dict[str, adopt_mod.Tags] = field(default_factory=dict)
+    fixed: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+def read_table(nft: Nft, family: IPFamily) -> TableView:
+    """The whole table read back (every map and set with its elements, chain names, rule tags): unlike adoption,
+    which trusts the digests in the entry comments, ``verify`` compares every element, slots included."""
+    objs, err = nft.read(f"list table {render.nft_family(family)} {layout.TABLE}")
+    view = TableView(family)
+    if objs is None:
+        if "No such file" in err or "does not exist" in err:
+            return view  # no table: everything wanted is missing
+        view.error = err or "nft list table failed"
+        return view
+    for obj in objs:
+        body = obj.get("map") or obj.get("set")
+        if body is not None and body.get("table") == layout.TABLE:
+            view.maps[body["name"]] = {el.key: el.value for el in nft_tools.elements([obj])}
+        chain = obj.get("chain")
+        if chain is not None and chain.get("table") == layout.TABLE:
+            view.chains.add(chain["name"])
+    rules, err = adopt_mod.read_rules(nft, family)
+    if rules is None:
+        view.error = err
+        return view
+    view.rules = rules
+    view.fixed = adopt_mod.fixed_problems(family, rules)
+    return view
