@@ -5,7 +5,8 @@ Modules: ``layout`` (pure: the table's names, the fixed part, the shared chains 
 transactions of one batch, and what the kernel holds after each), ``proxier`` (``NftablesProxier``: the ledger's
 protocol), ``kernel`` (libnftables in-process through the core's ``kproxy.nftkernel``: applying chunks, reading the
 table for ``verify``, the bench's floors), ``adopt`` (reading the table back cheaply), ``trace`` (the packet
-explainer), ``cleanup`` (remnants, the per-service kernel view, deleting the two tables).
+explainer), ``cleanup`` (remnants, the per-service kernel view, deleting the two tables), ``localhost``
+(localhost NodePorts: listeners on 127.0.0.1 relayed by the core's ``kproxy.relay``).
 
 Layout (table ``kproxy`` in family ``ip`` and again in ``ip6``; nothing outside it):
 - ``services`` (from ``nat-prerouting`` at dstnat and ``nat-output`` at -100): ``ip daddr . meta l4proto . th dport
@@ -88,7 +89,20 @@ Where kproxy deviates from upstream's nftables mode, and why:
   nftables-only addition; the iptables modes never had it): such packets are routed as without kube-proxy.
 - Health-check node ports need no accept rule: an accept in kproxy's table cannot override another table's drop.
 - Affinity and source ranges as upstream; hairpin masquerade is per local endpoint (a remote endpoint cannot be
-  its own client through this node). Localhost NodePorts are not supported (no ``route_localnet``).
+  its own client through this node).
+- Localhost NodePorts (``127.0.0.1:NODEPORT`` from the node's own processes; upstream's iptables-mode
+  ``localhostNodePorts``, on by default, which upstream's nftables mode dropped and brings back in 1.38 with a small
+  userspace TCP proxy, KEP-6032) are served the same way, by a relay rather than by rules (no ``route_localnet``, so
+  none of CVE-2020-8558's exposure): one listening socket per NodePort on 127.0.0.1, TCP and UDP, relayed to the
+  service's cluster endpoints by the core's relay (``kproxy.relay``, the userspace mode's data path), whenever
+  ``--iptables-localhost-nodeports`` (upstream's flag and config field, default true) and ``--nodeport-addresses``
+  let loopback in (``kproxy.nodeaddr``; IPv4 only). What it costs: one thread (an asyncio event loop, started with the
+  first such listener and idle between connections), one socket per NodePort, and per relayed TCP connection the
+  accepted socket, a socket to the endpoint and two pipes (four descriptors: ``splice``), per UDP client a connected
+  socket closed after 250 ms idle; each new connection costs the relay an accept, a second handshake and a few
+  splices (the userspace mode's figures: docs/PERFORMANCE.md), against a DNAT's nothing. Only the node's own
+  processes use it. A NodePort without cluster endpoints has no listener (refused, as the rules reject it);
+  SCTP has none. The endpoint sees the node's address as the source, as upstream's masquerade shows it.
 - kproxy trusts its own table's content between full syncs: a deleted table is noticed and rebuilt, an element
   edited by hand under an unchanged digest is not.
 

@@ -40,6 +40,7 @@ from . import cleanup as cleanup_mod
 from . import kernel, layout, plan, render
 from . import trace as trace_mod
 from .kernel import TableView
+from .localhost import LocalhostRelay
 from .plan import Known, NftBatch, Scratch
 from .render import Fragment
 
@@ -66,6 +67,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         # the last partial batch's changes (service, old, new), for measure_partial_floor
         self._last_partial: dict[IPFamily, list[tuple[ServicePortName, Fragment | None, Fragment | None]]] = {}
         self._counts: dict[IPFamily, dict[str, int]] = {}  # the last apply's figures per family, for describe()
+        self.localhost = LocalhostRelay(netns)  # localhost NodePorts (``localhost``): a thread only while serving
+        self.localhost.engine.on_dead = lambda ident: self.request_full(IPFamily.V4)  # a full sync binds it anew
 
     # ------------------------------------------------------------------------------------------ hooks
 
@@ -100,10 +103,12 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         import pyroute2.nftables.main  # noqa: F401
 
     def close(self) -> None:
+        self.localhost.close()
         self._nft.close()
 
     def cleanup(self) -> None:
         super().cleanup()
+        self.localhost.close()
         self._kernel = {f: Known() for f in self.families}
 
     # ------------------------------------------------------------------------------------------ ledger methods
@@ -172,6 +177,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         f.problems += view.fixed  # every service goes through the fixed chains
         hairpin = view.maps.get(layout.HAIRPIN, {})
         f.problems += [f"{layout.HAIRPIN}: {key} missing" for key in fragment.hairpin if key not in hairpin]
+        if fragment.localhost is not None and view.family == IPFamily.V4:
+            f.check("localhost NodePort listener", self.localhost.held.get(name), fragment.localhost)
         return f.verdict()
 
     def verify_extra(self, view: TableView, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
@@ -231,7 +238,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
 
     def detail_global(self) -> dict[str, Any]:
         counts = {fam.value: dict(c) for fam, c in list(self._counts.items())}
-        return {"table": layout.TABLE, "layout": layout.LAYOUT, "counts": counts}
+        relay = self.localhost.stats()
+        return {"table": layout.TABLE, "layout": layout.LAYOUT, "counts": counts, "localhostNodePorts": relay}
 
     # ------------------------------------------------------------------------------------------ apply
 
@@ -269,7 +277,19 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
             self._last_full_text[fam] = "".join(out.texts)
         figures["shared_chains"] = len(known.shared)
         self._counts[fam] = figures
+        if fam == IPFamily.V4:
+            self._relay(batch)
         return Applied(ok=True, figures=MappingProxyType(figures), timings=timings)
+
+    def _relay(self, batch: NftBatch) -> None:
+        """The localhost NodePorts' listeners follow the batch the kernel just took: a full one sets exactly the
+        wanted ones, a partial one changes the dirty services' (``localhost``)."""
+        if batch.full:
+            want = {n: f.localhost for n, f in batch.wanted.items() if f.localhost is not None}
+            self.localhost.apply(want, full=True)
+        else:
+            changes = {d.name: d.new_fragment.localhost if d.new_fragment else None for d in batch.deltas}
+            self.localhost.apply(changes, full=False)
 
     # ------------------------------------------------------------------------------------------ tools
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kproxy.model import Endpoint, IPFamily, ServicePort, ServicePortName
 from kproxy.nodeaddr import FamilyContext
@@ -61,6 +61,7 @@ from .layout import (
     shortcut_rules,
     slot_map,
 )
+from .localhost import Listen, listen_for
 
 #: what other modules and the tests read from here: the fragments and transactions, and the layout's names they
 #: spell
@@ -110,6 +111,8 @@ class Fragment:
     sets: tuple[tuple[str, str], ...] = ()
     hairpin: tuple[str, ...] = ()
     digest: str = ""
+    #: its localhost NodePort's listener on 127.0.0.1 (``localhost``: the relay, not the table; not in the digest)
+    localhost: Listen | None = None
 
     @property
     def comment(self) -> str:
@@ -156,7 +159,9 @@ def render_service(sp: ServicePort, ctx: FamilyContext) -> Fragment:
     loadBalancerSourceRanges as a firewall, ClientIP affinity in chains of the service's own."""
     if not sp.affinity_timeout and not sp.has_external_addresses:
         return _render_cluster_ip_only(sp, ctx)
-    return _render_general(sp, ctx)
+    frag = _render_general(sp, ctx)
+    listen = listen_for(sp, ctx)
+    return frag if listen is None else replace(frag, localhost=listen)
 
 
 def _render_general(sp: ServicePort, ctx: FamilyContext) -> Fragment:
