@@ -27,6 +27,17 @@ Layout (upstream's names and hashing):
   ranges), and per endpoint ``KUBE-SEP-`` (hairpin masquerade, ``recent --set``, DNAT). Chain names are
   base32(sha256(``ns/name:port`` + ``tcp``))[:16], plus ``ip:port`` for SEP chains.
 - ``KUBE-PROXY-CANARY`` in mangle, nat and filter of both families.
+- Localhost NodePorts (upstream's ``localhostNodePorts``, ``--iptables-localhost-nodeports``, default true; IPv4
+  only, and only when ``--nodeport-addresses`` lets loopback in: ``kproxy.nodeaddr``), as upstream: the last
+  ``KUBE-SERVICES`` rule matches every local address, loopback included (``! -d 127.0.0.0/8`` only when they are
+  off; ``! -d ::1/128`` always), ``net.ipv4.conf.all.route_localnet=1`` is set (checked on every full sync, never
+  set back), and upstream's copy of kubelet's ``KUBE-FIREWALL`` in filter holds the CVE-2020-8558 mitigation
+  (``block incoming localnet connections``: ``-d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate
+  RELATED,ESTABLISHED,DNAT -j DROP``), jumped to from INPUT and OUTPUT (``iptablesKubeletJumpChains``). Like
+  upstream, a full sync declares that chain (so it holds that one rule) while localhost NodePorts are served, and
+  neither ``cleanup`` nor turning them off removes it (it is kubelet's). The node's own client at 127.0.0.1 is
+  masqueraded by the ``KUBE-EXT-`` chain's rules (Cluster policy: every external destination; Local policy:
+  ``addrtype --src-type LOCAL``), which is what upstream's older ``-s 127.0.0.0/8 -j KUBE-MARK-MASQ`` did.
 
 Where kproxy deviates from upstream, and why:
 - Shared chains (KUBE-SERVICES, KUBE-NODEPORTS, ...) are rewritten only when a dirty service's lines in them
@@ -62,14 +73,8 @@ Where kproxy deviates from upstream, and why:
 - ``--nodeport-addresses`` CIDRs become ``-d CIDR -m addrtype --dst-type LOCAL`` (the node's addresses in that
   CIDR, following address changes without a resync) instead of one rule per address found at sync time;
   ``primary`` uses the Node's addresses.
-- Localhost NodePorts (upstream's ``localhostNodePorts``, on by default there) are not supported: NodePorts never
-  answer on 127.0.0.0/8 or ::1 (``! -d 127.0.0.0/8`` / ``! -d ::1/128``). Upstream's feature needs
-  ``net.ipv4.conf.all.route_localnet=1`` on the node plus its CVE-2020-8558 mitigation rule in kubelet's
-  ``KUBE-FIREWALL`` chain; kproxy changes neither that sysctl nor that chain. Clients on the node reach NodePorts
-  through the node's other addresses.
 - The INVALID drop in KUBE-FORWARD is always written (upstream omits it when nf_conntrack_tcp_be_liberal is set).
 - Upstream's largeClusterMode (more than 1,000 endpoints: no per-endpoint comments) is kept.
-- kubelet's ``KUBE-FIREWALL`` is neither created nor removed.
 - ``cleanup`` deletes only the built-in chains' jumps into kproxy's chains; an owned chain another program's chain
   jumps to (CNI portmap's ``CNI-HOSTPORT -j KUBE-MARK-MASQ``) is kept with what it reaches, and
   ``KUBE-POSTROUTING`` with ``KUBE-MARK-MASQ``. Upstream's cleanup restore fails on such a chain and so keeps the

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kproxy.model import IPFamily
+from kproxy.toolkit.netns import in_netns
 
 from .adopt import Adoption, Canon, KernelRules, canonical, kernel_service_chains
 from .layout import JUMP_RULES, Context, JumpRule
@@ -248,6 +249,38 @@ def read_rules(kernel: Kernel, family: IPFamily, ctx: Context) -> KernelRules:
                 chain, canon = canonical(line)
                 rules.setdefault(f"{table}/{chain}", []).append(canon)
     return KernelRules(ctx, rules)
+
+
+# ------------------------------------------------------------------------------------------ route_localnet
+
+ROUTE_LOCALNET = "/proc/sys/net/ipv4/conf/all/route_localnet"
+
+
+def ensure_route_localnet(netns: str | None) -> bool:
+    """``net.ipv4.conf.all.route_localnet=1`` in the backend's namespace, as upstream's ``NewProxier`` sets it while
+    it serves localhost NodePorts (a packet DNATed from 127.0.0.1 to a pod leaves the loopback device; without it
+    the kernel drops it as a martian); never set back, as upstream. Checked on every full sync, so a sysctl reset by
+    hand is set again; False (logged) when it cannot be set: the rules are written anyway."""
+
+    def ensure() -> bool:
+        with open(ROUTE_LOCALNET) as f:
+            if f.read().strip() == "1":
+                return False
+        with open(ROUTE_LOCALNET, "w") as f:
+            f.write("1")
+        return True
+
+    try:
+        changed = in_netns(netns, ensure, name="kproxy-sysctl")
+    except OSError as exc:
+        log.error("cannot set %s to 1: localhost NodePorts will not answer (%s)", ROUTE_LOCALNET, exc)
+        return False
+    if changed:
+        log.info(
+            "Setting route_localnet=1 to allow node-ports on localhost; to change this either disable "
+            "--iptables-localhost-nodeports or set --nodeport-addresses to filter loopback addresses"
+        )
+    return True
 
 
 # ------------------------------------------------------------------------------------------ applying payloads

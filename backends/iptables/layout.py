@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kproxy.config import ProxyConfig
 from kproxy.model import IPFamily, NodeInfo, ServicePortName
-from kproxy.nodeaddr import LOOPBACK, FamilyContext, LocalDetect, resolve
+from kproxy.nodeaddr import LOCALHOST, LOOPBACK, FamilyContext, LocalDetect, resolve
 
 # Top-level chains (upstream's const block).
 KUBE_SERVICES = "KUBE-SERVICES"
@@ -25,6 +25,9 @@ KUBE_MARK_MASQ = "KUBE-MARK-MASQ"
 KUBE_FORWARD = "KUBE-FORWARD"
 KUBE_PROXY_FIREWALL = "KUBE-PROXY-FIREWALL"
 KUBE_PROXY_CANARY = "KUBE-PROXY-CANARY"
+#: kubelet's chain (``pkg/kubelet/kubelet_network_linux.go``), of which upstream writes a copy holding the one rule
+#: that mitigates ``route_localnet`` (CVE-2020-8558) while it serves localhost NodePorts (``kubeletFirewallChain``)
+KUBELET_FIREWALL = "KUBE-FIREWALL"
 
 #: Upstream's largeClusterEndpointsThreshold: above this many endpoints, per-endpoint comments are left out.
 LARGE_CLUSTER_ENDPOINTS = 1000
@@ -44,6 +47,7 @@ N_SERVICES = "nat/" + KUBE_SERVICES
 N_NODEPORTS = "nat/" + KUBE_NODEPORTS
 N_POSTROUTING = "nat/" + KUBE_POSTROUTING
 N_MARK_MASQ = "nat/" + KUBE_MARK_MASQ
+F_KUBELET_FIREWALL = "filter/" + KUBELET_FIREWALL
 
 #: Upstream's order of declaration, per table.
 TOP_CHAINS: dict[str, tuple[str, ...]] = {
@@ -51,6 +55,12 @@ TOP_CHAINS: dict[str, tuple[str, ...]] = {
     "nat": (N_SERVICES, N_NODEPORTS, N_POSTROUTING, N_MARK_MASQ),
 }
 ALL_TOP = TOP_CHAINS["filter"] + TOP_CHAINS["nat"]
+#: the shared chains written as well while localhost NodePorts are served (``top_chains``); kubelet's, so never
+#: counted as kproxy's by ``verify`` nor removed by ``cleanup``, as upstream
+LOCALHOST_TOP_CHAINS: dict[str, tuple[str, ...]] = {
+    "filter": (*TOP_CHAINS["filter"], F_KUBELET_FIREWALL),
+    "nat": TOP_CHAINS["nat"],
+}
 
 NODEPORTS_COMMENT = '"kubernetes service nodeports; NOTE: this must be the last rule in this chain"'
 
@@ -67,8 +77,9 @@ class JumpRule:
 
     @property
     def spec(self) -> str:
-        """The rule as ``iptables-save`` prints it, without ``-A CHAIN``."""
-        return " ".join((*self.extra, "-m", "comment", "--comment", quote(self.comment), "-j", self.target))
+        """The rule as ``iptables-save`` prints it, without ``-A CHAIN`` (no comment match for kubelet's)."""
+        comment = ("-m", "comment", "--comment", quote(self.comment)) if self.comment else ()
+        return " ".join((*self.extra, *comment, "-j", self.target))
 
 
 _NEW = ("-m", "conntrack", "--ctstate", "NEW")
@@ -85,6 +96,11 @@ JUMP_RULES: tuple[JumpRule, ...] = (
     JumpRule("nat", "OUTPUT", KUBE_SERVICES, "kubernetes service portals"),
     JumpRule("nat", "PREROUTING", KUBE_SERVICES, "kubernetes service portals"),
     JumpRule("nat", "POSTROUTING", KUBE_POSTROUTING, "kubernetes postrouting rules"),
+)
+#: upstream's ``iptablesKubeletJumpChains``, ensured with the others while localhost NodePorts are served
+KUBELET_JUMP_RULES: tuple[JumpRule, ...] = (
+    JumpRule("filter", "INPUT", KUBELET_FIREWALL, ""),
+    JumpRule("filter", "OUTPUT", KUBELET_FIREWALL, ""),
 )
 
 
@@ -141,6 +157,18 @@ class Context:
     large_cluster: bool = False  # upstream's largeClusterMode: no per-endpoint comments (a 40% smaller payload)
     random_fully: bool = True
     drop_invalid: bool = True
+    #: localhost NodePorts served (``FamilyContext.localhost_nodeports``): KUBE-FIREWALL's rule and ``route_localnet``
+    localhost_nodeports: bool = False
+
+    @property
+    def top_chains(self) -> Mapping[str, tuple[str, ...]]:
+        """The shared chains a full sync declares and fills, per table (upstream's order)."""
+        return LOCALHOST_TOP_CHAINS if self.localhost_nodeports else TOP_CHAINS
+
+    @property
+    def jump_rules(self) -> tuple[JumpRule, ...]:
+        """The jumps from the built-in chains a full sync ensures."""
+        return JUMP_RULES + KUBELET_JUMP_RULES if self.localhost_nodeports else JUMP_RULES
 
 
 def make_context(
@@ -180,20 +208,25 @@ def context_for(fc: FamilyContext, mark: str, large_cluster: bool = False) -> Co
         nodeport_destinations=nodeport_destinations(fc),
         node_ips=fc.node_ips,
         large_cluster=large_cluster,
+        localhost_nodeports=fc.localhost_nodeports,
     )
 
 
 def nodeport_destinations(fc: FamilyContext) -> tuple[tuple[str, ...], ...]:
     """Arguments of each KUBE-SERVICES -> KUBE-NODEPORTS rule of one family, from the node context's NodePort
-    addresses (``kproxy.nodeaddr``: ``--nodeport-addresses`` with loopback left out; localhost NodePorts are not
-    supported, see __init__.py). Every local address but loopback is ``addrtype LOCAL`` minus loopback; CIDRs are
-    ``-d CIDR`` with ``addrtype LOCAL`` (upstream resolves the node's addresses inside each CIDR once per sync;
-    matching the CIDR together with dst-type LOCAL selects the same addresses and follows address changes without a
-    resync); ``primary`` addresses are ``-d IP``."""
+    addresses (``kproxy.nodeaddr``: ``--nodeport-addresses`` with loopback left out, localhost NodePorts decided
+    apart). Every local address is ``addrtype LOCAL``, minus loopback unless localhost NodePorts are served (as
+    upstream: ``! -d 127.0.0.0/8`` when ``localhostNodePorts`` is off, ``! -d ::1/128`` always); CIDRs are ``-d CIDR``
+    with ``addrtype LOCAL`` (upstream resolves the node's addresses inside each CIDR once per sync; matching the CIDR
+    together with dst-type LOCAL selects the same addresses and follows address changes without a resync);
+    ``primary`` addresses, and 127.0.0.1 when a CIDR lets loopback in, are ``-d IP``."""
     if fc.nodeport_all_local:
-        return (("-m", "addrtype", "--dst-type", "LOCAL", "!", "-d", str(LOOPBACK[fc.family])),)
+        local = ("-m", "addrtype", "--dst-type", "LOCAL")
+        return ((*local,) if fc.localhost_nodeports else (*local, "!", "-d", str(LOOPBACK[fc.family])),)
     dests: list[tuple[str, ...]] = [("-d", ip) for ip in fc.nodeport_ips]
     dests.extend(("-d", c, "-m", "addrtype", "--dst-type", "LOCAL") for c in fc.nodeport_cidrs)
+    if fc.localhost_nodeports:
+        dests.append(("-d", LOCALHOST))
     return tuple(dests)
 
 
@@ -253,4 +286,13 @@ def render_fixed(ctx: Context) -> dict[str, tuple[tuple[str, ...], tuple[str, ..
         N_MARK_MASQ: ((f"-A KUBE-MARK-MASQ -j MARK --or-mark {mark}",), ()),
         F_FORWARD: (tuple(forward), ()),
         N_SERVICES: ((), tail),
+        **({F_KUBELET_FIREWALL: ((LOCALNET_DROP,), ())} if ctx.localhost_nodeports else {}),
     }
+
+
+#: upstream's CVE-2020-8558 mitigation (``syncProxyRules``, and kubelet's identical copy): with ``route_localnet=1``
+#: a packet from elsewhere to 127.0.0.0/8 would be routed in; dropped unless it belongs to a DNATed connection
+LOCALNET_DROP = (
+    f"-A {KUBELET_FIREWALL} -m comment --comment {quote('block incoming localnet connections')} -d 127.0.0.0/8 "
+    "! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP"
+)

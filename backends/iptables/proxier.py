@@ -286,6 +286,8 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _S
         deletions, within the round."""
         if batch.scratch is None:
             batch.scratch = _Scratch()
+            if batch.full and batch.context.localhost_nodeports:
+                kernel.ensure_route_localnet(self.kernel.netns)
         frags = dict(batch.wanted)
         timings = {"build": 0.0, "apply": 0.0, "save": 0.0, "canary": self._canary_s.pop(batch.family, 0.0)}
         plan = self._plan(batch, frags)
@@ -312,7 +314,8 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _S
             if adoption.error:
                 return Applied(ok=False, error=adoption.error)
             if sc.jumps is None:
-                sc.jumps = [j for j in render.JUMP_RULES if f"{j.table}/-A {j.chain} {j.spec}" not in adoption.jumps]
+                jumps = batch.context.jump_rules
+                sc.jumps = [j for j in jumps if f"{j.table}/-A {j.chain} {j.spec}" not in adoption.jumps]
             # services an earlier round committed differ from the adoption read: they are written again
             write: list[ServicePortName] | None = [
                 *batch.written,
@@ -508,7 +511,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _S
                     w.full[1],
                     write=None,
                     top=None,
-                    jump_rules=render.JUMP_RULES,
+                    jump_rules=w.full[0].jump_rules,
                     canary=True,
                     chunk_lines=chunk,
                 )

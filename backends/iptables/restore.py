@@ -15,11 +15,9 @@ from kproxy.model import ServicePortName
 
 from . import layout
 from .layout import (
-    ALL_TOP,
     KUBE_PROXY_CANARY,
     N_MARK_MASQ,
     N_POSTROUTING,
-    TOP_CHAINS,
     Context,
     Fragment,
     JumpRule,
@@ -97,7 +95,7 @@ def build_restore(
     KUBE-PROXY-CANARY in mangle, filter and nat (full syncs).
     """
     fixed = layout.render_fixed(ctx)
-    top_set = set(ALL_TOP) if top is None else set(top)
+    top_set = set(ctx.top_chains["filter"] + ctx.top_chains["nat"]) if top is None else set(top)
     to_write = fragments.keys() if write is None else [s for s in write if s in fragments]
     deleting = sorted(set(delete_chains))
     jumps = list(jump_rules)
@@ -108,7 +106,7 @@ def build_restore(
         w.add(("*mangle", f":{KUBE_PROXY_CANARY} - [0:0]", "COMMIT"))
 
     for table in ("filter", "nat"):
-        keys = [k for k in TOP_CHAINS[table] if k in top_set]
+        keys = [k for k in ctx.top_chains[table] if k in top_set]
         own = table == "nat" and (to_write or deleting)
         tjumps = [j for j in jumps if j.table == table]
         if not keys and not own and not tjumps and not canary:
@@ -187,7 +185,7 @@ def build_restores(
             )
         ]
     # KUBE-MARK-MASQ (and KUBE-POSTROUTING with it) go first: every service chunk jumps to KUBE-MARK-MASQ.
-    top_set = set(ALL_TOP) if top is None else set(top)
+    top_set = set(ctx.top_chains["filter"] + ctx.top_chains["nat"]) if top is None else set(top)
     early = top_set & {N_MARK_MASQ, N_POSTROUTING}
     out: list[Restore] = []
     group: list[ServicePortName] = []
@@ -233,7 +231,7 @@ def stream_restores(
     ``chunk_lines``: KUBE-MARK-MASQ and KUBE-POSTROUTING in the first, whole services per chunk, and a last one with
     the shared chains (every service's lines), the missing jumps and ``delete_chains()``, asked for at the end.
     """
-    top_set = set(ALL_TOP) if top is None else set(top)
+    top_set = set(ctx.top_chains["filter"] + ctx.top_chains["nat"]) if top is None else set(top)
     early = top_set & {N_MARK_MASQ, N_POSTROUTING}
     seen: dict[ServicePortName, Fragment] = {}
     group: dict[ServicePortName, Fragment] = {}

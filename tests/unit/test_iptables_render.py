@@ -40,7 +40,7 @@ def golden(name: str, text: str) -> None:
 
 def full_payload(services: list[ServicePort], ctx: render.Context = CTX4) -> str:
     frags = {sp.name: render.render_service(sp, ctx) for sp in services}
-    return render.build_restore(ctx, frags, write=None, top=None, jump_rules=render.JUMP_RULES, canary=True).text
+    return render.build_restore(ctx, frags, write=None, top=None, jump_rules=ctx.jump_rules, canary=True).text
 
 
 # ------------------------------------------------------------------------------------------------ names
@@ -186,9 +186,10 @@ def test_nodeport_cluster_policy_masquerades_and_tail_rule() -> None:
     )
     assert f"-A KUBE-EXT-{h} -j KUBE-SVC-{h}" in got
     tail = render.render_fixed(CTX4)[render.N_SERVICES][1]
+    # upstream's rule with localhostNodePorts on (its default): loopback included, so 127.0.0.1:NODEPORT answers
     assert tail == (
         f"-A KUBE-SERVICES -m comment --comment {render.NODEPORTS_COMMENT} -m addrtype --dst-type LOCAL "
-        "! -d 127.0.0.0/8 -j KUBE-NODEPORTS",
+        "-j KUBE-NODEPORTS",
     )
     text = full_payload([sp])
     nat = text.split("*nat", 1)[1]
@@ -205,12 +206,35 @@ def test_nodeport_addresses_cidr_and_primary() -> None:
     ctx6 = render.make_context(CFG, NODE, IPFamily.V6)
     assert ctx6.nodeport_destinations == (("-m", "addrtype", "--dst-type", "LOCAL", "!", "-d", "::1/128"),)
     assert render.make_context(CFG, NODE, IPFamily.V4).nodeport_destinations == (
+        ("-m", "addrtype", "--dst-type", "LOCAL"),
+    )
+    assert render.make_context(CFG.with_(localhost_nodeports=False), NODE, IPFamily.V4).nodeport_destinations == (
         ("-m", "addrtype", "--dst-type", "LOCAL", "!", "-d", "127.0.0.0/8"),
     )
 
 
+def test_localhost_nodeports_as_upstream() -> None:
+    """Upstream's rules while it serves localhost NodePorts (``localhostNodePorts``, IPv4): its copy of kubelet's
+    ``KUBE-FIREWALL`` with the CVE-2020-8558 drop, jumped to from INPUT and OUTPUT; none of it otherwise."""
+    on = full_payload([svc("a", (ep("198.18.1.5"),), node_port=30080)])
+    drop = (
+        '-A KUBE-FIREWALL -m comment --comment "block incoming localnet connections" -d 127.0.0.0/8 '
+        "! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP"
+    )
+    filter_part = on.split("*filter", 1)[1].split("COMMIT", 1)[0].splitlines()
+    assert ":KUBE-FIREWALL - [0:0]" in filter_part and drop in filter_part
+    assert "-I INPUT 1 -j KUBE-FIREWALL" in filter_part and "-I OUTPUT 1 -j KUBE-FIREWALL" in filter_part
+    off_ctx = render.make_context(CFG.with_(localhost_nodeports=False), NODE, IPFamily.V4)
+    for ctx in (off_ctx, render.make_context(CFG, NODE, IPFamily.V6)):
+        text = full_payload([], ctx)
+        assert "KUBE-FIREWALL" not in text and not ctx.localhost_nodeports
+        assert ctx.jump_rules == render.JUMP_RULES
+    # partial syncs never declare (so never flush) kubelet's chain: only the full sync's shared chains do
+    assert render.KUBELET_FIREWALL not in render.build_restore(CTX4, {}, write=(), top=[render.N_SERVICES]).text
+
+
 def test_nodeport_addresses_match_all_and_loopback(caplog: pytest.LogCaptureFixture) -> None:
-    everything4 = (("-m", "addrtype", "--dst-type", "LOCAL", "!", "-d", "127.0.0.0/8"),)
+    everything4 = (("-m", "addrtype", "--dst-type", "LOCAL"),)  # localhostNodePorts on: loopback too
     everything6 = (("-m", "addrtype", "--dst-type", "LOCAL", "!", "-d", "::1/128"),)
     # a zero CIDR of the family means every local address, whatever else is listed
     cfg = CFG.with_(nodeport_addresses=("198.19.0.0/16", "0.0.0.0/0", "fd00:198:18::/48"))
@@ -225,19 +249,26 @@ def test_nodeport_addresses_match_all_and_loopback(caplog: pytest.LogCaptureFixt
         render.make_context(cfg.with_(nodeport_addresses=("198.19.0.0/16",)), NODE, IPFamily.V6).nodeport_destinations
         == everything6
     )
-    # loopback CIDRs are skipped, with an error in the log (once per process)
+    # a loopback CIDR serves 127.0.0.1 (upstream: the loopback address is one of the node IPs in the CIDR); with
+    # --iptables-localhost-nodeports=false, or in IPv6, it is skipped with an error in the log (once per process)
+    cfg = CFG.with_(nodeport_addresses=("127.0.0.0/8", "198.19.0.0/16", "::1/128", "127.0.0.1/32"))
+    assert render.make_context(cfg, NODE, IPFamily.V4).nodeport_destinations == (
+        ("-d", "198.19.0.0/16", "-m", "addrtype", "--dst-type", "LOCAL"),
+        ("-d", "127.0.0.1"),
+    )
     nodeaddr._log_once.cache_clear()  # the node context decides it, once for every backend
     with caplog.at_level("ERROR", logger=nodeaddr.__name__):
-        cfg = CFG.with_(nodeport_addresses=("127.0.0.0/8", "198.19.0.0/16", "::1/128", "127.0.0.1/32"))
-        assert render.make_context(cfg, NODE, IPFamily.V4).nodeport_destinations == (
+        off = cfg.with_(localhost_nodeports=False)
+        assert render.make_context(off, NODE, IPFamily.V4).nodeport_destinations == (
             ("-d", "198.19.0.0/16", "-m", "addrtype", "--dst-type", "LOCAL"),
         )
         assert render.make_context(cfg, NODE, IPFamily.V6).nodeport_destinations == ()
-        render.make_context(cfg, NODE, IPFamily.V4)
+        render.make_context(off, NODE, IPFamily.V4)
     logged = [r.getMessage() for r in caplog.records]
     assert sum("127.0.0.0/8" in m for m in logged) == 1 and any("::1/128" in m for m in logged), logged
-    # a CIDR around loopback becomes the CIDRs around it
-    cfg = CFG.with_(nodeport_addresses=("0.0.0.0/1",))
+    assert all("--iptables-localhost-nodeports=false" in m for m in logged if "127." in m), logged
+    # a CIDR around loopback becomes the CIDRs around it (and 127.0.0.1 alone, localhost NodePorts being on)
+    cfg = CFG.with_(nodeport_addresses=("0.0.0.0/1",), localhost_nodeports=False)
     dests = render.make_context(cfg, NODE, IPFamily.V4).nodeport_destinations
     assert [d[1] for d in dests] == [
         "0.0.0.0/2",
