@@ -124,9 +124,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
         self.pool = PortPool(
             parse_port_range(str(opts.get("proxy_port_range", DEFAULT_PORT_RANGE))), lambda fn: self.kernel.call(fn)
         )
-        self.engine = Engine(
-            netns, udp_timeout=self.udp_timeout, counting=config.service_counters, name="kproxy-userspace-datapath"
-        )
+        self.engine = Engine(netns, udp_timeout=self.udp_timeout, counting=config.service_counters)
         self.engine.on_dead = lambda ident: self.request_full(ident[0])  # a full sync binds a new socket
         self._started = False
         self.bound: dict[Ident, int] = {}  # every proxy socket the data path holds, and its port

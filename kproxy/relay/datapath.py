@@ -51,7 +51,11 @@ class Engine:
     """The event loop thread and every proxy socket (see the module docstring)."""
 
     def __init__(
-        self, netns: str | None = None, udp_timeout: float = 0.25, counting: bool = False, name: str = "kproxy-relay"
+        self,
+        netns: str | None = None,
+        udp_timeout: float = 0.25,
+        counting: bool = False,
+        name: str = "kproxy-relay",
     ) -> None:
         self.netns = netns
         self.name = name  # the loop thread's name, and the log's
