@@ -177,8 +177,9 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         f.problems += view.fixed  # every service goes through the fixed chains
         hairpin = view.maps.get(layout.HAIRPIN, {})
         f.problems += [f"{layout.HAIRPIN}: {key} missing" for key in fragment.hairpin if key not in hairpin]
-        if fragment.localhost is not None and view.family == IPFamily.V4:
-            f.check("localhost NodePort listener", self.localhost.held.get(name), fragment.localhost)
+        held = self.localhost.held.get(name) if view.family == IPFamily.V4 else None
+        if held != fragment.localhost:  # the relay's, not the table's: a problem, never what makes it "found"
+            f.problems.append(f"localhost NodePort listener is {held}, wanted {fragment.localhost}")
         return f.verdict()
 
     def verify_extra(self, view: TableView, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
