@@ -116,7 +116,9 @@ class ServiceCache:
         self._current: dict[IPFamily, dict[ServicePortName, ServicePort]] = {f: {} for f in IPFamily}
         self._views: dict[IPFamily, Mapping[ServicePortName, ServicePort]] = {f: MappingProxyType({}) for f in IPFamily}
         self._stale_views: set[IPFamily] = set()
-        self._ports_of: dict[NamespacedName, tuple[tuple[IPFamily, ServicePortName], ...]] = {}
+        # the Service whose templates the current ports came from (each template gave one (family, port) entry); the
+        # same object as in ``_services`` until the Service changes, so it costs one slot
+        self._ports_of: dict[NamespacedName, ServiceInfo] = {}
 
         self._generation = 0
         self._touched: set[NamespacedName] = set()
@@ -466,7 +468,8 @@ class ServiceCache:
                 new[(tmpl.family, tmpl.name)] = tmpl
             new = self._bounded(key, new)
         changed = False
-        for fam, spn in self._ports_of.pop(key, ()):
+        before = self._ports_of.pop(key, None)
+        for fam, spn in ((t.family, t.name) for t in before.ports) if before is not None else ():
             if (fam, spn) not in new:
                 del self._current[fam][spn]
                 self._dirty[spn] = gen
@@ -479,6 +482,6 @@ class ServiceCache:
                 self._dirty[spn] = gen
                 self._stale_views.add(fam)
                 changed = True
-        if new:
-            self._ports_of[key] = tuple(new)
+        if new and svc is not None:
+            self._ports_of[key] = svc
         return changed

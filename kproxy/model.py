@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class IPFamily(str, enum.Enum):
@@ -317,3 +321,24 @@ REFUSAL_REASONS = ("address-conflict", "capacity")
 def parse_ip(text: str) -> str:
     """Canonical text of an IP address (``::ffff:0:1`` style compression for v6); ValueError on garbage."""
     return str(ipaddress.ip_address(text))
+
+
+def shared_text(text: str) -> str:
+    """One string object for a name many objects repeat (namespaces, service, node, zone and port names): a list's
+    JSON gives every occurrence its own, 50 to 100 bytes each. Interned strings go when the last user drops them."""
+    return sys.intern(text) if type(text) is str else text  # a str subclass cannot be interned
+
+
+SHARED_MAX = 4096  # entries of one ``shared`` table: input decides what goes in, so it is bounded
+
+
+def shared(table: dict[Hashable, T], key: Hashable, value: T) -> T:
+    """The value stored in ``table`` under ``key`` (``value`` becomes it when the table has room): one object for
+    values many objects hold equal copies of (a slice's port set, an endpoint's hints). Values must never be
+    mutated once shared."""
+    found = table.get(key)
+    if found is not None:
+        return found
+    if len(table) < SHARED_MAX:
+        table[key] = value
+    return value
