@@ -283,7 +283,7 @@ def _weigh(out: SyncBench, prefix: str, cache: ServiceCache, state: ProxyState, 
         # the fake's "kernel" lives in the process: what it holds is not the ledger's (after a restart, the old
         # process's ServicePorts, which the new cache's equal but do not share)
         memory.Owner("fake_kernel", [backend.programmed] if out.mode == FAKE_MODE else []),
-        memory.Owner("ledger", [ledger] if ledger is not None else []),
+        memory.Owner("ledger", [ledger] if ledger is not None else [], stop=[backend]),  # it names its backend
         memory.Owner("backend", [backend]),
     ]
     figures = memory.breakdown(owners)
