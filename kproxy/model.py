@@ -11,12 +11,14 @@ from __future__ import annotations
 import enum
 import ipaddress
 import sys
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class IPFamily(str, enum.Enum):
@@ -189,6 +191,72 @@ class ServicePort:
     def addresses(self) -> tuple[str, ...]:
         """ClusterIP, externalIPs and load-balancer IPs (node ports are addressed by the node's own IPs)."""
         return (self.cluster_ip, *self.external_ips, *self.load_balancer_ips)
+
+
+class Overlaid(Mapping[K, V], Generic[K, V]):
+    """An immutable mapping made of a ``base`` dict and an ``overlay`` of what changed since (``None``: removed),
+    neither of which anyone mutates after: a snapshot that costs what changed, not the table (``ServiceCache``
+    publishes one per family per snapshot; kproxy.cache says when it starts a new base).
+
+    A lookup asks the overlay, then the base. Iteration, ``keys``/``items``/``values`` and equality read the merged
+    dict, built on first use and kept (a full sync reads every entry anyway: one C-level copy of the base).
+    """
+
+    __slots__ = ("_base", "_len", "_merged", "_overlay")
+
+    def __init__(self, base: Mapping[K, V], overlay: Mapping[K, V | None], length: int) -> None:
+        self._base, self._overlay, self._len = base, overlay, length
+        self._merged: dict[K, V] | None = None
+
+    def __getitem__(self, key: K) -> V:
+        if key in self._overlay:
+            value = self._overlay[key]
+            if value is None:
+                raise KeyError(key)
+            return value
+        return self._base[key]
+
+    def get(self, key: K, default: Any = None) -> Any:
+        if key in self._overlay:
+            value = self._overlay[key]
+            return default if value is None else value
+        return self._base.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        if key in self._overlay:
+            return self._overlay[key] is not None  # type: ignore[index]
+        return key in self._base
+
+    def __len__(self) -> int:
+        return self._len
+
+    def merged(self) -> Mapping[K, V]:
+        """Every entry in one dict (built once; never mutated)."""
+        merged = self._merged
+        if merged is None:
+            merged = dict(self._base)  # a dict's copy reuses its stored hashes: C speed
+            for key, value in self._overlay.items():
+                if value is None:
+                    merged.pop(key, None)
+                else:
+                    merged[key] = value
+            self._merged = merged
+        return merged
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self.merged())
+
+    def keys(self) -> KeysView[K]:
+        return self.merged().keys()
+
+    def items(self) -> ItemsView[K, V]:
+        return self.merged().items()
+
+    def values(self) -> ValuesView[V]:
+        return self.merged().values()
+
+    def __repr__(self) -> str:
+        return f"Overlaid({dict(self.merged())!r})"
 
 
 def _empty_labels() -> Mapping[str, str]:
