@@ -17,11 +17,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import socket
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from kproxy import validation as v
-from kproxy.model import Endpoint, IPFamily, NamespacedName, Protocol, ServicePort, shared, shared_text
+from kproxy.model import Endpoint, IPFamily, NamespacedName, Protocol, ServicePort, shared_text
 from kproxy.objects import ANNOTATION_TRIGGER_TIME, LABEL_SERVICE_NAME, Ignored, parse_time
 
 _MAX_SLICE_ENDPOINTS = 1000  # the API server's limits for one EndpointSlice
@@ -35,9 +36,19 @@ SliceKey = tuple[str, str]  # (namespace, slice name)
 # nodeName, zone, is_local, zone hints, node hints). Only while a slice is parsed: a slice keeps Endpoint objects.
 RawEndpoint = tuple[int, str, bool, bool, bool, "str | None", "str | None", bool, frozenset[str], frozenset[str]]
 
-# one dict per distinct port set (most slices of a cluster say ``http/TCP 8080``), one frozenset per hint set
-_PORT_SETS: dict[Hashable, dict[tuple[str, Protocol], int]] = {}
-_HINT_SETS: dict[Hashable, frozenset[str]] = {}
+PortItems = tuple[tuple[tuple[str, Protocol], int], ...]
+
+
+# One mapping per distinct port set (most slices of a cluster say ``http/TCP 8080``) and one frozenset per hint set,
+# not one per slice or endpoint: bounded memos (input decides what goes in), equal values in, the first one out.
+@functools.lru_cache(maxsize=4096)
+def _port_set(items: PortItems) -> Mapping[tuple[str, Protocol], int]:
+    return MappingProxyType(dict(items))
+
+
+@functools.lru_cache(maxsize=4096)
+def _hint_set(names: frozenset[str]) -> frozenset[str]:
+    return names
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -50,7 +61,7 @@ class SliceInfo:
 
     service: NamespacedName
     family: IPFamily
-    ports: dict[tuple[str, Protocol], int]  # (port name, protocol) -> port number
+    ports: Mapping[tuple[str, Protocol], int]  # (port name, protocol) -> port number (shared, read-only)
     endpoints: tuple[Endpoint, ...]  # sorted by address, with base_port
     trigger_time: float | None
     warning: str | None
@@ -189,7 +200,7 @@ def parse_slice(
     return (namespace, name), SliceInfo(
         service=NamespacedName(namespace, service_name),
         family=family,
-        ports=shared(_PORT_SETS, tuple(ports.items()), ports),
+        ports=_port_set(tuple(ports.items())),
         endpoints=endpoints,
         trigger_time=trigger_time,
         warning="; ".join(duplicates) or None,
@@ -300,8 +311,7 @@ def _hint_names(value: Any, what: str) -> frozenset[str]:
         names.append(v.string(hint.get("name"), f"{what}[{i}].name"))
     if not names:
         return _NO_HINTS
-    hints = frozenset(shared_text(n) for n in names)
-    return shared(_HINT_SETS, hints, hints)
+    return _hint_set(frozenset(shared_text(n) for n in names))
 
 
 class EndpointSliceCache:

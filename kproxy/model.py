@@ -11,12 +11,11 @@ from __future__ import annotations
 import enum
 import ipaddress
 import sys
-from collections.abc import Hashable, ItemsView, Iterator, KeysView, Mapping, ValuesView
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
-T = TypeVar("T")
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -395,18 +394,3 @@ def shared_text(text: str) -> str:
     """One string object for a name many objects repeat (namespaces, service, node, zone and port names): a list's
     JSON gives every occurrence its own, 50 to 100 bytes each. Interned strings go when the last user drops them."""
     return sys.intern(text) if type(text) is str else text  # a str subclass cannot be interned
-
-
-SHARED_MAX = 4096  # entries of one ``shared`` table: input decides what goes in, so it is bounded
-
-
-def shared(table: dict[Hashable, T], key: Hashable, value: T) -> T:
-    """The value stored in ``table`` under ``key`` (``value`` becomes it when the table has room): one object for
-    values many objects hold equal copies of (a slice's port set, an endpoint's hints). Values must never be
-    mutated once shared."""
-    found = table.get(key)
-    if found is not None:
-        return found
-    if len(table) < SHARED_MAX:
-        table[key] = value
-    return value

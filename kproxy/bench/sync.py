@@ -10,7 +10,8 @@ services only, as every published figure) with kproxy.bench.mixed's: NodePorts, 
 refuses fails the run: every synthetic service has addresses and ports of its own.
 
 Phases, each timed with ``time.perf_counter``:
-- ``absorb_s``: feeding every Service and EndpointSlice to ``ServiceCache`` (objects generated lazily);
+- ``absorb_s``: feeding every Service and EndpointSlice to ``ServiceCache`` as a list (``replace_services`` and
+  ``replace_slices``, as kproxy.sources.kube does; objects generated lazily);
 - ``snapshot_s``: the first ``snapshot()`` (all services recomputed);
 - ``full_sync_s``: that snapshot plus the backend's first (full) ``sync`` and the ``commit``;
 - ``partial_sync_s``: median over ``--repeat`` runs of: one endpoint of one service changes (``upsert_slice``),
@@ -164,13 +165,14 @@ class _State:
         self.variants: dict[int, int] = {}  # service index -> the variant its slice has now (partial syncs)
 
     def absorb(self, cache: ServiceCache, n_services: int) -> None:
-        """Every Service and EndpointSlice as a list would return them now (the partial syncs' changes included)."""
-        for i in range(1, n_services + 1):
-            cache.upsert_service(self.gen.service(i))
-        for i in range(1, n_services + 1):
-            cache.upsert_slice(self.gen.endpoint_slice(i, self.n_endpoints, variant=self.variants.get(i, 0)))
-        cache.mark_synced("services")
-        cache.mark_synced("endpointslices")
+        """Every Service and EndpointSlice as a list would return them now (the partial syncs' changes included),
+        handed over as kproxy.sources.kube hands a list: ``replace_services`` / ``replace_slices`` (which pause the
+        collector, as a real start or restart does)."""
+        cache.replace_services(self.gen.service(i) for i in range(1, n_services + 1))
+        variants, n_endpoints = self.variants, self.n_endpoints
+        cache.replace_slices(
+            self.gen.endpoint_slice(i, n_endpoints, variant=variants.get(i, 0)) for i in range(1, n_services + 1)
+        )
 
     def change_one(self, cache: ServiceCache, r: int, n_services: int) -> int:
         """Move one endpoint of a service that has endpoints, a different one each time, spread over the table."""
