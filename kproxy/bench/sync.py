@@ -262,7 +262,7 @@ def run_sync_bench(
         if out.full_sync_s > 0:
             out.partial_ratio = out.partial_sync_s / out.full_sync_s
         out.rss_mb = _peak_rss_mb()  # a running kproxy: the full and partial syncs
-        del cache, state  # the old process's cache and snapshot are gone with it
+        del cache, state, backend  # the old process's cache, snapshot and backend are gone with it (``live`` has it)
         _restart_phase(out, live, cls, config, gen, meter)
         out.restart_rss_mb = _peak_rss_mb()
         out.memory["phases"] = {k: asdict(v) for k, v in meter.phases.items()}
