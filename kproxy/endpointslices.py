@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import socket
 from collections.abc import Iterable, Mapping, Sequence
+from sys import intern
 from types import MappingProxyType
 from typing import Any
 
@@ -266,9 +267,9 @@ def _endpoint_fast(raw: Any, family: IPFamily, node_name: str) -> RawEndpoint | 
     if zone is not None and (type(zone) is not str or len(zone) > 63 or not _is_zone(zone)):
         return None
     if ep_node is not None:
-        ep_node = shared_text(ep_node)
+        ep_node = intern(ep_node)  # model.shared_text, without the call: the type was checked above
     if zone is not None:
-        zone = shared_text(zone)
+        zone = intern(zone)
     return (sort_key, ip, ready, serving, terminating, ep_node, zone, ep_node == node_name, _NO_HINTS, _NO_HINTS)
 
 

@@ -28,6 +28,7 @@ import gc
 import json
 import os
 import sys
+import time
 import types
 import warnings
 from collections.abc import Iterable, Sequence
@@ -66,11 +67,13 @@ def reset_peak() -> bool:
 
 @dataclass
 class PhaseMemory:
-    """Resident memory of one phase: where it ended (``rss_mb``) and its peak (``peak_mb``)."""
+    """Resident memory of one phase: where it ended (``rss_mb``) and its peak (``peak_mb``); and the process's CPU
+    time in it (``cpu_s``: on a shared machine, wall time says as much about the neighbours as about the phase)."""
 
     rss_mb: float
     peak_mb: float
     peak_reset: bool
+    cpu_s: float = 0.0
 
 
 class PhaseMeter:
@@ -79,12 +82,15 @@ class PhaseMeter:
     def __init__(self) -> None:
         self.phases: dict[str, PhaseMemory] = {}
         self._reset = False
+        self._cpu = 0.0
 
     def start(self) -> None:
         self._reset = reset_peak()
+        self._cpu = time.process_time()
 
     def stop(self, name: str) -> None:
-        self.phases[name] = PhaseMemory(rss_mb=rss_mb(), peak_mb=peak_mb(), peak_reset=self._reset)
+        cpu = time.process_time() - self._cpu
+        self.phases[name] = PhaseMemory(rss_mb=rss_mb(), peak_mb=peak_mb(), peak_reset=self._reset, cpu_s=cpu)
 
 
 def _shared() -> set[int]:

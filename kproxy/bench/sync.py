@@ -36,12 +36,12 @@ Phases, each timed with ``time.perf_counter``:
   (what ``/rules?service=`` and ``kproxy show --service`` do): p50 and max milliseconds and how many answers, so
   "``/rules`` never waits for a sync" is a figure;
 - ``rss_mb``: peak resident memory of the process that ran the phases; ``counts``: the backend's sizes;
-- ``memory``: where the bytes go (kproxy.bench.memory): ``phases`` gives each phase's resident set at its end and
-  its own peak (``absorb``, ``snapshot``, ``full_sync``, ``partial``, ``restart_absorb``, ``restart_snapshot``,
-  ``restart_sync``); ``bytes`` the live objects after the partial syncs (and after the restart's sync,
-  ``restart_bytes``) summed per owner (``cache``, ``snapshot``, ``fake_kernel``, ``ledger``, ``backend``: each object
-  counted once, by the first of these that holds it) and ``bytes_per_port`` / ``restart_bytes_per_port`` the same
-  per service port.
+- ``memory``: where the bytes go (kproxy.bench.memory): ``phases`` gives each phase's resident set at its end, its
+  own peak and the process's CPU time in it (``absorb``, ``snapshot``, ``full_sync``, ``partial``,
+  ``restart_absorb``, ``restart_snapshot``, ``restart_sync``); ``bytes`` the live objects after the partial syncs
+  (and after the restart's sync, ``restart_bytes``) summed per owner (``cache``, ``snapshot``, ``fake_kernel``,
+  ``ledger``, ``backend``: each object counted once, by the first of these that holds it) and ``bytes_per_port`` /
+  ``restart_bytes_per_port`` the same per service port.
 
 The restart runs for every mode: the fake's "kernel" (what it records as programmed) is handed to the fresh instance,
 as a real kernel keeps its tables when the process goes.

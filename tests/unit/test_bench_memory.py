@@ -70,7 +70,7 @@ def test_the_sync_bench_reports_where_the_bytes_go() -> None:
         "restart_snapshot",
         "restart_sync",
     }
-    assert all(p["rss_mb"] > 0 and p["peak_mb"] >= p["rss_mb"] for p in mem["phases"].values())
+    assert all(p["rss_mb"] > 0 and p["peak_mb"] >= p["rss_mb"] and p["cpu_s"] >= 0 for p in mem["phases"].values())
     for prefix in ("", "restart_"):
         per_port = mem[prefix + "bytes_per_port"]
         assert set(per_port) == {"cache", "snapshot", "fake_kernel", "ledger", "backend", "total"}
