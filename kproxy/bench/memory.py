@@ -125,7 +125,10 @@ def walk(owners: Iterable[Owner]) -> dict[str, dict[str, int]]:
             if oid in seen or isinstance(obj, _SKIP_TYPES):
                 continue
             seen.add(oid)
-            size += sys.getsizeof(obj)
+            try:
+                size += sys.getsizeof(obj)
+            except TypeError:  # an extension type without a size (a backend's kernel handle): counted, not weighed
+                pass
             count += 1
             refs = gc.get_referents(obj)
             if isinstance(obj, dict):  # a dict of str keys shows its values only to the collector

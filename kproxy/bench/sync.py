@@ -365,8 +365,8 @@ def _restart_phase(
     """A restarted kproxy: the old process is gone (its sockets and descriptors closed, its memory freed; the kernel
     state stays), and a new one builds its cache from a list, takes the first snapshot and syncs in full, adopting
     what the kernel holds. The new backend replaces the old in ``live`` as soon as it exists (the caller cleans up
-    with it)."""
-    backend = live.pop()
+    with ``live[-1]``)."""
+    backend = live[-1]
     forget = getattr(backend, "forget", None)
     if forget is not None:  # its memory must not count in the new process's
         forget()
@@ -374,9 +374,9 @@ def _restart_phase(
     fresh = cls(config)
     if out.mode == FAKE_MODE:  # the fake's "kernel" is its record of what it programmed: it outlives the process
         fresh.programmed = backend.programmed
+    live[:] = [fresh]  # the old instance goes with the old process
     del backend
     gc.collect()
-    live.append(fresh)
     fresh.start()
     cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
     meter.start()
