@@ -512,6 +512,7 @@ def format_table(b: SyncBench) -> str:
         ("peak RSS", f"{b.rss_mb:.1f} MB"),
         ("peak RSS with the restart", "-" if b.restart_rss_mb is None else f"{b.restart_rss_mb:.1f} MB"),
     ]
+    rows += _memory_rows(b.memory)
     rows += [(f"count {k}", str(v)) for k, v in sorted(b.counts.items())]
     if b.reference is not None:
         ref = b.reference
@@ -539,6 +540,19 @@ def format_table(b: SyncBench) -> str:
             " the built-in chains and the canary included; .../total = rules kproxy's chains hold)"
         )
     return text
+
+
+def _memory_rows(mem: Mapping[str, Any]) -> list[tuple[str, str]]:
+    rows = [
+        (f"RSS after {name} (its peak, its CPU)", f"{p['rss_mb']:.1f} MB ({p['peak_mb']:.1f} MB, {p['cpu_s']:.2f} s)")
+        for name, p in mem.get("phases", {}).items()
+    ]
+    for prefix, when in (("", "running"), ("restart_", "restarted")):
+        per_port = mem.get(prefix + "bytes_per_port")
+        if per_port:
+            parts = ", ".join(f"{k} {v:.0f}" for k, v in per_port.items() if k != "total")
+            rows.append((f"bytes per service port, {when}", f"{per_port['total']:.0f} ({parts})"))
+    return rows
 
 
 def render(b: SyncBench, fmt: str) -> str:
