@@ -104,7 +104,7 @@ static __always_inline int kp_v4_mapped(struct bpf_sock_addr *ctx)
 }
 
 /* Slots an affinity entry's backend is looked for in when it is no longer in the slot it was chosen from: a
- * scale-down moves the last slot's backend into the freed one (backends/bpf/render.py, _stable_slots), and its
+ * scale-down moves the last slot's backend into the freed one (backends/bpf/plan.py, _stable_slots), and its
  * clients keep it, as upstream's per-endpoint affinity keeps them. In a service with more endpoints, the clients of
  * a backend that moved to a slot beyond these choose again. */
 #define KP_AFF_SCAN 256

@@ -344,7 +344,7 @@ def test_a_connected_udp_socket_to_a_removed_backend_is_ended(place: tuple[str, 
 def test_a_restarted_kproxy_keeps_the_attached_programs_of_its_build(place: tuple[str, dict[str, str]]) -> None:
     """A second start (a restarted kproxy of the same build) adopts the attached programs: same ids, nothing
     swapped; programs whose maps are not the pinned ones any more are replaced."""
-    from kproxy.backends.bpf import inspect, loader
+    from kproxy.backends.bpf import cleanup, loader
     from kproxy.backends.bpf.proxier import BpfProxier
 
     ns, opts = place
@@ -362,7 +362,7 @@ def test_a_restarted_kproxy_keeps_the_attached_programs_of_its_build(place: tupl
         assert sorted(d["id"] for d in loader.ours(loader.attached(cg))) == ids
     finally:
         second.close()
-    inspect.remove_tree(Path(opts["bpf_pin_path"]))  # the maps the programs read are no longer the pinned ones
+    cleanup.remove_tree(Path(opts["bpf_pin_path"]))  # the maps the programs read are no longer the pinned ones
     third = BpfProxier(_config(opts), netns=ns)
     try:
         third.start()
@@ -375,7 +375,7 @@ def test_a_restarted_kproxy_keeps_the_attached_programs_of_its_build(place: tupl
 HOST_BIND_SCRIPT = """
 import json, subprocess, sys, time
 from pathlib import Path
-from kproxy.backends.bpf import loader
+from kproxy.backends.bpf import cleanup, loader
 loader.HOST_BPFFS = Path(sys.argv[1])
 loader.PIN_ROOT = Path(sys.argv[2])
 out = {}
@@ -403,7 +403,7 @@ print(json.dumps(out))
 
 
 def test_the_labs_bpffs_bind_goes_with_the_last_user() -> None:
-    """``lab_options`` binds the machine's bpffs outside /sys (``loader.ensure_host_bind``); ``cleanup`` (lab down)
+    """``lab_prepare`` binds the machine's bpffs outside /sys (``loader.ensure_host_bind``); ``cleanup`` (lab down)
     undoes it once no pins are left and no process of another mount namespace sees it. Run in a private mount
     namespace with a bind point and pin root of the test's own, so the machine's mounts are never touched."""
     tag = uuid.uuid4().hex[:8]

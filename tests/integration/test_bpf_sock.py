@@ -465,7 +465,7 @@ print(json.dumps({{"cookie": cookie, "ports": got}}))
 def test_clientip_affinity_keeps_a_backend_that_a_scale_down_moved_to_another_slot(
     place: tuple[str, dict[str, str]],
 ) -> None:
-    """A scale-down moves the last slot's backend into the slot freed (``render._stable_slots``). Its clients keep
+    """A scale-down moves the last slot's backend into the slot freed (``planner._stable_slots``). Its clients keep
     it (upstream keeps affinity per endpoint): the program finds it in its new slot and the entry names that slot.
     Set up by hand each round: the client's affinity entry names the backend of the last of 8 slots; then the
     backend of slot 1 goes. Three rounds: a program that chose again would keep the backend in only 1 of 7 each."""
