@@ -113,6 +113,11 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         self._metric_entries: Any = None
         self._counts: dict[IPFamily, dict[str, int]] = {}  # the last apply's figures per family, for describe()
         self.attached: list[str] = []
+        # older copies of the programs that ``start`` replaced (they read other maps: an upgrade with another map
+        # layout, pins lost while kproxy was down), left attached until every family's first full sync has filled
+        # the maps the new ones read: attached first, they run first and keep translating meanwhile
+        self._replaced: list[dict[str, Any]] = []
+        self._filled: set[IPFamily] = set()
         self._reaper = sockets.Reaper()
         self.last_reap: Future[int] | None = None
         self._last_full: tuple[IPFamily, list[Step]] | None = None
@@ -211,8 +216,12 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         loader.ensure_places(p)
         cleanup.record_places(p, self.netns)
         self._ensure_maps(every=True)  # created with the programs' specs: the compiler reopens them
-        self.attached = loader.attach_in_child(p)
+        self.attached, self._replaced = loader.attach_in_child(p, detach_old=False)
         log.info("bpf: attached %s to %s", ", ".join(self.attached), p.cgroup)
+        if self._replaced:
+            log.info(
+                "bpf: %d older programs stay attached until the first sync has filled the maps", len(self._replaced)
+            )
 
     def close(self) -> None:
         self._reaper.close()  # it reads the reverse-NAT map: before the fds go
@@ -327,13 +336,30 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         p = self._where()
         try:
             self._ensure_maps(every=True)
-            self.attached = loader.attach_in_child(p)
+            self.attached, _ = loader.attach_in_child(p)  # the maps were just filled: older copies go at once
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
             self._reattach_after = time.monotonic() + REATTACH_RETRY_S
             log.error("bpf: attaching the programs again failed (next try in %.0f s): %s", REATTACH_RETRY_S, exc)
             return
         self._reattach = False
         log.info("bpf: attached %s to %s again", ", ".join(self.attached), p.cgroup)
+
+    def _detach_replaced(self) -> None:
+        """The maps the new programs read hold every family now: the older copies ``start`` replaced go, and the pins
+        of an older map layout with them (nothing reads those maps any more)."""
+        p = self._where()
+        try:
+            loader.detach_ids(p.cgroup, self._replaced)
+            stale = loader.remove_stale_pins(p)
+        except (OSError, RuntimeError) as exc:
+            log.warning(
+                "bpf: detaching the replaced programs from %s failed (next full sync retries): %s", p.cgroup, exc
+            )
+            return
+        log.info("bpf: detached %d replaced programs from %s", len(self._replaced), p.cgroup)
+        if stale:
+            log.info("bpf: removed the pins of an older map layout: %s", ", ".join(stale))
+        self._replaced = []
 
     def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
         return render.summary(fragment)
@@ -403,6 +429,9 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
             self._kernel_read[fam] = read_at
         if batch.full:
             self._owed.discard(fam)
+            self._filled.add(fam)
+            if self._replaced and self._filled >= set(self.families):
+                self._detach_replaced()
             if self._reattach and fam is self.families[-1] and time.monotonic() >= self._reattach_after:
                 self._repair_programs()  # the maps hold everything again: the programs may read them
         self._reap_udp(batch)

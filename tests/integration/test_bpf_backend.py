@@ -343,7 +343,8 @@ def test_a_connected_udp_socket_to_a_removed_backend_is_ended(place: tuple[str, 
 
 def test_a_restarted_kproxy_keeps_the_attached_programs_of_its_build(place: tuple[str, dict[str, str]]) -> None:
     """A second start (a restarted kproxy of the same build) adopts the attached programs: same ids, nothing
-    swapped; programs whose maps are not the pinned ones any more are replaced."""
+    swapped; programs whose maps are not the pinned ones any more are replaced, once the first sync has filled the
+    maps the new ones read."""
     from kproxy.backends.bpf import cleanup, loader
     from kproxy.backends.bpf.proxier import BpfProxier
 
@@ -366,6 +367,10 @@ def test_a_restarted_kproxy_keeps_the_attached_programs_of_its_build(place: tupl
     third = BpfProxier(_config(opts), netns=ns)
     try:
         third.start()
+        # the older copies serve until the first sync has filled the new maps (test_bpf_restart.py), then go
+        both = sorted(d["id"] for d in loader.ours(loader.attached(cg)))
+        assert len(both) == 16 and set(ids) <= set(both)
+        assert third.sync(state(sp("a", "198.19.0.30", ("198.18.211.1",))), Changes(full=True)).ok
         now = sorted(d["id"] for d in loader.ours(loader.attached(cg)))
         assert len(now) == 8 and not set(now) & set(ids)
     finally:

@@ -293,7 +293,7 @@ def attach_with_peer(opts: dict[str, str], ns: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(bcc, "BPF", WithPeer)
     places = loader.places(opts, ns)
     b = loader.compile_programs(places)
-    assert len(loader.load_and_attach(b, places.cgroup)) == 8
+    assert len(loader.load_and_attach(b, places.cgroup)[0]) == 8
     assert all(x.exists() for x in peer_pins)
     return peer_pins
 
@@ -366,7 +366,7 @@ def test_an_ipv6_master_entry_pointing_at_a_missing_slot_fails_the_connect_at_on
             from kproxy.backends.bpf import loader
 
             places = loader.places(opts, ns)
-            assert len(loader.load_and_attach(loader.compile_programs(places, peer=False), places.cgroup)) == 8
+            assert len(loader.load_and_attach(loader.compile_programs(places, peer=False), places.cgroup)[0]) == 8
         fd = maps.obj_get(str(Path(opts["bpf_pin_path"]) / maps.pin_name("svc", IPFamily.V6)))
         try:
             slot = maps.lb_key(IPFamily.V6, GAP_VIP6, 80, 6, 1)
