@@ -16,7 +16,7 @@ or backend that vanishes between a program's lookups (kproxy shrinking the servi
 from a fresh master entry; still missing, the connect or sendmsg fails at once with EHOSTUNREACH (never an
 untranslated packet to an address nothing answers; ECONNREFUSED stays the answer of a service with no endpoints).
 
-Maps (pinned in the pin folder, versioned names ``<role><4|6>_v2``; Cilium's and Calico's shape):
+Maps (pinned in the pin folder, versioned names ``<role><4|6>_v3``; Cilium's and Calico's shape):
 - ``svc``: frontend address . port . protocol . slot -> slot 0 {count, flags (reject, drop, affinity, external),
   affinity timeout, reverse-NAT id}, slots 1..count {backend id}. One frontend per ClusterIP, externalIP,
   load-balancer IP, and NodePort on each of the node's NodePort addresses (so pods and host processes reach

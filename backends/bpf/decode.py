@@ -51,7 +51,7 @@ _BE4_DECODE = struct.Struct(">4sHBx")
 _BE6_DECODE = struct.Struct(">16sHBx")
 _RAW_KEY4 = struct.Struct("<6sHB3x")
 _RAW_KEY6 = struct.Struct("<18sHB3x")
-_SVC_SIZE = maps.LB_SERVICE.size  # 16: backend_id, affinity, count, rev_nat_id, flags, padding
+_SVC_SIZE = maps.LB_SERVICE.size  # 16: backend_id, affinity, count (16 bits), flags, padding, rev_nat_id
 _NAME_SIZE = maps.NAME_VAL.size
 _IS_ZERO = bytes([1] + [0] * 255)  # a bytes.translate table: 1 where a byte is zero, else 0
 _UNFILLED_ID = 0xFFFFFFFF
@@ -344,9 +344,9 @@ def fast_index(
     texts = _texts(family, maddr)
     ports = _u16(port_lo, port_hi)
     fkeys = list(zip(texts, map(ports.__getitem__, masters), map(protos.__getitem__, masters), strict=True))
-    flags = list(map(values[12::16].__getitem__, masters))
+    flags = list(map(values[10::16].__getitem__, masters))
     affs = list(map(vi[1::4].__getitem__, masters))
-    revs = list(map(vh[5::8].__getitem__, masters))
+    revs = list(map(vi[3::4].__getitem__, masters))
     index = FamilyIndex(family)
     index.rev_names = rev_names
     index.backends = backends
@@ -476,7 +476,7 @@ def general_index(
     key_fmt = _RAW_KEY4 if v4 else _RAW_KEY6
     raw_masters: dict[tuple[bytes, int], Master] = {}
     raw_slots: dict[tuple[bytes, int], dict[int, int]] = {}
-    for (ap, slot, proto), (bid, aff, n_slots, rev, flags) in zip(
+    for (ap, slot, proto), (bid, aff, n_slots, flags, rev) in zip(
         key_fmt.iter_unpack(svc_raw[0]), maps.LB_SERVICE.iter_unpack(svc_raw[1]), strict=True
     ):
         if slot == 0:

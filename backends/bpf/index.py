@@ -12,6 +12,9 @@ from kproxy.model import IPFamily, ServicePortName
 
 from .maps import Master
 
+#: the highest backend and reverse-NAT id (32 bits in the maps; 0 is "none")
+MAX_ID = 0xFFFFFFFF - 1
+
 #: frontend -> (flags, affinity, its backends' (address, port) sorted, rev_nat_id): what adoption and verify compare
 View = dict[tuple[str, int, int], tuple[int, int, tuple[tuple[str, int], ...], int]]
 
@@ -99,7 +102,7 @@ class FamilyIndex:
         if self.free_revs:
             return self.free_revs.pop()
         i = self.next_rev
-        if i > 0xFFFF:
-            raise OverflowError("no reverse-NAT id left (65,535 service ports per family)")
+        if i > MAX_ID:
+            raise OverflowError(f"no reverse-NAT id left ({MAX_ID:,} service ports per family)")
         self.next_rev += 1
         return i

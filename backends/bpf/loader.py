@@ -45,6 +45,8 @@ SOURCE = Path(__file__).resolve().parent.parent.parent / "bpf" / "kproxy_sock.c"
 BPF_F_ALLOW_MULTI = 2
 DEFAULT_MAP_SIZE = 1 << 20  # 10,000 services x 50 endpoints need 510,000 service entries and 500,000 backends
 LRU_SIZE = 65536
+#: the largest --bpf-map-size: a map's max_entries is 32 bits, and ids are the backend array's indexes
+MAX_MAP_SIZE = 0xFFFFFFFF
 PROG_PREFIX = "kp_"
 #: the socket-storage maps (``peer4_v2``, ``peer6_v2``): made and pinned by bcc (``compile_programs``), read by the
 #: programs alone; not in ``maps.ROLES`` (nothing in userspace reads or adopts them), but pinned like the others, so
@@ -224,6 +226,8 @@ _REAL: dict[Path, Path] = {}
 def places(options: Mapping[str, Any], netns: str | None = None) -> Places:
     """The pin folder and cgroup for these options (or the per-namespace defaults)."""
     size = int(options.get("bpf_map_size") or DEFAULT_MAP_SIZE)
+    if not 2 <= size <= MAX_MAP_SIZE:
+        raise ValueError(f"--bpf-map-size {size}: between 2 and {MAX_MAP_SIZE:,} entries")
     pin = str(options.get("bpf_pin_path") or "")
     cg = str(options.get("bpf_cgroup_path") or "")
     ino = None
@@ -312,6 +316,7 @@ def compile_programs(p: Places, *, peer: bool = True) -> Any:
         f"-I{SOURCE.parent}",
         f"-DKP_SVC_MAX={p.map_size}",
         f"-DKP_BE_MAX={p.map_size}",
+        f"-DKP_NAME_MAX={p.map_size}",
         f"-DKP_LRU_MAX={LRU_SIZE}",
     ]
     for fam in (IPFamily.V4, IPFamily.V6):

@@ -38,7 +38,7 @@ from kproxy.proxier import Availability, KernelProbe, LabNodeSpec, Option
 
 from . import adopt, cleanup, companion, kernel, loader, maps, plan, render, sockets, trace
 from .adopt import Adopted
-from .index import FamilyIndex
+from .index import MAX_ID, FamilyIndex
 from .kernel import Step
 from .render import Context, Fragment
 
@@ -92,9 +92,10 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
             "bpf_map_size",
             int,
             loader.DEFAULT_MAP_SIZE,
-            "entries of the service map and the backend array (default holds 10,000 services x 50 endpoints; the "
-            "array is preallocated: 8 bytes per entry for IPv4 and 24 for IPv6, 32 MB at the default); a service "
-            "that does not fit is refused with the reason and counted in kproxy_service_ports_refused",
+            "entries of every map that grows with services: the service map, the backend array and the names map "
+            "(default holds 10,000 services x 50 endpoints; the array is preallocated: 8 bytes per entry for IPv4 "
+            "and 24 for IPv6, 32 MB at the default); a service port that does not fit is refused with the reason "
+            "and counted in kproxy_service_ports_refused; a change needs `kproxy cleanup` first",
         ),
     )
 
@@ -375,12 +376,15 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         }
 
     def limits(self, family: IPFamily) -> Limits:
-        """What the maps hold (the core refuses a service port that does not fit, before it is rendered): the
-        service map ``--bpf-map-size`` entries (a master and a slot per backend, per frontend), the backend array as
-        many backends less one (id 0 is "none"), 65,535 reverse-NAT ids and 65,535 slots per frontend (16 bits
-        each)."""
+        """What the maps hold (the core refuses a service port that does not fit, before it is rendered), all sized
+        by ``--bpf-map-size``: the service map that many entries (a master and a slot per backend, per frontend),
+        the backend array as many backends less one (id 0 is "none": backend ids are its indexes), the names map as
+        many service ports (one reverse-NAT id each: 32 bits, so the map size is the limit); 65,535 slots per
+        frontend (the 16-bit slot of a service-map key)."""
         size = self._where().map_size
-        return Limits(service_ports=0xFFFF, endpoints_per_port=0xFFFF, entries=size, endpoints=size - 1)
+        return Limits(
+            service_ports=min(size, MAX_ID), endpoints_per_port=0xFFFF, entries=size, endpoints=min(size - 1, MAX_ID)
+        )
 
     # -- apply ----------------------------------------------------------------------------------------------------
 

@@ -528,7 +528,7 @@ def test_clientip_affinity_keeps_a_backend_that_a_scale_down_moved_to_another_sl
                 ids, by_id, rev = slots(svc_fd, be_fd)
                 assert len(ids) == 8
                 last = ids[-1]
-                key = maps.AFF_KEY.pack(cookie, rev, 0, 0)
+                key = maps.AFF_KEY.pack(cookie, rev, 0)
                 maps.update_batch(aff_fd, [key], [maps.AFF_VAL.pack(int(time.monotonic()), last, 8)])
                 assert client(3)["ports"] == [by_id[last]] * 3, "the entry written by hand is honoured"
                 gone = by_id[ids[0]]

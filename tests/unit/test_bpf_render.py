@@ -343,3 +343,33 @@ def test_a_full_sync_that_frees_ids_hands_each_out_once_afterwards() -> None:
     slots = [bid for st in index.fronts.values() for bid in st.slots]
     assert len(slots) == len(set(slots)) == 9
     assert sorted(index.backends) == sorted(slots)
+
+
+def test_reverse_nat_and_backend_ids_past_16_bits_round_trip_through_the_maps() -> None:
+    """Ids are 32 bits in the maps (issue 22: past 65,535 frontends): a service planned with a reverse-NAT id and
+    backend ids above 65,535 is written with them, and both decoders read them back."""
+    from kproxy.backends.bpf import decode
+    from kproxy.backends.bpf.index import MAX_ID
+
+    index = FamilyIndex(IPFamily.V4)
+    index.next_rev, index.next_backend = 70_001, 1_000_000
+    web = svc("web")
+    svc_m, be_m, name_m = _kernel(index, [_plan(index, spn("web"), web)])
+    master = svc_m[maps.lb_key(IPFamily.V4, "198.19.0.10", 80, 6, 0)]
+    _bid, _aff, count, rev, _flags = maps.decode_service(master)
+    assert (count, rev) == (3, 70_001)
+    assert name_m[maps.name_key(70_001)] == maps.name_value("ns1/web:http/TCP")
+    assert sorted(maps.BACKEND_ID.unpack(k)[0] for k in be_m) == [1_000_000, 1_000_001, 1_000_002]
+    raw = (b"".join(svc_m), b"".join(svc_m.values()))
+    be_raw = (b"".join(be_m), b"".join(be_m.values()))
+    name_raw = (b"".join(name_m), b"".join(name_m.values()))
+    for got in (
+        decode.fast_index(IPFamily.V4, raw, be_raw, name_raw),
+        decode.general_index(IPFamily.V4, raw, be_raw, name_raw),
+    ):
+        assert got is not None
+        adopted, view = got
+        assert adopted.rev_names == {70_001: "ns1/web:http/TCP"} and adopted.next_rev == 70_002
+        assert set(adopted.backends) == {1_000_000, 1_000_001, 1_000_002}
+        assert adopt.unchanged(adopted, view, {70_001: 1}, spn("web"), render.render(web, CTX))
+    assert MAX_ID == 2**32 - 2
