@@ -220,9 +220,9 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         self.attached, self._replaced = loader.attach_in_child(p, detach_old=False)
         log.info("bpf: attached %s to %s", ", ".join(self.attached), p.cgroup)
         if self._replaced:
-            log.info(
-                "bpf: %d older programs stay attached until the first sync has filled the maps", len(self._replaced)
-            )
+            log.info("bpf: %d older programs stay attached until the first sync fills the maps", len(self._replaced))
+        else:
+            self._remove_stale_pins(p)  # no older program reads them
 
     def close(self) -> None:
         self._reaper.close()  # it reads the reverse-NAT map: before the fds go
@@ -351,16 +351,22 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         p = self._where()
         try:
             loader.detach_ids(p.cgroup, self._replaced)
-            stale = loader.remove_stale_pins(p)
         except (OSError, RuntimeError) as exc:
-            log.warning(
-                "bpf: detaching the replaced programs from %s failed (next full sync retries): %s", p.cgroup, exc
-            )
+            log.warning("bpf: detaching the replaced programs from %s failed (retried): %s", p.cgroup, exc)
             return
         log.info("bpf: detached %d replaced programs from %s", len(self._replaced), p.cgroup)
+        self._replaced = []
+        self._remove_stale_pins(p)
+
+    @staticmethod
+    def _remove_stale_pins(p: loader.Places) -> None:
+        try:
+            stale = loader.remove_stale_pins(p)
+        except OSError as exc:
+            log.warning("bpf: removing the pins of an older map layout in %s failed: %s", p.pin_dir, exc)
+            return
         if stale:
             log.info("bpf: removed the pins of an older map layout: %s", ", ".join(stale))
-        self._replaced = []
 
     def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
         return render.summary(fragment)

@@ -426,8 +426,9 @@ def test_a_record_of_another_namespace_with_the_same_inode_is_left_alone(place: 
 
 
 def test_start_removes_the_pins_of_an_older_map_version(place: tuple[str, dict[str, str]]) -> None:
-    """An upgrade that renames the maps (``maps.MAPS_VERSION``) leaves none of the old maps pinned once the new
-    programs are attached; a pin that is not one of kproxy's map names stays."""
+    """An upgrade that renames the maps (``maps.MAPS_VERSION``) leaves none of the old maps pinned once nothing reads
+    them: at start when no older program is attached (else after the first sync: test_bpf_restart.py); a pin that is
+    not one of kproxy's map names stays."""
     from kproxy.backends.bpf import maps
     from kproxy.backends.bpf.proxier import BpfProxier
 
