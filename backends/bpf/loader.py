@@ -48,7 +48,7 @@ LRU_SIZE = 65536
 #: the largest --bpf-map-size: a map's max_entries is 32 bits, and ids are the backend array's indexes
 MAX_MAP_SIZE = 0xFFFFFFFF
 PROG_PREFIX = "kp_"
-#: the socket-storage maps (``peer4_v2``, ``peer6_v2``): made and pinned by bcc (``compile_programs``), read by the
+#: the socket-storage maps (``peer4_v3``, ``peer6_v3``): made and pinned by bcc (``compile_programs``), read by the
 #: programs alone; not in ``maps.ROLES`` (nothing in userspace reads or adopts them), but pinned like the others, so
 #: ``pinned_ids``, ``programs_problem`` and cleanup know them
 PEER_ROLE = "peer"

@@ -1,6 +1,6 @@
 """The bpf mode's places, peer storage and companion table on the real kernel (the review of bpf-fix2): connected UDP
 sockets ended when their backend goes even after the reverse-NAT LRU lost their entry; the programs built with socket
-storage for connected TCP peers (pinned ``peer4_v2``/``peer6_v2``, known to the check and to cleanup); NodePorts of
+storage for connected TCP peers (pinned ``peer4_v3``/``peer6_v3``, known to the check and to cleanup); NodePorts of
 the companion table only on ``--nodeport-addresses`` and never on loopback; the companion table only while some
 service needs it; a changed ``--bpf-cgroup-path`` leaving no programs on the old cgroup; the places record honoured
 only by the namespace it belongs to (inodes are reused, the cookie is not).
@@ -151,7 +151,7 @@ print(json.dumps(r))
 def test_the_programs_keep_tcp_peers_in_socket_storage_and_cleanup_removes_them(
     place: tuple[str, dict[str, str]],
 ) -> None:
-    """``start`` builds the programs with the peer maps (bcc pins ``peer4_v2``/``peer6_v2``): TCP connections show the
+    """``start`` builds the programs with the peer maps (bcc pins ``peer4_v3``/``peer6_v3``): TCP connections show the
     ClusterIP as their peer and leave nothing in the reverse-NAT LRU; the check before each sync finds the programs
     reading the pinned maps (peer maps included: no re-attach); a restart keeps them; cleanup leaves nothing."""
     from kproxy.backends.bpf import loader, maps
