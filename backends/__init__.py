@@ -9,7 +9,8 @@ Adding a mode ``foo`` is this list:
 
 1. ``kproxy/proxier.py``: add ``Mode("foo", "one line")`` to ``MODES`` (the only place the core names a mode).
 2. ``pyproject.toml``: ``foo = "kproxy.backends.foo.proxier:FooProxier"`` under the ``kproxy.backends``
-   entry-point group; add ``kproxy.backends.foo`` to the "Backends never import each other" contract in
+   entry-point group and ``"kproxy.backends.foo"`` in ``packages`` (this folder is installed as ``kproxy.backends``
+   through ``package-dir``); add ``backends.foo`` to the "Backends never import each other" contract in
    ``.importlinter``.
 3. ``backends/foo/__init__.py``: a docstring with the layout, the reasons for it (their figures go to
    docs/PERFORMANCE.md), every deviation from upstream, and the conformance scenarios that are not applicable (with

@@ -9,7 +9,8 @@
  * translation (UDP replies, getpeername) and for ClientIP affinity; optionally socket storage for connected TCP
  * sockets. Every struct is packed with explicit padding, so Python writes exactly the bytes the programs read.
  *
- * Map sizes and pin paths come from kproxy as macros (KP_SVC_MAX, KP_BE_MAX, KP_LRU_MAX, KP_PIN_*), so a restarted
+ * Map sizes and pin paths come from kproxy as macros (KP_SVC_MAX, KP_BE_MAX, KP_NAME_MAX, KP_LRU_MAX, KP_PIN_*), so a
+ * restarted
  * kproxy reopens the same pinned maps.
  */
 #ifndef KPROXY_LB_H
@@ -37,14 +38,16 @@ struct kp_lb6_key {
 	__u8 pad[3];
 } __attribute__((packed));
 
-/* master entry: count, flags, affinity_timeout, rev_nat_id; slot entry: backend_id only */
+/* master entry: count, flags, affinity_timeout, rev_nat_id; slot entry: backend_id only. Backend and reverse-NAT ids
+ * are 32 bits (a million frontends and backends and more; Cilium's 16-bit ids stop at 65,535: cilium#39236); the
+ * slot count stays 16 bits (endpoints of one service port). */
 struct kp_lb_service {
 	__u32 backend_id;
 	__u32 affinity_timeout; /* seconds */
 	__u16 count;
-	__u16 rev_nat_id;
 	__u8 flags;
-	__u8 pad[3];
+	__u8 pad;
+	__u32 rev_nat_id;
 } __attribute__((packed));
 
 struct kp_lb4_backend {
@@ -72,7 +75,8 @@ struct kp_rev4_key {
 struct kp_rev4_val {
 	__be32 address;
 	__be16 port;
-	__u16 rev_nat_id;
+	__u16 pad;
+	__u32 rev_nat_id;
 } __attribute__((packed));
 
 struct kp_rev6_key {
@@ -85,7 +89,8 @@ struct kp_rev6_key {
 struct kp_rev6_val {
 	__u32 address[4];
 	__be16 port;
-	__u16 rev_nat_id;
+	__u16 pad;
+	__u32 rev_nat_id;
 } __attribute__((packed));
 
 /* per-socket storage of a connected TCP socket (BPF_MAP_TYPE_SK_STORAGE, only when kproxy defines KP_PIN_PEER4 and
@@ -95,27 +100,24 @@ struct kp_rev6_val {
 struct kp_peer4_val {
 	__be32 backend;
 	__be16 backend_port;
-	__u16 rev_nat_id;
-	__be32 frontend;
 	__be16 frontend_port;
-	__u16 pad;
+	__be32 frontend;
+	__u32 rev_nat_id;
 } __attribute__((packed));
 
 struct kp_peer6_val {
 	__u32 backend[4];
 	__be16 backend_port;
-	__u16 rev_nat_id;
-	__u32 frontend[4];
 	__be16 frontend_port;
-	__u16 pad;
+	__u32 frontend[4];
+	__u32 rev_nat_id;
 } __attribute__((packed));
 
 /* affinity: (client network namespace cookie, frontend's rev_nat_id) -> the backend chosen, when */
 struct kp_aff_key {
 	__u64 client_cookie;
-	__u16 rev_nat_id;
-	__u16 pad;
-	__u32 pad2;
+	__u32 rev_nat_id;
+	__u32 pad;
 } __attribute__((packed));
 
 struct kp_aff_val {

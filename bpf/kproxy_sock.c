@@ -45,8 +45,8 @@ BPF_TABLE_PINNED("hash", struct kp_lb4_key, struct kp_lb_service, kp_svc4, KP_SV
 BPF_TABLE_PINNED("array", __u32, struct kp_lb4_backend, kp_be4, KP_BE_MAX, KP_PIN_BE4);
 BPF_TABLE_PINNED("lru_hash", struct kp_rev4_key, struct kp_rev4_val, kp_rev4, KP_LRU_MAX, KP_PIN_REV4);
 BPF_TABLE_PINNED("lru_hash", struct kp_aff_key, struct kp_aff_val, kp_aff4, KP_LRU_MAX, KP_PIN_AFF4);
-BPF_TABLE_PINNED("hash", __u32, struct kp_svc_name, kp_name4, 65536, KP_PIN_NAME4, BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("hash", __u32, struct kp_svc_name, kp_name6, 65536, KP_PIN_NAME6, BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", __u32, struct kp_svc_name, kp_name4, KP_NAME_MAX, KP_PIN_NAME4, BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", __u32, struct kp_svc_name, kp_name6, KP_NAME_MAX, KP_PIN_NAME6, BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", struct kp_lb6_key, struct kp_lb_service, kp_svc6, KP_SVC_MAX, KP_PIN_SVC6, BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("array", __u32, struct kp_lb6_backend, kp_be6, KP_BE_MAX, KP_PIN_BE6);
 BPF_TABLE_PINNED("lru_hash", struct kp_rev6_key, struct kp_rev6_val, kp_rev6, KP_LRU_MAX, KP_PIN_REV6);
@@ -64,7 +64,7 @@ BPF_TABLE_PINNED("sk_storage", int, struct kp_peer6_val, kp_peer6, 0, KP_PIN_PEE
 struct kp_master {
 	__u32 affinity_timeout;
 	__u16 count;
-	__u16 rev_nat_id;
+	__u32 rev_nat_id;
 	__u8 flags;
 };
 
@@ -104,7 +104,7 @@ static __always_inline int kp_v4_mapped(struct bpf_sock_addr *ctx)
 }
 
 /* Slots an affinity entry's backend is looked for in when it is no longer in the slot it was chosen from: a
- * scale-down moves the last slot's backend into the freed one (backends/bpf/render.py, _stable_slots), and its
+ * scale-down moves the last slot's backend into the freed one (backends/bpf/plan.py, _stable_slots), and its
  * clients keep it, as upstream's per-endpoint affinity keeps them. In a service with more endpoints, the clients of
  * a backend that moved to a slot beyond these choose again. */
 #define KP_AFF_SCAN 256
@@ -173,7 +173,7 @@ static __always_inline __u32 kp_pick(struct bpf_sock_addr *ctx, struct kp_master
 #ifdef KP_PEER
 /* The frontend of a connected TCP socket, in its socket storage; 0 when there is no storage to be had. */
 static __always_inline int kp_peer_put4(struct bpf_sock_addr *ctx, struct kp_lb4_backend *be, __be32 front,
-					__be16 front_port, __u16 rev_nat_id)
+					__be16 front_port, __u32 rev_nat_id)
 {
 	struct bpf_sock *sk = ctx->sk;
 	struct kp_peer4_val pv = {};
@@ -379,7 +379,7 @@ int kp_getpeername4(struct bpf_sock_addr *ctx)
 
 #ifdef KP_PEER
 static __always_inline int kp_peer_put6(struct bpf_sock_addr *ctx, struct kp_lb6_backend *be, struct kp_lb6_key *front,
-					__u16 rev_nat_id)
+					__u32 rev_nat_id)
 {
 	struct bpf_sock *sk = ctx->sk;
 	struct kp_peer6_val pv = {};

@@ -20,6 +20,7 @@ failed sync loses nothing (the bug upstream had: kubernetes#112604).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -29,7 +30,16 @@ from typing import Any
 from kproxy.config import DEFAULT_MAX_SERVICE_ENTRIES
 from kproxy.endpointslices import EndpointSliceCache, SliceKey, merge_endpoints, parse_slice
 from kproxy.gcpause import collector_paused as _gc_paused
-from kproxy.model import Changes, IPFamily, NamespacedName, NodeInfo, ProxyState, ServicePort, ServicePortName
+from kproxy.model import (
+    Changes,
+    IPFamily,
+    NamespacedName,
+    NodeInfo,
+    Overlaid,
+    ProxyState,
+    ServicePort,
+    ServicePortName,
+)
 from kproxy.objects import (
     ANNOTATION_TRIGGER_TIME,
     LABEL_HEADLESS,
@@ -68,6 +78,12 @@ SYNC_KINDS = ("services", "endpointslices", "nodes")
 
 _GC_PAUSE_OVER = 500  # services recomputed in one snapshot
 _TOO_BIG = "expands to"  # the start of an oversized Service's rejection
+
+
+def _overlay_max(services: int) -> int:
+    """Changes an overlay holds before a new base: ~4 x the square root of the table (1,300 at 100,000 service
+    ports), so a snapshot copies at most that many entries and a new base comes at most once per that many."""
+    return 4 * math.isqrt(services) + 64
 
 
 class ServiceCache:
@@ -114,9 +130,15 @@ class ServiceCache:
 
         # What the last snapshot handed out, per family, and which (family, port) each service contributed.
         self._current: dict[IPFamily, dict[ServicePortName, ServicePort]] = {f: {} for f in IPFamily}
+        # The published mapping of each family is a base copy of ``_current`` plus an overlay of what changed since
+        # (``model.Overlaid``): a snapshot copies the overlay, not the table (see ``_publish``).
         self._views: dict[IPFamily, Mapping[ServicePortName, ServicePort]] = {f: MappingProxyType({}) for f in IPFamily}
-        self._stale_views: set[IPFamily] = set()
-        self._ports_of: dict[NamespacedName, tuple[tuple[IPFamily, ServicePortName], ...]] = {}
+        self._bases: dict[IPFamily, dict[ServicePortName, ServicePort]] = {f: {} for f in IPFamily}
+        self._overlays: dict[IPFamily, dict[ServicePortName, ServicePort | None]] = {f: {} for f in IPFamily}
+        self._changed: dict[IPFamily, set[ServicePortName]] = {f: set() for f in IPFamily}  # since the last snapshot
+        # the Service whose templates the current ports came from (each template gave one (family, port) entry); the
+        # same object as in ``_services`` until the Service changes, so it costs one slot
+        self._ports_of: dict[NamespacedName, ServiceInfo] = {}
 
         self._generation = 0
         self._touched: set[NamespacedName] = set()
@@ -261,9 +283,10 @@ class ServiceCache:
             self._touched_services.clear()
             self._touched_endpoints.clear()
             self._pending_triggers.clear()
-            for fam in self._stale_views:
-                self._views[fam] = MappingProxyType(dict(self._current[fam]))
-            self._stale_views.clear()
+            for fam, names in self._changed.items():
+                if names:
+                    self._views[fam] = self._publish(fam, names)
+                    names.clear()
             state = ProxyState(services=MappingProxyType(dict(self._views)), node=self._node, generation=gen)
             changes = Changes(
                 full=full or self._full_owed is not None,
@@ -280,10 +303,12 @@ class ServiceCache:
         gen = changes.generation
         failed_set = set(failed)
         with self._lock:
-            for spn in [s for s, g in self._dirty.items() if g <= gen and s not in failed_set]:
-                del self._dirty[spn]
+            # a new dict, not deletions: a dict never shrinks, and one that held every service after a full sync
+            # would make each later snapshot's and commit's walk over it cost the whole table
+            dirty = {s: g for s, g in self._dirty.items() if g > gen or s in failed_set}
             for spn in failed_set:
-                self._dirty.setdefault(spn, gen)
+                dirty.setdefault(spn, gen)
+            self._dirty = dirty
             self._triggers = [tr for tr in self._triggers if tr[0] > gen]
             if changes.full and self._full_owed is not None and self._full_owed <= gen:
                 self._full_owed = None
@@ -443,6 +468,19 @@ class ServiceCache:
         self._errors[label] = why
         return {}
 
+    def _publish(self, fam: IPFamily, names: set[ServicePortName]) -> Mapping[ServicePortName, ServicePort]:
+        """The family's new published mapping after ``names`` changed: the base and a copy of the overlay of every
+        change since it, O(changes); once the overlay outgrows ``_overlay_max`` a new base is copied from
+        ``_current`` (O(services), once per that many changes: a few dict entries' copy per change, amortized)."""
+        current, overlay = self._current[fam], self._overlays[fam]
+        for spn in names:
+            overlay[spn] = current.get(spn)
+        if len(overlay) > _overlay_max(len(current)):
+            base = self._bases[fam] = dict(current)
+            self._overlays[fam] = {}
+            return MappingProxyType(base)
+        return Overlaid(self._bases[fam], dict(overlay), len(current))
+
     def _recompute(self, key: NamespacedName, gen: int) -> bool:
         """Rebuild one service's ServicePorts; mark dirty those whose value changed. True if any did."""
         new: dict[tuple[IPFamily, ServicePortName], ServicePort] = {}
@@ -466,19 +504,20 @@ class ServiceCache:
                 new[(tmpl.family, tmpl.name)] = tmpl
             new = self._bounded(key, new)
         changed = False
-        for fam, spn in self._ports_of.pop(key, ()):
+        before = self._ports_of.pop(key, None)
+        for fam, spn in ((t.family, t.name) for t in before.ports) if before is not None else ():
             if (fam, spn) not in new:
                 del self._current[fam][spn]
                 self._dirty[spn] = gen
-                self._stale_views.add(fam)
+                self._changed[fam].add(spn)
                 changed = True
         for (fam, spn), sp in new.items():
             current = self._current[fam]
             if current.get(spn) != sp:
                 current[spn] = sp
                 self._dirty[spn] = gen
-                self._stale_views.add(fam)
+                self._changed[fam].add(spn)
                 changed = True
-        if new:
-            self._ports_of[key] = tuple(new)
+        if new and svc is not None:
+            self._ports_of[key] = svc
         return changed

@@ -18,10 +18,12 @@ import dataclasses
 import functools
 import socket
 from collections.abc import Iterable, Mapping, Sequence
+from sys import intern
+from types import MappingProxyType
 from typing import Any
 
 from kproxy import validation as v
-from kproxy.model import Endpoint, IPFamily, NamespacedName, Protocol, ServicePort
+from kproxy.model import Endpoint, IPFamily, NamespacedName, Protocol, ServicePort, shared_text
 from kproxy.objects import ANNOTATION_TRIGGER_TIME, LABEL_SERVICE_NAME, Ignored, parse_time
 
 _MAX_SLICE_ENDPOINTS = 1000  # the API server's limits for one EndpointSlice
@@ -31,22 +33,41 @@ _NO_HINTS: frozenset[str] = frozenset()
 SliceKey = tuple[str, str]  # (namespace, slice name)
 
 
-# One endpoint of a slice before a port number is attached: (sort key, ip, ready, serving, terminating, nodeName,
-# zone, is_local, zone hints, node hints). A tuple, not an object: there are 100k of them at bench scale.
+# One endpoint of a slice as parsed, before a port number is attached: (sort key, ip, ready, serving, terminating,
+# nodeName, zone, is_local, zone hints, node hints). Only while a slice is parsed: a slice keeps Endpoint objects.
 RawEndpoint = tuple[int, str, bool, bool, bool, "str | None", "str | None", bool, frozenset[str], frozenset[str]]
+
+PortItems = tuple[tuple[tuple[str, Protocol], int], ...]
+
+
+# One mapping per distinct port set (most slices of a cluster say ``http/TCP 8080``) and one frozenset per hint set,
+# not one per slice or endpoint: bounded memos (input decides what goes in), equal values in, the first one out.
+@functools.lru_cache(maxsize=4096)
+def _port_set(items: PortItems) -> Mapping[tuple[str, Protocol], int]:
+    return MappingProxyType(dict(items))
+
+
+@functools.lru_cache(maxsize=4096)
+def _hint_set(names: frozenset[str]) -> frozenset[str]:
+    return names
 
 
 @dataclasses.dataclass(slots=True, eq=False)
 class SliceInfo:
-    """An EndpointSlice reduced to what the proxy reads; its endpoints get a port number per service port."""
+    """An EndpointSlice reduced to what the proxy reads.
+
+    ``endpoints`` are ``Endpoint`` objects sorted by address, carrying ``base_port`` (the lowest of the slice's port
+    numbers, 0 without ports): the raw parse is not kept. The endpoints of another port of the slice are built once
+    on first use (``endpoints_for``) and kept, so every snapshot shares the same objects."""
 
     service: NamespacedName
     family: IPFamily
-    ports: dict[tuple[str, Protocol], int]  # (port name, protocol) -> port number
-    endpoints: tuple[RawEndpoint, ...]  # sorted by address
+    ports: Mapping[tuple[str, Protocol], int]  # (port name, protocol) -> port number (shared, read-only)
+    endpoints: tuple[Endpoint, ...]  # sorted by address, with base_port
     trigger_time: float | None
     warning: str | None
-    memo: dict[int, tuple[Endpoint, ...]] = dataclasses.field(default_factory=dict)
+    base_port: int = 0
+    memo: dict[int, tuple[Endpoint, ...]] | None = None
 
     def same_as(self, other: SliceInfo) -> bool:
         return (
@@ -58,9 +79,13 @@ class SliceInfo:
 
     def endpoints_for(self, port: int) -> tuple[Endpoint, ...]:
         """The slice's endpoints with ``port`` attached, built once: every snapshot shares the same objects."""
+        if port == self.base_port:
+            return self.endpoints
+        if self.memo is None:
+            self.memo = {}
         eps = self.memo.get(port)
         if eps is None:
-            eps = self.memo[port] = tuple([_new_endpoint(r, port) for r in self.endpoints])
+            eps = self.memo[port] = tuple([_with_port(e, port) for e in self.endpoints])
         return eps
 
 
@@ -103,19 +128,26 @@ def _new_endpoint(r: RawEndpoint, port: int) -> Endpoint:
     return ep
 
 
+def _with_port(e: Endpoint, port: int) -> Endpoint:
+    raw = (0, e.ip, e.ready, e.serving, e.terminating, e.node_name, e.zone, e.is_local, e.zone_hints, e.node_hints)
+    return _new_endpoint(raw, port)
+
+
 def parse_slice(
     obj: Mapping[str, Any], families: Sequence[IPFamily], node_name: str, since: float
 ) -> tuple[SliceKey, SliceInfo]:
     """An EndpointSlice into its compact form; ``Ignored`` when it is not ours, ValueError when bad."""
     obj = v.mapping(obj, "EndpointSlice")
     meta = v.mapping(obj.get("metadata"), "metadata")
-    namespace = v.dns1123_label(meta.get("namespace"), "metadata.namespace")
+    # names every slice repeats are interned: one string per namespace, service, node, zone and port name, not one
+    # per object (a list's JSON gives each occurrence its own)
+    namespace = shared_text(v.dns1123_label(meta.get("namespace"), "metadata.namespace"))
     name = v.dns1123_subdomain(meta.get("name"), "metadata.name")
     labels = v.string_map(meta.get("labels"), "metadata.labels")
     service_name = labels.get(LABEL_SERVICE_NAME)
     if service_name is None:
         raise Ignored(f"no {LABEL_SERVICE_NAME} label")
-    v.dns1035_label(service_name, f"metadata.labels[{LABEL_SERVICE_NAME}]")
+    service_name = shared_text(v.dns1035_label(service_name, f"metadata.labels[{LABEL_SERVICE_NAME}]"))
     address_type = v.string(obj.get("addressType"), "addressType")
     if address_type == "FQDN":
         raise Ignored("addressType FQDN")
@@ -130,7 +162,7 @@ def parse_slice(
     for i, raw in enumerate(raw_ports):
         what = f"ports[{i}]"
         p = v.mapping(raw, what)
-        pname = v.port_name(p.get("name"), f"{what}.name")
+        pname = shared_text(v.port_name(p.get("name"), f"{what}.name"))
         proto = v.protocol(p.get("protocol"), f"{what}.protocol")
         if (pname, proto) in ports:
             raise ValueError(f"{what}: duplicate port {pname!r}/{proto.value}")
@@ -164,14 +196,16 @@ def parse_slice(
             if when is not None and when > since:
                 trigger_time = when
 
-    endpoints = tuple(sorted(by_ip.values(), key=lambda r: r[0]))
+    base_port = min(ports.values(), default=0)
+    endpoints = tuple([_new_endpoint(r, base_port) for r in sorted(by_ip.values(), key=lambda r: r[0])])
     return (namespace, name), SliceInfo(
         service=NamespacedName(namespace, service_name),
         family=family,
-        ports=ports,
+        ports=_port_set(tuple(ports.items())),
         endpoints=endpoints,
         trigger_time=trigger_time,
         warning="; ".join(duplicates) or None,
+        base_port=base_port,
     )
 
 
@@ -232,6 +266,10 @@ def _endpoint_fast(raw: Any, family: IPFamily, node_name: str) -> RawEndpoint | 
     zone = raw.get("zone")
     if zone is not None and (type(zone) is not str or len(zone) > 63 or not _is_zone(zone)):
         return None
+    if ep_node is not None:
+        ep_node = intern(ep_node)  # model.shared_text, without the call: the type was checked above
+    if zone is not None:
+        zone = intern(zone)
     return (sort_key, ip, ready, serving, terminating, ep_node, zone, ep_node == node_name, _NO_HINTS, _NO_HINTS)
 
 
@@ -254,10 +292,10 @@ def _endpoint_checked(raw: Any, what: str, family: IPFamily, node_name: str) -> 
     terminating = False if terminating_c is None else terminating_c
     ep_node = ep.get("nodeName")
     if ep_node is not None:
-        ep_node = v.dns1123_subdomain(ep_node, f"{what}.nodeName")
+        ep_node = shared_text(v.dns1123_subdomain(ep_node, f"{what}.nodeName"))
     zone = ep.get("zone")
     if zone is not None:
-        zone = v.label_value(zone, f"{what}.zone")
+        zone = shared_text(v.label_value(zone, f"{what}.zone"))
     zone_hints, node_hints = _NO_HINTS, _NO_HINTS
     hints = ep.get("hints")
     if hints is not None:
@@ -272,7 +310,9 @@ def _hint_names(value: Any, what: str) -> frozenset[str]:
     for i, raw in enumerate(v.optional_sequence(value, what)):
         hint = v.mapping(raw, f"{what}[{i}]")
         names.append(v.string(hint.get("name"), f"{what}[{i}].name"))
-    return frozenset(names) if names else _NO_HINTS
+    if not names:
+        return _NO_HINTS
+    return _hint_set(frozenset(shared_text(n) for n in names))
 
 
 class EndpointSliceCache:

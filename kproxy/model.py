@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any, Generic, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class IPFamily(str, enum.Enum):
@@ -187,6 +192,72 @@ class ServicePort:
         return (self.cluster_ip, *self.external_ips, *self.load_balancer_ips)
 
 
+class Overlaid(Mapping[K, V], Generic[K, V]):
+    """An immutable mapping made of a ``base`` dict and an ``overlay`` of what changed since (``None``: removed),
+    neither of which anyone mutates after: a snapshot that costs what changed, not the table (``ServiceCache``
+    publishes one per family per snapshot; kproxy.cache says when it starts a new base).
+
+    A lookup asks the overlay, then the base. Iteration, ``keys``/``items``/``values`` and equality read the merged
+    dict, built on first use and kept (a full sync reads every entry anyway: one C-level copy of the base).
+    """
+
+    __slots__ = ("_base", "_len", "_merged", "_overlay")
+
+    def __init__(self, base: Mapping[K, V], overlay: Mapping[K, V | None], length: int) -> None:
+        self._base, self._overlay, self._len = base, overlay, length
+        self._merged: dict[K, V] | None = None
+
+    def __getitem__(self, key: K) -> V:
+        if key in self._overlay:
+            value = self._overlay[key]
+            if value is None:
+                raise KeyError(key)
+            return value
+        return self._base[key]
+
+    def get(self, key: K, default: Any = None) -> Any:
+        if key in self._overlay:
+            value = self._overlay[key]
+            return default if value is None else value
+        return self._base.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        if key in self._overlay:
+            return self._overlay[key] is not None  # type: ignore[index]
+        return key in self._base
+
+    def __len__(self) -> int:
+        return self._len
+
+    def merged(self) -> Mapping[K, V]:
+        """Every entry in one dict (built once; never mutated)."""
+        merged = self._merged
+        if merged is None:
+            merged = dict(self._base)  # a dict's copy reuses its stored hashes: C speed
+            for key, value in self._overlay.items():
+                if value is None:
+                    merged.pop(key, None)
+                else:
+                    merged[key] = value
+            self._merged = merged
+        return merged
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self.merged())
+
+    def keys(self) -> KeysView[K]:
+        return self.merged().keys()
+
+    def items(self) -> ItemsView[K, V]:
+        return self.merged().items()
+
+    def values(self) -> ValuesView[V]:
+        return self.merged().values()
+
+    def __repr__(self) -> str:
+        return f"Overlaid({dict(self.merged())!r})"
+
+
 def _empty_labels() -> Mapping[str, str]:
     return MappingProxyType({})
 
@@ -317,3 +388,9 @@ REFUSAL_REASONS = ("address-conflict", "capacity")
 def parse_ip(text: str) -> str:
     """Canonical text of an IP address (``::ffff:0:1`` style compression for v6); ValueError on garbage."""
     return str(ipaddress.ip_address(text))
+
+
+def shared_text(text: str) -> str:
+    """One string object for a name many objects repeat (namespaces, service, node, zone and port names): a list's
+    JSON gives every occurrence its own, 50 to 100 bytes each. Interned strings go when the last user drops them."""
+    return sys.intern(text) if type(text) is str else text  # a str subclass cannot be interned

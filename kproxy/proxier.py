@@ -360,6 +360,11 @@ class Proxier:
         return {}
 
     @classmethod
+    def lab_prepare(cls, node: LabNodeSpec, options: Mapping[str, Any]) -> None:
+        """Prepare the machine for one lab node's kproxy before it starts (the bpf mode binds bpffs where a node's
+        process reaches it); the lab calls it, never a real node. Default: nothing."""
+
+    @classmethod
     def remnants(cls, probe: KernelProbe) -> list[str]:
         """What this mode left in the kernel the probe looks at, one line per object ([] when nothing). A tool that
         fails raises (BackendError): "nothing left" must never stand for "could not look"."""

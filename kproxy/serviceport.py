@@ -24,6 +24,7 @@ from kproxy.model import (
     Protocol,
     ServicePort,
     ServicePortName,
+    shared_text,
 )
 from kproxy.objects import LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, Ignored
 from kproxy.topology import Categorized
@@ -108,7 +109,8 @@ def _identity(meta: Mapping[str, Any], proxy_name: str) -> NamespacedName:
         raise Ignored(f"labelled {LABEL_SERVICE_PROXY_NAME}={v.printable(labels[LABEL_SERVICE_PROXY_NAME])}")
     if LABEL_HEADLESS in labels:
         raise Ignored(f"labelled {LABEL_HEADLESS}")
-    return NamespacedName(namespace, name)
+    # interned: the service's slices, its ports and the ledger's records name it too (``model.shared_text``)
+    return NamespacedName(shared_text(namespace), shared_text(name))
 
 
 def _cluster_ips(spec: Mapping[str, Any]) -> dict[IPFamily, str]:
@@ -167,7 +169,7 @@ def _ports(spec: Mapping[str, Any]) -> list[tuple[str, Protocol, int, int]]:
     for i, raw in enumerate(raw_ports):
         what = f"spec.ports[{i}]"
         p = v.mapping(raw, what)
-        pname = v.port_name(p.get("name"), f"{what}.name")
+        pname = shared_text(v.port_name(p.get("name"), f"{what}.name"))
         proto = v.protocol(p.get("protocol"), f"{what}.protocol")
         if p.get("port") is None:
             raise ValueError(f"{what}.port: missing")

@@ -83,6 +83,14 @@ def topology_mode(endpoints: Sequence[Endpoint], node_name: str, zone: str | Non
     return ""
 
 
+def _same_or(endpoints: Sequence[Endpoint], chosen: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
+    """``endpoints`` itself when the choice kept every one of them and it is a tuple: the snapshot's service ports
+    then share one tuple (of a slice's, or of the merge) instead of holding equal copies."""
+    if len(chosen) == len(endpoints) and isinstance(endpoints, tuple):
+        return endpoints
+    return chosen
+
+
 def categorize_endpoints(
     endpoints: Sequence[Endpoint],
     *,
@@ -111,7 +119,7 @@ def categorize_endpoints(
         elif mode == PREFER_SAME_ZONE:
             cluster = tuple(ep for ep in endpoints if ep.ready and zone in ep.zone_hints)
         else:
-            cluster = tuple(ep for ep in endpoints if ep.ready)
+            cluster = _same_or(endpoints, tuple(ep for ep in endpoints if ep.ready))
         if not cluster:
             # Topology already fell back to "none" if no ready endpoint matched it, so the only reason to get
             # here is that nothing is ready anywhere: use what is still serving while it terminates.
@@ -136,7 +144,7 @@ def categorize_endpoints(
     local: tuple[Endpoint, ...] = ()
     terminating_fallback = False
     if local_ready:
-        local = tuple(ep for ep in endpoints if ep.is_local and ep.ready)
+        local = _same_or(endpoints, tuple(ep for ep in endpoints if ep.is_local and ep.ready))
     elif local_serving_terminating:
         terminating_fallback = True
         local = tuple(ep for ep in endpoints if ep.is_local and ep.serving and ep.terminating)

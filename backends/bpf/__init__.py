@@ -1,12 +1,14 @@
 """The bpf mode: socket-level load balancing by cgroup programs that read BPF maps kproxy keeps current, plus a small
 nftables companion table for the packets no local socket sends.
 
-Modules: ``render`` (pure: ServicePort -> fragment of socket frontends and companion elements; the ordered plan of
-map writes; adoption's decoding), ``maps`` (byte layouts mirroring ``bpf/kproxy_lb.h``, pin names, batched ``bpf(2)``
-calls), ``loader`` (bcc compile, attach with BPF_F_ALLOW_MULTI, pin folder and cgroup per namespace), ``nft`` (the
-companion table), ``inspect`` (remnants, kernel_view, cleanup), ``sockets`` (ending connected UDP sockets to
-removed backends), ``proxier`` (``BpfProxier`` on the ledger: apply, adopt, verify, the explainer from the maps,
-benchmark floors).
+Modules, the same rooms as every mode's: ``render`` (pure: ServicePort -> fragment of socket frontends and companion
+elements), ``proxier`` (``BpfProxier``: the ledger's protocol), ``adopt`` (the maps read back, claimed and compared),
+``cleanup`` (remnants, kernel_view, cleanup), ``trace`` (the explainer, from the maps), ``kernel`` (plans executed
+with batched ``bpf(2)`` calls, the open maps and their check, reading back, floors); and the mode's own: ``maps``
+(byte layouts mirroring ``bpf/kproxy_lb.h``, pin names, the ``bpf(2)`` commands), ``loader`` (bcc compile, attach
+with BPF_F_ALLOW_MULTI, pin folder and cgroup per namespace), ``index`` (kproxy's index of the maps: frontends, ids
+and their allocators), ``plan`` (the ordered plan of map writes), ``decode`` (adoption's fast decoder), ``companion``
+(the nftables companion table), ``sockets`` (ending connected UDP sockets to removed backends).
 C sources: ``bpf/kproxy_sock.c`` (connect4/6, sendmsg4/6, recvmsg4/6, getpeername4/6) and ``bpf/kproxy_lb.h``.
 IPv4-mapped IPv6 peers (``::ffff:a.b.c.d``, a dual-stack socket reaching an IPv4 service) are translated by the *6
 hooks with the IPv4 maps, and get a mapped backend (and a mapped frontend from getpeername) back. A frontend's slot
@@ -14,7 +16,7 @@ or backend that vanishes between a program's lookups (kproxy shrinking the servi
 from a fresh master entry; still missing, the connect or sendmsg fails at once with EHOSTUNREACH (never an
 untranslated packet to an address nothing answers; ECONNREFUSED stays the answer of a service with no endpoints).
 
-Maps (pinned in the pin folder, versioned names ``<role><4|6>_v2``; Cilium's and Calico's shape):
+Maps (pinned in the pin folder, versioned names ``<role><4|6>_v3``; Cilium's and Calico's shape):
 - ``svc``: frontend address . port . protocol . slot -> slot 0 {count, flags (reject, drop, affinity, external),
   affinity timeout, reverse-NAT id}, slots 1..count {backend id}. One frontend per ClusterIP, externalIP,
   load-balancer IP, and NodePort on each of the node's NodePort addresses (so pods and host processes reach
@@ -41,7 +43,7 @@ Maps (pinned in the pin folder, versioned names ``<role><4|6>_v2``; Cilium's and
 - ``name``: reverse-NAT id -> ``ns/name:port/PROTO``, written by kproxy only: adoption, ``kproxy show`` and
   ``kernel_view`` name what the maps hold.
 
-Map writes per batch (``render.plan_service``) in Cilium's safe order: new backends, names, slots, master entries
+Map writes per batch (``plan.plan_service``) in Cilium's safe order: new backends, names, slots, master entries
 (their counts last), then slots beyond the new counts and frontends gone, then backends no longer referenced. Only
 entries whose bytes change are written, each phase one ``BPF_MAP_UPDATE_BATCH`` / ``DELETE_BATCH`` call (batch calls
 are not atomic across elements, so the order is what keeps every intermediate state consistent).
@@ -80,7 +82,7 @@ cgroup2 mount: on a real node pass the cgroup v2 directory the pods run under (t
 ``/run/kproxy/cgroupv2``: ``--bpf-cgroup-path /run/kproxy/cgroupv2``); kproxy refuses this machine's
 ``/sys/fs/cgroup`` roots. A process started with ``ip netns exec`` gets a fresh /sys
 without the machine's bpffs (a bpffs mounted there would be a private instance whose pins vanish with the process);
-the lab (``lab_options``) therefore binds the machine's bpffs at ``/run/kproxy/bpffs``, where such a process reaches
+the lab (``lab_prepare``) therefore binds the machine's bpffs at ``/run/kproxy/bpffs``, where such a process reaches
 it (``loader.host_view``). A benchmark in a throwaway namespace with no such bind uses a private bpffs, removed with
 it. Every kproxy records its places in ``/run/kproxy/bpf/net-<netns inode>.json``, so another mode's start-up cleans
 up without knowing the bpf options; the record carries the namespace's cookie (``SO_NETNS_COOKIE``: the kernel
@@ -104,7 +106,7 @@ Where it deviates from upstream, and why:
   traffic is not a supported path of ClusterIPs; ClusterIPs with no endpoints are rejected for it, as upstream.
 - Affinity for sockets is per client network namespace (a pod), not per source address; the companion table has no
   affinity for external clients. An affinity entry holds while one of the frontend's slots names its backend: the
-  slot it names first (a backend that stays keeps its slot across endpoint changes, ``render._stable_slots``); when
+  slot it names first (a backend that stays keeps its slot across endpoint changes, ``plan._stable_slots``); when
   a scale-down moved the last slot's backend into a freed slot, the program finds it among the first 256 slots and
   the entry names the new one (upstream keeps affinity per endpoint; Cilium checks a (reverse-NAT id, backend id)
   match map, which kproxy does not keep). Beyond 256 endpoints a moved backend's clients may choose again.

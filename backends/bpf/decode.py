@@ -1,6 +1,6 @@
 """Adoption's decoding of the bpf mode's maps, fast: the raw service, backend and names maps (what
-``maps.lookup_raw`` / ``maps.read_lb`` return) to the ``FamilyIndex`` and ``View`` that ``render.index_from_raw``
-defines, for a restart at scale (10,000 services x 10 endpoints: 120,000 entries read).
+``maps.lookup_raw`` / ``maps.read_lb`` return) to the ``index.FamilyIndex`` and ``index.View`` adoption compares,
+for a restart at scale (10,000 services x 10 endpoints: 120,000 entries read).
 
 The fast path (``fast_index``) reads the raw bytes as columns (``array`` over the buffers, extended slices of
 ``bytes``) and does its per-entry work in C-level ``map``/``zip``/``dict`` calls, no Python step per entry: each
@@ -8,14 +8,14 @@ entry's frontend becomes one 64-bit integer, masters are numbered by a dict of t
 id is written straight to its place (master, slot) in a flat array. It applies when the maps are consistent: every
 key's padding and high slot byte zero, every master once, every slot entry one of its master's ``1..count`` and each
 of those present; anything else (orphan slots, slots beyond a count, a missing master or slot, odd lengths) takes the
-general path (``general_index``), ``render``'s algorithm entry by entry. Both give the same result, order of every
-dict included; tests/unit/test_bpf_decode.py checks that on random plans and corruptions, against ``render`` too.
+general path (``general_index``), entry by entry. Both give the same result, order of every dict included;
+tests/unit/test_bpf_decode.py checks that on random plans and corruptions.
 
 The backend map may be an array: values of all zero bytes are no backend and are skipped (both paths).
 
-The fast path takes about half of ``render``'s time for IPv4 (less of a gain for IPv6, whose addresses are numbered
-through 16-byte pieces; figures in docs/PERFORMANCE.md). The rest is memory-bound: a dict of 100,000 backends, a sort
-per frontend for the view, one write per slot at a random place.
+The fast path takes about half of the general path's time for IPv4 (less of a gain for IPv6, whose addresses are
+numbered through 16-byte pieces). The rest is memory-bound: a dict of 100,000 backends, a sort per frontend for the
+view, one write per slot at a random place.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 from kproxy.model import IPFamily
 
 from . import maps
+from .index import FamilyIndex, FrontState, View
 from .maps import Master
-from .render import FamilyIndex, FrontState, View
 
 _T = TypeVar("_T")
 _LITTLE = sys.byteorder == "little"
@@ -51,7 +51,7 @@ _BE4_DECODE = struct.Struct(">4sHBx")
 _BE6_DECODE = struct.Struct(">16sHBx")
 _RAW_KEY4 = struct.Struct("<6sHB3x")
 _RAW_KEY6 = struct.Struct("<18sHB3x")
-_SVC_SIZE = maps.LB_SERVICE.size  # 16: backend_id, affinity, count, rev_nat_id, flags, padding
+_SVC_SIZE = maps.LB_SERVICE.size  # 16: backend_id, affinity, count (16 bits), flags, padding, rev_nat_id
 _NAME_SIZE = maps.NAME_VAL.size
 _IS_ZERO = bytes([1] + [0] * 255)  # a bytes.translate table: 1 where a byte is zero, else 0
 _UNFILLED_ID = 0xFFFFFFFF
@@ -64,7 +64,7 @@ def index_from_raw(
     be_raw: tuple[bytes, bytes],
     name_raw: tuple[bytes, bytes] = (b"", b""),
 ) -> tuple[FamilyIndex, View]:
-    """``render.index_from_raw``'s index and view (owners unknown until claimed), all-zero backend values skipped."""
+    """``adopt.index_from_raw``'s index and view (owners unknown until claimed), all-zero backend values skipped."""
     got = fast_index(family, svc_raw, be_raw, name_raw)
     if got is not None:
         return got
@@ -333,17 +333,56 @@ def fast_index(
     counts = list(map(vh[4::8].__getitem__, masters))
     if sum(counts) != n - n_masters:
         return None
-    if family == IPFamily.V4:
-        addr_cols = [keys[i::ks] for i in (3, 2, 1, 0)]
-    else:  # a number per distinct address stands for it
-        addrs = _chunks(keys, al, ks)
-        number = dict(zip(dict.fromkeys(addrs), range(n), strict=False))
-        nb = array.array("I", map(number.__getitem__, addrs)).tobytes()
-        addr_cols = [nb[i::4] for i in range(4)]
     port_hi, port_lo, protos = keys[al::ks], keys[al + 1 :: ks], keys[al + 4 :: ks]
-    # every entry's frontend as one integer (the slot left out); each master gets a row of ``width`` places in a
-    # flat array (place 0 unused, then slots 1..width-1), each slot entry finds its master's row by that integer
-    front = _packed([zero_n, *addr_cols, port_lo, port_hi, protos])
+    front = _packed([zero_n, *_addr_columns(family, keys, n), port_lo, port_hi, protos])
+    slot_ids = _slot_ids(front, slot_lo, masters, counts, vi[0::4])
+    if slot_ids is None:
+        return None
+    maddr = _firsts(
+        b"".join(map(keys.__getitem__, map(slice, [i * ks for i in masters], [i * ks + al for i in masters]))), al, al
+    )
+    texts = _texts(family, maddr)
+    ports = _u16(port_lo, port_hi)
+    fkeys = list(zip(texts, map(ports.__getitem__, masters), map(protos.__getitem__, masters), strict=True))
+    flags = list(map(values[10::16].__getitem__, masters))
+    affs = list(map(vi[1::4].__getitem__, masters))
+    revs = list(map(vi[3::4].__getitem__, masters))
+    index = FamilyIndex(family)
+    index.rev_names = rev_names
+    index.backends = backends
+    index.fronts = dict(zip(fkeys, _states(_masters(counts, flags, affs, revs), slot_ids), strict=True))
+    try:
+        view = _view(fkeys, flags, affs, revs, slot_ids, pair_by_id.__getitem__)
+    except (IndexError, KeyError):  # a slot naming a backend the map lacks
+        get = pair_by_id.get if isinstance(pair_by_id, dict) else dict(enumerate(pair_by_id)).get
+        view = _view(fkeys, flags, affs, revs, slot_ids, lambda i: get(i, _UNKNOWN))
+    _fill_by_rev(index.by_rev, revs, fkeys)
+    index.entries = n
+    index.next_rev = max(max(revs, default=0), max(rev_names, default=0)) + 1
+    index.next_backend = max(backends, default=0) + 1
+    return index, view
+
+
+def _addr_columns(family: IPFamily, keys: bytes, n: int) -> list[bytes]:
+    """The service-map keys' addresses as four byte columns (lowest byte first): an IPv4 address's own bytes, an
+    IPv6 address's number among the distinct ones."""
+    ks = _KEY_SIZE[family]
+    if family == IPFamily.V4:
+        return [keys[i::ks] for i in (3, 2, 1, 0)]
+    addrs = _chunks(keys, _ADDR_SIZE[family], ks)
+    number = dict(zip(dict.fromkeys(addrs), range(n), strict=False))
+    nb = array.array("I", map(number.__getitem__, addrs)).tobytes()
+    return [nb[i::4] for i in range(4)]
+
+
+def _slot_ids(
+    front: array.array[int], slot_lo: bytes, masters: list[int], counts: list[int], ids: Sequence[int]
+) -> list[tuple[int, ...]] | None:
+    """Each master's backend ids of its slots 1..count, or None when the slot entries are not exactly those.
+    ``front``: every entry's frontend as one integer (the slot left out); ``ids``: every entry's backend id."""
+    n_masters = len(masters)
+    # each master gets a row of ``width`` places in a flat array (place 0 unused, then slots 1..width-1), each slot
+    # entry finds its master's row by its frontend's integer
     width = max(slot_lo, default=0) + 1
     if counts and max(counts) >= width:
         return None  # a count no slot entry reaches: some slot is missing (and the row would be too short)
@@ -359,44 +398,27 @@ def fast_index(
     # means each holds exactly those, each once (a slot beyond a count, or a key twice, leaves one unwritten).
     placed = array.array("I", _UNFILLED * (width * n_masters))
     slots = slot_lo.replace(b"\0", b"")  # the slot entries' slots, in order
-    deque(map(placed.__setitem__, map(add, rows, slots), compress(vi[0::4], slot_lo)), maxlen=0)
+    deque(map(placed.__setitem__, map(add, rows, slots), compress(ids, slot_lo)), maxlen=0)
     starts = range(1, width * n_masters + 1, width)
     held_ids = list(map(placed.__getitem__, map(slice, starts, map(add, starts, counts))))
     if array.array("I", b"".join(held_ids)).count(_UNFILLED_ID):
         return None  # a place unwritten (or a backend id that spells it: the general path decides)
-    slot_ids = list(map(tuple, held_ids))
-    maddr = _firsts(
-        b"".join(map(keys.__getitem__, map(slice, [i * ks for i in masters], [i * ks + al for i in masters]))), al, al
-    )
-    texts = _texts(family, maddr)
-    ports = _u16(port_lo, port_hi)
-    fkeys = list(zip(texts, map(ports.__getitem__, masters), map(protos.__getitem__, masters), strict=True))
-    flags = list(map(values[12::16].__getitem__, masters))
-    affs = list(map(vi[1::4].__getitem__, masters))
-    revs = list(map(vh[5::8].__getitem__, masters))
-    index = FamilyIndex(family)
-    index.rev_names = rev_names
-    index.backends = backends
-    index.fronts = dict(zip(fkeys, _states(_masters(counts, flags, affs, revs), slot_ids), strict=True))
-    try:
-        view = _view(fkeys, flags, affs, revs, slot_ids, pair_by_id.__getitem__)
-    except (IndexError, KeyError):  # a slot naming a backend the map lacks
-        get = pair_by_id.get if isinstance(pair_by_id, dict) else dict(enumerate(pair_by_id)).get
-        view = _view(fkeys, flags, affs, revs, slot_ids, lambda i: get(i, _UNKNOWN))
-    by_rev = index.by_rev
-    if len(set(revs)) == n_masters:
+    return list(map(tuple, held_ids))
+
+
+def _fill_by_rev(
+    by_rev: dict[int, list[tuple[str, int, int]]], revs: list[int], fkeys: list[tuple[str, int, int]]
+) -> None:
+    """Frontends per reverse-NAT id."""
+    if len(set(revs)) == len(revs):
         by_rev.update(zip(revs, map(_one, fkeys), strict=True))
-    else:
-        for r, fk in zip(revs, fkeys, strict=True):
-            got = by_rev.get(r)
-            if got is None:
-                by_rev[r] = [fk]
-            else:
-                got.append(fk)
-    index.entries = n
-    index.next_rev = max(max(revs, default=0), max(rev_names, default=0)) + 1
-    index.next_backend = max(backends, default=0) + 1
-    return index, view
+        return
+    for r, fk in zip(revs, fkeys, strict=True):
+        got = by_rev.get(r)
+        if got is None:
+            by_rev[r] = [fk]
+        else:
+            got.append(fk)
 
 
 def _view(
@@ -454,7 +476,7 @@ def general_index(
     key_fmt = _RAW_KEY4 if v4 else _RAW_KEY6
     raw_masters: dict[tuple[bytes, int], Master] = {}
     raw_slots: dict[tuple[bytes, int], dict[int, int]] = {}
-    for (ap, slot, proto), (bid, aff, n_slots, rev, flags) in zip(
+    for (ap, slot, proto), (bid, aff, n_slots, flags, rev) in zip(
         key_fmt.iter_unpack(svc_raw[0]), maps.LB_SERVICE.iter_unpack(svc_raw[1]), strict=True
     ):
         if slot == 0:

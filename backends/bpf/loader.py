@@ -13,7 +13,10 @@ Programs are loaded by bcc with their expected attach types and attached with BP
 copies; where a ``kp_*`` program with the same tag (instructions) reading the same maps is attached already (a
 restart of the same build), it is kept and nothing is swapped; otherwise the new copy is attached, then the older
 one detached: there is no moment without a program, and while both are attached the older one translates first and
-the newer one sees a backend address, which no frontend matches.
+the newer one sees a backend address, which no frontend matches. When the older copies read other maps than the
+pinned ones (an upgrade that changed the map layout pins new, empty maps; pins lost while kproxy was down), ``start``
+leaves them attached until its first sync has filled the new maps: detached at once, every new connection would go
+out untranslated until then.
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ SOURCE = Path(__file__).resolve().parent.parent.parent / "bpf" / "kproxy_sock.c"
 BPF_F_ALLOW_MULTI = 2
 DEFAULT_MAP_SIZE = 1 << 20  # 10,000 services x 50 endpoints need 510,000 service entries and 500,000 backends
 LRU_SIZE = 65536
+#: the largest --bpf-map-size: a map's max_entries is 32 bits, and ids are the backend array's indexes
+MAX_MAP_SIZE = 0xFFFFFFFF
 PROG_PREFIX = "kp_"
-#: the socket-storage maps (``peer4_v2``, ``peer6_v2``): made and pinned by bcc (``compile_programs``), read by the
+#: the socket-storage maps (``peer4_v3``, ``peer6_v3``): made and pinned by bcc (``compile_programs``), read by the
 #: programs alone; not in ``maps.ROLES`` (nothing in userspace reads or adopts them), but pinned like the others, so
 #: ``pinned_ids``, ``programs_problem`` and cleanup know them
 PEER_ROLE = "peer"
@@ -221,6 +226,8 @@ _REAL: dict[Path, Path] = {}
 def places(options: Mapping[str, Any], netns: str | None = None) -> Places:
     """The pin folder and cgroup for these options (or the per-namespace defaults)."""
     size = int(options.get("bpf_map_size") or DEFAULT_MAP_SIZE)
+    if not 2 <= size <= MAX_MAP_SIZE:
+        raise ValueError(f"--bpf-map-size {size}: between 2 and {MAX_MAP_SIZE:,} entries")
     pin = str(options.get("bpf_pin_path") or "")
     cg = str(options.get("bpf_cgroup_path") or "")
     ino = None
@@ -309,6 +316,7 @@ def compile_programs(p: Places, *, peer: bool = True) -> Any:
         f"-I{SOURCE.parent}",
         f"-DKP_SVC_MAX={p.map_size}",
         f"-DKP_BE_MAX={p.map_size}",
+        f"-DKP_NAME_MAX={p.map_size}",
         f"-DKP_LRU_MAX={LRU_SIZE}",
     ]
     for fam in (IPFamily.V4, IPFamily.V6):
@@ -388,10 +396,12 @@ def ours(progs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [d for d in progs if str(d.get("name", "")).startswith(PROG_PREFIX) and d.get("name") in PROGRAMS]
 
 
-def load_and_attach(b: Any, cgroup: Path) -> list[str]:
+def load_and_attach(b: Any, cgroup: Path, *, detach_old: bool = True) -> tuple[list[str], list[dict[str, Any]]]:
     """Load every program with its expected attach type; a ``kp_*`` program of the same name and tag (the same
     instructions: a restarted kproxy of the same version) already attached to ``cgroup`` is kept as it is, else the
-    new one is attached (ALLOW_MULTI) and then the older copies are detached. The names of programs attached now."""
+    new one is attached (ALLOW_MULTI) and then the older copies are detached. (The names of programs attached now,
+    the older copies replaced.) ``detach_old`` False leaves the older copies attached, for the caller to detach once
+    the maps the new ones read are filled: they run first and keep translating meanwhile."""
     from bcc import BPF, BPFAttachType, BPFProgType  # type: ignore[import-not-found,unused-ignore]
 
     before = ours(attached(cgroup))
@@ -424,10 +434,12 @@ def load_and_attach(b: Any, cgroup: Path) -> list[str]:
     finally:
         os.close(fd)
     kept_ids = {int(d["id"]) for d in kept}
-    detach_ids(cgroup, [d for d in before if int(d["id"]) not in kept_ids])
+    replaced = [d for d in before if int(d["id"]) not in kept_ids]
+    if detach_old:
+        detach_ids(cgroup, replaced)
     if kept:
         log.info("bpf: %d programs of the same build were attached already: kept", len(kept))
-    return done
+    return done, replaced
 
 
 _VERSIONED_PIN = re.compile(r"(?:svc|be|rev|aff|name|peer)[46]_v[0-9]+")
@@ -446,9 +458,12 @@ def remove_stale_pins(p: Places) -> list[str]:
     return sorted(gone)
 
 
-def attach_in_child(p: Places, timeout: float = 120.0) -> list[str]:
+def attach_in_child(
+    p: Places, timeout: float = 120.0, *, detach_old: bool = True
+) -> tuple[list[str], list[dict[str, Any]]]:
     """Compile, load and attach the programs in a child process (``python -m kproxy.backends.bpf.loader``), which
-    reopens the pinned maps; the names attached. RuntimeError with the child's message when it fails."""
+    reopens the pinned maps; (the names attached, the older copies replaced: still attached unless ``detach_old``,
+    see ``load_and_attach``). RuntimeError with the child's message when it fails."""
     import sys
 
     argv = [
@@ -462,12 +477,13 @@ def attach_in_child(p: Places, timeout: float = 120.0) -> list[str]:
         "--map-size",
         str(p.map_size),
         *(["--allow-root-cgroup"] if p.root_ok else []),
+        *([] if detach_old else ["--keep-old"]),
     ]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     if res.returncode != 0:
         raise RuntimeError(f"bpf: loading the programs failed: {res.stderr.strip()[-800:]}")
     doc = json.loads(res.stdout.strip().splitlines()[-1])
-    return [str(x) for x in doc["attached"]]
+    return [str(x) for x in doc["attached"]], [dict(d) for d in doc.get("replaced", [])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -479,15 +495,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cgroup", required=True)
     ap.add_argument("--map-size", type=int, default=DEFAULT_MAP_SIZE)
     ap.add_argument("--allow-root-cgroup", action="store_true")
+    ap.add_argument("--keep-old", action="store_true", help="leave the older copies attached (the caller detaches)")
     args = ap.parse_args(argv)
     p = Places(Path(args.pin_path), Path(args.cgroup), False, args.map_size, args.allow_root_cgroup)
     check_places(p)
     b = compile_programs(p)
-    names = load_and_attach(b, p.cgroup)
-    stale = remove_stale_pins(p)
-    if stale:
-        log.info("bpf: removed the pins of an older map version: %s", ", ".join(stale))
-    print(json.dumps({"attached": names}))
+    names, replaced = load_and_attach(b, p.cgroup, detach_old=not args.keep_old)
+    if not args.keep_old:
+        stale = remove_stale_pins(p)
+        if stale:
+            log.info("bpf: removed the pins of an older map version: %s", ", ".join(stale))
+    print(json.dumps({"attached": names, "replaced": replaced}))
     return 0
 
 

@@ -26,8 +26,8 @@ from kproxy.model import IPFamily
 
 #: bumped whenever a layout in bpf/kproxy_lb.h changes: every pinned map gets a new name, so a new layout never
 #: silently reuses an old map (bcc does not check the type of a pinned map it reopens). v2: the backend map is an
-#: array (v1: a hash)
-MAPS_VERSION = "v2"
+#: array (v1: a hash); v3: 32-bit reverse-NAT ids (v2: 16 bits) and a names map of ``--bpf-map-size`` entries
+MAPS_VERSION = "v3"
 
 F_REJECT = 0x01
 F_DROP = 0x02
@@ -40,15 +40,15 @@ PROTO_NAMES = {v: k for k, v in PROTO_NUMBERS.items()}
 # struct formats (little-endian host fields, network-order address and port bytes), see bpf/kproxy_lb.h
 LB4_KEY = struct.Struct("<4s2sHB3x")  # address, dport, slot, proto
 LB6_KEY = struct.Struct("<16s2sHB3x")
-LB_SERVICE = struct.Struct("<IIHHB3x")  # backend_id, affinity_timeout, count, rev_nat_id, flags
+LB_SERVICE = struct.Struct("<IIHBxI")  # backend_id, affinity_timeout, count, flags, rev_nat_id
 LB4_BACKEND = struct.Struct("<4s2sBB")  # address, port, proto, flags
 LB6_BACKEND = struct.Struct("<16s2sBB")
 BACKEND_ID = struct.Struct("<I")
 REV4_KEY = struct.Struct("<Q4s2sH")
-REV4_VAL = struct.Struct("<4s2sH")
+REV4_VAL = struct.Struct("<4s2s2xI")
 REV6_KEY = struct.Struct("<Q16s2sH")
-REV6_VAL = struct.Struct("<16s2sH")
-AFF_KEY = struct.Struct("<QHHI")
+REV6_VAL = struct.Struct("<16s2s2xI")
+AFF_KEY = struct.Struct("<QII")
 AFF_VAL = struct.Struct("<QII")
 NAME_KEY = struct.Struct("<I")
 NAME_VAL = struct.Struct("128s")
@@ -82,9 +82,9 @@ class LbService(ctypes.Structure):
         ("backend_id", ctypes.c_uint32),
         ("affinity_timeout", ctypes.c_uint32),
         ("count", ctypes.c_uint16),
-        ("rev_nat_id", ctypes.c_uint16),
         ("flags", ctypes.c_uint8),
-        ("pad", ctypes.c_uint8 * 3),
+        ("pad", ctypes.c_uint8),
+        ("rev_nat_id", ctypes.c_uint32),
     ]
 
 
@@ -122,9 +122,8 @@ class AffKey(ctypes.Structure):
     _pack_ = 1
     _fields_ = [
         ("client_cookie", ctypes.c_uint64),
-        ("rev_nat_id", ctypes.c_uint16),
-        ("pad", ctypes.c_uint16),
-        ("pad2", ctypes.c_uint32),
+        ("rev_nat_id", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
     ]
 
 
@@ -197,7 +196,7 @@ def decode_lb_key(family: IPFamily, raw: bytes) -> tuple[str, int, int, int]:
 
 
 def master_value(m: Master) -> bytes:
-    return LB_SERVICE.pack(0, m.affinity, m.count, m.rev_nat_id, m.flags)
+    return LB_SERVICE.pack(0, m.affinity, m.count, m.flags, m.rev_nat_id)
 
 
 def slot_value(backend_id: int) -> bytes:
@@ -206,7 +205,8 @@ def slot_value(backend_id: int) -> bytes:
 
 def decode_service(raw: bytes) -> tuple[int, int, int, int, int]:
     """(backend_id, affinity_timeout, count, rev_nat_id, flags)."""
-    return LB_SERVICE.unpack(raw)  # type: ignore[return-value]
+    backend_id, affinity, count, flags, rev = LB_SERVICE.unpack(raw)
+    return backend_id, affinity, count, rev, flags
 
 
 def backend_key(backend_id: int) -> bytes:
@@ -382,8 +382,8 @@ def map_spec(role: str, family: IPFamily, map_size: int, lru_size: int) -> tuple
         return (MAP_HASH, k, v, map_size, BPF_F_NO_PREALLOC)
     if role == "be":  # ids are kproxy's, dense from 1: an array (see backends/bpf/__init__.py)
         return (MAP_ARRAY, k, v, map_size, 0)
-    if role == "name":
-        return (MAP_HASH, k, v, 65536, BPF_F_NO_PREALLOC)
+    if role == "name":  # one entry per service port (allocated on use)
+        return (MAP_HASH, k, v, map_size, BPF_F_NO_PREALLOC)
     return (MAP_LRU_HASH, k, v, lru_size, 0)
 
 

@@ -1,24 +1,17 @@
-"""``BpfProxier``: the bpf mode on the core's ledger. A service's fragment is its socket frontends (the service-map
-entries the programs read) and its share of the nftables companion table; ``apply`` turns a batch of fragment changes
-into one ordered plan of map writes (``render.plan_service``), executed as a few ``BPF_MAP_*_BATCH`` calls, and one
-nft transaction when the companion part changed.
+"""``BpfProxier``: the bpf mode on the core's ledger (the typed protocol of ``kproxy.batch``). A service's fragment
+is its socket frontends and its share of the nftables companion table (``render``); ``apply`` turns a batch into one
+ordered plan of map writes (``plan``), executed as a few ``BPF_MAP_*_BATCH`` calls (``kernel``), and one nft
+transaction when the companion part changed (``companion``); ``adopt`` reads the kernel back (``adopt``).
 
 Loading: ``start()`` creates or reopens the pinned maps, then compiles, loads and attaches the programs in a child
-process (``loader.attach_in_child``: bcc and LLVM never enter kproxy's own memory, ~100 MB; the programs stay attached
-to the cgroup when the child exits). A sync without ``start()`` (``kproxy bench sync``, tests of the maps alone)
-only opens or creates the pinned maps. ``__init__`` touches nothing.
+process (``loader.attach_in_child``: bcc and LLVM never enter kproxy's own memory; the programs stay attached to the
+cgroup when the child exits). A sync without ``start()`` (``kproxy bench sync``, tests of the maps alone) only opens
+or creates the pinned maps. ``__init__`` touches nothing.
 
-Adoption (full batches): the service, backend and names maps are read back (``maps.read_lb``: the backend array as far
-as the highest id a slot names) and decoded (``backends.bpf.decode``); a service whose frontends, backends and flags
-match, under a reverse-NAT id the names map gives to it, is not rewritten, so a restart with nothing changed writes
-nothing. Frontends and backends nobody wants are removed at the end of a full batch (``render.sweep``; a first sync
-into empty maps has none). kproxy's index of the maps (``render.FamilyIndex``) is the allocator of backend and
-reverse-NAT ids; when a write fails the index is dropped and the next full sync rebuilds it from the kernel.
-
-Capacity (cilium#12815: a full LB map fails silently there): ``limits`` declares what the maps hold, and the core
-refuses a service port that would not fit before anything is rendered (``kproxy.admission``: reported with the reason
-in ``/rules`` and ``kproxy_service_ports_refused``), so a full map, 65,536 service ports or 65,536 endpoints of one
-port never fail a family's sync.
+kproxy's index of the maps (``index.FamilyIndex``) is the allocator of backend and reverse-NAT ids; when a write
+fails the index is dropped and the next full sync rebuilds it from the kernel. Capacity (cilium#12815: a full LB map
+fails silently there): ``limits`` declares what the maps hold, and the core refuses a service port that would not
+fit before anything is rendered, so a full map never fails a family's sync.
 """
 
 from __future__ import annotations
@@ -26,15 +19,11 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import queue
 import subprocess
-import sys
-import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -48,121 +37,26 @@ from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Syn
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelProbe, LabNodeSpec, Option
 
-from . import inspect, loader, maps, nft, render, sockets
-from .render import Context, FamilyIndex, Fragment, Plan
+from . import adopt, cleanup, companion, kernel, loader, maps, plan, render, sockets, trace
+from .adopt import Adopted
+from .index import MAX_ID, FamilyIndex
+from .kernel import Step
+from .render import Context, Fragment
 
 log = logging.getLogger(__name__)
 
 NEEDS_FULL_CHECK_S = 1.0
 #: the maps and the companion table are read back (a full sync that adopts what the kernel holds, repairing what
 #: someone changed by hand) at least this often; in between syncs trust kproxy's own index. Under the default 30 s
-#: sync period every periodic sync reads them (0.2-0.5 s at 10,000 x 10 services here).
+#: sync period every periodic sync reads them.
 KERNEL_READ_S = 25.0
 #: after a failed re-attach of the programs, the next attempt waits this long (a compile costs 1-4 s)
 REATTACH_RETRY_S = 30.0
-#: rules each fixed chain of the companion table holds (``render.fixed_commands``); fewer: someone flushed it
-FIXED_RULES = {"kp-reject": 1, "services": 2, "nat-prerouting": 1, "nat-output": 1, "nat-postrouting": 1}
-
-
 #: a batch of at least this many services is planned in chunks while a writer thread writes the previous chunk's
-#: puts (the ``bpf(2)`` calls release the GIL: the kernel's share of a full sync, ~0.2 s at 10,000 x 10, overlaps
-#: kproxy's planning on another core); smaller batches write inline
+#: puts (the ``bpf(2)`` calls release the GIL: the kernel's share of a full sync overlaps kproxy's planning on
+#: another core); smaller batches write inline
 PIPELINE_SERVICES = 2048
 PIPELINE_CHUNK = 1024
-WRITER_SWITCH_INTERVAL = 0.0005  # seconds, while a writer runs (Python's default: 0.005)
-
-
-Step = tuple[str, str, Sequence[bytes], Sequence[bytes]]  # (map role, "put" or "del", keys, values)
-
-
-class _Writer:
-    """One thread writing put phases in the order they are submitted; after a failed write it skips the rest (the
-    first error is raised by ``finish``)."""
-
-    def __init__(self, fds: Mapping[tuple[str, IPFamily], int], family: IPFamily) -> None:
-        self._fds, self._family = fds, family
-        self._queue: queue.SimpleQueue[list[Step] | None] = queue.SimpleQueue()
-        self._error: BaseException | None = None
-        self._busy = 0.0
-        self._thread = threading.Thread(target=self._run, name="bpf-map-writer", daemon=True)
-        # the writer needs the GIL back after every bpf(2) call while the sync thread plans: at the default 5 ms
-        # switch interval that wait doubled its time (0.2 s of waits for 0.25 s of writes at 10,000 x 10)
-        self._interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._interval, WRITER_SWITCH_INTERVAL))
-        self._thread.start()
-
-    def submit(self, steps: list[Step]) -> None:
-        self._queue.put(steps)
-
-    def _run(self) -> None:
-        while (steps := self._queue.get()) is not None:
-            if self._error is not None:
-                continue
-            t0 = time.perf_counter()
-            try:
-                for role, _op, keys, values in steps:
-                    maps.update_batch(self._fds[(role, self._family)], keys, values)
-            except BaseException as exc:  # handed to the sync thread by finish()
-                self._error = exc
-            self._busy += time.perf_counter() - t0
-
-    def finish(self) -> float:
-        """Wait for every submitted write; the seconds spent writing. Raises the first write error."""
-        self._queue.put(None)
-        self._thread.join()
-        sys.setswitchinterval(self._interval)
-        if self._error is not None:
-            raise self._error
-        return self._busy
-
-
-def run_steps(fds: Mapping[str, int], family: IPFamily, steps: Iterable[Step]) -> None:
-    """Execute a plan's steps on the maps ``fds`` (role -> fd): puts as batch updates; deletes as batch deletes, of
-    the backend array as all-zero values (an array refuses deletes; zero is "no backend" to the programs)."""
-    for role, op, keys, values in steps:
-        fd = fds[role]
-        if op == "put":
-            maps.update_batch(fd, keys, values)
-        elif role == "be":
-            maps.update_batch(fd, keys, maps.zero_values(len(keys), maps.key_sizes(family)["be"][1]))
-        else:
-            _delete(fd, keys)
-
-
-def _delete(fd: int, keys: Sequence[bytes]) -> None:
-    try:
-        maps.delete_batch(fd, keys)
-    except maps.BpfError as exc:
-        if exc.errno != errno.ENOENT:
-            raise
-        # the batch stops at a key that is already gone (a half-applied earlier round): one by one
-        for k in keys:
-            try:
-                maps.delete_batch(fd, [k])
-            except maps.BpfError as e:
-                if e.errno != errno.ENOENT:
-                    raise
-
-
-@dataclass
-class Adopted:
-    """What ``adopt`` read: the rebuilt index, the decoded view, reverse-NAT id use counts, the companion table."""
-
-    index: FamilyIndex
-    view: render.View
-    rev_counts: Counter[int]
-    nft: nft.NftView
-    #: set when the maps were not read (see ``adopt``): what the ledger records as applied
-    trusted: Mapping[ServicePortName, Fragment] | None = None
-    #: (verify) why no socket is translated from these maps: pins gone, programs detached or reading other maps
-    problem: str | None = None
-    #: (verify) why the companion table does not work: a fixed chain lost its rules
-    nft_problem: str | None = None
-
-
-#: (family, all local, CIDRs, primary addresses) -> the companion table's ``nodeport-cidrs`` elements
-_NODEPORT_CIDRS: dict[tuple[IPFamily, bool, tuple[str, ...], tuple[str, ...]], tuple[str, ...]] = {}
-
 
 BpfBatch = Batch[Fragment, Context, Adopted, None]
 
@@ -173,7 +67,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
     mode: ClassVar[str] = "bpf"
     CHECK_INTERVAL_S: ClassVar[float | None] = NEEDS_FULL_CHECK_S
     # the companion table announces its changes; pins, attachments and map identities are polled (``needs_full``)
-    DRIFT: ClassVar[Drift | None] = Drift(frozenset({render.TABLE}), poll_s=0.3)
+    DRIFT: ClassVar[Drift | None] = Drift(frozenset({companion.TABLE}), poll_s=0.3)
     # the socket path translates before conntrack sees anything, but the companion table NATs external traffic
     uses_conntrack_nat: ClassVar[bool] = True
     options: ClassVar[tuple[Option, ...]] = (
@@ -201,37 +95,41 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
             "bpf_map_size",
             int,
             loader.DEFAULT_MAP_SIZE,
-            "entries of the service map and the backend array (default holds 10,000 services x 50 endpoints; the "
-            "array is preallocated: 8 bytes per entry for IPv4 and 24 for IPv6, 32 MB at the default); a service "
-            "that does not fit is refused with the reason and counted in kproxy_service_ports_refused",
+            "entries of every map that grows with services: the service map, the backend array and the names map "
+            "(default holds 10,000 services x 50 endpoints; the array is preallocated: 8 bytes per entry for IPv4 "
+            "and 24 for IPv6, 32 MB at the default); a service port that does not fit is refused with the reason "
+            "and counted in kproxy_service_ports_refused; a change needs `kproxy cleanup` first",
         ),
     )
 
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
         super().__init__(config, netns=netns)
         self._places: loader.Places | None = None
-        self._fds: dict[tuple[str, IPFamily], int] = {}
+        self._maps = kernel.OpenMaps(self._where, lambda p: cleanup.record_places(p, self.netns))
         self._index: dict[IPFamily, FamilyIndex | None] = {f: None for f in self.families}
-        self._nft_ready: dict[IPFamily, bool] = {f: False for f in self.families}
-        # the services whose fragments have a companion part: the table exists only while this is not empty; the
-        # ``nodeport-cidrs`` elements written (None: unknown)
-        self._nft_users: dict[IPFamily, set[ServicePortName]] = {f: set() for f in self.families}
-        self._nft_cidrs: dict[IPFamily, tuple[str, ...] | None] = {f: None for f in self.families}
+        self._companion = companion.Companion(self.families, netns)
         self._kernel_read: dict[IPFamily, float] = {}
-        # the repair of someone else's flush (``_check_kernel``): families owed a full sync that reads the kernel,
-        # the map ids kproxy's fds hold, fds of unpinned maps (closed once the UDP reaper is idle), programs to attach
+        # the repair of someone else's flush (``_check_kernel_now``): families owed a full sync that reads the kernel,
+        # programs to attach again
         self._owed: set[IPFamily] = set()
-        self._held_ids: dict[tuple[str, IPFamily], int] = {}
-        self._retired: list[int] = []
         self._reattach = False
         self._reattach_after = 0.0
         self._metric_entries: Any = None
         self._counts: dict[IPFamily, dict[str, int]] = {}  # the last apply's figures per family, for describe()
         self.attached: list[str] = []
+        # older copies of the programs that ``start`` replaced (they read other maps: an upgrade with another map
+        # layout, pins lost while kproxy was down), left attached until every family's first full sync has filled
+        # the maps the new ones read: attached first, they run first and keep translating meanwhile
+        self._replaced: list[dict[str, Any]] = []
+        self._filled: set[IPFamily] = set()
         self._reaper = sockets.Reaper()
         self.last_reap: Future[int] | None = None
         self._last_full: tuple[IPFamily, list[Step]] | None = None
         self._last_partial: tuple[IPFamily, list[Step]] | None = None
+
+    @property
+    def _fds(self) -> dict[tuple[str, IPFamily], int]:
+        return self._maps.fds
 
     # -- hooks ----------------------------------------------------------------------------------------------------
 
@@ -277,9 +175,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
 
     @classmethod
     def lab_options(cls, node: LabNodeSpec, options: Mapping[str, Any]) -> dict[str, Any]:
-        """The node's own cgroup, and a pin folder keyed by the node's namespace (never the host's folder)."""
-        # the node's kproxy runs under `ip netns exec` (a fresh /sys): it reaches the machine's bpffs through this
-        loader.ensure_host_bind()
+        """The node's own cgroup, and a pin folder keyed by the node's namespace (never the host's folder). Values
+        only: what the node needs prepared on the machine is ``lab_prepare``'s."""
         out: dict[str, Any] = {}
         if node.cgroup is not None and "bpf_cgroup_path" not in options:
             out["bpf_cgroup_path"] = str(node.cgroup)
@@ -288,16 +185,24 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         return out
 
     @classmethod
+    def lab_prepare(cls, node: LabNodeSpec, options: Mapping[str, Any]) -> None:
+        """Prepare the machine for a lab node's kproxy, from the lab's own (the machine's) mount namespace, before it
+        starts: the node's kproxy runs under ``ip netns exec`` (a fresh /sys without the machine's bpffs) and reaches
+        the machine's bpffs through a bind of it outside /sys (``loader.ensure_host_bind``; ``cleanup`` undoes it
+        with the last pins)."""
+        loader.ensure_host_bind()
+
+    @classmethod
     def remnants(cls, probe: KernelProbe) -> list[str]:
-        return inspect.remnants(probe)
+        return cleanup.remnants(probe)
 
     @classmethod
     def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
-        return inspect.kernel_view(probe, family)
+        return cleanup.kernel_view(probe, family)
 
     @classmethod
     def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
-        inspect.cleanup(config.backend_options, netns)
+        cleanup.cleanup(config.backend_options, netns)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -306,65 +211,37 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
             self._places = loader.places(self.option_values(self.config.backend_options), self.netns)
         return self._places
 
-    #: the maps a sync reads and writes (the LRU maps belong to the programs alone)
-    SYNC_ROLES: ClassVar[tuple[str, ...]] = ("svc", "be", "name")
-
     def _ensure_maps(self, every: bool = False) -> None:
-        """Open (or create and pin) the maps syncs use, of this kproxy's families; ``every``: all maps of both
-        families, as the programs need them (``start``). A benchmark never pays for the LRU maps' preallocation."""
-        want = (
-            [(r, f) for f in (IPFamily.V4, IPFamily.V6) for r in maps.ROLES]
-            if every
-            else [(r, f) for f in self.families for r in self.SYNC_ROLES]
-        )
-        missing = [k for k in want if k not in self._fds]
-        if not missing:
-            return
-        p = self._where()
-        if not self._fds:
-            loader.ensure_places(p)
-            inspect.record_places(p, self.netns)
-        for role, fam in missing:
-            self._fds[(role, fam)] = loader.open_or_create(p, role, fam)
+        self._maps.ensure(self.families, every)
 
     def start(self) -> None:
         """Compile the programs, pin or reopen the maps, attach to the cgroup (replacing an older kproxy's copies)."""
         p = self._where()
         loader.ensure_places(p)
-        inspect.record_places(p, self.netns)
+        cleanup.record_places(p, self.netns)
         self._ensure_maps(every=True)  # created with the programs' specs: the compiler reopens them
-        self.attached = loader.attach_in_child(p)
+        self.attached, self._replaced = loader.attach_in_child(p, detach_old=False)
         log.info("bpf: attached %s to %s", ", ".join(self.attached), p.cgroup)
+        if self._replaced:
+            log.info("bpf: %d older programs stay attached until the first sync fills the maps", len(self._replaced))
+        else:
+            self._remove_stale_pins(p)  # no older program reads them
 
     def close(self) -> None:
         self._reaper.close()  # it reads the reverse-NAT map: before the fds go
-        for fd in [*self._fds.values(), *self._retired]:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds.clear()
-        self._retired.clear()
-        self._held_ids.clear()
-        nft.release(self.netns)
+        self._maps.close()
+        companion.release(self.netns)
 
     def cleanup(self) -> None:
         self.close()
         super().cleanup()
         self._index = {f: None for f in self.families}
-        self._nft_ready = {f: False for f in self.families}
-        self._nft_users = {f: set() for f in self.families}
-        self._nft_cidrs = {f: None for f in self.families}
+        self._companion.forget()
 
     # -- ledger hooks ---------------------------------------------------------------------------------------------
 
     def context(self, node: FamilyContext, state: ProxyState) -> Context:
-        key = (node.family, node.nodeport_all_local, node.nodeport_cidrs, node.nodeport_ips)
-        cidrs = _NODEPORT_CIDRS.get(key)
-        if cidrs is None:
-            if len(_NODEPORT_CIDRS) > 64:
-                _NODEPORT_CIDRS.clear()
-            cidrs = _NODEPORT_CIDRS[key] = render.nodeport_cidrs(*key)
+        cidrs = render.nodeport_cidrs(node.family, node.nodeport_all_local, node.nodeport_cidrs, node.nodeport_ips)
         return Context(node.family, tuple(sorted(node.nodeport_addresses)), cidrs)
 
     def render(self, sp: ServicePort, ctx: Context) -> Fragment:
@@ -372,134 +249,39 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
 
     def adopt(self, family: IPFamily, ctx: Context) -> Adopted:
         """What the maps hold. Read from the kernel at the first sync, after a failure and at least every
-        ``KERNEL_READ_S`` (``sync`` owes it); in between, a full sync trusts kproxy's index of what it wrote (what
-        someone else flushed or deleted, pins, programs or the companion table, is noticed by ``_check_kernel``
-        within a second of the next sync), so it costs a render, not a decode of every entry."""
+        ``KERNEL_READ_S``; in between, a full sync trusts kproxy's index of what it wrote (what someone else flushed
+        or deleted, pins, programs or the companion table, is noticed by ``needs_full`` within a second), so it
+        costs a render, not a decode of every entry."""
         self._ensure_maps()
         cur = self._index[family]
         if cur is not None and time.monotonic() - self._kernel_read.get(family, 0.0) < KERNEL_READ_S:
-            present = self._nft_ready[family]
-            return Adopted(
-                cur, {}, Counter(), nft.NftView(present, frozenset(), frozenset()), self.applied_fragments(family)
-            )
+            present = self._companion.ready[family]
+            table = companion.NftView(present, frozenset(), frozenset())
+            return Adopted(cur, {}, Counter(), table, self.applied_fragments(family))
         self._kernel_read[family] = time.monotonic()
-        return self._read_kernel(family)
+        raw = kernel.read_maps(self._maps.family_fds(family), family)
+        table, _why = self._companion.checked(family, self.applied_fragments(family))
+        return adopt.adopted(family, raw, table)
 
-    def _read_kernel(self, family: IPFamily) -> Adopted:
-        """The maps and the companion table as the kernel holds them now (read-only; any thread)."""
-        fds = self._fds
-        raw = maps.read_lb(fds[("svc", family)], fds[("be", family)], fds[("name", family)], family)
-        index, view = render.index_from_raw(family, raw["svc"], raw["be"], raw["name"])
-        counts = Counter(v[3] for v in view.values())
-        table, _why = self._nft_checked(family)
-        return Adopted(index, view, counts, table)
-
-    def _nft_checked(self, family: IPFamily) -> tuple[nft.NftView, str | None]:
-        """The companion table as read, less the chains that lost rules (a flushed table keeps chains and elements,
-        not rules): a fixed chain short of rules drops ``services`` (the fixed part is written again), a service
-        chain whose rule count differs from what its (digest-named) rules say is written again; and why, if so."""
-        v = nft.read(family, self.netns)
-        if not v.present:
-            return v, None
-        drop: set[str] = set()
-        why = None
-        short = [c for c, n in FIXED_RULES.items() if v.rules.get(c, 0) != n]
-        if short:
-            drop.add("services")
-            why = f"companion chain {short[0]} holds {v.rules.get(short[0], 0)} rules, wanted {FIXED_RULES[short[0]]}"
-        # a chain's name carries the digest of its rules, so any fragment naming it says how many it holds; a chain
-        # no applied service names is left as it is (a full sync deletes it when nobody wants it)
-        want = {c: len(rules) for frag in self.applied_fragments(family).values() for c, rules in frag.nft.chains}
-        drop.update(c for c in v.chains if c in want and v.rules.get(c, 0) != want[c])
-        if not drop:
-            return v, None
-        return nft.NftView(True, v.chains - drop, v.elements, v.rules), why
-
-    def _read_pinned(self, family: IPFamily) -> Adopted:
-        """What the pins hold now, read through fds of its own (never kproxy's: those keep a map alive after someone
-        unpinned it), with the programs' state when kproxy attached them (read-only; any thread)."""
-        p = self._where()
-        raw: dict[str, tuple[bytes, bytes]] = {role: (b"", b"") for role in self.SYNC_ROLES}
-        gone = []
-        fds: dict[str, int] = {}
-        try:
-            for role in self.SYNC_ROLES:
-                try:
-                    fds[role] = maps.obj_get(str(p.pin(role, family)))
-                except FileNotFoundError:
-                    gone.append(maps.pin_name(role, family))
-            if not gone:
-                raw = maps.read_lb(fds["svc"], fds["be"], fds["name"], family)
-            elif "svc" in fds and "name" in fds:  # the backend array gone: what the service map still says
-                ks = maps.key_sizes(family)
-                raw.update(svc=maps.lookup_raw(fds["svc"], *ks["svc"]), name=maps.lookup_raw(fds["name"], *ks["name"]))
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        index, view = render.index_from_raw(family, raw["svc"], raw["be"], raw["name"])
-        counts = Counter(v[3] for v in view.values())
-        table, nft_problem = self._nft_checked(family)
-        problem = f"pinned map {gone[0]} missing in {p.pin_dir}" if gone else None
-        if problem is None and self.attached:
-            problem = loader.programs_problem(p, loader.pinned_ids(p), (family,))
-        return Adopted(index, view, counts, table, problem=problem, nft_problem=nft_problem)
+    def adopted_unchanged(self, adopted: Adopted, name: ServicePortName, fragment: Fragment) -> bool:
+        return adopt.adopted_unchanged(adopted, name, fragment)
 
     def verify_view(self, family: IPFamily, ctx: Context) -> Adopted:
         """Always the kernel through the pins (never the trusted index, never kproxy's own fds), the programs'
-        attachments and the companion table's rules."""
-        return self._read_pinned(family)
+        attachments and the companion table's rules. Read-only; any thread."""
+        p = self._where()
+        raw, gone = kernel.read_pinned(p, family)
+        table, nft_problem = self._companion.checked(family, self.applied_fragments(family))
+        problem = f"pinned map {gone[0]} missing in {p.pin_dir}" if gone else None
+        if problem is None and self.attached:
+            problem = loader.programs_problem(p, loader.pinned_ids(p), (family,))
+        return adopt.adopted(family, raw, table, problem, nft_problem)
 
     def verify_service(self, view: Adopted, name: ServicePortName, fragment: Fragment) -> str | None:
-        a = view
-        fronts = render.decoded(fragment)
-        held = {k: a.view[k] for k in fronts if k in a.view}
-        if not held and not any(e in a.nft.elements for e in fragment.nft.elements):
-            return "missing"
-        if a.problem is not None:  # the maps may be right, but no socket is translated from them
-            return f"different: {a.problem}"
-        if a.nft_problem is not None and not fragment.nft.empty:
-            return f"different: {a.nft_problem}"
-        if self.adopted_unchanged(view, name, fragment):
-            return None
-        for k, want in fronts.items():
-            got = a.view.get(k)
-            if got is None:
-                return f"different: frontend {k[0]}:{k[1]}/{k[2]} missing"
-            if got[:3] != want:
-                return f"different: frontend {k[0]}:{k[1]}/{k[2]} holds {got[:3]}, wanted {want}"
-        missing = [e for e in fragment.nft.elements if e not in a.nft.elements]
-        if missing:
-            return f"different: companion element {' '.join(missing[0])} missing"
-        lost = [c for c, _ in fragment.nft.chains if c not in a.nft.chains]
-        if lost:
-            return f"different: companion chain {lost[0]} missing or not holding its rules"
-        return "different: reverse-NAT id or name"
+        return adopt.verify_service(view, name, fragment)
 
     def verify_extra(self, view: Adopted, wanted: Mapping[ServicePortName, Fragment]) -> list[str]:
-        a = view
-        keys = {render.service_key(n) for n in wanted}
-        out = []
-        for k, got in a.view.items():
-            owner = a.index.rev_names.get(got[3])
-            if owner not in keys:
-                out.append(f"frontend {k[0]}:{k[1]}/{k[2]}: not wanted (rev_nat {got[3]}, {owner or 'unnamed'})")
-        want_elems = {e for f in wanted.values() for e in f.nft.elements}
-        out += [f"nft element {m} {k} : {v}: not wanted" for m, k, v in sorted(a.nft.elements - want_elems)]
-        return out
-
-    def adopted_unchanged(self, adopted: Adopted, name: ServicePortName, fragment: Fragment) -> bool:
-        a = adopted
-        if a.trusted is not None:
-            return a.trusted.get(name) == fragment
-        if not a.view:  # the maps hold no frontend (a first sync): nothing is there already
-            return False
-        if not render.unchanged(a.index, a.view, a.rev_counts, name, fragment):
-            return False
-        if not a.nft.present and fragment.nft.empty:
-            return True
-        return all(c in a.nft.chains for c, _ in fragment.nft.chains) and all(
-            e in a.nft.elements for e in fragment.nft.elements
-        )
+        return adopt.verify_extra(view, wanted)
 
     def needs_full(self, family: IPFamily) -> bool:
         """Asked by the ledger at most every ``CHECK_INTERVAL_S`` per family. For the first family: are the pinned
@@ -507,12 +289,11 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         someone flushed or deleted (the pins, the attachments, the table: ``kproxy cleanup`` of another process does
         all three) is put back: the maps made and pinned again (empty) and their family owed a full sync that reads
         the kernel and writes everything, the programs attached again after it (``apply``). A few bpf(2) calls and
-        one ``list tables``. A family is also owed a full batch when its read-back is due (``KERNEL_READ_S``: its
-        adopt reads the kernel, and its writes put back what someone edited in place)."""
+        one ``list tables``. A family is also owed a full batch when its read-back is due (``KERNEL_READ_S``)."""
         if family is self.families[0] and self._fds:
             try:
                 self._check_kernel_now()
-            except (OSError, RuntimeError, ValueError, nft.NftError) as exc:  # never a reason to fail the sync
+            except (OSError, RuntimeError, ValueError, companion.NftError) as exc:  # never a reason to fail the sync
                 log.warning("bpf: checking that the kernel state is still there failed: %s", exc)
         if family in self._owed:
             self._owed.discard(family)
@@ -520,32 +301,27 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         read = self._kernel_read.get(family)
         return read is not None and time.monotonic() - read >= KERNEL_READ_S
 
+    def _owe(self, families: Iterable[IPFamily], *, forget_index: bool = False) -> None:
+        for f in families:
+            if forget_index:
+                self._index[f] = None
+            self._kernel_read.pop(f, None)
+            self._owed.add(f)
+
     def _check_kernel_now(self) -> None:
-        if self._retired and (self.last_reap is None or self.last_reap.done()):
-            for fd in self._retired:
-                os.close(fd)
-            self._retired.clear()
+        if self._maps.retired and (self.last_reap is None or self.last_reap.done()):
+            self._maps.close_retired()
         p = self._where()
-        for k, fd in self._fds.items():
-            if k not in self._held_ids:
-                self._held_ids[k] = loader.map_id(fd)
         pinned = loader.pinned_ids(p)
-        lost = sorted({k for k, i in self._held_ids.items() if pinned.get(k) != i}, key=str)
+        lost = self._maps.lost(pinned)
         if lost:
             log.warning(
                 "bpf: pinned maps gone or replaced in %s (%s): pinning new ones, full resync",
                 p.pin_dir,
                 ", ".join(maps.pin_name(r, f) for r, f in lost),
             )
-            # the old maps stay alive while an fd holds them: retired, closed once the reaper cannot use them
-            self._retired += self._fds.values()
-            self._fds.clear()
-            self._held_ids.clear()
             self._ensure_maps(every=bool(self.attached))
-            for f in self.families:
-                self._index[f] = None
-                self._kernel_read.pop(f, None)
-                self._owed.add(f)
+            self._owe(self.families, forget_index=True)
             pinned = loader.pinned_ids(p)
         if self.attached and not self._reattach:
             why = loader.programs_problem(p, pinned, self.families)
@@ -553,26 +329,47 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
                 log.warning("bpf: %s: attaching the programs again after the next sync", why)
                 self._reattach = True
                 self._reattach_after = 0.0
-                self._owed.update(self.families)  # a sync now, so the programs come back at once
+                self._owe(self.families)  # a sync now, so the programs come back at once
         for f in self.families:
-            if self._nft_ready[f] and not nft.table_present(f, self.netns):
-                log.warning("bpf: the companion table %s (%s) is gone: full resync", render.TABLE, f.value)
-                self._nft_ready[f] = False
-                self._kernel_read.pop(f, None)
-                self._owed.add(f)
+            if self._companion.lost(f):
+                log.warning("bpf: the companion table %s (%s) is gone: full resync", companion.TABLE, f.value)
+                self._owe((f,))
 
     def _repair_programs(self) -> None:
         """Compile and attach the programs again (``loader.attach_in_child``: the same as ``start``)."""
         p = self._where()
         try:
             self._ensure_maps(every=True)
-            self.attached = loader.attach_in_child(p)
+            self.attached, _ = loader.attach_in_child(p)  # the maps were just filled: older copies go at once
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
             self._reattach_after = time.monotonic() + REATTACH_RETRY_S
             log.error("bpf: attaching the programs again failed (next try in %.0f s): %s", REATTACH_RETRY_S, exc)
             return
         self._reattach = False
         log.info("bpf: attached %s to %s again", ", ".join(self.attached), p.cgroup)
+
+    def _detach_replaced(self) -> None:
+        """The maps the new programs read hold every family now: the older copies ``start`` replaced go, and the pins
+        of an older map layout with them (nothing reads those maps any more)."""
+        p = self._where()
+        try:
+            loader.detach_ids(p.cgroup, self._replaced)
+        except (OSError, RuntimeError) as exc:
+            log.warning("bpf: detaching the replaced programs from %s failed (retried): %s", p.cgroup, exc)
+            return
+        log.info("bpf: detached %d replaced programs from %s", len(self._replaced), p.cgroup)
+        self._replaced = []
+        self._remove_stale_pins(p)
+
+    @staticmethod
+    def _remove_stale_pins(p: loader.Places) -> None:
+        try:
+            stale = loader.remove_stale_pins(p)
+        except OSError as exc:
+            log.warning("bpf: removing the pins of an older map layout in %s failed: %s", p.pin_dir, exc)
+            return
+        if stale:
+            log.info("bpf: removed the pins of an older map layout: %s", ", ".join(stale))
 
     def detail(self, name: ServicePortName, family: IPFamily, fragment: Fragment) -> dict[str, Any]:
         return render.summary(fragment)
@@ -587,15 +384,18 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
             "counts": {fam.value: dict(c) for fam, c in list(self._counts.items())},
         }
 
-    # -- apply ----------------------------------------------------------------------------------------------------
-
     def limits(self, family: IPFamily) -> Limits:
-        """What the maps hold (the core refuses a service port that does not fit, before it is rendered): the
-        service map ``--bpf-map-size`` entries (a master and a slot per backend, per frontend), the backend array as
-        many backends less one (id 0 is "none"), 65,535 reverse-NAT ids and 65,535 slots per frontend (16 bits
-        each)."""
+        """What the maps hold (the core refuses a service port that does not fit, before it is rendered), all sized
+        by ``--bpf-map-size``: the service map that many entries (a master and a slot per backend, per frontend),
+        the backend array as many backends less one (id 0 is "none": backend ids are its indexes), the names map as
+        many service ports (one reverse-NAT id each: 32 bits, so the map size is the limit); 65,535 slots per
+        frontend (the 16-bit slot of a service-map key)."""
         size = self._where().map_size
-        return Limits(service_ports=0xFFFF, endpoints_per_port=0xFFFF, entries=size, endpoints=size - 1)
+        return Limits(
+            service_ports=min(size, MAX_ID), endpoints_per_port=0xFFFF, entries=size, endpoints=min(size - 1, MAX_ID)
+        )
+
+    # -- apply ----------------------------------------------------------------------------------------------------
 
     def apply(self, batch: BpfBatch) -> Applied:
         fam = batch.family
@@ -606,58 +406,22 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         adopted: Adopted | None = batch.adopted
         if batch.full:
             index = adopted.index if adopted is not None else self.adopt(fam, batch.context).index
+            adopt.claim_all(index, batch.wanted, (d.name for d in batch.deltas))
         else:
             cur = self._index[fam]
             if cur is None:
                 return Applied(ok=False, error="the map index is unknown after a failure: a full sync rebuilds it")
             index = cur
-        plan = Plan()
-        # an index holding nothing before this plan (a first sync into empty maps) has nothing to sweep after it: the
-        # plan writes only frontends of wanted services, backends their slots name, names of those services
-        was_empty = not (index.fronts or index.backends or index.rev_names)
-        if batch.full and index.unclaimed():
-            for name, frag in batch.wanted.items():
-                render.claim(index, name, frag)
-            if len(batch.deltas) != len(batch.wanted):
-                for d in batch.deltas:
-                    if d.name not in batch.wanted:
-                        render.claim(index, d.name, None)
         # until this batch is fully in, the index may not match the kernel: a full sync then reads the maps again
         read_at = self._kernel_read.pop(fam, None)
-        steps: list[Step] = []  # the exact payload, for the benchmark's floors
-        writer = _Writer(self._fds, fam) if len(batch.deltas) >= PIPELINE_SERVICES else None
-        t_write = 0.0
         try:
-            try:
-                deltas = batch.deltas
-                if writer is None:
-                    for d in deltas:
-                        render.plan_service(index, d.name, d.new_fragment, plan)
-                else:
-                    for start in range(0, len(deltas), PIPELINE_CHUNK):
-                        for d in deltas[start : start + PIPELINE_CHUNK]:
-                            render.plan_service(index, d.name, d.new_fragment, plan)
-                        chunk = plan.drain_puts()
-                        steps += chunk
-                        writer.submit(chunk)
-                if batch.full and not was_empty:
-                    render.sweep(index, batch.wanted, plan)
-                render.finish_plan(plan)
-            finally:
-                if writer is not None:
-                    t_write = writer.finish()  # raises the first write error (what followed it was not written)
-            t1 = time.perf_counter()
-            rest = plan.ordered()
-            steps += rest
-            self._execute_steps(fam, rest)
+            the_plan, steps, t_write, t1 = self._write_maps(batch, index)
         except maps.BpfError as exc:
             self._index[fam] = None
-            self._kernel_read.pop(fam, None)
             why = "a BPF map is full (E2BIG)" if exc.errno == errno.E2BIG else str(exc)
             return Applied(ok=False, error=f"bpf map write failed: {why}")
         except BaseException:  # a planning error (no reverse-NAT id left): the index may not match the maps now
             self._index[fam] = None
-            self._kernel_read.pop(fam, None)
             raise
         if steps:
             if batch.full:
@@ -665,34 +429,68 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
             else:
                 self._last_partial = (fam, steps)
         t2 = time.perf_counter()
-        plan.release(index)
+        the_plan.release(index)
         self._index[fam] = index
         try:
-            self._apply_nft(batch, adopted, set())
-        except nft.NftError as exc:
-            self._nft_ready[fam] = False
-            self._kernel_read.pop(fam, None)
+            trusted = adopted.trusted if adopted is not None else None
+            self._companion.apply(batch, adopted.nft if adopted is not None else None, trusted)
+        except companion.NftError as exc:
+            self._companion.ready[fam] = False
             return Applied(ok=False, error=f"nft companion table: {exc}")
         t3 = time.perf_counter()
         if read_at is not None:
             self._kernel_read[fam] = read_at
         if batch.full:
             self._owed.discard(fam)
+            self._filled.add(fam)
+            if self._replaced and self._filled >= set(self.families):
+                self._detach_replaced()
             if self._reattach and fam is self.families[-1] and time.monotonic() >= self._reattach_after:
                 self._repair_programs()  # the maps hold everything again: the programs may read them
         self._reap_udp(batch)
-        figures = {"map_writes": plan.writes, "service_entries": index.svc_entries, "backends": len(index.backends)}
+        timings = {"plan": t1 - t0, "apply": t2 - t1, "nft": t3 - t2, **({"pipelined": t_write} if t_write else {})}
+        return Applied(figures=MappingProxyType(self._figures(fam, index, the_plan)), timings=MappingProxyType(timings))
+
+    def _write_maps(self, batch: BpfBatch, index: FamilyIndex) -> tuple[plan.Plan, list[Step], float, float]:
+        """Plan the batch's map writes and execute them: (the plan, its exact steps for the benchmark's floors, the
+        seconds a writer thread wrote while planning went on, when planning ended). "apply" timings are the writes
+        after planning ended; a large batch's puts are written meanwhile by another thread."""
+        fam = batch.family
+        the_plan = plan.Plan()
+        # an index holding nothing before this plan (a first sync into empty maps) has nothing to sweep after it: the
+        # plan writes only frontends of wanted services, backends their slots name, names of those services
+        was_empty = not (index.fronts or index.backends or index.rev_names)
+        steps: list[Step] = []
+        t_write = 0.0
+        deltas = batch.deltas
+        if len(deltas) < PIPELINE_SERVICES:
+            for d in deltas:
+                plan.plan_service(index, d.name, d.new_fragment, the_plan)
+        else:
+            with kernel.Writer(self._fds, fam) as writer:
+                for start in range(0, len(deltas), PIPELINE_CHUNK):
+                    for d in deltas[start : start + PIPELINE_CHUNK]:
+                        plan.plan_service(index, d.name, d.new_fragment, the_plan)
+                    chunk = the_plan.drain_puts()
+                    steps += chunk
+                    writer.submit(chunk)
+                t_write = writer.finish()  # raises the first write error (what followed it was not written)
+        if batch.full and not was_empty:
+            plan.sweep(index, batch.wanted, the_plan)
+        plan.finish_plan(the_plan)
+        t1 = time.perf_counter()
+        rest = the_plan.ordered()
+        steps += rest
+        kernel.run_steps(self._maps.family_fds(fam), fam, rest)
+        return the_plan, steps, t_write, t1
+
+    def _figures(self, fam: IPFamily, index: FamilyIndex, the_plan: plan.Plan) -> dict[str, int]:
+        figures = {"map_writes": the_plan.writes, "service_entries": index.entries, "backends": len(index.backends)}
         self._counts[fam] = figures
         if self._metric_entries is not None:
-            self._metric_entries.labels(ip_family=fam.value, map="service").set(index.svc_entries)
+            self._metric_entries.labels(ip_family=fam.value, map="service").set(index.entries)
             self._metric_entries.labels(ip_family=fam.value, map="backend").set(len(index.backends))
-        return Applied(
-            figures=MappingProxyType(figures),
-            # "apply": the map writes after planning ended; "pipelined": those written meanwhile (another thread)
-            timings=MappingProxyType(
-                {"plan": t1 - t0, "apply": t2 - t1, "nft": t3 - t2, **({"pipelined": t_write} if writer else {})}
-            ),
-        )
+        return figures
 
     def _reap_udp(self, batch: BpfBatch) -> None:
         """Connected UDP sockets to backends a UDP service just lost are ended (see ``backends.bpf.sockets``); only
@@ -711,137 +509,21 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
                 self._places.cgroup, gone, self._fds.get(("rev", batch.family)), batch.family
             )
 
-    def _execute_steps(self, fam: IPFamily, steps: list[Step]) -> None:
-        run_steps({role: self._fds[(role, fam)] for role in self.SYNC_ROLES}, fam, steps)
-
-    def _apply_nft(self, batch: BpfBatch, adopted: Adopted | None, names: set[ServicePortName]) -> None:
-        """The companion table's share of a batch. The table exists only while some service has a companion part
-        (NodePorts, externalIPs, LB IPs, services without endpoints or with Local policy and no local endpoint):
-        its nat chains and ct rules turn conntrack on for every packet of the namespace, pod-to-pod traffic
-        included, so when the last such service goes the table goes with it."""
-        fam = batch.family
-        t = f"{'ip' if fam == IPFamily.V4 else 'ip6'} {render.TABLE}"
-        users = self._nft_users[fam]
-        if batch.full:
-            users.clear()
-            users.update(n for n, f in batch.wanted.items() if not f.nft.empty)
-        else:
-            for d in batch.deltas:
-                if d.new_fragment is not None and not d.new_fragment.nft.empty:
-                    users.add(d.name)
-                else:
-                    users.discard(d.name)
-        cidrs = batch.context.nodeport_cidrs
-        if not users:
-            if batch.full and adopted is not None and adopted.trusted is None:
-                present = adopted.nft.present
-            elif batch.full and adopted is None:
-                present = nft.table_present(fam, self.netns)
-            else:
-                present = self._nft_ready[fam]
-            if present:
-                nft.delete_table(fam, self.netns)
-            self._nft_ready[fam] = False
-            self._nft_cidrs[fam] = None
-            return
-        first: list[str] = []
-        mid: list[str] = []
-        last: list[str] = []
-        if batch.full:
-            if adopted is not None and adopted.trusted is not None:
-                chains: set[str] = set()
-                elems: set[tuple[str, str, str]] = set()
-                for frag in adopted.trusted.values():
-                    chains.update(c for c, _ in frag.nft.chains)
-                    elems.update(frag.nft.elements)
-                base = {"services"} if adopted.nft.present else set()
-                view = nft.NftView(adopted.nft.present, frozenset(chains | base), frozenset(elems))
-            else:
-                view = adopted.nft if adopted is not None else nft.read(fam, self.netns)
-            want_chains: dict[str, tuple[str, ...]] = {}
-            want_elems: set[tuple[str, str, str]] = set()
-            for frag in batch.wanted.values():
-                want_chains.update(frag.nft.chains)
-                want_elems.update(frag.nft.elements)
-            if view.present and view.sets is not None and render.NODEPORT_CIDRS not in view.sets:
-                # an older layout (its NodePort rule matched any local address, loopback too): written again whole
-                first += [f"add table {t}", f"delete table {t}"]
-                view = nft.NftView(False, frozenset(), frozenset())
-            elif view.sets is not None:
-                self._nft_cidrs[fam] = view.sets.get(render.NODEPORT_CIDRS)
-            if not view.present or not self._nft_ready[fam] or "services" not in view.chains:
-                first += render.fixed_commands(fam)
-                self._nft_cidrs[fam] = None if view.present else ()
-            if self._nft_cidrs[fam] != cidrs:
-                first += render.nodeport_cidr_commands(fam, cidrs)
-            for name, rules in want_chains.items():
-                if name not in view.chains:
-                    # flushed too: a chain someone emptied (or cut short) gets its rules once, not appended twice
-                    first += [f"add chain {t} {name}", f"flush chain {t} {name}"]
-                    first += [f"add rule {t} {name} {r}" for r in rules]
-            want_keys = {(m, k): v for m, k, v in want_elems}
-            for m, k, v in view.elements:
-                if want_keys.get((m, k)) != v:
-                    mid.append(f"delete element {t} {m} {{ {k} }}")
-            for m, k, v in want_elems:
-                if (m, k, v) not in view.elements:
-                    mid.append(f"add element {t} {m} {{ {k} : {v} }}")
-            for name in view.chains:
-                if (name.startswith("s-") or name.startswith("f-")) and name not in want_chains:
-                    last.append(f"delete chain {t} {name}")
-        else:
-            for d in batch.deltas:
-                o = d.old_fragment.nft if d.old_fragment is not None else None
-                n = d.new_fragment.nft if d.new_fragment is not None else None
-                if (o is None or o.empty) and (n is None or n.empty):
-                    continue
-                a, b, c = render.nft_changes(fam, o, n)
-                first += a
-                mid += b
-                last += c
-            if (first or mid or last) and not self._nft_ready[fam]:
-                first = render.fixed_commands(fam) + render.nodeport_cidr_commands(fam, cidrs) + first
-        if not (first or mid or last):
-            return
-        # deletes before adds inside the element phase: a changed element is deleted, then added
-        mid = render.group_elements(mid)
-        # a firewall chain jumps to its service chain: it goes first, or the kernel refuses (EBUSY)
-        last.sort(key=lambda c: 0 if " f-" in c else 1)
-        nft.run("\n".join(first + mid + last) + "\n", self.netns)
-        self._nft_ready[fam] = True
-        self._nft_cidrs[fam] = cidrs
-
-    # -- benchmark floors -----------------------------------------------------------------------------------------
+    # -- benchmark floors, metrics, trace --------------------------------------------------------------------------
 
     def measure_floor(self) -> float | None:
-        """The last full sync's exact map writes (same batches, same order) into fresh empty maps of the same shape:
-        the kernel's own time for that payload."""
+        """The last full sync's exact map writes into fresh empty maps of the same shape (``kernel.floor_full``)."""
         if self._last_full is None:
             return None
         fam, steps = self._last_full
-        size = self._where().map_size
-        fds = {role: maps.create_like(role, fam, size) for role in self.SYNC_ROLES}
-        try:
-            t0 = time.perf_counter()
-            run_steps(fds, fam, steps)
-            return time.perf_counter() - t0
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        return kernel.floor_full(fam, steps, self._where().map_size)
 
     def measure_partial_floor(self) -> Mapping[str, float] | None:
         """The last partial sync's map writes again, into the maps as they are (rewriting the same bytes)."""
         if self._last_partial is None or not self._fds:
             return None
         fam, steps = self._last_partial
-        t0 = time.perf_counter()
-        for role, op, keys, values in steps:
-            if op == "put":
-                maps.update_batch(self._fds[(role, fam)], keys, values)
-        puts = time.perf_counter() - t0
-        return {"floor_s": puts}
-
-    # -- metrics, trace -------------------------------------------------------------------------------------------
+        return {"floor_s": kernel.floor_partial(self._maps.family_fds(fam), steps)}
 
     def register_metrics(self, registry: Any, families: Iterable[IPFamily]) -> None:
         from prometheus_client import Gauge
@@ -859,55 +541,16 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
     def trace(
         self, src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False
     ) -> dict[str, Any] | None:
-        """Where a new connection would go, read from the maps themselves (a few lookups, no lock): the frontend's
-        master entry, each slot's backend id and the backend's address. A socket of the node's cgroup is translated
-        at connect; other packets (``src_local`` False) meet the companion table, whose elements are listed too."""
+        """Where a new connection would go, read from the maps themselves (``backends.bpf.trace``)."""
         fam = IPFamily.of(dst)
         if fam not in self.families or not self._fds:
             return None
-        pnum = maps.PROTO_NUMBERS.get(proto.upper(), 0)
-        ks = maps.key_sizes(fam)
-        fd_svc, fd_be, fd_name = (self._fds[(r, fam)] for r in ("svc", "be", "name"))
-        front = f"{dst}:{dport}/{proto.upper()}" if fam == IPFamily.V4 else f"[{dst}]:{dport}/{proto.upper()}"
-        raw = maps.lookup(fd_svc, maps.lb_key(fam, dst, dport, pnum, 0), ks["svc"][1])
-        companion = [
-            f"nft {render.TABLE}: {m} {k} : {v}"
-            for frag in self.applied_fragments(fam).values()
-            for m, k, v in frag.nft.elements
-            if k.startswith(f"{dst} . {proto.lower()} . {dport}") or (dst_local and k == f"{proto.lower()} . {dport}")
-        ]
-        if raw is None:
-            return {"outcomes": [{"probability": 1.0, "verdict": "not a frontend: not translated", "rules": companion}]}
-        _bid, aff, count, rev, flags = maps.decode_service(raw)
-        name_raw = maps.lookup(fd_name, maps.name_key(rev), maps.NAME_VAL.size)
-        name = maps.decode_name(name_raw) if name_raw else f"rev_nat_id {rev}"
-        head = [
-            f"{render.TABLE} svc {front} slot 0: count={count} flags={flags:#x} affinity={aff}s rev_nat={rev} ({name})"
-        ]
-        if flags & maps.F_REJECT:
-            verdict = "reject: connect()/sendmsg() fail with ECONNREFUSED" if src_local else "reject (companion table)"
-            return {"service": name, "outcomes": [{"probability": 1.0, "verdict": verdict, "rules": head + companion}]}
-        if flags & maps.F_DROP or count == 0:
-            verdict = "not translated; dropped by the companion table"
-            return {"service": name, "outcomes": [{"probability": 1.0, "verdict": verdict, "rules": head + companion}]}
-        outcomes = []
-        for slot in range(1, count + 1):
-            sraw = maps.lookup(fd_svc, maps.lb_key(fam, dst, dport, pnum, slot), ks["svc"][1])
-            if sraw is None:
-                continue
-            bid = maps.decode_service(sraw)[0]
-            braw = maps.lookup(fd_be, maps.backend_key(bid), ks["be"][1])
-            if braw is None or not any(braw):  # an array entry of no backend is all zero
-                continue
-            a, p, _ = maps.decode_backend(fam, braw)
-            target = f"{a}:{p}" if fam == IPFamily.V4 else f"[{a}]:{p}"
-            rules = [*head, f"slot {slot} -> backend {bid} {target}"]
-            outcomes.append(
-                {
-                    "probability": round(1.0 / count, 4),
-                    "verdict": f"socket connected to {target}" if src_local else f"DNAT to {target}",
-                    "masquerade": False,
-                    "rules": rules if src_local else rules + companion,
-                }
-            )
-        return {"service": name, "affinitySeconds": aff if flags & maps.F_AFFINITY else 0, "outcomes": outcomes}
+        return trace.explain(
+            self._maps.family_fds(fam),
+            self.applied_fragments(fam),
+            proto,
+            dst,
+            dport,
+            src_local=src_local,
+            dst_local=dst_local,
+        )

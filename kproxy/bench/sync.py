@@ -10,7 +10,8 @@ services only, as every published figure) with kproxy.bench.mixed's: NodePorts, 
 refuses fails the run: every synthetic service has addresses and ports of its own.
 
 Phases, each timed with ``time.perf_counter``:
-- ``absorb_s``: feeding every Service and EndpointSlice to ``ServiceCache`` (objects generated lazily);
+- ``absorb_s``: feeding every Service and EndpointSlice to ``ServiceCache`` as a list (``replace_services`` and
+  ``replace_slices``, as kproxy.sources.kube does; objects generated lazily);
 - ``snapshot_s``: the first ``snapshot()`` (all services recomputed);
 - ``full_sync_s``: that snapshot plus the backend's first (full) ``sync`` and the ``commit``;
 - ``partial_sync_s``: median over ``--repeat`` runs of: one endpoint of one service changes (``upsert_slice``),
@@ -34,7 +35,16 @@ Phases, each timed with ``time.perf_counter``:
 - ``describe_ms``: while the full sync runs, another thread asks ``describe()`` for one service again and again
   (what ``/rules?service=`` and ``kproxy show --service`` do): p50 and max milliseconds and how many answers, so
   "``/rules`` never waits for a sync" is a figure;
-- ``rss_mb``: peak resident memory of the process that ran the phases; ``counts``: the backend's sizes.
+- ``rss_mb``: peak resident memory of the process that ran the phases; ``counts``: the backend's sizes;
+- ``memory``: where the bytes go (kproxy.bench.memory): ``phases`` gives each phase's resident set at its end, its
+  own peak and the process's CPU time in it (``absorb``, ``snapshot``, ``full_sync``, ``partial``,
+  ``restart_absorb``, ``restart_snapshot``, ``restart_sync``); ``bytes`` the live objects after the partial syncs
+  (and after the restart's sync, ``restart_bytes``) summed per owner (``cache``, ``snapshot``, ``fake_kernel``,
+  ``ledger``, ``backend``: each object counted once, by the first of these that holds it) and ``bytes_per_port`` /
+  ``restart_bytes_per_port`` the same per service port.
+
+The restart runs for every mode: the fake's "kernel" (what it records as programmed) is handed to the fresh instance,
+as a real kernel keeps its tables when the process goes.
 
 With ``--reference upstream-nftables`` the run also times upstream kube-proxy's nftables layout for the same state
 (kproxy.bench.reference_nft, in a namespace of its own) and reports ``reference`` with ``reference_ratio`` =
@@ -59,11 +69,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from kproxy.bench import mixed, synthetic
+from kproxy.bench import memory, mixed, synthetic
 from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig
-from kproxy.model import IPFamily, SyncResult
-from kproxy.proxier import backend_class
+from kproxy.model import IPFamily, ProxyState, SyncResult
+from kproxy.proxier import FAKE_MODE, backend_class
 
 NODE = "node-1"
 NETNS_PREFIX = "kpb-"
@@ -115,6 +125,8 @@ class SyncBench:
     describe_ms: dict[str, float] = field(default_factory=dict)
     rss_mb: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
+    #: where the bytes go, per phase and per owner (see the module docstring)
+    memory: dict[str, Any] = field(default_factory=dict)
     #: ``--reference``: the yardstick's figures (kproxy.bench.reference_nft.ReferenceBench.to_json()), or why not
     reference: dict[str, Any] | None = None
     reference_note: str = ""
@@ -153,13 +165,14 @@ class _State:
         self.variants: dict[int, int] = {}  # service index -> the variant its slice has now (partial syncs)
 
     def absorb(self, cache: ServiceCache, n_services: int) -> None:
-        """Every Service and EndpointSlice as a list would return them now (the partial syncs' changes included)."""
-        for i in range(1, n_services + 1):
-            cache.upsert_service(self.gen.service(i))
-        for i in range(1, n_services + 1):
-            cache.upsert_slice(self.gen.endpoint_slice(i, self.n_endpoints, variant=self.variants.get(i, 0)))
-        cache.mark_synced("services")
-        cache.mark_synced("endpointslices")
+        """Every Service and EndpointSlice as a list would return them now (the partial syncs' changes included),
+        handed over as kproxy.sources.kube hands a list: ``replace_services`` / ``replace_slices`` (which pause the
+        collector, as a real start or restart does)."""
+        cache.replace_services(self.gen.service(i) for i in range(1, n_services + 1))
+        variants, n_endpoints = self.variants, self.n_endpoints
+        cache.replace_slices(
+            self.gen.endpoint_slice(i, n_endpoints, variant=variants.get(i, 0)) for i in range(1, n_services + 1)
+        )
 
     def change_one(self, cache: ServiceCache, r: int, n_services: int) -> int:
         """Move one endpoint of a service that has endpoints, a different one each time, spread over the table."""
@@ -234,10 +247,12 @@ def run_sync_bench(
     backend.start()  # as the daemon does before the first sync (loaders, data-path loops)
     out = SyncBench(mode=mode, services=n_services, endpoints=n_endpoints, repeat=repeat, state=state_name)
     live = [backend]  # the instance whose kernel state the run leaves: the restarted one once it exists
+    meter = memory.PhaseMeter()
     try:
         cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
-        _full_phase(out, backend, cache, gen)
-        _partial_phase(out, backend, cache, gen)
+        state = _full_phase(out, backend, cache, gen, meter)
+        state = _partial_phase(out, backend, cache, gen, meter) or state
+        _weigh(out, "", cache, state, backend)
         pfloor = dict(backend.measure_partial_floor() or {})
         out.partial_floor_s = pfloor.pop("floor_s", None)
         out.partial_floor_detail = pfloor
@@ -247,10 +262,10 @@ def run_sync_bench(
         if out.full_sync_s > 0:
             out.partial_ratio = out.partial_sync_s / out.full_sync_s
         out.rss_mb = _peak_rss_mb()  # a running kproxy: the full and partial syncs
-        if mode != "fake":
-            del cache  # the old process's cache is gone with it
-            _restart_phase(out, live, cls, config, gen)
-            out.restart_rss_mb = _peak_rss_mb()
+        del cache, state, backend  # the old process's cache, snapshot and backend are gone with it (``live`` has it)
+        _restart_phase(out, live, cls, config, gen, meter)
+        out.restart_rss_mb = _peak_rss_mb()
+        out.memory["phases"] = {k: asdict(v) for k, v in meter.phases.items()}
     finally:
         if mode != "fake":
             try:  # the namespace goes away anyway; this removes what lives outside it (a BPF cgroup hook)
@@ -260,33 +275,66 @@ def run_sync_bench(
     return out
 
 
-def _full_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _State) -> None:
-    """Absorb the whole state, the first snapshot and the full sync."""
+def _weigh(out: SyncBench, prefix: str, cache: ServiceCache, state: ProxyState, backend: Any) -> None:
+    """The live objects of the cache, the snapshot, the ledger and the backend (kproxy.bench.memory.breakdown),
+    into ``out.memory[prefix + "bytes"]`` and ``[prefix + "bytes_per_port"]``."""
+    ledger = getattr(backend, "ledger", None)
+    owners = [
+        memory.Owner("cache", [cache], stop=[state]),
+        memory.Owner("snapshot", [state]),
+        # the fake's "kernel" lives in the process: what it holds is not the ledger's (after a restart, the old
+        # process's ServicePorts, which the new cache's equal but do not share)
+        memory.Owner("fake_kernel", [backend.programmed] if out.mode == FAKE_MODE else []),
+        memory.Owner("ledger", [ledger] if ledger is not None else [], stop=[backend]),  # it names its backend
+        memory.Owner("backend", [backend]),
+    ]
+    figures = memory.breakdown(owners)
+    out.memory[prefix + "bytes"] = figures
+    out.memory[prefix + "bytes_per_port"] = memory.per_port(figures, len(state))
+
+
+def _full_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _State, meter: memory.PhaseMeter) -> ProxyState:
+    """Absorb the whole state, the first snapshot and the full sync; the snapshot synced."""
+    meter.start()
     t0 = time.perf_counter()
     gen.absorb(cache, out.services)
+    absorbed = time.perf_counter()
+    meter.stop("absorb")
+    meter.start()
     t1 = time.perf_counter()
     state, changes = cache.snapshot()
     t2 = time.perf_counter()
+    meter.stop("snapshot")
     if len(state) != out.services:
         raise BenchError(f"the cache holds {len(state)} service ports, expected {out.services}: {cache.errors()}")
     if not changes.full:
         raise BenchError("the first snapshot did not ask for a full sync")
+    meter.start()
+    t3 = time.perf_counter()
     with _DescribeProbe(backend, next(iter(state)).name) as probe:
         result = backend.sync(state, changes)
     if not result.ok:
         raise BenchError(f"full sync failed: {result.error}")
     _no_refusals(result, "full sync")
     cache.commit(changes, failed=tuple(result.failed))
-    t3 = time.perf_counter()
+    t4 = time.perf_counter()
+    meter.stop("full_sync")
     out.describe_ms = probe.figures()
-    out.absorb_s, out.snapshot_s, out.full_sync_s = t1 - t0, t2 - t1, t3 - t1
+    # the full sync: its snapshot and its sync (the meter's own reads between them are left out)
+    out.absorb_s, out.snapshot_s, out.full_sync_s = absorbed - t0, t2 - t1, (t2 - t1) + (t4 - t3)
     out.render_s = result.timings.get("render")
     out.counts = flat_counts(result)
+    return state
 
 
-def _partial_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _State) -> None:
-    """``repeat`` partial syncs of one endpoint change each; each must write its service (and nothing else)."""
+def _partial_phase(
+    out: SyncBench, backend: Any, cache: ServiceCache, gen: _State, meter: memory.PhaseMeter
+) -> ProxyState | None:
+    """``repeat`` partial syncs of one endpoint change each; each must write its service (and nothing else). The
+    last snapshot synced."""
     applies: list[float] = []
+    state = None
+    meter.start()
     for r in range(out.repeat):
         s0 = time.perf_counter()
         i = gen.change_one(cache, r, out.services)
@@ -305,37 +353,55 @@ def _partial_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _Stat
         out.partial_writes.append(written)
         if written != 1:  # the moved endpoint must reach the kernel, and nothing else needs rewriting
             raise BenchError(f"partial sync {r + 1} wrote {written} services, expected 1 ({gen.gen.__name__} {i})")
+    meter.stop("partial")
     out.partial_sync_s = statistics.median(out.partial_sync_runs)
     out.partial_apply_s = statistics.median(applies) if applies else None
+    return state
 
 
-def _restart_phase(out: SyncBench, live: list[Any], cls: Any, config: ProxyConfig, gen: _State) -> None:
+def _restart_phase(
+    out: SyncBench, live: list[Any], cls: Any, config: ProxyConfig, gen: _State, meter: memory.PhaseMeter
+) -> None:
     """A restarted kproxy: the old process is gone (its sockets and descriptors closed, its memory freed; the kernel
     state stays), and a new one builds its cache from a list, takes the first snapshot and syncs in full, adopting
-    what the kernel holds. The new backend joins ``live`` as soon as it exists (the caller cleans up with it)."""
+    what the kernel holds. The new backend replaces the old in ``live`` as soon as it exists (the caller cleans up
+    with ``live[-1]``)."""
     backend = live[-1]
     forget = getattr(backend, "forget", None)
     if forget is not None:  # its memory must not count in the new process's
         forget()
     backend.close()  # the userspace mode's proxy sockets close: the new process binds them again
-    gc.collect()
     fresh = cls(config)
-    live.append(fresh)
+    if out.mode == FAKE_MODE:  # the fake's "kernel" is its record of what it programmed: it outlives the process
+        fresh.programmed = backend.programmed
+    live[:] = [fresh]  # the old instance goes with the old process
+    del backend
+    gc.collect()
     fresh.start()
     cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
+    meter.start()
     t0 = time.perf_counter()
     gen.absorb(cache, out.services)
     t1 = time.perf_counter()
+    meter.stop("restart_absorb")
+    meter.start()
+    t1b = time.perf_counter()
     state, changes = cache.snapshot()
     t2 = time.perf_counter()
+    meter.stop("restart_snapshot")
+    meter.start()
+    t2b = time.perf_counter()
     result = fresh.sync(state, changes)
     t3 = time.perf_counter()
+    meter.stop("restart_sync")
     if not result.ok:
         raise BenchError(f"restart sync failed: {result.error}")
     _no_refusals(result, "restart sync")
-    out.restart_sync_s = t3 - t2
-    out.restart_absorb_s, out.restart_snapshot_s, out.restart_total_s = t1 - t0, t2 - t1, t3 - t0
+    cache.commit(changes, failed=tuple(result.failed))
+    out.restart_absorb_s, out.restart_snapshot_s, out.restart_sync_s = t1 - t0, t2 - t1b, t3 - t2b
+    out.restart_total_s = out.restart_absorb_s + out.restart_snapshot_s + out.restart_sync_s
     out.restart_writes = _written(result)
+    _weigh(out, "restart_", cache, state, fresh)
 
 
 class _DescribeProbe:
@@ -446,6 +512,7 @@ def format_table(b: SyncBench) -> str:
         ("peak RSS", f"{b.rss_mb:.1f} MB"),
         ("peak RSS with the restart", "-" if b.restart_rss_mb is None else f"{b.restart_rss_mb:.1f} MB"),
     ]
+    rows += _memory_rows(b.memory)
     rows += [(f"count {k}", str(v)) for k, v in sorted(b.counts.items())]
     if b.reference is not None:
         ref = b.reference
@@ -473,6 +540,19 @@ def format_table(b: SyncBench) -> str:
             " the built-in chains and the canary included; .../total = rules kproxy's chains hold)"
         )
     return text
+
+
+def _memory_rows(mem: Mapping[str, Any]) -> list[tuple[str, str]]:
+    rows = [
+        (f"RSS after {name} (its peak, its CPU)", f"{p['rss_mb']:.1f} MB ({p['peak_mb']:.1f} MB, {p['cpu_s']:.2f} s)")
+        for name, p in mem.get("phases", {}).items()
+    ]
+    for prefix, when in (("", "running"), ("restart_", "restarted")):
+        per_port = mem.get(prefix + "bytes_per_port")
+        if per_port:
+            parts = ", ".join(f"{k} {v:.0f}" for k, v in per_port.items() if k != "total")
+            rows.append((f"bytes per service port, {when}", f"{per_port['total']:.0f} ({parts})"))
+    return rows
 
 
 def render(b: SyncBench, fmt: str) -> str:

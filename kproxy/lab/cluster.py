@@ -497,6 +497,10 @@ class Lab(LabBase):
         if self.kproxy_running(n):
             raise LabError(f"kproxy already runs on {n.name}; stop it first")
         native = self.kproxy_argv(n, mode, extra_args)
+        # what the node's kproxy needs prepared on the machine (the bpf mode: a bind of bpffs outside /sys)
+        cls = installed_backend(mode)
+        if cls is not None:
+            cls.lab_prepare(self.node_spec(n), self.node_options(n, mode))
         argv = self.launcher.argv(self, n, native) if self.launcher is not None else netns.exec_argv(n.ns, native)
         log = self.state_dir / f"kproxy-{n.name}.log"
         with open(log, "ab") as f:

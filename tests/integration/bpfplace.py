@@ -40,7 +40,7 @@ def bpf_place(
     cg.mkdir()
     pin = Path(f"/sys/fs/bpf/{prefix}{tag}")
     opts = {"bpf_cgroup_path": str(cg), "bpf_pin_path": str(pin)}
-    from kproxy.backends.bpf import inspect
+    from kproxy.backends.bpf import cleanup
 
     try:
         with scratch_netns(prefix, lo_up=True) as ns:
@@ -52,10 +52,10 @@ def bpf_place(
                 yield ns, opts
             finally:
                 try:
-                    inspect.cleanup(opts, ns)
+                    cleanup.cleanup(opts, ns)
                 finally:
-                    inspect.remove_tree(pin)
-                    inspect._record_path(ns).unlink(missing_ok=True)
+                    cleanup.remove_tree(pin)
+                    cleanup._record_path(ns).unlink(missing_ok=True)
     finally:
         for d in sorted(cg_mount.glob(f"{prefix}{tag}*"), reverse=True):
             for _ in range(50):  # processes of the cgroup may take a moment to be reaped

@@ -1,6 +1,6 @@
 """The bpf mode's places, peer storage and companion table on the real kernel (the review of bpf-fix2): connected UDP
 sockets ended when their backend goes even after the reverse-NAT LRU lost their entry; the programs built with socket
-storage for connected TCP peers (pinned ``peer4_v2``/``peer6_v2``, known to the check and to cleanup); NodePorts of
+storage for connected TCP peers (pinned ``peer4_v3``/``peer6_v3``, known to the check and to cleanup); NodePorts of
 the companion table only on ``--nodeport-addresses`` and never on loopback; the companion table only while some
 service needs it; a changed ``--bpf-cgroup-path`` leaving no programs on the old cgroup; the places record honoured
 only by the namespace it belongs to (inodes are reused, the cookie is not).
@@ -151,7 +151,7 @@ print(json.dumps(r))
 def test_the_programs_keep_tcp_peers_in_socket_storage_and_cleanup_removes_them(
     place: tuple[str, dict[str, str]],
 ) -> None:
-    """``start`` builds the programs with the peer maps (bcc pins ``peer4_v2``/``peer6_v2``): TCP connections show the
+    """``start`` builds the programs with the peer maps (bcc pins ``peer4_v3``/``peer6_v3``): TCP connections show the
     ClusterIP as their peer and leave nothing in the reverse-NAT LRU; the check before each sync finds the programs
     reading the pinned maps (peer maps included: no re-attach); a restart keeps them; cleanup leaves nothing."""
     from kproxy.backends.bpf import loader, maps
@@ -315,7 +315,7 @@ def test_the_companion_table_exists_only_while_a_service_needs_it(place: tuple[s
     """Plain ClusterIPs with endpoints never make the table; a NodePort (or a service without endpoints) makes it,
     in a partial sync; the last such service going (partial or full sync) removes it again, and with it the nat
     chains that turn conntrack on for every packet of the namespace. The check before each sync and verify agree."""
-    from kproxy.backends.bpf import nft
+    from kproxy.backends.bpf import companion
     from kproxy.backends.bpf.proxier import BpfProxier
 
     ns, opts = place
@@ -325,7 +325,7 @@ def test_the_companion_table_exists_only_while_a_service_needs_it(place: tuple[s
     p = BpfProxier(_config(opts), netns=ns)
 
     def present() -> bool:
-        return nft.table_present(IPFamily.V4, ns)
+        return companion.table_present(IPFamily.V4, ns)
 
     def partial(st: ProxyState, *names: str) -> None:
         res = p.sync(st, Changes(full=False, services=frozenset(spn(n) for n in names)))
@@ -360,7 +360,7 @@ def test_the_companion_table_exists_only_while_a_service_needs_it(place: tuple[s
     q = BpfProxier(_config(opts), netns=ns)
     try:
         assert q.sync(state(web, generation=6), Changes(full=True)).ok
-        assert not nft.table_present(IPFamily.V4, ns)
+        assert not companion.table_present(IPFamily.V4, ns)
     finally:
         q.close()
 
@@ -368,7 +368,7 @@ def test_the_companion_table_exists_only_while_a_service_needs_it(place: tuple[s
 def test_a_changed_cgroup_leaves_no_programs_on_the_old_one(place: tuple[str, dict[str, str]]) -> None:
     """A kproxy restarted with another ``--bpf-cgroup-path`` detaches its programs from the cgroup the record names;
     cleanup without options (another mode's start-up) then removes everything, record included."""
-    from kproxy.backends.bpf import inspect, loader
+    from kproxy.backends.bpf import cleanup, loader
     from kproxy.backends.bpf.proxier import BpfProxier
 
     ns, opts = place
@@ -387,21 +387,21 @@ def test_a_changed_cgroup_leaves_no_programs_on_the_old_one(place: tuple[str, di
         second.start()
         assert len(loader.ours(loader.attached(new_cg))) == 8
         assert loader.ours(loader.attached(old_cg)) == []
-        doc = json.loads(inspect._record_path(ns).read_text())
+        doc = json.loads(cleanup._record_path(ns).read_text())
         assert [x["cgroup"] for x in doc["places"]] == [str(new_cg), str(old_cg)]
     finally:
         second.close()
-    inspect.cleanup({}, ns)
+    cleanup.cleanup({}, ns)
     assert loader.ours(loader.attached(new_cg)) == []
     assert not Path(opts["bpf_pin_path"]).exists()
-    assert not inspect._record_path(ns).exists()
+    assert not cleanup._record_path(ns).exists()
 
 
 def test_a_record_of_another_namespace_with_the_same_inode_is_left_alone(place: tuple[str, dict[str, str]]) -> None:
     """The record is named by the namespace's inode, which the kernel reuses: one whose cookie is not this
     namespace's (written by a kproxy of a namespace that is gone) names places that are not this namespace's, and
     cleanup and remnants without options leave them (and the record) alone."""
-    from kproxy.backends.bpf import inspect, loader, maps
+    from kproxy.backends.bpf import cleanup, loader, maps
     from kproxy.backends.bpf.proxier import BpfProxier
 
     ns, opts = place
@@ -410,7 +410,7 @@ def test_a_record_of_another_namespace_with_the_same_inode_is_left_alone(place: 
         p.start()
     finally:
         p.close()
-    path = inspect._record_path(ns)
+    path = cleanup._record_path(ns)
     doc = json.loads(path.read_text())
     assert doc["netns_cookie"] == loader.netns_cookie(ns)
     # another namespace's record (the older layout's keys too, so a kproxy that ignores cookies would act on it)
@@ -418,7 +418,7 @@ def test_a_record_of_another_namespace_with_the_same_inode_is_left_alone(place: 
     doc.update(doc["places"][0])
     path.write_text(json.dumps(doc))
     assert BpfProxier.remnants(LocalProbe(ns, MappingProxyType({}))) == []
-    inspect.cleanup({}, ns)
+    cleanup.cleanup({}, ns)
     cg = Path(opts["bpf_cgroup_path"])
     assert len(loader.ours(loader.attached(cg))) == 8
     assert (Path(opts["bpf_pin_path"]) / maps.pin_name("svc", IPFamily.V4)).exists()
@@ -426,8 +426,9 @@ def test_a_record_of_another_namespace_with_the_same_inode_is_left_alone(place: 
 
 
 def test_start_removes_the_pins_of_an_older_map_version(place: tuple[str, dict[str, str]]) -> None:
-    """An upgrade that renames the maps (``maps.MAPS_VERSION``) leaves none of the old maps pinned once the new
-    programs are attached; a pin that is not one of kproxy's map names stays."""
+    """An upgrade that renames the maps (``maps.MAPS_VERSION``) leaves none of the old maps pinned once nothing reads
+    them: at start when no older program is attached (else after the first sync: test_bpf_restart.py); a pin that is
+    not one of kproxy's map names stays."""
     from kproxy.backends.bpf import maps
     from kproxy.backends.bpf.proxier import BpfProxier
 

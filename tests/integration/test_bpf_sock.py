@@ -293,7 +293,7 @@ def attach_with_peer(opts: dict[str, str], ns: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(bcc, "BPF", WithPeer)
     places = loader.places(opts, ns)
     b = loader.compile_programs(places)
-    assert len(loader.load_and_attach(b, places.cgroup)) == 8
+    assert len(loader.load_and_attach(b, places.cgroup)[0]) == 8
     assert all(x.exists() for x in peer_pins)
     return peer_pins
 
@@ -366,7 +366,7 @@ def test_an_ipv6_master_entry_pointing_at_a_missing_slot_fails_the_connect_at_on
             from kproxy.backends.bpf import loader
 
             places = loader.places(opts, ns)
-            assert len(loader.load_and_attach(loader.compile_programs(places, peer=False), places.cgroup)) == 8
+            assert len(loader.load_and_attach(loader.compile_programs(places, peer=False), places.cgroup)[0]) == 8
         fd = maps.obj_get(str(Path(opts["bpf_pin_path"]) / maps.pin_name("svc", IPFamily.V6)))
         try:
             slot = maps.lb_key(IPFamily.V6, GAP_VIP6, 80, 6, 1)
@@ -465,7 +465,7 @@ print(json.dumps({{"cookie": cookie, "ports": got}}))
 def test_clientip_affinity_keeps_a_backend_that_a_scale_down_moved_to_another_slot(
     place: tuple[str, dict[str, str]],
 ) -> None:
-    """A scale-down moves the last slot's backend into the slot freed (``render._stable_slots``). Its clients keep
+    """A scale-down moves the last slot's backend into the slot freed (``planner._stable_slots``). Its clients keep
     it (upstream keeps affinity per endpoint): the program finds it in its new slot and the entry names that slot.
     Set up by hand each round: the client's affinity entry names the backend of the last of 8 slots; then the
     backend of slot 1 goes. Three rounds: a program that chose again would keep the backend in only 1 of 7 each."""
@@ -528,7 +528,7 @@ def test_clientip_affinity_keeps_a_backend_that_a_scale_down_moved_to_another_sl
                 ids, by_id, rev = slots(svc_fd, be_fd)
                 assert len(ids) == 8
                 last = ids[-1]
-                key = maps.AFF_KEY.pack(cookie, rev, 0, 0)
+                key = maps.AFF_KEY.pack(cookie, rev, 0)
                 maps.update_batch(aff_fd, [key], [maps.AFF_VAL.pack(int(time.monotonic()), last, 8)])
                 assert client(3)["ports"] == [by_id[last]] * 3, "the entry written by hand is honoured"
                 gone = by_id[ids[0]]

@@ -2,10 +2,10 @@
 and executed into dicts standing for the three maps (as tests/unit/test_bpf_render.py's ``_kernel`` does), then
 random corruptions (masters deleted, slots deleted, slots beyond a count or past 255, orphan slots, a nonzero padding
 byte, a key twice, backend values zeroed as an array map holds "no backend", names lost or not UTF-8), raw order
-shuffled, IPv4 and IPv6. ``decode.index_from_raw`` must return exactly what ``render.index_from_raw`` returns for
+shuffled, IPv4 and IPv6. ``decode.index_from_raw`` must return exactly what ``adopt.index_from_raw`` returns for
 the same maps with the all-zero backend values left out (every field of the index and the view, dict order
 included), ``decode.general_index`` too, and the fast path must be the one taken whenever the maps are consistent.
-``render.index_from_raw`` delegates to ``decode`` now: ``decode.general_index`` (render's former algorithm, entry by
+``adopt.index_from_raw`` delegates to ``decode`` now: ``decode.general_index`` (render's former algorithm, entry by
 entry) is the independent reference the fast path is compared with.
 
 Hypothesis is derandomized and bounded: CI sees the same examples every run, in a few seconds.
@@ -21,8 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kproxy.backends.bpf import decode, maps, render
-from kproxy.backends.bpf.render import Context, FamilyIndex, Fragment, Plan
+from kproxy.backends.bpf import adopt, decode, index, maps, render
+from kproxy.backends.bpf import plan as planner
+from kproxy.backends.bpf.index import FamilyIndex
+from kproxy.backends.bpf.plan import Plan
+from kproxy.backends.bpf.render import Context, Fragment
 from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
 
 SETTINGS = settings(
@@ -135,10 +138,10 @@ def _kernel(family: IPFamily, syncs: list[dict[int, Spec]]) -> tuple[Maps, dict[
         now = {s.name(): render.render(s.service(family), ctx) for s in sync.values()}
         for name in frags:
             if name not in now:
-                render.plan_service(index, name, None, plan)
+                planner.plan_service(index, name, None, plan)
         for name, frag in now.items():
-            render.plan_service(index, name, frag, plan)
-        render.finish_plan(plan)
+            planner.plan_service(index, name, frag, plan)
+        planner.finish_plan(plan)
         for role, op, keys, values in plan.ordered():
             m = target[role]
             if op == "put":
@@ -265,7 +268,7 @@ def _nonzero(entries: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in entries if any(v)]
 
 
-def _same(a: tuple[FamilyIndex, render.View], b: tuple[FamilyIndex, render.View]) -> None:
+def _same(a: tuple[FamilyIndex, index.View], b: tuple[FamilyIndex, index.View]) -> None:
     (ia, va), (ib, vb) = a, b
     assert ia == ib
     for field in ("fronts", "backends", "rev_names", "by_rev", "rev_ids", "owned"):
@@ -277,7 +280,7 @@ def _same(a: tuple[FamilyIndex, render.View], b: tuple[FamilyIndex, render.View]
 def _check(family: IPFamily, m: Maps, what: list[str], seed: int) -> None:
     svc, be, names = _corrupt(family, m, what, random.Random(seed))
     svc_raw, be_raw, name_raw = _raw(svc), _raw(be), _raw(names)
-    ref = render.index_from_raw(family, svc_raw, _raw(_nonzero(be)), name_raw)
+    ref = adopt.index_from_raw(family, svc_raw, _raw(_nonzero(be)), name_raw)
     _same(ref, decode.general_index(family, svc_raw, be_raw, name_raw))
     _same(ref, decode.index_from_raw(family, svc_raw, be_raw, name_raw))
     if not SVC_CORRUPTIONS & set(what) and not {"key_twice", "backend_twice"} & set(what):
@@ -324,7 +327,7 @@ def test_consistent_maps_at_scale_take_the_fast_path_and_agree() -> None:
 def test_empty_maps() -> None:
     for family in (IPFamily.V4, IPFamily.V6):
         got = decode.index_from_raw(family, (b"", b""), (b"", b""), (b"", b""))
-        _same(render.index_from_raw(family, (b"", b""), (b"", b""), (b"", b"")), got)
+        _same(adopt.index_from_raw(family, (b"", b""), (b"", b""), (b"", b"")), got)
         assert decode.fast_index(family, (b"", b""), (b"", b"")) is not None
 
 
@@ -342,7 +345,7 @@ def test_a_backend_id_twice_decodes_as_render_reads_it() -> None:
     other = maps.backend_value(family, _endpoint_ip(family, 7), 9090, 6)
     for twice in ([be[0], (be[0][0], bytes(8))], [(be[0][0], bytes(8)), be[0]], [be[0], (be[0][0], other)]):
         entries = twice + be[1:]
-        ref = render.index_from_raw(family, _raw(svc), _raw(_nonzero(entries)), _raw(names))
+        ref = adopt.index_from_raw(family, _raw(svc), _raw(_nonzero(entries)), _raw(names))
         _same(ref, decode.index_from_raw(family, _raw(svc), _raw(entries), _raw(names)))
         _same(ref, decode.general_index(family, _raw(svc), _raw(entries), _raw(names)))
 
@@ -366,7 +369,7 @@ def test_slots_moved_between_masters_with_the_sum_of_counts_kept() -> None:
     for order in (entries, entries[3:] + entries[:3], entries[::-1]):
         svc_raw = _raw(order)
         assert decode.fast_index(family, svc_raw, _raw(be)) is None
-        _same(render.index_from_raw(family, svc_raw, _raw(be)), decode.index_from_raw(family, svc_raw, _raw(be)))
+        _same(adopt.index_from_raw(family, svc_raw, _raw(be)), decode.index_from_raw(family, svc_raw, _raw(be)))
 
 
 def test_objects_built_field_by_field_equal_constructed_ones(monkeypatch: pytest.MonkeyPatch) -> None:

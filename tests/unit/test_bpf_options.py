@@ -24,7 +24,10 @@ def test_options_are_typed_and_the_default_map_size_holds_10000_services_of_50()
 
 
 def test_lab_options_give_each_node_its_own_cgroup_and_pin_folder(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader, "ensure_host_bind", lambda: None)
+    def mounts() -> None:
+        raise AssertionError("lab_options returns option values: it must not mount anything")
+
+    monkeypatch.setattr(loader, "ensure_host_bind", mounts)
     node = LabNodeSpec("node-1", "kpx-n1", Path("/run/kproxy-lab/cgroup2/kpx-n1"), Path("/tmp/x"))
     got = BpfProxier.lab_options(node, {})
     assert got == {
@@ -74,3 +77,29 @@ def test_the_machines_shared_places_are_refused(pin: str, cgroup: str) -> None:
 
 def test_no_scenario_is_declared_not_applicable() -> None:
     assert dict(BpfProxier.not_applicable({})) == {}
+
+
+def test_lab_prepare_binds_the_machines_bpffs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the node needs prepared on the machine is ``lab_prepare``'s, which the lab calls before it starts a
+    node's kproxy."""
+    calls: list[str] = []
+    monkeypatch.setattr(loader, "ensure_host_bind", lambda: calls.append("bind"))
+    node = LabNodeSpec("node-1", "kpx-n1", Path("/run/kproxy-lab/cgroup2/kpx-n1"), Path("/tmp/x"))
+    BpfProxier.lab_prepare(node, {})
+    assert calls == ["bind"]
+
+
+def test_the_writer_lowers_the_switch_interval_only_while_it_runs() -> None:
+    """The pipelined writer needs the GIL back quickly after each bpf(2) call; the interpreter-wide switch interval
+    is lowered only while it runs and restored after, also when a write fails."""
+    import sys
+
+    from kproxy.backends.bpf import kernel
+    from kproxy.model import IPFamily
+
+    before = sys.getswitchinterval()
+    with pytest.raises(KeyError), kernel.Writer({}, IPFamily.V4) as w:
+        assert sys.getswitchinterval() == min(before, kernel.WRITER_SWITCH_INTERVAL)
+        w.submit([("svc", "put", [b"k"], [b"v"])])  # no such map: the write fails
+        w.finish()
+    assert sys.getswitchinterval() == before

@@ -1,4 +1,4 @@
-"""The bpf mode's chunked plans (``render.Plan.drain_puts``, used by large full syncs that write one chunk while they
+"""The bpf mode's chunked plans (``planner.Plan.drain_puts``, used by large full syncs that write one chunk while they
 plan the next) write exactly what one unchunked plan writes: the same puts, in per-service safe order, and the same
 deletes after every put (a key deleted by one chunk and written by a later one is only written). No kernel."""
 
@@ -8,7 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kproxy.backends.bpf import maps, render
-from kproxy.backends.bpf.render import Context, FamilyIndex, Fragment, Plan
+from kproxy.backends.bpf import plan as planner
+from kproxy.backends.bpf.index import FamilyIndex
+from kproxy.backends.bpf.plan import Plan
+from kproxy.backends.bpf.render import Context, Fragment
 from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
 
 CTX = Context(IPFamily.V4, ())
@@ -28,10 +31,10 @@ def run(changes: list[tuple[ServicePortName, Fragment | None]], index: FamilyInd
     size = chunk or len(changes)
     for start in range(0, len(changes), size):
         for name, new in changes[start : start + size]:
-            render.plan_service(index, name, new, plan)
+            planner.plan_service(index, name, new, plan)
         if chunk is not None:
             steps += plan.drain_puts()
-    render.finish_plan(plan)
+    planner.finish_plan(plan)
     return steps + plan.ordered()
 
 
@@ -93,8 +96,8 @@ def test_fresh_single_frontend_fast_path_plans_what_the_general_path_plans() -> 
     general.next_backend = total + 1
     a, b = Plan(), Plan()
     for name, f in changes:
-        render.plan_service(fast, name, f, a)
-        render.plan_service(general, name, f, b)
+        planner.plan_service(fast, name, f, a)
+        planner.plan_service(general, name, f, b)
     assert a.bulk_master.count == len(changes) and b.bulk_master.count == 0  # the two paths were taken
     for phase in ("be", "name", "slot", "master"):
         assert a.written(phase) == b.written(phase)
@@ -107,15 +110,16 @@ def test_fresh_single_frontend_fast_path_plans_what_the_general_path_plans() -> 
 
 def test_slot_keys_of_a_large_service_are_the_maps_keys() -> None:
     from kproxy.backends.bpf import maps
+    from kproxy.backends.bpf import plan as planner
 
     name, f = frag(7, 200)
     index, plan = FamilyIndex(IPFamily.V4), Plan()
-    render.plan_service(index, name, f, plan)
+    planner.plan_service(index, name, f, plan)
     a, p, proto = f.frontends[0].key
     assert set(plan.written("slot")) == {maps.lb_key(IPFamily.V4, a, p, proto, s) for s in range(1, 201)}
     assert set(plan.written("master")) == {maps.lb_key(IPFamily.V4, a, p, proto, 0)}
     shrunk = Plan()
-    render.plan_service(index, name, frag(7, 3)[1], shrunk)
+    planner.plan_service(index, name, frag(7, 3)[1], shrunk)
     assert set(shrunk.svc_del) == {maps.lb_key(IPFamily.V4, a, p, proto, s) for s in range(4, 201)}
 
 
@@ -154,8 +158,8 @@ def test_ids_freed_in_a_sync_are_not_reused_before_it_is_in_the_kernel() -> None
     index = FamilyIndex(IPFamily.V4)
     old_name, old = frag(1, 3)
     plan = Plan()
-    render.plan_service(index, old_name, old, plan)
-    render.finish_plan(plan)
+    planner.plan_service(index, old_name, old, plan)
+    planner.finish_plan(plan)
     state: dict[str, dict[bytes, bytes]] = {"be": {}, "svc": {}, "name": {}}
     for role, _op, keys, values in plan.ordered():
         state[role].update(zip(keys, values, strict=True))
@@ -163,9 +167,9 @@ def test_ids_freed_in_a_sync_are_not_reused_before_it_is_in_the_kernel() -> None
 
     new_name, new = frag(2, 3, base=100)
     plan = Plan()
-    render.plan_service(index, old_name, None, plan)
-    render.plan_service(index, new_name, new, plan)
-    render.finish_plan(plan)
+    planner.plan_service(index, old_name, None, plan)
+    planner.plan_service(index, new_name, new, plan)
+    planner.finish_plan(plan)
     heads = {f.key: maps.lb_key(IPFamily.V4, *f.key, 0)[:6] for fr in (old, new) for f in fr.frontends}
     allowed = {heads[f.key]: {maps.backend_value(IPFamily.V4, a, p, f.proto) for a, p in f.backends}
                for fr in (old, new) for f in fr.frontends}  # fmt: skip
@@ -175,18 +179,18 @@ def test_ids_freed_in_a_sync_are_not_reused_before_it_is_in_the_kernel() -> None
     plan.release(index)
     assert freed <= set(index.free_backends)
     later = Plan()
-    render.plan_service(index, *frag(3, 1, base=200), later)
+    planner.plan_service(index, *frag(3, 1, base=200), later)
     assert set(index.backends) & freed  # once the plan is in, a freed id is handed out again
 
 
 def test_bulk_phases_of_services_above_the_cached_packers_match_the_encoders() -> None:
-    """A service with more endpoints than ``render._PACKERS_UPTO`` takes the bulk path with per-entry packing."""
-    n = render._PACKERS_UPTO + 5
+    """A service with more endpoints than ``planner._PACKERS_UPTO`` takes the bulk path with per-entry packing."""
+    n = planner._PACKERS_UPTO + 5
     name = ServicePortName("ns", "big", "http", Protocol.TCP)
     eps = tuple(Endpoint(f"198.18.{j // 250}.{j % 250 + 1}", 8080) for j in range(n))
     sp = ServicePort(name, IPFamily.V4, "198.19.9.9", 80, cluster_endpoints=eps, has_any_endpoints=True)
     index, plan = FamilyIndex(IPFamily.V4), Plan()
-    render.plan_service(index, name, render.render(sp, CTX), plan)
+    planner.plan_service(index, name, render.render(sp, CTX), plan)
     assert plan.bulk_slot.count == n and not plan.slot_put
     st = index.fronts[("198.19.9.9", 80, 6)]
     assert plan.written("slot") == {
@@ -203,7 +207,7 @@ def test_bulk_backends_with_several_target_ports_match_the_encoders() -> None:
     eps = (Endpoint("198.18.7.1", 8080), Endpoint("198.18.7.2", 9090), Endpoint("198.18.7.3", 8080))
     sp = ServicePort(name, IPFamily.V4, "198.19.9.8", 80, cluster_endpoints=eps, has_any_endpoints=True)
     index, plan = FamilyIndex(IPFamily.V4), Plan()
-    render.plan_service(index, name, render.render(sp, CTX), plan)
+    planner.plan_service(index, name, render.render(sp, CTX), plan)
     assert plan.bulk_be.count == 3
     assert plan.written("be") == {
         maps.backend_key(bid): maps.backend_value(IPFamily.V4, a, p, proto)
@@ -240,12 +244,12 @@ def test_ids_stay_unique_through_full_and_partial_batches(batches: list[tuple[bo
             else:
                 wanted[name] = f
             if not full:
-                render.plan_service(index, name, f, plan)
+                planner.plan_service(index, name, f, plan)
         if full:
             for name, f in wanted.items():
-                render.plan_service(index, name, f, plan)
-            render.sweep(index, wanted, plan)
-        render.finish_plan(plan)
+                planner.plan_service(index, name, f, plan)
+            planner.sweep(index, wanted, plan)
+        planner.finish_plan(plan)
         plan.release(index)
         slots = [bid for st in index.fronts.values() for bid in st.slots]
         assert len(slots) == len(set(slots)), "a backend id named by two slots"

@@ -3,8 +3,11 @@ the plan of map writes (its order, only what changed, removals), and adoption's 
 
 from __future__ import annotations
 
-from kproxy.backends.bpf import maps, render
-from kproxy.backends.bpf.render import Context, FamilyIndex, Plan
+from kproxy.backends.bpf import adopt, companion, maps, render
+from kproxy.backends.bpf import plan as planner
+from kproxy.backends.bpf.index import FamilyIndex
+from kproxy.backends.bpf.plan import Plan
+from kproxy.backends.bpf.render import Context
 from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
 
 CTX = Context(IPFamily.V4, ("198.18.0.11", "198.18.65.1"))
@@ -107,7 +110,7 @@ def test_removing_a_firewalled_service_deletes_the_firewall_chain_before_the_cha
     frag = render.render(
         svc("lb", load_balancer_ips=("198.19.200.1",), load_balancer_source_ranges=("198.18.0.2/32",)), CTX
     )
-    first, mid, last = render.nft_changes(IPFamily.V4, frag.nft, None)
+    first, mid, last = companion.nft_changes(IPFamily.V4, frag.nft, None)
     assert first == [] and all(c.startswith("delete element") for c in mid)
     assert [c.split()[-1][:2] for c in last] == ["f-", "s-"]
 
@@ -116,14 +119,14 @@ def test_companion_chain_names_change_with_their_rules() -> None:
     a = render.render(svc("np", node_port=30080), CTX)
     b = render.render(svc("np", THREE[:2], node_port=30080), CTX)
     assert a.nft.chains[0][0] != b.nft.chains[0][0]
-    first, mid, last = render.nft_changes(IPFamily.V4, a.nft, b.nft)
-    assert first[0] == f"add chain ip {render.TABLE} {b.nft.chains[0][0]}"
+    first, mid, last = companion.nft_changes(IPFamily.V4, a.nft, b.nft)
+    assert first[0] == f"add chain ip {companion.TABLE} {b.nft.chains[0][0]}"
     assert any(c.startswith("delete element") for c in mid) and any(c.startswith("add element") for c in mid)
-    assert last == [f"delete chain ip {render.TABLE} {a.nft.chains[0][0]}"]
+    assert last == [f"delete chain ip {companion.TABLE} {a.nft.chains[0][0]}"]
 
 
 def test_element_commands_are_grouped_per_map_deletes_first() -> None:
-    t = f"ip {render.TABLE}"
+    t = f"ip {companion.TABLE}"
     cmds = [
         f"add element {t} svc {{ 198.19.0.1 . tcp . 80 : goto kp-reject }}",
         f"delete element {t} svc {{ 198.19.0.2 . tcp . 80 }}",
@@ -131,7 +134,7 @@ def test_element_commands_are_grouped_per_map_deletes_first() -> None:
         f"add element {t} svc {{ 198.19.0.3 . udp . 53 : drop }}",
         f"delete element {t} svc {{ 198.19.0.1 . tcp . 80 }}",
     ]
-    assert render.group_elements(cmds) == [
+    assert companion.group_elements(cmds) == [
         f"delete element {t} svc {{ 198.19.0.2 . tcp . 80, 198.19.0.1 . tcp . 80 }}",
         f"add element {t} svc {{ 198.19.0.1 . tcp . 80 : goto kp-reject, 198.19.0.3 . udp . 53 : drop }}",
         f"add element {t} nodeports {{ tcp . 30080 : drop }}",
@@ -148,8 +151,8 @@ def test_udp_and_sctp_protocol_numbers() -> None:
 
 def _plan(index: FamilyIndex, name: ServicePortName, sp: ServicePort | None) -> Plan:
     plan = Plan()
-    render.plan_service(index, name, render.render(sp, CTX) if sp else None, plan)
-    render.finish_plan(plan)
+    planner.plan_service(index, name, render.render(sp, CTX) if sp else None, plan)
+    planner.finish_plan(plan)
     return plan
 
 
@@ -247,9 +250,9 @@ def test_a_frontend_moving_between_services_is_written_not_deleted() -> None:
     index = FamilyIndex(IPFamily.V4)
     first = _plan(index, spn("old"), svc("old"))
     plan = Plan()
-    render.plan_service(index, spn("old"), None, plan)
-    render.plan_service(index, spn("new"), render.render(svc("new"), CTX), plan)
-    render.finish_plan(plan)
+    planner.plan_service(index, spn("old"), None, plan)
+    planner.plan_service(index, spn("new"), render.render(svc("new"), CTX), plan)
+    planner.finish_plan(plan)
     master = maps.lb_key(IPFamily.V4, "198.19.0.10", 80, 6, 0)
     assert master in plan.written("master") and master not in plan.svc_del
     # executed (every put before every delete), the new service's entries are what stays
@@ -293,26 +296,26 @@ def test_adoption_recognises_what_was_written_and_a_change() -> None:
     web, np_ = svc("web"), svc("np", cluster_ip="198.19.0.11", node_port=30080)
     plans = [_plan(index, spn("web"), web), _plan(index, spn("np"), np_)]
     svc_m, be_m, name_m = _kernel(index, plans)
-    adopted, view = render.index_from_kernel(IPFamily.V4, svc_m.items(), be_m.items(), name_m.items())
+    adopted, view = adopt.index_from_kernel(IPFamily.V4, svc_m.items(), be_m.items(), name_m.items())
     counts: dict[int, int] = {}
     for v in view.values():
         counts[v[3]] = counts.get(v[3], 0) + 1
-    assert render.unchanged(adopted, view, counts, spn("web"), render.render(web, CTX))
-    assert render.unchanged(adopted, view, counts, spn("np"), render.render(np_, CTX))
-    assert not render.unchanged(adopted, view, counts, spn("web"), render.render(svc("web", THREE[:2]), CTX))
+    assert adopt.unchanged(adopted, view, counts, spn("web"), render.render(web, CTX))
+    assert adopt.unchanged(adopted, view, counts, spn("np"), render.render(np_, CTX))
+    assert not adopt.unchanged(adopted, view, counts, spn("web"), render.render(svc("web", THREE[:2]), CTX))
     # a frontend the service no longer has (the node port) makes it changed too
-    assert not render.unchanged(
+    assert not adopt.unchanged(
         adopted, view, counts, spn("np"), render.render(svc("np", cluster_ip="198.19.0.11"), CTX)
     )
     # another service's name under the same entries is not this service
-    assert not render.unchanged(adopted, view, counts, spn("other"), render.render(web, CTX))
+    assert not adopt.unchanged(adopted, view, counts, spn("other"), render.render(web, CTX))
 
 
 def test_adopted_index_claims_and_rewrites_only_what_changed() -> None:
     index = FamilyIndex(IPFamily.V4)
     svc_m, be_m, name_m = _kernel(index, [_plan(index, spn("web"), svc("web"))])
-    adopted, _ = render.index_from_kernel(IPFamily.V4, svc_m.items(), be_m.items(), name_m.items())
-    render.claim(adopted, spn("web"), None)
+    adopted, _ = adopt.index_from_kernel(IPFamily.V4, svc_m.items(), be_m.items(), name_m.items())
+    adopt.claim(adopted, spn("web"), None)
     plan = _plan(adopted, spn("web"), svc("web", (*THREE[:2], ep("198.18.66.99"))))
     assert len(plan.be_put) == 1 and len(plan.slot_put) == 1 and len(plan.be_del) == 1
     assert not plan.name_put  # the name entry is already there
@@ -328,15 +331,45 @@ def test_a_full_sync_that_frees_ids_hands_each_out_once_afterwards() -> None:
     _plan(index, spn("a"), a)
     _plan(index, spn("b"), b)
     plan = Plan()
-    render.plan_service(index, spn("a"), None, plan)  # a goes in a full batch: its ids are freed
-    render.sweep(index, {spn("b"): render.render(b, CTX)}, plan)
-    render.finish_plan(plan)
+    planner.plan_service(index, spn("a"), None, plan)  # a goes in a full batch: its ids are freed
+    planner.sweep(index, {spn("b"): render.render(b, CTX)}, plan)
+    planner.finish_plan(plan)
     plan.release(index)
     assert len(index.free_backends) == len(set(index.free_backends)) == 3
     later = Plan()
     for name, ip in (("c", "198.18.67"), ("d", "198.18.68")):
         s = svc(name, (ep(f"{ip}.1"), ep(f"{ip}.2"), ep(f"{ip}.3")), cluster_ip=f"198.19.0.{ord(name)}")
-        render.plan_service(index, spn(name), render.render(s, CTX), later)
+        planner.plan_service(index, spn(name), render.render(s, CTX), later)
     slots = [bid for st in index.fronts.values() for bid in st.slots]
     assert len(slots) == len(set(slots)) == 9
     assert sorted(index.backends) == sorted(slots)
+
+
+def test_reverse_nat_and_backend_ids_past_16_bits_round_trip_through_the_maps() -> None:
+    """Ids are 32 bits in the maps (issue 22: past 65,535 frontends): a service planned with a reverse-NAT id and
+    backend ids above 65,535 is written with them, and both decoders read them back."""
+    from kproxy.backends.bpf import decode
+    from kproxy.backends.bpf.index import MAX_ID
+
+    index = FamilyIndex(IPFamily.V4)
+    index.next_rev, index.next_backend = 70_001, 1_000_000
+    web = svc("web")
+    svc_m, be_m, name_m = _kernel(index, [_plan(index, spn("web"), web)])
+    master = svc_m[maps.lb_key(IPFamily.V4, "198.19.0.10", 80, 6, 0)]
+    _bid, _aff, count, rev, _flags = maps.decode_service(master)
+    assert (count, rev) == (3, 70_001)
+    assert name_m[maps.name_key(70_001)] == maps.name_value("ns1/web:http/TCP")
+    assert sorted(maps.BACKEND_ID.unpack(k)[0] for k in be_m) == [1_000_000, 1_000_001, 1_000_002]
+    raw = (b"".join(svc_m), b"".join(svc_m.values()))
+    be_raw = (b"".join(be_m), b"".join(be_m.values()))
+    name_raw = (b"".join(name_m), b"".join(name_m.values()))
+    for got in (
+        decode.fast_index(IPFamily.V4, raw, be_raw, name_raw),
+        decode.general_index(IPFamily.V4, raw, be_raw, name_raw),
+    ):
+        assert got is not None
+        adopted, view = got
+        assert adopted.rev_names == {70_001: "ns1/web:http/TCP"} and adopted.next_rev == 70_002
+        assert set(adopted.backends) == {1_000_000, 1_000_001, 1_000_002}
+        assert adopt.unchanged(adopted, view, {70_001: 1}, spn("web"), render.render(web, CTX))
+    assert MAX_ID == 2**32 - 2

@@ -15,7 +15,8 @@ import grimp
 
 
 def _graph() -> grimp.ImportGraph:
-    return grimp.build_graph("kproxy", cache_dir=None)  # no cache folder written into the tree
+    # backends/ is its own root in the tree (installed, it is kproxy.backends: pyproject.toml's package-dir)
+    return grimp.build_graph("kproxy", "backends", cache_dir=None)  # no cache folder written into the tree
 
 
 def _cyclic_groups(modules: set[str], imports: dict[str, set[str]]) -> list[list[str]]:

@@ -22,7 +22,7 @@ from typing import Any
 from kproxy.model import IPFamily
 from kproxy.proxier import BackendError, KernelProbe
 
-from . import loader, maps, nft, render
+from . import companion, decode, loader, maps
 
 log = logging.getLogger(__name__)
 
@@ -142,14 +142,14 @@ def cleanup(options: Mapping[str, Any], netns: str | None) -> None:
             root.rmdir()
     except OSError:
         pass
-    # the lab's bind of the machine's bpffs (``lab_options``) goes with the last pins nobody uses any more
+    # the lab's bind of the machine's bpffs (``lab_prepare``) goes with the last pins nobody uses any more
     loader.release_host_bind()
     for fam in (IPFamily.V4, IPFamily.V6):
         try:
-            nft.delete_table(fam, netns)
-        except nft.NftError as exc:
+            companion.delete_table(fam, netns)
+        except companion.NftError as exc:
             errors.append(f"nft: {exc}")
-    nft.release(netns)
+    companion.release(netns)
     try:
         if _read_record(netns):  # ours: a record of another namespace with the same inode is left alone
             _record_path(netns).unlink(missing_ok=True)
@@ -172,11 +172,11 @@ def remnants(probe: KernelProbe) -> list[str]:
             raise BackendError(str(exc)) from None
         out += [f"cgroup {p.cgroup} {d.get('attach_type')} {d.get('name')} id {d.get('id')}" for d in progs]
     for fam in ("ip", "ip6"):
-        res = probe.run(["nft", "list", "table", fam, render.TABLE])
+        res = probe.run(["nft", "list", "table", fam, companion.TABLE])
         if res.returncode == 0:
-            out += [f"nft {fam} {render.TABLE}: {ln.strip()}" for ln in res.stdout.splitlines() if ln.strip()]
+            out += [f"nft {fam} {companion.TABLE}: {ln.strip()}" for ln in res.stdout.splitlines() if ln.strip()]
         elif "No such file" not in res.stderr and "does not exist" not in res.stderr:
-            raise BackendError(f"nft list table {fam} {render.TABLE}: {res.stderr.strip()}")
+            raise BackendError(f"nft list table {fam} {companion.TABLE}: {res.stderr.strip()}")
     # tc: the mode attaches no tc programs (see backends/bpf/__init__.py); a kp_ filter would be a remnant all the same
     res = probe.run(["tc", "-j", "filter", "show", "dev", "lo", "ingress"])
     if res.returncode == 0 and "kp_" in res.stdout:
@@ -194,7 +194,7 @@ def decode_maps(pin_dir: Path, family: IPFamily) -> dict[str, list[str]]:
     finally:
         for fd in fds.values():
             os.close(fd)
-    index, view = render.index_from_raw(family, raw["svc"], raw["be"], raw["name"])
+    index, _view = decode.index_from_raw(family, raw["svc"], raw["be"], raw["name"])
     out: dict[str, list[str]] = {}
     for fk in sorted(index.fronts, key=lambda k: (k[0], k[1], k[2])):
         st = index.fronts[fk]
