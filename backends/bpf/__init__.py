@@ -58,10 +58,11 @@ The per-packet path: an nftables companion table, not a tc program. Packets that
 cgroup (an external client to a NodePort, externalIP or LB IP; forwarded packets to a service address with no endpoints)
 go through ``kproxy-bpf``: ``ip daddr . meta l4proto . th dport vmap @svc`` and, for NodePorts, ``ip daddr
 @nodeport-cidrs fib daddr type local`` as in the nftables mode (the interval set holds ``--nodeport-addresses``' CIDRs
-and primary addresses, or every address but loopback: NodePorts never answer on 127.0.0.0/8 or ::1; a table of the older
-layout without the set is written again whole), each element a verdict (``goto kp-reject``, ``drop``, or an immutable
-per-service chain whose name carries the digest of its rules: a conntrack label asking postrouting to masquerade under
-Cluster policy, ``dnat to numgen random mod K map {...}``; a firewall chain for loadBalancerSourceRanges). The table
+and primary addresses, or every address but loopback: external packets never reach a NodePort on 127.0.0.0/8 or ::1;
+a table of the older layout without the set is written again whole), each element a verdict (``goto kp-reject``,
+``drop``, or an immutable per-service chain whose name carries the digest of its rules: a conntrack label asking
+postrouting to masquerade under Cluster policy, ``dnat to numgen random mod K map {...}``; a firewall chain for
+loadBalancerSourceRanges). The table
 exists only while some service has a part in it (NodePorts, externalIPs, LB IPs, services without endpoints, Local
 policy without local endpoints: whatever ``render.render_nft`` gives elements for) and is deleted when the last such
 service goes: its nat chains and ct rules turn conntrack on for every packet of the namespace, pod-to-pod traffic
@@ -123,6 +124,15 @@ Where it deviates from upstream, and why:
   no XDP/tc acceleration of NodePorts.
 - A map-size change (``--bpf-map-size``) needs ``kproxy cleanup`` first: a pinned map keeps the size it was made
   with.
+
+Localhost NodePorts (upstream's iptables-mode ``localhostNodePorts``, ``--iptables-localhost-nodeports``, default
+true; IPv4, when ``--nodeport-addresses`` lets loopback in: ``kproxy.nodeaddr``) are served at connect(): the core
+adds 127.0.0.1 to the family's NodePort addresses, so every NodePort gets a socket frontend at 127.0.0.1:NODEPORT
+like the node's other addresses, and a process of the node's cgroup connects (or sends, for UDP) straight to the
+chosen endpoint. The programs treat a loopback destination like any other (a map lookup by address, port and
+protocol; nothing in them tests for 127.0.0.0/8), no packet ever leaves the loopback device with a loopback source,
+so no ``route_localnet`` and nothing in the companion table, whose ``nodeport-cidrs`` keeps loopback out. A process
+outside the cgroup connecting to 127.0.0.1:NODEPORT is not translated (refused), as for every socket-level path.
 
 Start-up over another mode: the daemon's ``after_first_sync`` hook removes other modes' leftovers before the first
 sync is counted, as for every mode.
