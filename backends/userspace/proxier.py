@@ -36,8 +36,8 @@ from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Ver
 from kproxy.nftkernel import Nft, available
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelProbe, Option
-from kproxy.relay import counters
 from kproxy.relay.datapath import Engine, ListenerSpec
+from kproxy.relay.dump import dump as dump_counters
 from kproxy.relay.udp import Duration
 from kproxy.toolkit import nft as nft_tools
 from kproxy.toolkit.cidr import spans
@@ -338,8 +338,8 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
         return {"table": render.TABLE, "layout": render.LAYOUT, "counts": counts, **self.engine.stats()}
 
     def counters(self, family: IPFamily) -> CounterDump | None:
-        """The relay's own tallies (``counters.dump``, one step of its loop); None with counting off."""
-        return counters.dump(self.engine, family) if self.engine.counting else None
+        """The relay's own tallies (``kproxy.relay.dump``, one step of its loop); None with counting off."""
+        return dump_counters(self.engine, family) if self.engine.counting else None
 
     def conntrack_answerers(self, sp: ServicePort) -> Iterable[tuple[str, int]]:
         """A UDP flow to a service is answered by the node: by the proxy socket of the service, from the address

@@ -8,7 +8,7 @@ sockets and endpoint lists with ``Engine.update`` (``call_soon_threadsafe``) and
 them, so when a sync returns the data path already uses the new endpoints, and the loop never waits for a sync.
 The listeners are ``tcp.TcpListener`` (accept, dial, splice relay) and ``udp.UdpListener`` (sessions); each balances
 with a ``balancer.Balancer``; the counters are ``stats.Stats``, and with ``counting`` (``--service-counters``) each
-listener's ``counters.Tally``, read in one step of the loop by ``counters.dump``.
+listener's ``counters.Tally``, read in one step of the loop by ``dump.dump``.
 """
 
 from __future__ import annotations
