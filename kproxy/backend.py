@@ -59,6 +59,10 @@ class LedgerProxier(Proxier, Generic[F, C, A, V, S]):
         """Default: the state is always there."""
         return False
 
+    def readback_due(self, family: IPFamily) -> bool:
+        """Default: the mode reads the kernel back at every full batch anyway."""
+        return False
+
     def verify_view(self, family: IPFamily, ctx: C) -> V | None:
         """Default: the mode cannot read its kernel state back."""
         return None

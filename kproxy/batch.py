@@ -141,7 +141,14 @@ class Backend(Protocol[F, C, A, V, S]):
         ...
 
     def needs_full(self, family: IPFamily) -> bool:
-        """The cheap "is my state still there" check, asked when the ledger's schedule says it is due."""
+        """The cheap "is my state still there" check, asked when the ledger's schedule says it is due, and by the
+        drift watcher between syncs: True only when the state is gone or damaged."""
+        ...
+
+    def readback_due(self, family: IPFamily) -> bool:
+        """Whether a full batch that reads the kernel back is due although nothing is known to be damaged (a mode
+        that trusts its memory of what it wrote between such read-backs); asked with the cheap check before a sync,
+        never by the drift watcher (a due read-back is no damage)."""
         ...
 
     def verify_view(self, family: IPFamily, ctx: C) -> V | None:

@@ -287,8 +287,10 @@ class Ledger(Generic[F, C, A, V, S]):
         elif full or self._check_due(fam):
             self._checked_at[fam] = time.monotonic()
             c0 = time.perf_counter()
-            if self.backend.needs_full(fam) and not full:
-                log.info("%s: the backend asks for a full batch (its kernel state changed under it)", fam.value)
+            gone = self.backend.needs_full(fam)
+            if not full and (gone or self.backend.readback_due(fam)):
+                why = "its kernel state changed under it" if gone else "its periodic read-back is due"
+                log.info("%s: the backend asks for a full batch (%s)", fam.value, why)
                 full = True
             _add(timings, "check", time.perf_counter() - c0)
         services = state.family(fam)

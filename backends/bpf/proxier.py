@@ -289,7 +289,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         someone flushed or deleted (the pins, the attachments, the table: ``kproxy cleanup`` of another process does
         all three) is put back: the maps made and pinned again (empty) and their family owed a full sync that reads
         the kernel and writes everything, the programs attached again after it (``apply``). A few bpf(2) calls and
-        one ``list tables``. A family is also owed a full batch when its read-back is due (``KERNEL_READ_S``)."""
+        one ``list tables``. (A due read-back, ``KERNEL_READ_S``, is ``readback_due``'s: no damage.)"""
         if family is self.families[0] and self._fds:
             try:
                 self._check_kernel_now()
@@ -298,6 +298,10 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         if family in self._owed:
             self._owed.discard(family)
             return True
+        return False
+
+    def readback_due(self, family: IPFamily) -> bool:
+        """A full batch that reads the maps back is due every ``KERNEL_READ_S`` (what someone edited in place)."""
         read = self._kernel_read.get(family)
         return read is not None and time.monotonic() - read >= KERNEL_READ_S
 

@@ -176,13 +176,13 @@ def damages(mode: str, ns: str, options: dict[str, str]) -> list[Callable[[], No
         return [flush, lambda: sh(ns, "nft", "delete", "table", "ip", "kproxy-userspace")]
     if mode == "iptables":
         return [lambda: sh(ns, "iptables-nft", "-t", "nat", "-F"), flush]
-    from kproxy.backends.bpf import inspect, loader
+    from kproxy.backends.bpf import cleanup, loader
 
     def detach() -> None:
         loader.detach_all(Path(options["bpf_cgroup_path"]))
 
     def unpin() -> None:
-        inspect.remove_tree(Path(options["bpf_pin_path"]))
+        cleanup.remove_tree(Path(options["bpf_pin_path"]))
 
     return [detach, unpin]
 
