@@ -1,9 +1,5 @@
 """Where a bpf proxier under test runs: a network namespace, a cgroup v2 directory and a bpffs pin folder, all of the
-test's own (bpffs and cgroups are shared by the whole machine) and removed afterwards, also on failure.
-
-Who uses it: the ``place`` fixtures of test_bpf_backend, test_verify_bpf, test_bpf_places and test_bpf_sock, and their
-echo servers (``ns_script``).
-"""
+test's own (bpffs and cgroups are shared by the whole machine) and removed afterwards, also on failure."""
 
 from __future__ import annotations
 
