@@ -50,6 +50,8 @@ NEEDS_FULL_CHECK_S = 1.0
 #: someone changed by hand) at least this often; in between syncs trust kproxy's own index. Under the default 30 s
 #: sync period every periodic sync reads them.
 KERNEL_READ_S = 25.0
+MAX_FRESH_REAP = 64  # new translating UDP frontends per batch whose untranslated sockets are looked for (a first
+# sync makes every frontend new: nothing was translated before it, and one ss filter of thousands would not do)
 #: after a failed re-attach of the programs, the next attempt waits this long (a compile costs 1-4 s)
 REATTACH_RETRY_S = 30.0
 #: a batch of at least this many services is planned in chunks while a writer thread writes the previous chunk's
@@ -497,17 +499,15 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         return figures
 
     def _reap_udp(self, batch: BpfBatch) -> None:
-        """Connected UDP sockets to backends a UDP service just lost are ended (see ``backends.bpf.sockets``); only
-        when the programs are attached (a benchmark has no sockets to end)."""
+        """Connected UDP sockets to backends a UDP service just lost are ended (see ``backends.bpf.sockets``), and
+        those connected to a frontend that translates now and did not before (a Service deleted and created again:
+        a socket connected in between went to the bare address, untranslated, and would stay there); only when the
+        programs are attached (a benchmark has no sockets to end)."""
         if not self.attached or self._places is None:
             return
-        gone: set[tuple[str, int]] = set()
-        for d in batch.deltas:
-            if d.name.protocol.value != "UDP" or d.old_fragment is None:
-                continue
-            old = {b for f in d.old_fragment.frontends for b in f.backends}
-            new = {b for f in d.new_fragment.frontends for b in f.backends} if d.new_fragment is not None else set()
-            gone |= old - new
+        gone = sockets.peers_to_end(
+            ((d.old_fragment, d.new_fragment) for d in batch.deltas if d.name.protocol.value == "UDP"), MAX_FRESH_REAP
+        )
         if gone:
             self.last_reap = self._reaper.submit(
                 self._places.cgroup, gone, self._fds.get(("rev", batch.family)), batch.family

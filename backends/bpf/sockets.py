@@ -32,8 +32,25 @@ from pathlib import Path
 from kproxy.model import IPFamily
 
 from . import maps
+from .render import Fragment
 
 log = logging.getLogger(__name__)
+
+
+def peers_to_end(changes: Iterable[tuple[Fragment | None, Fragment | None]], max_fresh: int) -> set[tuple[str, int]]:
+    """The peers whose connected UDP sockets must end after a batch of UDP service changes (old, new fragment): every
+    backend a service lost, and every frontend that translates now and did not before (a Service deleted and created
+    again: a socket connected in between went to the bare address untranslated and would stay there), the latter
+    only when at most ``max_fresh`` of them."""
+    gone: set[tuple[str, int]] = set()
+    fresh: set[tuple[str, int]] = set()
+    for old, new in changes:
+        old_fr = old.frontends if old is not None else ()
+        new_fr = new.frontends if new is not None else ()
+        gone |= {b for f in old_fr for b in f.backends} - {b for f in new_fr for b in f.backends}
+        before = {f.key for f in old_fr if f.backends}
+        fresh |= {(f.address, f.port) for f in new_fr if f.backends and f.key not in before}
+    return gone | fresh if len(fresh) <= max_fresh else gone
 
 
 def cgroup_namespaces(cgroup: Path, unreachable: dict[str, int] | None = None) -> dict[int, int]:
@@ -127,7 +144,7 @@ def destroy_connected_udp(
         )
     if killed:
         seen = "" if hinted is None else f" ({len(hinted)} of them still in the reverse-NAT map)"
-        log.info("bpf: ended %d connected UDP socket(s) to removed backends %s%s", killed, targets, seen)
+        log.info("bpf: ended %d connected UDP socket(s) to %s (gone backends, new frontends)%s", killed, targets, seen)
     return killed
 
 

@@ -373,3 +373,19 @@ def test_reverse_nat_and_backend_ids_past_16_bits_round_trip_through_the_maps() 
         assert set(adopted.backends) == {1_000_000, 1_000_001, 1_000_002}
         assert adopt.unchanged(adopted, view, {70_001: 1}, spn("web"), render.render(web, CTX))
     assert MAX_ID == 2**32 - 2
+
+
+def test_udp_sockets_to_end_are_lost_backends_and_frontends_that_translate_anew() -> None:
+    """A backend a UDP service lost: its connected sockets end (cilium#27300). A frontend that translates now and did
+    not before (the Service deleted and created again): a socket connected in between went to the bare ClusterIP
+    untranslated, so it ends too and reconnects through connect4. A frontend that translated already is left alone,
+    and so is a batch with more new frontends than the bound (a first sync)."""
+    from kproxy.backends.bpf.sockets import peers_to_end
+
+    both = render.render(svc("dns", (ep("198.18.66.1", 53), ep("198.18.66.2", 53)), proto=Protocol.UDP), CTX)
+    one = render.render(svc("dns", (ep("198.18.66.2", 53),), proto=Protocol.UDP), CTX)
+    vip = (both.frontends[0].address, both.frontends[0].port)
+    assert peers_to_end([(both, one)], 64) == {("198.18.66.1", 53)}
+    assert vip in peers_to_end([(None, one)], 64)  # created (again): its frontends translate anew
+    assert peers_to_end([(one, one)], 64) == set()
+    assert peers_to_end([(None, one)], 0) == set()  # too many new frontends at once: not looked for
