@@ -45,26 +45,13 @@ def index_from_kernel(
     be_entries: Iterable[tuple[bytes, bytes]],
     name_entries: Iterable[tuple[bytes, bytes]] = (),
 ) -> tuple[FamilyIndex, View]:
-    """``index_from_raw`` for (key, value) pairs."""
+    """``decode.index_from_raw`` for (key, value) pairs."""
 
     def raw(entries: Iterable[tuple[bytes, bytes]]) -> tuple[bytes, bytes]:
         pairs = list(entries)
         return b"".join(k for k, _ in pairs), b"".join(v for _, v in pairs)
 
-    return index_from_raw(family, raw(svc_entries), raw(be_entries), raw(name_entries))
-
-
-def index_from_raw(
-    family: IPFamily,
-    svc_raw: tuple[bytes, bytes],
-    be_raw: tuple[bytes, bytes],
-    name_raw: tuple[bytes, bytes] = (b"", b""),
-) -> tuple[FamilyIndex, View]:
-    """Rebuild an index from the maps' raw contents (all keys, all values, each concatenated: what
-    ``maps.read_lb`` returns) with owners unknown until claimed, and the decoded view adoption compares:
-    frontend -> (flags, affinity, backends, rev_nat_id). All-zero backend values (array entries of no backend) are
-    left out. The decoder is ``decode`` (column-wise for consistent maps, entry by entry otherwise)."""
-    return decode.index_from_raw(family, svc_raw, be_raw, name_raw)
+    return decode.index_from_raw(family, raw(svc_entries), raw(be_entries), raw(name_entries))
 
 
 def adopted(
@@ -75,7 +62,7 @@ def adopted(
     nft_problem: str | None = None,
 ) -> Adopted:
     """An ``Adopted`` from the raw maps (role -> (keys, values)) and the companion table as read."""
-    index, view = index_from_raw(family, raw["svc"], raw["be"], raw["name"])
+    index, view = decode.index_from_raw(family, raw["svc"], raw["be"], raw["name"])
     counts = Counter(v[3] for v in view.values())
     return Adopted(index, view, counts, table, problem=problem, nft_problem=nft_problem)
 

@@ -64,7 +64,10 @@ def index_from_raw(
     be_raw: tuple[bytes, bytes],
     name_raw: tuple[bytes, bytes] = (b"", b""),
 ) -> tuple[FamilyIndex, View]:
-    """``adopt.index_from_raw``'s index and view (owners unknown until claimed), all-zero backend values skipped."""
+    """Rebuild an index from the maps' raw contents (all keys, all values, each concatenated: what ``maps.read_lb``
+    returns) with owners unknown until claimed, and the decoded view adoption compares: frontend -> (flags, affinity,
+    backends, rev_nat_id). All-zero backend values (array entries of no backend) are left out. Column-wise for
+    consistent maps (``fast_index``), entry by entry otherwise (``general_index``)."""
     got = fast_index(family, svc_raw, be_raw, name_raw)
     if got is not None:
         return got

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import re
 import threading
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
@@ -129,19 +128,23 @@ def dump(
     return CounterDump(family, ports)
 
 
-_plans: weakref.WeakKeyDictionary[object, dict[IPFamily, dict[ServicePortName, _Plan]]] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
+class Reader:
+    """A proxier's counter reads: one save of the nat table per call, and the plans of the fragments it mapped last
+    (made again only for a fragment that changed). Calls come from the scrape's collector, one at a time."""
 
+    def __init__(self, proxier: _Source) -> None:
+        self.proxier = proxier
+        self._plans: dict[IPFamily, dict[ServicePortName, _Plan]] = {}
+        self._lock = threading.Lock()
 
-def read(proxier: _Source, family: IPFamily) -> CounterDump:
-    """Every service port the ledger records as applied in ``family``, with its connections per endpoint, from one
-    save of the nat table. BackendError when the save fails."""
-    _, fragments = proxier.applied(family)
-    kernel = proxier.kernel
-    res = kernel.save(family, "nat", counters=True)
-    if not res.ok:
-        raise BackendError(f"{binary('save', family, kernel.flavour)} -c -t nat: {res.stderr.strip()}")
-    packets = parse_save(res.stdout)
-    with _lock:
-        plans = _plans.setdefault(proxier, {}).setdefault(family, {})
-        return dump(family, fragments, packets, plans)
+    def read(self, family: IPFamily) -> CounterDump:
+        """Every service port the ledger records as applied in ``family``, with its connections per endpoint, from
+        one save of the nat table. BackendError when the save fails."""
+        _, fragments = self.proxier.applied(family)
+        kernel = self.proxier.kernel
+        res = kernel.save(family, "nat", counters=True)
+        if not res.ok:
+            raise BackendError(f"{binary('save', family, kernel.flavour)} -c -t nat: {res.stderr.strip()}")
+        packets = parse_save(res.stdout)
+        with self._lock:
+            return dump(family, fragments, packets, self._plans.setdefault(family, {}))

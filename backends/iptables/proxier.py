@@ -137,6 +137,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _S
         self._canary_s: dict[IPFamily, float] = {}  # seconds the last check of a family took (0.0: skipped)
         self._counts: dict[tuple[int, int, IPFamily], int] = {}
         self._metrics: dict[str, Any] = {}
+        self._counters = counters_mod.Reader(self)  # --service-counters: reads only when asked
 
     # ------------------------------------------------------------------------------------------ hooks
 
@@ -224,7 +225,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _S
     def counters(self, family: IPFamily) -> CounterDump | None:
         """New connections per service port and endpoint from the nat table's DNAT rule counters (``counters.py``);
         no packets or bytes: a connection's later packets never reach a nat rule."""
-        return counters_mod.read(self, family) if self.config.service_counters else None
+        return self._counters.read(family) if self.config.service_counters else None
 
     # ------------------------------------------------------------------------------------------ the kernel
 

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from kproxy.model import IPFamily, Protocol, ServicePort, ServicePortName
 from kproxy.nodeaddr import LOCALHOST, FamilyContext
 from kproxy.relay.datapath import Engine, ListenerSpec
+from kproxy.relay.listen import listening_socket
 
 log = logging.getLogger(__name__)
-
-BACKLOG = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,19 +64,8 @@ def _ident(name: ServicePortName) -> tuple[IPFamily, ServicePortName]:
 
 
 def _bound(proto: str, port: int) -> socket.socket:
-    """A socket on 127.0.0.1:``port``, listening for TCP; closed again when bind or listen fails."""
-    kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
-    sock = socket.socket(socket.AF_INET, kind | socket.SOCK_CLOEXEC)
-    try:
-        if kind == socket.SOCK_STREAM:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rebind over TIME_WAIT on restart
-        sock.bind((LOCALHOST, port))
-        if kind == socket.SOCK_STREAM:
-            sock.listen(BACKLOG)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    """A socket on 127.0.0.1:``port``, listening for TCP."""
+    return listening_socket(socket.AF_INET, proto, LOCALHOST, port)
 
 
 class LocalhostRelay:

@@ -22,13 +22,13 @@ from typing import Any
 
 from kproxy.model import IPFamily
 from kproxy.proxier import BackendError
+from kproxy.relay.listen import listening_socket
 
 log = logging.getLogger(__name__)
 
 #: the proxy port range when none is given: below the NodePort range (30000-32767) and the kernel's ephemeral range
 #: (32768-60999), above the node components' own ports (10248-10260: kubelet, kube-proxy's health and metrics)
 DEFAULT_PORT_RANGE = "20000-29999"
-BACKLOG = 4096
 FLOOR_BATCH = 2000  # sockets bind_seconds holds at once
 
 Held = tuple[int, str, int]  # (socket family, protocol, port)
@@ -164,21 +164,8 @@ class PortPool:
 
 
 def _bound(af: int, proto: str, port: int) -> socket.socket:
-    """One wildcard socket on ``port``, listening for TCP; closed again when bind or listen fails."""
-    kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
-    sock = socket.socket(af, kind | socket.SOCK_CLOEXEC)
-    try:
-        if af == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        if kind == socket.SOCK_STREAM:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rebind over TIME_WAIT on restart
-        sock.bind(("0.0.0.0" if af == socket.AF_INET else "::", port))
-        if kind == socket.SOCK_STREAM:
-            sock.listen(BACKLOG)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    """One wildcard socket on ``port``, listening for TCP."""
+    return listening_socket(af, proto, "", port)
 
 
 def bind_seconds(fam: IPFamily, tcp_n: int, udp_n: int) -> float | None:

@@ -2,8 +2,9 @@
 
 Each (mode, scenario) is its own test (see test_conformance.py), run in mode order, so at most one lab exists
 at a time: when the mode changes, the previous mode's lab is taken down before the next comes up, and the last
-one goes at the end of the session (also when tests fail). A lab that cannot come up fails every test of that
-mode with the same reason instead of being retried 24 times.
+one goes as soon as the conformance tests end (also when tests fail), not with the whole session: the rest of the
+suite must not run beside a lab's kproxy processes, nor leave its namespaces and pins behind if it is killed. A lab
+that cannot come up fails every test of that mode with the same reason instead of being retried 24 times.
 
 ``KPROXY_CONFORMANCE_MODES=iptables,nftables`` restricts the modes (default: every installed mode);
 ``KPROXY_CONFORMANCE_LAB_PREFIX=kpq-`` builds the lab under another namespace prefix (default ``kpk-``, the tests'
@@ -58,7 +59,7 @@ class Labs:
 PARTS_KEY = pytest.StashKey[list[str]]()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def conformance_labs(request: pytest.FixtureRequest) -> Iterator[Labs]:
     if os.geteuid() != 0:
         pytest.skip("the conformance lab needs root (network namespaces, netfilter)")

@@ -193,7 +193,7 @@ def test_verify_names_what_was_edited_by_hand_and_the_read_back_repairs_it(
     """What was edited in place (a service-map element deleted, a backend element changed, a map emptied, the table
     flushed): verify names the service at once; the periodic sync's read-back of the kernel puts it back (its
     schedule, every ``KERNEL_READ_S``, is shortened to every sync here)."""
-    from kproxy.backends.bpf import adopt, maps, proxier
+    from kproxy.backends.bpf import decode, maps, proxier
     from kproxy.backends.bpf.proxier import BpfProxier
 
     monkeypatch.setattr(BpfProxier, "CHECK_INTERVAL_S", 0.0)
@@ -219,7 +219,7 @@ def test_verify_names_what_was_edited_by_hand_and_the_read_back_repairs_it(
 
         # a's backend element changed by hand: connections would go to another pod
         # the backend array's first entries (this state's few backends have the lowest ids)
-        index, _ = adopt.index_from_raw(
+        index, _ = decode.index_from_raw(
             IPFamily.V4, maps.lookup_raw(svc, *ks["svc"]), maps.lookup_array(be, *ks["be"], 64)
         )
         slot = maps.lookup(svc, maps.lb_key(IPFamily.V4, "198.19.1.1", 80, 6, 1), ks["svc"][1])

@@ -2,11 +2,10 @@
 and executed into dicts standing for the three maps (as tests/unit/test_bpf_render.py's ``_kernel`` does), then
 random corruptions (masters deleted, slots deleted, slots beyond a count or past 255, orphan slots, a nonzero padding
 byte, a key twice, backend values zeroed as an array map holds "no backend", names lost or not UTF-8), raw order
-shuffled, IPv4 and IPv6. ``decode.index_from_raw`` must return exactly what ``adopt.index_from_raw`` returns for
-the same maps with the all-zero backend values left out (every field of the index and the view, dict order
-included), ``decode.general_index`` too, and the fast path must be the one taken whenever the maps are consistent.
-``adopt.index_from_raw`` delegates to ``decode`` now: ``decode.general_index`` (render's former algorithm, entry by
-entry) is the independent reference the fast path is compared with.
+shuffled, IPv4 and IPv6. ``decode.index_from_raw`` must return exactly what ``decode.general_index`` (render's
+former algorithm, entry by entry: the independent reference) returns for the same maps with the all-zero backend
+values left out (every field of the index and the view, dict order included), and the fast path must be the one
+taken whenever the maps are consistent.
 
 Hypothesis is derandomized and bounded: CI sees the same examples every run, in a few seconds.
 """
@@ -21,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kproxy.backends.bpf import adopt, decode, index, maps, render
+from kproxy.backends.bpf import decode, index, maps, render
 from kproxy.backends.bpf import plan as planner
 from kproxy.backends.bpf.index import FamilyIndex
 from kproxy.backends.bpf.plan import Plan
@@ -280,7 +279,7 @@ def _same(a: tuple[FamilyIndex, index.View], b: tuple[FamilyIndex, index.View]) 
 def _check(family: IPFamily, m: Maps, what: list[str], seed: int) -> None:
     svc, be, names = _corrupt(family, m, what, random.Random(seed))
     svc_raw, be_raw, name_raw = _raw(svc), _raw(be), _raw(names)
-    ref = adopt.index_from_raw(family, svc_raw, _raw(_nonzero(be)), name_raw)
+    ref = decode.general_index(family, svc_raw, _raw(_nonzero(be)), name_raw)
     _same(ref, decode.general_index(family, svc_raw, be_raw, name_raw))
     _same(ref, decode.index_from_raw(family, svc_raw, be_raw, name_raw))
     if not SVC_CORRUPTIONS & set(what) and not {"key_twice", "backend_twice"} & set(what):
@@ -327,7 +326,7 @@ def test_consistent_maps_at_scale_take_the_fast_path_and_agree() -> None:
 def test_empty_maps() -> None:
     for family in (IPFamily.V4, IPFamily.V6):
         got = decode.index_from_raw(family, (b"", b""), (b"", b""), (b"", b""))
-        _same(adopt.index_from_raw(family, (b"", b""), (b"", b""), (b"", b"")), got)
+        _same(decode.general_index(family, (b"", b""), (b"", b""), (b"", b"")), got)
         assert decode.fast_index(family, (b"", b""), (b"", b"")) is not None
 
 
@@ -345,7 +344,7 @@ def test_a_backend_id_twice_decodes_as_render_reads_it() -> None:
     other = maps.backend_value(family, _endpoint_ip(family, 7), 9090, 6)
     for twice in ([be[0], (be[0][0], bytes(8))], [(be[0][0], bytes(8)), be[0]], [be[0], (be[0][0], other)]):
         entries = twice + be[1:]
-        ref = adopt.index_from_raw(family, _raw(svc), _raw(_nonzero(entries)), _raw(names))
+        ref = decode.general_index(family, _raw(svc), _raw(_nonzero(entries)), _raw(names))
         _same(ref, decode.index_from_raw(family, _raw(svc), _raw(entries), _raw(names)))
         _same(ref, decode.general_index(family, _raw(svc), _raw(entries), _raw(names)))
 
@@ -369,7 +368,7 @@ def test_slots_moved_between_masters_with_the_sum_of_counts_kept() -> None:
     for order in (entries, entries[3:] + entries[:3], entries[::-1]):
         svc_raw = _raw(order)
         assert decode.fast_index(family, svc_raw, _raw(be)) is None
-        _same(adopt.index_from_raw(family, svc_raw, _raw(be)), decode.index_from_raw(family, svc_raw, _raw(be)))
+        _same(decode.general_index(family, svc_raw, _raw(be)), decode.index_from_raw(family, svc_raw, _raw(be)))
 
 
 def test_objects_built_field_by_field_equal_constructed_ones(monkeypatch: pytest.MonkeyPatch) -> None:
