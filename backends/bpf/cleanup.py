@@ -11,11 +11,13 @@ and act on every place in it (a kproxy restarted with another pin folder or cgro
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
 from collections.abc import Mapping
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,11 @@ def _record_path(netns: str | None) -> Path:
     return RECORDS / f"net-{loader.netns_inode(netns)}.json"
 
 
-_warned: set[str] = set()
+@functools.lru_cache(maxsize=8)
+def _warn_unrecorded(reason: str) -> None:
+    """Once per process and reason (a container's read-only /run refuses it every time; its options name the
+    places)."""
+    log.warning("bpf: cannot record where the maps are (%s): cleanup by another mode may miss them", reason)
 
 
 def _doc_places(doc: Mapping[str, Any], map_size: int) -> list[loader.Places]:
@@ -89,10 +95,7 @@ def record_places(p: loader.Places, netns: str | None) -> None:
         tmp.write_text(json.dumps(doc))
         tmp.replace(path)
     except OSError as exc:
-        # once per process (a container's read-only /run refuses it every time; its options name the places)
-        level = logging.DEBUG if str(RECORDS) in _warned else logging.WARNING
-        _warned.add(str(RECORDS))
-        log.log(level, "bpf: cannot record where the maps are (%s): cleanup by another mode may miss them", exc)
+        _warn_unrecorded(exc.strerror or type(exc).__name__)
 
 
 def _places_for(options: Mapping[str, Any], netns: str | None) -> list[loader.Places]:
@@ -144,12 +147,12 @@ def cleanup(options: Mapping[str, Any], netns: str | None) -> None:
         pass
     # the lab's bind of the machine's bpffs (``lab_prepare``) goes with the last pins nobody uses any more
     loader.release_host_bind()
-    for fam in (IPFamily.V4, IPFamily.V6):
-        try:
-            companion.delete_table(fam, netns)
-        except companion.NftError as exc:
-            errors.append(f"nft: {exc}")
-    companion.release(netns)
+    with closing(companion.open_nft(netns)) as nft:
+        for fam in (IPFamily.V4, IPFamily.V6):
+            try:
+                companion.delete_table(nft, fam)
+            except companion.NftError as exc:
+                errors.append(f"nft: {exc}")
     try:
         if _read_record(netns):  # ours: a record of another namespace with the same inode is left alone
             _record_path(netns).unlink(missing_ok=True)

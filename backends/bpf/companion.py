@@ -16,7 +16,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -141,34 +140,14 @@ class NftError(RuntimeError):
     pass
 
 
-_CONTEXTS: dict[str | None, Nft] = {}
-_CONTEXTS_LOCK = threading.Lock()
+def open_nft(netns: str | None) -> Nft:
+    """A libnftables context for ``netns`` (``kproxy.nftkernel``), ~13 ms to make (libnftables loads its caches), a
+    command through it ~0.1 ms: its owner keeps it and closes it."""
+    return Nft(netns, worker=False, name=f"kpb-nft-{netns}" if netns else "kpb-nft")
 
 
-def _nft(netns: str | None) -> Nft:
-    """The libnftables context for ``netns`` (``kproxy.nftkernel``): the process's shared one in the caller's own
-    namespace, a worker thread in a named one; made once, ~13 ms (libnftables loads its caches), a command through it
-    ~0.1 ms."""
-    with _CONTEXTS_LOCK:
-        ctx = _CONTEXTS.get(netns)
-        if ctx is None:
-            ctx = _CONTEXTS[netns] = Nft(netns, worker=False, name=f"kpb-nft-{netns}" if netns else "kpb-nft")
-        return ctx
-
-
-def release(netns: str | None) -> None:
-    """Close the context of a named namespace (its worker thread); the process's own context stays."""
-    if netns is None:
-        return
-    with _CONTEXTS_LOCK:
-        ctx = _CONTEXTS.pop(netns, None)
-    if ctx is not None:
-        ctx.close()
-
-
-def run(text: str, netns: str | None = None, *, json_out: bool = False) -> str:
+def run(nft: Nft, text: str, *, json_out: bool = False) -> str:
     """Run ``text`` as one nft transaction (or a listing); the output; NftError with nft's message on failure."""
-    nft = _nft(netns)
     listing = text.startswith("list ") and "\n" not in text.strip()
     res = nft.query(text, json_output=json_out) if listing else nft.run(text, json_output=json_out)
     if not res.ok:
@@ -192,10 +171,10 @@ class NftView:
     sets: Mapping[str, tuple[str, ...]] | None = None
 
 
-def read(family: IPFamily, netns: str | None = None) -> NftView:
+def read(nft: Nft, family: IPFamily) -> NftView:
     """The table's chains and elements (one listing of a small table)."""
     try:
-        out = run(f"list table {nft_family(family)} {TABLE}", netns, json_out=True)
+        out = run(nft, f"list table {nft_family(family)} {TABLE}", json_out=True)
     except NftError as exc:
         if "No such file" in str(exc) or "does not exist" in str(exc):
             return NftView(False, frozenset(), frozenset())
@@ -243,16 +222,16 @@ def _cidrs(elems: list[Any]) -> tuple[str, ...]:
     return tuple(str(n.network_address) if n.prefixlen == n.max_prefixlen else str(n) for n in collapsed)
 
 
-def table_present(family: IPFamily, netns: str | None = None) -> bool:
+def table_present(nft: Nft, family: IPFamily) -> bool:
     """Whether the family's companion table exists: ``list tables`` fetches table names only (no chain, rule or
     element), so the bpf mode's check every second stays cheap however big the table is."""
-    out = run(f"list tables {nft_family(family)}", netns)
+    out = run(nft, f"list tables {nft_family(family)}")
     return any(ln.split()[-1:] == [TABLE] for ln in out.splitlines())
 
 
-def delete_table(family: IPFamily, netns: str | None = None) -> None:
+def delete_table(nft: Nft, family: IPFamily) -> None:
     """Remove the family's companion table (nothing when it does not exist)."""
-    run(delete_text(nft_family(family), TABLE), netns)
+    run(nft, delete_text(nft_family(family), TABLE))
 
 
 # ------------------------------------------------------------------------------------------------ the state
@@ -269,6 +248,19 @@ class Companion:
         self.users: dict[IPFamily, set[ServicePortName]] = {f: set() for f in self.families}
         self.ready: dict[IPFamily, bool] = {f: False for f in self.families}
         self.cidrs: dict[IPFamily, tuple[str, ...] | None] = {f: None for f in self.families}
+        self._nft: Nft | None = None
+
+    @property
+    def nft(self) -> Nft:
+        """This kproxy's libnftables context for the table, made at first use."""
+        if self._nft is None:
+            self._nft = open_nft(self.netns)
+        return self._nft
+
+    def close(self) -> None:
+        if self._nft is not None:
+            self._nft.close()
+            self._nft = None
 
     def forget(self) -> None:
         for f in self.families:
@@ -278,7 +270,7 @@ class Companion:
 
     def lost(self, family: IPFamily) -> bool:
         """Whether the table was there after kproxy's last write and is gone now (``list tables``: cheap)."""
-        if self.ready[family] and not table_present(family, self.netns):
+        if self.ready[family] and not table_present(self.nft, family):
             self.ready[family] = False
             return True
         return False
@@ -287,7 +279,7 @@ class Companion:
         """The table as read, less the chains that lost rules (a flushed table keeps chains and elements, not rules):
         a fixed chain short of rules drops ``services`` (the fixed part is written again), a service chain whose
         rule count differs from what its (digest-named) rules say is written again; and why, if so."""
-        v = read(family, self.netns)
+        v = read(self.nft, family)
         if not v.present:
             return v, None
         drop: set[str] = set()
@@ -340,7 +332,7 @@ class Companion:
         mid = group_elements(mid)
         # a firewall chain jumps to its service chain: it goes first, or the kernel refuses (EBUSY)
         last.sort(key=lambda c: 0 if " f-" in c else 1)
-        run("\n".join(first + mid + last) + "\n", self.netns)
+        run(self.nft, "\n".join(first + mid + last) + "\n")
         self.ready[fam] = True
         self.cidrs[fam] = cidrs
 
@@ -367,11 +359,11 @@ class Companion:
         if batch.full and view is not None and trusted is None:
             present = view.present
         elif batch.full and view is None:
-            present = table_present(fam, self.netns)
+            present = table_present(self.nft, fam)
         else:
             present = self.ready[fam]
         if present:
-            delete_table(fam, self.netns)
+            delete_table(self.nft, fam)
         self.ready[fam] = False
         self.cidrs[fam] = None
 
@@ -388,7 +380,7 @@ class Companion:
                 elems.update(frag.nft.elements)
             base = {"services"} if view.present else set()
             return NftView(view.present, frozenset(chains | base), frozenset(elems))
-        return view if view is not None else read(fam, self.netns)
+        return view if view is not None else read(self.nft, fam)
 
     def _full_commands(
         self, batch: Batch[Fragment, Any, Any, Any], view: NftView, cidrs: tuple[str, ...]

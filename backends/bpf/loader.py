@@ -21,6 +21,7 @@ out untranslated until then.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -211,16 +212,13 @@ class Places:
     @property
     def pin_real(self) -> Path:
         """The pin folder as this process reaches it (see ``host_view``; decided once per Places value)."""
-        cached = _REAL.get(self.pin_dir)
-        if cached is None:
-            cached = _REAL[self.pin_dir] = host_view(self.pin_dir)
-        return cached
+        return _host_view(self.pin_dir)
 
     def pin(self, role: str, family: IPFamily) -> Path:
         return self.pin_real / maps.pin_name(role, family)
 
 
-_REAL: dict[Path, Path] = {}
+_host_view = functools.lru_cache(maxsize=64)(host_view)  # a pin folder's host view does not change
 
 
 def places(options: Mapping[str, Any], netns: str | None = None) -> Places:

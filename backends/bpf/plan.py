@@ -10,6 +10,7 @@ plan writes and on their order.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -147,30 +148,21 @@ _ID = struct.Struct("<I")
 _SLOT_VALUE = struct.Struct("<I12x")  # a slot entry: backend_id, the rest zero (see maps.slot_value)
 _SLOT = [i.to_bytes(2, "little") for i in range(65536)]
 _PORT = [i.to_bytes(2, "big") for i in range(65536)]
-_ADDR_CACHE: dict[str, bytes] = {}
-#: per protocol, the tail of a service-map key after address . port: slot (host order), protocol, padding
-_KEY_TAILS: dict[int, list[bytes]] = {}
+#: an address as the maps hold it, memoised (bounded: pods churn over a long life)
+_addr = functools.lru_cache(maxsize=1 << 20)(maps.addr_bytes)
 
 
-def _key_tails(proto: int, upto: int) -> list[bytes]:
-    """The key tails of ``proto`` for slots 0..``upto`` at least, built as far as a service needs them (a slot count
-    is an endpoint count: all 65,536 up front cost ~3 MB per protocol)."""
-    tails = _KEY_TAILS.get(proto)
-    if tails is None:
-        tails = _KEY_TAILS[proto] = []
-    if len(tails) <= upto:
-        end = bytes((proto, 0, 0, 0))
-        tails.extend(s + end for s in _SLOT[len(tails) : max(upto + 1, 2 * len(tails), 64)])
-    return tails
+def _key_tails(proto: int, upto: int) -> tuple[bytes, ...]:
+    """The tails of a service-map key after address . port (slot in host order, protocol, padding) of ``proto`` for
+    slots 0..``upto`` at least: a power of two of them, so a service's slot count picks one of 17 tables per protocol
+    (a slot count is an endpoint count: all 65,536 up front would cost ~3 MB per protocol)."""
+    return _tails_upto(proto, min(max(64, 1 << upto.bit_length()), len(_SLOT)))
 
 
-def _addr(ip: str) -> bytes:
-    raw = _ADDR_CACHE.get(ip)
-    if raw is None:
-        if len(_ADDR_CACHE) > 1_000_000:
-            _ADDR_CACHE.clear()
-        raw = _ADDR_CACHE[ip] = maps.addr_bytes(ip)
-    return raw
+@functools.lru_cache(maxsize=64)
+def _tails_upto(proto: int, size: int) -> tuple[bytes, ...]:
+    end = bytes((proto, 0, 0, 0))
+    return tuple(s + end for s in _SLOT[:size])
 
 
 def remove_front(plan: Plan, index: FamilyIndex, key: tuple[str, int, int], st: FrontState) -> None:
@@ -269,7 +261,6 @@ def _backend_ids(
     be_put = plan.be_put
     free = index.free_backends
     nb = index.next_backend
-    addr_cache = _ADDR_CACHE
     port_bytes = _PORT
     pack_id = _ID.pack
     ids: dict[tuple[str, int], int] = {}
@@ -287,10 +278,7 @@ def _backend_ids(
                     nb += 1
                 a = b[0]
                 backends[known] = (a, b[1], f.proto)
-                raw = addr_cache.get(a)
-                if raw is None:
-                    raw = _addr(a)
-                be_put[pack_id(known)] = raw + port_bytes[b[1]] + tail2
+                be_put[pack_id(known)] = _addr(a) + port_bytes[b[1]] + tail2
             ids[b] = known
     index.next_backend = nb
     return ids
@@ -336,19 +324,18 @@ def _named_rev(index: FamilyIndex, name: ServicePortName, plan: Plan) -> int:
     return rev
 
 
-#: per entry count, the ``struct`` packing that many backend ids as keys, or as slot values (id, 12 zero bytes)
-_ID_KEYS: dict[int, struct.Struct] = {}
-_SLOT_VALUES: dict[int, struct.Struct] = {}
 _PACKERS_UPTO = 1024  # counts above it are packed entry by entry
 
 
-def _ids_packer(n: int, table: dict[int, struct.Struct], one: str) -> struct.Struct | None:
-    if n > _PACKERS_UPTO:
-        return None
-    p = table.get(n)
-    if p is None:
-        p = table[n] = struct.Struct("<" + one * n)
-    return p
+def _ids_packer(n: int, one: str) -> struct.Struct | None:
+    """The ``struct`` packing ``n`` backend ids as keys (``one`` = "I"), or as slot values ("I12x": id, 12 zero
+    bytes); None above ``_PACKERS_UPTO``."""
+    return _packer(n, one) if n <= _PACKERS_UPTO else None
+
+
+@functools.lru_cache(maxsize=2 * _PACKERS_UPTO)
+def _packer(n: int, one: str) -> struct.Struct:
+    return struct.Struct("<" + one * n)
 
 
 def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan) -> bool:
@@ -373,21 +360,20 @@ def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan
     tails = _key_tails(proto, n)
     if n:
         index.backends.update(zip(bids, [(a, p, proto) for a, p in bes], strict=True))
-        addr_cache = _ADDR_CACHE
         tail2 = bytes((proto, 0))
         be = plan.bulk_be
-        ids = _ids_packer(n, _ID_KEYS, "I")
+        ids = _ids_packer(n, "I")
         be.keys.append(ids.pack(*bids) if ids is not None else b"".join(map(_ID.pack, bids)))
         ips, ports = zip(*bes, strict=True)
         if ports.count(ports[0]) == n:  # one target port (the usual case): address . (port . proto . flags) ...
             sep = port_bytes[ports[0]] + tail2
-            be.values.append(sep.join([addr_cache.get(a) or _addr(a) for a in ips]) + sep)
+            be.values.append(sep.join([_addr(a) for a in ips]) + sep)
         else:
-            be.values.append(b"".join([(addr_cache.get(a) or _addr(a)) + port_bytes[p] + tail2 for a, p in bes]))
+            be.values.append(b"".join([(_addr(a)) + port_bytes[p] + tail2 for a, p in bes]))
         be.count += n
         sl = plan.bulk_slot
         sl.keys.append(head + head.join(tails[1 : n + 1]))
-        vals = _ids_packer(n, _SLOT_VALUES, "I12x")
+        vals = _ids_packer(n, "I12x")
         sl.values.append(vals.pack(*bids) if vals is not None else b"".join(map(_SLOT_VALUE.pack, bids)))
         sl.count += n
     master = Master(n, f.flags, f.affinity, rev)

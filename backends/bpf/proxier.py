@@ -232,7 +232,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
     def close(self) -> None:
         self._reaper.close()  # it reads the reverse-NAT map: before the fds go
         self._maps.close()
-        companion.release(self.netns)
+        self._companion.close()
 
     def cleanup(self) -> None:
         self.close()

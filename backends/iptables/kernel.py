@@ -7,11 +7,11 @@ namespace they made. The daemon uses neither: it runs in the node's namespace, a
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import shutil
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -63,24 +63,15 @@ def wait_flags(version: tuple[int, int, int] | None, *, restore: bool) -> tuple[
     return ()
 
 
-_versions: dict[str, tuple[int, int, int] | None] = {}
-_versions_lock = threading.Lock()
-
-
+@functools.lru_cache(maxsize=16)
 def tool_version(tool: str) -> tuple[int, int, int] | None:
     """``TOOL --version``, asked once per binary and process (the binaries do not change under a running kproxy;
     the namespace does not matter: it is the binary's version). None when it cannot be run or read."""
-    with _versions_lock:
-        if tool in _versions:
-            return _versions[tool]
     try:
         proc = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=10, check=False)
-        version = parse_version(proc.stdout + proc.stderr) if proc.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired):
-        version = None
-    with _versions_lock:
-        _versions[tool] = version
-    return version
+        return None
+    return parse_version(proc.stdout + proc.stderr) if proc.returncode == 0 else None
 
 
 _TIMEOUT = 300.0  # seconds; a 420k-line restore takes ~10 s, a wedged lock must not hang the runner forever

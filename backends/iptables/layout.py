@@ -9,6 +9,7 @@ fragments into ``iptables-restore`` payloads.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -129,15 +130,10 @@ def bare(text: str) -> str:
     return quote(text)
 
 
-_PROB: dict[int, str] = {}
-
-
+@functools.lru_cache(maxsize=65_536)
 def probability(n: int) -> str:
     """Upstream's ``%0.10f`` of 1/n, cached."""
-    p = _PROB.get(n)
-    if p is None:
-        p = _PROB[n] = f"{1.0 / n:0.10f}"
-    return p
+    return f"{1.0 / n:0.10f}"
 
 
 # ----------------------------------------------------------------------------------------------- context

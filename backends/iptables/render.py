@@ -13,6 +13,7 @@ through this module too, as the tests always have).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -116,20 +117,14 @@ def _hash16(text: str) -> str:
     )
 
 
-_SVC_HASH: dict[str, str] = {}
-_SVC_HASH_MAX = 131_072  # service ports remembered; past it the memo starts over (services churn over a long life)
-_SEP_CACHE: dict[tuple[str, str], str] = {}
-
-
 def port_proto_hash(spn: ServicePortName) -> str:
     """Upstream's ``portProtoHash``: base32(sha256(``ns/name:port`` + ``tcp``))[:16]; memoised, bounded."""
-    key = str(spn) + spn.protocol.lowercase
-    h = _SVC_HASH.get(key)
-    if h is None:
-        if len(_SVC_HASH) >= _SVC_HASH_MAX:
-            _SVC_HASH.clear()
-        h = _SVC_HASH[key] = _hash16(key)
-    return h
+    return _proto_hash(str(spn) + spn.protocol.lowercase)
+
+
+@functools.lru_cache(maxsize=131_072)  # service ports remembered (services churn over a long life)
+def _proto_hash(key: str) -> str:
+    return _hash16(key)
 
 
 def service_chain(spn: ServicePortName) -> str:
@@ -153,14 +148,9 @@ def endpoint_chain(spn: ServicePortName, endpoint: str) -> str:
     return _sep(str(spn) + spn.protocol.lowercase, endpoint)
 
 
+@functools.lru_cache(maxsize=500_000)  # bounded: endpoints churn over a long life
 def _sep(base: str, endpoint: str) -> str:
-    key = (base, endpoint)
-    name = _SEP_CACHE.get(key)
-    if name is None:
-        if len(_SEP_CACHE) > 500_000:  # bounded: endpoints churn over a long life
-            _SEP_CACHE.clear()
-        name = _SEP_CACHE[key] = "KUBE-SEP-" + _hash16(base + endpoint)
-    return name
+    return "KUBE-SEP-" + _hash16(base + endpoint)
 
 
 def is_service_chain(name: str) -> bool:

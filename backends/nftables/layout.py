@@ -7,6 +7,7 @@ Pure: nothing here touches the kernel. The layout and the reasons for it are in 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Iterable
@@ -87,24 +88,17 @@ def short_hash(text: str, n: int = 10) -> str:
 
 
 _SAFE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_./:-")
-_COMMENT_KEYS: dict[str, str] = {}
 
 
+@functools.lru_cache(maxsize=200_000)  # bounded: services churn over a long life
 def comment_key(key: str) -> str:
     """A service key short and safe enough for an nft comment (128 bytes, quoted): Kubernetes names are DNS labels,
     so a key is safe as it is; an overlong one (a 63-character namespace and name and a port name) is cut and keeps
     a hash of the whole. Memoised: called for every element written."""
-    out = _COMMENT_KEYS.get(key)
-    if out is None:
-        if len(key) <= 110 and _SAFE_CHARS.issuperset(key):
-            out = key
-        else:
-            clean = "".join(c if c in _SAFE_CHARS else "_" for c in key)
-            out = clean[:96] + "~" + short_hash(key, 12)
-        if len(_COMMENT_KEYS) > 200_000:  # bounded: services churn over a long life
-            _COMMENT_KEYS.clear()
-        _COMMENT_KEYS[key] = out
-    return out
+    if len(key) <= 110 and _SAFE_CHARS.issuperset(key):
+        return key
+    clean = "".join(c if c in _SAFE_CHARS else "_" for c in key)
+    return clean[:96] + "~" + short_hash(key, 12)
 
 
 def service_chain_id(spn: ServicePortName) -> str:
@@ -258,17 +252,9 @@ def fixed_commands(family: IPFamily, *, chains: Iterable[str] | None = None, dec
 _SHARED = re.compile(r"^(lb-[ian]-\d+|sc-\d+|np-[an]-\d+|npsc-\d+|lbl-\d+-\d+|npl-\d+-\d+)$")
 
 
-_IS_SHARED: dict[str, bool] = {}
-
-
+@functools.lru_cache(maxsize=10_000)
 def is_shared_chain(name: str) -> bool:
-    got = _IS_SHARED.get(name)
-    if got is None:
-        got = bool(_SHARED.match(name)) or (name.startswith("fw-") and is_shared_chain(name[3:]))
-        if len(_IS_SHARED) > 10_000:
-            _IS_SHARED.clear()
-        _IS_SHARED[name] = got
-    return got
+    return bool(_SHARED.match(name)) or (name.startswith("fw-") and is_shared_chain(name[3:]))
 
 
 def is_service_chain(name: str) -> bool:

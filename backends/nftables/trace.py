@@ -13,6 +13,7 @@ Pure: no kernel, so ``kproxy show --trace`` and ``/rules`` can answer anywhere.
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -26,8 +27,16 @@ from kproxy.toolkit.trace import Packet as Packet
 from . import layout, render
 
 _MAX_DEPTH = 20
-#: a rule the packet passes on to the next (a walk's steps return it, or outcomes, or None for "not understood")
-_NEXT: list[Outcome] = []
+
+
+class _Step(enum.Enum):
+    """A rule the packet passes on to the next (a walk's steps return it, or outcomes, or None for "not
+    understood")."""
+
+    NEXT = "next"
+
+
+_NEXT = _Step.NEXT
 
 
 _DNAT_MAP = re.compile(r"^meta l4proto (\w+) dnat ip6? to (.+) \. numgen random mod (\d+) map @(\S+)$")
@@ -96,7 +105,7 @@ class _Walker:
             out.path.append(f"{here} (not understood by the explainer)")
         return [out]
 
-    def _source_rule(self, chain: str, rule: str, here: str, out: Outcome, depth: int) -> list[Outcome] | None:
+    def _source_rule(self, chain: str, rule: str, here: str, out: Outcome, depth: int) -> list[Outcome] | _Step | None:
         """Rules that decide by the packet's source (masquerade, local pods, the node, firewall, affinity):
         ``_NEXT`` when the packet goes on to the next rule, None when ``rule`` is not one of them."""
         p = self.pkt
@@ -139,7 +148,7 @@ class _Walker:
             return _NEXT  # no affinity entry yet
         return None
 
-    def _target_rule(self, rule: str, here: str, out: Outcome, depth: int) -> list[Outcome] | None:
+    def _target_rule(self, rule: str, here: str, out: Outcome, depth: int) -> list[Outcome] | _Step | None:
         """Rules that end the walk or fork it: drop, goto, DNAT from a slot map or to a constant, a numgen vmap."""
         if rule == "drop":
             out.path.append(here)

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from types import MappingProxyType
 
@@ -325,7 +326,8 @@ def test_the_companion_table_exists_only_while_a_service_needs_it(place: tuple[s
     p = BpfProxier(_config(opts), netns=ns)
 
     def present() -> bool:
-        return companion.table_present(IPFamily.V4, ns)
+        with closing(companion.open_nft(ns)) as nft:
+            return companion.table_present(nft, IPFamily.V4)
 
     def partial(st: ProxyState, *names: str) -> None:
         res = p.sync(st, Changes(full=False, services=frozenset(spn(n) for n in names)))
@@ -360,7 +362,8 @@ def test_the_companion_table_exists_only_while_a_service_needs_it(place: tuple[s
     q = BpfProxier(_config(opts), netns=ns)
     try:
         assert q.sync(state(web, generation=6), Changes(full=True)).ok
-        assert not companion.table_present(IPFamily.V4, ns)
+        with closing(companion.open_nft(ns)) as nft:
+            assert not companion.table_present(nft, IPFamily.V4)
     finally:
         q.close()
 

@@ -1,6 +1,7 @@
-"""The core modules keep no process-wide state filled at run time: no module-level container that starts empty
-(a hand-rolled memo, a "seen" set, a lazily filled singleton). A memo is ``functools.lru_cache`` (bounded when its
-keys come from input); a kernel handle belongs to an object with a ``close``. Constant tables are fine."""
+"""The core modules and the backends keep no process-wide state filled at run time: no module-level container that
+starts empty (a hand-rolled memo, a "seen" set, a lazily filled singleton). A memo is ``functools.lru_cache``
+(bounded when its keys come from input); a kernel handle belongs to an object with a ``close``. Constant tables are
+fine."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ _CORE = sorted(
     for p in ROOT.glob(pattern)
     if str(p.relative_to(ROOT)) not in _ELSEWHERE
 )
+BACKENDS = ROOT.parent / "backends"
+# the backends' proxier modules hold their classes' state on instances; every backend module is checked
+_BACKEND_MODULES = sorted(str(p.relative_to(BACKENDS)) for p in BACKENDS.glob("**/*.py"))
 _EMPTY_CALLS = {"dict", "set", "list", "OrderedDict", "defaultdict", "WeakValueDictionary", "WeakKeyDictionary"}
 
 
@@ -55,3 +59,17 @@ def test_the_core_list_is_not_empty() -> None:
 @pytest.mark.parametrize("module", _CORE)
 def test_no_module_level_state_filled_at_run_time(module: str) -> None:
     assert _module_state(ROOT / module) == []
+
+
+def test_the_backend_list_is_not_empty() -> None:
+    assert {"nftables/layout.py", "iptables/render.py", "bpf/plan.py", "userspace/ports.py"} <= set(_BACKEND_MODULES)
+
+
+#: process-wide by design: which proxier instance of this process holds a proxy port, so that a second instance in
+#: the same process (the sync bench's restart figure) takes the listening sockets over as a restarted process rebinds
+_BY_DESIGN = {"userspace/proxier.py": ["proxier.py:74 _HOLDERS"]}
+
+
+@pytest.mark.parametrize("module", _BACKEND_MODULES)
+def test_no_backend_module_state_filled_at_run_time(module: str) -> None:
+    assert _module_state(BACKENDS / module) == _BY_DESIGN.get(module, [])

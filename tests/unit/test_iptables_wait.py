@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,13 +54,14 @@ def test_wait_flags(version: tuple[int, int, int] | None, plain: tuple[str, ...]
 
 
 @pytest.fixture
-def bindir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def bindir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A folder first on PATH for stand-in binaries (``_install``); the version cache starts empty."""
     folder = tmp_path / "bin"
     folder.mkdir()
     monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
-    monkeypatch.setattr(kernel, "_versions", {})
-    return folder
+    kernel.tool_version.cache_clear()
+    yield folder
+    kernel.tool_version.cache_clear()  # the stand-ins' versions stay in this test
 
 
 def _install(bindir: Path, versions: dict[str, str]) -> None:
