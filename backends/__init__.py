@@ -28,9 +28,11 @@ Adding a mode ``foo`` is this list:
      still there", scheduled by the ledger every ``CHECK_INTERVAL_S``), ``limits`` (what fits), ``verify_view`` with
      ``verify_error``/``verify_service``/``verify_extra``, ``detail``/``detail_global``; it asks for a full sync with
      ``request_full(family)`` and never overrides ``sync``;
-   - the kernel hooks (classmethods): ``cleanup_leftovers(config, netns=)``, ``remnants(probe)``,
-     ``kernel_view(probe, family)``; the lab hooks: ``not_applicable(options)``, ``not_applicable_parts(options)``,
-     ``lab_options(node, options)``; the bench hooks: ``measure_floor()``, ``measure_partial_floor()``;
+   - the three hook protocols of ``kproxy.proxier``, with defaults in the base: ``KernelHooks`` (classmethods:
+     ``cleanup_leftovers(config, netns=)``, ``remnants(probe)``, ``kernel_view(probe, family)``), ``LabHooks``
+     (classmethods: ``not_applicable(options)``, ``not_applicable_parts(options)``, ``lab_options(node, options)``,
+     ``lab_prepare``) and ``BenchHooks`` (``measure_floor(scratch)``, into an empty namespace the bench made,
+     ``measure_partial_floor()``);
    - optionally ``register_metrics``/``observe_sync``, ``start()``/``close()``, ``trace(...)``,
      ``conntrack_answerers(sp)``.
    ``tests/unit/test_fifth_mode.py`` is such a mode in forty lines: it passes the ledger's and the verify contract's

@@ -31,7 +31,8 @@ What a backend implements (a fifth mode is this list; ``kproxy.batch.Backend`` d
    ``register_metrics()`` (its own metrics, on the daemon's registry) fed by ``observe_sync()``.
 4. Lifecycle: ``__init__`` touches nothing; ``start()`` (threads, loaders, data-path loops) before the first sync;
    ``close()`` once the runner thread has joined. Optional: ``trace()`` (the packet explainer),
-   ``conntrack_answerers()`` (who may answer a UDP flow), ``measure_floor()`` / ``measure_partial_floor()`` (bench).
+   ``conntrack_answerers()`` (who may answer a UDP flow), ``measure_floor(scratch)`` / ``measure_partial_floor()``
+   (bench). The hooks for tools come in three small protocols (``KernelHooks``, ``LabHooks``, ``BenchHooks``).
 
 Threads: ``sync`` (and everything it calls: ``context``, ``render``, ``apply``, ``adopt``, ``needs_full``) runs
 only in the runner thread; ``describe``, ``trace`` and the metrics collection may run in any HTTP thread at any
@@ -214,6 +215,43 @@ class LabNodeSpec:
     netns: str
     cgroup: Path | None
     state_dir: Path
+
+
+# ------------------------------------------------------------------------------------------------- the hooks
+# Three small protocols, each what one kind of tool needs from a mode and nothing else; a mode's class (its
+# classmethods) satisfies the first two, an instance the third. ``Proxier`` declares all three with defaults, and
+# mypy's override checks hold every backend to them; the tools take these types, not ``type[Proxier]``.
+
+
+class KernelHooks(Protocol):
+    """The kernel, with no instance running: what a mode left, what the kernel holds per service, and removing it
+    all (``kproxy cleanup``, the lab's teardown, the soak's and the conformance suite's kernel checks)."""
+
+    def remnants(self, probe: KernelProbe) -> list[str]: ...
+
+    def kernel_view(self, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None: ...
+
+    def cleanup_leftovers(self, config: ProxyConfig, *, netns: str | None = None) -> None: ...
+
+
+class LabHooks(Protocol):
+    """The lab and the conformance suite: what is impossible for the mode, and a lab node's own places."""
+
+    def not_applicable(self, options: Mapping[str, Any]) -> Mapping[str, str]: ...
+
+    def not_applicable_parts(self, options: Mapping[str, Any]) -> Mapping[str, Mapping[str, str]]: ...
+
+    def lab_options(self, node: LabNodeSpec, options: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def lab_prepare(self, node: LabNodeSpec, options: Mapping[str, Any]) -> None: ...
+
+
+class BenchHooks(Protocol):
+    """``kproxy bench sync``: the kernel's own time for what an instance last wrote."""
+
+    def measure_floor(self, scratch: str) -> float | None: ...
+
+    def measure_partial_floor(self) -> Mapping[str, float] | None: ...
 
 
 # ----------------------------------------------------------------------------------------------- describe()
@@ -443,9 +481,11 @@ class Proxier:
         addresses, as for NodePorts). None when the mode has no packet explainer."""
         return None
 
-    def measure_floor(self) -> float | None:
+    def measure_floor(self, scratch: str) -> float | None:
         """Seconds the kernel alone takes to apply the last *full* sync's exact payload, by the most direct means,
-        into a fresh empty target the backend makes itself (for ``kproxy bench sync``). None if not measurable."""
+        into a fresh empty target (for ``kproxy bench sync``): ``scratch`` is a new, empty network namespace the
+        bench made for it and deletes afterwards (a mode whose state lives outside namespaces, as bpf maps do, makes
+        its fresh target itself). None if not measurable."""
         return None
 
     def measure_partial_floor(self) -> Mapping[str, float] | None:
@@ -461,6 +501,12 @@ class Proxier:
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+# the base satisfies the three hook protocols (mypy checks these lines; overrides are held to the base's signatures)
+_KERNEL_HOOKS: KernelHooks = Proxier
+_LAB_HOOKS: LabHooks = Proxier
+_BENCH_HOOKS: type[BenchHooks] = Proxier
 
 
 def backend_class(mode: str) -> type[Proxier]:

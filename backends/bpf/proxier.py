@@ -515,8 +515,9 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
 
     # -- benchmark floors, metrics, trace --------------------------------------------------------------------------
 
-    def measure_floor(self) -> float | None:
-        """The last full sync's exact map writes into fresh empty maps of the same shape (``kernel.floor_full``)."""
+    def measure_floor(self, scratch: str) -> float | None:
+        """The last full sync's exact map writes into fresh empty maps of the same shape (``kernel.floor_full``):
+        maps live outside namespaces, so ``scratch`` is not needed."""
         if self._last_full is None:
             return None
         fam, steps = self._last_full

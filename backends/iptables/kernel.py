@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import time
-import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -367,19 +366,6 @@ def summarise(stderr: str, text: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the bench's floors
-
-
-def namespace_floor(flavour: str, payloads: Mapping[IPFamily, list[str]]) -> float | None:
-    """Seconds ``iptables-restore`` takes for ``payloads`` into a fresh namespace of its own (``kpb-…``), deleted
-    afterwards; None without ``ip`` or when a payload is refused."""
-    if shutil.which("ip") is None:
-        return None
-    ns = "kpb-" + uuid.uuid4().hex[:10]
-    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
-    try:
-        return timed_restores(Kernel(flavour, ns), payloads, "floor restore")
-    finally:
-        subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True, timeout=30)
 
 
 def unhooked_floor(k: Kernel, payloads: Mapping[IPFamily, list[str]]) -> tuple[float | None, list[IPFamily]]:

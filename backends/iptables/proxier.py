@@ -499,9 +499,9 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _S
 
     # ------------------------------------------------------------------------------------------ bench
 
-    def measure_floor(self) -> float | None:
-        """Seconds ``iptables-restore`` (same flavour, same flags) takes for the last full sync's exact payloads in a
-        fresh namespace of its own, deleted afterwards (``kernel.namespace_floor``)."""
+    def measure_floor(self, scratch: str) -> float | None:
+        """Seconds ``iptables-restore`` (same flavour, same flags) takes for the last full sync's exact payloads in
+        the bench's empty namespace ``scratch``."""
         flavour = self.kernel.flavour
         chunk = _chunk_lines(0) if flavour == "nft" else None
         payloads = {
@@ -521,7 +521,9 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _S
             for fam, w in self._written.items()
             if w.full is not None
         }
-        return kernel.namespace_floor(flavour, payloads) if payloads else None
+        if not payloads:
+            return None
+        return kernel.timed_restores(kernel.Kernel(flavour, scratch), payloads, "floor restore")
 
     def measure_partial_floor(self) -> dict[str, float] | None:
         """Replay the last partial sync's payloads with ``iptables-restore`` (same flavour, same flags) into the table

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from kproxy.model import IPFamily, ServicePortName
 from kproxy.nftkernel import Nft, Result
 from kproxy.toolkit import nft as nft_tools
-from kproxy.toolkit.netns import scratch_netns
 
 from . import adopt as adopt_mod
 from . import layout, render
@@ -108,16 +107,14 @@ def partial_floor(nft: Nft, changes: dict[IPFamily, list[Change]]) -> float | No
     return total
 
 
-def file_floor(texts: list[str]) -> float | None:
-    """Seconds ``nft -f`` takes for ``texts`` (one transaction each) in a fresh namespace of its own
-    (``kpn-floor-…``), deleted afterwards."""
+def file_floor(texts: list[str], ns: str) -> float | None:
+    """Seconds ``nft -f`` takes for ``texts`` (one transaction each) in the empty namespace ``ns``."""
     total = 0.0
-    with scratch_netns("kpn-floor-") as ns:
-        for text in texts:
-            seconds = nft_tools.file_seconds(ns, text)
-            if seconds is None:
-                return None
-            total += seconds
+    for text in texts:
+        seconds = nft_tools.file_seconds(ns, text)
+        if seconds is None:
+            return None
+        total += seconds
     return total
 
 

@@ -317,8 +317,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
             return None
         return {"floor_s": seconds}
 
-    def measure_floor(self) -> float | None:
+    def measure_floor(self, scratch: str) -> float | None:
         """Seconds ``nft -f`` takes for the exact transaction of the last full sync that built the table from
-        nothing, into a fresh namespace of its own, deleted afterwards."""
+        nothing, into the bench's empty namespace ``scratch``."""
         texts = [t for t in self._last_full_text.values() if t]
-        return kernel.file_floor(texts) if texts else None
+        return kernel.file_floor(texts, scratch) if texts else None

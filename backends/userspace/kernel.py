@@ -18,7 +18,7 @@ from typing import Any
 from kproxy.model import IPFamily
 from kproxy.nftkernel import Nft
 from kproxy.toolkit import nft as nft_tools
-from kproxy.toolkit.netns import in_netns, scratch_netns
+from kproxy.toolkit.netns import in_netns
 
 from . import render
 from .ports import bind_seconds
@@ -115,25 +115,24 @@ def own_socket_inodes() -> set[int]:
 # ------------------------------------------------------------------------------------------------------ the floor
 
 
-def floor_seconds(fresh: dict[IPFamily, tuple[str, int, int]]) -> float | None:
+def floor_seconds(fresh: dict[IPFamily, tuple[str, int, int]], ns: str) -> float | None:
     """What the kernel alone takes for the last full syncs that built the table from nothing (per family: the
     transaction's text, its TCP and UDP sockets): ``nft -f`` of the exact transaction plus binding (and for TCP
-    listening on) as many sockets, in a fresh namespace of its own (``kpu-floor-…``), deleted afterwards."""
+    listening on) as many sockets, in the empty namespace ``ns``."""
     work = {fam: v for fam, v in fresh.items() if v[0]}
     if not work:
         return None
     total = 0.0
-    with scratch_netns("kpu-floor-") as ns:
-        for fam, (text, tcp_n, udp_n) in work.items():
-            seconds = nft_tools.file_seconds(ns, text)
-            if seconds is None:
-                return None
-            try:
-                bound = in_netns(ns, functools.partial(bind_seconds, fam, tcp_n, udp_n), timeout=600, name="kpu-floor")
-            except (OSError, TimeoutError) as exc:
-                log.warning("floor: binding sockets in %s failed: %s", ns, exc)
-                return None
-            if bound is None:
-                return None
-            total += seconds + bound
+    for fam, (text, tcp_n, udp_n) in work.items():
+        seconds = nft_tools.file_seconds(ns, text)
+        if seconds is None:
+            return None
+        try:
+            bound = in_netns(ns, functools.partial(bind_seconds, fam, tcp_n, udp_n), timeout=600, name="kpu-floor")
+        except (OSError, TimeoutError) as exc:
+            log.warning("floor: binding sockets in %s failed: %s", ns, exc)
+            return None
+        if bound is None:
+            return None
+        total += seconds + bound
     return total

@@ -595,6 +595,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
 
     # ------------------------------------------------------------------------------------------ bench
 
-    def measure_floor(self) -> float | None:
-        """What the kernel alone takes for the last full sync that built the table from nothing (``kernel``)."""
-        return floor_seconds(dict(self._last_full))
+    def measure_floor(self, scratch: str) -> float | None:
+        """What the kernel alone takes for the last full sync that built the table from nothing, in the bench's
+        empty namespace ``scratch`` (``kernel.floor_seconds``)."""
+        return floor_seconds(dict(self._last_full), scratch)

@@ -14,13 +14,16 @@ import logging
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kproxy.conformance.context import Context
 from kproxy.conformance.registry import Scenario
 from kproxy.conformance.report import FAIL, NOT_APPLICABLE, PASS, Report, Result
 from kproxy.conformance.scenarios import BY_ID, SCENARIOS
 from kproxy.conformance.values import HEALTHZ_PORT, Addresses, NotApplicable, NotApplicableHere, ScenarioFailure
+
+if TYPE_CHECKING:
+    from kproxy.proxier import LabHooks
 
 log = logging.getLogger("kproxy.conformance")
 
@@ -64,12 +67,11 @@ def requested_modes(spec: str, installed: Sequence[str]) -> list[str]:
     return modes
 
 
-def declared_not_applicable(cls: Any, options: Mapping[str, Any]) -> dict[str, str]:
+def declared_not_applicable(cls: LabHooks, options: Mapping[str, Any]) -> dict[str, str]:
     """The mode's own ``not_applicable(options)`` (scenario id -> reason). A key that is no scenario id is a
     ConformanceError: a typo there would otherwise leave the scenario it meant running (and failing) unnoticed, or
     name one that no longer exists."""
-    declared = cls.not_applicable
-    found = dict(declared(options) if callable(declared) else declared)
+    found = dict(cls.not_applicable(options))
     unknown = sorted(set(found) - set(BY_ID))
     if unknown:
         raise ConformanceError(
@@ -79,12 +81,11 @@ def declared_not_applicable(cls: Any, options: Mapping[str, Any]) -> dict[str, s
     return found
 
 
-def declared_not_applicable_parts(cls: Any, options: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+def declared_not_applicable_parts(cls: LabHooks, options: Mapping[str, Any]) -> dict[str, dict[str, str]]:
     """The mode's own ``not_applicable_parts(options)`` (scenario id -> part -> reason). A scenario id that does not
     exist, or a part that is not one of the scenario's own (``Scenario.parts``), is a ConformanceError: a typo would
     otherwise leave the part it meant running, or declare away nothing."""
-    declared = getattr(cls, "not_applicable_parts", None)
-    found = {sid: dict(parts) for sid, parts in (dict(declared(options)) if callable(declared) else {}).items()}
+    found = {sid: dict(parts) for sid, parts in cls.not_applicable_parts(options).items()}
     wrong = [sid for sid in found if sid not in BY_ID]
     wrong += [
         f"{sid}/{part}"

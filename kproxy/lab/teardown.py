@@ -18,7 +18,7 @@ from kproxy.config import ProxyConfig
 from kproxy.lab import netns
 from kproxy.lab.plan import LabError, is_lab_namespace
 from kproxy.lab.state import CGROUP_MOUNT, STATE_ROOT, locked, read_pidfile, reap_live
-from kproxy.proxier import BackendError, Proxier, backend_class
+from kproxy.proxier import BackendError, KernelHooks, Proxier, backend_class
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +35,11 @@ def cleanup_node(ns: str, record: Mapping[str, Any]) -> None:
     """Remove what a node's kproxy left outside the node's namespace (pins, cgroup attachments: bpffs and cgroups are
     shared by the machine), with the options the node ran with; the namespace's own rules go with the namespace."""
     mode = str(record.get("mode") or "")
-    cls = installed_backend(mode) if mode else None
-    if cls is None:
+    hooks: KernelHooks | None = installed_backend(mode) if mode else None
+    if hooks is None:
         return
     try:
-        cls.cleanup_leftovers(ProxyConfig(mode=mode, backend_options=dict(record.get("options") or {})), netns=ns)
+        hooks.cleanup_leftovers(ProxyConfig(mode=mode, backend_options=dict(record.get("options") or {})), netns=ns)
     except Exception as exc:  # best effort: the namespace goes anyway
         log.warning("lab down: cleaning up %s of %s failed: %s", mode, ns, exc)
 

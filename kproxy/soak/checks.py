@@ -20,7 +20,7 @@ from kproxy.lab.cluster import Lab
 from kproxy.lab.plan import LabNode
 from kproxy.lab.state import module_env, stdlib_module_argv
 from kproxy.model import IPFamily
-from kproxy.proxier import LocalProbe, Proxier
+from kproxy.proxier import KernelHooks, LocalProbe
 from kproxy.soak.api import Api, NodeCheck, SoakError, ns_get
 from kproxy.soak.churn import ANCHOR, NAMESPACE
 from kproxy.soak.expect import differences, expected_services
@@ -33,7 +33,7 @@ MAX_ABSENT = 4  # removed services' former addresses tried per checkpoint (each 
 class Checks:
     """The checks of one soak run; :meth:`attach` gives them the lab and its API once they are up."""
 
-    def __init__(self, cls: type[Proxier], mode: str, sample: int, verify: bool, problems: list[str]) -> None:
+    def __init__(self, cls: KernelHooks, mode: str, sample: int, verify: bool, problems: list[str]) -> None:
         self.cls, self.mode, self.sample = cls, mode, sample
         self.lab: Lab | None = None
         self.api: Api | None = None

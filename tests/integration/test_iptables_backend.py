@@ -404,7 +404,8 @@ def test_kernel_rejected_service_is_skipped(netns: str, flavour: str, monkeypatc
     assert render.service_chain(A) in chains(v4) and "198.19.0.9" not in v4
     assert render.service_chain(BAD) not in chains(v4)
     assert p.describe(BAD)["services"]["ns1/bad:http/TCP"]["IPv4"]["failed"]
-    assert p.measure_floor() is not None  # the payloads kept for the floor are those that applied
+    with scratch_netns("kpt-ipf-") as scratch:
+        assert p.measure_floor(scratch) is not None  # the payloads kept for the floor are those that applied
     # a partial sync touching it again reports it again and applies the rest
     a2 = dataclasses.replace(SP_A, cluster_endpoints=(ep("198.18.1.1"),))
     res = p.sync(state(a2, SP_B, sp_bad, SP_C6), Changes(full=False, services=frozenset({A, BAD})))
@@ -423,7 +424,8 @@ def test_flavour_detection_and_floor(netns: str) -> None:
     p = proxier(netns, "legacy")
     assert p.sync(state(SP_A, SP_B), Changes(full=True)).ok
     assert detect_flavour(netns) == "legacy"  # legacy tables hold KUBE-* chains
-    floor = p.measure_floor()
+    with scratch_netns("kpt-ipf-") as scratch:
+        floor = p.measure_floor(scratch)
     assert floor is not None and 0 < floor < 30
     auto = IptablesProxier(ProxyConfig(cluster_cidrs=("198.18.0.0/16",)), netns=netns)
     assert auto.kernel.flavour == "legacy"
