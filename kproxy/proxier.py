@@ -347,6 +347,9 @@ class Proxier:
     #: counts at all, packets and bytes where they cost no per-packet work the mode would not otherwise do); empty:
     #: the mode has no counters yet. The metrics, ``kproxy top`` and the docs show the rest as n/a.
     counters_offered: ClassVar[frozenset[Measure]] = frozenset()
+    #: The mode's ``KernelHooks`` (its ``cleanup`` module: ``remnants``, ``kernel_view``, ``cleanup_leftovers``), which
+    #: the classmethods of the same names call; None: the mode implements them itself.
+    kernel_hooks: ClassVar[KernelHooks | None] = None
 
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
         """``netns`` aims the backend at a named network namespace (tests and benchmarks); the daemon leaves it None
@@ -406,7 +409,9 @@ class Proxier:
     def remnants(cls, probe: KernelProbe) -> list[str]:
         """What this mode left in the kernel the probe looks at, one line per object ([] when nothing). A tool that
         fails raises (BackendError): "nothing left" must never stand for "could not look"."""
-        raise NotImplementedError(f"{cls.__name__} must implement the classmethod 'remnants'")
+        if cls.kernel_hooks is None:
+            raise NotImplementedError(f"{cls.__name__} must set 'kernel_hooks' or implement 'remnants'")
+        return cls.kernel_hooks.remnants(probe)
 
     @classmethod
     def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
@@ -414,12 +419,14 @@ class Proxier:
         that carry it, with counters where the kernel keeps them), read from the kernel and never from kproxy's
         memory: conformance checks that "an IPv6 change never rewrote IPv4 rules" or "an ignored service has no
         rules" with it. None when the mode has no such view."""
-        return None
+        return cls.kernel_hooks.kernel_view(probe, family) if cls.kernel_hooks is not None else None
 
     @classmethod
     def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
         """Remove everything this mode ever wrote on this node (or in ``netns``); no running instance needed."""
-        raise NotImplementedError(f"{cls.__name__} must implement the classmethod 'cleanup_leftovers'")
+        if cls.kernel_hooks is None:
+            raise NotImplementedError(f"{cls.__name__} must set 'kernel_hooks' or implement 'cleanup_leftovers'")
+        cls.kernel_hooks.cleanup_leftovers(config, netns=netns)
 
     # -- the instance ----------------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+from kproxy.config import ProxyConfig
 from kproxy.model import IPFamily
 from kproxy.proxier import BackendError, KernelProbe
 
@@ -112,10 +113,10 @@ def _probe_netns(probe: KernelProbe) -> str | None:
     return str(ns) if ns else None
 
 
-def cleanup(options: Mapping[str, Any], netns: str | None) -> None:
+def cleanup_leftovers(config: ProxyConfig, *, netns: str | None = None) -> None:
     """Detach kproxy's programs, remove its pins and default cgroup, delete the companion tables."""
     errors = []
-    for p in _places_for(options, netns):
+    for p in _places_for(config.backend_options, netns):
         try:
             loader.check_places(p)
         except ValueError as exc:

@@ -35,7 +35,7 @@ from kproxy.config import ProxyConfig
 from kproxy.drift import Drift
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext
-from kproxy.proxier import Availability, KernelProbe, LabNodeSpec, Option
+from kproxy.proxier import Availability, KernelHooks, LabNodeSpec, Option
 
 from . import adopt, cleanup, companion, kernel, loader, maps, plan, render, sockets, trace
 from .adopt import Adopted
@@ -67,6 +67,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
     """The bpf mode (see ``backends/bpf/__init__.py``)."""
 
     mode: ClassVar[str] = "bpf"
+    kernel_hooks: ClassVar[KernelHooks | None] = cleanup  # remnants, kernel_view, cleanup_leftovers
     CHECK_INTERVAL_S: ClassVar[float | None] = NEEDS_FULL_CHECK_S
     # the companion table announces its changes; pins, attachments and map identities are polled (``needs_full``)
     DRIFT: ClassVar[Drift | None] = Drift(frozenset({companion.TABLE}), poll_s=0.3)
@@ -193,18 +194,6 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         the machine's bpffs through a bind of it outside /sys (``loader.ensure_host_bind``; ``cleanup`` undoes it
         with the last pins)."""
         loader.ensure_host_bind()
-
-    @classmethod
-    def remnants(cls, probe: KernelProbe) -> list[str]:
-        return cleanup.remnants(probe)
-
-    @classmethod
-    def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
-        return cleanup.kernel_view(probe, family)
-
-    @classmethod
-    def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
-        cleanup.cleanup(config.backend_options, netns)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ import re
 import shlex
 import shutil
 
+from kproxy.config import ProxyConfig
 from kproxy.model import IPFamily
 from kproxy.proxier import BackendError, KernelProbe
 
@@ -192,7 +193,7 @@ def cleanup_kernel(kernel: Kernel, families: tuple[IPFamily, ...] = (IPFamily.V4
     return errors
 
 
-def cleanup_leftovers(netns: str | None = None) -> None:
+def cleanup_leftovers(config: ProxyConfig, *, netns: str | None = None) -> None:
     """Remove every chain and jump of this mode in both flavours, both families, all tables (no proxier needed).
 
     Logs and swallows errors, as upstream's ``CleanupLeftovers`` does: a leftover must never stop a start-up."""

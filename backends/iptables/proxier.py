@@ -37,7 +37,7 @@ from kproxy.drift import Drift
 from kproxy.metrics import PREFIX
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext
-from kproxy.proxier import Availability, KernelProbe, Option
+from kproxy.proxier import Availability, KernelHooks, Option
 from kproxy.toolkit.trace import traced
 
 from . import adopt, kernel, render
@@ -113,6 +113,7 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _S
     """Upstream kube-proxy's iptables layout, applied through iptables-restore (nf_tables or legacy flavour)."""
 
     mode: ClassVar[str] = "iptables"
+    kernel_hooks: ClassVar[KernelHooks | None] = cleanup_mod  # remnants, kernel_view, cleanup_leftovers
     CHECK_INTERVAL_S: ClassVar[float | None] = None  # the canary, once per sync period (as upstream)
     # iptables-nft's tables announce their changes (shared tables: the KUBE- chains are this mode's)
     DRIFT: ClassVar[Drift | None] = Drift(frozenset(TABLES), chains=("KUBE-",))
@@ -155,19 +156,6 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _S
             if proc.returncode != 0:
                 return Availability(False, f"{name} --version failed: {proc.stderr.strip() or proc.stdout.strip()}")
         return Availability(True)
-
-    @classmethod
-    def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
-        """Every chain and jump of this mode, both flavours, both families (``cleanup.cleanup_leftovers``)."""
-        cleanup_mod.cleanup_leftovers(netns)
-
-    @classmethod
-    def remnants(cls, probe: KernelProbe) -> list[str]:
-        return cleanup_mod.remnants(probe)
-
-    @classmethod
-    def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
-        return cleanup_mod.kernel_view(probe, family)
 
     def register_metrics(self, registry: Any, families: Sequence[IPFamily]) -> None:
         """Upstream's iptables-mode metrics (``pkg/proxy/metrics``: registered for this mode only)."""

@@ -9,6 +9,7 @@ means nothing without the table. The per-service view names each element by the 
 
 from __future__ import annotations
 
+from kproxy.config import ProxyConfig
 from kproxy.model import IPFamily
 from kproxy.proxier import KernelProbe
 from kproxy.toolkit import nft as nft_tools
@@ -39,6 +40,7 @@ def kernel_view(probe: KernelProbe, family: IPFamily) -> dict[str, list[str]]:
     return out
 
 
-def cleanup_tables(netns: str | None = None) -> list[str]:
-    """Delete kproxy's table in both families if present; the errors, logged (empty: clean)."""
-    return nft_tools.delete_tables(netns, layout.TABLE)
+def cleanup_leftovers(config: ProxyConfig, *, netns: str | None = None) -> None:
+    """Delete kproxy's tables (``ip kproxy``, ``ip6 kproxy``) and nothing else; errors are logged, never raised (a
+    leftover must not stop another mode from starting)."""
+    nft_tools.delete_tables(netns, layout.TABLE)

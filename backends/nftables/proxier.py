@@ -30,7 +30,7 @@ from kproxy.metrics import PREFIX
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nftkernel import Nft, available
 from kproxy.nodeaddr import FamilyContext
-from kproxy.proxier import Availability, KernelProbe
+from kproxy.proxier import Availability, KernelHooks
 from kproxy.toolkit import nft as nft_tools
 from kproxy.toolkit.trace import traced
 from kproxy.toolkit.verify import Findings
@@ -53,6 +53,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
     """kproxy's nftables layout (see the package docstring), applied through libnftables in-process."""
 
     mode: ClassVar[str] = "nftables"
+    kernel_hooks: ClassVar[KernelHooks | None] = cleanup_mod  # remnants, kernel_view, cleanup_leftovers
     CHECK_INTERVAL_S: ClassVar[float | None] = CHECK_INTERVAL
     DRIFT: ClassVar[Drift | None] = Drift(frozenset({layout.TABLE}))  # its table announces every change
     uses_conntrack_nat: ClassVar[bool] = True
@@ -76,20 +77,6 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
     def available(cls) -> Availability:
         why = available()
         return Availability(why is None, why or "")
-
-    @classmethod
-    def remnants(cls, probe: KernelProbe) -> list[str]:
-        return cleanup_mod.remnants(probe)
-
-    @classmethod
-    def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
-        return cleanup_mod.kernel_view(probe, family)
-
-    @classmethod
-    def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
-        """Delete kproxy's tables (``ip kproxy``, ``ip6 kproxy``) and nothing else; errors are logged, never raised
-        (a leftover must not stop another mode from starting)."""
-        cleanup_mod.cleanup_tables(netns)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 

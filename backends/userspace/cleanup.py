@@ -8,6 +8,7 @@ each carries as its comment.
 
 from __future__ import annotations
 
+from kproxy.config import ProxyConfig
 from kproxy.model import IPFamily
 from kproxy.proxier import KernelProbe
 from kproxy.toolkit import nft as nft_tools
@@ -29,7 +30,7 @@ def kernel_view(probe: KernelProbe, family: IPFamily) -> dict[str, list[str]]:
     return out
 
 
-def delete_tables(netns: str | None = None) -> list[str]:
-    """Delete this mode's tables in both families, nothing else; the errors, logged, never raised (a leftover must
+def cleanup_leftovers(config: ProxyConfig, *, netns: str | None = None) -> None:
+    """Delete this mode's tables in both families, nothing else; errors are logged, never raised (a leftover must
     not stop another mode from starting)."""
-    return nft_tools.delete_tables(netns, render.TABLE, worker=False)
+    nft_tools.delete_tables(netns, render.TABLE, worker=False)

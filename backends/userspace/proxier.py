@@ -35,7 +35,7 @@ from kproxy.drift import Drift
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Verdict
 from kproxy.nftkernel import Nft, available
 from kproxy.nodeaddr import FamilyContext
-from kproxy.proxier import Availability, KernelProbe, Option
+from kproxy.proxier import Availability, KernelHooks, Option
 from kproxy.relay.datapath import Engine, ListenerSpec
 from kproxy.relay.dump import dump as dump_counters
 from kproxy.relay.udp import Duration
@@ -91,6 +91,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
     docstring)."""
 
     mode: ClassVar[str] = "userspace"
+    kernel_hooks: ClassVar[KernelHooks | None] = cleanup  # remnants, kernel_view, cleanup_leftovers
     CHECK_INTERVAL_S: ClassVar[float | None] = CHECK_INTERVAL
     DRIFT: ClassVar[Drift | None] = Drift(frozenset({render.TABLE}))  # the redirect table announces its changes
     #: redirects are NAT through conntrack: stale UDP entries are reconciled, answered by the node's proxy ports
@@ -172,21 +173,6 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
                 "mode-switch": MappingProxyType({"held-connections": own, "while-down": down}),
             }
         )
-
-    @classmethod
-    def remnants(cls, probe: KernelProbe) -> list[str]:
-        """This mode's tables. Its proxy sockets are the process's own: they close when it exits."""
-        return cleanup.remnants(probe)
-
-    @classmethod
-    def kernel_view(cls, probe: KernelProbe, family: IPFamily) -> dict[str, list[str]] | None:
-        return cleanup.kernel_view(probe, family)
-
-    @classmethod
-    def cleanup_leftovers(cls, config: ProxyConfig, *, netns: str | None = None) -> None:
-        """Delete this mode's tables (``ip``/``ip6 kproxy-userspace``) and nothing else; errors are logged, never
-        raised (a leftover must not stop another mode from starting)."""
-        cleanup.delete_tables(netns)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 

@@ -37,6 +37,7 @@ def bpf_place(
     pin = Path(f"/sys/fs/bpf/{prefix}{tag}")
     opts = {"bpf_cgroup_path": str(cg), "bpf_pin_path": str(pin)}
     from kproxy.backends.bpf import cleanup
+    from kproxy.config import ProxyConfig
 
     try:
         with scratch_netns(prefix, lo_up=True) as ns:
@@ -48,7 +49,7 @@ def bpf_place(
                 yield ns, opts
             finally:
                 try:
-                    cleanup.cleanup(opts, ns)
+                    cleanup.cleanup_leftovers(ProxyConfig(backend_options=opts), netns=ns)
                 finally:
                     cleanup.remove_tree(pin)
                     cleanup._record_path(ns).unlink(missing_ok=True)

@@ -394,7 +394,7 @@ def test_a_changed_cgroup_leaves_no_programs_on_the_old_one(place: tuple[str, di
         assert [x["cgroup"] for x in doc["places"]] == [str(new_cg), str(old_cg)]
     finally:
         second.close()
-    cleanup.cleanup({}, ns)
+    cleanup.cleanup_leftovers(ProxyConfig(), netns=ns)
     assert loader.ours(loader.attached(new_cg)) == []
     assert not Path(opts["bpf_pin_path"]).exists()
     assert not cleanup._record_path(ns).exists()
@@ -421,7 +421,7 @@ def test_a_record_of_another_namespace_with_the_same_inode_is_left_alone(place: 
     doc.update(doc["places"][0])
     path.write_text(json.dumps(doc))
     assert BpfProxier.remnants(LocalProbe(ns, MappingProxyType({}))) == []
-    cleanup.cleanup({}, ns)
+    cleanup.cleanup_leftovers(ProxyConfig(), netns=ns)
     cg = Path(opts["bpf_cgroup_path"])
     assert len(loader.ours(loader.attached(cg))) == 8
     assert (Path(opts["bpf_pin_path"]) / maps.pin_name("svc", IPFamily.V4)).exists()

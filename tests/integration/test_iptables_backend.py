@@ -376,8 +376,8 @@ def test_cleanup_leaves_nothing_of_ours(netns: str, flavour: str) -> None:
     # the module-level function works with no proxier, on both flavours, and is idempotent
     assert p.sync(state(SP_A, SP_LOCAL), Changes(full=True)).ok
     assert cleanup.remnants(LocalProbe(netns))
-    cleanup_leftovers(netns)
-    cleanup_leftovers(netns)
+    cleanup_leftovers(ProxyConfig(), netns=netns)
+    cleanup_leftovers(ProxyConfig(), netns=netns)
     assert cleanup.remnants(LocalProbe(netns)) == []
 
 
