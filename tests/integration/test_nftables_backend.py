@@ -219,9 +219,9 @@ def test_real_packets_dnat_and_reject(netns: str) -> None:
             assert "198.19.0.1 . tcp . 80 counter packets 1 " in nft_list(
                 netns, "list", "map", "ip", "kproxy", "service-ips"
             )
-            t0 = time.monotonic()
+            # an ICMP reject: refused at once (a drop would end in the client's 2 s timeout, "TimeoutError"); the
+            # interpreter's start in the namespace is not timed
             assert _connect(client, "198.19.0.2", 80) == "ConnectionRefusedError"
-            assert time.monotonic() - t0 < 2
             tr = p.trace("198.18.0.2", "tcp", "198.19.0.1", 80)
             assert tr["outcomes"][0]["verdict"] == "DNAT 198.18.9.1:8080"
             assert tr["outcomes"][0]["masquerade"]  # 198.18.0.2 is outside --cluster-cidr 198.18.64.0/18
