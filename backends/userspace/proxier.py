@@ -129,6 +129,10 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
         self.engine.on_dead = lambda ident: self.request_full(ident[0])  # a full sync binds a new socket
         self._started = False
         self.bound: dict[Ident, int] = {}  # every proxy socket the data path holds, and its port
+        # the same sockets' roles by (family, service port), and their count per family: a partial batch looks up
+        # its services' sockets instead of walking every one (``_put``/``_take`` keep all three together)
+        self._roles: dict[tuple[IPFamily, ServicePortName], set[str]] = {}
+        self._sockets: dict[IPFamily, int] = dict.fromkeys(self.families, 0)
         self._warned: set[ServicePortName] = set()  # unsupported services already logged
         self._written: dict[IPFamily, dict[ServicePortName, Elements]] = {f: {} for f in self.families}
         self._known: dict[IPFamily, bool] = {f: False for f in self.families}
@@ -194,6 +198,8 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
         for key in [k for k, ref in _HOLDERS.items() if ref() is self]:
             del _HOLDERS[key]
         self.bound.clear()
+        self._roles.clear()
+        self._sockets = dict.fromkeys(self.families, 0)
         self.pool.used.clear()
 
     def close(self) -> None:
@@ -378,7 +384,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
         sock: socket.socket | None = self.engine.run(lambda: self.engine.detach(ident))
         if sock is None:
             return None
-        del self.bound[ident]
+        self._take(ident)
         af = socket_family(fam)
         self.pool.release(af, proto, port)
         _HOLDERS.pop((self.netns, af, proto, port), None)
@@ -457,7 +463,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
                 )
         self._hand_to_data_path(fam, batch.full, targets, bound)
         self._record(fam, batch.full, targets, want, tx.text() if fresh else "")
-        figures["proxy_sockets"] = sum(1 for i in self.bound if i[0] == fam)
+        figures["proxy_sockets"] = self._sockets[fam]
         self._counts[fam] = figures
         return Applied(
             ok=True,
@@ -533,12 +539,16 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
                 wanted.add(ident)
                 sock = bound.new.get(ident, (None, 0))[0]
                 specs.append(ListenerSpec(ident, frag.proto, sock, lst.endpoints, float(lst.affinity)))
-        remove = [i for i in self.bound if i[0] == fam and i not in wanted and (full or i[1] in targets)]
+        if full:
+            held: Iterable[Ident] = [i for i in self.bound if i[0] == fam]
+        else:  # only the batch's services' sockets: O(changes)
+            held = [(fam, spn, role) for spn in targets for role in self._roles.get((fam, spn), ())]
+        remove = [i for i in held if i not in wanted]
         self.engine.update(specs, [])
         self._forget(remove)
         af = socket_family(fam)
         for ident, (_, port) in bound.new.items():
-            self.bound[ident] = port
+            self._put(ident, port)
             _HOLDERS[(self.netns, af, ident[1].protocol.lowercase, port)] = weakref.ref(self)
 
     def _record(
@@ -564,6 +574,21 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
                     self._written[fam].pop(spn, None)
         self._known[fam] = True
 
+    def _put(self, ident: Ident, port: int) -> None:
+        if ident not in self.bound:
+            self._sockets[ident[0]] += 1
+            self._roles.setdefault((ident[0], ident[1]), set()).add(ident[2])
+        self.bound[ident] = port
+
+    def _take(self, ident: Ident) -> int:
+        port = self.bound.pop(ident)
+        self._sockets[ident[0]] -= 1
+        roles = self._roles[(ident[0], ident[1])]
+        roles.discard(ident[2])
+        if not roles:
+            del self._roles[(ident[0], ident[1])]
+        return port
+
     def _forget(self, idents: Iterable[Ident]) -> None:
         """Close these listeners (the loop lets go of them) and free their ports."""
         idents = list(idents)
@@ -571,7 +596,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
             return
         self.engine.update([], idents)
         for ident in idents:
-            port = self.bound.pop(ident)
+            port = self._take(ident)
             af = socket_family(ident[0])
             proto = ident[1].protocol.lowercase
             self.pool.release(af, proto, port)
