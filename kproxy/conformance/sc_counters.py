@@ -39,7 +39,7 @@ from typing import Any
 from kproxy.conformance.context import Context
 from kproxy.conformance.registry import scenario
 from kproxy.conformance.steps import START_WAIT, cip, start_kproxy, started_and_synced, two_nodes, wait_reach
-from kproxy.conformance.values import METRICS_PORT, Probe
+from kproxy.conformance.values import METRICS_PORT, Probe, answer_pod
 from kproxy.counters import Measure, Scrape, parse, service_key
 from kproxy.fairness import fairness
 
@@ -74,7 +74,7 @@ def sent_from(what: str, key: str, probes: Sequence[Probe], endpoint_of: dict[st
     payload = 0
     for pr in probes:
         for r in pr.ok:
-            answered[endpoint_of[str(r.pod)]] += 1
+            answered[endpoint_of[answer_pod(r)]] += 1
             payload += len(PAYLOAD) + 1 + len(str(r.reply)) + 1  # the request line and the answer line
     return Sent(what, key, {ep: answered.get(ep, 0) for ep in endpoint_of.values()}, payload)
 

@@ -4,14 +4,23 @@ renders (``kproxy.counters.CounterCollector``, parsed by ``kproxy.counters.parse
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import collections
+import json
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
 
 from kproxy.conformance import sc_counters
+from kproxy.conformance.context import Context
 from kproxy.conformance.sc_counters import Sent, counted_problems, sent_from, split_note
-from kproxy.conformance.values import Probe
+from kproxy.conformance.values import Addresses, Probe, ScenarioFailure
 from kproxy.counters import CounterCollector, CounterDump, Counts, Measure, PortCounters, Scrape, parse, service_key
 from kproxy.lab.probe import ProbeResult
 from kproxy.model import IPFamily, Protocol, ServicePortName
+
+from .test_conformance_judge import Api, Clock, R, ScriptedLab, ans, err
 
 NS = "conf-counters"
 TCP = ServicePortName(NS, "counted", "tcp", Protocol.TCP)
@@ -112,3 +121,114 @@ def test_the_scenario_declares_its_udp_part() -> None:
 
     assert BY_ID["counters"].parts == frozenset({sc_counters.UDP_PART})
     assert BY_ID["counters"].run is sc_counters.counters
+
+
+# -- the whole scenario on a scripted lab: a node that counts what it translates, serving a stale read ------------
+
+
+class CountingLab(ScriptedLab):
+    """The judge's scripted lab with a node-1 kproxy that can be restarted with ``--service-counters``: every probe
+    to a ClusterIP is answered by the service's endpoints in turn and, with counting on, counted for the endpoint
+    that answered (``miscount``: the n-th TCP connection counted for another endpoint, a broken mode). ``/metrics``
+    is rendered by kproxy's own collector from the *previous* read, as a mode read in the background serves it."""
+
+    def __init__(self, clock: Clock, api: Api, miscount: int = 0) -> None:
+        super().__init__(clock, lambda *a: err("timeout"))
+        self.api, self.miscount = api, miscount
+        self.counting = False
+        self.starts: list[list[str]] = []
+        self.counts: dict[tuple[str, str, str], collections.Counter[str]] = {}
+        self.tcp_seen = 0
+        self.udp_ports: list[int] = []
+        self._last = ""  # the read a scrape serves: the one before it
+        self.responder = self.respond
+
+    def stop_kproxy(self, node: Any) -> None:
+        self.counting = False
+
+    def start_kproxy(self, node: Any, mode: str, extra_args: Sequence[str] = ()) -> None:
+        self.starts.append(list(extra_args))
+        self.counting = "--service-counters" in extra_args
+        self._last = self.exposition()
+
+    def wait_kproxy(self, node: Any, timeout: float = 30.0) -> None:
+        return None
+
+    def respond(self, lab: ScriptedLab, ns: str, kind: str, host: str, port: int, kw: dict[str, Any]) -> R:
+        svc = next(
+            (o for (k, _), o in self.api.objects.items() if k == "Service" and o["spec"]["clusterIP"] == host), None
+        )
+        if svc is None:
+            return err("timeout")
+        name = svc["metadata"]["name"]
+        pods = self.api.endpoints_at(name, self.clock.now, 0.0)
+        if not pods:
+            return err("refused")
+        proto = kind.upper()
+        if proto == "UDP" and name == "counted" and kw.get("src_port"):
+            self.udp_ports.append(kw["src_port"])
+        tally = self.counts.setdefault(
+            (name, next(p["name"] for p in svc["spec"]["ports"] if p.get("protocol", "TCP") == proto), proto),
+            collections.Counter(),
+        )
+        pod = pods[sum(tally.values()) % len(pods)]
+        if self.counting:
+            counted = pod
+            if proto == "TCP" and name == "counted":
+                self.tcp_seen += 1
+                if self.tcp_seen == self.miscount:
+                    counted = pods[(pods.index(pod) + 1) % len(pods)]
+            tally[counted] += 1
+        return ans(pod)
+
+    def exposition(self) -> str:
+        pods = {p.name: p for p in self.pods}
+        source = Source(frozenset({Measure.CONNECTIONS}) if self.counting else frozenset())
+        for (name, port, proto), tally in self.counts.items():
+            slice_pods = self.api.endpoints_at(name, self.clock.now, 0.0)
+            per_ep = {f"{pods[p].ip4}:8080": Counts(tally.get(p, 0)) for p in slice_pods}
+            source.ports[ServicePortName(NS, name, port, Protocol(proto))] = PortCounters.of(per_ep)
+        return CounterCollector(source, [IPFamily.V4]).exposition().decode()
+
+    def probe_http(self, ns: str, url: str, timeout: float = 1.0) -> Any:
+        if url.endswith("/metrics"):
+            served, self._last = self._last, self.exposition()
+            return SimpleNamespace(status=200, body=served, error="")
+        if "/rules" in url:
+            return SimpleNamespace(status=200, body=json.dumps({"sync": {"syncs": 1}}), error="")
+        return SimpleNamespace(status=200, body="{}", error="")
+
+
+def counters_ctx(miscount: int = 0) -> tuple[Context, CountingLab]:
+    clock = Clock()
+    api = Api(clock)
+    lab = CountingLab(clock, api, miscount)
+    return Context(lab, "fake", "counters", Addresses(), 180, clock=clock, sleep=clock.sleep, api=(api, api)), lab
+
+
+def test_the_scenario_passes_a_node_that_counts_what_it_translated() -> None:
+    ctx, lab = counters_ctx()
+    sc_counters.counters(ctx)
+    # restarted with the counters, then as the session runs it
+    assert lab.starts == [["--service-counters"], []] and not lab.counting
+    assert ctx.notes and ctx.notes[0].startswith("60 TCP connections counted exactly (198.18.66.10:8080:20 ")
+    assert "30 UDP flows counted exactly" in ctx.notes[0]
+    # each UDP flow from a source port of its own
+    assert len(lab.udp_ports) == sc_counters.UDP_FLOWS == len(set(lab.udp_ports))
+
+
+def test_the_scenario_fails_one_connection_counted_for_another_endpoint_and_restores_kproxy() -> None:
+    ctx, lab = counters_ctx(miscount=7)
+    with pytest.raises(ScenarioFailure) as failed:
+        sc_counters.counters(ctx)
+    text = str(failed.value)
+    assert "grew by 21, not 20" in text and "grew by 19, not 20" in text and "still so after 30.0 s" in text
+    assert lab.starts == [["--service-counters"], []] and not lab.counting  # restored on the way out
+
+
+def test_the_scenario_fails_a_mode_that_offers_no_counters() -> None:
+    ctx, lab = counters_ctx()
+    lab.start_kproxy = lambda node, mode, extra_args=(): lab.starts.append(list(extra_args))  # type: ignore[method-assign]
+    with pytest.raises(ScenarioFailure, match="does not count connections with --service-counters"):
+        sc_counters.counters(ctx)
+    assert lab.starts == [["--service-counters"], []]
