@@ -119,7 +119,11 @@ class FairnessLab:
             raise FairnessError(f"a lab with prefix {self.prefix!r} is running: take it down first")
         self.progress(f"fairness: lab up ({self.prefix}: 2 nodes, {ENDPOINTS} pods each)")
         self.lab = Lab.up(nodes=2, pods_per_node=ENDPOINTS, mode=None, ipv6=False, prefix=self.prefix, timeout=120)
-        ApiWriter(self.lab.api_url).create_all(service_objects(self.servers))
+        try:
+            ApiWriter(self.lab.api_url).create_all(service_objects(self.servers))
+        except BaseException:
+            Lab.down(prefix=self.prefix)  # __exit__ does not run when __enter__ fails
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
