@@ -311,6 +311,7 @@ def _fairness_steps(
                 display.say(f"fairness: {mode}, {n} connections over {ENDPOINTS} endpoints")
                 try:
                     entry = lab.measure(mode, n)
+                    entry["command"] = "kproxy " + shlex.join(_fairness_argv(mode, args))
                 except (FairnessError, RuntimeError, OSError) as exc:  # LabError is a RuntimeError
                     entry = {"mode": mode, "connections": n, "fairness": None, "error": str(exc)[:2000]}
                 runs.append(entry)
@@ -319,6 +320,12 @@ def _fairness_steps(
     except (FairnessError, RuntimeError, OSError) as exc:  # the lab itself: a finding, the sync benchmark still runs
         results["notes"].append(f"fairness: not measured: {str(exc)[:2000]}")
         display.say("", len(modes) - len(runs))
+
+
+def _fairness_argv(mode: str, args: argparse.Namespace) -> list[str]:
+    """The comparison that measures ``mode``'s fairness burst alone."""
+    argv = ["compare", "--modes", mode, "--no-sync", "--no-datapath", "--no-reference"]
+    return [*argv, "--fairness-connections", str(args.fairness_connections), "--lab-prefix", args.lab_prefix]
 
 
 def _sync_steps(

@@ -107,3 +107,13 @@ def test_the_service_has_one_endpoint_per_server_pod() -> None:
     assert svc["spec"]["clusterIP"] == spread.CLUSTER_IP
     assert [e["addresses"][0] + ":8080" for e in eps["endpoints"]] == EPS
     assert eps["metadata"]["labels"]["kubernetes.io/service-name"] == svc["metadata"]["name"]
+
+
+def test_each_entry_names_the_command_that_measures_it_alone() -> None:
+    from kproxy.bench.compare import _fairness_argv
+
+    parser = build_parser()
+    args = parser.parse_args(["compare", "--fairness-connections", "120", "--lab-prefix", "kpz-"])
+    again = parser.parse_args(_fairness_argv("userspace", args))
+    assert again.modes == "userspace" and again.fairness_connections == 120 and again.lab_prefix == "kpz-"
+    assert again.no_sync and again.no_datapath and not again.no_fairness
