@@ -28,7 +28,7 @@ import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client.metrics_core import Metric
@@ -311,3 +311,59 @@ def register(registry: object, proxier: CounterSource, config: ProxyConfig) -> C
     else:
         registry.register(collector)  # type: ignore[attr-defined]
     return collector
+
+
+# ------------------------------------------------------------------------------------------------- reading it back
+# What any Prometheus reads, parsed with prometheus-client's own text parser: ``kproxy top``, the conformance scenario
+# ``counters`` and ``kproxy compare``'s fairness column read a node's counters this way, so each sees what a scrape
+# serves and nothing of a mode's own.
+
+
+@dataclass
+class ServiceSample:
+    """One service port's counters in one family at one scrape: measure -> value, and per endpoint."""
+
+    total: dict[str, float] = field(default_factory=dict)
+    endpoints: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class Scrape:
+    """What one ``/metrics`` answer says about the counters. ``offered`` is None when counters are off there."""
+
+    at: float
+    offered: frozenset[Measure] | None
+    services: dict[str, ServiceSample]
+
+
+def service_key(namespace: str, name: str, port: str, protocol: str, family: str) -> str:
+    """``ns/name[:port]/PROTO IPv4``: the ``describe()`` key plus the family."""
+    base = f"{namespace}/{name}" + (f":{port}" if port else "")
+    return f"{base}/{protocol} {family}"
+
+
+def parse(text: str, at: float) -> Scrape:
+    """The counter samples of an exposition text."""
+    names = {metric_name(m, e): (m, e) for m in Measure for e in (False, True)}
+    offered: set[Measure] | None = None
+    services: dict[str, ServiceSample] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == OFFERED:
+            offered = {Measure(s.labels["measure"]) for s in family.samples if s.value and _measure(s.labels)}
+            continue
+        for sample in family.samples:
+            which = names.get(sample.name)
+            if which is None:
+                continue
+            measure, endpoint = which
+            key = service_key(*(sample.labels.get(label, "") for label in LABELS))
+            entry = services.setdefault(key, ServiceSample())
+            if endpoint:
+                entry.endpoints.setdefault(sample.labels.get(ENDPOINT_LABEL, ""), {})[measure.value] = sample.value
+            else:
+                entry.total[measure.value] = sample.value
+    return Scrape(at, None if offered is None else frozenset(offered), services)
+
+
+def _measure(labels: dict[str, str]) -> bool:
+    return labels.get("measure") in {m.value for m in Measure}

@@ -11,7 +11,10 @@ Steps, each shown on a progress display (rich: one bar over every benchmark step
    --mode fake --reference upstream-nftables`` (the cache alone, and upstream's layout timed with ``nft -f`` in a
    namespace of its own; above ``--reference-max-endpoints`` services x endpoints it is skipped and the report says
    so);
-3. ``results.json`` (every figure and the exact command behind it), plots (kproxy.bench.plots) and ``report.md``
+3. the fairness burst (kproxy.bench.spread): per mode, ``--fairness-connections`` new connections to a service
+   with several endpoints, in a small lab of its own with ``--service-counters`` on, and the spread its counters
+   show (a chi-square test against the even split, the max/min share);
+4. ``results.json`` (every figure and the exact command behind it), plots (kproxy.bench.plots) and ``report.md``
    (machine, kernel, versions, tables, plots, how to read them).
 
 Modes come from ``kproxy.proxier.installed_backends()`` filtered by ``availability()``: a backend that lands later
@@ -35,6 +38,7 @@ from typing import Any
 from kproxy.bench.reference_nft import DEFAULT_MAX_ENDPOINTS
 from kproxy.bench.reference_nft import NAME as REFERENCE_NAME
 from kproxy.bench.results import compare_results
+from kproxy.bench.spread import CONNECTIONS
 
 SYNC_TIMEOUT = 3600.0
 
@@ -68,6 +72,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     c.add_argument("--no-sync", action="store_true", help="skip the sync benchmark")
     c.add_argument("--no-datapath", action="store_true", help="skip the data-path benchmark")
     c.add_argument("--no-baseline", action="store_true", help="skip mode none (no proxy) in the data-path run")
+    c.add_argument("--no-fairness", action="store_true", help="skip the fairness burst (counters per endpoint)")
+    c.add_argument(
+        "--fairness-connections",
+        type=int,
+        default=CONNECTIONS,
+        metavar="N",
+        help="new connections per mode in the fairness burst (default %(default)s)",
+    )
     c.add_argument(
         "--conntrack-limits",
         action="store_true",
@@ -205,7 +217,8 @@ def compare_command(args: argparse.Namespace) -> str:
     if args.datapath_services:
         argv += ["--datapath-services", args.datapath_services]
     argv += ["--rounds", str(args.rounds), "--seconds", str(args.seconds), "--iperf-seconds", str(args.iperf_seconds)]
-    flags = ("no_reference", "no_sync", "no_datapath", "no_baseline", "conntrack_limits")
+    argv += ["--fairness-connections", str(args.fairness_connections)]
+    flags = ("no_reference", "no_sync", "no_datapath", "no_baseline", "conntrack_limits", "no_fairness")
     argv += ["--" + flag.replace("_", "-") for flag in flags if getattr(args, flag)]
     return "kproxy " + shlex.join([*argv, "--lab-prefix", args.lab_prefix])
 
@@ -221,6 +234,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(f"kproxy compare: {exc}", file=sys.stderr)
         return 2
     modes, skipped = selected_modes(args.modes)
+    if args.fairness_connections < 1:
+        print("kproxy compare: --fairness-connections must be at least 1", file=sys.stderr)
+        return 2
     if not modes:
         print("kproxy compare: no mode can run here: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
         return 1
@@ -243,12 +259,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     stop_on_sigterm()
     t_start = time.monotonic()
     try:
-        with _Display(n_sync + n_dp) as display:
+        n_fair = 0 if args.no_fairness else len(modes)
+        with _Display(n_sync + n_dp + n_fair) as display:
             # the data path first: its lab takes the sizes in ascending order, so a long run reaches its biggest
             # (and most expensive) size last; then the sync benchmark, each run in a namespace of its own
             if not args.no_datapath:
                 _datapath_steps(args, modes, dp_sizes, baseline, results, display, out)
                 _write_results(out, results)
+            if not args.no_fairness:  # after the data-path lab is down: its own lab, under the same prefix
+                _fairness_steps(args, modes, results, display, out)
             if not args.no_sync:
                 _sync_steps(args, modes, sizes, results, display)
     except (KeyboardInterrupt, SystemExit):
@@ -275,6 +294,38 @@ def _write_results(out: Path, results: dict[str, Any]) -> None:
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
     tmp.replace(out / "results.json")
+
+
+def _fairness_steps(
+    args: argparse.Namespace, modes: list[str], results: dict[str, Any], display: _Display, out: Path
+) -> None:
+    """The fairness burst in every mode, one lab for all (kproxy.bench.spread); a mode that fails is a finding."""
+    from kproxy.bench.spread import ENDPOINTS, FairnessError, FairnessLab
+
+    runs: list[dict[str, Any]] = []
+    n = args.fairness_connections
+    results["fairness"] = {"connections": n, "endpoints": ENDPOINTS, "runs": runs}
+    try:
+        with FairnessLab(args.lab_prefix, lambda msg: display.say(msg)) as lab:
+            for mode in modes:
+                display.say(f"fairness: {mode}, {n} connections over {ENDPOINTS} endpoints")
+                try:
+                    entry = lab.measure(mode, n)
+                    entry["command"] = "kproxy " + shlex.join(_fairness_argv(mode, args))
+                except (FairnessError, RuntimeError, OSError) as exc:  # LabError is a RuntimeError
+                    entry = {"mode": mode, "connections": n, "fairness": None, "error": str(exc)[:2000]}
+                runs.append(entry)
+                _write_results(out, results)
+                display.say("", 1)
+    except (FairnessError, RuntimeError, OSError) as exc:  # the lab itself: a finding, the sync benchmark still runs
+        results["notes"].append(f"fairness: not measured: {str(exc)[:2000]}")
+        display.say("", len(modes) - len(runs))
+
+
+def _fairness_argv(mode: str, args: argparse.Namespace) -> list[str]:
+    """The comparison that measures ``mode``'s fairness burst alone."""
+    argv = ["compare", "--modes", mode, "--no-sync", "--no-datapath", "--no-reference"]
+    return [*argv, "--fairness-connections", str(args.fairness_connections), "--lab-prefix", args.lab_prefix]
 
 
 def _sync_steps(

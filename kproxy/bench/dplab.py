@@ -42,6 +42,38 @@ from kproxy.lab.plan import LabPod
 Progress = Callable[..., None]
 
 
+def tables(lab: Lab, ns: str) -> list[str]:
+    """The nftables tables in a lab namespace ("ip filter", ...)."""
+    res = lab.exec(ns, ["nft", "list", "tables"], timeout=30)
+    return [line.removeprefix("table ").strip() for line in res.stdout.decode().splitlines() if line.strip()]
+
+
+def remove_mode(lab: Lab, nodes: Sequence[Any], mode: str) -> str:
+    """Stop kproxy on ``nodes``, remove what ``mode`` wrote (its cleanup, then whatever tables are left) and the
+    conntrack entries; "" or what went wrong or was left (not fatal: the caller notes it)."""
+    for node in nodes:
+        lab.stop_kproxy(node)
+    problems = []
+    for node in nodes:
+        try:
+            res = lab.exec(node.ns, [*Lab.kproxy_command(), "cleanup", "--mode", mode], timeout=CLEANUP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            problems.append(f"kproxy cleanup --mode {mode} in {node.name} took over {CLEANUP_TIMEOUT:.0f} s")
+            continue
+        if res.returncode != 0:
+            problems.append(f"kproxy cleanup in {node.name}: {res.stderr.decode(errors='replace')[-300:]}")
+    # What the mode's cleanup leaves (iptables-nft's empty built-in tables and chains: a filter chain hooked at
+    # forward taxes every packet of the next mode measured here) goes too, and the conntrack entries: each mode
+    # starts on nodes as bare as they were when the lab came up.
+    for node in nodes:
+        left = tables(lab, node.ns)
+        if left:
+            problems.append(f"left in {node.name} after the cleanup (removed): {', '.join(left)}")
+        lab.exec(node.ns, ["nft", "flush", "ruleset"], timeout=CLEANUP_TIMEOUT)
+        lab.exec(node.ns, ["conntrack", "-F"], timeout=30)
+    return "; ".join(problems)
+
+
 class DatapathLab:
     """The four-node lab of this benchmark; use as a context manager (the lab goes down on exit, also on error)."""
 
@@ -259,36 +291,14 @@ class DatapathLab:
         raise DatapathError(f"mode {mode}: the ClusterIP {TARGET_CLUSTER_IP} does not answer from pod-1-1: {last}")
 
     def stop_mode(self, mode: str) -> str:
-        """Stop kproxy on both loaded nodes, remove what ``mode`` wrote (its cleanup, then whatever tables are left)
-        and the conntrack entries; "" or what went wrong or was left (not fatal: noted beside the run)."""
-        lab = self._lab
+        """Stop kproxy on both loaded nodes, remove what ``mode`` wrote and the conntrack entries (``remove_mode``);
+        "" or what went wrong or was left (not fatal: noted beside the run)."""
         self.proxied = False
-        for node in self.loaded_nodes:
-            lab.stop_kproxy(node)
-        problems = []
-        for node in self.loaded_nodes:
-            try:
-                res = lab.exec(node.ns, [*Lab.kproxy_command(), "cleanup", "--mode", mode], timeout=CLEANUP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                problems.append(f"kproxy cleanup --mode {mode} in {node.name} took over {CLEANUP_TIMEOUT:.0f} s")
-                continue
-            if res.returncode != 0:
-                problems.append(f"kproxy cleanup in {node.name}: {res.stderr.decode(errors='replace')[-300:]}")
-        # What the mode's cleanup leaves (iptables-nft's empty built-in tables and chains: a filter chain hooked at
-        # forward taxes every packet of the next mode measured here) goes too, and the conntrack entries: each mode
-        # starts on nodes as bare as the limit's were when the lab came up (up() checked they had no rules).
-        for node in self.loaded_nodes:
-            left = self.tables(node.ns)
-            if left:
-                problems.append(f"left in {node.name} after the cleanup (removed): {', '.join(left)}")
-            lab.exec(node.ns, ["nft", "flush", "ruleset"], timeout=CLEANUP_TIMEOUT)
-            lab.exec(node.ns, ["conntrack", "-F"], timeout=30)
-        return "; ".join(problems)
+        return remove_mode(self._lab, self.loaded_nodes, mode)
 
     def tables(self, ns: str) -> list[str]:
         """The nftables tables in a namespace ("ip filter", ...)."""
-        res = self._lab.exec(ns, ["nft", "list", "tables"], timeout=30)
-        return [line.removeprefix("table ").strip() for line in res.stdout.decode().splitlines() if line.strip()]
+        return tables(self._lab, ns)
 
     def kproxy_memory(self) -> tuple[dict[str, float], dict[str, float]]:
         """(resident MB, peak resident MB) of each loaded node's kproxy."""

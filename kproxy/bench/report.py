@@ -289,6 +289,48 @@ def _kproxy_table(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def fairness_section(results: dict[str, Any]) -> list[str]:
+    """Per mode, how evenly the fairness burst's new connections spread over the service's endpoints, from the
+    mode's counters (kproxy.bench.spread): the chi-square test against the even split and the max/min share."""
+    doc = results.get("fairness") or {}
+    runs = doc.get("runs") or []
+    if not runs:
+        return []
+    lines = ["## Fairness (new connections per endpoint, from the counters)", ""]
+    lines.append(
+        f"{doc.get('connections')} new TCP connections from one pod to a ClusterIP with {doc.get('endpoints')}"
+        " endpoints, per mode, counted by the mode itself (`--service-counters`, read from `/metrics`). p: the"
+        " chi-square test against the even split (near 0: not even); shares: the busiest and idlest endpoint's part"
+        " of the connections (even: 1 / endpoints). `counted = answered`: the counters split the connections as the"
+        " echo servers' answers did."
+    )
+    lines.append("")
+    head = ["mode", "connections", "chi2 (dof)", "p", "max share", "min share", "max/min", "counted = answered"]
+    table = []
+    for run in runs:
+        f = run.get("fairness")
+        if run.get("error") or not f:
+            why = run.get("error") or "nothing counted"
+            table.append([run["mode"], str(run.get("connections", "-")), f"failed: {why[:200]}", *["-"] * 5])
+            continue
+        ratio = f.get("maxMinRatio")
+        table.append(
+            [
+                run["mode"],
+                str(f["total"]),
+                f"{f['chi2']:.2f} ({f['dof']})",
+                f"{f['pValue']:.3g}",
+                f"{f['maxShare']:.1%}",
+                f"{f['minShare']:.1%}",
+                "inf" if ratio is None else f"{ratio:.2f}",
+                "yes" if run.get("counted_equals_answered") else "no",
+            ]
+        )
+    lines += _table(head, table)
+    lines.append("")
+    return lines
+
+
 HOW_TO_READ = """## How to read this
 
 - **Sync** (`sync.png`, left: full, right: partial; log-log): lower is better. A line parallel to the reference's
@@ -342,6 +384,7 @@ def render(results: dict[str, Any], plot_files: list[str]) -> str:
         lines.append("")
     lines += sync_section(results)
     lines += datapath_section(results)
+    lines += fairness_section(results)
     if plot_files:
         lines.append("## Plots")
         lines.append("")

@@ -103,7 +103,8 @@ def compare_results(
     endpoints: int,
 ) -> dict[str, Any]:
     """A ``kproxy compare`` results document before anything is measured: the command, this machine's facts, what
-    runs, and empty lists the benchmarks fill (``sync``, ``reference``, ``cache_alone``, ``datapath``, ``notes``)."""
+    runs, and empty lists the benchmarks fill (``sync``, ``reference``, ``cache_alone``, ``datapath``, ``fairness``,
+    ``notes``)."""
     return {
         "command": command,
         "machine": machine_facts(),
@@ -116,6 +117,7 @@ def compare_results(
         "reference": [],
         "cache_alone": [],
         "datapath": None,
+        "fairness": None,
         "notes": [],
     }
 

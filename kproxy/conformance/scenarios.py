@@ -12,7 +12,17 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from kproxy.conformance import sc_changes, sc_dual_stack, sc_paths, sc_policy, sc_restarts, sc_scale, sc_servers, sc_udp
+from kproxy.conformance import (
+    sc_changes,
+    sc_counters,
+    sc_dual_stack,
+    sc_paths,
+    sc_policy,
+    sc_restarts,
+    sc_scale,
+    sc_servers,
+    sc_udp,
+)
 from kproxy.conformance.registry import Scenario, registered
 
 __all__ = ["BY_ID", "SCENARIOS", "SCENARIO_IDS", "THEMES", "Scenario"]
@@ -25,6 +35,7 @@ THEMES: tuple[ModuleType, ...] = (
     sc_udp,  # UDP and conntrack
     sc_restarts,  # kproxy restarted, cleaned up, replaced by another mode
     sc_servers,  # the health and metrics servers
+    sc_counters,  # the traffic counters (--service-counters), against the packets
     sc_dual_stack,  # IPv6 and dual-stack services
     sc_scale,  # 1,000 services and the syncs' bounds
 )

@@ -37,6 +37,7 @@ IDS = (
     "cleanup",
     "mode-switch",
     "servers",
+    "counters",
     "dual-stack",
     "scale-smoke",
 )
@@ -55,6 +56,7 @@ FIELDS = {
     "mode-switch": ("mode_switch", (), 200.0, ("held-connections", "while-down")),
     "dual-stack": ("dual_stack", ("ipv6",), 90.0, ("client-ip", "kernel-counters", "kernel-rules")),
     "scale-smoke": ("scale_smoke", (), 280.0, ()),
+    "counters": ("counters", (), 180.0, ("udp-flows",)),
 }
 
 TITLES = {
