@@ -24,6 +24,7 @@ from kproxy.nftkernel import Nft
 from kproxy.toolkit.cidr import spans
 from kproxy.toolkit.nft import elements
 
+from . import counters as counters_mod
 from . import layout, render
 
 Tags = tuple[str | None, ...]  # the comments of a chain's rules, in order (None: a rule without one)
@@ -87,6 +88,8 @@ class Adopted:
     sets: set[str] = field(default_factory=set)
     hairpin: set[str] = field(default_factory=set)
     context: dict[str, tuple[tuple[int, int], ...] | tuple[str, ...]] = field(default_factory=dict)
+    #: --service-counters: the table's named counters by service part (``counters.by_service``)
+    counters: dict[str, list[str]] = field(default_factory=dict)
     seconds: float = 0.0
 
     def service(self, spn: ServicePortName) -> Service | None:
@@ -127,8 +130,9 @@ def split_comment(comment: str | None) -> tuple[str, str | None]:
     return (key, digest) if sep else (comment, None)
 
 
-def read(nft: Nft, family: IPFamily, layout_chain: str) -> tuple[Adopted | None, str]:
-    """Read the table of ``family`` (see the module docstring); (None, error) when a read fails."""
+def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) -> tuple[Adopted | None, str]:
+    """Read the table of ``family`` (see the module docstring; ``counters``: its named counters too, one listing of
+    objects without set elements); (None, error) when a read fails."""
     fam = render.nft_family(family)
     out = Adopted(family)
     objs, err = nft.read(f"list chains {fam}")
@@ -150,9 +154,14 @@ def read(nft: Nft, family: IPFamily, layout_chain: str) -> tuple[Adopted | None,
         return None, err
     out.rules = rules
     # the fixed chains' rules, not only their names: a flushed table keeps chains, sets and elements, and nothing works
-    out.layout_ok = layout_chain in out.chains and not fixed_problems(family, rules)
+    out.layout_ok = layout_chain in out.chains and not fixed_problems(family, rules, counters)
     if not out.layout_ok:
         return out, ""
+    if counters:
+        names, err = counters_mod.read_names(nft, family)
+        if names is None:
+            return None, err
+        out.counters = counters_mod.by_service(names)
     for name in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS):
         objs, err = nft.read(f"list map {fam} {layout.TABLE} {name}")
         if objs is None:
@@ -211,10 +220,10 @@ def read_rules(nft: Nft, family: IPFamily) -> tuple[dict[str, Tags] | None, str]
     return {chain: tuple(found) for chain, found in got.items()}, ""
 
 
-def fixed_problems(family: IPFamily, rules: Mapping[str, Tags]) -> list[str]:
+def fixed_problems(family: IPFamily, rules: Mapping[str, Tags], counters: bool = False) -> list[str]:
     """How the fixed chains' rules in the kernel differ from the layout's ([] when they are exactly it)."""
     out: list[str] = []
-    for chain, wanted in layout.fixed_chain_rules(family).items():
+    for chain, wanted in layout.fixed_chain_rules(family, counters).items():
         held = rules.get(chain, ())
         if held != tags(wanted):
             out.append(
