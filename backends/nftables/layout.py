@@ -203,11 +203,15 @@ def set_declarations(family: IPFamily, counters: bool = False) -> list[tuple[str
 def fixed_chain_rules(family: IPFamily, counters: bool = False) -> dict[str, tuple[str, ...]]:
     """The rules of the fixed chains (adoption compares their tags; ``counters``: with ``--service-counters``)."""
     fam = FAM[family]
-    count = f"ct status dnat counter name ct original {fam} daddr . meta l4proto . ct original proto-dst . {fam} daddr"
-    nodeport = f"ct status dnat counter name meta l4proto . ct original proto-dst . {fam} daddr"
-    counted = (  # a connection counted through its address is not looked up again by port
-        f"{count} . th dport map @{ENDPOINT_COUNTERS} accept",
-        f"{nodeport} . th dport map @{NODEPORT_ENDPOINT_COUNTERS} accept",
+    # per protocol: ``ct original proto-dst`` has a type only where the transport protocol is known
+    key = f"meta l4proto . ct original proto-dst . {fam} daddr . th dport"
+    counted = tuple(  # a connection counted through its address is not looked up again by port
+        f"meta l4proto {p} ct status dnat counter name {lookup} accept"
+        for p in PROTOCOLS
+        for lookup in (
+            f"ct original {fam} daddr . {key} map @{ENDPOINT_COUNTERS}",
+            f"{key} map @{NODEPORT_ENDPOINT_COUNTERS}",
+        )
     )
     return {
         REJECT_CHAIN: ("reject",),
