@@ -185,6 +185,8 @@ def test_connections_and_flows_counted_per_endpoint_as_they_went(
     assert p.counters_offered == frozenset({Measure.CONNECTIONS})
     assert p.sync(state(SP_A, SP_U), Changes(full=True)).ok
     assert per_endpoint(p, A) == {str(e): 0 for e in ENDPOINTS.values()}
+    report = p.verify(state(SP_A, SP_U))  # the counter maps' elements read back as written
+    assert report["drift"] == 0, report
 
     tcp = answers(netns, "tcp", SP_A.cluster_ip, 80, 30)
     udp = answers(netns, "udp", SP_U.cluster_ip, 53, 9)
