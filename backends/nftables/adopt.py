@@ -88,8 +88,8 @@ class Adopted:
     sets: set[str] = field(default_factory=set)
     hairpin: set[str] = field(default_factory=set)
     context: dict[str, tuple[tuple[int, int], ...] | tuple[str, ...]] = field(default_factory=dict)
-    #: --service-counters: the table's named counters by service part (``counters.by_service``)
-    counters: dict[str, list[str]] = field(default_factory=dict)
+    #: --service-counters: the counting elements by their entry (``counters.by_entry``)
+    counters: dict[tuple[str, str], list[tuple[str, str]]] = field(default_factory=dict)
     seconds: float = 0.0
 
     def service(self, spn: ServicePortName) -> Service | None:
@@ -131,8 +131,8 @@ def split_comment(comment: str | None) -> tuple[str, str | None]:
 
 
 def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) -> tuple[Adopted | None, str]:
-    """Read the table of ``family`` (see the module docstring; ``counters``: its named counters too, one listing of
-    objects without set elements); (None, error) when a read fails."""
+    """Read the table of ``family`` (see the module docstring; ``counters``: its counting elements too, one netlink
+    dump, ``counters.read_counts``); (None, error) when a read fails."""
     fam = render.nft_family(family)
     out = Adopted(family)
     objs, err = nft.read(f"list chains {fam}")
@@ -158,10 +158,10 @@ def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) 
     if not out.layout_ok:
         return out, ""
     if counters:
-        names, err = counters_mod.read_names(nft, family)
-        if names is None:
+        held, err = counters_mod.read_counts(nft, family)
+        if held is None:
             return None, err
-        out.counters = counters_mod.by_service(names)
+        out.counters = counters_mod.by_entry(held)
     for name in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS):
         objs, err = nft.read(f"list map {fam} {layout.TABLE} {name}")
         if objs is None:

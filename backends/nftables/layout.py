@@ -37,7 +37,7 @@ HAIRPIN = "hairpin"
 LOCAL_CIDRS = "local-cidrs"
 LOCAL_IFACES = "local-ifaces"
 NODEPORT_CIDRS = "nodeport-cidrs"
-# --service-counters only (``counters``): objref maps from a DNATed connection to its endpoint's named counter
+# --service-counters only (``counters``): sets of (service address or NodePort, endpoint), a counter on each element
 ENDPOINT_COUNTERS = "endpoint-counters"
 NODEPORT_ENDPOINT_COUNTERS = "nodeport-endpoint-counters"
 COUNT_CHAINS = {
@@ -184,14 +184,14 @@ def set_declarations(family: IPFamily, counters: bool = False) -> list[tuple[str
         *(
             [
                 (
-                    "map",
+                    "set",
                     ENDPOINT_COUNTERS,
-                    f"type {addr} . inet_proto . inet_service . {addr} . inet_service : counter;",
+                    f"type {addr} . inet_proto . inet_service . {addr} . inet_service; counter;",
                 ),
                 (
-                    "map",
+                    "set",
                     NODEPORT_ENDPOINT_COUNTERS,
-                    f"type inet_proto . inet_service . {addr} . inet_service : counter;",
+                    f"type inet_proto . inet_service . {addr} . inet_service; counter;",
                 ),
             ]
             if counters
@@ -206,11 +206,11 @@ def fixed_chain_rules(family: IPFamily, counters: bool = False) -> dict[str, tup
     # per protocol: ``ct original proto-dst`` has a type only where the transport protocol is known
     key = f"meta l4proto . ct original proto-dst . {fam} daddr . th dport"
     counted = tuple(  # a connection counted through its address is not looked up again by port
-        f"meta l4proto {p} ct status dnat counter name {lookup} accept"
+        f"meta l4proto {p} ct status dnat {lookup} accept"
         for p in PROTOCOLS
         for lookup in (
-            f"ct original {fam} daddr . {key} map @{ENDPOINT_COUNTERS}",
-            f"{key} map @{NODEPORT_ENDPOINT_COUNTERS}",
+            f"ct original {fam} daddr . {key} @{ENDPOINT_COUNTERS}",
+            f"{key} @{NODEPORT_ENDPOINT_COUNTERS}",
         )
     )
     return {

@@ -222,16 +222,14 @@ class _Full:
             render.change_service(tx, name, old, new)
         else:
             sid = layout.service_chain_id(name)
-            names = adopted.counters.get(counters_mod.service_part(layout.comment_key(render.service_key(name))), [])
             render.change_service(
                 tx,
                 name,
                 None,
                 new,
-                old_keys={**svc.keys(), **counters_mod.skeleton(svc.entries, names)},
+                old_keys={**svc.keys(), **counters_mod.skeleton(svc.entries, adopted.counters)},
                 old_chains=adopted.service_chains(sid),
                 old_sets=adopted.service_sets(sid),
-                old_counters=names,
             )
         self.services[name] = new
 
@@ -245,9 +243,8 @@ class _Full:
         done = self.scratch.stale_done
         for ckey, svc in adopted.services.items():
             if ckey not in handled and ckey not in done:
-                names = adopted.counters.get(counters_mod.service_part(ckey), [])
-                keys = {**svc.keys(), **counters_mod.skeleton(svc.entries, names)}
-                render.change_service(tx, None, None, None, old_keys=keys, old_counters=names)
+                keys = {**svc.keys(), **counters_mod.skeleton(svc.entries, adopted.counters)}
+                render.change_service(tx, None, None, None, old_keys=keys)
                 self.stale.add(ckey)
         # chains of services the deltas handle (changed or removed) are theirs to rewrite or delete
         wanted_sids = {layout.service_chain_id(spn) for spn in (*batch.wanted, *self.in_batch)}

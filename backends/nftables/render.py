@@ -63,7 +63,8 @@ from .layout import (
 )
 from .localhost import Listen, listen_for
 
-#: what other modules and the tests read from here: the fragments and transactions, and the layout's names
+#: what other modules and the tests read from here: the fragments and transactions, and the layout's names they
+#: spell
 __all__ = [
     "FIXED_CHAINS",
     "LAYOUT",
@@ -112,8 +113,6 @@ class Fragment:
     digest: str = ""
     #: its localhost NodePort's listener on 127.0.0.1 (``localhost``: the relay, not the table; not in the digest)
     localhost: Listen | None = None
-    #: its endpoints' named counters (``counters``: with --service-counters; their map elements are in elements)
-    counters: tuple[str, ...] = ()
 
     @property
     def comment(self) -> str:
@@ -145,6 +144,11 @@ def _digest(elements: Sequence[Element], rest: Sequence[object]) -> str:
 
 def _ep(ep: Endpoint) -> str:
     return f"{ep.ip} . {ep.port}"
+
+
+def _local(ep: Endpoint) -> bool:
+    # a hairpin is a local pod reaching itself; an endpoint whose node is unknown might be one
+    return ep.is_local or ep.node_name is None
 
 
 def render_service(sp: ServicePort, ctx: FamilyContext) -> Fragment:
@@ -201,7 +205,7 @@ class _General:
         sp = self.sp
         for eps in (self.internal_eps, self.external_eps if sp.has_external_addresses else ()):
             for ep in eps:
-                if ep.is_local or ep.node_name is None:  # a local pod reaching itself (node unknown: maybe)
+                if _local(ep):
                     h = f"{ep.ip} . {ep.ip}"
                     if h not in self.hairpin:
                         self.hairpin.append(h)
@@ -509,16 +513,12 @@ def change_service(
     old_keys: Mapping[tuple[str, str], str | None] | None = None,
     old_chains: Iterable[str] = (),
     old_sets: Iterable[str] = (),
-    old_counters: Iterable[str] = (),
 ) -> None:
     """Add to ``tx`` what turns ``old`` into ``new`` for one service (None: absent). ``old_keys`` (values None when
     unknown) / ``old_chains`` / ``old_sets`` stand for ``old`` when only the kernel's skeleton of it is known (adopted
     after a restart): every element whose value is unknown is deleted and written again. An entry whose verdict is
     unchanged is left alone (adding a verdict-map element makes the kernel validate every element of the table's
-    verdict maps at commit); the digest element changes with the digest. A named counter both name is kept."""
-    before, after = set(old.counters if old else old_counters), (new.counters if new else ())
-    tx.declare.extend((f"add counter {tx.fam} {TABLE} {c}", spn) for c in after if c not in before)
-    tx.tail.extend((f"delete counter {tx.fam} {TABLE} {c}", spn) for c in sorted(before.difference(after)))
+    verdict maps at commit); the digest element changes with the digest."""
     if old is None and not old_keys and not old_chains and not old_sets:
         if new is not None:  # the common case of a full sync into an empty table: no diff to make
             kinds = (SERVICE_IPS, SERVICE_NODEPORTS)
