@@ -15,12 +15,13 @@ for any other, the keys of its big-map elements follow from its entries (an entr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kproxy.model import IPFamily, ServicePortName
 from kproxy.nftkernel import Nft
+from kproxy.proxier import BackendError
 from kproxy.toolkit.cidr import spans
 from kproxy.toolkit.nft import elements
 
@@ -88,9 +89,25 @@ class Adopted:
     sets: set[str] = field(default_factory=set)
     hairpin: set[str] = field(default_factory=set)
     context: dict[str, tuple[tuple[int, int], ...] | tuple[str, ...]] = field(default_factory=dict)
-    #: --service-counters: the counting elements by their entry (``counters.by_entry``)
-    counters: dict[tuple[str, str], list[tuple[str, str]]] = field(default_factory=dict)
+    #: --service-counters: reads the counting elements by their entry (``counters.by_entry``), once, when a changed
+    #: or stale service needs them (``counting``): the element dump costs seconds at scale, a restart with nothing
+    #: changed needs none
+    counter_reader: Callable[[], tuple[dict[tuple[str, str], int] | None, str]] | None = None
+    _counting: dict[tuple[str, str], list[tuple[str, str]]] | None = None
     seconds: float = 0.0
+
+    def counting(self) -> dict[tuple[str, str], list[tuple[str, str]]]:
+        """The counting elements the kernel holds, by entry (empty without counters). BackendError when the read
+        fails (the sync fails, and the next full sync adopts again)."""
+        if self._counting is None:
+            self._counting = {}
+            if self.counter_reader is not None:
+                held, err = self.counter_reader()
+                if held is None:
+                    self._counting = None
+                    raise BackendError(f"reading the counting sets: {err}")
+                self._counting = counters_mod.by_entry(held)
+        return self._counting
 
     def service(self, spn: ServicePortName) -> Service | None:
         return self.services.get(layout.comment_key(render.service_key(spn)))
@@ -158,10 +175,7 @@ def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) 
     if not out.layout_ok:
         return out, ""
     if counters:
-        held, err = counters_mod.read_counts(nft, family)
-        if held is None:
-            return None, err
-        out.counters = counters_mod.by_entry(held)
+        out.counter_reader = lambda: counters_mod.read_counts(nft, family)
     for name in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS):
         objs, err = nft.read(f"list map {fam} {layout.TABLE} {name}")
         if objs is None:

@@ -227,7 +227,7 @@ class _Full:
                 name,
                 None,
                 new,
-                old_keys={**svc.keys(), **counters_mod.skeleton(svc.entries, adopted.counters)},
+                old_keys={**svc.keys(), **counters_mod.skeleton(svc.entries, adopted.counting())},
                 old_chains=adopted.service_chains(sid),
                 old_sets=adopted.service_sets(sid),
             )
@@ -243,7 +243,7 @@ class _Full:
         done = self.scratch.stale_done
         for ckey, svc in adopted.services.items():
             if ckey not in handled and ckey not in done:
-                keys = {**svc.keys(), **counters_mod.skeleton(svc.entries, adopted.counters)}
+                keys = {**svc.keys(), **counters_mod.skeleton(svc.entries, adopted.counting())}
                 render.change_service(tx, None, None, None, old_keys=keys)
                 self.stale.add(ckey)
         # chains of services the deltas handle (changed or removed) are theirs to rewrite or delete
