@@ -286,7 +286,7 @@ def test_counters_off_writes_none_and_turning_them_on_replaces_the_table(
 @pytest.mark.skipif(not os.environ.get("KPROXY_COUNTERS_SCALE"), reason="set KPROXY_COUNTERS_SCALE=1 (minutes)")
 def test_one_dump_at_ten_thousand_services(make: Callable[..., NftablesProxier]) -> None:
     """The scrape budget: one ``counters()`` at 10,000 services x 10 endpoints, timed (printed: run with -s), and a
-    restart's adoption, which reads the same dump."""
+    restart with nothing changed (its adoption reads no counting element)."""
     p = make()
     sps = []
     for i in range(10_000):
