@@ -53,9 +53,9 @@ lives in a plain set, ``service-digests`` (one element per service port, keyed b
 ``kernel_view`` and adoption; slots carry none (their key extends their entry's, and comments on every slot cost
 ``nft -f`` a measurable share). The entry maps carry per-element counters: new connections per service address
 (``nft list map ip kproxy service-ips``), nearly free since nat chains see only a connection's first packet.
-With ``--service-counters`` the table also holds a named counter per (service port, endpoint), two objref maps to
-them and two counting chains at the source-NAT hooks, where a connection's first packet arrives after its DNAT
-(``counters``: new connections only, and why).
+With ``--service-counters`` the table also holds two counting sets, an element with its own counter per (service
+address or NodePort, endpoint), looked up by two counting chains at the source-NAT hooks, where a connection's first
+packet arrives after its DNAT (``counters``: new connections only, and why).
 
 Syncs: one atomic transaction per family per batch through libnftables in-process (no process per change), handed
 over as a memfd file so a refused element's line maps back to its service (the ledger retries without it). Elements
