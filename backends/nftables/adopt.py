@@ -15,15 +15,17 @@ for any other, the keys of its big-map elements follow from its entries (an entr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kproxy.model import IPFamily, ServicePortName
 from kproxy.nftkernel import Nft
+from kproxy.proxier import BackendError
 from kproxy.toolkit.cidr import spans
 from kproxy.toolkit.nft import elements
 
+from . import counters as counters_mod
 from . import layout, render
 
 Tags = tuple[str | None, ...]  # the comments of a chain's rules, in order (None: a rule without one)
@@ -87,7 +89,25 @@ class Adopted:
     sets: set[str] = field(default_factory=set)
     hairpin: set[str] = field(default_factory=set)
     context: dict[str, tuple[tuple[int, int], ...] | tuple[str, ...]] = field(default_factory=dict)
+    #: --service-counters: reads the counting elements by their entry (``counters.by_entry``), once, when a changed
+    #: or stale service needs them (``counting``): the element dump costs seconds at scale, a restart with nothing
+    #: changed needs none
+    counter_reader: Callable[[], tuple[dict[tuple[str, str], int] | None, str]] | None = None
+    _counting: dict[tuple[str, str], list[tuple[str, str]]] | None = None
     seconds: float = 0.0
+
+    def counting(self) -> dict[tuple[str, str], list[tuple[str, str]]]:
+        """The counting elements the kernel holds, by entry (empty without counters). BackendError when the read
+        fails (the sync fails, and the next full sync adopts again)."""
+        if self._counting is None:
+            self._counting = {}
+            if self.counter_reader is not None:
+                held, err = self.counter_reader()
+                if held is None:
+                    self._counting = None
+                    raise BackendError(f"reading the counting sets: {err}")
+                self._counting = counters_mod.by_entry(held)
+        return self._counting
 
     def service(self, spn: ServicePortName) -> Service | None:
         return self.services.get(layout.comment_key(render.service_key(spn)))
@@ -127,8 +147,9 @@ def split_comment(comment: str | None) -> tuple[str, str | None]:
     return (key, digest) if sep else (comment, None)
 
 
-def read(nft: Nft, family: IPFamily, layout_chain: str) -> tuple[Adopted | None, str]:
-    """Read the table of ``family`` (see the module docstring); (None, error) when a read fails."""
+def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) -> tuple[Adopted | None, str]:
+    """Read the table of ``family`` (see the module docstring; ``counters``: its counting elements too, one netlink
+    dump, ``counters.read_counts``); (None, error) when a read fails."""
     fam = render.nft_family(family)
     out = Adopted(family)
     objs, err = nft.read(f"list chains {fam}")
@@ -150,9 +171,11 @@ def read(nft: Nft, family: IPFamily, layout_chain: str) -> tuple[Adopted | None,
         return None, err
     out.rules = rules
     # the fixed chains' rules, not only their names: a flushed table keeps chains, sets and elements, and nothing works
-    out.layout_ok = layout_chain in out.chains and not fixed_problems(family, rules)
+    out.layout_ok = layout_chain in out.chains and not fixed_problems(family, rules, counters)
     if not out.layout_ok:
         return out, ""
+    if counters:
+        out.counter_reader = lambda: counters_mod.read_counts(nft, family)
     for name in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS):
         objs, err = nft.read(f"list map {fam} {layout.TABLE} {name}")
         if objs is None:
@@ -211,10 +234,10 @@ def read_rules(nft: Nft, family: IPFamily) -> tuple[dict[str, Tags] | None, str]
     return {chain: tuple(found) for chain, found in got.items()}, ""
 
 
-def fixed_problems(family: IPFamily, rules: Mapping[str, Tags]) -> list[str]:
+def fixed_problems(family: IPFamily, rules: Mapping[str, Tags], counters: bool = False) -> list[str]:
     """How the fixed chains' rules in the kernel differ from the layout's ([] when they are exactly it)."""
     out: list[str] = []
-    for chain, wanted in layout.fixed_chain_rules(family).items():
+    for chain, wanted in layout.fixed_chain_rules(family, counters).items():
         held = rules.get(chain, ())
         if held != tags(wanted):
             out.append(

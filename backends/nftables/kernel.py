@@ -131,7 +131,7 @@ class TableView:
     error: str | None = None
 
 
-def read_table(nft: Nft, family: IPFamily) -> TableView:
+def read_table(nft: Nft, family: IPFamily, counters: bool = False) -> TableView:
     """The whole table read back (every map and set with its elements, chain names, rule tags): unlike adoption,
     which trusts the digests in the entry comments, ``verify`` compares every element, slots included."""
     objs, err = nft.read(f"list table {render.nft_family(family)} {layout.TABLE}")
@@ -153,5 +153,5 @@ def read_table(nft: Nft, family: IPFamily) -> TableView:
         view.error = err
         return view
     view.rules = rules
-    view.fixed = adopt_mod.fixed_problems(family, rules)
+    view.fixed = adopt_mod.fixed_problems(family, rules, counters)
     return view

@@ -38,6 +38,15 @@ HAIRPIN = "hairpin"
 LOCAL_CIDRS = "local-cidrs"
 LOCAL_IFACES = "local-ifaces"
 NODEPORT_CIDRS = "nodeport-cidrs"
+# --service-counters only (``counters``): sets of (service address or NodePort, endpoint), a counter on each element
+ENDPOINT_COUNTERS = "endpoint-counters"
+NODEPORT_ENDPOINT_COUNTERS = "nodeport-endpoint-counters"
+COUNT_CHAINS = {
+    # nat chains at the source-NAT hooks see a connection's first packet after its DNAT; before any masquerade (a
+    # chain after one that set up source NAT is not reached), so below srcnat (100)
+    "count-postrouting": "type nat hook postrouting priority 90; policy accept;",
+    "count-input": "type nat hook input priority 90; policy accept;",
+}
 
 SLOT_BASES = (BACKENDS, SHORTCUT_BACKENDS, NODEPORT_BACKENDS, NODEPORT_SHORTCUT_BACKENDS)
 PROTOCOLS = ("tcp", "udp", "sctp")
@@ -143,8 +152,8 @@ def _ifname(name: str) -> str:
 # ----------------------------------------------------------------------------------------------- fixed part
 
 
-def set_declarations(family: IPFamily) -> list[tuple[str, str, str]]:
-    """(kind, name, spec) of every map and set of the fixed part."""
+def set_declarations(family: IPFamily, counters: bool = False) -> list[tuple[str, str, str]]:
+    """(kind, name, spec) of every map and set of the fixed part (``counters``: with ``--service-counters``)."""
     fam = FAM[family]
     addr = ADDR[family]
     slot = f"typeof {fam} daddr . meta l4proto . th dport . numgen random mod 2 : {fam} daddr . {{}} dport;"
@@ -166,12 +175,38 @@ def set_declarations(family: IPFamily) -> list[tuple[str, str, str]]:
         *slots,
         ("set", FIREWALL, f"type {addr} . inet_proto . inet_service . {addr}; flags interval;"),
         ("set", HAIRPIN, f"type {addr} . {addr};"),
+        *(
+            [
+                (
+                    "set",
+                    ENDPOINT_COUNTERS,
+                    f"type {addr} . inet_proto . inet_service . {addr} . inet_service; counter;",
+                ),
+                (
+                    "set",
+                    NODEPORT_ENDPOINT_COUNTERS,
+                    f"type inet_proto . inet_service . {addr} . inet_service; counter;",
+                ),
+            ]
+            if counters
+            else []
+        ),
     ]
 
 
-def fixed_chain_rules(family: IPFamily) -> dict[str, tuple[str, ...]]:
-    """The rules of the fixed chains, exactly as ``nft list chain`` prints them (adoption compares them)."""
+def fixed_chain_rules(family: IPFamily, counters: bool = False) -> dict[str, tuple[str, ...]]:
+    """The rules of the fixed chains (adoption compares their tags; ``counters``: with ``--service-counters``)."""
     fam = FAM[family]
+    # per protocol: ``ct original proto-dst`` has a type only where the transport protocol is known
+    key = f"meta l4proto . ct original proto-dst . {fam} daddr . th dport"
+    counted = tuple(  # a connection counted through its address is not looked up again by port
+        f"meta l4proto {p} ct status dnat {lookup} accept"
+        for p in PROTOCOLS
+        for lookup in (
+            f"ct original {fam} daddr . {key} @{ENDPOINT_COUNTERS}",
+            f"{key} @{NODEPORT_ENDPOINT_COUNTERS}",
+        )
+    )
     return {
         REJECT_CHAIN: ("reject",),
         MASQ_INTERNAL: (
@@ -189,6 +224,7 @@ def fixed_chain_rules(family: IPFamily) -> dict[str, tuple[str, ...]]:
             f"ct label {MASQ_LABEL} masquerade fully-random",
             f"ct status dnat {fam} saddr . {fam} daddr @{HAIRPIN} masquerade fully-random",
         ),
+        **({chain: counted for chain in COUNT_CHAINS} if counters else {}),
     }
 
 
@@ -199,10 +235,12 @@ BASE_SPECS = {
 }
 
 
-def layout_chain(family: IPFamily) -> str:
+def layout_chain(family: IPFamily, counters: bool = False) -> str:
     """An empty chain whose name carries a digest of the fixed part: adoption reads chain names only (cheap), and a
-    table of another layout (an older kproxy) is replaced whole instead of patched."""
+    table of another layout (an older kproxy, or ``--service-counters`` turned on or off) is replaced whole."""
     text = repr((LAYOUT, set_declarations(family), fixed_chain_rules(family), BASE_SPECS))
+    if counters:
+        text += repr((set_declarations(family, True), fixed_chain_rules(family, True), COUNT_CHAINS))
     return "layout-" + short_hash(text, 10)
 
 
@@ -217,21 +255,24 @@ def rule_command(fam: str, chain: str, rule: str) -> str:
     return f'add rule {fam} {TABLE} {chain} {rule} comment "{rule_tag(rule)}"'
 
 
-def fixed_commands(family: IPFamily, *, chains: Iterable[str] | None = None, declare: bool = True) -> list[str]:
+def fixed_commands(
+    family: IPFamily, *, chains: Iterable[str] | None = None, declare: bool = True, counters: bool = False
+) -> list[str]:
     """Commands that create the table, its maps and sets, and (re)write the fixed chains named in ``chains`` (None:
     all). ``add`` of an existing table, map or chain changes nothing, so this is safe on a loaded table."""
     fam = FAM[family]
     out: list[str] = []
     if declare:
         out.append(f'add table {fam} {TABLE} {{ comment "{LAYOUT}"; }}')
-        for kind, name, spec in set_declarations(family):
+        for kind, name, spec in set_declarations(family, counters):
             out.append(f"add {kind} {fam} {TABLE} {name} {{ {spec} }}")
-        out.append(f"add chain {fam} {TABLE} {layout_chain(family)}")
-    rules = fixed_chain_rules(family)
-    todo = FIXED_CHAINS if chains is None else tuple(c for c in FIXED_CHAINS if c in set(chains))
-    for chain in FIXED_CHAINS:  # declared first: they jump to each other
+        out.append(f"add chain {fam} {TABLE} {layout_chain(family, counters)}")
+    rules = fixed_chain_rules(family, counters)
+    every = (*FIXED_CHAINS, *(COUNT_CHAINS if counters else ()))
+    todo = every if chains is None else tuple(c for c in every if c in set(chains))
+    for chain in every:  # declared first: they jump to each other
         if chain in todo:
-            base = BASE_SPECS.get(chain)
+            base = BASE_SPECS.get(chain) or COUNT_CHAINS.get(chain)
             out.append(f"add chain {fam} {TABLE} {chain}" + (f" {{ {base} }}" if base else ""))
     for chain in todo:
         out.append(f"flush chain {fam} {TABLE} {chain}")

@@ -21,6 +21,7 @@ from kproxy.model import ServicePortName
 from kproxy.nodeaddr import FamilyContext
 
 from . import adopt as adopt_mod
+from . import counters as counters_mod
 from . import layout, render
 from .render import Fragment
 
@@ -113,9 +114,10 @@ def commit(batch: NftBatch, known: Known, chunk: Chunk) -> None:
         sc.kernel = Known(shared=set(chunk.shared), hairpin=set(known.hairpin), context=chunk.context, known=True)
 
 
-def full_chunks(batch: NftBatch) -> Iterator[Chunk]:
-    """The transactions of a full batch, built as they are asked for (see the module docstring)."""
-    f = _Full(batch)
+def full_chunks(batch: NftBatch, counters: bool = False) -> Iterator[Chunk]:
+    """The transactions of a full batch, built as they are asked for (see the module docstring; ``counters``: the
+    fixed part with ``--service-counters``)."""
+    f = _Full(batch, counters)
     f.head()
     for d in batch.deltas:
         f.write(d.name, d.old_fragment, d.new_fragment)
@@ -132,8 +134,8 @@ def full_chunks(batch: NftBatch) -> Iterator[Chunk]:
 class _Full:
     """The state of one full batch's planning across its chunks."""
 
-    def __init__(self, batch: NftBatch) -> None:
-        self.batch = batch
+    def __init__(self, batch: NftBatch, counters: bool = False) -> None:
+        self.batch, self.counters = batch, counters
         self.scratch = scratch(batch)
         self.adopted = batch.adopted
         self.tx = render.Transaction(batch.family)
@@ -165,7 +167,7 @@ class _Full:
                 # unreadable, or another layout: replaced whole in one transaction (no moment without rules)
                 tx.head.append(f"add table {tx.fam} {layout.TABLE}")
                 tx.head.append(f"delete table {tx.fam} {layout.TABLE}")
-            tx.head.extend(layout.fixed_commands(fam))
+            tx.head.extend(layout.fixed_commands(fam, counters=self.counters))
             return set(), set(), {}
         shared = {c for c in adopted.chains if layout.is_shared_chain(c)}
         # a shared chain whose rules were changed by hand is written again (flushed first)
@@ -225,7 +227,7 @@ class _Full:
                 name,
                 None,
                 new,
-                old_keys=svc.keys(),
+                old_keys={**svc.keys(), **counters_mod.skeleton(svc.entries, adopted.counting())},
                 old_chains=adopted.service_chains(sid),
                 old_sets=adopted.service_sets(sid),
             )
@@ -241,7 +243,8 @@ class _Full:
         done = self.scratch.stale_done
         for ckey, svc in adopted.services.items():
             if ckey not in handled and ckey not in done:
-                render.change_service(tx, None, None, None, old_keys=svc.keys())
+                keys = {**svc.keys(), **counters_mod.skeleton(svc.entries, adopted.counting())}
+                render.change_service(tx, None, None, None, old_keys=keys)
                 self.stale.add(ckey)
         # chains of services the deltas handle (changed or removed) are theirs to rewrite or delete
         wanted_sids = {layout.service_chain_id(spn) for spn in (*batch.wanted, *self.in_batch)}

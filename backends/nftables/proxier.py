@@ -25,6 +25,7 @@ from prometheus_client import Counter as Counter_
 from kproxy.backend import LedgerProxier
 from kproxy.batch import Applied
 from kproxy.config import ProxyConfig
+from kproxy.counters import CounterDump
 from kproxy.drift import Drift
 from kproxy.metrics import PREFIX
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
@@ -37,6 +38,7 @@ from kproxy.toolkit.verify import Findings
 
 from . import adopt as adopt_mod
 from . import cleanup as cleanup_mod
+from . import counters as counters_mod
 from . import kernel, layout, plan, render
 from . import trace as trace_mod
 from .kernel import TableView
@@ -57,6 +59,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
     CHECK_INTERVAL_S: ClassVar[float | None] = CHECK_INTERVAL
     DRIFT: ClassVar[Drift | None] = Drift(frozenset({layout.TABLE}))  # its table announces every change
     uses_conntrack_nat: ClassVar[bool] = True
+    counters_offered = counters_mod.OFFERED  # connections: nat chains never see a connection's later packets
 
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
         super().__init__(config, netns=netns)
@@ -70,6 +73,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         self._counts: dict[IPFamily, dict[str, int]] = {}  # the last apply's figures per family, for describe()
         self.localhost = LocalhostRelay(netns)  # localhost NodePorts (``localhost``): a thread only while serving
         self.localhost.engine.on_dead = lambda ident: self.request_full(IPFamily.V4)  # a full sync binds it anew
+        self.counting = config.service_counters  # --service-counters: named counters per endpoint (``counters``)
+        self._counters = counters_mod.Reader(self)  # reads only when asked
 
     # ------------------------------------------------------------------------------------------ hooks
 
@@ -105,11 +110,17 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         return node.without_addresses()
 
     def render(self, sp: ServicePort, ctx: FamilyContext) -> Fragment:
-        return render.render_service(sp, ctx)
+        frag = render.render_service(sp, ctx)
+        return counters_mod.with_counters(frag, sp) if self.counting else frag
+
+    def counters(self, family: IPFamily) -> CounterDump | None:
+        """New connections per service port and endpoint from the table's named counters (``counters.py``); None
+        when ``--service-counters`` is off."""
+        return self._counters.read(family) if self.counting else None
 
     def adopt(self, family: IPFamily, ctx: FamilyContext) -> adopt_mod.Adopted | None:
         t0 = time.perf_counter()
-        got, err = adopt_mod.read(self.nft, family, layout.layout_chain(family))
+        got, err = adopt_mod.read(self.nft, family, layout.layout_chain(family, self.counting), self.counting)
         if got is None:
             log.warning("%s: reading kproxy's nftables table failed (%s): it will be replaced", family.value, err)
             return None
@@ -123,7 +134,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         # the fixed chains' rules, read by their comments over netlink (no set elements: ~2 ms): a deleted table
         # has none, and so has a flushed one (its chains, maps and elements stay, and nothing is reached)
         rules, _ = adopt_mod.read_rules(self.nft, family)
-        problems = adopt_mod.fixed_problems(family, rules) if rules is not None else ["unreadable"]
+        problems = adopt_mod.fixed_problems(family, rules, self.counting) if rules is not None else ["unreadable"]
         if problems:
             log.warning(
                 "%s: kproxy's nftables table was changed by someone else (%s): full resync",
@@ -137,7 +148,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
     # ------------------------------------------------------------------------------------------ verify, metrics
 
     def verify_view(self, family: IPFamily, ctx: FamilyContext) -> TableView:
-        return kernel.read_table(self.nft, family)
+        return kernel.read_table(self.nft, family, self.counting)
 
     def verify_error(self, view: TableView) -> str | None:
         return view.error
@@ -239,7 +250,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         known = self._kernel[fam]
         r0 = time.perf_counter()
         if batch.full:
-            chunks = plan.full_chunks(batch)
+            chunks = plan.full_chunks(batch, self.counting)
         else:
             if not known.known:
                 return Applied(ok=False, error="kernel state unknown: a full sync must come first", need_full=True)

@@ -43,6 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="a backend option as the backend declares it, e.g. iptables_flavour=legacy (repeatable)",
     )
     s.add_argument(
+        "--service-counters",
+        action="store_true",
+        help="with per-service traffic counters on (kproxy run's --service-counters)",
+    )
+    s.add_argument(
         "--reference",
         choices=REFERENCES,
         default=None,
@@ -112,6 +117,7 @@ def _sync_argv(args: argparse.Namespace) -> list[str]:
         "--state",
         args.state,
         *(f"--backend-option={opt}" for opt in args.backend_option),
+        *(["--service-counters"] if args.service_counters else []),
         *(
             ["--reference", args.reference, f"--reference-max-endpoints={args.reference_max_endpoints}"]
             if args.reference
@@ -132,7 +138,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
     if args.mode != "fake" and not args.inside:
         return run_in_namespace(_sync_argv(args))
     try:
-        result = run_sync_bench(args.mode, args.services, args.endpoints, args.repeat, options, args.state)
+        result = run_sync_bench(
+            args.mode, args.services, args.endpoints, args.repeat, options, args.state, args.service_counters
+        )
     except (BenchError, BackendError) as exc:
         print(f"kproxy bench sync: {exc}", file=sys.stderr)
         return 1

@@ -98,6 +98,8 @@ class SyncBench:
     repeat: int
     #: the synthetic state (STATES): ``default`` (ClusterIPs; every published figure) or ``mixed``
     state: str = "default"
+    #: ``--service-counters``: the run's proxier counts connections per service port and endpoint
+    service_counters: bool = False
     absorb_s: float = 0.0
     snapshot_s: float = 0.0
     full_sync_s: float = 0.0
@@ -223,10 +225,11 @@ def run_sync_bench(
     repeat: int = 5,
     backend_options: Mapping[str, Any] | None = None,
     state_name: str = "default",
+    service_counters: bool = False,
 ) -> SyncBench:
     """Run the phases in the current network namespace (the caller chose it) and return the figures.
     ``backend_options`` reach the backend as ``ProxyConfig.backend_options`` (e.g. ``iptables_flavour``);
-    ``state_name`` chooses the synthetic state (STATES)."""
+    ``state_name`` chooses the synthetic state (STATES); ``service_counters`` turns ``--service-counters`` on."""
     if n_services < 1 or n_endpoints < 1 or repeat < 1:
         raise BenchError("--services, --endpoints and --repeat must be at least 1")
     if n_endpoints > synthetic.MAX_ENDPOINTS:
@@ -239,6 +242,7 @@ def run_sync_bench(
         hostname_override=NODE,
         cluster_cidrs=(CLUSTER_CIDR,),
         backend_options=MappingProxyType(dict(backend_options or {})),
+        service_counters=service_counters,
     )
     cls = backend_class(mode)
     avail = cls.available()
@@ -247,6 +251,7 @@ def run_sync_bench(
     backend = cls(config)
     backend.start()  # as the daemon does before the first sync (loaders, data-path loops)
     out = SyncBench(mode=mode, services=n_services, endpoints=n_endpoints, repeat=repeat, state=state_name)
+    out.service_counters = service_counters
     live = [backend]  # the instance whose kernel state the run leaves: the restarted one once it exists
     meter = memory.PhaseMeter()
     try:
