@@ -9,9 +9,10 @@ map sizes and the maps' pin paths are among them) and the kernel release. The de
 - Programs detached (someone's ``BPF_PROG_DETACH``, ``bpftool cgroup detach``): the held programs are attached again
   (ALLOW_MULTI), when they read the maps pinned now: a loaded program is bound to the maps it was loaded with, so
   reattaching it serves exactly the maps kproxy writes.
-- Pins removed (the folder or single pins): the held programs still keep their maps alive, so every map they read is
-  pinned again at its path (found by the map's name, ``kp_<role><4|6>``; the socket-storage ``peer`` maps too, which
-  only the programs hold) and the programs are pinned again; a path someone pinned another map at is left alone.
+- Pins removed (the folder or single pins): kproxy's own map fds and the held programs still keep the maps alive, so
+  each is pinned again at its path (a program's map found by its name, ``kp_<role><4|6>``: the socket-storage
+  ``peer`` maps, which only the programs hold), contents and all, and the programs are pinned again; a path someone
+  pinned another map at is left alone.
 - Nothing usable left (no held programs, or they read other maps than the pinned ones: the pins were replaced, not
   removed): the caller compiles again (``loader.attach_in_child``).
 
@@ -181,18 +182,21 @@ class Held:
             self._map_pins = out
         return self._map_pins
 
-    def repin(self, p: loader.Places) -> list[str]:
-        """Put back the pins someone removed: every map the programs read, at its path when nothing is pinned there
-        (a path holding another map is left alone: that is a replacement, not a removal), and the programs
-        themselves. The names pinned again; [] (a few stat calls) when nothing was missing."""
-        missing = [(n, i) for n, i in self.map_pins().items() if not (p.pin_real / n).exists()]
+    def repin(self, p: loader.Places, own: Mapping[tuple[str, IPFamily], int]) -> list[str]:
+        """Put back the pins someone removed: the maps kproxy holds (``own``: (role, family) -> fd; the names maps,
+        which no program reads, among them) and every other map the programs read, each at its path when nothing is
+        pinned there (a path holding another map is left alone: that is a replacement, not a removal), and the
+        programs themselves. The names pinned again; [] (a few stat calls) when nothing was missing."""
+        want: dict[Path, tuple[int, bool]] = {n: (i, False) for n, i in self.map_pins().items()}
+        want.update({Path(maps.pin_name(r, f)): (fd, True) for (r, f), fd in own.items()})
+        missing = [(n, v) for n, v in want.items() if not (p.pin_real / n).exists()]
         progs = [n for n in self.fds if not pin_path(p, self.build, n).exists()]
         if not missing and not progs:
             return []
         p.pin_real.mkdir(parents=True, exist_ok=True)
         out = []
-        for name, mid in missing:
-            mfd = maps.map_fd_by_id(mid)
+        for name, (ref, is_fd) in missing:
+            mfd = ref if is_fd else maps.map_fd_by_id(ref)
             try:
                 maps.obj_pin(mfd, str(p.pin_real / name))
                 out.append(str(name))
@@ -200,7 +204,8 @@ class Held:
                 if exc.errno != errno.EEXIST:  # pinned meanwhile by someone: theirs stays
                     raise
             finally:
-                os.close(mfd)
+                if not is_fd:
+                    os.close(mfd)
         return out + [f"{PIN_PREFIX}{self.build}_{n}" for n in self.pin(p)]
 
     def close(self) -> None:
@@ -262,12 +267,13 @@ class Keeper:
         except OSError as exc:
             log.warning("bpf: pinning the programs in %s failed (a restart compiles them): %s", p.pin_dir, exc)
 
-    def put_back_pins(self, p: loader.Places) -> bool:
-        """Pins someone removed put back from the held programs (``Held.repin``); whether any were."""
+    def put_back_pins(self, p: loader.Places, own: Mapping[tuple[str, IPFamily], int]) -> bool:
+        """Pins someone removed put back from the held programs and ``own`` (the map fds kproxy holds, ``Held.repin``);
+        whether any were."""
         if self.held is None:
             return False
         try:
-            again = self.held.repin(p)
+            again = self.held.repin(p, own)
         except OSError as exc:
             log.warning("bpf: pinning the held maps and programs again in %s failed: %s", p.pin_dir, exc)
             return False

@@ -326,9 +326,12 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         if self._maps.retired and (self.last_reap is None or self.last_reap.done()):
             self._maps.close_retired()
         p = self._where()
-        if self.programs.put_back_pins(p):
-            self._owe(self.families)  # a full sync that reads the maps back (whatever else the damage did)
-        pinned = loader.pinned_ids(p)
+        for _ in range(3):  # a removal still under way (``rm -r``) may take more meanwhile: put that back too
+            if self.programs.put_back_pins(p, self._fds):
+                self._owe(self.families)  # a full sync that reads the maps back (whatever else the damage did)
+            pinned = loader.pinned_ids(p)
+            if all(k in pinned for k in self._fds):
+                break
         lost = self._maps.lost(pinned)
         if lost:
             log.warning(

@@ -45,7 +45,7 @@ def test_only_program_pins_of_another_build_are_stale(tmp_path: Path) -> None:
 def test_a_keeper_holding_nothing_leaves_the_repair_to_a_compile(tmp_path: Path) -> None:
     k = programs.Keeper()
     p = _places(tmp_path)
-    assert not k.put_back_pins(p)
+    assert not k.put_back_pins(p, {})
     assert not k.reattach(p, {("svc", IPFamily.V4): 1}, (IPFamily.V4,), "detached")
     assert k.remove_stale(p) == [] and k.compiles == 0 and k.repairs == 0
     k.close()
