@@ -6,9 +6,11 @@ elements), ``proxier`` (``BpfProxier``: the ledger's protocol), ``adopt`` (the m
 ``cleanup`` (remnants, kernel_view, cleanup), ``trace`` (the explainer, from the maps), ``kernel`` (plans executed
 with batched ``bpf(2)`` calls, the open maps and their check, reading back, floors); and the mode's own: ``maps``
 (byte layouts mirroring ``bpf/kproxy_lb.h``, pin names, the ``bpf(2)`` commands), ``loader`` (bcc compile, attach
-with BPF_F_ALLOW_MULTI, pin folder and cgroup per namespace), ``index`` (kproxy's index of the maps: frontends, ids
-and their allocators), ``plan`` (the ordered plan of map writes), ``decode`` (adoption's fast decoder), ``companion``
-(the nftables companion table), ``sockets`` (ending connected UDP sockets to removed backends).
+with BPF_F_ALLOW_MULTI, pin folder and cgroup per namespace), ``programs`` (the loaded programs held and pinned, so
+detached programs and removed pins are put back without a compile; a restart adopts them), ``index`` (kproxy's index
+of the maps: frontends, ids and their allocators), ``plan`` (the ordered plan of map writes), ``decode`` (adoption's
+fast decoder), ``companion`` (the nftables companion table), ``sockets`` (ending connected UDP sockets to removed
+backends).
 C sources: ``bpf/kproxy_sock.c`` (connect4/6, sendmsg4/6, recvmsg4/6, getpeername4/6) and ``bpf/kproxy_lb.h``.
 IPv4-mapped IPv6 peers (``::ffff:a.b.c.d``, a dual-stack socket reaching an IPv4 service) are translated by the *6
 hooks with the IPv4 maps, and get a mapped backend (and a mapped frontend from getpeername) back. A frontend's slot

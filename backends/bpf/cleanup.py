@@ -1,6 +1,6 @@
 """What the bpf mode left in the kernel, read from outside a running kproxy: ``remnants`` (pins, cgroup attachments,
 the companion table), ``kernel_view`` (the maps decoded per service port, like ``cilium bpf lb list``), and
-``cleanup`` (detach, unpin, delete the table).
+``cleanup`` (detach, unpin the maps and the programs, delete the table).
 
 Where a kproxy's pins and cgroup are is decided by its options (``loader.places``). Because another mode's start-up
 (``cleanup_other_modes``) and ``kproxy cleanup`` call ``cleanup`` without the bpf options a node ran with, every
@@ -25,7 +25,7 @@ from kproxy.config import ProxyConfig
 from kproxy.model import IPFamily
 from kproxy.proxier import BackendError, KernelProbe
 
-from . import companion, decode, loader, maps
+from . import companion, decode, loader, maps, programs
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,8 @@ def cleanup_leftovers(config: ProxyConfig, *, netns: str | None = None) -> None:
         pin_dir = p.pin_real
         if pin_dir.is_dir():
             for f in pin_dir.iterdir():
-                if f.name in maps.all_pin_names() or f.name.startswith(("svc", "be", "rev", "aff", "name", "peer")):
+                pinned = ("svc", "be", "rev", "aff", "name", "peer", programs.PIN_PREFIX)  # maps; programs.Held's
+                if f.name in maps.all_pin_names() or f.name.startswith(pinned):
                     f.unlink(missing_ok=True)
             try:
                 pin_dir.rmdir()

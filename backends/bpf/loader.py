@@ -302,14 +302,8 @@ def open_or_create(p: Places, role: str, family: IPFamily) -> int:
     return fd
 
 
-def compile_programs(p: Places, *, peer: bool = True) -> Any:
-    """bcc-compile bpf/kproxy_sock.c against the pin folder (creating or reopening the pinned maps); the BPF object.
-    The peer maps (``PEER_ROLE``: socket storage of connected TCP sockets, which keeps them out of the reverse-NAT
-    LRU) are created and pinned by bcc itself: kproxy's own map creation cannot make SK_STORAGE maps (they need
-    BTF), and userspace cannot list them, so no sync, adoption or ``pins_present`` ever opens them. ``peer=False``
-    builds without them (connected TCP sockets then use the reverse-NAT LRU: tests of that path)."""
-    from bcc import BPF  # type: ignore[import-not-found,unused-ignore]
-
+def program_cflags(p: Places, *, peer: bool = True) -> list[str]:
+    """The compiler flags of the programs for ``p`` (``compile_programs``; ``programs.digest`` hashes them)."""
     cflags = [
         f"-I{SOURCE.parent}",
         f"-DKP_SVC_MAX={p.map_size}",
@@ -321,8 +315,19 @@ def compile_programs(p: Places, *, peer: bool = True) -> Any:
         for role in (*maps.ROLES, PEER_ROLE) if peer else maps.ROLES:
             macro = f"KP_PIN_{role.upper()}{4 if fam == IPFamily.V4 else 6}"
             cflags.append(f'-D{macro}="{p.pin(role, fam)}"')
+    return cflags
+
+
+def compile_programs(p: Places, *, peer: bool = True) -> Any:
+    """bcc-compile bpf/kproxy_sock.c against the pin folder (creating or reopening the pinned maps); the BPF object.
+    The peer maps (``PEER_ROLE``: socket storage of connected TCP sockets, which keeps them out of the reverse-NAT
+    LRU) are created and pinned by bcc itself: kproxy's own map creation cannot make SK_STORAGE maps (they need
+    BTF), and userspace cannot list them, so no sync, adoption or ``pins_present`` ever opens them. ``peer=False``
+    builds without them (connected TCP sockets then use the reverse-NAT LRU: tests of that path)."""
+    from bcc import BPF  # type: ignore[import-not-found,unused-ignore]
+
     t0 = time.perf_counter()
-    b = BPF(text=SOURCE.read_bytes(), cflags=cflags)
+    b = BPF(text=SOURCE.read_bytes(), cflags=program_cflags(p, peer=peer))
     log.info("bpf: compiled %s in %.2f s (maps pinned in %s)", SOURCE.name, time.perf_counter() - t0, p.pin_dir)
     return b
 
@@ -394,12 +399,15 @@ def ours(progs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [d for d in progs if str(d.get("name", "")).startswith(PROG_PREFIX) and d.get("name") in PROGRAMS]
 
 
-def load_and_attach(b: Any, cgroup: Path, *, detach_old: bool = True) -> tuple[list[str], list[dict[str, Any]]]:
+def load_and_attach(
+    b: Any, cgroup: Path, *, detach_old: bool = True
+) -> tuple[list[str], list[dict[str, Any]], dict[str, int]]:
     """Load every program with its expected attach type; a ``kp_*`` program of the same name and tag (the same
     instructions: a restarted kproxy of the same version) already attached to ``cgroup`` is kept as it is, else the
     new one is attached (ALLOW_MULTI) and then the older copies are detached. (The names of programs attached now,
-    the older copies replaced.) ``detach_old`` False leaves the older copies attached, for the caller to detach once
-    the maps the new ones read are filled: they run first and keep translating meanwhile."""
+    the older copies replaced, the id of the program serving each name.) ``detach_old`` False leaves the older copies
+    attached, for the caller to detach once the maps the new ones read are filled: they run first and keep
+    translating meanwhile."""
     from bcc import BPF, BPFAttachType, BPFProgType  # type: ignore[import-not-found,unused-ignore]
 
     before = ours(attached(cgroup))
@@ -416,7 +424,7 @@ def load_and_attach(b: Any, cgroup: Path, *, detach_old: bool = True) -> tuple[l
         finally:
             os.close(pfd)
     fd = os.open(str(cgroup), os.O_RDONLY | os.O_DIRECTORY)
-    done, kept = [], []
+    done, kept, serving = [], [], {}
     try:
         for name, (_fam, at_name, _short) in PROGRAMS.items():
             at = getattr(BPFAttachType, at_name)
@@ -426,9 +434,11 @@ def load_and_attach(b: Any, cgroup: Path, *, detach_old: bool = True) -> tuple[l
             if same:
                 kept.append(same[0])  # adopted: it keeps serving, nothing is swapped
                 done.append(name)
+                serving[name] = int(same[0]["id"])
                 continue
             BPF.attach_func(fn, fd, at, BPF_F_ALLOW_MULTI)
             done.append(name)
+            serving[name] = map_id(fn.fd)
     finally:
         os.close(fd)
     kept_ids = {int(d["id"]) for d in kept}
@@ -437,7 +447,7 @@ def load_and_attach(b: Any, cgroup: Path, *, detach_old: bool = True) -> tuple[l
         detach_ids(cgroup, replaced)
     if kept:
         log.info("bpf: %d programs of the same build were attached already: kept", len(kept))
-    return done, replaced
+    return done, replaced, serving
 
 
 _VERSIONED_PIN = re.compile(r"(?:svc|be|rev|aff|name|peer)[46]_v[0-9]+")
@@ -458,10 +468,11 @@ def remove_stale_pins(p: Places) -> list[str]:
 
 def attach_in_child(
     p: Places, timeout: float = 120.0, *, detach_old: bool = True
-) -> tuple[list[str], list[dict[str, Any]]]:
+) -> tuple[list[str], list[dict[str, Any]], dict[str, int]]:
     """Compile, load and attach the programs in a child process (``python -m kproxy.backends.bpf.loader``), which
     reopens the pinned maps; (the names attached, the older copies replaced: still attached unless ``detach_old``,
-    see ``load_and_attach``). RuntimeError with the child's message when it fails."""
+    the id serving each name: the caller holds them, ``programs.Held``; see ``load_and_attach``). RuntimeError with
+    the child's message when it fails."""
     import sys
 
     argv = [
@@ -481,11 +492,12 @@ def attach_in_child(
     if res.returncode != 0:
         raise RuntimeError(f"bpf: loading the programs failed: {res.stderr.strip()[-800:]}")
     doc = json.loads(res.stdout.strip().splitlines()[-1])
-    return [str(x) for x in doc["attached"]], [dict(d) for d in doc.get("replaced", [])]
+    ids = {str(k): int(v) for k, v in doc.get("programs", {}).items()}
+    return [str(x) for x in doc["attached"]], [dict(d) for d in doc.get("replaced", [])], ids
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The child of ``attach_in_child``: compile, attach, print ``{"attached": [...]}``."""
+    """The child of ``attach_in_child``: compile, attach, print ``{"attached": [...], "programs": {name: id}}``."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m kproxy.backends.bpf.loader")
@@ -498,18 +510,19 @@ def main(argv: list[str] | None = None) -> int:
     p = Places(Path(args.pin_path), Path(args.cgroup), False, args.map_size, args.allow_root_cgroup)
     check_places(p)
     b = compile_programs(p)
-    names, replaced = load_and_attach(b, p.cgroup, detach_old=not args.keep_old)
+    names, replaced, serving = load_and_attach(b, p.cgroup, detach_old=not args.keep_old)
     if not args.keep_old:
         stale = remove_stale_pins(p)
         if stale:
             log.info("bpf: removed the pins of an older map version: %s", ", ".join(stale))
-    print(json.dumps({"attached": names, "replaced": replaced}))
+    print(json.dumps({"attached": names, "replaced": replaced, "programs": serving}))
     return 0
 
 
 def map_id(fd: int) -> int:
-    """The kernel's id of the map behind ``fd`` (bpf_map_info.id, offset 4): two fds of one map share it, and a map
-    pinned again by someone else after a flush has another."""
+    """The kernel's id of the map (or program: bpf_prog_info.id is at the same offset) behind ``fd``
+    (bpf_map_info.id, offset 4): two fds of one map share it, and a map pinned again by someone else after a flush
+    has another."""
     import ctypes
     import struct
 

@@ -255,8 +255,10 @@ _SYS_BPF = 321  # x86_64
 _BPF_MAP_CREATE = 0
 _BPF_MAP_LOOKUP_ELEM = 1
 _BPF_OBJ_PIN = 6
+_BPF_PROG_ATTACH = 8
 _BPF_PROG_DETACH = 9
 _BPF_PROG_GET_FD_BY_ID = 13
+_BPF_MAP_GET_FD_BY_ID = 14
 _BPF_OBJ_GET_INFO_BY_FD = 15
 _BPF_PROG_QUERY = 16
 _BPF_OBJ_GET = 7
@@ -372,6 +374,26 @@ def prog_map_ids(prog_fd: int, max_ids: int = 32) -> frozenset[int]:
 def prog_detach(target_fd: int, prog_fd: int, attach_type: int) -> None:
     attr = ctypes.create_string_buffer(struct.pack("<IIII", target_fd, prog_fd, attach_type, 0), 120)
     _bpf(_BPF_PROG_DETACH, attr, hold_gil=False)  # may wait for an RCU grace period
+
+
+def prog_attach(target_fd: int, prog_fd: int, attach_type: int, flags: int) -> None:
+    """Attach a loaded program to a cgroup (``target_fd``) for one attach type (legacy BPF_PROG_ATTACH: the attachment
+    outlives the process)."""
+    attr = ctypes.create_string_buffer(struct.pack("<IIIII", target_fd, prog_fd, attach_type, flags, 0), 120)
+    _bpf(_BPF_PROG_ATTACH, attr, hold_gil=False)
+
+
+def map_fd_by_id(map_id: int) -> int:
+    attr = ctypes.create_string_buffer(struct.pack("<I", map_id), 120)
+    return _bpf(_BPF_MAP_GET_FD_BY_ID, attr)
+
+
+def map_name(map_fd: int) -> str:
+    """The map's name (bpf_map_info.name, offset 24; 16 bytes)."""
+    info = ctypes.create_string_buffer(96)
+    attr = ctypes.create_string_buffer(struct.pack("<IIQ", map_fd, 96, ctypes.addressof(info)), 120)
+    _bpf(_BPF_OBJ_GET_INFO_BY_FD, attr)
+    return info.raw[24:40].split(b"\0", 1)[0].decode(errors="replace")
 
 
 def map_spec(role: str, family: IPFamily, map_size: int, lru_size: int) -> tuple[int, int, int, int, int]:

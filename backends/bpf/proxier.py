@@ -3,10 +3,12 @@ is its socket frontends and its share of the nftables companion table (``render`
 ordered plan of map writes (``plan``), executed as a few ``BPF_MAP_*_BATCH`` calls (``kernel``), and one nft
 transaction when the companion part changed (``companion``); ``adopt`` reads the kernel back (``adopt``).
 
-Loading: ``start()`` creates or reopens the pinned maps, then compiles, loads and attaches the programs in a child
-process (``loader.attach_in_child``: bcc and LLVM never enter kproxy's own memory; the programs stay attached to the
-cgroup when the child exits). A sync without ``start()`` (``kproxy bench sync``, tests of the maps alone) only opens
-or creates the pinned maps. ``__init__`` touches nothing.
+Loading: ``start()`` creates or reopens the pinned maps, then adopts the pinned programs of its own build when they
+read those maps (a restart: no compile), else compiles, loads and attaches the programs in a child process
+(``loader.attach_in_child``: bcc and LLVM never enter kproxy's own memory; the programs stay attached to the cgroup
+when the child exits). Either way it then holds an fd of each program and pins them (``programs.Keeper``), so a repair
+of detached programs or removed pins is a few ``bpf(2)`` calls, not a compile. A sync without ``start()`` (``kproxy
+bench sync``, tests of the maps alone) only opens or creates the pinned maps. ``__init__`` touches nothing.
 
 kproxy's index of the maps (``index.FamilyIndex``) is the allocator of backend and reverse-NAT ids; when a write
 fails the index is dropped and the next full sync rebuilds it from the kernel. Capacity (cilium#12815: a full LB map
@@ -37,7 +39,7 @@ from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Syn
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelHooks, LabNodeSpec, Option
 
-from . import adopt, cleanup, companion, kernel, loader, maps, plan, render, sockets, trace
+from . import adopt, cleanup, companion, kernel, loader, maps, plan, programs, render, sockets, trace
 from .adopt import Adopted
 from .index import MAX_ID, FamilyIndex
 from .kernel import Step
@@ -117,6 +119,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         self._owed: set[IPFamily] = set()
         self._reattach = False
         self._reattach_after = 0.0
+        # the programs attached, held (fds) and pinned: detached or unpinned, they are put back without a compile
+        self.programs = programs.Keeper()
         self._metric_entries: Any = None
         self._counts: dict[IPFamily, dict[str, int]] = {}  # the last apply's figures per family, for describe()
         self.attached: list[str] = []
@@ -206,12 +210,13 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         self._maps.ensure(self.families, every)
 
     def start(self) -> None:
-        """Compile the programs, pin or reopen the maps, attach to the cgroup (replacing an older kproxy's copies)."""
+        """Pin or reopen the maps; adopt the pinned programs of this build or compile them; attach to the cgroup
+        (replacing an older kproxy's copies); hold and pin the programs."""
         p = self._where()
         loader.ensure_places(p)
         cleanup.record_places(p, self.netns)
         self._ensure_maps(every=True)  # created with the programs' specs: the compiler reopens them
-        self.attached, self._replaced = loader.attach_in_child(p, detach_old=False)
+        self.attached, self._replaced = self.programs.start(p)
         log.info("bpf: attached %s to %s", ", ".join(self.attached), p.cgroup)
         if self._replaced:
             log.info("bpf: %d older programs stay attached until the first sync fills the maps", len(self._replaced))
@@ -221,6 +226,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
     def close(self) -> None:
         self._reaper.close()  # it reads the reverse-NAT map: before the fds go
         self._maps.close()
+        self.programs.close()  # pinned and attached: they stay in the kernel
         self._companion.close()
 
     def cleanup(self) -> None:
@@ -278,9 +284,11 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         """Asked by the ledger at most every ``CHECK_INTERVAL_S`` per family. For the first family: are the pinned
         maps the ones kproxy writes, are its programs attached and reading them, is the companion table there? What
         someone flushed or deleted (the pins, the attachments, the table: ``kproxy cleanup`` of another process does
-        all three) is put back: the maps made and pinned again (empty) and their family owed a full sync that reads
-        the kernel and writes everything, the programs attached again after it (``apply``). A few bpf(2) calls and
-        one ``list tables``. (A due read-back, ``KERNEL_READ_S``, is ``readback_due``'s: no damage.)"""
+        all three) is put back: removed pins and detached programs from the held ones at once (``programs.Keeper``:
+        the same maps, no compile); else the maps made and pinned again (empty) and the programs compiled and attached
+        again after the full sync that refills them (``apply``). Either way the family is owed a full sync that reads
+        the kernel. A few bpf(2) calls and one ``list tables``. (A due read-back, ``KERNEL_READ_S``, is
+        ``readback_due``'s: no damage.)"""
         if family is self.families[0] and self._fds:
             try:
                 self._check_kernel_now()
@@ -307,7 +315,12 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         if self._maps.retired and (self.last_reap is None or self.last_reap.done()):
             self._maps.close_retired()
         p = self._where()
-        pinned = loader.pinned_ids(p)
+        for _ in range(3):  # a removal still under way (``rm -r``) may take more meanwhile: put that back too
+            if self.programs.put_back_pins(p, self._fds):
+                self._owe(self.families)  # a full sync that reads the maps back (whatever else the damage did)
+            pinned = loader.pinned_ids(p)
+            if all(k in pinned for k in self._fds):
+                break
         lost = self._maps.lost(pinned)
         if lost:
             log.warning(
@@ -320,8 +333,10 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
             pinned = loader.pinned_ids(p)
         if self.attached and not self._reattach:
             why = loader.programs_problem(p, pinned, self.families)
-            if why is not None:
-                log.warning("bpf: %s: attaching the programs again after the next sync", why)
+            if why is not None and self.programs.reattach(p, pinned, self.families, why):
+                self._owe(self.families)  # as above
+            elif why is not None:
+                log.warning("bpf: %s: compiling and attaching the programs again after the next sync", why)
                 self._reattach = True
                 self._reattach_after = 0.0
                 self._owe(self.families)  # a sync now, so the programs come back at once
@@ -331,11 +346,11 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
                 self._owe((f,))
 
     def _repair_programs(self) -> None:
-        """Compile and attach the programs again (``loader.attach_in_child``: the same as ``start``)."""
+        """Compile and attach the programs again (``loader.attach_in_child``): the held ones could not serve."""
         p = self._where()
         try:
             self._ensure_maps(every=True)
-            self.attached, _ = loader.attach_in_child(p)  # the maps were just filled: older copies go at once
+            self.attached = self.programs.compile_again(p)  # the maps were just filled: older copies go at once
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
             self._reattach_after = time.monotonic() + REATTACH_RETRY_S
             log.error("bpf: attaching the programs again failed (next try in %.0f s): %s", REATTACH_RETRY_S, exc)
@@ -356,10 +371,10 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         self._replaced = []
         self._remove_stale_pins(p)
 
-    @staticmethod
-    def _remove_stale_pins(p: loader.Places) -> None:
+    def _remove_stale_pins(self, p: loader.Places) -> None:
         try:
             stale = loader.remove_stale_pins(p)
+            stale += self.programs.remove_stale(p)
         except OSError as exc:
             log.warning("bpf: removing the pins of an older map layout in %s failed: %s", p.pin_dir, exc)
             return
