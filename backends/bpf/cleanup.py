@@ -27,6 +27,8 @@ from . import companion, decode, loader, maps
 log = logging.getLogger(__name__)
 
 RECORDS = Path("/run/kproxy/bpf")
+#: what pins of any map version start with (the counters' ``cnt`` too)
+_PIN_STEMS = ("svc", "be", "rev", "aff", "name", "peer", "cnt")
 
 
 def _record_path(netns: str | None) -> Path:
@@ -125,7 +127,7 @@ def cleanup(options: Mapping[str, Any], netns: str | None) -> None:
         pin_dir = p.pin_real
         if pin_dir.is_dir():
             for f in pin_dir.iterdir():
-                if f.name in maps.all_pin_names() or f.name.startswith(("svc", "be", "rev", "aff", "name", "peer")):
+                if f.name in maps.all_pin_names() or f.name.startswith(_PIN_STEMS):
                     f.unlink(missing_ok=True)
             try:
                 pin_dir.rmdir()

@@ -16,6 +16,7 @@ fit before anything is rendered, so a full map never fails a family's sync.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -32,12 +33,13 @@ from kproxy.admission import Limits
 from kproxy.backend import LedgerProxier
 from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
+from kproxy.counters import CounterDump, Measure
 from kproxy.drift import Drift
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelProbe, LabNodeSpec, Option
 
-from . import adopt, cleanup, companion, kernel, loader, maps, plan, render, sockets, trace
+from . import adopt, cleanup, companion, counters, kernel, loader, maps, plan, render, sockets, trace
 from .adopt import Adopted
 from .index import MAX_ID, FamilyIndex
 from .kernel import Step
@@ -72,6 +74,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
     DRIFT: ClassVar[Drift | None] = Drift(frozenset({companion.TABLE}), poll_s=0.3)
     # the socket path translates before conntrack sees anything, but the companion table NATs external traffic
     uses_conntrack_nat: ClassVar[bool] = True
+    # connections only: the programs run at connect()/sendmsg() and never see a connection's packets (counters.py)
+    counters_offered: ClassVar[frozenset[Measure]] = counters.OFFERED
     options: ClassVar[tuple[Option, ...]] = (
         Option(
             "bpf_cgroup_path",
@@ -107,7 +111,10 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
         super().__init__(config, netns=netns)
         self._places: loader.Places | None = None
-        self._maps = kernel.OpenMaps(self._where, lambda p: cleanup.record_places(p, self.netns))
+        counting = config.service_counters
+        self._maps = kernel.OpenMaps(self._where, lambda p: cleanup.record_places(p, self.netns), counting)
+        # --service-counters: each service port's backend ids, to name what the counter maps hold (counters.py)
+        self._names = counters.Names(self.families) if counting else None
         self._index: dict[IPFamily, FamilyIndex | None] = {f: None for f in self.families}
         self._companion = companion.Companion(self.families, netns)
         self._kernel_read: dict[IPFamily, float] = {}
@@ -210,7 +217,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
 
     def _where(self) -> loader.Places:
         if self._places is None:
-            self._places = loader.places(self.option_values(self.config.backend_options), self.netns)
+            p = loader.places(self.option_values(self.config.backend_options), self.netns)
+            self._places = dataclasses.replace(p, counters=self.config.service_counters)
         return self._places
 
     def _ensure_maps(self, every: bool = False) -> None:
@@ -239,6 +247,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         super().cleanup()
         self._index = {f: None for f in self.families}
         self._companion.forget()
+        if self._names is not None:
+            self._names.forget()
 
     # -- ledger hooks ---------------------------------------------------------------------------------------------
 
@@ -410,8 +420,10 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         t0 = time.perf_counter()
         self._ensure_maps()
         adopted: Adopted | None = batch.adopted
+        read_back = False  # the maps were read from the kernel for this batch (the counters are repaired then)
         if batch.full:
-            index = adopted.index if adopted is not None else self.adopt(fam, batch.context).index
+            got = adopted if adopted is not None else self.adopt(fam, batch.context)
+            index, read_back = got.index, got.trusted is None
             adopt.claim_all(index, batch.wanted, (d.name for d in batch.deltas))
         else:
             cur = self._index[fam]
@@ -421,7 +433,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         # until this batch is fully in, the index may not match the kernel: a full sync then reads the maps again
         read_at = self._kernel_read.pop(fam, None)
         try:
-            the_plan, steps, t_write, t1 = self._write_maps(batch, index)
+            the_plan, steps, t_write, t1 = self._write_maps(batch, index, read_back)
         except maps.BpfError as exc:
             self._index[fam] = None
             why = "a BPF map is full (E2BIG)" if exc.errno == errno.E2BIG else str(exc)
@@ -437,6 +449,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         t2 = time.perf_counter()
         the_plan.release(index)
         self._index[fam] = index
+        if self._names is not None:
+            self._names.applied(fam, index, batch)
         try:
             trusted = adopted.trusted if adopted is not None else None
             self._companion.apply(batch, adopted.nft if adopted is not None else None, trusted)
@@ -457,12 +471,15 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         timings = {"plan": t1 - t0, "apply": t2 - t1, "nft": t3 - t2, **({"pipelined": t_write} if t_write else {})}
         return Applied(figures=MappingProxyType(self._figures(fam, index, the_plan)), timings=MappingProxyType(timings))
 
-    def _write_maps(self, batch: BpfBatch, index: FamilyIndex) -> tuple[plan.Plan, list[Step], float, float]:
+    def _write_maps(
+        self, batch: BpfBatch, index: FamilyIndex, read_back: bool = False
+    ) -> tuple[plan.Plan, list[Step], float, float]:
         """Plan the batch's map writes and execute them: (the plan, its exact steps for the benchmark's floors, the
         seconds a writer thread wrote while planning went on, when planning ended). "apply" timings are the writes
-        after planning ended; a large batch's puts are written meanwhile by another thread."""
+        after planning ended; a large batch's puts are written meanwhile by another thread. With counters, a batch
+        whose maps were ``read_back`` also repairs the counters (``counters.repair``)."""
         fam = batch.family
-        the_plan = plan.Plan()
+        the_plan = plan.Plan(counting=self._names is not None)
         # an index holding nothing before this plan (a first sync into empty maps) has nothing to sweep after it: the
         # plan writes only frontends of wanted services, backends their slots name, names of those services
         was_empty = not (index.fronts or index.backends or index.rev_names)
@@ -484,6 +501,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         if batch.full and not was_empty:
             plan.sweep(index, batch.wanted, the_plan)
         plan.finish_plan(the_plan)
+        if self._names is not None and batch.full and read_back:
+            counters.repair(the_plan, index, counters.read_map(self._fds[(maps.COUNTER_ROLE, fam)]))
         t1 = time.perf_counter()
         rest = the_plan.ordered()
         steps += rest
@@ -512,6 +531,13 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
             self.last_reap = self._reaper.submit(
                 self._places.cgroup, gone, self._fds.get(("rev", batch.family)), batch.family
             )
+
+    def counters(self, family: IPFamily) -> CounterDump | None:
+        """New connections and flows per service port and endpoint, from one walk of the family's counter map
+        (``counters.py``); None without ``--service-counters``."""
+        if self._names is None or family not in self.families:
+            return None
+        return self._names.read(family, self._where())
 
     # -- benchmark floors, metrics, trace --------------------------------------------------------------------------
 
