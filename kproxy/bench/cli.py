@@ -57,6 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="run the reference only up to services x endpoints = N (default %(default)s: upstream's layout took 68 s"
         " in nft -f at 10,000 x 10 here)",
     )
+    s.add_argument(
+        "--service-counters",
+        action="store_true",
+        help="run the backend with per-service traffic counters on (kproxy run --service-counters)",
+    )
     s.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # already in the bench namespace
     s.set_defaults(func=cmd_sync)
 
@@ -112,6 +117,7 @@ def _sync_argv(args: argparse.Namespace) -> list[str]:
         "--state",
         args.state,
         *(f"--backend-option={opt}" for opt in args.backend_option),
+        *(["--service-counters"] if args.service_counters else []),
         *(
             ["--reference", args.reference, f"--reference-max-endpoints={args.reference_max_endpoints}"]
             if args.reference
@@ -132,7 +138,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
     if args.mode != "fake" and not args.inside:
         return run_in_namespace(_sync_argv(args))
     try:
-        result = run_sync_bench(args.mode, args.services, args.endpoints, args.repeat, options, args.state)
+        result = run_sync_bench(
+            args.mode, args.services, args.endpoints, args.repeat, options, args.state, args.service_counters
+        )
     except (BenchError, BackendError) as exc:
         print(f"kproxy bench sync: {exc}", file=sys.stderr)
         return 1

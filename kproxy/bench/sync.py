@@ -97,6 +97,8 @@ class SyncBench:
     repeat: int
     #: the synthetic state (STATES): ``default`` (ClusterIPs; every published figure) or ``mixed``
     state: str = "default"
+    #: whether the backend ran with ``--service-counters``
+    service_counters: bool = False
     absorb_s: float = 0.0
     snapshot_s: float = 0.0
     full_sync_s: float = 0.0
@@ -222,6 +224,7 @@ def run_sync_bench(
     repeat: int = 5,
     backend_options: Mapping[str, Any] | None = None,
     state_name: str = "default",
+    service_counters: bool = False,
 ) -> SyncBench:
     """Run the phases in the current network namespace (the caller chose it) and return the figures.
     ``backend_options`` reach the backend as ``ProxyConfig.backend_options`` (e.g. ``iptables_flavour``);
@@ -238,6 +241,7 @@ def run_sync_bench(
         hostname_override=NODE,
         cluster_cidrs=(CLUSTER_CIDR,),
         backend_options=MappingProxyType(dict(backend_options or {})),
+        service_counters=service_counters,
     )
     cls = backend_class(mode)
     avail = cls.available()
@@ -245,7 +249,14 @@ def run_sync_bench(
         raise BenchError(f"mode {mode} is not available here: {avail.reason}")
     backend = cls(config)
     backend.start()  # as the daemon does before the first sync (loaders, data-path loops)
-    out = SyncBench(mode=mode, services=n_services, endpoints=n_endpoints, repeat=repeat, state=state_name)
+    out = SyncBench(
+        mode=mode,
+        services=n_services,
+        endpoints=n_endpoints,
+        repeat=repeat,
+        state=state_name,
+        service_counters=service_counters,
+    )
     live = [backend]  # the instance whose kernel state the run leaves: the restarted one once it exists
     meter = memory.PhaseMeter()
     try:
@@ -484,7 +495,10 @@ def format_table(b: SyncBench) -> str:
 
     rows = [
         ("mode", b.mode),
-        ("services x endpoints", f"{b.services} x {b.endpoints} ({b.state} state)"),
+        (
+            "services x endpoints",
+            f"{b.services} x {b.endpoints} ({b.state} state{', service counters' if b.service_counters else ''})",
+        ),
         ("absorb", sec(b.absorb_s)),
         ("first snapshot", sec(b.snapshot_s)),
         ("full sync", sec(b.full_sync_s)),
