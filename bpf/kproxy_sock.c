@@ -71,12 +71,14 @@ BPF_TABLE_PINNED("sk_storage", int, struct kp_peer6_val, kp_peer6, 0, KP_PIN_PEE
 BPF_TABLE_PINNED("percpu_hash", __u32, __u64, kp_cnt4, KP_BE_MAX, KP_PIN_CNT4, BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("percpu_hash", __u32, __u64, kp_cnt6, KP_BE_MAX, KP_PIN_CNT6, BPF_F_NO_PREALLOC);
 
-/* one more for the backend: this CPU's slot of its counter, when kproxy wrote one (it does with the backend) */
+/* one more for the backend: this CPU's slot of its counter, when kproxy wrote one (it does with the backend). An
+ * atomic add although the slot is this CPU's: a program in process context may be preempted by another on the same
+ * CPU, and a plain increment would then lose one; uncontended, the add costs next to nothing beside a connect() */
 static __always_inline void kp_count(__u32 backend_id, int is6)
 {
 	__u64 *c = is6 ? kp_cnt6.lookup(&backend_id) : kp_cnt4.lookup(&backend_id);
 	if (c)
-		*c += 1;
+		__sync_fetch_and_add(c, 1);
 }
 /* a connection (TCP, SCTP): every translated connect; a flow (UDP): a translation that wrote the reverse entry */
 #define KP_COUNT_CONN(proto, id, is6)                                                                                  \
