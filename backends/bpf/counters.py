@@ -12,7 +12,7 @@ Decisions:
   are per service port (a backend of two services has two ids), so an id names one (service port, endpoint). The
   programs add one per translating pick: every TCP/SCTP connect, and for UDP a translation that (re)writes the
   socket's reverse-NAT entry (a new socket, backend or frontend: one per flow, not per datagram; a flow whose entry
-  the reverse-NAT LRU pushed out counts again). Per-CPU: no atomic, no shared cache line per busy backend. The
+  the reverse-NAT LRU pushed out counts again). Per-CPU: no cache line shared between CPUs per busy backend. The
   programs only increment a counter kproxy made: each new backend's counter is written (zero) with the backend,
   before any slot names it, and deleted with it (``plan.Plan.counting``), so a reused id starts at 0 and a deleted
   service's counters go with its backends. A full sync that reads the maps back also repairs the counters
