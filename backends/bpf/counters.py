@@ -39,7 +39,6 @@ import os
 import sys
 import threading
 from collections.abc import Iterable, Mapping
-from operator import itemgetter
 from typing import Any
 
 from kproxy.batch import Batch
@@ -54,7 +53,7 @@ from .plan import Plan
 #: What the mode counts (``Proxier.counters_offered``): connections, see the module's docstring.
 OFFERED: frozenset[Measure] = frozenset({Measure.CONNECTIONS})
 
-#: one service port's backend ids and their endpoints (``ip:port``, ``[ip]:port``), in endpoint order
+#: one service port's backend ids and their endpoints (``ip:port``, ``[ip]:port``), in slot order
 Ids = tuple[tuple[int, ...], tuple[str, ...]]
 
 
@@ -63,9 +62,9 @@ def endpoint_text(address: str, port: int) -> str:
 
 
 def all_ids(index: FamilyIndex, names: Iterable[ServicePortName] | None = None) -> dict[ServicePortName, Ids]:
-    """Each service port's backend ids and endpoints as ``index`` holds them (the slots of every frontend it owns);
-    only ``names`` when given. One pass over the frontends."""
-    found: dict[ServicePortName, dict[int, str]] = {}
+    """Each service port's backend ids and endpoints as ``index`` holds them (the slots of every frontend it owns, in
+    slot order); only ``names`` when given. One pass over the frontends."""
+    found: dict[ServicePortName, dict[int, tuple[str, int, int] | None]] = {}
     backends = index.backends
     fronts: Iterable[FrontState]
     if names is None:
@@ -76,16 +75,15 @@ def all_ids(index: FamilyIndex, names: Iterable[ServicePortName] | None = None) 
         owner = st.owner
         if owner is None:
             continue
-        mine = found.setdefault(owner, {})
-        for bid in st.slots[: st.master.count]:
-            if bid not in mine:
-                be = backends.get(bid)
-                if be is not None:
-                    mine[bid] = endpoint_text(be[0], be[1])
+        mine = found.get(owner)
+        if mine is None:
+            mine = found[owner] = {}
+        slots = st.slots[: st.master.count]
+        mine.update(zip(slots, map(backends.get, slots), strict=True))  # frontends of one service share its backend ids
     out: dict[ServicePortName, Ids] = {}
-    for name, ids in found.items():
-        pairs = sorted(ids.items(), key=itemgetter(1))
-        out[name] = (tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
+    for name, held in found.items():
+        pairs = [(bid, be) for bid, be in held.items() if be is not None]
+        out[name] = (tuple([bid for bid, _ in pairs]), tuple([endpoint_text(be[0], be[1]) for _, be in pairs]))
     return out
 
 

@@ -163,8 +163,8 @@ def test_service_ports_are_named_with_their_endpoints_and_read_per_backend_id(tm
     names = counters.Names((IPFamily.V4,))
     names.applied(IPFamily.V4, index, batch(True, ("a", a), ("b", b), wanted=("a", "b", "refused")))
     got = names._names[IPFamily.V4]
-    # a's two backends (ids 1, 2 in its endpoints' order of the fragment), b's one across its two frontends
-    assert got[spn("a")][1] == ("198.18.1.1:8080", "198.18.1.2:8080")
+    # a's two backends (ids 1, 2 in its fragment's order), b's one across its two frontends
+    assert got[spn("a")] == ((1, 2), ("198.18.1.2:8080", "198.18.1.1:8080"))
     assert got[spn("b")] == ((3,), ("198.18.1.1:8080",))
     assert got[spn("refused")] == ((), ())
     counts = {index_id: 10 * index_id for index_id in index.backends}
