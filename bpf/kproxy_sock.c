@@ -28,11 +28,11 @@
  * socket storage instead (freed with the socket), so the reverse-NAT LRU holds only UDP sockets' entries.
  *
  * Traffic counters (--service-counters): only when kproxy passes KP_PIN_CNT4/6 (backends/bpf/counters.py). Every
- * backend pick that translates counts one in a per-CPU hash keyed by the backend id (ids are per service port, so
- * an id names one (service port, endpoint)): a TCP or SCTP connect, and for UDP a translation that (re)writes the
- * socket's reverse-NAT entry (a new socket, backend or frontend: a new flow; later datagrams of the flow are not
- * counted). kproxy writes each backend's counter (zero) with the backend and deletes it with it; the programs only
- * increment what is there. Without the defines nothing of this is compiled: the programs are today's.
+ * backend pick that translates counts one in an array indexed by the backend id (ids are per service port, so an id
+ * names one (service port, endpoint)): a TCP or SCTP connect, and for UDP a translation that (re)writes the socket's
+ * reverse-NAT entry (a new socket, backend or frontend: a new flow; later datagrams of the flow are not counted).
+ * kproxy zeroes a backend's counter with the backend and again when it goes. Without the defines nothing of this is
+ * compiled: the programs are today's.
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/in.h>
@@ -68,12 +68,10 @@ BPF_TABLE_PINNED("sk_storage", int, struct kp_peer6_val, kp_peer6, 0, KP_PIN_PEE
 #if defined(KP_PIN_CNT4) && defined(KP_PIN_CNT6)
 /* --service-counters: new connections and flows per backend id (see the header comment) */
 #define KP_COUNTERS 1
-BPF_TABLE_PINNED("percpu_hash", __u32, __u64, kp_cnt4, KP_BE_MAX, KP_PIN_CNT4, BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("percpu_hash", __u32, __u64, kp_cnt6, KP_BE_MAX, KP_PIN_CNT6, BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("array", __u32, __u64, kp_cnt4, KP_BE_MAX, KP_PIN_CNT4);
+BPF_TABLE_PINNED("array", __u32, __u64, kp_cnt6, KP_BE_MAX, KP_PIN_CNT6);
 
-/* one more for the backend: this CPU's slot of its counter, when kproxy wrote one (it does with the backend). An
- * atomic add although the slot is this CPU's: a program in process context may be preempted by another on the same
- * CPU, and a plain increment would then lose one; uncontended, the add costs next to nothing beside a connect() */
+/* one more for the backend, atomically (one counter for all CPUs: why not per-CPU, see backends/bpf/counters.py) */
 static __always_inline void kp_count(__u32 backend_id, int is6)
 {
 	__u64 *c = is6 ? kp_cnt6.lookup(&backend_id) : kp_cnt4.lookup(&backend_id);

@@ -96,13 +96,16 @@ class Writer:
 
 def run_steps(fds: Mapping[str, int], family: IPFamily, steps: Iterable[Step]) -> None:
     """Execute a plan's steps on the maps ``fds`` (role -> fd): puts as batch updates; deletes as batch deletes, of
-    the backend array as all-zero values (an array refuses deletes; zero is "no backend" to the programs)."""
+    the backend array and the counters as all-zero values (an array refuses deletes; zero is "no backend" to the
+    programs)."""
     for role, op, keys, values in steps:
         fd = fds[role]
         if op == "put":
             maps.update_batch(fd, keys, values)
         elif role == "be":
             maps.update_batch(fd, keys, maps.zero_values(len(keys), maps.key_sizes(family)["be"][1]))
+        elif role == maps.COUNTER_ROLE:  # an array too: a counter goes to zero
+            maps.update_batch(fd, keys, maps.zero_values(len(keys), maps.COUNTER_VALUE.size))
         else:
             _delete(fd, keys)
 

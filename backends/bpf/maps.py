@@ -15,7 +15,6 @@ from __future__ import annotations
 import array
 import ctypes
 import errno
-import functools
 import os
 import socket
 import struct
@@ -151,24 +150,11 @@ MIRRORS: tuple[tuple[struct.Struct, type[ctypes.Structure]], ...] = (
 ROLES = ("svc", "be", "rev", "aff", "name")
 
 
-#: the per-CPU counters of ``--service-counters`` (backend id -> new connections and flows, ``counters``): pinned
+#: the counters of ``--service-counters`` (an array: backend id -> new connections and flows, ``counters``): pinned
 #: like the others, but only while counters are on, so not a role every kproxy opens
 COUNTER_ROLE = "cnt"
 COUNTER_KEY = BACKEND_ID
-COUNTER_SLOT = struct.Struct("<Q")  # one CPU's count; the kernel hands a per-CPU value over as one slot per CPU
-
-
-@functools.cache
-def possible_cpus() -> int:
-    """How many CPUs the kernel may ever run (``/sys/devices/system/cpu/possible``: ``0-63``, ``0,2-5``): a per-CPU
-    map's value crosses bpf(2) as that many 8-byte slots."""
-    with open("/sys/devices/system/cpu/possible") as f:
-        return max(int(part.rpartition("-")[2]) + 1 for part in f.read().strip().split(","))
-
-
-def counter_value_size() -> int:
-    """The bytes of one counter as bpf(2) reads and writes it: a u64 per possible CPU."""
-    return COUNTER_SLOT.size * possible_cpus()
+COUNTER_VALUE = struct.Struct("<Q")
 
 
 def pin_name(role: str, family: IPFamily) -> str:
@@ -324,7 +310,6 @@ def obj_get(path: str) -> int:
 
 MAP_HASH = 1
 MAP_ARRAY = 2
-MAP_PERCPU_HASH = 5
 MAP_LRU_HASH = 9
 BPF_F_NO_PREALLOC = 1
 
@@ -399,8 +384,8 @@ def prog_detach(target_fd: int, prog_fd: int, attach_type: int) -> None:
 def map_spec(role: str, family: IPFamily, map_size: int, lru_size: int) -> tuple[int, int, int, int, int]:
     """(type, key size, value size, max entries, flags) of one map, exactly as bpf/kproxy_sock.c declares it, so a
     map kproxy creates and pins before the programs are compiled is the one bcc then reopens."""
-    if role == COUNTER_ROLE:  # allocated per backend with it: preallocated, a per-CPU map costs size x CPUs x 8
-        return (MAP_PERCPU_HASH, COUNTER_KEY.size, COUNTER_SLOT.size, map_size, BPF_F_NO_PREALLOC)
+    if role == COUNTER_ROLE:  # indexed by backend id, like the backend array (see backends/bpf/counters.py)
+        return (MAP_ARRAY, COUNTER_KEY.size, COUNTER_VALUE.size, map_size, 0)
     k, v = key_sizes(family)[role]
     if role == "svc":
         return (MAP_HASH, k, v, map_size, BPF_F_NO_PREALLOC)

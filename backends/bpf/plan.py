@@ -65,12 +65,9 @@ class Plan:
     #: runs before every delete), and a connect to the old service would reach the other's pod meanwhile.
     freed_backends: list[int] = field(default_factory=list)
     freed_revs: list[int] = field(default_factory=list)
-    #: ``--service-counters``: each new backend's counter is written (zero) right after the backend, before a slot
-    #: names it, and deleted with it (``counters``); ``cnt_put``: more counters to zero, ``cnt_del``: the counters to
-    #: delete when not those of ``be_del`` (a full sync's repair, ``counters.repair``)
+    #: ``--service-counters``: each new backend's counter is zeroed right after the backend is written, before a
+    #: slot names it, and zeroed again when the backend goes (``counters``)
     counting: bool = False
-    cnt_put: list[bytes] = field(default_factory=list)
-    cnt_del: list[bytes] | None = None
 
     def release(self, index: FamilyIndex) -> None:
         """The plan is in the kernel: its freed ids may be handed out again (those below the next fresh id: a full
@@ -99,8 +96,7 @@ class Plan:
         )
 
     def _counter_writes(self) -> int:
-        dels = self.be_del if self.cnt_del is None else self.cnt_del
-        return len(self.be_put) + self.bulk_be.count + len(self.cnt_put) + len(dels)
+        return len(self.be_put) + self.bulk_be.count + len(self.be_del)
 
     def written(self, phase: str) -> dict[bytes, bytes]:
         """Key -> value of one put phase ("be", "name", "slot", "master") as executing the plan leaves it, drained
@@ -152,19 +148,18 @@ class Plan:
             out.append(("svc", "del", list(self.svc_del), []))
         if self.be_del:
             out.append(("be", "del", list(self.be_del), []))
-        cnt_del = self.be_del if self.cnt_del is None else self.cnt_del
-        if self.counting and cnt_del:
-            out.append((maps.COUNTER_ROLE, "del", list(cnt_del), []))
+        if self.counting and self.be_del:
+            out.append((maps.COUNTER_ROLE, "del", list(self.be_del), []))
         if self.name_del:
             out.append(("name", "del", list(self.name_del), []))
         return out
 
     def _counters_put(self, out: list[tuple[str, str, Sequence[bytes], Sequence[bytes]]]) -> None:
-        """The counters of this plan's new backends (their keys are the backends' ids), zero on every CPU."""
-        blob = b"".join([*self.bulk_be.keys, *self.be_put, *self.cnt_put])
+        """The counters of this plan's new backends (their keys are the backends' ids), zero."""
+        blob = b"".join([*self.bulk_be.keys, *self.be_put])
         if blob:
             keys = maps.Packed(blob, maps.COUNTER_KEY.size)
-            out.append((maps.COUNTER_ROLE, "put", keys, maps.zero_values(len(keys), maps.counter_value_size())))
+            out.append((maps.COUNTER_ROLE, "put", keys, maps.zero_values(len(keys), maps.COUNTER_VALUE.size)))
 
 
 _ID = struct.Struct("<I")

@@ -420,10 +420,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         t0 = time.perf_counter()
         self._ensure_maps()
         adopted: Adopted | None = batch.adopted
-        read_back = False  # the maps were read from the kernel for this batch (the counters are repaired then)
         if batch.full:
-            got = adopted if adopted is not None else self.adopt(fam, batch.context)
-            index, read_back = got.index, got.trusted is None
+            index = adopted.index if adopted is not None else self.adopt(fam, batch.context).index
             adopt.claim_all(index, batch.wanted, (d.name for d in batch.deltas))
         else:
             cur = self._index[fam]
@@ -433,7 +431,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         # until this batch is fully in, the index may not match the kernel: a full sync then reads the maps again
         read_at = self._kernel_read.pop(fam, None)
         try:
-            the_plan, steps, t_write, t1 = self._write_maps(batch, index, read_back)
+            the_plan, steps, t_write, t1 = self._write_maps(batch, index)
         except maps.BpfError as exc:
             self._index[fam] = None
             why = "a BPF map is full (E2BIG)" if exc.errno == errno.E2BIG else str(exc)
@@ -471,13 +469,10 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         timings = {"plan": t1 - t0, "apply": t2 - t1, "nft": t3 - t2, **({"pipelined": t_write} if t_write else {})}
         return Applied(figures=MappingProxyType(self._figures(fam, index, the_plan)), timings=MappingProxyType(timings))
 
-    def _write_maps(
-        self, batch: BpfBatch, index: FamilyIndex, read_back: bool = False
-    ) -> tuple[plan.Plan, list[Step], float, float]:
+    def _write_maps(self, batch: BpfBatch, index: FamilyIndex) -> tuple[plan.Plan, list[Step], float, float]:
         """Plan the batch's map writes and execute them: (the plan, its exact steps for the benchmark's floors, the
         seconds a writer thread wrote while planning went on, when planning ended). "apply" timings are the writes
-        after planning ended; a large batch's puts are written meanwhile by another thread. With counters, a batch
-        whose maps were ``read_back`` also repairs the counters (``counters.repair``)."""
+        after planning ended; a large batch's puts are written meanwhile by another thread."""
         fam = batch.family
         the_plan = plan.Plan(counting=self._names is not None)
         # an index holding nothing before this plan (a first sync into empty maps) has nothing to sweep after it: the
@@ -501,8 +496,6 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         if batch.full and not was_empty:
             plan.sweep(index, batch.wanted, the_plan)
         plan.finish_plan(the_plan)
-        if self._names is not None and batch.full and read_back:
-            counters.repair(the_plan, index, counters.read_map(self._fds[(maps.COUNTER_ROLE, fam)]))
         t1 = time.perf_counter()
         rest = the_plan.ordered()
         steps += rest

@@ -1,13 +1,11 @@
-"""The bpf mode's traffic counters without root: per-CPU sums, the counter map decoded and named per service port and
-endpoint, the plan's counter writes (zeroed with each new backend, deleted with it, none without the switch), the
-repair of a full sync, and the C source's compile-time switch (the programs have no counter map without it)."""
+"""The bpf mode's traffic counters without root: the counter map's spec, the counters named per service port and
+endpoint, the plan's counter writes (zeroed with each new backend and when it goes, none without the switch), and the
+C source's compile-time switch (the programs have no counter map without it)."""
 
 from __future__ import annotations
 
-import random
 import re
 import shutil
-import struct
 import subprocess
 from pathlib import Path
 from types import MappingProxyType
@@ -48,32 +46,14 @@ def ids(keys: object) -> list[int]:
     return [maps.COUNTER_KEY.unpack(k)[0] for k in keys]  # type: ignore[attr-defined]
 
 
-# ------------------------------------------------------------------------------------------------ sums
+# ------------------------------------------------------------------------------------------------ maps
 
 
-@pytest.mark.parametrize("cpus", [1, 2, 3, 64, 300])
-def test_per_cpu_values_are_summed_per_entry_as_the_kernel_hands_them_over(cpus: int) -> None:
-    rng = random.Random(cpus)
-    rows = [[rng.choice([0, 1, rng.getrandbits(20), 2**64 - 1]) for _ in range(cpus)] for _ in range(257)]
-    raw = b"".join(struct.pack(f"<{cpus}Q", *row) for row in rows)
-    assert list(counters.per_cpu_sums(raw, cpus)) == [sum(row) % 2**64 for row in rows]
-    assert list(counters.per_cpu_sums(b"", cpus)) == []
-    with pytest.raises(ValueError, match="per-CPU"):
-        counters.per_cpu_sums(raw[:-1], cpus)
-
-
-def test_the_counter_map_decodes_to_connections_per_backend_id() -> None:
-    keys = struct.pack("<3I", 7, 1, 40)
-    values = struct.pack("<6Q", 2, 3, 0, 0, 10, 1)
-    assert counters.decode(keys, values, 2) == {7: 5, 1: 0, 40: 11}
-
-
-def test_counter_map_spec_is_a_per_cpu_hash_allocated_per_backend() -> None:
-    assert maps.map_spec(maps.COUNTER_ROLE, IPFamily.V4, 1000, 10) == (maps.MAP_PERCPU_HASH, 4, 8, 1000, 1)
+def test_counter_map_is_an_array_indexed_by_backend_id() -> None:
+    assert maps.map_spec(maps.COUNTER_ROLE, IPFamily.V4, 1000, 10) == (maps.MAP_ARRAY, 4, 8, 1000, 0)
     assert maps.pin_name(maps.COUNTER_ROLE, IPFamily.V6) == f"cnt6_{maps.MAPS_VERSION}"
     assert maps.COUNTER_ROLE not in maps.ROLES  # only pinned with the switch on
     assert maps.COUNTER_ROLE in loader.PINNED_ROLES  # so the programs reading it read pinned maps only
-    assert maps.counter_value_size() == 8 * maps.possible_cpus() >= 8
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -87,11 +67,11 @@ def test_new_backends_get_a_zero_counter_after_their_entry_and_before_any_slot_n
     assert roles.index(("be", "put")) < roles.index(("cnt", "put")) < roles.index(("svc", "put"))
     (cnt,) = [s for s in steps if s[0] == "cnt"]
     assert sorted(ids(cnt[2])) == sorted(index.backends) == [1, 2]
-    assert list(cnt[3]) == [bytes(maps.counter_value_size())] * 2
+    assert list(cnt[3]) == [bytes(8)] * 2
     assert p.writes == 2 + 1 + 2 + 1 + 2  # backends, name, slots, master, and the two counters
 
 
-def test_a_removed_service_deletes_its_counters_with_its_backends() -> None:
+def test_a_removed_service_zeroes_its_counters_with_its_backends() -> None:
     index = FamilyIndex(IPFamily.V4)
     plan_of(index, ("a", svc("a", ("198.18.1.1", "198.18.1.2"))))
     p = plan_of(index, ("a", None))
@@ -126,22 +106,6 @@ def test_drained_puts_carry_the_counters_of_their_backends() -> None:
     assert ids(drained[1][2]) == [1, 2]
 
 
-def test_repair_zeroes_missing_counters_and_deletes_strays_but_no_counter_that_is_not_there() -> None:
-    index = FamilyIndex(IPFamily.V4)
-    plan_of(index, ("a", svc("a", ("198.18.1.1", "198.18.1.2"))), ("b", svc("b", ("198.18.1.3",), "198.19.0.11")))
-    assert sorted(index.backends) == [1, 2, 3]
-    p = plan_of(index, ("b", None), ("c", svc("c", ("198.18.1.4",), "198.19.0.12")))
-    # the kernel holds counters for 1 (a), 3 (b, going now) and 9 (no backend): none for 2 (a) nor for 4 (c, new)
-    counters.repair(p, index, [1, 3, 9])
-    steps = {(role, op): keys for role, op, keys, _ in p.ordered()}
-    assert sorted(ids(steps[("cnt", "put")])) == [2, 4]
-    assert sorted(ids(steps[("cnt", "del")])) == [3, 9]
-    # a restart with everything in place: nothing
-    p = plan_of(index)
-    counters.repair(p, index, list(index.backends))
-    assert p.ordered() == [] and p.writes == 0
-
-
 # ------------------------------------------------------------------------------------------------ names
 
 
@@ -167,7 +131,7 @@ def test_service_ports_are_named_with_their_endpoints_and_read_per_backend_id(tm
     assert got[spn("a")] == ((1, 2), ("198.18.1.2:8080", "198.18.1.1:8080"))
     assert got[spn("b")] == ((3,), ("198.18.1.1:8080",))
     assert got[spn("refused")] == ((), ())
-    counts = {index_id: 10 * index_id for index_id in index.backends}
+    counts = [10 * i for i in range(max(index.backends) + 1)]
     d = counters.dump(IPFamily.V4, got, counts)
     pa = d.ports[spn("a")]
     assert dict(zip(pa.endpoints, pa.connections, strict=True)) == {
@@ -179,7 +143,7 @@ def test_service_ports_are_named_with_their_endpoints_and_read_per_backend_id(tm
     p = plan_of(index, ("a", None), ("b", svc("b", ("198.18.1.9",), "198.19.0.11")))
     assert p.ordered()
     names.applied(IPFamily.V4, index, batch(False, ("a", None), ("b", svc("b", ("198.18.1.9",), "198.19.0.11"))))
-    d = counters.dump(IPFamily.V4, names._names[IPFamily.V4], {})
+    d = counters.dump(IPFamily.V4, names._names[IPFamily.V4], [0] * 16)
     assert set(d.ports) == {spn("b"), spn("refused")}
     assert d.ports[spn("b")].endpoints == ("198.18.1.9:8080",) and d.ports[spn("b")].connections == (0,)
 
@@ -219,7 +183,7 @@ PINS = [f'-DKP_PIN_{r.upper()}{n}="/p/{r}{n}"' for r in (*maps.ROLES, loader.PEE
 def test_without_the_counter_pins_the_programs_have_no_counter_map_nor_counting() -> None:
     off = _preprocessed(*PINS)
     on = _preprocessed(*PINS, '-DKP_PIN_CNT4="/p/cnt4"', '-DKP_PIN_CNT6="/p/cnt6"')
-    assert "kp_cnt" not in off and "kp_count" not in off and "percpu" not in off
-    assert 'BPF_TABLE_PINNED("percpu_hash", __u32, __u64, kp_cnt4' in on
+    assert "kp_cnt" not in off and "kp_count" not in off
+    assert 'BPF_TABLE_PINNED("array", __u32, __u64, kp_cnt4' in on
     # the counting is in both families' translation, per connection and per new UDP flow
     assert on.count("kp_count(backend_id, 0)") == 3 and on.count("kp_count(backend_id, 1)") == 2
