@@ -44,9 +44,9 @@ Maps (pinned in the pin folder, versioned names ``<role><4|6>_v3``; Cilium's and
 - ``name``: reverse-NAT id -> ``ns/name:port/PROTO``, written by kproxy only: adoption, ``kproxy show`` and
   ``kernel_view`` name what the maps hold.
 
-- ``cnt`` (per-CPU hash, only with ``--service-counters``): backend id -> new connections and flows, written (zero)
-  and deleted by kproxy with each backend, incremented by the programs at each translating pick (``counters``:
-  what is counted, and why connections only). Without the switch the programs are compiled without it.
+- ``cnt`` (array, only with ``--service-counters``): backend id -> new connections and flows, zeroed by kproxy with
+  each backend and when it goes, incremented by the programs at each translating pick (``counters``: what is
+  counted, why connections only, why not per-CPU). Without the switch the programs are compiled without it.
 
 Map writes per batch (``plan.plan_service``) in Cilium's safe order: new backends, names, slots, master entries
 (their counts last), then slots beyond the new counts and frontends gone, then backends no longer referenced. Only
