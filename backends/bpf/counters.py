@@ -15,14 +15,13 @@ Decisions:
   per datagram; a flow whose entry the reverse-NAT LRU pushed out counts again). kproxy zeroes a backend's counter
   with the backend, before any slot names it, and again when it goes (``plan.Plan.counting``): a reused id starts
   at 0 and a deleted service's counters go with its backends.
-- **Why not a per-CPU map**: measured here, a per-CPU hash costs kproxy, not the programs: 100,000 counters
-  inserted from userspace took 2.1 s (a per-CPU allocation each; the first sync at 10,000 x 10 went from 2.9 s to
-  4.9 s), deleted 0.75 s, read 0.17 s on 2 CPUs (a read copies every CPU's slot: it grows with the CPUs), over the
-  scrape budget at scale; a per-CPU array preallocates ``--bpf-map-size`` x CPUs x 8 bytes (1 GB at the default on
-  128 CPUs). The array costs 8 bytes per entry (8 MB per family at the default size, only with the switch), its
-  writes are copies and a read is one batch of as many entries as the highest id in use. The price is one atomic
-  add on a cache line the CPUs share per 8 backend ids: nothing beside a connect() until many CPUs connect to the
-  same service at once.
+- **Why not a per-CPU map** (figures: docs/PERFORMANCE.md): a per-CPU hash costs kproxy, not the programs: every
+  counter kproxy writes or deletes from userspace is a per-CPU allocation or free (the first sync at 10,000 x 10
+  took seconds longer), and a read copies every CPU's slot of every entry (over the scrape budget at scale, growing
+  with the CPUs); a per-CPU array preallocates ``--bpf-map-size`` x CPUs x 8 bytes (1 GB at the default on 128 CPUs).
+  The array costs 8 bytes per entry (8 MB per family at the default size, only with the switch), its writes are
+  copies and a read is one batch as far as the highest id in use. The price is one atomic add on a cache line the
+  CPUs share per 8 backend ids: nothing beside a connect() until many CPUs connect to the same service at once.
 - **What is not counted**: connections refused or dropped for want of endpoints (no backend is picked: the service
   total is its endpoints' sum); sockets outside the cgroup; and the companion nftables table's traffic (external
   clients to NodePorts, externalIPs and load-balancer IPs, DNATed by nft rules, not by the programs).
