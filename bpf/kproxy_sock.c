@@ -26,6 +26,13 @@
  * rewritten only when they change) and checked against the frontend's master entry on use, so a deleted or
  * recreated service is never answered for. When kproxy passes KP_PIN_PEER4/6, connected TCP sockets keep theirs in
  * socket storage instead (freed with the socket), so the reverse-NAT LRU holds only UDP sockets' entries.
+ *
+ * Traffic counters (--service-counters): only when kproxy passes KP_PIN_CNT4/6 (backends/bpf/counters.py). Every
+ * backend pick that translates counts one in an array indexed by the backend id (ids are per service port, so an id
+ * names one (service port, endpoint)): a TCP or SCTP connect, and for UDP a translation that (re)writes the socket's
+ * reverse-NAT entry (a new socket, backend or frontend: a new flow; later datagrams of the flow are not counted).
+ * kproxy zeroes a backend's counter with the backend and again when it goes. Without the defines nothing of this is
+ * compiled: the programs are today's.
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/in.h>
@@ -57,6 +64,30 @@ BPF_TABLE_PINNED("lru_hash", struct kp_aff_key, struct kp_aff_val, kp_aff6, KP_L
 #define KP_PEER 1
 BPF_TABLE_PINNED("sk_storage", int, struct kp_peer4_val, kp_peer4, 0, KP_PIN_PEER4, BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("sk_storage", int, struct kp_peer6_val, kp_peer6, 0, KP_PIN_PEER6, BPF_F_NO_PREALLOC);
+#endif
+#if defined(KP_PIN_CNT4) && defined(KP_PIN_CNT6)
+/* --service-counters: new connections and flows per backend id (see the header comment) */
+#define KP_COUNTERS 1
+BPF_TABLE_PINNED("array", __u32, __u64, kp_cnt4, KP_BE_MAX, KP_PIN_CNT4);
+BPF_TABLE_PINNED("array", __u32, __u64, kp_cnt6, KP_BE_MAX, KP_PIN_CNT6);
+
+/* one more for the backend, atomically (one counter for all CPUs: why not per-CPU, see backends/bpf/counters.py) */
+static __always_inline void kp_count(__u32 backend_id, int is6)
+{
+	__u64 *c = is6 ? kp_cnt6.lookup(&backend_id) : kp_cnt4.lookup(&backend_id);
+	if (c)
+		__sync_fetch_and_add(c, 1);
+}
+/* a connection (TCP, SCTP): every translated connect; a flow (UDP): a translation that wrote the reverse entry */
+#define KP_COUNT_CONN(proto, id, is6)                                                                                  \
+	if ((proto) != IPPROTO_UDP)                                                                                    \
+	kp_count(id, is6)
+#define KP_COUNT_FLOW(proto, id, is6)                                                                                  \
+	if ((proto) == IPPROTO_UDP)                                                                                    \
+	kp_count(id, is6)
+#else
+#define KP_COUNT_CONN(proto, id, is6)
+#define KP_COUNT_FLOW(proto, id, is6)
 #endif
 
 /* The master entry's fields, copied out of the map value at once: kproxy may rewrite the entry in place while a
@@ -249,6 +280,7 @@ static __always_inline int kp_try4(struct bpf_sock_addr *ctx, __be32 *addr, __be
 		return KP_MISS;
 #ifdef KP_PEER
 	if (proto == IPPROTO_TCP && kp_peer_put4(ctx, be, *addr, *port, m.rev_nat_id)) {
+		KP_COUNT_CONN(proto, backend_id, 0);
 		*addr = be->address;
 		*port = be->port;
 		return KP_XLATED;
@@ -267,9 +299,12 @@ static __always_inline int kp_try4(struct bpf_sock_addr *ctx, __be32 *addr, __be
 		/* an LRU update takes a fresh node even for an existing key: rewriting the same entry per datagram
 		 * would churn the map and push other sockets' entries out */
 		old = kp_rev4.lookup(&rk);
-		if (!old || old->address != rv.address || old->port != rv.port || old->rev_nat_id != rv.rev_nat_id)
+		if (!old || old->address != rv.address || old->port != rv.port || old->rev_nat_id != rv.rev_nat_id) {
 			kp_rev4.update(&rk, &rv);
+			KP_COUNT_FLOW(proto, backend_id, 0);
+		}
 	}
+	KP_COUNT_CONN(proto, backend_id, 0);
 	*addr = be->address;
 	*port = be->port;
 	return KP_XLATED;
@@ -491,12 +526,15 @@ static __always_inline int kp_try6(struct bpf_sock_addr *ctx, __u8 proto, __u32 
 		old = kp_rev6.lookup(&rk);
 		if (!old || old->address[0] != rv.address[0] || old->address[1] != rv.address[1] ||
 		    old->address[2] != rv.address[2] || old->address[3] != rv.address[3] || old->port != rv.port ||
-		    old->rev_nat_id != rv.rev_nat_id)
+		    old->rev_nat_id != rv.rev_nat_id) {
 			kp_rev6.update(&rk, &rv);
+			KP_COUNT_FLOW(proto, backend_id, 1);
+		}
 	}
 #ifdef KP_PEER
 rewrite:
 #endif
+	KP_COUNT_CONN(proto, backend_id, 1);
 	ctx->user_ip6[0] = be->address[0];
 	ctx->user_ip6[1] = be->address[1];
 	ctx->user_ip6[2] = be->address[2];

@@ -10,7 +10,7 @@ with BPF_F_ALLOW_MULTI, pin folder and cgroup per namespace), ``programs`` (the 
 detached programs and removed pins are put back without a compile; a restart adopts them), ``index`` (kproxy's index
 of the maps: frontends, ids and their allocators), ``plan`` (the ordered plan of map writes), ``decode`` (adoption's
 fast decoder), ``companion`` (the nftables companion table), ``sockets`` (ending connected UDP sockets to removed
-backends).
+backends), ``counters`` (the per-service traffic counters of ``--service-counters``).
 C sources: ``bpf/kproxy_sock.c`` (connect4/6, sendmsg4/6, recvmsg4/6, getpeername4/6) and ``bpf/kproxy_lb.h``.
 IPv4-mapped IPv6 peers (``::ffff:a.b.c.d``, a dual-stack socket reaching an IPv4 service) are translated by the *6
 hooks with the IPv4 maps, and get a mapped backend (and a mapped frontend from getpeername) back. A frontend's slot
@@ -44,6 +44,10 @@ Maps (pinned in the pin folder, versioned names ``<role><4|6>_v3``; Cilium's and
   sockets: there is no client address at connect time; a pod is a network namespace).
 - ``name``: reverse-NAT id -> ``ns/name:port/PROTO``, written by kproxy only: adoption, ``kproxy show`` and
   ``kernel_view`` name what the maps hold.
+
+- ``cnt`` (array, only with ``--service-counters``): backend id -> new connections and flows, zeroed by kproxy with
+  each backend and when it goes, incremented by the programs at each translating pick (``counters``: what is
+  counted, why connections only, why not per-CPU). Without the switch the programs are compiled without it.
 
 Map writes per batch (``plan.plan_service``) in Cilium's safe order: new backends, names, slots, master entries
 (their counts last), then slots beyond the new counts and frontends gone, then backends no longer referenced. Only

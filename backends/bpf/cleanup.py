@@ -30,6 +30,8 @@ from . import companion, decode, loader, maps, programs
 log = logging.getLogger(__name__)
 
 RECORDS = Path("/run/kproxy/bpf")
+#: what pins of any map version start with (the counters' ``cnt`` too)
+_PIN_STEMS = ("svc", "be", "rev", "aff", "name", "peer", "cnt")  # the maps' pins (programs.Held's apart)
 
 
 def _record_path(netns: str | None) -> Path:
@@ -129,8 +131,7 @@ def cleanup_leftovers(config: ProxyConfig, *, netns: str | None = None) -> None:
         pin_dir = p.pin_real
         if pin_dir.is_dir():
             for f in pin_dir.iterdir():
-                pinned = ("svc", "be", "rev", "aff", "name", "peer", programs.PIN_PREFIX)  # maps; programs.Held's
-                if f.name in maps.all_pin_names() or f.name.startswith(pinned):
+                if f.name in maps.all_pin_names() or f.name.startswith((*_PIN_STEMS, programs.PIN_PREFIX)):
                     f.unlink(missing_ok=True)
             try:
                 pin_dir.rmdir()

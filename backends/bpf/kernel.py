@@ -96,13 +96,16 @@ class Writer:
 
 def run_steps(fds: Mapping[str, int], family: IPFamily, steps: Iterable[Step]) -> None:
     """Execute a plan's steps on the maps ``fds`` (role -> fd): puts as batch updates; deletes as batch deletes, of
-    the backend array as all-zero values (an array refuses deletes; zero is "no backend" to the programs)."""
+    the backend array and the counters as all-zero values (an array refuses deletes; zero is "no backend" to the
+    programs)."""
     for role, op, keys, values in steps:
         fd = fds[role]
         if op == "put":
             maps.update_batch(fd, keys, values)
         elif role == "be":
             maps.update_batch(fd, keys, maps.zero_values(len(keys), maps.key_sizes(family)["be"][1]))
+        elif role == maps.COUNTER_ROLE:  # an array too: a counter goes to zero
+            maps.update_batch(fd, keys, maps.zero_values(len(keys), maps.COUNTER_VALUE.size))
         else:
             _delete(fd, keys)
 
@@ -127,21 +130,34 @@ class OpenMaps:
     A map someone unpinned stays alive while an fd holds it: such fds are retired (closed once nothing reads them)
     and the pins made again."""
 
-    def __init__(self, where: Callable[[], loader.Places], on_first_open: Callable[[loader.Places], None]) -> None:
+    def __init__(
+        self,
+        where: Callable[[], loader.Places],
+        on_first_open: Callable[[loader.Places], None],
+        counters: bool = False,
+    ) -> None:
         self._where = where
         self._on_first_open = on_first_open
+        #: the maps a sync writes: with ``--service-counters`` the counters too (zeroed with each new backend)
+        self.sync_roles = (*SYNC_ROLES, maps.COUNTER_ROLE) if counters else SYNC_ROLES
         self.fds: dict[tuple[str, IPFamily], int] = {}
         self._held_ids: dict[tuple[str, IPFamily], int] = {}
         self._retired: list[int] = []
 
     def ensure(self, families: Iterable[IPFamily], every: bool = False) -> None:
         """Open (or create and pin) the maps syncs use, of ``families``; ``every``: all maps of both families, as
-        the programs need them (``start``). A benchmark never pays for the LRU maps' preallocation."""
+        the programs need them (``start``). A benchmark never pays for the LRU maps' preallocation. Without
+        counters, ``every`` unpins counter maps an earlier kproxy left (counting again later starts from zero)."""
+        counting = maps.COUNTER_ROLE in self.sync_roles
+        roles = (*maps.ROLES, maps.COUNTER_ROLE) if counting else maps.ROLES
         want = (
-            [(r, f) for f in (IPFamily.V4, IPFamily.V6) for r in maps.ROLES]
+            [(r, f) for f in (IPFamily.V4, IPFamily.V6) for r in roles]
             if every
-            else [(r, f) for f in families for r in SYNC_ROLES]
+            else [(r, f) for f in families for r in self.sync_roles]
         )
+        if every and not counting:
+            for f in (IPFamily.V4, IPFamily.V6):
+                self._where().pin(maps.COUNTER_ROLE, f).unlink(missing_ok=True)
         missing = [k for k in want if k not in self.fds]
         if not missing:
             return
@@ -153,7 +169,7 @@ class OpenMaps:
             self.fds[(role, fam)] = loader.open_or_create(p, role, fam)
 
     def family_fds(self, family: IPFamily) -> dict[str, int]:
-        return {role: self.fds[(role, family)] for role in SYNC_ROLES}
+        return {role: self.fds[(role, family)] for role in self.sync_roles}
 
     def close_retired(self) -> None:
         for fd in self._retired:
@@ -219,7 +235,8 @@ def read_pinned(p: loader.Places, family: IPFamily) -> tuple[dict[str, tuple[byt
 def floor_full(family: IPFamily, steps: list[Step], map_size: int) -> float:
     """A full sync's exact map writes (same batches, same order) into fresh empty maps of the same shape: the
     kernel's own time for that payload."""
-    fds = {role: maps.create_like(role, family, map_size) for role in SYNC_ROLES}
+    roles = dict.fromkeys([*SYNC_ROLES, *(role for role, *_ in steps)])  # the counters too, when the steps write them
+    fds = {role: maps.create_like(role, family, map_size) for role in roles}
     try:
         t0 = time.perf_counter()
         run_steps(fds, family, steps)

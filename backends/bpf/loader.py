@@ -49,11 +49,11 @@ LRU_SIZE = 65536
 #: the largest --bpf-map-size: a map's max_entries is 32 bits, and ids are the backend array's indexes
 MAX_MAP_SIZE = 0xFFFFFFFF
 PROG_PREFIX = "kp_"
-#: the socket-storage maps (``peer4_v3``, ``peer6_v3``): made and pinned by bcc (``compile_programs``), read by the
-#: programs alone; not in ``maps.ROLES`` (nothing in userspace reads or adopts them), but pinned like the others, so
-#: ``pinned_ids``, ``programs_problem`` and cleanup know them
+#: the socket-storage maps (``peer4_v3``, ``peer6_v3``, made and pinned by bcc: ``compile_programs``) and the counters
+#: (``maps.COUNTER_ROLE``, with ``--service-counters`` only): not in ``maps.ROLES`` (no sync writes them whole), but
+#: pinned like the others, so ``pinned_ids``, ``programs_problem`` and cleanup know them
 PEER_ROLE = "peer"
-PINNED_ROLES = (*maps.ROLES, PEER_ROLE)
+PINNED_ROLES = (*maps.ROLES, PEER_ROLE, maps.COUNTER_ROLE)
 
 #: program name -> (family, attach type name in bcc's BPFAttachType, bpftool's name for it)
 PROGRAMS: dict[str, tuple[IPFamily, str, str]] = {
@@ -208,6 +208,8 @@ class Places:
     map_size: int
     # --bpf-allow-root-cgroup: the cgroup may be the root of the machine's cgroup v2 hierarchy (see check_places)
     root_ok: bool = False
+    # --service-counters: the programs are compiled with the counter maps (``compile_programs``)
+    counters: bool = False
 
     @property
     def pin_real(self) -> Path:
@@ -311,8 +313,9 @@ def program_cflags(p: Places, *, peer: bool = True) -> list[str]:
         f"-DKP_NAME_MAX={p.map_size}",
         f"-DKP_LRU_MAX={LRU_SIZE}",
     ]
+    roles = (*maps.ROLES, *((PEER_ROLE,) if peer else ()), *((maps.COUNTER_ROLE,) if p.counters else ()))
     for fam in (IPFamily.V4, IPFamily.V6):
-        for role in (*maps.ROLES, PEER_ROLE) if peer else maps.ROLES:
+        for role in roles:
             macro = f"KP_PIN_{role.upper()}{4 if fam == IPFamily.V4 else 6}"
             cflags.append(f'-D{macro}="{p.pin(role, fam)}"')
     return cflags
@@ -323,7 +326,8 @@ def compile_programs(p: Places, *, peer: bool = True) -> Any:
     The peer maps (``PEER_ROLE``: socket storage of connected TCP sockets, which keeps them out of the reverse-NAT
     LRU) are created and pinned by bcc itself: kproxy's own map creation cannot make SK_STORAGE maps (they need
     BTF), and userspace cannot list them, so no sync, adoption or ``pins_present`` ever opens them. ``peer=False``
-    builds without them (connected TCP sockets then use the reverse-NAT LRU: tests of that path)."""
+    builds without them (connected TCP sockets then use the reverse-NAT LRU: tests of that path). ``p.counters``
+    adds the counter maps (``KP_PIN_CNT4/6``: backends/bpf/counters.py); without them the programs have none."""
     from bcc import BPF  # type: ignore[import-not-found,unused-ignore]
 
     t0 = time.perf_counter()
@@ -450,7 +454,7 @@ def load_and_attach(
     return done, replaced, serving
 
 
-_VERSIONED_PIN = re.compile(r"(?:svc|be|rev|aff|name|peer)[46]_v[0-9]+")
+_VERSIONED_PIN = re.compile(r"(?:svc|be|rev|aff|name|peer|cnt)[46]_v[0-9]+")
 
 
 def remove_stale_pins(p: Places) -> list[str]:
@@ -486,6 +490,7 @@ def attach_in_child(
         "--map-size",
         str(p.map_size),
         *(["--allow-root-cgroup"] if p.root_ok else []),
+        *(["--counters"] if p.counters else []),
         *([] if detach_old else ["--keep-old"]),
     ]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
@@ -505,9 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cgroup", required=True)
     ap.add_argument("--map-size", type=int, default=DEFAULT_MAP_SIZE)
     ap.add_argument("--allow-root-cgroup", action="store_true")
+    ap.add_argument("--counters", action="store_true", help="compile with the counter maps (--service-counters)")
     ap.add_argument("--keep-old", action="store_true", help="leave the older copies attached (the caller detaches)")
     args = ap.parse_args(argv)
-    p = Places(Path(args.pin_path), Path(args.cgroup), False, args.map_size, args.allow_root_cgroup)
+    p = Places(Path(args.pin_path), Path(args.cgroup), False, args.map_size, args.allow_root_cgroup, args.counters)
     check_places(p)
     b = compile_programs(p)
     names, replaced, serving = load_and_attach(b, p.cgroup, detach_old=not args.keep_old)

@@ -150,6 +150,13 @@ MIRRORS: tuple[tuple[struct.Struct, type[ctypes.Structure]], ...] = (
 ROLES = ("svc", "be", "rev", "aff", "name")
 
 
+#: the counters of ``--service-counters`` (an array: backend id -> new connections and flows, ``counters``): pinned
+#: like the others, but only while counters are on, so not a role every kproxy opens
+COUNTER_ROLE = "cnt"
+COUNTER_KEY = BACKEND_ID
+COUNTER_VALUE = struct.Struct("<Q")
+
+
 def pin_name(role: str, family: IPFamily) -> str:
     return f"{role}{4 if family == IPFamily.V4 else 6}_{MAPS_VERSION}"
 
@@ -399,6 +406,8 @@ def map_name(map_fd: int) -> str:
 def map_spec(role: str, family: IPFamily, map_size: int, lru_size: int) -> tuple[int, int, int, int, int]:
     """(type, key size, value size, max entries, flags) of one map, exactly as bpf/kproxy_sock.c declares it, so a
     map kproxy creates and pins before the programs are compiled is the one bcc then reopens."""
+    if role == COUNTER_ROLE:  # indexed by backend id, like the backend array (see backends/bpf/counters.py)
+        return (MAP_ARRAY, COUNTER_KEY.size, COUNTER_VALUE.size, map_size, 0)
     k, v = key_sizes(family)[role]
     if role == "svc":
         return (MAP_HASH, k, v, map_size, BPF_F_NO_PREALLOC)

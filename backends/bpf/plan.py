@@ -66,6 +66,9 @@ class Plan:
     #: runs before every delete), and a connect to the old service would reach the other's pod meanwhile.
     freed_backends: list[int] = field(default_factory=list)
     freed_revs: list[int] = field(default_factory=list)
+    #: ``--service-counters``: each new backend's counter is zeroed right after the backend is written, before a
+    #: slot names it, and zeroed again when the backend goes (``counters``)
+    counting: bool = False
 
     def release(self, index: FamilyIndex) -> None:
         """The plan is in the kernel: its freed ids may be handed out again (those below the next fresh id: a full
@@ -90,7 +93,11 @@ class Plan:
             + sum(b.count for b in (self.bulk_be, self.bulk_slot, self.bulk_master))
             + sum(len(x) for x in (self.svc_del, self.be_del, self.name_del))
             + sum(p.writes for p in self.drained)
+            + (self._counter_writes() if self.counting else 0)
         )
+
+    def _counter_writes(self) -> int:
+        return len(self.be_put) + self.bulk_be.count + len(self.be_del)
 
     def written(self, phase: str) -> dict[bytes, bytes]:
         """Key -> value of one put phase ("be", "name", "slot", "master") as executing the plan leaves it, drained
@@ -115,6 +122,7 @@ class Plan:
             bulk_be=self.bulk_be,
             bulk_slot=self.bulk_slot,
             bulk_master=self.bulk_master,
+            counting=self.counting,
         )
         self.drained.append(done)
         self.be_put, self.name_put, self.slot_put, self.master_put = {}, {}, {}, {}
@@ -132,6 +140,8 @@ class Plan:
                 out.append((role, "put", list(entries), list(entries.values())))
 
         put("be", self.bulk_be, self.be_put)
+        if self.counting:
+            self._counters_put(out)
         put("name", None, self.name_put)
         put("svc", self.bulk_slot, self.slot_put)
         put("svc", self.bulk_master, self.master_put)
@@ -139,9 +149,18 @@ class Plan:
             out.append(("svc", "del", list(self.svc_del), []))
         if self.be_del:
             out.append(("be", "del", list(self.be_del), []))
+        if self.counting and self.be_del:
+            out.append((maps.COUNTER_ROLE, "del", list(self.be_del), []))
         if self.name_del:
             out.append(("name", "del", list(self.name_del), []))
         return out
+
+    def _counters_put(self, out: list[tuple[str, str, Sequence[bytes], Sequence[bytes]]]) -> None:
+        """The counters of this plan's new backends (their keys are the backends' ids), zero."""
+        blob = b"".join([*self.bulk_be.keys, *self.be_put])
+        if blob:
+            keys = maps.Packed(blob, maps.COUNTER_KEY.size)
+            out.append((maps.COUNTER_ROLE, "put", keys, maps.zero_values(len(keys), maps.COUNTER_VALUE.size)))
 
 
 _ID = struct.Struct("<I")

@@ -18,6 +18,7 @@ fit before anything is rendered, so a full map never fails a family's sync.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -34,12 +35,13 @@ from kproxy.admission import Limits
 from kproxy.backend import LedgerProxier
 from kproxy.batch import Applied, Batch
 from kproxy.config import ProxyConfig
+from kproxy.counters import CounterDump, Measure
 from kproxy.drift import Drift
 from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelHooks, LabNodeSpec, Option
 
-from . import adopt, cleanup, companion, kernel, loader, maps, plan, programs, render, sockets, trace
+from . import adopt, cleanup, companion, counters, kernel, loader, maps, plan, programs, render, sockets, trace
 from .adopt import Adopted
 from .index import MAX_ID, FamilyIndex
 from .kernel import Step
@@ -75,6 +77,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
     DRIFT: ClassVar[Drift | None] = Drift(frozenset({companion.TABLE}), poll_s=0.3)
     # the socket path translates before conntrack sees anything, but the companion table NATs external traffic
     uses_conntrack_nat: ClassVar[bool] = True
+    # connections only: the programs run at connect()/sendmsg() and never see a connection's packets (counters.py)
+    counters_offered: ClassVar[frozenset[Measure]] = counters.OFFERED
     options: ClassVar[tuple[Option, ...]] = (
         Option(
             "bpf_cgroup_path",
@@ -110,7 +114,10 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
         super().__init__(config, netns=netns)
         self._places: loader.Places | None = None
-        self._maps = kernel.OpenMaps(self._where, lambda p: cleanup.record_places(p, self.netns))
+        counting = config.service_counters
+        self._maps = kernel.OpenMaps(self._where, lambda p: cleanup.record_places(p, self.netns), counting)
+        # --service-counters: each service port's backend ids, to name what the counter maps hold (counters.py)
+        self._names = counters.Names(self.families) if counting else None
         self._index: dict[IPFamily, FamilyIndex | None] = {f: None for f in self.families}
         self._companion = companion.Companion(self.families, netns)
         self._kernel_read: dict[IPFamily, float] = {}
@@ -203,7 +210,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
 
     def _where(self) -> loader.Places:
         if self._places is None:
-            self._places = loader.places(self.option_values(self.config.backend_options), self.netns)
+            p = loader.places(self.option_values(self.config.backend_options), self.netns)
+            self._places = dataclasses.replace(p, counters=self.config.service_counters)
         return self._places
 
     def _ensure_maps(self, every: bool = False) -> None:
@@ -234,6 +242,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         super().cleanup()
         self._index = {f: None for f in self.families}
         self._companion.forget()
+        if self._names is not None:
+            self._names.forget()
 
     # -- ledger hooks ---------------------------------------------------------------------------------------------
 
@@ -441,6 +451,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         t2 = time.perf_counter()
         the_plan.release(index)
         self._index[fam] = index
+        if self._names is not None:
+            self._names.applied(fam, index, batch)
         try:
             trusted = adopted.trusted if adopted is not None else None
             self._companion.apply(batch, adopted.nft if adopted is not None else None, trusted)
@@ -466,7 +478,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         seconds a writer thread wrote while planning went on, when planning ended). "apply" timings are the writes
         after planning ended; a large batch's puts are written meanwhile by another thread."""
         fam = batch.family
-        the_plan = plan.Plan()
+        the_plan = plan.Plan(counting=self._names is not None)
         # an index holding nothing before this plan (a first sync into empty maps) has nothing to sweep after it: the
         # plan writes only frontends of wanted services, backends their slots name, names of those services
         was_empty = not (index.fronts or index.backends or index.rev_names)
@@ -516,6 +528,13 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
             self.last_reap = self._reaper.submit(
                 self._places.cgroup, gone, self._fds.get(("rev", batch.family)), batch.family
             )
+
+    def counters(self, family: IPFamily) -> CounterDump | None:
+        """New connections and flows per service port and endpoint, from one walk of the family's counter map
+        (``counters.py``); None without ``--service-counters``."""
+        if self._names is None or family not in self.families:
+            return None
+        return self._names.read(family, self._where())
 
     # -- benchmark floors, metrics, trace --------------------------------------------------------------------------
 

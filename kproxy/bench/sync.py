@@ -98,7 +98,7 @@ class SyncBench:
     repeat: int
     #: the synthetic state (STATES): ``default`` (ClusterIPs; every published figure) or ``mixed``
     state: str = "default"
-    #: ``--service-counters``: the run's proxier counts connections per service port and endpoint
+    #: whether the backend ran with ``--service-counters``
     service_counters: bool = False
     absorb_s: float = 0.0
     snapshot_s: float = 0.0
@@ -250,8 +250,14 @@ def run_sync_bench(
         raise BenchError(f"mode {mode} is not available here: {avail.reason}")
     backend = cls(config)
     backend.start()  # as the daemon does before the first sync (loaders, data-path loops)
-    out = SyncBench(mode=mode, services=n_services, endpoints=n_endpoints, repeat=repeat, state=state_name)
-    out.service_counters = service_counters
+    out = SyncBench(
+        mode=mode,
+        services=n_services,
+        endpoints=n_endpoints,
+        repeat=repeat,
+        state=state_name,
+        service_counters=service_counters,
+    )
     live = [backend]  # the instance whose kernel state the run leaves: the restarted one once it exists
     meter = memory.PhaseMeter()
     try:
@@ -493,7 +499,10 @@ def format_table(b: SyncBench) -> str:
 
     rows = [
         ("mode", b.mode),
-        ("services x endpoints", f"{b.services} x {b.endpoints} ({b.state} state)"),
+        (
+            "services x endpoints",
+            f"{b.services} x {b.endpoints} ({b.state} state{', service counters' if b.service_counters else ''})",
+        ),
         ("absorb", sec(b.absorb_s)),
         ("first snapshot", sec(b.snapshot_s)),
         ("full sync", sec(b.full_sync_s)),
