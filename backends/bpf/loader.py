@@ -50,7 +50,7 @@ LRU_SIZE = 65536
 MAX_MAP_SIZE = 0xFFFFFFFF
 PROG_PREFIX = "kp_"
 #: the socket-storage maps (``peer4_v3``, ``peer6_v3``, made and pinned by bcc: ``compile_programs``) and the counters
-#: (``maps.COUNTER_ROLE``, with ``--service-counters`` only): not in ``maps.ROLES`` (no sync writes them whole), but
+#: (``maps.COUNTER_ROLE``, with ``--service-counters`` only): not in ``maps.ROLES`` (neither adopted nor verified), but
 #: pinned like the others, so ``pinned_ids``, ``programs_problem`` and cleanup know them
 PEER_ROLE = "peer"
 PINNED_ROLES = (*maps.ROLES, PEER_ROLE, maps.COUNTER_ROLE)
