@@ -62,11 +62,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="run the reference only up to services x endpoints = N (default %(default)s: upstream's layout took 68 s"
         " in nft -f at 10,000 x 10 here)",
     )
-    s.add_argument(
-        "--service-counters",
-        action="store_true",
-        help="run the backend with per-service traffic counters on (kproxy run --service-counters)",
-    )
     s.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # already in the bench namespace
     s.set_defaults(func=cmd_sync)
 
