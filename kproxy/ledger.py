@@ -26,6 +26,7 @@ record is changed under its own lock, in O(changes) per partial sync, and reader
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -279,6 +280,8 @@ class Ledger(Generic[F, C, A, V, S]):
         if requested:
             self._full_requested.discard(fam)
         full = changes.full or rec.need_full or ctx != rec.context or requested
+        if full and not (changes.full or rec.need_full or requested) and rec.context is not None:
+            log.info("%s: a full batch: this node's context changed (%s)", fam.value, _context_change(rec.context, ctx))
         # the cheap check runs before every full batch (a full batch re-establishes the truth: a backend that trusts
         # its memory of what it wrote there must hear first that the kernel lost it) and before a partial one when
         # due
@@ -550,3 +553,11 @@ def _commit_deltas(
 
 def _add(timings: dict[str, float], key: str, seconds: float) -> None:
     timings[key] = timings.get(key, 0.0) + seconds
+
+
+def _context_change(old: object, new: object) -> str:
+    """The fields of two context values that differ, for the log (their names, or the types when not dataclasses)."""
+    if dataclasses.is_dataclass(old) and dataclasses.is_dataclass(new) and type(old) is type(new):
+        names = [f.name for f in dataclasses.fields(old) if getattr(old, f.name) != getattr(new, f.name)]
+        return ", ".join(names) or "equal fields"
+    return f"{type(old).__name__} -> {type(new).__name__}"

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from kproxy.model import IPFamily
 
-from . import loader, maps
+from . import loader, maps, objects
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class OpenMaps:
         are, every held fd is retired: the caller opens (and pins) them all again."""
         for k, fd in self.fds.items():
             if k not in self._held_ids:
-                self._held_ids[k] = loader.map_id(fd)
+                self._held_ids[k] = objects.map_id(fd)
         lost = sorted({k for k, i in self._held_ids.items() if pinned.get(k) != i}, key=str)
         if lost:
             self._retired += self.fds.values()

@@ -35,7 +35,7 @@ from typing import Any
 
 from kproxy.model import IPFamily
 
-from . import maps
+from . import maps, objects
 
 log = logging.getLogger(__name__)
 
@@ -360,16 +360,16 @@ def attached(cgroup: Path) -> list[dict[str, Any]]:
     try:
         for at_name, at in ATTACH_NUMBERS.items():
             try:
-                ids = maps.prog_query(cfd, at)
+                ids = objects.prog_query(cfd, at)
             except maps.BpfError as exc:
                 raise RuntimeError(f"BPF_PROG_QUERY on {cgroup} ({at_name}): {exc}") from None
             for pid in ids:
                 try:
-                    pfd = maps.prog_fd_by_id(pid)
+                    pfd = objects.prog_fd_by_id(pid)
                 except maps.BpfError:
                     continue  # gone meanwhile
                 try:
-                    name = maps.prog_name(pfd)
+                    name = objects.prog_name(pfd)
                 finally:
                     os.close(pfd)
                 out.append({"id": pid, "attach_type": at_name, "name": name})
@@ -386,11 +386,11 @@ def detach_ids(cgroup: Path, progs: list[dict[str, Any]]) -> None:
     try:
         for d in progs:
             try:
-                pfd = maps.prog_fd_by_id(int(d["id"]))
+                pfd = objects.prog_fd_by_id(int(d["id"]))
             except maps.BpfError:
                 continue
             try:
-                maps.prog_detach(cfd, pfd, ATTACH_NUMBERS[str(d["attach_type"])])
+                objects.prog_detach(cfd, pfd, ATTACH_NUMBERS[str(d["attach_type"])])
             except maps.BpfError as exc:
                 log.warning("bpf: detaching %s from %s: %s", d.get("name"), cgroup, exc)
             finally:
@@ -420,11 +420,11 @@ def load_and_attach(
     tags: dict[int, tuple[bytes, frozenset[int]]] = {}
     for d in before:
         try:
-            pfd = maps.prog_fd_by_id(int(d["id"]))
+            pfd = objects.prog_fd_by_id(int(d["id"]))
         except maps.BpfError:
             continue
         try:
-            tags[int(d["id"])] = (maps.prog_tag(pfd), maps.prog_map_ids(pfd))
+            tags[int(d["id"])] = (objects.prog_tag(pfd), objects.prog_map_ids(pfd))
         finally:
             os.close(pfd)
     fd = os.open(str(cgroup), os.O_RDONLY | os.O_DIRECTORY)
@@ -433,7 +433,7 @@ def load_and_attach(
         for name, (_fam, at_name, _short) in PROGRAMS.items():
             at = getattr(BPFAttachType, at_name)
             fn = b.load_func(name.encode(), BPFProgType.CGROUP_SOCK_ADDR, attach_type=at)
-            tag = (maps.prog_tag(fn.fd), maps.prog_map_ids(fn.fd))
+            tag = (objects.prog_tag(fn.fd), objects.prog_map_ids(fn.fd))
             same = [d for d in before if d["name"] == name and tags.get(int(d["id"])) == tag]
             if same:
                 kept.append(same[0])  # adopted: it keeps serving, nothing is swapped
@@ -442,7 +442,7 @@ def load_and_attach(
                 continue
             BPF.attach_func(fn, fd, at, BPF_F_ALLOW_MULTI)
             done.append(name)
-            serving[name] = map_id(fn.fd)
+            serving[name] = objects.map_id(fn.fd)
     finally:
         os.close(fd)
     kept_ids = {int(d["id"]) for d in kept}
@@ -525,19 +525,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def map_id(fd: int) -> int:
-    """The kernel's id of the map (or program: bpf_prog_info.id is at the same offset) behind ``fd``
-    (bpf_map_info.id, offset 4): two fds of one map share it, and a map pinned again by someone else after a flush
-    has another."""
-    import ctypes
-    import struct
-
-    info = ctypes.create_string_buffer(96)
-    attr = ctypes.create_string_buffer(struct.pack("<IIQ", fd, 96, ctypes.addressof(info)), 120)
-    maps._bpf(maps._BPF_OBJ_GET_INFO_BY_FD, attr)
-    return int(struct.unpack_from("<I", info.raw, 4)[0])
-
-
 def pinned_ids(p: Places, roles: tuple[str, ...] = PINNED_ROLES) -> dict[tuple[str, IPFamily], int]:
     """(role, family) -> id of the map pinned in the pin folder now (what is absent is left out). Read through the
     pins themselves, never through a kproxy's own fds: those keep a map alive after someone unpinned it."""
@@ -549,7 +536,7 @@ def pinned_ids(p: Places, roles: tuple[str, ...] = PINNED_ROLES) -> dict[tuple[s
             except FileNotFoundError:
                 continue
             try:
-                out[(role, fam)] = map_id(fd)
+                out[(role, fam)] = objects.map_id(fd)
             finally:
                 os.close(fd)
     return out
@@ -577,11 +564,11 @@ def programs_problem(p: Places, pinned: dict[tuple[str, IPFamily], int], familie
         reading = []
         for pid in got:
             try:
-                pfd = maps.prog_fd_by_id(pid)
+                pfd = objects.prog_fd_by_id(pid)
             except maps.BpfError:
                 continue
             try:
-                reading.append(maps.prog_map_ids(pfd))
+                reading.append(objects.prog_map_ids(pfd))
             finally:
                 os.close(pfd)
         # a program of the old maps alone is attached: it translates from state nobody writes any more

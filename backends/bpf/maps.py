@@ -1,5 +1,6 @@
 """The BPF maps of the bpf mode from Python: byte layouts mirroring ``bpf/kproxy_lb.h``, pin names, and the few
-``bpf(2)`` commands kproxy needs (open a pin, batched update/delete/lookup), called directly through libc.
+``bpf(2)`` commands kproxy needs (open a pin, batched update/delete/lookup), called directly through libc
+(``objects``: the commands about programs and objects' info).
 
 Why not bcc's table objects: a sync writes up to 110,000 entries, and building a ctypes object per entry costs more
 than the kernel's work; here the keys and values of a batch are ``struct.pack``ed into one buffer each and handed to
@@ -262,12 +263,6 @@ _SYS_BPF = 321  # x86_64
 _BPF_MAP_CREATE = 0
 _BPF_MAP_LOOKUP_ELEM = 1
 _BPF_OBJ_PIN = 6
-_BPF_PROG_ATTACH = 8
-_BPF_PROG_DETACH = 9
-_BPF_PROG_GET_FD_BY_ID = 13
-_BPF_MAP_GET_FD_BY_ID = 14
-_BPF_OBJ_GET_INFO_BY_FD = 15
-_BPF_PROG_QUERY = 16
 _BPF_OBJ_GET = 7
 _BPF_MAP_LOOKUP_BATCH = 24
 _BPF_MAP_UPDATE_BATCH = 26
@@ -289,7 +284,7 @@ class BpfError(OSError):
     """A bpf(2) command failed; ``errno`` says why (E2BIG: a map is full)."""
 
 
-def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char], *, hold_gil: bool = True) -> int:
+def bpf_call(cmd: int, attr: ctypes.Array[ctypes.c_char], *, hold_gil: bool = True) -> int:
     """One bpf(2) command; ``hold_gil`` False for long ones (a large batch: other threads run meanwhile)."""
     ret = int((_libc_held if hold_gil else _libc).syscall(_SYS_BPF, cmd, attr, len(attr)))
     if ret < 0:
@@ -303,7 +298,7 @@ def obj_get(path: str) -> int:
     p = ctypes.create_string_buffer(path.encode())
     attr = ctypes.create_string_buffer(struct.pack("<QII", ctypes.addressof(p), 0, 0), 120)
     try:
-        return _bpf(_BPF_OBJ_GET, attr)
+        return bpf_call(_BPF_OBJ_GET, attr)
     except BpfError as exc:
         if exc.errno == errno.ENOENT:
             raise FileNotFoundError(errno.ENOENT, "no pinned map", path) from None
@@ -321,7 +316,7 @@ def create_map(map_type: int, key_size: int, value_size: int, max_entries: int, 
     attr = ctypes.create_string_buffer(
         struct.pack("<IIIIIII16s", map_type, key_size, value_size, max_entries, flags, 0, 0, name.encode()[:15]), 120
     )
-    return _bpf(_BPF_MAP_CREATE, attr)
+    return bpf_call(_BPF_MAP_CREATE, attr)
 
 
 def create_like(role: str, family: IPFamily, map_size: int) -> int:
@@ -332,75 +327,7 @@ def create_like(role: str, family: IPFamily, map_size: int) -> int:
 def obj_pin(fd: int, path: str) -> None:
     p = ctypes.create_string_buffer(path.encode())
     attr = ctypes.create_string_buffer(struct.pack("<QII", ctypes.addressof(p), fd, 0), 120)
-    _bpf(_BPF_OBJ_PIN, attr)
-
-
-def prog_query(target_fd: int, attach_type: int, max_ids: int = 64) -> list[int]:
-    """Ids of the programs attached to a cgroup (``target_fd``) for one attach type (BPF_PROG_QUERY)."""
-    ids = (ctypes.c_uint32 * max_ids)()
-    attr = ctypes.create_string_buffer(
-        struct.pack("<IIIIQI", target_fd, attach_type, 0, 0, ctypes.addressof(ids), max_ids), 120
-    )
-    _bpf(_BPF_PROG_QUERY, attr)
-    count = struct.unpack_from("<I", attr.raw, 24)[0]
-    return [int(ids[i]) for i in range(min(count, max_ids))]
-
-
-def prog_fd_by_id(prog_id: int) -> int:
-    attr = ctypes.create_string_buffer(struct.pack("<I", prog_id), 120)
-    return _bpf(_BPF_PROG_GET_FD_BY_ID, attr)
-
-
-def prog_name(prog_fd: int) -> str:
-    """The program's name (bpf_prog_info.name, offset 64; 16 bytes)."""
-    info = ctypes.create_string_buffer(256)
-    attr = ctypes.create_string_buffer(struct.pack("<IIQ", prog_fd, 256, ctypes.addressof(info)), 120)
-    _bpf(_BPF_OBJ_GET_INFO_BY_FD, attr)
-    return info.raw[64:80].split(b"\0", 1)[0].decode(errors="replace")
-
-
-def prog_tag(prog_fd: int) -> bytes:
-    """The program's tag (bpf_prog_info.tag, offset 8: a hash of its instructions with map references zeroed)."""
-    info = ctypes.create_string_buffer(256)
-    attr = ctypes.create_string_buffer(struct.pack("<IIQ", prog_fd, 256, ctypes.addressof(info)), 120)
-    _bpf(_BPF_OBJ_GET_INFO_BY_FD, attr)
-    return info.raw[8:16]
-
-
-def prog_map_ids(prog_fd: int, max_ids: int = 32) -> frozenset[int]:
-    """The ids of the maps a program uses (bpf_prog_info.nr_map_ids/map_ids, filled by the kernel)."""
-    ids = (ctypes.c_uint32 * max_ids)()
-    info = ctypes.create_string_buffer(256)
-    struct.pack_into("<IQ", info, 52, max_ids, ctypes.addressof(ids))
-    attr = ctypes.create_string_buffer(struct.pack("<IIQ", prog_fd, 256, ctypes.addressof(info)), 120)
-    _bpf(_BPF_OBJ_GET_INFO_BY_FD, attr)
-    n = struct.unpack_from("<I", info.raw, 52)[0]
-    return frozenset(int(ids[i]) for i in range(min(n, max_ids)))
-
-
-def prog_detach(target_fd: int, prog_fd: int, attach_type: int) -> None:
-    attr = ctypes.create_string_buffer(struct.pack("<IIII", target_fd, prog_fd, attach_type, 0), 120)
-    _bpf(_BPF_PROG_DETACH, attr, hold_gil=False)  # may wait for an RCU grace period
-
-
-def prog_attach(target_fd: int, prog_fd: int, attach_type: int, flags: int) -> None:
-    """Attach a loaded program to a cgroup (``target_fd``) for one attach type (legacy BPF_PROG_ATTACH: the attachment
-    outlives the process)."""
-    attr = ctypes.create_string_buffer(struct.pack("<IIIII", target_fd, prog_fd, attach_type, flags, 0), 120)
-    _bpf(_BPF_PROG_ATTACH, attr, hold_gil=False)
-
-
-def map_fd_by_id(map_id: int) -> int:
-    attr = ctypes.create_string_buffer(struct.pack("<I", map_id), 120)
-    return _bpf(_BPF_MAP_GET_FD_BY_ID, attr)
-
-
-def map_name(map_fd: int) -> str:
-    """The map's name (bpf_map_info.name, offset 24; 16 bytes)."""
-    info = ctypes.create_string_buffer(96)
-    attr = ctypes.create_string_buffer(struct.pack("<IIQ", map_fd, 96, ctypes.addressof(info)), 120)
-    _bpf(_BPF_OBJ_GET_INFO_BY_FD, attr)
-    return info.raw[24:40].split(b"\0", 1)[0].decode(errors="replace")
+    bpf_call(_BPF_OBJ_PIN, attr)
 
 
 def map_spec(role: str, family: IPFamily, map_size: int, lru_size: int) -> tuple[int, int, int, int, int]:
@@ -479,7 +406,7 @@ def update_batch(fd: int, keys: Sequence[bytes], values: Sequence[bytes], chunk:
         kb = ctypes.create_string_buffer(_joined(keys, i, n))
         vb = ctypes.create_string_buffer(_joined(values, i, n))
         attr = _batch_attr(fd, ctypes.addressof(kb), ctypes.addressof(vb), n)
-        _bpf(_BPF_MAP_UPDATE_BATCH, attr, hold_gil=n <= HOLD_GIL_ENTRIES)
+        bpf_call(_BPF_MAP_UPDATE_BATCH, attr, hold_gil=n <= HOLD_GIL_ENTRIES)
 
 
 def delete_batch(fd: int, keys: Sequence[bytes], chunk: int = 65536) -> None:
@@ -487,7 +414,7 @@ def delete_batch(fd: int, keys: Sequence[bytes], chunk: int = 65536) -> None:
     for i in range(0, len(keys), chunk):
         n = min(chunk, len(keys) - i)
         kb = ctypes.create_string_buffer(_joined(keys, i, n))
-        _bpf(_BPF_MAP_DELETE_BATCH, _batch_attr(fd, ctypes.addressof(kb), 0, n), hold_gil=n <= HOLD_GIL_ENTRIES)
+        bpf_call(_BPF_MAP_DELETE_BATCH, _batch_attr(fd, ctypes.addressof(kb), 0, n), hold_gil=n <= HOLD_GIL_ENTRIES)
 
 
 def lookup_all(fd: int, key_size: int, value_size: int, chunk: int = 16384) -> Iterator[tuple[bytes, bytes]]:
@@ -508,7 +435,7 @@ def lookup_all(fd: int, key_size: int, value_size: int, chunk: int = 16384) -> I
         )
         done = False
         try:
-            _bpf(_BPF_MAP_LOOKUP_BATCH, attr, hold_gil=False)
+            bpf_call(_BPF_MAP_LOOKUP_BATCH, attr, hold_gil=False)
         except BpfError as exc:
             if exc.errno != errno.ENOENT:
                 raise
@@ -555,7 +482,7 @@ def _lookup_batches(fd: int, key_size: int, value_size: int, limit: int | None, 
         )  # fmt: skip
         done = False
         try:
-            _bpf(_BPF_MAP_LOOKUP_BATCH, attr, hold_gil=False)
+            bpf_call(_BPF_MAP_LOOKUP_BATCH, attr, hold_gil=False)
         except BpfError as exc:
             if exc.errno != errno.ENOENT:
                 raise
@@ -598,7 +525,7 @@ def lookup(fd: int, key: bytes, value_size: int) -> bytes | None:
     vb = ctypes.create_string_buffer(value_size)
     attr = ctypes.create_string_buffer(struct.pack("<I4xQQQ", fd, ctypes.addressof(kb), ctypes.addressof(vb), 0), 120)
     try:
-        _bpf(_BPF_MAP_LOOKUP_ELEM, attr)
+        bpf_call(_BPF_MAP_LOOKUP_ELEM, attr)
     except BpfError as exc:
         if exc.errno == errno.ENOENT:
             return None

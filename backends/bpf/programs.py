@@ -36,7 +36,7 @@ from typing import Any
 
 from kproxy.model import IPFamily
 
-from . import loader, maps
+from . import loader, maps, objects
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def _reads(prog_fd: int, family: IPFamily, pinned: Mapping[tuple[str, IPFamily],
     """Whether the program reads the maps pinned now (``loader.programs_problem``'s rule): its family's service map,
     and no map that is not pinned."""
     svc = pinned.get(("svc", family))
-    got = maps.prog_map_ids(prog_fd)
+    got = objects.prog_map_ids(prog_fd)
     return svc is not None and svc in got and got <= set(pinned.values())
 
 
@@ -75,14 +75,14 @@ class Held:
     def __init__(self, build: str, fds: Mapping[str, int]) -> None:
         self.build = build
         self.fds = dict(fds)
-        self.ids = {name: loader.map_id(fd) for name, fd in self.fds.items()}
+        self.ids = {name: objects.map_id(fd) for name, fd in self.fds.items()}
         self._map_pins: dict[Path, int] | None = None
 
     @classmethod
     def _opened(cls, build: str, fds: dict[str, int]) -> Held | None:
         """``Held`` when ``fds`` holds every program under its own name; else the fds are closed and None."""
         try:
-            ok = set(fds) == set(loader.PROGRAMS) and all(maps.prog_name(fd) == n for n, fd in fds.items())
+            ok = set(fds) == set(loader.PROGRAMS) and all(objects.prog_name(fd) == n for n, fd in fds.items())
         except OSError:
             ok = False
         if ok:
@@ -97,7 +97,7 @@ class Held:
         fds: dict[str, int] = {}
         for name, pid in ids.items():
             try:
-                fds[name] = maps.prog_fd_by_id(pid)
+                fds[name] = objects.prog_fd_by_id(pid)
             except maps.BpfError:
                 break
         return cls._opened(build, fds)
@@ -136,7 +136,7 @@ class Held:
             for name, fd in self.fds.items():
                 at_name = attach_type(name)
                 if (at_name, self.ids[name]) not in on:
-                    maps.prog_attach(cfd, fd, loader.ATTACH_NUMBERS[at_name], loader.BPF_F_ALLOW_MULTI)
+                    objects.prog_attach(cfd, fd, loader.ATTACH_NUMBERS[at_name], loader.BPF_F_ALLOW_MULTI)
         finally:
             os.close(cfd)
         replaced = [d for d in before if int(d["id"]) not in mine]
@@ -157,7 +157,7 @@ class Held:
                 cur = -1
             if cur >= 0:
                 try:
-                    if loader.map_id(cur) == self.ids[name]:
+                    if objects.map_id(cur) == self.ids[name]:
                         continue
                 finally:
                     os.close(cur)
@@ -170,10 +170,10 @@ class Held:
         """Pin path -> id of every map the held programs read that has a pin of kproxy's (by the map's name)."""
         if self._map_pins is None:
             out: dict[Path, int] = {}
-            for mid in sorted({i for fd in self.fds.values() for i in maps.prog_map_ids(fd)}):
-                mfd = maps.map_fd_by_id(mid)
+            for mid in sorted({i for fd in self.fds.values() for i in objects.prog_map_ids(fd)}):
+                mfd = objects.map_fd_by_id(mid)
                 try:
-                    m = _MAP_NAME.fullmatch(maps.map_name(mfd))
+                    m = _MAP_NAME.fullmatch(objects.map_name(mfd))
                 finally:
                     os.close(mfd)
                 if m is not None and m.group(1) in loader.PINNED_ROLES:
@@ -196,7 +196,7 @@ class Held:
         p.pin_real.mkdir(parents=True, exist_ok=True)
         out = []
         for name, (ref, is_fd) in missing:
-            mfd = ref if is_fd else maps.map_fd_by_id(ref)
+            mfd = ref if is_fd else objects.map_fd_by_id(ref)
             try:
                 maps.obj_pin(mfd, str(p.pin_real / name))
                 out.append(str(name))

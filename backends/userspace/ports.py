@@ -17,10 +17,10 @@ import logging
 import random
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from kproxy.model import IPFamily
+from kproxy.model import IPFamily, ServicePortName
 from kproxy.proxier import BackendError
 from kproxy.relay.listen import listening_socket
 
@@ -192,3 +192,44 @@ def bind_seconds(fam: IPFamily, tcp_n: int, udp_n: int) -> float | None:
         log.warning("floor: binding %d sockets failed: %s", tcp_n + udp_n, exc)
         return None
     return spent
+
+
+Ident = tuple[IPFamily, ServicePortName, str]  # (family, service port, role): one proxy socket
+
+
+class Sockets(dict[Ident, int]):
+    """Every proxy socket the data path holds, and its port; also their roles by (family, service port) and their
+    count per family, so that a partial batch looks up its services' sockets instead of walking every one. Written
+    only through ``put``, ``take`` and ``clear``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._roles: dict[tuple[IPFamily, ServicePortName], set[str]] = {}
+        self._count: dict[IPFamily, int] = {}
+
+    def put(self, ident: Ident, port: int) -> None:
+        if ident not in self:
+            self._count[ident[0]] = self._count.get(ident[0], 0) + 1
+            self._roles.setdefault((ident[0], ident[1]), set()).add(ident[2])
+        self[ident] = port
+
+    def take(self, ident: Ident) -> int:
+        port = self.pop(ident)
+        self._count[ident[0]] -= 1
+        roles = self._roles[(ident[0], ident[1])]
+        roles.discard(ident[2])
+        if not roles:
+            del self._roles[(ident[0], ident[1])]
+        return port
+
+    def clear(self) -> None:
+        super().clear()
+        self._roles.clear()
+        self._count.clear()
+
+    def of(self, family: IPFamily, names: Iterable[ServicePortName]) -> list[Ident]:
+        """The sockets of these service ports in ``family``."""
+        return [(family, spn, role) for spn in names for role in self._roles.get((family, spn), ())]
+
+    def count(self, family: IPFamily) -> int:
+        return self._count.get(family, 0)

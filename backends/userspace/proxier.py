@@ -51,9 +51,11 @@ from .kernel import context as kernel_context
 from .kernel import floor_seconds, guard_ports, listening, missing, own_socket_inodes, raise_open_file_limit, read_table
 from .ports import (
     DEFAULT_PORT_RANGE,
+    Ident,
     PortPool,
     PortRange,
     ProxyPortsExhausted,
+    Sockets,
     parse_port_range,
     socket_family,
 )
@@ -63,7 +65,6 @@ log = logging.getLogger(__name__)
 
 CHECK_INTERVAL = 1.0  # seconds between "is my table still there" checks at the start of partial syncs
 
-Ident = tuple[IPFamily, ServicePortName, str]  # (family, service port, role): one proxy socket
 UsBatch = Batch[Fragment, FamilyContext, Adopted, None]
 Targets = Mapping[ServicePortName, Fragment | None]  # a batch's services: their fragment, None to remove
 
@@ -128,11 +129,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
         self.engine = Engine(netns, udp_timeout=self.udp_timeout, counting=config.service_counters)
         self.engine.on_dead = lambda ident: self.request_full(ident[0])  # a full sync binds a new socket
         self._started = False
-        self.bound: dict[Ident, int] = {}  # every proxy socket the data path holds, and its port
-        # the same sockets' roles by (family, service port), and their count per family: a partial batch looks up
-        # its services' sockets instead of walking every one (``_put``/``_take`` keep all three together)
-        self._roles: dict[tuple[IPFamily, ServicePortName], set[str]] = {}
-        self._sockets: dict[IPFamily, int] = dict.fromkeys(self.families, 0)
+        self.bound = Sockets()  # every proxy socket the data path holds, and its port
         self._warned: set[ServicePortName] = set()  # unsupported services already logged
         self._written: dict[IPFamily, dict[ServicePortName, Elements]] = {f: {} for f in self.families}
         self._known: dict[IPFamily, bool] = {f: False for f in self.families}
@@ -198,8 +195,6 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
         for key in [k for k, ref in _HOLDERS.items() if ref() is self]:
             del _HOLDERS[key]
         self.bound.clear()
-        self._roles.clear()
-        self._sockets = dict.fromkeys(self.families, 0)
         self.pool.used.clear()
 
     def close(self) -> None:
@@ -384,7 +379,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
         sock: socket.socket | None = self.engine.run(lambda: self.engine.detach(ident))
         if sock is None:
             return None
-        self._take(ident)
+        self.bound.take(ident)
         af = socket_family(fam)
         self.pool.release(af, proto, port)
         _HOLDERS.pop((self.netns, af, proto, port), None)
@@ -463,7 +458,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
                 )
         self._hand_to_data_path(fam, batch.full, targets, bound)
         self._record(fam, batch.full, targets, want, tx.text() if fresh else "")
-        figures["proxy_sockets"] = self._sockets[fam]
+        figures["proxy_sockets"] = self.bound.count(fam)
         self._counts[fam] = figures
         return Applied(
             ok=True,
@@ -542,13 +537,13 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
         if full:
             held: Iterable[Ident] = [i for i in self.bound if i[0] == fam]
         else:  # only the batch's services' sockets: O(changes)
-            held = [(fam, spn, role) for spn in targets for role in self._roles.get((fam, spn), ())]
+            held = self.bound.of(fam, targets)
         remove = [i for i in held if i not in wanted]
         self.engine.update(specs, [])
         self._forget(remove)
         af = socket_family(fam)
         for ident, (_, port) in bound.new.items():
-            self._put(ident, port)
+            self.bound.put(ident, port)
             _HOLDERS[(self.netns, af, ident[1].protocol.lowercase, port)] = weakref.ref(self)
 
     def _record(
@@ -574,21 +569,6 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
                     self._written[fam].pop(spn, None)
         self._known[fam] = True
 
-    def _put(self, ident: Ident, port: int) -> None:
-        if ident not in self.bound:
-            self._sockets[ident[0]] += 1
-            self._roles.setdefault((ident[0], ident[1]), set()).add(ident[2])
-        self.bound[ident] = port
-
-    def _take(self, ident: Ident) -> int:
-        port = self.bound.pop(ident)
-        self._sockets[ident[0]] -= 1
-        roles = self._roles[(ident[0], ident[1])]
-        roles.discard(ident[2])
-        if not roles:
-            del self._roles[(ident[0], ident[1])]
-        return port
-
     def _forget(self, idents: Iterable[Ident]) -> None:
         """Close these listeners (the loop lets go of them) and free their ports."""
         idents = list(idents)
@@ -596,7 +576,7 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
             return
         self.engine.update([], idents)
         for ident in idents:
-            port = self._take(ident)
+            port = self.bound.take(ident)
             af = socket_family(ident[0])
             proto = ident[1].protocol.lowercase
             self.pool.release(af, proto, port)

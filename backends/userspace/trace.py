@@ -14,9 +14,8 @@ from kproxy.nodeaddr import FamilyContext
 from kproxy.toolkit.trace import Packet
 
 from . import render
+from .ports import Ident
 from .render import Entry, Fragment
-
-Ident = tuple[IPFamily, ServicePortName, str]  # (family, service port, role): one proxy socket
 
 
 def _hit(fragments: Mapping[ServicePortName, Fragment], pkt: Packet, key: str) -> tuple[ServicePortName, Entry] | None:

@@ -190,7 +190,7 @@ def test_connections_and_flows_per_endpoint_survive_a_restart_and_go_with_the_se
 
 
 def test_without_the_switch_the_programs_have_no_counter_map(place: tuple[str, dict[str, str]]) -> None:
-    from kproxy.backends.bpf import loader, maps
+    from kproxy.backends.bpf import loader, maps, objects
     from kproxy.backends.bpf.proxier import BpfProxier
 
     ns, opts = place
@@ -213,9 +213,9 @@ def test_without_the_switch_the_programs_have_no_counter_map(place: tuple[str, d
         assert loader.programs_problem(where, pinned, (IPFamily.V4, IPFamily.V6)) is None
         # every attached program reads pinned maps only, and no counter map is pinned
         for d in loader.ours(loader.attached(where.cgroup)):
-            pfd = maps.prog_fd_by_id(int(d["id"]))
+            pfd = objects.prog_fd_by_id(int(d["id"]))
             try:
-                assert maps.prog_map_ids(pfd) <= set(pinned.values())
+                assert objects.prog_map_ids(pfd) <= set(pinned.values())
             finally:
                 os.close(pfd)
         res = traffic(ns, opts["bpf_cgroup_path"], tcp=3, udp=0, cudp=0)
