@@ -349,15 +349,17 @@ class ConntrackReconciler:
             self.last_duration = time.monotonic() - start
         return deleted
 
-    def _reconcile_family(
+    def update_targets(
         self,
         state: ProxyState,
         family: IPFamily,
         node_ips: Collection[str],
-        answerers: Answerers,
-        local: bool,
         changed: Collection[ServicePortName] | None,
-    ) -> int:
+        *,
+        local: bool = False,
+    ) -> TargetMap:
+        """``family``'s target map brought up to ``state`` (``changed``: see ``reconcile``), node ports keyed on
+        ``node_ips`` (and, with ``local``, every address of the namespace): the reconciliation before its dump."""
         targets = self.maps[family]
         try:
             targets.update(state, changed)
@@ -370,6 +372,18 @@ class ConntrackReconciler:
             except (NetlinkError, OSError) as exc:
                 log.warning("conntrack: listing local addresses failed, node ports matched on node IPs only: %s", exc)
         targets.set_nodes(node_ips)
+        return targets
+
+    def _reconcile_family(
+        self,
+        state: ProxyState,
+        family: IPFamily,
+        node_ips: Collection[str],
+        answerers: Answerers,
+        local: bool,
+        changed: Collection[ServicePortName] | None,
+    ) -> int:
+        targets = self.update_targets(state, family, node_ips, changed, local=local)
         if not targets:  # no UDP service address now, none gone since the last time
             targets.reconciled(True)
             return 0
