@@ -138,6 +138,7 @@ class Daemon:
         self._after_first_sync: Callable[[], None] | None = None
         self.applied: ProxyState | None = None  # the state of the last successful sync (what /verify checks)
         self.facts = SyncFacts(self.families)  # what metrics and the health servers need, in O(changes)
+        self._health_retry = False  # a service health listener failed to open: try again at the next sync
         backend.register_metrics(self.metrics.registry, self.families)
         register_counters(self.metrics.registry, backend, config)  # per-service counters, with --service-counters
         self.reconciler = reconciler if reconciler is not None else ConntrackReconciler()
@@ -228,6 +229,7 @@ class Daemon:
         return health_check_addresses(self.config.nodeport_addresses, local_addresses())
 
     def _listen_error(self, svc: NamespacedName, port: int, why: str) -> None:
+        self._health_retry = True  # the next sync tries that listener again, as upstream's
         msg = f"failed to start healthcheck {svc} on port {port}: {why}"
         log.warning(msg)
         if self._event_sink is not None:
@@ -330,8 +332,7 @@ class Daemon:
         self._record_success(changes, result, failed)
         self.facts.update(state, changes)
         self._observe(changes, result, elapsed, len(failed))
-        self.service_health.sync_services(self.facts.health_ports())
-        self.service_health.sync_endpoints(self.facts.local_ready())
+        self._sync_service_health()
         if periodic:
             self._verify_after_periodic(state)
         if self.backend.uses_conntrack_nat:
@@ -342,6 +343,15 @@ class Daemon:
             self.runner.run()  # the backend wants a full sync (it says so when it lost track of the kernel)
         # Services the kernel refused stay dirty: ask the runner to come back after the retry interval.
         return not failed
+
+    def _sync_service_health(self) -> None:
+        """The service health servers' ports and local endpoint counts, handed over (a copy of every service with a
+        health port) only when they changed or when a listener could not be opened (each sync tries it again)."""
+        if not (self.facts.take_health_changed() or self._health_retry):
+            return
+        self._health_retry = False
+        self.service_health.sync_services(self.facts.health_ports())
+        self.service_health.sync_endpoints(self.facts.local_ready())
 
     def _after_failure(self, changes: Changes, result: SyncResult, elapsed: float) -> None:
         m = self.metrics

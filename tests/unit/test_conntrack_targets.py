@@ -10,13 +10,11 @@ kubernetes#141371), each with the same answerers. And a partial reconciliation n
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from types import MappingProxyType
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kproxy.config import ProxyConfig
 from kproxy.conntrack import (
     AddrPort,
     ConntrackReconciler,
@@ -26,20 +24,7 @@ from kproxy.conntrack import (
     service_targets,
     serving_endpoints,
 )
-from kproxy.daemon import Daemon
-from kproxy.fake import FakeProxier
-from kproxy.model import (
-    Changes,
-    Endpoint,
-    IPFamily,
-    NodeInfo,
-    Protocol,
-    ProxyState,
-    ServicePort,
-    ServicePortName,
-    SyncResult,
-)
-from kproxy.sources.files import FilesSource
+from kproxy.model import Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
 
 SETTINGS = settings(
     max_examples=200,
@@ -195,40 +180,3 @@ def test_a_partial_reconciliation_looks_up_only_what_changed() -> None:
     # (no kernel deletes them here): the gone address is forgotten once a reconciliation finished
     assert rec.reconcile(state, [], changed=set())[IPFamily.V4] == 1
     assert rec.stale == [flow]
-
-
-class _Recorder:
-    """Records what the daemon hands the reconciler."""
-
-    def __init__(self) -> None:
-        self.changed: list[object] = []
-        self.last_ok = True
-
-    def reconcile(
-        self, state: object, node_ips: object, answerers: object = None, changed: object = None
-    ) -> dict[IPFamily, int]:
-        self.changed.append(None if changed is None else set(changed))  # type: ignore[call-overload]
-        return {}
-
-
-def test_the_daemon_hands_the_reconciler_the_udp_changes_since_it_last_ran(tmp_path: Path) -> None:
-    cfg = ProxyConfig(
-        mode="iptables",
-        hostname_override="node-1",
-        healthz_bind_address="127.0.0.1:0",
-        metrics_bind_address="127.0.0.1:0",
-    )
-    rec = _Recorder()
-    daemon = Daemon(cfg, FakeProxier(cfg), lambda sink: FilesSource(sink, tmp_path, "node-1"), reconciler=rec)  # type: ignore[arg-type]
-    udp, tcp = NAMES[0], NAMES[1]
-    sp = ServicePort(udp, IPFamily.V4, "198.19.0.1", 53)
-    state = ProxyState({IPFamily.V4: MappingProxyType({udp: sp})}, NodeInfo("node-1"))
-    ok = SyncResult(ok=True)
-    try:
-        daemon._after_sync(state, Changes(full=True), ok, 0.0)
-        daemon._after_sync(state, Changes(full=False, services=frozenset({tcp})), ok, 0.0)  # nothing for conntrack
-        daemon._after_sync(state, Changes(full=False, services=frozenset({udp, tcp})), ok, 0.0)
-        daemon._after_sync(state, Changes(full=True), ok, 0.0)
-        assert rec.changed == [None, {udp}, None]  # a full sync: anything may have changed
-    finally:
-        daemon.stop()
