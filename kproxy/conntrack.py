@@ -23,6 +23,12 @@ service into account"), the allowed set of a service port is every serving endpo
 counts as gone. Entries whose original destination is not a service address, and
 non-UDP entries, are never touched.
 
+What it compares the entries with is kept, not rebuilt: a ``TargetMap`` per family holds the UDP service
+address:ports and their service ports, brought up to date from the service ports the syncs since the last call
+changed (the daemon hands them over; a full sync or nothing known walks the table), so a reconciliation after a
+partial sync costs the changes plus the dump, whatever the table's size. Who may answer for an address is asked of
+the state only for the addresses the dump names.
+
 Node ports are matched on the node context's NodePort addresses (``kproxy.nodeaddr``: what ``--nodeport-addresses``
 selects of this namespace's addresses) and the Node's own addresses. Upstream matches the node port alone, on any
 destination; restricting it to local addresses keeps forwarded pod traffic to some remote host's port 30053 out of
