@@ -1,13 +1,18 @@
-"""What the daemon does after a partial sync costs the changes, not the table: the service health servers get their
-table only when it changed (or a listener is owed another try), the conntrack reconciler only the UDP changes."""
+"""What the runner thread does in a partial sync costs the changes, not the table: the same Python calls at 300 and
+1,200 services; the service health servers get their table only when it changed (or a listener is owed another
+try), the conntrack reconciler only the UDP changes."""
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from kproxy.bench import synthetic
 from kproxy.config import ProxyConfig
+from kproxy.conntrack import ConntrackReconciler
 from kproxy.daemon import Daemon
 from kproxy.fake import FakeProxier
 from kproxy.model import Changes, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName, SyncResult
@@ -114,3 +119,51 @@ def test_the_daemon_hands_the_reconciler_the_udp_changes_since_it_last_ran(tmp_p
         assert rec.changed == [None, {udp}, None]  # a full sync: anything may have changed
     finally:
         daemon.stop()
+
+
+class _NoDump(ConntrackReconciler):
+    """The reconciler up to its dump (O(conntrack entries), not of the table; tests/integration/test_conntrack.py
+    runs it on a real table): what it does with the state is what this test counts."""
+
+    def _delete_stale(self, family: IPFamily, targets: object) -> tuple[int, bool]:
+        return 0, True
+
+
+def _partial_calls(tmp_path: Path, n: int, runs: int = 6) -> dict[tuple[str, int, str], int]:
+    """Python calls per function over ``runs`` partial syncs of the runner thread's whole path (snapshot, node
+    context, ledger and fake backend, commit, facts, metrics, health servers, conntrack) at ``n`` UDP services."""
+    cfg = ProxyConfig(
+        mode="iptables",
+        hostname_override="node-1",
+        healthz_bind_address="127.0.0.1:0",
+        metrics_bind_address="127.0.0.1:0",
+        ip_families=(IPFamily.V4,),
+    )
+    folder = tmp_path / str(n)
+    folder.mkdir()
+    reconciler = _NoDump(families=(IPFamily.V4,))
+    daemon = Daemon(cfg, FakeProxier(cfg), lambda sink: FilesSource(sink, folder, "node-1"), reconciler=reconciler)
+    real, daemon.service_health = daemon.service_health, HealthRecorder(daemon)  # type: ignore[assignment]
+    profile = cProfile.Profile()
+    try:
+        daemon.cache.replace_services(synthetic.services(n, udp_every=1))
+        daemon.cache.replace_slices(synthetic.endpoint_slices(n, 2, udp_every=1))
+        assert daemon._sync_now()
+        for r in range(runs):
+            daemon.cache.upsert_slice(synthetic.endpoint_slice(1 + (r * 7919) % n, 2, variant=r + 1, udp_every=1))
+            profile.enable()
+            assert daemon._sync_now()
+            profile.disable()
+    finally:
+        daemon.service_health = real
+        daemon.stop()
+    return {key: counts[1] for key, counts in pstats.Stats(profile).stats.items()}  # type: ignore[attr-defined]
+
+
+def test_a_partial_sync_makes_the_same_calls_whatever_the_tables_size(tmp_path: Path) -> None:
+    """No step of the runner thread's partial sync walks the table in Python: four times the services, the same
+    calls (a walk would add thousands; a few more equality checks of one service's values are not a walk)."""
+    runs = 6
+    small, big = _partial_calls(tmp_path, 300, runs), _partial_calls(tmp_path, 1200, runs)
+    grown = {f"{k[0].rsplit('/', 1)[-1]}:{k[1]}:{k[2]}": (small.get(k, 0), v) for k, v in big.items()}
+    assert {k: c for k, c in grown.items() if c[1] > c[0] + 2 * runs} == {}
