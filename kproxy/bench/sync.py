@@ -37,9 +37,10 @@ Phases, each timed with ``time.perf_counter``:
   services that sync wrote (0 when adoption works: nothing changed; anything else is a bound failure);
 - ``conntrack_partial_s``: median over the partial runs of what the UDP conntrack reconciler does after that sync
   before it dumps the kernel's entries (``ConntrackReconciler.update_targets`` with the sync's changed UDP service
-  ports, as the daemon calls it), and ``conntrack_walk_s``: the same with nothing known of the changes (the whole
-  table walked: what every reconciliation cost before the map was kept from the changes). The dump itself is
-  O(conntrack entries), not of the table, and is left out: this bench touches no conntrack table;
+  ports, as the daemon calls it), and ``conntrack_walk_s``: the map built from the whole table (what a
+  reconciliation after a full sync costs; before the map was kept, every reconciliation walked the table, and asked
+  every service port's answerers besides). The dump itself is O(conntrack entries), not of the table, and is left
+  out: this bench touches no conntrack table;
 - ``describe_ms``: while the full sync runs, another thread asks ``describe()`` for one service again and again
   (what ``/rules?service=`` and ``kproxy show --service`` do): p50 and max milliseconds and how many answers, so
   "``/rules`` never waits for a sync" is a figure;
@@ -566,7 +567,7 @@ def format_table(b: SyncBench) -> str:
         ("partial / full", "-" if b.partial_ratio is None else f"{b.partial_ratio:.4f}"),
         ("services each partial sync wrote", ", ".join(map(str, b.partial_writes)) or "-"),
         ("conntrack map after a partial sync (median)", sec(b.conntrack_partial_s)),
-        ("  the same walking every service port", sec(b.conntrack_walk_s)),
+        ("  its map built from the whole table", sec(b.conntrack_walk_s)),
         ("restart: list, snapshot, adopting sync", sec(b.restart_total_s)),
         ("  cache from a list", sec(b.restart_absorb_s)),
         ("  first snapshot", sec(b.restart_snapshot_s)),
