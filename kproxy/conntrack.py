@@ -23,6 +23,12 @@ service into account"), the allowed set of a service port is every serving endpo
 counts as gone. Entries whose original destination is not a service address, and
 non-UDP entries, are never touched.
 
+What it compares the entries with is kept, not rebuilt: a ``TargetMap`` per family holds the UDP service
+address:ports and their service ports, brought up to date from the service ports the syncs since the last call
+changed (the daemon hands them over; a full sync or nothing known walks the table), so a reconciliation after a
+partial sync costs the changes plus the dump, whatever the table's size. Who may answer for an address is asked of
+the state only for the addresses the dump names.
+
 Node ports are matched on the node context's NodePort addresses (``kproxy.nodeaddr``: what ``--nodeport-addresses``
 selects of this namespace's addresses) and the Node's own addresses. Upstream matches the node port alone, on any
 destination; restricting it to local addresses keeps forwarded pod traffic to some remote host's port 30053 out of
@@ -37,7 +43,7 @@ import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +51,7 @@ from pyroute2 import Conntrack
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
-from kproxy.model import Changes, IPFamily, Protocol, ProxyState, ServicePort
+from kproxy.model import Changes, IPFamily, Protocol, ProxyState, ServicePort, ServicePortName
 from kproxy.nodeaddr import NodeContext, local_addresses
 
 log = logging.getLogger(__name__)
@@ -76,22 +82,29 @@ class _Target:
 #: endpoint; a userspace proxy answers from the node instead)
 Answerers = Callable[[ServicePort], Iterable[tuple[str, int]]]
 
+_NOBODY = _Target(frozenset())  # a service address gone since the last reconciliation: nothing may answer
+
 
 def serving_endpoints(sp: ServicePort) -> Iterable[tuple[str, int]]:
     return ((ep.ip, ep.port) for ep in sp.serving_endpoints)
+
+
+def _allowed(sp: ServicePort, answerers: Answerers) -> frozenset[AddrPort]:
+    return frozenset((_canon(ip), port) for ip, port in answerers(sp))
 
 
 def service_targets(
     state: ProxyState, family: IPFamily, node_ips: Collection[str], answerers: Answerers = serving_endpoints
 ) -> dict[AddrPort, _Target]:
     """Every UDP service address:port of one family (ClusterIP, externalIPs, LB IPs, node IP:nodePort) mapped to
-    what may answer for it (``answerers``). Pure; the reconciler's view of the state, exposed for tests."""
-    nodes = [_canon(ip) for ip in node_ips if IPFamily.of(ip) == family]
+    what may answer for it (``answerers``). Pure, O(services): the reference the reconciler's ``TargetMap`` keeps
+    up to date in O(changes), exposed for tests."""
+    nodes = _family_nodes(node_ips, family)
     out: dict[AddrPort, set[AddrPort]] = {}
     for sp in state.family(family).values():
         if sp.protocol is not Protocol.UDP:
             continue
-        allowed = frozenset((_canon(ip), port) for ip, port in answerers(sp))
+        allowed = _allowed(sp, answerers)
         for key in _addresses(sp, nodes):
             # Two service ports cannot own one address:port/UDP in a valid cluster; if a broken state says they
             # do, the union keeps either one's endpoints alive rather than deleting a live flow.
@@ -99,13 +112,167 @@ def service_targets(
     return {key: _Target(frozenset(eps)) for key, eps in out.items()}
 
 
-def _addresses(sp: ServicePort, node_ips: list[str]) -> Iterable[AddrPort]:
+def _family_nodes(node_ips: Iterable[str], family: IPFamily) -> tuple[str, ...]:
+    """The node addresses of ``family``, canonical, each once, in a stable order (so two calls compare equal)."""
+    return tuple(sorted({_canon(ip) for ip in node_ips if IPFamily.of(ip) == family}))
+
+
+def _addresses(sp: ServicePort, node_ips: Iterable[str]) -> Iterable[AddrPort]:
     for addr in sp.addresses:
         if addr:
             yield _canon(addr), sp.port
     if sp.node_port:
         for ip in node_ips:
             yield ip, sp.node_port
+
+
+def _own_keys(sp: ServicePort) -> tuple[AddrPort, ...]:
+    """``sp``'s service address:ports, node ports apart; the state's own address text when it is canonical already
+    (it is, from the cache), so the map holds no second copy of it."""
+    out = []
+    for addr in sp.addresses:
+        if addr:
+            canon = _canon(addr)
+            out.append((addr if canon == addr else canon, sp.port))
+    return tuple(dict.fromkeys(out))
+
+
+class TargetMap:
+    """One family's UDP service address:ports and the service ports that own each, kept up to date from the changed
+    service ports alone, so the reconciliation after a partial sync costs what changed, not the table.
+
+    It holds addresses, never endpoints: who may answer for an address is asked of the state, through the backend's
+    answerers, only when a conntrack entry names it (``target``), so it is always today's answer (a userspace
+    proxy's answerers follow its sockets and this node's addresses) and the map costs a few hundred bytes per UDP
+    service port. Node ports are keyed on ``nodes``; a change of those re-keys only the service ports with a node
+    port. Beside the map it keeps, without copying either, how today's addresses differ from those of the last
+    reconciliation (``known``): ``gone`` (known, no target now: kubernetes#141371's deleted service) and ``new``.
+    ``targets()`` equals ``service_targets`` plus the gone addresses (tests/unit/test_conntrack_targets.py).
+    """
+
+    def __init__(self, family: IPFamily) -> None:
+        self.family = family
+        self.nodes: tuple[str, ...] = ()
+        self.built = False
+        self._own: dict[ServicePortName, tuple[tuple[AddrPort, ...], int]] = {}  # own keys, node port
+        self._owners: dict[AddrPort, ServicePortName | tuple[ServicePortName, ...]] = {}  # one owner, or several
+        self._node_ported: set[ServicePortName] = set()
+        self.gone: set[AddrPort] = set()
+        self.new: set[AddrPort] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self._owners) or bool(self.gone)
+
+    @property
+    def has_node_ports(self) -> bool:
+        return bool(self._node_ported)
+
+    def update(self, state: ProxyState, changed: Iterable[ServicePortName] | None) -> None:
+        """Take ``state``: only the ``changed`` service ports can differ from the last update's (None: anything)."""
+        if changed is None or not self.built:
+            self._rebuild(state)
+            return
+        services = state.family(self.family)
+        for spn in changed:
+            if spn.protocol is Protocol.UDP:
+                self._set(spn, services.get(spn))
+
+    def set_nodes(self, node_ips: Iterable[str]) -> None:
+        """Key node ports on the addresses of this family among ``node_ips`` from now on."""
+        nodes = _family_nodes(node_ips, self.family)
+        if nodes == self.nodes:
+            return
+        entries = [(spn, self._own[spn]) for spn in self._node_ported]
+        for spn, entry in entries:
+            self._unkey(spn, entry)
+        self.nodes = nodes
+        for spn, entry in entries:
+            self._key(spn, entry)
+
+    def target(self, state: ProxyState, key: AddrPort, answerers: Answerers) -> _Target | None:
+        """What may answer for ``key`` in ``state`` (the state of the last ``update``); None: not a service
+        address:port of this family, then an entry to it is none of the reconciler's business."""
+        owners = self._owners.get(key)
+        if owners is None:
+            return _NOBODY if key in self.gone else None
+        services = state.family(self.family)
+        if not isinstance(owners, tuple):
+            sp = services.get(owners)
+            return _Target(_allowed(sp, answerers)) if sp is not None else _NOBODY
+        # several owners (a broken state): the union keeps either one's endpoints alive, as ``service_targets``
+        allowed = [_allowed(sp, answerers) for sp in (services.get(spn) for spn in owners) if sp is not None]
+        return _Target(frozenset().union(*allowed))
+
+    def targets(self, state: ProxyState, answerers: Answerers = serving_endpoints) -> dict[AddrPort, _Target]:
+        """Every address this reconciliation looks at and its target: O(the map), for tests."""
+        out = {key: self.target(state, key, answerers) for key in (*self._owners, *self.gone)}
+        return {key: t for key, t in out.items() if t is not None}
+
+    def reconciled(self, ok: bool) -> None:
+        """A reconciliation ended: ``known`` becomes today's addresses, or, when it could not finish, today's and
+        the ones it knew (so the gone addresses are tried again)."""
+        if ok:
+            self.gone.clear()
+        self.new.clear()
+
+    def _rebuild(self, state: ProxyState) -> None:
+        """Build the map from ``state`` alone, O(services): known (today's minus new, plus gone) is kept."""
+        known = (self._owners.keys() - self.new) | self.gone
+        self._own, self._owners, self._node_ported = {}, {}, set()
+        self.gone, self.new = set(), set()
+        for sp in state.family(self.family).values():
+            if sp.protocol is Protocol.UDP:
+                self._set(sp.name, sp)
+        self.gone = known - self._owners.keys()
+        self.new = set(self._owners.keys() - known)
+        self.built = True
+
+    def _set(self, spn: ServicePortName, sp: ServicePort | None) -> None:
+        old = self._own.pop(spn, None)
+        if old is not None:
+            self._unkey(spn, old)
+            self._node_ported.discard(spn)
+        if sp is None or sp.protocol is not Protocol.UDP:
+            return
+        entry = self._own[spn] = (_own_keys(sp), sp.node_port or 0)
+        if entry[1]:
+            self._node_ported.add(spn)
+        self._key(spn, entry)
+
+    def _keys(self, entry: tuple[tuple[AddrPort, ...], int]) -> Iterable[AddrPort]:
+        own, node_port = entry
+        if not node_port:
+            return own
+        return dict.fromkeys((*own, *((ip, node_port) for ip in self.nodes)))
+
+    def _key(self, spn: ServicePortName, entry: tuple[tuple[AddrPort, ...], int]) -> None:
+        owners_of = self._owners
+        for key in self._keys(entry):
+            owners = owners_of.get(key)
+            if owners is None:
+                owners_of[key] = spn
+                if key in self.gone:
+                    self.gone.discard(key)
+                else:
+                    self.new.add(key)
+            elif isinstance(owners, tuple):
+                owners_of[key] = (*owners, spn)
+            else:
+                owners_of[key] = (owners, spn)
+
+    def _unkey(self, spn: ServicePortName, entry: tuple[tuple[AddrPort, ...], int]) -> None:
+        owners_of = self._owners
+        for key in self._keys(entry):
+            owners = owners_of[key]
+            if isinstance(owners, tuple):
+                rest = tuple(o for o in owners if o != spn)
+                owners_of[key] = rest[0] if len(rest) == 1 else rest
+                continue
+            del owners_of[key]
+            if key in self.new:
+                self.new.discard(key)
+            else:
+                self.gone.add(key)
 
 
 def is_stale(orig_dst: AddrPort, reply_src: AddrPort, target: _Target) -> bool:
@@ -115,10 +282,15 @@ def is_stale(orig_dst: AddrPort, reply_src: AddrPort, target: _Target) -> bool:
     return reply_src not in target.endpoints
 
 
+def udp_changes(changes: Changes) -> Iterator[ServicePortName]:
+    """The UDP service ports ``changes`` names (the only ones the reconciler looks at)."""
+    return (spn for spn in changes.services if spn.protocol is Protocol.UDP)
+
+
 def reconcile_needed(changes: Changes, state: ProxyState) -> bool:
     """Whether a sync of ``changes`` can have made UDP entries stale: a UDP service port changed (or was removed),
     or a full sync (which may follow missed changes) while any UDP service port exists."""
-    if any(spn.protocol is Protocol.UDP for spn in changes.services):
+    if any(udp_changes(changes)):
         return True
     return changes.full and any(sp.protocol is Protocol.UDP for sp in state)
 
@@ -136,9 +308,10 @@ class ConntrackReconciler:
         self.families = tuple(families)
         self.last_duration = 0.0
         self.last_ok = True  # False after a reconciliation that could not finish: one is still owed
-        #: the UDP service address:ports of the last reconciliation per family: a service deleted since has no target
-        #: in the state, and the flows still rewritten to its endpoints must go too (upstream's kubernetes#141371)
-        self._known: dict[IPFamily, frozenset[AddrPort]] = {}
+        #: per family, the UDP service address:ports and how they differ from those of the last reconciliation: a
+        #: service deleted since has no target in the state, and the flows still rewritten to its endpoints must go
+        #: too (upstream's kubernetes#141371)
+        self.maps: dict[IPFamily, TargetMap] = {f: TargetMap(f) for f in self.families}
 
     def _socket(self, family: IPFamily) -> Any:
         kwargs: dict[str, Any] = {"nfgen_family": _AF[family]}
@@ -147,14 +320,19 @@ class ConntrackReconciler:
         return Conntrack(**kwargs)
 
     def reconcile(
-        self, state: ProxyState, node_ips: NodeContext | Collection[str], answerers: Answerers = serving_endpoints
+        self,
+        state: ProxyState,
+        node_ips: NodeContext | Collection[str],
+        answerers: Answerers = serving_endpoints,
+        changed: Collection[ServicePortName] | None = None,
     ) -> dict[IPFamily, int]:
         """Delete the stale UDP entries of every family; returns how many were deleted per family.
 
         ``node_ips`` is this sync's node context (node ports answer on its NodePort addresses and on the Node's own
         addresses), or a plain list of addresses to which every address of the namespace is added (nodePortAddresses
         empty: every local address); ``answerers`` says who may answer a service port's
-        flows (the backend's ``conntrack_answerers``).
+        flows (the backend's ``conntrack_answerers``). ``changed``: the only service ports that may differ from the
+        state of the last call (the syncs' changes since); None (anything may have) walks every service port.
         A family whose dump or deletes fail is logged and counted as far as it got, and ``last_ok`` turns False so
         the caller knows a reconciliation is still owed (the daemon retries it on its next sync).
         """
@@ -172,33 +350,65 @@ class ConntrackReconciler:
             else:
                 addrs, local = node_ips, True
             for family in self.families:
-                deleted[family] = self._reconcile_family(state, family, addrs, answerers, local)
+                deleted[family] = self._reconcile_family(state, family, addrs, answerers, local, changed)
         finally:
             self.last_duration = time.monotonic() - start
         return deleted
 
-    def _reconcile_family(
-        self, state: ProxyState, family: IPFamily, node_ips: Collection[str], answerers: Answerers, local: bool
-    ) -> int:
-        known = self._known.get(family, frozenset())
-        if not known and not any(sp.protocol is Protocol.UDP for sp in state.family(family).values()):
-            return 0
-        if local and any(sp.node_port and sp.protocol is Protocol.UDP for sp in state.family(family).values()):
+    def update_targets(
+        self,
+        state: ProxyState,
+        family: IPFamily,
+        node_ips: Collection[str],
+        changed: Collection[ServicePortName] | None,
+        *,
+        local: bool = False,
+    ) -> TargetMap:
+        """``family``'s target map brought up to ``state`` (``changed``: see ``reconcile``), node ports keyed on
+        ``node_ips`` (and, with ``local``, every address of the namespace): the reconciliation before its dump."""
+        targets = self.maps[family]
+        try:
+            targets.update(state, changed)
+        except BaseException:
+            targets.built = False  # half updated: the next call builds it again from its state
+            raise
+        if local and targets.has_node_ports:
             try:
                 node_ips = {*node_ips, *local_addresses(self.netns)}
             except (NetlinkError, OSError) as exc:
                 log.warning("conntrack: listing local addresses failed, node ports matched on node IPs only: %s", exc)
-        current = service_targets(state, family, node_ips, answerers)
-        # a service address gone since the last reconciliation: nothing may answer for it any more
-        targets = {**{key: _Target(frozenset()) for key in known - current.keys()}, **current}
-        count, ok = self._delete_stale(family, targets) if targets else (0, True)
+        targets.set_nodes(node_ips)
+        return targets
+
+    def _reconcile_family(
+        self,
+        state: ProxyState,
+        family: IPFamily,
+        node_ips: Collection[str],
+        answerers: Answerers,
+        local: bool,
+        changed: Collection[ServicePortName] | None,
+    ) -> int:
+        targets = self.update_targets(state, family, node_ips, changed, local=local)
+        if not targets:  # no UDP service address now, none gone since the last time
+            targets.reconciled(True)
+            return 0
+        memo: dict[AddrPort, _Target | None] = {}
+
+        def lookup(key: AddrPort) -> _Target | None:
+            if key not in memo:
+                memo[key] = targets.target(state, key, answerers)
+            return memo[key]
+
+        count, ok = self._delete_stale(family, lookup)
         # what this family now holds; after a failure the gone addresses stay known, so the next call retries them
-        self._known[family] = frozenset(current) if ok else known | frozenset(current)
+        targets.reconciled(ok)
         self.last_ok = self.last_ok and ok
         return count
 
-    def _delete_stale(self, family: IPFamily, targets: dict[AddrPort, _Target]) -> tuple[int, bool]:
-        """Delete the entries to ``targets`` that contradict them: (how many, whether every step worked)."""
+    def _delete_stale(self, family: IPFamily, targets: Callable[[AddrPort], _Target | None]) -> tuple[int, bool]:
+        """Delete the entries whose target (``targets``: None for an address that is not a service's) they
+        contradict: (how many, whether every step worked)."""
         ok = True
         af = _AF[family]
         count = 0
@@ -211,7 +421,7 @@ class ConntrackReconciler:
                 if orig.family != af or orig.proto != _UDP or orig.daddr is None or reply.saddr is None:
                     continue
                 orig_dst = (_canon(orig.daddr), int(orig.dport))
-                target = targets.get(orig_dst)
+                target = targets(orig_dst)
                 if target is None:
                     continue
                 if is_stale(orig_dst, (_canon(reply.saddr), int(reply.sport)), target):

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig, to_kube_proxy_configuration
-from kproxy.conntrack import ConntrackReconciler, reconcile_needed
+from kproxy.conntrack import ConntrackReconciler, reconcile_needed, udp_changes
 from kproxy.counters import register as register_counters
 from kproxy.drift import DriftWatcher
 from kproxy.metrics import Metrics
@@ -138,6 +138,7 @@ class Daemon:
         self._after_first_sync: Callable[[], None] | None = None
         self.applied: ProxyState | None = None  # the state of the last successful sync (what /verify checks)
         self.facts = SyncFacts(self.families)  # what metrics and the health servers need, in O(changes)
+        self._health_retry = False  # a service health listener failed to open: try again at the next sync
         backend.register_metrics(self.metrics.registry, self.families)
         register_counters(self.metrics.registry, backend, config)  # per-service counters, with --service-counters
         self.reconciler = reconciler if reconciler is not None else ConntrackReconciler()
@@ -147,6 +148,9 @@ class Daemon:
         self._refused: dict[ServicePortName, str] = {}  # the core's refusals already reported
         self._need_full = True
         self._conntrack_owed = False
+        #: the UDP service ports changed since the conntrack reconciler last saw the state (None: anything, after a
+        #: full sync or a failed reconciliation), so its view of the state costs the changes, not the table
+        self._conntrack_changed: set[ServicePortName] | None = None
         self._last_full_at = 0.0
         self._ready_logged = False
         self._stopped = threading.Event()
@@ -225,6 +229,7 @@ class Daemon:
         return health_check_addresses(self.config.nodeport_addresses, local_addresses())
 
     def _listen_error(self, svc: NamespacedName, port: int, why: str) -> None:
+        self._health_retry = True  # the next sync tries that listener again, as upstream's
         msg = f"failed to start healthcheck {svc} on port {port}: {why}"
         log.warning(msg)
         if self._event_sink is not None:
@@ -327,16 +332,26 @@ class Daemon:
         self._record_success(changes, result, failed)
         self.facts.update(state, changes)
         self._observe(changes, result, elapsed, len(failed))
-        self.service_health.sync_services(self.facts.health_ports())
-        self.service_health.sync_endpoints(self.facts.local_ready())
+        self._sync_service_health()
         if periodic:
             self._verify_after_periodic(state)
-        if self.backend.uses_conntrack_nat and (self._conntrack_owed or reconcile_needed(changes, state)):
-            self._conntrack_owed = not self._reconcile_conntrack(state)
+        if self.backend.uses_conntrack_nat:
+            self._track_conntrack(changes)
+            if self._conntrack_owed or reconcile_needed(changes, state):
+                self._conntrack_owed = not self._reconcile_conntrack(state)
         if result.need_full_sync:
             self.runner.run()  # the backend wants a full sync (it says so when it lost track of the kernel)
         # Services the kernel refused stay dirty: ask the runner to come back after the retry interval.
         return not failed
+
+    def _sync_service_health(self) -> None:
+        """The service health servers' ports and local endpoint counts, handed over (a copy of every service with a
+        health port) only when they changed or when a listener could not be opened (each sync tries it again)."""
+        if not (self.facts.take_health_changed() or self._health_retry):
+            return
+        self._health_retry = False
+        self.service_health.sync_services(self.facts.health_ports())
+        self.service_health.sync_endpoints(self.facts.local_ready())
 
     def _after_failure(self, changes: Changes, result: SyncResult, elapsed: float) -> None:
         m = self.metrics
@@ -424,15 +439,24 @@ class Daemon:
                 self._event_sink(reason, f"service port {spn}/{spn.protocol.value}: {why}", spn.service)
         self._refused = dict(refused)
 
+    def _track_conntrack(self, changes: Changes) -> None:
+        """Add a successful sync's UDP changes to what the reconciler has not seen yet (O(changes))."""
+        if changes.full:
+            self._conntrack_changed = None
+        elif self._conntrack_changed is not None:
+            self._conntrack_changed.update(udp_changes(changes))
+
     def _reconcile_conntrack(self, state: ProxyState) -> bool:
         """Reconcile UDP conntrack with the state just programmed; False when it could not finish (then the next
         sync, at the latest the periodic one, tries again: a stale entry must not wait for the next UDP change)."""
         node = self.node or resolve(self.config, state.node)
         start = time.perf_counter()
+        changed, self._conntrack_changed = self._conntrack_changed, set()
         try:
-            deleted = self.reconciler.reconcile(state, node, self.backend.conntrack_answerers)
+            deleted = self.reconciler.reconcile(state, node, self.backend.conntrack_answerers, changed)
         except Exception:  # conntrack trouble must not fail the sync: rules are already in place
             log.exception("conntrack reconciliation failed")
+            self._conntrack_changed = None  # whatever it saw of the state, the next one starts from the state alone
             return False
         elapsed = time.perf_counter() - start
         for fam in self.families:

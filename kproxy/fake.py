@@ -8,15 +8,19 @@ apply, as iptables-restore stops at the first bad line; ``capacity`` declares li
 ``set_counters`` gives a service port the traffic counters its "kernel" reports (``counters``, every measure), only
 while it is programmed, as a real mode's counters go with its service.
 
-It is registered as the ``fake`` entry point of ``kproxy.backends`` but never listed among the modes.
+It is registered as the ``fake`` entry point of ``kproxy.backends`` but never listed among the modes. What it was
+asked (``syncs``, ``batches``) is kept for the last ``KEPT`` syncs and applies only, with the count of all of them: a
+fake that runs for days (``kproxy run`` on it, a long bench) must not grow with every sync, and a full batch holds the
+whole state.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, overload
 
 from kproxy.admission import UNLIMITED, Limits
 from kproxy.backend import LedgerProxier
@@ -28,6 +32,45 @@ from kproxy.nodeaddr import FamilyContext, NodeContext
 from kproxy.proxier import FAKE_MODE, Availability, KernelProbe
 
 Programmed = Mapping[ServicePortName, ServicePort]  # what the fake's "kernel" holds in one family
+T = TypeVar("T")
+KEPT = 256  # syncs and applies the fake remembers
+
+
+class Recent(Generic[T]):
+    """The last ``keep`` items of a series and how many there were in all: ``len`` counts every item appended since
+    the last ``clear``, and indexes and slices count from the first of those (an index no longer kept is an
+    IndexError, a slice gives what is kept of it), so ``len`` before and a slice from it after still work."""
+
+    def __init__(self, keep: int = KEPT) -> None:
+        self._items: deque[T] = deque(maxlen=keep)
+        self._count = 0
+
+    def append(self, item: T) -> None:
+        self._items.append(item)
+        self._count += 1
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._items)
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        first = self._count - len(self._items)  # the index of the oldest item kept
+        if isinstance(index, slice):
+            return [self._items[k - first] for k in range(*index.indices(self._count)) if k >= first]
+        k = index + self._count if index < 0 else index
+        if not first <= k < self._count:
+            raise IndexError(f"item {index} of {self._count} is not kept (the last {len(self._items)} are)")
+        return self._items[k - first]
 
 
 class FakeProxier(LedgerProxier[ServicePort, FamilyContext, Programmed, Programmed, None]):
@@ -40,8 +83,8 @@ class FakeProxier(LedgerProxier[ServicePort, FamilyContext, Programmed, Programm
         super().__init__(config or ProxyConfig(), netns=netns)
         self.lock = threading.Lock()
         self.programmed: dict[tuple[str, ServicePortName], ServicePort] = {}
-        self.syncs: list[Changes] = []
-        self.batches: list[Batch[ServicePort, FamilyContext, Programmed, None]] = []
+        self.syncs: Recent[Changes] = Recent()
+        self.batches: Recent[Batch[ServicePort, FamilyContext, Programmed, None]] = Recent()
         self.fail_next = 0
         self.reject: dict[ServicePortName, str] = {}  # services the "kernel" refuses, with the reason
         self.capacity: Limits = UNLIMITED  # what the "kernel" can hold per family (``limits``)

@@ -1,6 +1,8 @@
 """What the daemon derives from each synced state for metrics and the service health servers, kept up to date from
 the changes alone: a partial sync at 100,000 services must not walk every service to count the ones without local
-endpoints or to find the few with a ``healthCheckNodePort``. A full sync rebuilds it all."""
+endpoints or to find the few with a ``healthCheckNodePort``. A full sync rebuilds it all. Whether the health part
+changed at all is kept too (``take_health_changed``), so the daemon hands the service health servers their whole
+table only when there is something new in it."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class SyncFacts:
         self._health: dict[NamespacedName, set[tuple[ServicePortName, IPFamily]]] = {}  # ports with a health port
         self._ready: dict[NamespacedName, int] = {}
         self._ports: dict[NamespacedName, int] = {}
+        self._health_changed = True  # the health part may differ from what was last taken
 
     def update(self, state: ProxyState, changes: Changes) -> None:
         """Take ``state`` (what was just synced); ``changes`` says which service ports may differ from the last."""
@@ -84,23 +87,31 @@ class SyncFacts:
     def _recount(self, svc: NamespacedName) -> None:
         """A service's health port and LocalReadyEndpoints from its ports' parts: per family the unique IPs over all
         of its ports, the larger family's count kept (a dual-stack pod is one endpoint, as upstream)."""
+        before = self._ports.get(svc), self._ready.get(svc)
         keys = self._health.get(svc)
         if not keys:
             self._health.pop(svc, None)
             self._ports.pop(svc, None)
             self._ready.pop(svc, None)
-            return
-        ips: dict[IPFamily, set[str]] = {}
-        for spn, fam in keys:
-            part = self._parts[(spn, fam)]
-            self._ports[svc] = part.health_port
-            ips.setdefault(fam, set()).update(part.ready_local)
-        self._ready[svc] = max(len(found) for found in ips.values())
+        else:
+            ips: dict[IPFamily, set[str]] = {}
+            for spn, fam in keys:
+                part = self._parts[(spn, fam)]
+                self._ports[svc] = part.health_port
+                ips.setdefault(fam, set()).update(part.ready_local)
+            self._ready[svc] = max(len(found) for found in ips.values())
+        if (self._ports.get(svc), self._ready.get(svc)) != before:
+            self._health_changed = True
 
     def no_local_endpoints(self, family: IPFamily) -> tuple[int, int]:
         """(internal, external): service ports whose Local policy drops traffic for want of local endpoints."""
         internal, external = self._drops[family]
         return internal, external
+
+    def take_health_changed(self) -> bool:
+        """Whether ``health_ports`` or ``local_ready`` may differ from when this was last asked."""
+        changed, self._health_changed = self._health_changed, False
+        return changed
 
     def health_ports(self) -> dict[NamespacedName, int]:
         """``healthCheckNodePort`` per service (eTP=Local load balancers), for the service health servers."""

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 from kproxy.bench.reference_nft import DEFAULT_MAX_ENDPOINTS, REFERENCES
+from kproxy.bench.synthetic import UDP_EVERY
 from kproxy.proxier import MODE_NAMES, BackendError, backend_class, parse_option_assignments
 
 
@@ -34,6 +35,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default="default",
         help="the synthetic state: default (ClusterIPs, as every published figure) or mixed (NodePorts, externalIPs,"
         " load-balancer IPs, eTP=Local, services without endpoints)",
+    )
+    s.add_argument(
+        "--ports-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="default state: every Nth service has three ports (http, https, metrics); 0 (default): one port each",
+    )
+    s.add_argument(
+        "--udp-every",
+        type=int,
+        default=UDP_EVERY,
+        metavar="N",
+        help="default state: every Nth service is UDP (default %(default)s; 1: all of them, 0: none)",
     )
     s.add_argument(
         "--backend-option",
@@ -116,6 +131,8 @@ def _sync_argv(args: argparse.Namespace) -> list[str]:
         args.format,
         "--state",
         args.state,
+        f"--ports-every={args.ports_every}",
+        f"--udp-every={args.udp_every}",
         *(f"--backend-option={opt}" for opt in args.backend_option),
         *(["--service-counters"] if args.service_counters else []),
         *(
@@ -135,11 +152,22 @@ def cmd_sync(args: argparse.Namespace) -> int:
     except (ValueError, BackendError) as exc:
         print(f"kproxy bench sync: {exc}", file=sys.stderr)
         return 2
+    if args.reference and (args.ports_every or args.udp_every != UDP_EVERY):
+        print("kproxy bench sync: --reference times its own state: no --ports-every or --udp-every", file=sys.stderr)
+        return 2
     if args.mode != "fake" and not args.inside:
         return run_in_namespace(_sync_argv(args))
     try:
         result = run_sync_bench(
-            args.mode, args.services, args.endpoints, args.repeat, options, args.state, args.service_counters
+            args.mode,
+            args.services,
+            args.endpoints,
+            args.repeat,
+            options,
+            args.state,
+            args.service_counters,
+            ports_every=args.ports_every,
+            udp_every=args.udp_every,
         )
     except (BenchError, BackendError) as exc:
         print(f"kproxy bench sync: {exc}", file=sys.stderr)

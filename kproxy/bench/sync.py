@@ -7,7 +7,9 @@ when the run fails or is interrupted; a namespace left by a killed run (its pid 
 ``--mode fake`` times the cache alone and needs no namespace. ``--state mixed`` replaces the default state (ClusterIP
 services only, as every published figure) with kproxy.bench.mixed's: NodePorts, externalIPs, load-balancer IPs,
 ``externalTrafficPolicy: Local`` and services without endpoints among them. Any service the core or the kernel
-refuses fails the run: every synthetic service has addresses and ports of its own.
+refuses fails the run: every synthetic service has addresses and ports of its own. In the default state
+``--ports-every N`` gives every Nth service three ports (``services`` counts Services, ``service_ports`` what the
+cache and the ledger hold) and ``--udp-every N`` makes every Nth service UDP (1: all of them; 0: none).
 
 Phases, each timed with ``time.perf_counter``:
 - ``absorb_s``: feeding every Service and EndpointSlice to ``ServiceCache`` as a list (``replace_services`` and
@@ -16,14 +18,15 @@ Phases, each timed with ``time.perf_counter``:
 - ``full_sync_s``: that snapshot plus the backend's first (full) ``sync`` and the ``commit``;
 - ``partial_sync_s``: median over ``--repeat`` runs of: one endpoint of one service changes (``upsert_slice``),
   ``snapshot``, ``sync``, ``commit``;
-- ``floor_s``: ``backend.measure_floor()`` (the kernel alone taking the full payload; None for fake), and
+- ``floor_s``: ``backend.measure_floor(scratch)`` (the kernel alone taking the full payload; None for fake), and
   ``ratio`` = full_sync_s / floor_s; ``render_s``: the backend's own ``timings["render"]`` of the full sync;
 - ``partial_apply_s``: median of the backend's ``timings["apply"]`` in the partial runs (the kernel's share of a
   partial sync: what is left of ``partial_sync_s`` is kproxy's own work);
 - ``partial_floor_s``: ``backend.measure_partial_floor()["floor_s"]``, the kernel alone taking the last partial
   sync's change again by the most direct means; ``partial_floor_detail``: the rest of what that returned (the
   iptables backend adds ``unhooked_s``, the same replay with the jumps from the built-in chains removed);
-- ``partial_writes``: the services each partial sync wrote (the ledger's deltas; anything but 1 fails the run), and
+- ``partial_writes``: the service ports each partial sync wrote (the ledger's deltas; anything but the changed
+  service's ports, 1, or 3 for a service of ``--ports-every``, fails the run), and
   ``partial_ratio`` = partial_sync_s / full_sync_s, which must stay under PARTIAL_RATIO_MAX from BOUND_SERVICES on
   (``bound_failures``: the command exits 1 after printing the figures);
 - the restart: the first backend is closed (its sockets and descriptors go, the kernel state stays: the userspace
@@ -32,6 +35,12 @@ Phases, each timed with ``time.perf_counter``:
   kernel holds (``restart_sync_s``, the adopt-only figure); ``restart_total_s`` is what the restarted process pays
   before it proxies, to set beside ``absorb_s`` + ``full_sync_s`` of a first start; ``restart_writes``: the
   services that sync wrote (0 when adoption works: nothing changed; anything else is a bound failure);
+- ``conntrack_partial_s``: median over the partial runs of what the UDP conntrack reconciler does after that sync
+  before it dumps the kernel's entries (``ConntrackReconciler.update_targets`` with the sync's changed UDP service
+  ports, as the daemon calls it), and ``conntrack_walk_s``: the map built from the whole table (what a
+  reconciliation after a full sync costs; before the map was kept, every reconciliation walked the table, and asked
+  every service port's answerers besides). The dump itself is O(conntrack entries), not of the table, and is left
+  out: this bench touches no conntrack table;
 - ``describe_ms``: while the full sync runs, another thread asks ``describe()`` for one service again and again
   (what ``/rules?service=`` and ``kproxy show --service`` do): p50 and max milliseconds and how many answers, so
   "``/rules`` never waits for a sync" is a figure;
@@ -72,7 +81,8 @@ from typing import Any
 from kproxy.bench import memory, mixed, synthetic
 from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig
-from kproxy.model import IPFamily, ProxyState, SyncResult
+from kproxy.conntrack import ConntrackReconciler, udp_changes
+from kproxy.model import Changes, IPFamily, ProxyState, SyncResult
 from kproxy.proxier import FAKE_MODE, BenchHooks, backend_class
 from kproxy.toolkit.netns import scratch_netns
 
@@ -100,12 +110,17 @@ class SyncBench:
     state: str = "default"
     #: whether the backend ran with ``--service-counters``
     service_counters: bool = False
+    #: default state: every Nth service has three ports (0: one port each), every Nth is UDP (0: none)
+    ports_every: int = 0
+    udp_every: int = synthetic.UDP_EVERY
+    #: the service ports the cache and the ledger hold (``services`` counts Services)
+    service_ports: int = 0
     absorb_s: float = 0.0
     snapshot_s: float = 0.0
     full_sync_s: float = 0.0
     partial_sync_s: float = 0.0
     partial_sync_runs: list[float] = field(default_factory=list)
-    #: services each partial sync wrote (the ledger's deltas): 1 each, or the run fails
+    #: service ports each partial sync wrote (the ledger's deltas): the changed service's, or the run fails
     partial_writes: list[int] = field(default_factory=list)
     #: partial_sync_s / full_sync_s (PARTIAL_RATIO_MAX at BOUND_SERVICES and more, see ``bound_failures``)
     partial_ratio: float | None = None
@@ -125,6 +140,8 @@ class SyncBench:
     #: peak RSS of the whole run, the restart phase included (``rss_mb`` is the peak before it: full and partial
     #: syncs, as a running kproxy; a restart's adoption reads the kernel's whole state back)
     restart_rss_mb: float | None = None
+    conntrack_partial_s: float | None = None
+    conntrack_walk_s: float | None = None
     describe_ms: dict[str, float] = field(default_factory=dict)
     rss_mb: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
@@ -160,21 +177,41 @@ class _State:
     """The synthetic objects of one ``--state``: the default (``synthetic``: ClusterIPs only, as every published
     figure) or ``mixed`` (``mixed``: external paths too)."""
 
-    def __init__(self, name: str, n_endpoints: int) -> None:
+    def __init__(
+        self, name: str, n_endpoints: int, *, ports_every: int = 0, udp_every: int = synthetic.UDP_EVERY
+    ) -> None:
         if name not in STATES:
             raise BenchError(f"--state: one of {', '.join(STATES)}, not {name!r}")
+        if ports_every < 0 or udp_every < 0:
+            raise BenchError("--ports-every and --udp-every must be at least 0")
+        shape = {"ports_every": ports_every, "udp_every": udp_every}
+        if name == "mixed" and (ports_every, udp_every) != (0, synthetic.UDP_EVERY):
+            raise BenchError("--ports-every and --udp-every shape the default state only, not the mixed one")
         self.name, self.n_endpoints = name, n_endpoints
         self.gen: Any = mixed if name == "mixed" else synthetic
+        self.shape: dict[str, int] = shape if name == "default" else {}  # the generator's keywords
+        self.ports_every = ports_every
         self.variants: dict[int, int] = {}  # service index -> the variant its slice has now (partial syncs)
+
+    def service_ports(self, n_services: int) -> int:
+        return synthetic.service_ports(n_services, ports_every=self.ports_every)
+
+    def ports_of(self, i: int) -> int:
+        """The service ports of service ``i`` (its slice lists them all: an endpoint change rewrites each)."""
+        return synthetic.service_ports(i, ports_every=self.ports_every) - synthetic.service_ports(
+            i - 1, ports_every=self.ports_every
+        )
 
     def absorb(self, cache: ServiceCache, n_services: int) -> None:
         """Every Service and EndpointSlice as a list would return them now (the partial syncs' changes included),
         handed over as kproxy.sources.kube hands a list: ``replace_services`` / ``replace_slices`` (which pause the
         collector, as a real start or restart does)."""
-        cache.replace_services(self.gen.service(i) for i in range(1, n_services + 1))
+        shape = self.shape
+        cache.replace_services(self.gen.service(i, **shape) for i in range(1, n_services + 1))
         variants, n_endpoints = self.variants, self.n_endpoints
         cache.replace_slices(
-            self.gen.endpoint_slice(i, n_endpoints, variant=variants.get(i, 0)) for i in range(1, n_services + 1)
+            self.gen.endpoint_slice(i, n_endpoints, variant=variants.get(i, 0), **shape)
+            for i in range(1, n_services + 1)
         )
 
     def change_one(self, cache: ServiceCache, r: int, n_services: int) -> int:
@@ -183,7 +220,7 @@ class _State:
         while self.name == "mixed" and not mixed.has_endpoints(i):
             i = 1 + i % n_services
         self.variants[i] = r + 1
-        cache.upsert_slice(self.gen.endpoint_slice(i, self.n_endpoints, variant=r + 1))
+        cache.upsert_slice(self.gen.endpoint_slice(i, self.n_endpoints, variant=r + 1, **self.shape))
         return i
 
 
@@ -226,15 +263,19 @@ def run_sync_bench(
     backend_options: Mapping[str, Any] | None = None,
     state_name: str = "default",
     service_counters: bool = False,
+    *,
+    ports_every: int = 0,
+    udp_every: int = synthetic.UDP_EVERY,
 ) -> SyncBench:
     """Run the phases in the current network namespace (the caller chose it) and return the figures.
     ``backend_options`` reach the backend as ``ProxyConfig.backend_options`` (e.g. ``iptables_flavour``);
-    ``state_name`` chooses the synthetic state (STATES); ``service_counters`` turns ``--service-counters`` on."""
+    ``state_name`` chooses the synthetic state (STATES), ``ports_every`` and ``udp_every`` shape the default one;
+    ``service_counters`` turns ``--service-counters`` on."""
     if n_services < 1 or n_endpoints < 1 or repeat < 1:
         raise BenchError("--services, --endpoints and --repeat must be at least 1")
     if n_endpoints > synthetic.MAX_ENDPOINTS:
         raise BenchError(f"--endpoints: at most {synthetic.MAX_ENDPOINTS} (one EndpointSlice per service)")
-    gen = _State(state_name, n_endpoints)
+    gen = _State(state_name, n_endpoints, ports_every=ports_every, udp_every=udp_every)
     if n_services > gen.gen.MAX_SERVICES:
         raise BenchError(f"--services: at most {gen.gen.MAX_SERVICES} in the {state_name} state")
     config = ProxyConfig(
@@ -258,12 +299,14 @@ def run_sync_bench(
         state=state_name,
         service_counters=service_counters,
     )
+    out.ports_every, out.udp_every = ports_every, udp_every
+    out.service_ports = gen.service_ports(n_services)
     live = [backend]  # the instance whose kernel state the run leaves: the restarted one once it exists
     meter = memory.PhaseMeter()
     try:
         cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
         state = _full_phase(out, backend, cache, gen, meter)
-        state = _partial_phase(out, backend, cache, gen, meter) or state
+        state = _partial_phase(out, backend, cache, gen, meter, state) or state
         _weigh(out, "", cache, state, backend)
         floors: BenchHooks = backend
         pfloor = dict(floors.measure_partial_floor() or {})
@@ -320,8 +363,8 @@ def _full_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _State, 
     state, changes = cache.snapshot()
     t2 = time.perf_counter()
     meter.stop("snapshot")
-    if len(state) != out.services:
-        raise BenchError(f"the cache holds {len(state)} service ports, expected {out.services}: {cache.errors()}")
+    if len(state) != out.service_ports:
+        raise BenchError(f"the cache holds {len(state)} service ports, expected {out.service_ports}: {cache.errors()}")
     if not changes.full:
         raise BenchError("the first snapshot did not ask for a full sync")
     meter.start()
@@ -343,12 +386,13 @@ def _full_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _State, 
 
 
 def _partial_phase(
-    out: SyncBench, backend: Any, cache: ServiceCache, gen: _State, meter: memory.PhaseMeter
+    out: SyncBench, backend: Any, cache: ServiceCache, gen: _State, meter: memory.PhaseMeter, full_state: ProxyState
 ) -> ProxyState | None:
     """``repeat`` partial syncs of one endpoint change each; each must write its service (and nothing else). The
     last snapshot synced."""
     applies: list[float] = []
     state = None
+    conntrack = _ConntrackProbe(full_state)
     meter.start()
     for r in range(out.repeat):
         s0 = time.perf_counter()
@@ -366,9 +410,13 @@ def _partial_phase(
         _no_refusals(result, f"partial sync {r + 1}")
         written = _written(result)
         out.partial_writes.append(written)
-        if written != 1:  # the moved endpoint must reach the kernel, and nothing else needs rewriting
-            raise BenchError(f"partial sync {r + 1} wrote {written} services, expected 1 ({gen.gen.__name__} {i})")
+        want = gen.ports_of(i)
+        if written != want:  # the moved endpoint must reach the kernel, and nothing else needs rewriting
+            raise BenchError(f"partial sync {r + 1} wrote {written} services, expected {want} ({gen.gen.__name__} {i})")
+        conntrack.after(state, changes)
     meter.stop("partial")
+    out.conntrack_partial_s = statistics.median(conntrack.seconds)
+    out.conntrack_walk_s = conntrack.walk_s
     out.partial_sync_s = statistics.median(out.partial_sync_runs)
     out.partial_apply_s = statistics.median(applies) if applies else None
     return state
@@ -417,6 +465,24 @@ def _restart_phase(
     out.restart_total_s = out.restart_absorb_s + out.restart_snapshot_s + out.restart_sync_s
     out.restart_writes = _written(result)
     _weigh(out, "restart_", cache, state, fresh)
+
+
+class _ConntrackProbe:
+    """The UDP conntrack reconciler's work after each partial sync, up to its dump (see the module docstring): its
+    map built from the full sync's state (timed: the walk of the whole table), then kept from each partial sync's
+    changes, as the daemon keeps it."""
+
+    def __init__(self, state: ProxyState) -> None:
+        self.reconciler = ConntrackReconciler(families=(IPFamily.V4,))
+        t0 = time.perf_counter()
+        self.reconciler.update_targets(state, IPFamily.V4, (), None)
+        self.walk_s = time.perf_counter() - t0
+        self.seconds: list[float] = []
+
+    def after(self, state: ProxyState, changes: Changes) -> None:
+        t0 = time.perf_counter()
+        self.reconciler.update_targets(state, IPFamily.V4, (), set(udp_changes(changes)))
+        self.seconds.append(time.perf_counter() - t0)
 
 
 class _DescribeProbe:
@@ -503,6 +569,10 @@ def format_table(b: SyncBench) -> str:
             "services x endpoints",
             f"{b.services} x {b.endpoints} ({b.state} state{', service counters' if b.service_counters else ''})",
         ),
+        (
+            "service ports",
+            f"{b.service_ports}" + (f" (every {b.ports_every}th service has 3)" if b.ports_every else ""),
+        ),
         ("absorb", sec(b.absorb_s)),
         ("first snapshot", sec(b.snapshot_s)),
         ("full sync", sec(b.full_sync_s)),
@@ -515,6 +585,8 @@ def format_table(b: SyncBench) -> str:
         ("render", sec(b.render_s)),
         ("partial / full", "-" if b.partial_ratio is None else f"{b.partial_ratio:.4f}"),
         ("services each partial sync wrote", ", ".join(map(str, b.partial_writes)) or "-"),
+        ("conntrack map after a partial sync (median)", sec(b.conntrack_partial_s)),
+        ("  its map built from the whole table", sec(b.conntrack_walk_s)),
         ("restart: list, snapshot, adopting sync", sec(b.restart_total_s)),
         ("  cache from a list", sec(b.restart_absorb_s)),
         ("  first snapshot", sec(b.restart_snapshot_s)),

@@ -26,7 +26,9 @@ from kproxy.sources.files import FilesSource
 class NoConntrack:
     """The fake backend has no datapath, so there is no conntrack table to reconcile."""
 
-    def reconcile(self, state: object, node_ips: object, answerers: object = None) -> dict[IPFamily, int]:
+    def reconcile(
+        self, state: object, node_ips: object, answerers: object = None, changed: object = None
+    ) -> dict[IPFamily, int]:
         return {}
 
 
@@ -392,7 +394,9 @@ class FlakyConntrack:
         self.calls = 0
         self.last_ok = True
 
-    def reconcile(self, state: object, node_ips: object, answerers: object = None) -> dict[IPFamily, int]:
+    def reconcile(
+        self, state: object, node_ips: object, answerers: object = None, changed: object = None
+    ) -> dict[IPFamily, int]:
         self.calls += 1
         self.last_ok = self.calls > 1
         return {}

@@ -54,6 +54,7 @@ def summary(f: SyncFacts) -> tuple[object, ...]:
 def test_partial_updates_equal_a_full_rebuild(sequence: list[dict]) -> None:  # type: ignore[type-arg]
     running = SyncFacts(FAMILIES)
     previous: dict = {}  # type: ignore[type-arg]
+    last_health: tuple[object, ...] | None = None
     for i, spec in enumerate(sequence):
         dirty = frozenset(spn for spn, _ in set(spec) ^ set(previous)) | frozenset(
             spn for key, v in spec.items() if previous.get(key) not in (None, v) for spn in [key[0]]
@@ -63,4 +64,25 @@ def test_partial_updates_equal_a_full_rebuild(sequence: list[dict]) -> None:  # 
         rebuilt = SyncFacts(FAMILIES)
         rebuilt.update(state, Changes(full=True))
         assert summary(running) == summary(rebuilt)
+        # the daemon hands the health servers their table only when it changed: never a change missed
+        health = summary(running)[:2]
+        assert running.take_health_changed() or health == last_health
+        assert not running.take_health_changed()
+        last_health = health
         previous = spec
+
+
+def test_health_changed_only_when_the_health_part_changed() -> None:
+    a = ServicePortName("ns", "svc-1", "p0", Protocol.TCP)
+    b = ServicePortName("ns", "svc-2", "p0", Protocol.TCP)
+    facts = SyncFacts(FAMILIES)
+    facts.update(state_of({(a, IPFamily.V4): (True, 1, True, False)}), Changes(full=True))
+    assert facts.take_health_changed() and not facts.take_health_changed()
+    # a service without a health port changes: nothing for the health servers
+    spec = {(a, IPFamily.V4): (True, 1, True, False), (b, IPFamily.V4): (False, 2, True, True)}
+    facts.update(state_of(spec), Changes(full=False, services=frozenset({b})))
+    assert not facts.take_health_changed()
+    # its local ready endpoints change: something
+    spec[(a, IPFamily.V4)] = (True, 2, True, False)
+    facts.update(state_of(spec), Changes(full=False, services=frozenset({a})))
+    assert facts.take_health_changed() and facts.local_ready() == {a.service: 2}
