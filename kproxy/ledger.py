@@ -282,6 +282,9 @@ class Ledger(Generic[F, C, A, V, S]):
         full = changes.full or rec.need_full or ctx != rec.context or requested
         if full and not (changes.full or rec.need_full or requested) and rec.context is not None:
             log.info("%s: a full batch: this node's context changed (%s)", fam.value, _context_change(rec.context, ctx))
+        elif full:
+            why = "the cache's" if changes.full else "owed after a failure" if rec.need_full else "requested"
+            log.debug("%s: a full batch (%s)", fam.value, why)
         # the cheap check runs before every full batch (a full batch re-establishes the truth: a backend that trusts
         # its memory of what it wrote there must hear first that the kernel lost it) and before a partial one when
         # due

@@ -8,6 +8,7 @@ full sync beyond the ones the damages caused."""
 
 from __future__ import annotations
 
+import logging
 import statistics
 import subprocess
 import time
@@ -223,7 +224,10 @@ def node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Node]:
         yield n
 
 
-def test_damage_is_repaired_within_a_second_and_own_writes_wake_nothing(node: Node, tmp_path: Path) -> None:
+def test_damage_is_repaired_within_a_second_and_own_writes_wake_nothing(
+    node: Node, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="kproxy.ledger")  # a failure shows why each full batch was made
     assert node.daemon.drift is not None and node.daemon.drift.error is None, "the drift watcher is not running"
     took = []
     kinds = damages(node.mode, node.ns, node.options)
