@@ -28,25 +28,35 @@ def prog_query(target_fd: int, attach_type: int, max_ids: int = 64) -> list[int]
     return [int(ids[i]) for i in range(min(count, max_ids))]
 
 
+def _info(fd: int, size: int, info: ctypes.Array[ctypes.c_char] | None = None) -> bytes:
+    """BPF_OBJ_GET_INFO_BY_FD: the first ``size`` bytes of the object's info (bpf_prog_info, bpf_map_info), filled
+    into ``info`` when the caller prepared it (pointers the kernel fills too)."""
+    buf = info if info is not None else ctypes.create_string_buffer(size)
+    attr = ctypes.create_string_buffer(struct.pack("<IIQ", fd, size, ctypes.addressof(buf)), 120)
+    bpf_call(_BPF_OBJ_GET_INFO_BY_FD, attr)
+    return buf.raw
+
+
+def _fd_by_id(cmd: int, obj_id: int) -> int:
+    return bpf_call(cmd, ctypes.create_string_buffer(struct.pack("<I", obj_id), 120))
+
+
+def _name(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+
 def prog_fd_by_id(prog_id: int) -> int:
-    attr = ctypes.create_string_buffer(struct.pack("<I", prog_id), 120)
-    return bpf_call(_BPF_PROG_GET_FD_BY_ID, attr)
+    return _fd_by_id(_BPF_PROG_GET_FD_BY_ID, prog_id)
 
 
 def prog_name(prog_fd: int) -> str:
     """The program's name (bpf_prog_info.name, offset 64; 16 bytes)."""
-    info = ctypes.create_string_buffer(256)
-    attr = ctypes.create_string_buffer(struct.pack("<IIQ", prog_fd, 256, ctypes.addressof(info)), 120)
-    bpf_call(_BPF_OBJ_GET_INFO_BY_FD, attr)
-    return info.raw[64:80].split(b"\0", 1)[0].decode(errors="replace")
+    return _name(_info(prog_fd, 256)[64:80])
 
 
 def prog_tag(prog_fd: int) -> bytes:
     """The program's tag (bpf_prog_info.tag, offset 8: a hash of its instructions with map references zeroed)."""
-    info = ctypes.create_string_buffer(256)
-    attr = ctypes.create_string_buffer(struct.pack("<IIQ", prog_fd, 256, ctypes.addressof(info)), 120)
-    bpf_call(_BPF_OBJ_GET_INFO_BY_FD, attr)
-    return info.raw[8:16]
+    return _info(prog_fd, 256)[8:16]
 
 
 def prog_map_ids(prog_fd: int, max_ids: int = 32) -> frozenset[int]:
@@ -54,9 +64,7 @@ def prog_map_ids(prog_fd: int, max_ids: int = 32) -> frozenset[int]:
     ids = (ctypes.c_uint32 * max_ids)()
     info = ctypes.create_string_buffer(256)
     struct.pack_into("<IQ", info, 52, max_ids, ctypes.addressof(ids))
-    attr = ctypes.create_string_buffer(struct.pack("<IIQ", prog_fd, 256, ctypes.addressof(info)), 120)
-    bpf_call(_BPF_OBJ_GET_INFO_BY_FD, attr)
-    n = struct.unpack_from("<I", info.raw, 52)[0]
+    n = struct.unpack_from("<I", _info(prog_fd, 256, info), 52)[0]
     return frozenset(int(ids[i]) for i in range(min(n, max_ids)))
 
 
@@ -73,23 +81,16 @@ def prog_attach(target_fd: int, prog_fd: int, attach_type: int, flags: int) -> N
 
 
 def map_fd_by_id(map_id: int) -> int:
-    attr = ctypes.create_string_buffer(struct.pack("<I", map_id), 120)
-    return bpf_call(_BPF_MAP_GET_FD_BY_ID, attr)
+    return _fd_by_id(_BPF_MAP_GET_FD_BY_ID, map_id)
 
 
 def map_name(map_fd: int) -> str:
     """The map's name (bpf_map_info.name, offset 24; 16 bytes)."""
-    info = ctypes.create_string_buffer(96)
-    attr = ctypes.create_string_buffer(struct.pack("<IIQ", map_fd, 96, ctypes.addressof(info)), 120)
-    bpf_call(_BPF_OBJ_GET_INFO_BY_FD, attr)
-    return info.raw[24:40].split(b"\0", 1)[0].decode(errors="replace")
+    return _name(_info(map_fd, 96)[24:40])
 
 
 def map_id(fd: int) -> int:
     """The kernel's id of the map (or program: bpf_prog_info.id is at the same offset) behind ``fd``
     (bpf_map_info.id, offset 4): two fds of one map share it, and a map pinned again by someone else after a flush
     has another."""
-    info = ctypes.create_string_buffer(96)
-    attr = ctypes.create_string_buffer(struct.pack("<IIQ", fd, 96, ctypes.addressof(info)), 120)
-    bpf_call(_BPF_OBJ_GET_INFO_BY_FD, attr)
-    return int(struct.unpack_from("<I", info.raw, 4)[0])
+    return int(struct.unpack_from("<I", _info(fd, 96), 4)[0])
