@@ -95,6 +95,12 @@ class ServicePortName:
         return f"{base}:{self.port}" if self.port else base
 
 
+def endpoint_label(ip: str, port: int) -> str:
+    """An endpoint as kproxy spells it everywhere (logs, ``describe``, counter labels): ``ip:port``, ``[ip]:port``
+    for IPv6."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     """One backend address of a service port, as merged from its EndpointSlices.
@@ -118,7 +124,7 @@ class Endpoint:
         return IPFamily.V6 if ":" in self.ip else IPFamily.V4
 
     def __str__(self) -> str:
-        return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
+        return endpoint_label(self.ip, self.port)
 
 
 DEFAULT_AFFINITY_TIMEOUT = 10800  # seconds; upstream's default for sessionAffinityConfig.clientIP.timeoutSeconds

@@ -47,7 +47,7 @@ from typing import Any
 
 from kproxy.batch import Batch
 from kproxy.counters import CounterDump, Counts, Measure, PortCounters
-from kproxy.model import IPFamily, ServicePortName
+from kproxy.model import IPFamily, ServicePortName, endpoint_label
 from kproxy.proxier import BackendError
 
 from . import loader, maps
@@ -58,10 +58,6 @@ OFFERED: frozenset[Measure] = frozenset({Measure.CONNECTIONS})
 
 #: one service port's backend ids and their endpoints (``ip:port``, ``[ip]:port``), in slot order
 Ids = tuple[tuple[int, ...], tuple[str, ...]]
-
-
-def endpoint_text(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 def all_ids(index: FamilyIndex, names: Iterable[ServicePortName] | None = None) -> dict[ServicePortName, Ids]:
@@ -86,7 +82,7 @@ def all_ids(index: FamilyIndex, names: Iterable[ServicePortName] | None = None) 
     out: dict[ServicePortName, Ids] = {}
     for name, held in found.items():
         pairs = [(bid, be) for bid, be in held.items() if be is not None]
-        out[name] = (tuple([bid for bid, _ in pairs]), tuple([endpoint_text(be[0], be[1]) for _, be in pairs]))
+        out[name] = (tuple([bid for bid, _ in pairs]), tuple([endpoint_label(be[0], be[1]) for _, be in pairs]))
     return out
 
 

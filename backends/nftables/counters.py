@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kproxy.counters import CounterDump, Counts, Measure, PortCounters
-from kproxy.model import Endpoint, IPFamily, ServicePort, ServicePortName
+from kproxy.model import Endpoint, IPFamily, ServicePort, ServicePortName, endpoint_label
 from kproxy.nftkernel import Nft
 from kproxy.proxier import BackendError
 
@@ -55,11 +55,6 @@ from .render import Fragment, _digest
 
 #: What the mode counts (``Proxier.counters_offered``): connections, see the module's docstring.
 OFFERED: frozenset[Measure] = frozenset({Measure.CONNECTIONS})
-
-
-def endpoint_text(ip: str, port: int) -> str:
-    """``ip:port``, ``[ip]:port`` for IPv6 (``kproxy.counters``' spelling)."""
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 def _endpoints(sp: ServicePort) -> list[Endpoint]:
@@ -279,7 +274,7 @@ def _plan(fragment: Fragment) -> _Plan:
     for m, key, _ in fragment.elements:
         if m in COUNTING:
             _, ip, port = key.rsplit(" . ", 2)
-            ep = endpoint_text(ip, int(port))
+            ep = endpoint_label(ip, int(port))
             keys.append(((m, key), index.setdefault(ep, len(index))))
     return _Plan(fragment, tuple(index), tuple(keys))
 

@@ -38,7 +38,15 @@ from typing import Any
 
 from kproxy.conformance.context import Context
 from kproxy.conformance.registry import scenario
-from kproxy.conformance.steps import START_WAIT, cip, start_kproxy, started_and_synced, two_nodes, wait_reach
+from kproxy.conformance.steps import (
+    START_WAIT,
+    cip,
+    parsed_exposition,
+    start_kproxy,
+    started_and_synced,
+    two_nodes,
+    wait_reach,
+)
 from kproxy.conformance.values import METRICS_PORT, Probe, answer_pod
 from kproxy.counters import Measure, Scrape, parse, service_key
 from kproxy.fairness import fairness
@@ -129,17 +137,7 @@ def split_note(before: Scrape, after: Scrape, sent: Sent) -> str:
 
 def read(ctx: Context, node: Any) -> Scrape:
     """The node's counters as its ``/metrics`` serves them."""
-    text = ctx.metrics_text(node)
-    try:
-        return parse(text, ctx.now())
-    except ValueError as exc:
-        ctx.fail(
-            f"/metrics on {node.name} is not a valid Prometheus exposition: {exc}",
-            sent=f"GET http://127.0.0.1:{METRICS_PORT}/metrics in {node.ns}",
-            got=text[:300],
-            expected="text format 0.0.4",
-        )
-        raise  # unreachable; fail raises
+    return parsed_exposition(ctx, node, lambda text: parse(text, ctx.now()))
 
 
 @contextlib.contextmanager

@@ -15,10 +15,10 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client.samples import Sample
 
@@ -39,6 +39,9 @@ SYNC_WAIT = 15.0  # how long a change may take to show up before a scenario give
 #: how long a (re)started kproxy may take to answer /healthz 200, which it does once every family has synced once: its
 #: start (the bpf mode compiles its programs at start, which is slow on a busy machine), lists and first sync
 START_WAIT = 45.0
+
+
+T = TypeVar("T")
 
 
 def two_nodes(ctx: Context) -> tuple[Any, Any]:
@@ -246,9 +249,14 @@ def kernel_view(ctx: Context, node: Any, family: str) -> dict[str, list[str]] | 
 
 
 def parsed_metrics(ctx: Context, node: Any) -> list[Sample]:
+    return parsed_exposition(ctx, node, samples)
+
+
+def parsed_exposition(ctx: Context, node: Any, parse: Callable[[str], T]) -> T:
+    """The node's ``/metrics`` text through ``parse``; text that is no valid exposition fails the scenario."""
     text = ctx.metrics_text(node)
     try:
-        return samples(text)
+        return parse(text)
     except ValueError as exc:
         ctx.fail(
             f"/metrics on {node.name} is not a valid Prometheus exposition: {exc}",

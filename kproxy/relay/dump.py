@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kproxy.counters import CounterDump, Counts, PortCounters
-from kproxy.model import IPFamily, ServicePortName
+from kproxy.model import IPFamily, ServicePortName, endpoint_label
 
 from .balancer import Addr
 from .datapath import Engine
@@ -20,7 +20,7 @@ DUMP_TIMEOUT_S = 10.0
 
 
 def endpoint_key(ep: Addr) -> str:
-    return f"[{ep[0]}]:{ep[1]}" if ":" in ep[0] else f"{ep[0]}:{ep[1]}"
+    return endpoint_label(ep[0], ep[1])
 
 
 #: what the loop thread hands over per listener: its service port, its endpoints, and its tally's figures

@@ -17,7 +17,16 @@ from kproxy.backends.nftables.proxier import NftablesProxier
 from kproxy.batch import Batch, Delta
 from kproxy.config import ProxyConfig
 from kproxy.counters import Measure
-from kproxy.model import Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
+from kproxy.model import (
+    Endpoint,
+    IPFamily,
+    NodeInfo,
+    Protocol,
+    ProxyState,
+    ServicePort,
+    ServicePortName,
+    endpoint_label,
+)
 from kproxy.nodeaddr import FamilyContext, LocalDetect
 
 GOLDEN = Path(__file__).parent / "golden" / "nftables"
@@ -150,7 +159,7 @@ def test_ipv6_counting_keys_and_rules() -> None:
         "fd00:198:19::1 . tcp . 80 . fd00:198:18::2 . 8080"
     ]
     assert "ct original ip6 daddr" in " ".join(layout.fixed_chain_rules(IPFamily.V6, True)["count-input"])
-    assert counters.endpoint_text("fd00:198:18::2", 8080) == str(Endpoint("fd00:198:18::2", 8080))
+    assert endpoint_label("fd00:198:18::2", 8080) == str(Endpoint("fd00:198:18::2", 8080))
 
 
 def test_an_endpoint_change_keeps_the_other_endpoints_counting_elements() -> None:
