@@ -7,7 +7,9 @@ the sink as full replacements. The folder is polled with `stat` only (names, siz
 costs almost nothing; any change re-reads the changed files and re-sends the whole set.
 
 A file that does not parse is logged and skipped, and the objects it held at its last good read stay in place:
-an editor's half-written save must not make services vanish. Objects labelled for another proxy
+an editor's half-written save must not make services vanish. For the same reason a file that held objects and is
+seen empty is believed only at the next poll (a writer's truncate comes before its write); writing to a temporary
+name and renaming it into place avoids both. Objects labelled for another proxy
 (`service.kubernetes.io/service-proxy-name`) or headless (`service.kubernetes.io/headless`) are dropped here, as
 the server-side selector does for the kube source, so both sources hand the sink the same view.
 """
@@ -129,6 +131,7 @@ class FilesSource:
         self.errors = 0  # unparsable file reads
         self._by_file: dict[str, tuple[FileSig, list[dict[str, Any]]]] = {}
         self._sigs: tuple[FileSig, ...] | None = None
+        self._emptied: set[str] = set()  # files seen empty once after holding objects (see ``poll``)
         self._synced = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -181,6 +184,13 @@ class FilesSource:
             if previous is not None and previous[0] == sig:
                 by_file[name] = previous
                 continue
+            if sig[1] == 0 and previous is not None and previous[1] and name not in self._emptied:
+                # Emptied: most likely a writer between its truncate and its write (``open(..., "w")``). Keep the
+                # last good objects, and believe the empty file only if the next poll still sees it empty.
+                self._emptied.add(name)
+                by_file[name] = previous
+                continue
+            self._emptied.discard(name)
             try:
                 by_file[name] = (sig, parse_manifest(self.folder / name))
             except ManifestError as exc:
@@ -188,8 +198,15 @@ class FilesSource:
                 log.warning("files: keeping the last good objects of an unparsable manifest: %s", exc)
                 # Remember the broken version's signature, so it is parsed again only once it changes.
                 by_file[name] = (sig, previous[1] if previous is not None else [])
+        same = by_file.keys() == self._by_file.keys() and all(
+            objs is self._by_file[name][1] for name, (_sig, objs) in by_file.items()
+        )
         self._by_file = by_file
-        self._sigs = sigs
+        # a file kept at its last good objects because it was emptied is looked at again at the next poll
+        self._sigs = None if self._emptied & by_file.keys() else sigs
+        self._emptied &= by_file.keys()
+        if same and self.reads:
+            return False  # only emptied files held back: the sink already has exactly these objects
         self._feed([obj for _sig, objs in by_file.values() for obj in objs])
         return True
 

@@ -155,6 +155,24 @@ def test_broken_file_is_skipped_and_keeps_its_last_good_objects(
     assert sink.wait_for(lambda s: set(s.slices) == {("shop", "web-1")})
 
 
+def test_a_file_caught_between_truncate_and_write_loses_nothing(folder: Path) -> None:
+    """``open(path, "w")`` empties the file before its write: a poll in between must not drop its services, and
+    a file that stays empty is believed at the next poll."""
+    sink = RecordingSink()
+    src = FilesSource(sink, folder, "node-1", poll_interval=3600)  # polled by hand below
+    src.start()
+    fed = sink.count("replace_services")
+    write(folder / "services.yaml", "")  # the truncate, seen before the write
+    assert not src.poll(), "an emptied file fed the sink at once"
+    assert set(sink.services) == {("shop", "web"), ("default", "nons")}
+    write(folder / "services.yaml", SERVICES.split("---")[0])  # the write
+    assert src.poll() and set(sink.services) == {("shop", "web")}
+    write(folder / "services.yaml", "")
+    assert not src.poll() and set(sink.services) == {("shop", "web")}
+    assert src.poll() and sink.services == {}  # still empty at the next poll: the file is empty
+    assert not src.poll() and sink.count("replace_services") == fed + 2
+
+
 def test_broken_file_at_start_is_skipped(folder: Path) -> None:
     write(folder / "bad.json", "{not json")
     sink = RecordingSink()
