@@ -19,6 +19,7 @@ from typing import Any
 from kproxy.lab.apiobjects import ApiError, object_meta
 
 NODE_PORT_RANGE = (30000, 32767)
+NODE_PORT_TYPES = ("NodePort", "LoadBalancer")  # the types that hold nodePorts
 
 
 class ServiceAllocator:
@@ -48,15 +49,30 @@ class ServiceAllocator:
         for port in spec.get("ports") or []:
             port.setdefault("protocol", "TCP")
             port.setdefault("targetPort", port.get("port"))
+        if typ not in NODE_PORT_TYPES:
+            for port in spec.get("ports") or []:
+                if port.get("nodePort"):
+                    raise ApiError(
+                        422,
+                        "Invalid",
+                        f'Service "{object_meta(svc).get("name")}" is invalid: spec.ports[].nodePort: Forbidden: '
+                        f"may not be used when `type` is '{typ}'",
+                    )
         if old is not None:
-            # Allocated values that an update leaves out are kept (the registry's patchAllocatedValues).
-            for key in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy", "healthCheckNodePort"):
+            # Allocated values that an update leaves out are kept (the registry's patchAllocatedValues), the
+            # nodePorts and the healthCheckNodePort only while the new type still needs them: a NodePort Service
+            # turned ClusterIP gives its ports back (kept, they would be a second owner of a port reallocated later)
+            for key in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy"):
                 if key in old_spec and not spec.get(key):
                     spec[key] = old_spec[key]
+            local_lb = typ == "LoadBalancer" and spec.get("externalTrafficPolicy") == "Local"
+            if local_lb and old_spec.get("healthCheckNodePort") and not spec.get("healthCheckNodePort"):
+                spec["healthCheckNodePort"] = old_spec["healthCheckNodePort"]
             old_ports = {(p.get("port"), p.get("protocol")): p.get("nodePort") for p in old_spec.get("ports") or []}
             for port in spec.get("ports") or []:
-                if not port.get("nodePort") and old_ports.get((port.get("port"), port.get("protocol"))):
-                    port["nodePort"] = old_ports[(port.get("port"), port.get("protocol"))]
+                kept = old_ports.get((port.get("port"), port.get("protocol")))
+                if typ in NODE_PORT_TYPES and not port.get("nodePort") and kept:
+                    port["nodePort"] = kept
             if old_spec.get("clusterIP") and spec.get("clusterIP") != old_spec.get("clusterIP"):
                 raise ApiError(
                     422,
@@ -121,7 +137,7 @@ class ServiceAllocator:
                 spec["clusterIP"], spec["clusterIPs"] = "None", ["None"]
                 spec.setdefault("ipFamilies", ["IPv4"])
                 spec.setdefault("ipFamilyPolicy", "SingleStack")
-            if typ in ("NodePort", "LoadBalancer"):
+            if typ in NODE_PORT_TYPES:
                 spec.setdefault("externalTrafficPolicy", "Cluster")
                 # One Service may use a nodePort once per protocol (TCP and UDP on the same number), as the
                 # real allocator allows; across Services a nodePort is taken once.
@@ -155,8 +171,16 @@ class ServiceAllocator:
                     new_ports.append(np)
                 if typ == "LoadBalancer":
                     spec.setdefault("allocateLoadBalancerNodePorts", True)
-                    if spec.get("externalTrafficPolicy") == "Local" and not spec.get("healthCheckNodePort"):
-                        spec["healthCheckNodePort"] = self._next_port()
+                    if spec.get("externalTrafficPolicy") == "Local":
+                        hc = int(spec.get("healthCheckNodePort") or 0)
+                        if hc and hc in self._ports_used:
+                            raise ApiError(
+                                422,
+                                "Invalid",
+                                f'Service "{name}" is invalid: spec.healthCheckNodePort: Invalid value: {hc}: '
+                                "provided port is already allocated",
+                            )
+                        spec["healthCheckNodePort"] = hc or self._next_port()
                         self._ports_used.add(spec["healthCheckNodePort"])
                         new_ports.append(spec["healthCheckNodePort"])
         except ApiError:

@@ -19,6 +19,7 @@ import pytest
 import urllib3
 from kubernetes.client import ApiException
 
+from kproxy.lab.apiobjects import ApiError
 from kproxy.lab.apiserver import ApiServer, parse_listen, serve
 
 
@@ -170,6 +171,32 @@ def test_service_allocations_and_status_subresource(core: kubernetes.client.Core
     body["status"] = {"loadBalancer": {}}
     st2 = core.replace_namespaced_service_status("lb", "default", body)
     assert st2.spec.ports[0].port == 80 and not st2.status.load_balancer.ingress
+
+
+def test_a_nodeport_service_turned_clusterip_gives_its_ports_back(api: ApiServer) -> None:
+    """The soak's type flip: a NodePort Service replaced as ClusterIP (no nodePorts in the body) loses its nodePorts,
+    as the registry's patchAllocatedValues does, so no later Service shares one with it and a restored dump loads
+    again; a ClusterIP Service that names a nodePort is refused, as validation refuses it."""
+    store = api.store
+    flip = store.create(svc("flip", type="NodePort"))
+    port = flip["spec"]["ports"][0]["nodePort"]
+    store.update(svc("flip", type="ClusterIP"))
+    assert "nodePort" not in store.get("services", "default", "flip")["spec"]["ports"][0]
+    taker = store.create(svc("taker", type="NodePort", ports=[{"port": 80, "name": "http", "nodePort": port}]))
+    assert taker["spec"]["ports"][0]["nodePort"] == port  # free again
+    with pytest.raises(ApiError) as exc:
+        store.create(svc("named", ports=[{"port": 80, "name": "http", "nodePort": 31999}]))
+    assert exc.value.code == 422 and "Forbidden" in str(exc.value)
+    back = store.update(svc("flip", type="NodePort"))
+    assert back["spec"]["ports"][0]["nodePort"] not in (0, port)  # a fresh one: the old one is taken
+    # an Local load balancer keeps its healthCheckNodePort across an update that leaves it out, and owns it
+    lb = store.create(svc("lb", type="LoadBalancer", externalTrafficPolicy="Local"))
+    hc = lb["spec"]["healthCheckNodePort"]
+    assert (
+        store.update(svc("lb", type="LoadBalancer", externalTrafficPolicy="Local"))["spec"]["healthCheckNodePort"] == hc
+    )
+    with pytest.raises(ApiError):
+        store.create(svc("steal", type="NodePort", ports=[{"port": 80, "name": "http", "nodePort": hc}]))
 
 
 def test_label_and_field_selectors(core: kubernetes.client.CoreV1Api, disc: kubernetes.client.DiscoveryV1Api) -> None:
