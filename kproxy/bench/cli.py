@@ -240,13 +240,25 @@ def cmd_datapath(args: argparse.Namespace) -> int:
         if msg:
             print(f"kproxy bench datapath: {msg}", file=sys.stderr, flush=True)
 
+    from kproxy.bench.results import machine_facts
+
+    machine = machine_facts()  # the commit and date of the run, not of whoever renders its report later
     stop_on_sigterm()
     try:
         result = run_datapath(modes, sizes, config, progress)
     except (DatapathError, LabError) as exc:
         print(f"kproxy bench datapath: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(result.to_json(), indent=2) if args.format == "json" else format_table(result))
+    if args.format == "json":
+        command = (
+            f"kproxy bench datapath --mode {','.join(modes)} --services {args.services} --endpoints {args.endpoints}"
+            f" --rounds {args.rounds} --seconds {args.seconds:g} --iperf-seconds {args.iperf_seconds:g}"
+            f" --{'' if args.conntrack_limits else 'no-'}conntrack-limits --lab-prefix {args.lab_prefix} --format json"
+        )
+        doc = {**result.to_json(), "machine": machine, "command": command}
+        print(json.dumps(doc, indent=2))
+    else:
+        print(format_table(result))
     return 0
 
 

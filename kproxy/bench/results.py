@@ -128,10 +128,13 @@ def as_results(doc: dict[str, Any], command: str = "") -> dict[str, Any]:
     if "datapath" in doc or "runs" not in doc:
         return doc
     command = command or doc.get("command") or "kproxy bench datapath"
+    notes = list(doc.get("notes") or [])
+    if not doc.get("machine"):  # a document from before runs recorded their machine
+        notes.append("The machine's facts (commit, date) are the report's: the run's document did not record its own.")
     return {
         "command": command,
         "machine": doc.get("machine") or machine_facts(),
         "datapath": doc,
-        "notes": list(doc.get("notes") or []),
+        "notes": notes,
         "modes": list(dict.fromkeys(r["mode"] for r in doc.get("runs") or [])),
     }

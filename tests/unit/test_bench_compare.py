@@ -391,6 +391,9 @@ def test_readme_takes_the_floor_table_from_a_bench_datapath_run() -> None:
     assert "| iptables | 1,000 | 0.80 | 0.80 | - | 0.80 | 0.85 | 0.94 | 0.97 | yes |" in text
     assert "[docs/compare/datapath/report.md](docs/compare/datapath/report.md)" in text
     assert report.as_results(doc)["datapath"] is doc  # a bench document renders like a compare one
+    assert report.as_results(doc)["machine"] == {"date_utc": "today"}  # the run's machine, not the report's
+    old = {k: v for k, v in doc.items() if k != "machine"}  # a document from before runs recorded their machine
+    assert any("the report's" in n for n in report.as_results(old)["notes"])
 
 
 def test_datapath_conntrack_limits_can_be_left_out_and_compare_records_its_own_choice() -> None:
