@@ -299,7 +299,7 @@ class Soak:
             final = self._checkpoint("final", secs, checks, traffic)
             churner.stop()
             report = self._report(churner, traffic, final, time.monotonic() - t_start)
-            failed = False
+            failed = not report.get("ok", False)  # a failed verdict keeps the nodes' logs too, to find out why
             return report
         finally:
             if churner is not None and churner.is_alive():
@@ -471,6 +471,12 @@ class Soak:
                 "failed_outside": len(failed) - len(in_restart),
                 "errors": sorted({str(e.get("error")) for e in failed}),
                 "failed_by_fault": self._by_turn(failed),
+                # each failure outside a restart (they fail the run): when, how, and during which fault's turn
+                "failed_outside_events": [
+                    {"t": e["t"], "error": str(e.get("error")), "turn": self._turn_of(float(e["t"]))}
+                    for e in failed
+                    if e not in in_restart
+                ][:20],
             },
             "held_connection": {
                 "alive": held_alive,
@@ -503,10 +509,12 @@ class Soak:
         """How many of ``events`` fell in each fault kind's turn (window and convergence), else ``between``."""
         out: dict[str, int] = {}
         for e in events:
-            t = float(e["t"])
-            kind = next((k for k, a, b in self.turns if a <= t <= b), "between")
+            kind = self._turn_of(float(e["t"]))
             out[kind] = out.get(kind, 0) + 1
         return out
+
+    def _turn_of(self, t: float) -> str:
+        return next((k for k, a, b in self.turns if a <= t <= b), "between")
 
 
 def _modes() -> list[str]:
