@@ -19,7 +19,9 @@ Phases, each timed with ``time.perf_counter``:
 - ``partial_sync_s``: median over ``--repeat`` runs of: one endpoint of one service changes (``upsert_slice``),
   ``snapshot``, ``sync``, ``commit``;
 - ``floor_s``: ``backend.measure_floor(scratch)`` (the kernel alone taking the full payload; None for fake), and
-  ``ratio`` = full_sync_s / floor_s; ``render_s``: the backend's own ``timings["render"]`` of the full sync;
+  ``ratio`` = full_sync_s / floor_s; ``floor_user_s`` / ``floor_sys_s``: the CPU time of the floor's tool, its own
+  parsing (user) and the kernel taking the transaction (system: the true kernel floor); ``render_s``: the
+  backend's own ``timings["render"]`` of the full sync;
 - ``partial_apply_s``: median of the backend's ``timings["apply"]`` in the partial runs (the kernel's share of a
   partial sync: what is left of ``partial_sync_s`` is kproxy's own work);
 - ``partial_floor_s``: ``backend.measure_partial_floor()["floor_s"]``, the kernel alone taking the last partial
@@ -125,6 +127,10 @@ class SyncBench:
     #: partial_sync_s / full_sync_s (PARTIAL_RATIO_MAX at BOUND_SERVICES and more, see ``bound_failures``)
     partial_ratio: float | None = None
     floor_s: float | None = None
+    #: the CPU time of the floor's child process (the tool): user (the tool's parse and evaluation) and system (the
+    #: kernel taking the transaction); None when the floor runs no child (bpf writes its maps from this process)
+    floor_user_s: float | None = None
+    floor_sys_s: float | None = None
     ratio: float | None = None
     render_s: float | None = None
     partial_apply_s: float | None = None
@@ -314,7 +320,15 @@ def run_sync_bench(
         out.partial_floor_detail = pfloor
         if out.mode != FAKE_MODE:  # the floor's fresh target, made and removed by the core
             with scratch_netns("kpb-floor-") as scratch:
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 out.floor_s = floors.measure_floor(scratch)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            # the floor's tool runs as a child (``nft -f``, ``iptables-restore``): its user time is the tool's own
+            # parsing and evaluating, its system time the kernel taking the transaction (nf_tables processes a
+            # netlink batch in the sender's context): the true kernel floor, whatever tool builds the batch
+            if after.ru_utime + after.ru_stime > before.ru_utime + before.ru_stime:
+                out.floor_user_s = round(after.ru_utime - before.ru_utime, 3)
+                out.floor_sys_s = round(after.ru_stime - before.ru_stime, 3)
         if out.floor_s:
             out.ratio = out.full_sync_s / out.floor_s
         if out.full_sync_s > 0:
@@ -581,6 +595,7 @@ def format_table(b: SyncBench) -> str:
         ("kernel floor of the last partial change", sec(b.partial_floor_s)),
         *((f"  {k.removesuffix('_s').replace('_', ' ')}", sec(v)) for k, v in sorted(b.partial_floor_detail.items())),
         ("kernel floor", sec(b.floor_s)),
+        ("  its tool's CPU: user (parsing) / system (the kernel)", f"{sec(b.floor_user_s)} / {sec(b.floor_sys_s)}"),
         ("full sync / floor", "-" if b.ratio is None else f"{b.ratio:.2f}"),
         ("render", sec(b.render_s)),
         ("partial / full", "-" if b.partial_ratio is None else f"{b.partial_ratio:.4f}"),
