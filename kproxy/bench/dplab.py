@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kproxy.bench.dpconfig import (
@@ -233,7 +234,7 @@ class DatapathLab:
             if pid is None:
                 continue
             try:
-                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
             out[node.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15)
@@ -340,7 +341,7 @@ class DatapathLab:
                 continue
             try:
                 fields = dict(
-                    line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line
+                    line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
                 )
             except OSError:
                 continue
