@@ -290,7 +290,7 @@ def _absolute_table(runs: list[dict[str, Any]]) -> list[str]:
     head = ["mode", "services", "target", *(f"{m} ({UNITS[m]})" for m, _, _, _ in METRICS)]
     table = []
     for r in runs:
-        for target in ("limit", "limit_twin", "limit_ct", "limit_nat", "podip", "clusterip"):
+        for target in ("limit", "limit_twin", "limit_ct", "limit_nat", "podip", "clusterip", "clusterip_rev"):
             med = (r.get("medians") or {}).get(target)
             if med:
                 table.append(

@@ -132,7 +132,11 @@ def _cost_result() -> dpconfig.DatapathResult:
     second = _half(0.98, ASYM, "clusterip", dpconfig.REV)
     check = {"node": "node-2", "target": dpconfig.REV, "service": dpcounters.key_of(dpconfig.REV)}
     first.counters_cost = {"check": {**check, "counted": 1234, "answered": 1230, "sent": 1240}}
-    first.medians = {"limit": {"conn_rate": 1000.0}, "clusterip": {"conn_rate": 900.0}}
+    first.medians = {
+        "limit": {"conn_rate": 1000.0},
+        "clusterip": {"conn_rate": 900.0},
+        dpconfig.REV: {"conn_rate": 910.0},
+    }
     first.counters_cost = dpcounters.cost_entry(dl, first, second)  # type: ignore[arg-type]
     res = dpconfig.DatapathResult(config=datapath.DatapathConfig(rounds=3, counters_cost=True).describe())
     res.runs.append(first)
@@ -150,4 +154,5 @@ def test_the_table_and_the_report_show_the_counters_cost() -> None:
     row = next(line for line in text.splitlines() if line.startswith("| nftables | 1 | on / off |"))
     assert row.startswith("| nftables | 1 | on / off | 0.980 |") and row.endswith("| within |")
     assert "| nftables | 1 | asymmetry | 1.020 |" in text
+    assert "| nftables | 1 | clusterip_rev | 910 |" in text and "clusterip_rev/limit" in table
     assert "node-2 counted 1,234 new connections to `datapath/target-rev:tcp/TCP IPv4`" in text
