@@ -103,6 +103,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="also measure the diagnostic limits every round: the limit's path with conntrack on, and with conntrack"
         " and nat on (the floor of a NAT-based proxy); 6 targets a round instead of 4 (default: on)",
     )
+    d.add_argument(
+        "--counters-cost",
+        action="store_true",
+        help="also measure what --service-counters costs the ClusterIP path: a ClusterIP target from each loaded node,"
+        " one counting and one not in the same rounds, each proxied mode run twice with the roles swapped, and the"
+        " counting node's /metrics checked against the connections made (kproxy.bench.dpcounters)",
+    )
     d.add_argument("--lab-prefix", default="kpd-", help="the lab's namespace prefix (default %(default)s)")
     d.add_argument("--format", choices=("json", "table"), default="table")
     d.set_defaults(func=cmd_datapath)
@@ -234,6 +241,7 @@ def cmd_datapath(args: argparse.Namespace) -> int:
         endpoints=args.endpoints,
         prefix=args.lab_prefix,
         conntrack_limits=args.conntrack_limits,
+        counters_cost=args.counters_cost,
     )
 
     def progress(msg: str, advance: int = 0) -> None:

@@ -19,6 +19,12 @@ answers each later than a server of one, which once put the pod IP 4-10 % "above
 * ``podip``: pod-1-2 -> pod-2-2's IP across the loaded nodes;
 * ``clusterip``: pod-1-1 -> the target service's ClusterIP, DNATed (or translated at connect()) to pod-2-1; in mode
   ``none`` pod-2-1's IP directly, so the calibration runs a real run's targets, pods and schedule;
+* with ``DatapathConfig.counters_cost`` (``--counters-cost``), ``clusterip_rev``: pod-2-3 -> a second service's
+  ClusterIP -> pod-1-3, the ClusterIP path the other way round, and each proxied mode runs twice: node-2 counting
+  (``--service-counters``) and node-1 not, then swapped; counters on / off per metric comes from the two ClusterIP
+  targets of the same rounds, the swap cancels (and measures) any difference between the two paths, and each half
+  checks the counting node's ``/metrics`` grew by the connections made (kproxy.bench.dpcounters says why this way
+  and not a restart between rounds). The first half is the mode's run: its ClusterIP target stays uncounted;
 * diagnostic limits (``DatapathConfig.conntrack_limits``, on by default here, ``kproxy compare --conntrack-limits``):
   ``limit_ct``, the limit's path with conntrack turned on in nodes 5 and 6 by a one-rule table, and ``limit_nat``,
   nodes 7 and 8 with nat base chains and a DNAT rule that never matches (conntrack + the nat hooks + a null binding
@@ -68,10 +74,11 @@ import statistics
 import threading
 from collections.abc import Callable, Sequence
 
-from kproxy.bench import synthetic
+from kproxy.bench import dpcounters, synthetic
 from kproxy.bench.dpconfig import (
     CONNTRACK_LIMITS,
     NONE_MODE,
+    REV,
     TWIN,
     DatapathConfig,
     DatapathError,
@@ -143,44 +150,59 @@ def measure_run(dl: DatapathLab, mode: str, services: int, targets: Sequence[str
     return run
 
 
+def proxied_run(dl: DatapathLab, mode: str, n: int, counting: str = "", idle: bool = True) -> DatapathRun:
+    """``mode`` started on both loaded nodes (``--service-counters`` on ``counting``, whose counters are checked
+    around the rounds: kproxy.bench.dpcounters), measured and removed again; a failure is the run's ``error``."""
+    targets = targets_for(mode, dl.config)
+    with_counters = f" (--service-counters on {counting})" if counting else ""
+    dl.progress(f"{mode} @ {n}: starting kproxy on node-1 and node-2{with_counters}")
+    try:
+        ready = dl.start_mode(mode, (counting,) if counting else ())
+    except (DatapathError, LabError) as exc:
+        # one mode failing at one size is a finding for the report, not the end of everyone's figures
+        dl.progress(f"{mode} @ {n}: FAILED: {exc}", dl.config.rounds * len(targets))
+        dl.stop_mode(mode)
+        return DatapathRun(mode=mode, services=n, error=str(exc)[:2000])
+    try:
+        rss, peak = dl.kproxy_memory()
+        idle_cpu: dict[str, float] = {}
+        if idle:
+            dl.progress(f"{mode} @ {n}: kproxy's idle CPU over {dl.config.idle_seconds:g} s")
+            idle_cpu = dl.idle_cpu(dl.config.idle_seconds)
+        try:
+            watch = dpcounters.watch(dl, counting) if counting else None
+            run = measure_run(dl, mode, n, targets)
+            if watch is not None:
+                run.counters_cost = {"check": dpcounters.verify(dl, watch)}
+        except DatapathError as exc:  # a measurement that failed: this run's finding, not everyone's end
+            run = DatapathRun(mode=mode, services=n, error=f"measuring: {str(exc)[:2000]}")
+        run.idle_cpu_s, run.idle_seconds = idle_cpu, dl.config.idle_seconds if idle else 0.0
+        run.ready_s = ready
+        run.kproxy_rss_mb, run.kproxy_peak_rss_mb = rss, peak
+        run.sync_metrics = dl.sync_metrics()
+    finally:
+        cleanup_problem = dl.stop_mode(mode)
+    if cleanup_problem:
+        run.note = cleanup_problem
+    return run
+
+
 def run_in_lab(
     dl: DatapathLab, modes: Sequence[str], n: int, on_run: Callable[[DatapathRun], None] | None = None
 ) -> list[DatapathRun]:
-    """Every mode at size ``n`` in a running DatapathLab (mode ``none``: no proxy at all)."""
+    """Every mode at size ``n`` in a running DatapathLab (mode ``none``: no proxy at all). With the counters' cost,
+    each proxied mode runs twice, the counting node swapped (kproxy.bench.dpcounters); the first is the mode's run."""
     dl.ensure_services(n)
     runs = []
+    cost = dl.config.counters_cost
     for mode in modes:
         if mode == NONE_MODE:
             run = measure_run(dl, mode, n, targets_for(mode, dl.config))
         else:
-            dl.progress(f"{mode} @ {n}: starting kproxy on node-1 and node-2")
-            try:
-                ready = dl.start_mode(mode)
-            except (DatapathError, LabError) as exc:
-                # one mode failing at one size is a finding for the report, not the end of everyone's figures
-                run = DatapathRun(mode=mode, services=n, error=str(exc)[:2000])
-                dl.progress(f"{mode} @ {n}: FAILED: {exc}", dl.config.rounds * len(targets_for(mode, dl.config)))
-                dl.stop_mode(mode)
-                runs.append(run)
-                if on_run is not None:
-                    on_run(run)
-                continue
-            try:
-                rss, peak = dl.kproxy_memory()
-                dl.progress(f"{mode} @ {n}: kproxy's idle CPU over {dl.config.idle_seconds:g} s")
-                idle = dl.idle_cpu(dl.config.idle_seconds)
-                try:
-                    run = measure_run(dl, mode, n, targets_for(mode, dl.config))
-                except DatapathError as exc:  # a measurement that failed: this run's finding, not everyone's end
-                    run = DatapathRun(mode=mode, services=n, error=f"measuring: {str(exc)[:2000]}")
-                run.idle_cpu_s, run.idle_seconds = idle, dl.config.idle_seconds
-                run.ready_s = ready
-                run.kproxy_rss_mb, run.kproxy_peak_rss_mb = rss, peak
-                run.sync_metrics = dl.sync_metrics()
-            finally:
-                cleanup_problem = dl.stop_mode(mode)
-            if cleanup_problem:
-                run.note = cleanup_problem
+            run = proxied_run(dl, mode, n, dpcounters.HALVES[0] if cost else "")
+            if cost and not run.error:
+                second = proxied_run(dl, mode, n, dpcounters.HALVES[1], idle=False)
+                run.counters_cost = dpcounters.cost_entry(dl, run, second)
         runs.append(run)
         if on_run is not None:
             on_run(run)
@@ -241,6 +263,7 @@ __all__ = [
     "CONNTRACK_LIMITS",
     "METRICS",
     "NONE_MODE",
+    "REV",
     "TWIN",
     "DatapathConfig",
     "DatapathError",
@@ -252,6 +275,7 @@ __all__ = [
     "format_table",
     "measure_run",
     "parse_sizes",
+    "proxied_run",
     "round_order",
     "run_datapath",
     "run_in_lab",

@@ -374,6 +374,7 @@ def interleaved(
     lat: list[list[float]] = [[] for _ in targets]
     errors, error_s = [0] * n, [0.0] * n
     busy = [0.0] * n
+    warm = [0] * n  # warm-up operations: not measured, but sent (a counting proxy counts them)
     try:
         for t in targets:
             sources.append(_Source(t))
@@ -400,6 +401,7 @@ def interleaved(
                     ok = conn is not None and _exchange(kind, conn)
                 t1 = clock()
                 if not measuring:
+                    warm[i] += 1
                     continue
                 busy[i] += t1 - t0
                 if ok:
@@ -418,7 +420,7 @@ def interleaved(
             os.close(home)
         for src in sources:
             src.close()
-    return [summarize(kind, lat[i], errors[i], busy[i], error_s[i]) for i in range(n)]
+    return [{**summarize(kind, lat[i], errors[i], busy[i], error_s[i]), "warmup_ops": warm[i]} for i in range(n)]
 
 
 def serve(stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:

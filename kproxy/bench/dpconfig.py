@@ -20,6 +20,16 @@ CLIENT_CPU = "0"
 SERVER_CPU = "1"
 PINNED_CLIENT = ("taskset", "-c", CLIENT_CPU)
 TARGETS = ("limit", "podip", "clusterip")
+#: the ClusterIP path the other way round (node-2 -> node-1), measured with ``DatapathConfig.counters_cost``: one of
+#: the two loaded nodes' kproxy counts (``--service-counters``), the other does not, and the two ClusterIP targets,
+#: one from each node, are the counted and the uncounted path of the same rounds (kproxy.bench.dpcounters)
+REV = "clusterip_rev"
+REV_NAME = "target-rev"
+REV_CLUSTER_IP = "198.19.200.11"
+#: the ClusterIP targets: target -> (service name, ClusterIP)
+CLUSTER_IPS = {"clusterip": (TARGET_NAME, TARGET_CLUSTER_IP), REV: (REV_NAME, REV_CLUSTER_IP)}
+#: the issue's budget: counters on may cost at most 3 % of new connections per second against counters off
+COUNTERS_BUDGET = 0.97
 #: the limit's twin: the same path between two other pods of the same nodes, measured in the same rounds. Two
 #: identical targets must measure alike (twin / limit within a few per cent): the lab's self-test, in every run
 TWIN = "limit_twin"
@@ -34,6 +44,7 @@ ROLES = {
     "clusterip": ("pod-1-1", "pod-2-1"),
     "limit_ct": ("pod-5-1", "pod-6-1"),
     "limit_nat": ("pod-7-1", "pod-8-1"),
+    REV: ("pod-2-3", "pod-1-3"),  # a third pod on each loaded node, only with DatapathConfig.counters_cost
 }
 PODS_PER_NODE = 2
 #: a round in which some target failed more than this fraction of one phase's operations is failed (not counted)
@@ -102,6 +113,9 @@ class DatapathRun:
     errors: dict[str, int] = field(default_factory=dict)
     #: rounds left out because some target failed more than MAX_ERROR_FRACTION of a phase's operations: why
     failed_rounds: list[str] = field(default_factory=list)
+    #: with DatapathConfig.counters_cost: counters on / counters off per metric, both halves, the node asymmetry
+    #: and each half's counter check (kproxy.bench.dpcounters.cost_entry)
+    counters_cost: dict[str, Any] = field(default_factory=dict)
     error: str = ""  # the mode could not be measured at this size: why
     note: str = ""  # measured, but something around it went wrong (e.g. the cleanup afterwards)
 
@@ -119,6 +133,13 @@ class DatapathConfig:
     conntrack_limits: bool = True  # also measure CONNTRACK_LIMITS every round (the floor of a NAT-based proxy)
     twin: bool = True  # also measure TWIN every round (the lab's self-test: it must match the limit)
     idle_seconds: float = 10.0  # the quiet interval over which kproxy's idle CPU is read, before the traffic
+    #: also measure what --service-counters costs the ClusterIP path, per mode (kproxy.bench.dpcounters): REV every
+    #: round, each mode run twice with the counting node swapped
+    counters_cost: bool = False
+
+    @property
+    def pods_per_node(self) -> int:
+        return PODS_PER_NODE + 1 if self.counters_cost else PODS_PER_NODE
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -149,6 +170,14 @@ class DatapathConfig:
             " target after them",
             "mode_none": "no proxy: the ClusterIP target is measured at its endpoint's pod IP (pod-2-1), so the"
             " calibration runs the same targets, pods and schedule as a real run",
+            "counters_cost_detail": "ClusterIP pod-1-1 -> pod-2-1 (node-1's kproxy translates) and pod-2-3 -> pod-1-3"
+            " (node-2's) in the same rounds; first half node-2 runs with --service-counters and node-1 without, then"
+            " both restarted with the roles swapped; counters on / off per metric is the geometric mean of the two"
+            " halves' medians of per-round ratios, the node asymmetry (1.0: the nodes alike) their quotient's root;"
+            " each half checks that the counting node's /metrics grew by the connections made and the other node"
+            " serves no counters"
+            if self.counters_cost
+            else "",
             "idle": f"kproxy's CPU seconds (user + system, /proc/PID/stat) over {self.idle_seconds:g} s with no traffic"
             " and no change, after it is ready",
         }
@@ -168,4 +197,9 @@ def targets_for(mode: str, config: DatapathConfig) -> tuple[str, ...]:
     diagnostic limits when asked for. The same in every mode: mode none (the calibration) measures the ClusterIP's
     endpoint in the ClusterIP's place (DatapathLab.endpoints_of), so it shares servers and turns as a real run."""
     del mode  # every mode alike, on purpose: a calibration with another schedule would calibrate something else
-    return TARGETS + ((TWIN,) if config.twin else ()) + (CONNTRACK_LIMITS if config.conntrack_limits else ())
+    return (
+        TARGETS
+        + ((TWIN,) if config.twin else ())
+        + (CONNTRACK_LIMITS if config.conntrack_limits else ())
+        + ((REV,) if config.counters_cost else ())
+    )

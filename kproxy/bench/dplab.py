@@ -13,27 +13,28 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kproxy.bench.dpconfig import (
     CLEANUP_TIMEOUT,
+    CLUSTER_IPS,
     CONNTRACK_LIMITS,
     DIAG_RULESETS,
     ECHO_PORT,
     IPERF_PORT,
     KPROXY_READY_TIMEOUT,
     PINNED_CLIENT,
-    PODS_PER_NODE,
     ROLES,
     SERVER_CPU,
     SERVICE_PORT,
-    TARGET_CLUSTER_IP,
     DatapathConfig,
     DatapathError,
     targets_for,
 )
 from kproxy.bench.dpobjects import ApiWriter, synthetic_objects, target_objects
 from kproxy.bench.dpstats import flatten, iperf_gbps, round_failure
+from kproxy.counters import Scrape, parse
 from kproxy.lab import netns
 from kproxy.lab.cluster import Lab
 from kproxy.lab.plan import LabPod
@@ -88,6 +89,10 @@ class DatapathLab:
         self._factories: dict[str, tuple[subprocess.Popen[bytes], socket.socket]] = {}
         self.client_restarts = 0  # dpclients that died or hung and were started again
         self.proxied = False  # a proxy runs on the loaded nodes now (mode none: the ClusterIP has none to answer)
+        #: target -> operations sent so far ("crr_ok", "crr_sent" with warm-up and failed ones, "rr_sent": one
+        #: connection per rr phase), and "probes": connections start_mode's readiness checks made: what a counting
+        #: node's counters must show (kproxy.bench.dpcounters)
+        self.made: dict[str, dict[str, int]] = {}
 
     def __enter__(self) -> DatapathLab:
         self.up()
@@ -104,10 +109,10 @@ class DatapathLab:
                 f"a lab with prefix {self.config.prefix!r} is running: take it down first (kproxy lab --prefix"
                 f" {self.config.prefix} down), or use another --lab-prefix"
             )
-        nodes = 8 if self.config.conntrack_limits else 4
-        self.progress(f"lab up ({self.config.prefix}: {nodes} nodes, {PODS_PER_NODE} pods each)")
+        nodes, pods = (8 if self.config.conntrack_limits else 4), self.config.pods_per_node
+        self.progress(f"lab up ({self.config.prefix}: {nodes} nodes, {pods} pods each)")
         self.lab = Lab.up(
-            nodes=nodes, pods_per_node=PODS_PER_NODE, mode=None, ipv6=False, prefix=self.config.prefix, timeout=120
+            nodes=nodes, pods_per_node=pods, mode=None, ipv6=False, prefix=self.config.prefix, timeout=120
         )
         lab = self.lab
         # the limit is only a limit if nothing in its nodes hooks netfilter; the loaded nodes start as bare (and are
@@ -123,7 +128,9 @@ class DatapathLab:
             self._pin_echo(pod)
             self._start_iperf(pod)
             self._start_factory(target)
-        ApiWriter(lab.api_url).create_all(target_objects(self.server_pod))
+        ApiWriter(lab.api_url).create_all(
+            [obj for t in self.cluster_ip_targets for obj in target_objects(self.server_of(t), *CLUSTER_IPS[t])]
+        )
 
     @property
     def all_targets(self) -> tuple[str, ...]:
@@ -187,6 +194,11 @@ class DatapathLab:
         return self.server_of("clusterip")
 
     @property
+    def cluster_ip_targets(self) -> list[str]:
+        """The targets measured at a ClusterIP when a proxy runs (the ClusterIP, and its reverse for the counters)."""
+        return [t for t in self.all_targets if t in CLUSTER_IPS]
+
+    @property
     def loaded_nodes(self) -> list[Any]:
         return [self._lab.node("node-1"), self._lab.node("node-2")]
 
@@ -222,7 +234,7 @@ class DatapathLab:
             if pid is None:
                 continue
             try:
-                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
             out[node.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15)
@@ -270,25 +282,45 @@ class DatapathLab:
         self.written = want
         return time.monotonic() - t0
 
-    def start_mode(self, mode: str) -> float:
-        """Start kproxy ``mode`` on both loaded nodes; seconds until both are healthy and the ClusterIP answers."""
+    def start_mode(self, mode: str, counting: Sequence[str] = ()) -> float:
+        """Start kproxy ``mode`` on both loaded nodes (with ``--service-counters`` on the nodes named in
+        ``counting``); seconds until both are healthy and every ClusterIP target answers from its client pod."""
         lab = self._lab
         t0 = time.monotonic()
         self.proxied = True
         for node in self.loaded_nodes:
-            lab.start_kproxy(node, mode)
+            lab.start_kproxy(node, mode, ["--service-counters"] if node.name in counting else [])
         for node in self.loaded_nodes:
             lab.wait_kproxy(node, timeout=KPROXY_READY_TIMEOUT)
+        for target in self.cluster_ip_targets:
+            self._wait_answers(mode, target)
+        return time.monotonic() - t0
+
+    def _wait_answers(self, mode: str, target: str) -> None:
+        """Until a ClusterIP target answers over TCP and UDP from its client pod, from its own server (bounded)."""
+        lab = self._lab
+        client, server = self.client_of(target), self.server_of(target)
+        ip = CLUSTER_IPS[target][1]
+        probes = self.made.setdefault(target, {})
         deadline = time.monotonic() + 60
         last = ""
         while time.monotonic() < deadline:
-            tcp = lab.probe(self.client_pod.ns, "tcp", TARGET_CLUSTER_IP, SERVICE_PORT, timeout=1.0)[0]
-            udp = lab.probe(self.client_pod.ns, "udp", TARGET_CLUSTER_IP, SERVICE_PORT, timeout=1.0)[0]
-            if tcp.ok and udp.ok and tcp.pod == self.server_pod.name:
-                return time.monotonic() - t0
+            tcp = lab.probe(client.ns, "tcp", ip, SERVICE_PORT, timeout=1.0)[0]
+            udp = lab.probe(client.ns, "udp", ip, SERVICE_PORT, timeout=1.0)[0]
+            probes["probes"] = probes.get("probes", 0) + 1
+            if tcp.ok and udp.ok and tcp.pod == server.name:
+                return
             last = f"tcp {tcp!r}, udp {udp!r}"
             time.sleep(0.5)
-        raise DatapathError(f"mode {mode}: the ClusterIP {TARGET_CLUSTER_IP} does not answer from pod-1-1: {last}")
+        raise DatapathError(f"mode {mode}: the ClusterIP {ip} does not answer from {client.name}: {last}")
+
+    def read_counters(self, node_name: str) -> Scrape:
+        """A loaded node's service counters as its ``/metrics`` serves them (``Scrape.offered`` None: counters off)."""
+        url = "http://127.0.0.1:10249/metrics"
+        r = self._lab.probe_http(self._lab.node(node_name).ns, url, timeout=10.0)
+        if r.status != 200:
+            raise DatapathError(f"{url} on {node_name}: {r.status} {r.error}")
+        return parse(r.body or "", time.monotonic())
 
     def stop_mode(self, mode: str) -> str:
         """Stop kproxy on both loaded nodes, remove what ``mode`` wrote and the conntrack entries (``remove_mode``);
@@ -309,7 +341,7 @@ class DatapathLab:
                 continue
             try:
                 fields = dict(
-                    line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line
+                    line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
                 )
             except OSError:
                 continue
@@ -367,8 +399,8 @@ class DatapathLab:
     def endpoints_of(self, target: str) -> tuple[LabPod, str, int]:
         """(client pod, address, port) of a target. Without a proxy the ClusterIP is measured at its endpoint's pod
         IP: mode none then runs the same targets, pods and schedule as a real run (the calibration)."""
-        if target == "clusterip" and self.proxied:
-            return self.client_pod, TARGET_CLUSTER_IP, SERVICE_PORT
+        if target in CLUSTER_IPS and self.proxied:
+            return self.client_of(target), CLUSTER_IPS[target][1], SERVICE_PORT
         return self.client_of(target), self.server_of(target).ip4, ECHO_PORT
 
     def _start_factory(self, target: str) -> None:
@@ -451,6 +483,15 @@ class DatapathLab:
             raise DatapathError(f"the interleaved dpclient, {req}: {answer['error']}")
         return list(answer["targets"])
 
+    def _tally(self, target: str, phases: dict[str, dict[str, Any]]) -> None:
+        """Add a round's operations to ``made`` (failed rounds too: their connections were made all the same)."""
+        made = self.made.setdefault(target, {})
+        crr, rr = phases.get("crr", {}), phases.get("rr", {})
+        made["crr_ok"] = made.get("crr_ok", 0) + int(crr.get("ops", 0))
+        sent = int(crr.get("ops", 0)) + int(crr.get("errors", 0)) + int(crr.get("warmup_ops", 0))
+        made["crr_sent"] = made.get("crr_sent", 0) + sent
+        made["rr_sent"] = made.get("rr_sent", 0) + (1 if rr else 0)
+
     def measure_round(self, targets: Sequence[str]) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
         """:meth:`judged_round` without the verdict: (figures per target, errors per target)."""
         out, errors, _failure = self.judged_round(targets)
@@ -464,6 +505,8 @@ class DatapathLab:
         for phase in ("crr", "rr", "udp"):
             for t, figures in zip(targets, self._multi_phase(phase, targets), strict=True):
                 client[t][phase] = figures
+        for t in targets:
+            self._tally(t, client[t])
         out, errors = {}, {}
         for t in targets:
             pod, host, _port = self.endpoints_of(t)

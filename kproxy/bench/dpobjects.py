@@ -32,16 +32,17 @@ def _strip(obj: dict[str, Any]) -> dict[str, Any]:
     return {**obj, "metadata": meta}
 
 
-def target_objects(pod: LabPod) -> list[dict[str, Any]]:
-    """The target Service (TCP and UDP 80 -> 8080, TCP 5201 -> iperf3) and its EndpointSlice: pod ``pod`` only."""
+def target_objects(pod: LabPod, name: str = TARGET_NAME, cluster_ip: str = TARGET_CLUSTER_IP) -> list[dict[str, Any]]:
+    """The target Service (TCP and UDP 80 -> 8080, TCP 5201 -> iperf3) and its EndpointSlice: pod ``pod`` only. (The
+    counters' cost measures a second one, ``dpconfig.REV_NAME``, the other way between the loaded nodes.)"""
     svc = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": TARGET_NAME, "namespace": TARGET_NAMESPACE},
+        "metadata": {"name": name, "namespace": TARGET_NAMESPACE},
         "spec": {
             "type": "ClusterIP",
-            "clusterIP": TARGET_CLUSTER_IP,
-            "clusterIPs": [TARGET_CLUSTER_IP],
+            "clusterIP": cluster_ip,
+            "clusterIPs": [cluster_ip],
             "ipFamilies": ["IPv4"],
             "ipFamilyPolicy": "SingleStack",
             "ports": [
@@ -55,9 +56,9 @@ def target_objects(pod: LabPod) -> list[dict[str, Any]]:
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
         "metadata": {
-            "name": f"{TARGET_NAME}-1",
+            "name": f"{name}-1",
             "namespace": TARGET_NAMESPACE,
-            "labels": {"kubernetes.io/service-name": TARGET_NAME},
+            "labels": {"kubernetes.io/service-name": name},
         },
         "addressType": "IPv4",
         "endpoints": [

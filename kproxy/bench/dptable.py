@@ -4,7 +4,9 @@ and the ratios to the limit with their interquartile range, then the ratios agai
 
 from __future__ import annotations
 
-from kproxy.bench.dpconfig import CONNTRACK_LIMITS, TARGETS, TWIN, DatapathResult
+from typing import Any
+
+from kproxy.bench.dpconfig import CONNTRACK_LIMITS, REV, TARGETS, TWIN, DatapathResult
 from kproxy.bench.results import METRICS
 
 
@@ -25,7 +27,7 @@ def _columns(rows: list[list[str]]) -> list[str]:
     ]
 
 
-ALL_TARGETS = (*TARGETS, TWIN, *CONNTRACK_LIMITS)
+ALL_TARGETS = (*TARGETS, TWIN, *CONNTRACK_LIMITS, REV)
 
 
 def _ratio_cell(ratios: dict[str, float], spread: dict[str, list[float]], metric: str) -> str:
@@ -34,6 +36,46 @@ def _ratio_cell(ratios: dict[str, float], spread: dict[str, list[float]], metric
         return "-"
     q = spread.get(metric)
     return f"{v:.2f} [{q[0]:.2f}-{q[1]:.2f}]" if q else f"{v:.2f}"
+
+
+def counters_cost_lines(cost: dict[str, Any]) -> list[str]:
+    """The counters' cost block of a run (``DatapathRun.counters_cost``, kproxy.bench.dpcounters): counters on / off
+    per metric (the geometric mean of the two halves), the node asymmetry, each half, and each half's counter check."""
+    if not cost:
+        return []
+    halves = cost.get("halves") or []
+    lines = [
+        "counters on / off (--service-counters), both halves' geometric mean; asymmetry: the two paths alike = 1.0:"
+    ]
+    if cost.get("error"):
+        lines.append(f"counters' cost NOT MEASURED: {cost['error']}")
+    else:
+        heads = [f"{h['counting_node']} counting" for h in halves]
+        rows = [["metric", "on/off", "asymmetry", *heads]]
+        for metric, _, _, unit in METRICS:
+            cells = [_ratio_cell(h.get("ratio") or {}, h.get("spread") or {}, metric) for h in halves]
+            on_off, asym = (cost.get("ratio") or {}).get(metric), (cost.get("node_asymmetry") or {}).get(metric)
+            rows.append(
+                [
+                    f"{metric} ({unit})",
+                    "-" if on_off is None else f"{on_off:.3f}",
+                    "-" if asym is None else f"{asym:.3f}",
+                ]
+                + cells
+            )
+        lines += _columns(rows)
+        for metric, bound in (cost.get("budget") or {}).items():
+            v = (cost.get("ratio") or {}).get(metric)
+            verdict = "-" if v is None else ("within" if v >= bound else "OVER")
+            lines.append(f"budget: {metric} on/off >= {bound:.2f}: {verdict}")
+    for h in halves:
+        c = h.get("check")
+        if c:
+            lines.append(
+                f"counted on {c['node']}: {c['counted']:,} new connections to {c['service']} ({c['answered']:,}"
+                f" answered, {c['sent']:,} sent)"
+            )
+    return lines
 
 
 def format_table(result: DatapathResult) -> str:
@@ -98,6 +140,7 @@ def format_table(result: DatapathResult) -> str:
                     ]
                 )
             lines += _columns(rows)
+        lines += counters_cost_lines(run.counters_cost)
         if run.conntrack_entries:
             lines.append(
                 "conntrack entries after a round (client node, server node): "

@@ -203,6 +203,7 @@ def datapath_section(results: dict[str, Any]) -> list[str]:
     lines.append("")
     lines += _ratio_table(runs)
     lines += floor_section(runs)
+    lines += counters_cost_section(runs)
     lines += _absolute_table(runs)
     failed = [r for r in runs if r.get("error")]
     if failed:
@@ -245,12 +246,51 @@ def _ratio_table(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def counters_cost_section(runs: list[dict[str, Any]]) -> list[str]:
+    """Per run measured with ``--counters-cost`` (kproxy.bench.dpcounters): counters on / off per metric with the node
+    asymmetry (1.0: the two ClusterIP paths alike) under it, the budget's verdict, and what the counting nodes
+    counted."""
+    table, checks = [], []
+    for r in runs:
+        cost = r.get("counters_cost") or {}
+        if not cost:
+            continue
+        where = [r["mode"], f"{r['services']:,}"]
+        if cost.get("error"):
+            table.append([*where, "not measured", *("-" for _ in RATIO_COLUMNS), "-"])
+        for name, key in (("on / off", "ratio"), ("asymmetry", "node_asymmetry")):
+            if key in cost:
+                verdict = (
+                    {True: "within", False: "OVER", None: "-"}[cost.get("within_budget")] if key == "ratio" else ""
+                )
+                table.append([*where, name, *(_s(cost[key].get(m), 3) for m, _ in RATIO_COLUMNS), verdict])
+        checks += [
+            f"- {r['mode']} at {r['services']:,}: {c['node']} counted {c['counted']:,} new connections to"
+            f" `{c['service']}` ({c['answered']:,} answered, {c['sent']:,} sent)"
+            for c in (h.get("check") for h in cost.get("halves") or [])
+            if c
+        ]
+    if not table:
+        return []
+    lines = ["### What the service counters cost", ""]
+    lines.append(
+        "`--counters-cost`: the ClusterIP path from node-1 and its twin from node-2 in the same rounds, one node's"
+        " kproxy with `--service-counters` and the other's without, then swapped. on / off: the geometric mean of the"
+        " two halves' per-round ratios (1.0: counters cost nothing); asymmetry: how the two paths differ without"
+        " counters (1.0: alike; the swap cancels it). Budget: conn/s on / off >= 0.97."
+    )
+    lines.append("")
+    lines += _table(["mode", "services", "figure", *(label for _, label in RATIO_COLUMNS), "budget"], table)
+    lines += ["", *checks, ""] if checks else [""]
+    return lines
+
+
 def _absolute_table(runs: list[dict[str, Any]]) -> list[str]:
     lines = ["### Absolute medians", ""]
     head = ["mode", "services", "target", *(f"{m} ({UNITS[m]})" for m, _, _, _ in METRICS)]
     table = []
     for r in runs:
-        for target in ("limit", "limit_twin", "limit_ct", "limit_nat", "podip", "clusterip"):
+        for target in ("limit", "limit_twin", "limit_ct", "limit_nat", "podip", "clusterip", "clusterip_rev"):
             med = (r.get("medians") or {}).get(target)
             if med:
                 table.append(
