@@ -261,7 +261,9 @@ def cmd_datapath(args: argparse.Namespace) -> int:
         command = (
             f"kproxy bench datapath --mode {','.join(modes)} --services {args.services} --endpoints {args.endpoints}"
             f" --rounds {args.rounds} --seconds {args.seconds:g} --iperf-seconds {args.iperf_seconds:g}"
-            f" --{'' if args.conntrack_limits else 'no-'}conntrack-limits --lab-prefix {args.lab_prefix} --format json"
+            f" --{'' if args.conntrack_limits else 'no-'}conntrack-limits"
+            + (" --counters-cost" if args.counters_cost else "")
+            + f" --lab-prefix {args.lab_prefix} --format json"
         )
         doc = {**result.to_json(), "machine": machine, "command": command}
         print(json.dumps(doc, indent=2))
