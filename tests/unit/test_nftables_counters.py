@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from types import MappingProxyType
 
-from kproxy.backends.nftables import adopt, counters, layout, plan, render
+from kproxy.backends.nftables import adopt, counters, layout, plan, render, setdump
 from kproxy.backends.nftables.proxier import NftablesProxier
 from kproxy.batch import Batch, Delta
 from kproxy.config import ProxyConfig
@@ -118,26 +118,44 @@ def test_counters_on_add_the_counting_chains_sets_and_an_element_per_address_and
     text = full_text(True)
     off = full_text(False)
     assert layout.layout_chain(IPFamily.V4, True) != layout.layout_chain(IPFamily.V4)  # turning it on replaces
-    assert (
-        "add set ip kproxy endpoint-counters { type ipv4_addr . inet_proto . inet_service . ipv4_addr . inet_service;"
-        " counter; }" in text
-    )
+    for i in (0, 63):
+        assert (
+            f"add set ip kproxy endpoint-counters-{i:02d} {{ type ipv4_addr . inet_proto . inet_service . ipv4_addr"
+            " . inet_service; counter; }" in text
+        )
+        assert (
+            f"add set ip kproxy nodeport-endpoint-counters-{i:02d} {{ type inet_proto . inet_service . ipv4_addr"
+            " . inet_service; counter; }" in text
+        )
+    assert "endpoint-counters-64" not in text and len(counters.COUNTING) == 2 * layout.COUNT_SHARDS == 128
     assert "add chain ip kproxy count-postrouting { type nat hook postrouting priority 90; policy accept; }" in text
     assert "add chain ip kproxy count-input { type nat hook input priority 90; policy accept; }" in text
+    assert "add chain ip kproxy count-ep-63\n" in text and "add chain ip kproxy count-np-00\n" in text
+    # one dispatch per connection, whatever the number of shards: the low bits of the address, or of the NodePort
     assert (
-        "meta l4proto udp ct status dnat ct original ip daddr . meta l4proto . ct original proto-dst . ip daddr"
-        " . th dport @endpoint-counters accept" in text
+        "ct status dnat ct original ip daddr & 0.0.0.63 vmap { 0.0.0.0 : jump count-ep-00, 0.0.0.1 : jump count-ep-01,"
+        in text
+    )
+    assert "meta l4proto sctp ct status dnat ct original proto-dst & 63 vmap { 0 : jump count-np-00, 1 :" in text
+    assert (
+        "meta l4proto udp ct original ip daddr . meta l4proto . ct original proto-dst . ip daddr"
+        " . th dport @endpoint-counters-07 accept" in text
+    )
+    assert (
+        "meta l4proto tcp meta l4proto . ct original proto-dst . ip daddr . th dport"
+        " @nodeport-endpoint-counters-07 accept" in text
     )
     assert "counter ip" not in text  # no named counter objects
     web = proxier(True).render(services()[0], CTX4)
-    got = [k for m, k, _ in web.elements if m == layout.ENDPOINT_COUNTERS]
-    assert got == [f"198.18.200.1 . tcp . 80 . {e.ip} . 8080" for e in THREE]
+    got = [(m, k) for m, k, _ in web.elements if m in counters.COUNTING]
+    assert got == [("endpoint-counters-01", f"198.18.200.1 . tcp . 80 . {e.ip} . 8080") for e in THREE]
     edge = proxier(True).render(services()[3], CTX4)
     by_map: dict[str, int] = {}
     for m, _, _ in edge.elements:
         by_map[m] = by_map.get(m, 0) + 1
-    assert by_map[layout.ENDPOINT_COUNTERS] == 3 * 3  # ClusterIP, externalIP, LB IP x 3 endpoints
-    assert by_map[layout.NODEPORT_ENDPOINT_COUNTERS] == 3
+    # ClusterIP 198.18.200.4, externalIP 203.0.113.7, LB IP 203.0.113.8 (shards 4, 7, 8) x 3 endpoints
+    assert [by_map[f"endpoint-counters-{i:02d}"] for i in (4, 7, 8)] == [3, 3, 3]
+    assert by_map["nodeport-endpoint-counters-00"] == 3  # 30080 & 63
     assert (
         edge.elements[0][0] == layout.SERVICE_IPS and edge.digest != render.render_service(services()[3], CTX4).digest
     )
@@ -155,10 +173,16 @@ def test_ipv6_counting_keys_and_rules() -> None:
         spn("v6"), IPFamily.V6, "fd00:198:19::1", 80, cluster_endpoints=(ep("fd00:198:18::2"),), has_any_endpoints=True
     )
     frag = NftablesProxier(ProxyConfig(ip_families=(IPFamily.V6,), service_counters=True)).render(six, CTX6)
-    assert [k for m, k, _ in frag.elements if m == layout.ENDPOINT_COUNTERS] == [
-        "fd00:198:19::1 . tcp . 80 . fd00:198:18::2 . 8080"
+    assert [(m, k) for m, k, _ in frag.elements if m in counters.COUNTING] == [
+        ("endpoint-counters-01", "fd00:198:19::1 . tcp . 80 . fd00:198:18::2 . 8080")
     ]
-    assert "ct original ip6 daddr" in " ".join(layout.fixed_chain_rules(IPFamily.V6, True)["count-input"])
+    rules = layout.fixed_chain_rules(IPFamily.V6, True)
+    assert rules["count-input"][0].startswith(
+        "ct status dnat ct original ip6 daddr & ::3f vmap { :: : jump count-ep-00, "
+    )
+    assert ", ::3f : jump count-ep-63 }" in rules["count-input"][0]
+    assert "ct original ip6 daddr . meta l4proto" in rules["count-ep-05"][0]
+    assert layout.counting_set(layout.SERVICE_IPS, "fd00::1:ff7f . tcp . 80") == "endpoint-counters-63"
     assert endpoint_label("fd00:198:18::2", 8080) == str(Endpoint("fd00:198:18::2", 8080))
 
 
@@ -174,9 +198,9 @@ def test_an_endpoint_change_keeps_the_other_endpoints_counting_elements() -> Non
     tx = render.Transaction(IPFamily.V4)
     render.change_service(tx, spn("web"), old, new)
     lines = tx.text().splitlines()
-    i = lines.index("delete element ip kproxy endpoint-counters {")
+    i = lines.index("delete element ip kproxy endpoint-counters-01 {")
     assert lines[i + 1 : i + 3] == ["198.18.200.1 . tcp . 80 . 198.18.1.2 . 8080", "}"]
-    assert "add element ip kproxy endpoint-counters {" not in lines
+    assert not [ln for ln in lines if ln.startswith("add element ip kproxy endpoint-counters")]
 
 
 def test_adoption_finds_a_changed_services_counting_elements() -> None:
@@ -195,7 +219,7 @@ def test_adoption_finds_a_changed_services_counting_elements() -> None:
     )
     new = p.render(fewer, CTX4)
     held = {(m, k): 0 for m, k, _ in old.elements if m in counters.COUNTING}
-    held[(layout.ENDPOINT_COUNTERS, "198.18.250.9 . tcp . 80 . 198.18.1.2 . 8080")] = 0  # another service's
+    held[("endpoint-counters-09", "198.18.250.9 . tcp . 80 . 198.18.1.2 . 8080")] = 0  # another service's
     svc = adopt.Service(digest=old.digest, digest_key=old.digest_key, entries={(m, k): v for m, k, v in old.entries})
     skeleton = counters.skeleton(svc.entries, counters.by_entry(held))
     assert skeleton == {(m, k): v for m, k, v in old.elements if m in counters.COUNTING}
@@ -212,12 +236,14 @@ def test_the_dump_maps_the_kernels_listing_back_to_service_ports() -> None:
     the integration test (its services ``ns1/a:http/TCP`` and ``ns1/u:dns/UDP`` with three endpoints each), after
     real connections, with what the servers saw; the fragments are rendered here the same way."""
     listing = json.loads((GOLDEN / "counters_dump.json").read_text())
-    packets: dict[tuple[str, str], int] = {}
+    packets: dict[bytes, int] = {}
     for name, raw in listing["netlink_dump_base64"].items():
         chunks = [base64.b64decode(c) for c in raw]
         got, done = counters.parse_dump(name, IPFamily.V4, chunks)
-        assert done
-        packets.update(got)
+        by_bytes, done_raw = setdump.parse_raw(name, chunks)
+        assert done and done_raw and len(got) == len(by_bytes)
+        assert {counters.key_bytes(IPFamily.V4, k): v for (_, k), v in got.items()} == by_bytes  # each other's inverse
+        packets.update(by_bytes)
         assert counters.parse_dump(name, IPFamily.V4, chunks[:-1] + [chunks[-1][:-20]])[1] is False  # cut short
     assert len(packets) == 6
     meta = listing["kproxy_test"]
