@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -171,14 +172,23 @@ def read_counts(nft: Nft, family: IPFamily) -> tuple[dict[tuple[str, str], int] 
         return None, str(exc)
 
 
-def read_raw(nft: Nft, family: IPFamily) -> tuple[dict[bytes, int] | None, str]:
+def read_raw(
+    nft: Nft, family: IPFamily, seconds: dict[str, float] | None = None
+) -> tuple[dict[bytes, int] | None, str]:
     """Every counting element of kproxy's table in ``family`` (the key's bytes -> packets: no key is formatted), in
-    one element dump of each counting set on one netlink socket; (None, error) on failure."""
+    one element dump of each counting set on one netlink socket; (None, error) on failure. ``seconds`` gets the
+    time spent in the dumps (``dump``: the kernel and the socket) and in parsing them (``parse``)."""
 
     def go() -> dict[bytes, int]:
         out: dict[bytes, int] = {}
+        parse = 0.0
+        t0 = time.perf_counter()
         for setname, chunks in setdump.raw_dumps(family, COUNTING):
+            p0 = time.perf_counter()
             out.update(setdump.parse_raw(setname, chunks)[0])
+            parse += time.perf_counter() - p0
+        if seconds is not None:
+            seconds.update(dump=time.perf_counter() - t0 - parse, parse=parse)
         return out
 
     try:
@@ -255,13 +265,19 @@ class Reader:
         self.proxier = proxier
         self._plans: dict[IPFamily, dict[ServicePortName, _Plan]] = {}
         self._lock = threading.Lock()
+        #: the last read's seconds: ``dump`` (kernel and socket), ``parse``, ``map`` (to service ports)
+        self.seconds: dict[str, float] = {}
 
     def read(self, family: IPFamily) -> CounterDump:
         """Every service port the ledger records as applied in ``family``, with its connections per endpoint.
         BackendError when the dump fails."""
         _, fragments = self.proxier.applied(family)
-        packets, err = read_raw(self.proxier.nft, family)
+        seconds: dict[str, float] = {}
+        packets, err = read_raw(self.proxier.nft, family, seconds)
         if packets is None:
             raise BackendError(f"{layout.FAM[family]} {layout.TABLE}: reading the counting sets: {err}")
         with self._lock:
-            return dump(family, fragments, packets, self._plans.setdefault(family, {}))
+            t0 = time.perf_counter()
+            out = dump(family, fragments, packets, self._plans.setdefault(family, {}))
+            self.seconds = {**seconds, "map": time.perf_counter() - t0}
+            return out

@@ -225,7 +225,10 @@ def _count_chain_rules(family: IPFamily) -> dict[str, tuple[str, ...]]:
     fam = FAM[family]
     # per protocol: ``ct original proto-dst`` has a type only where the transport protocol is known
     key = f"meta l4proto . ct original proto-dst . {fam} daddr . th dport"
-    low = (lambda i: f"0.0.0.{i}") if family is IPFamily.V4 else (lambda i: str(ipaddress.IPv6Address(i)))
+
+    def low(i: int) -> str:  # the address whose last byte is i: 0.0.0.7, ::7
+        return str(ipaddress.IPv4Address(i) if family is IPFamily.V4 else ipaddress.IPv6Address(i))
+
     ep, np = COUNT_SHARD_CHAIN[ENDPOINT_COUNTERS], COUNT_SHARD_CHAIN[NODEPORT_ENDPOINT_COUNTERS]
     by_address = ", ".join(f"{low(i)} : jump {ep}-{i:02d}" for i in range(COUNT_SHARDS))
     by_port = ", ".join(f"{i} : jump {np}-{i:02d}" for i in range(COUNT_SHARDS))

@@ -78,7 +78,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from kproxy.bench import memory, mixed, synthetic
+from kproxy.bench import counterread, memory, mixed, synthetic
 from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig
 from kproxy.conntrack import ConntrackReconciler, udp_changes
@@ -147,6 +147,8 @@ class SyncBench:
     counts: dict[str, int] = field(default_factory=dict)
     #: where the bytes go, per phase and per owner (see the module docstring)
     memory: dict[str, Any] = field(default_factory=dict)
+    #: ``--service-counters``: what reading them costs after the partial syncs (kproxy.bench.counterread.measure)
+    counter_read: dict[str, Any] | None = None
     #: ``--reference``: the yardstick's figures (kproxy.bench.reference_nft.ReferenceBench.to_json()), or why not
     reference: dict[str, Any] | None = None
     reference_note: str = ""
@@ -308,6 +310,8 @@ def run_sync_bench(
         state = _full_phase(out, backend, cache, gen, meter)
         state = _partial_phase(out, backend, cache, gen, meter, state) or state
         _weigh(out, "", cache, state, backend)
+        if service_counters:
+            out.counter_read = counterread.measure(backend, (IPFamily.V4,), repeat)  # the state is IPv4
         floors: BenchHooks = backend
         pfloor = dict(floors.measure_partial_floor() or {})
         out.partial_floor_s = pfloor.pop("floor_s", None)
@@ -599,6 +603,7 @@ def format_table(b: SyncBench) -> str:
             else f"p50 {b.describe_ms['p50']:.1f} ms, max {b.describe_ms['max']:.1f} ms "
             f"({int(b.describe_ms['answers'])} answers)",
         ),
+        *_counter_rows(b.counter_read),
         ("peak RSS", f"{b.rss_mb:.1f} MB"),
         ("peak RSS with the restart", "-" if b.restart_rss_mb is None else f"{b.restart_rss_mb:.1f} MB"),
     ]
@@ -630,6 +635,17 @@ def format_table(b: SyncBench) -> str:
             " the built-in chains and the canary included; .../total = rules kproxy's chains hold)"
         )
     return text
+
+
+def _counter_rows(c: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    if not c:
+        return []
+    parts = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in c["read_parts_s"].items())
+    return [
+        (f"counter read (median of {c['repeat']})", f"{c['read_s'] * 1000:.1f} ms" + (f" ({parts})" if parts else "")),
+        ("  counters' /metrics text", f"{c['exposition_s'] * 1000:.1f} ms, {c['exposition_bytes'] / 1e6:.1f} MB"),
+        ("  RSS the first read adds (its peak)", f"{c['rss_added_mb']:.1f} MB ({c['rss_peak_added_mb']:.1f} MB)"),
+    ]
 
 
 def _memory_rows(mem: Mapping[str, Any]) -> list[tuple[str, str]]:

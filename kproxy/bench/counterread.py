@@ -1,0 +1,75 @@
+"""``kproxy bench sync --service-counters``: what reading the traffic counters costs at the bench's scale, as a
+``/metrics`` scrape pays it (the budget: a scrape at 10,000 services x 10 endpoints under 200 ms, adding at most
+50 MB to the resident set; docs/PERFORMANCE.md).
+
+Figures (``SyncBench.counter_read``):
+
+- ``read_s``: median over ``repeat`` reads of ``backend.counters(family)`` for every family, the dump a scrape
+  asks for; ``read_parts_s``: medians of what the backend says the read spent where, when it says
+  (``counter_read_seconds``; the nftables mode: ``dump``, the kernel and the socket, ``parse``, ``map``);
+- ``exposition_s``: median of the collector's whole text (``CounterCollector.exposition``: the read and its
+  formatting, what ``/metrics`` appends for the counters), ``exposition_bytes`` its size; ``first_exposition_s``
+  the first one (every port's format strings made);
+- ``rss_added_mb``: the resident set the first exposition leaves behind (the reader's plans, the collector's
+  format strings), ``rss_peak_added_mb`` its high-water mark above the resident set before it (``peak_reset``:
+  whether the kernel let the mark be reset first; when not, the peak is the process's);
+- ``background``: whether the collector would serve this mode's reads from the background (a read of
+  ``SYNC_READ_S`` or more): then a scrape does not wait for the read, and ``exposition_s`` times the last read's
+  formatting only.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kproxy.bench import memory
+from kproxy.counters import SYNC_READ_S, CounterCollector, CounterSource
+from kproxy.model import IPFamily
+
+
+def _read(backend: CounterSource, families: Sequence[IPFamily]) -> tuple[float, dict[str, float]]:
+    """One read of every family: seconds, and the backend's own split of them summed over the families."""
+    parts: dict[str, float] = {}
+    t0 = time.perf_counter()
+    for family in families:
+        backend.counters(family)
+        for k, v in (getattr(backend, "counter_read_seconds", None) or {}).items():
+            parts[k] = parts.get(k, 0.0) + v
+    return time.perf_counter() - t0, parts
+
+
+def measure(backend: CounterSource, families: Sequence[IPFamily], repeat: int = 5) -> dict[str, Any]:
+    """The figures of the module docstring, in the calling thread (the backend's kernel state as it is)."""
+    collector = CounterCollector(backend, families)
+    gc.collect()
+    before = memory.rss_mb()
+    reset = memory.reset_peak()
+    t0 = time.perf_counter()
+    text = collector.exposition()
+    first = time.perf_counter() - t0
+    peak, after = memory.peak_mb(), memory.rss_mb()
+    reads, parts, expositions = [], [], []
+    for _ in range(max(1, repeat)):
+        seconds, split = _read(backend, families)
+        reads.append(seconds)
+        parts.append(split)
+        t0 = time.perf_counter()
+        collector.exposition()
+        expositions.append(time.perf_counter() - t0)
+    read_s = statistics.median(reads)
+    return {
+        "read_s": read_s,
+        "read_parts_s": {k: statistics.median(p.get(k, 0.0) for p in parts) for k in parts[0]},
+        "exposition_s": statistics.median(expositions),
+        "first_exposition_s": first,
+        "exposition_bytes": len(text),
+        "rss_added_mb": round(after - before, 1),
+        "rss_peak_added_mb": round(peak - before, 1),
+        "peak_reset": reset,
+        "background": read_s >= SYNC_READ_S,
+        "repeat": len(reads),
+    }
