@@ -109,6 +109,7 @@ def skeleton(
 # none): 20 bytes (16 for a NodePort's) in IPv4, 44 (28) in IPv6, so the two kinds never share a key.
 _PROTO_NAMES = {6: "tcp", 17: "udp", 132: "sctp"}
 _PROTO_NUMBERS = {v: k for k, v in _PROTO_NAMES.items()}
+_AF = {IPFamily.V4: socket.AF_INET, IPFamily.V6: socket.AF_INET6}
 
 
 def key_text(setname: str, family: IPFamily, raw: bytes) -> str:
@@ -126,22 +127,22 @@ def key_text(setname: str, family: IPFamily, raw: bytes) -> str:
     return " . ".join(parts)
 
 
+def _port(port: str) -> bytes:
+    return int(port).to_bytes(2, "big") + b"\0\0"
+
+
+def entry_bytes(family: IPFamily, entry: str) -> bytes:
+    """The first fields of a counting element's key, its entry's (``198.19.0.1 . tcp . 80``, ``tcp . 30080``)."""
+    fields = entry.split(" . ")
+    head = socket.inet_pton(_AF[family], fields.pop(0)) if len(fields) == 3 else b""
+    proto, port = fields
+    return head + bytes((_PROTO_NUMBERS[proto], 0, 0, 0)) + _port(port)
+
+
 def key_bytes(family: IPFamily, text: str) -> bytes:
-    """``key_text``'s inverse: the kernel's bytes of a counting element's key as ``with_counters`` spells it (five
-    fields: an address's element, four: a NodePort's)."""
-    af = socket.AF_INET if family is IPFamily.V4 else socket.AF_INET6
-    fields = text.split(" . ")
-    head = socket.inet_pton(af, fields.pop(0)) if len(fields) == 5 else b""
-    proto, port, ep, ep_port = fields
-    return b"".join(
-        (
-            head,
-            bytes((_PROTO_NUMBERS[proto], 0, 0, 0)),
-            int(port).to_bytes(2, "big") + b"\0\0",
-            socket.inet_pton(af, ep),
-            int(ep_port).to_bytes(2, "big") + b"\0\0",
-        )
-    )
+    """``key_text``'s inverse: the kernel's bytes of a counting element's key as ``with_counters`` spells it."""
+    entry, ip, port = text.rsplit(" . ", 2)
+    return entry_bytes(family, entry) + socket.inet_pton(_AF[family], ip) + _port(port)
 
 
 def parse_dump(setname: str, family: IPFamily, chunks: Iterable[bytes]) -> tuple[dict[tuple[str, str], int], bool]:
@@ -197,24 +198,28 @@ def read_raw(
         return None, str(exc)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Plan:
     """One fragment's endpoints, its counting elements' keys (bytes) and, per key, the index of its endpoint (None
-    when the keys are the endpoints in order: a service with one address)."""
+    when the keys are the endpoints in order: a service with one address); ``last``: what the last read made of it,
+    handed out again while its counts stay the same (most services' between two scrapes)."""
 
     fragment: Fragment
     endpoints: tuple[str, ...]
     keys: tuple[bytes, ...]
     index: tuple[int, ...] | None
+    last: PortCounters | None = None
 
 
 def _plan(family: IPFamily, fragment: Fragment) -> _Plan:
     index: dict[str, int] = {}
     keys, at = [], []
+    heads: dict[str, bytes] = {}  # an entry's part of its elements' keys, made once per entry
     for m, key, _ in fragment.elements:
         if m in _KIND:
-            _, ip, port = key.rsplit(" . ", 2)
-            keys.append(key_bytes(family, key))
+            entry, ip, port = key.rsplit(" . ", 2)
+            head = heads.get(entry) or heads.setdefault(entry, entry_bytes(family, entry))
+            keys.append(head + socket.inet_pton(_AF[family], ip) + _port(port))
             at.append(index.setdefault(endpoint_label(ip, int(port)), len(index)))
     simple = at == list(range(len(at)))
     return _Plan(fragment, tuple(index), tuple(keys), None if simple else tuple(at))
@@ -224,17 +229,17 @@ def dump(
     family: IPFamily,
     fragments: Mapping[ServicePortName, Fragment],
     packets: Mapping[bytes, int],
-    plans: dict[ServicePortName, _Plan],
+    plans: dict[int, _Plan],
 ) -> CounterDump:
     """The CounterDump of ``fragments`` from the counting elements' packets (by key bytes, ``read_raw``). ``plans``
-    (service port -> plan) is the last call's, updated in place. A service whose elements the kernel lacks is left
-    out (not programmed)."""
+    (a fragment's id -> its plan, which holds it: an id is not reused while its plan lives) is the last call's,
+    updated in place. A service whose elements the kernel lacks is left out (not programmed)."""
     ports: dict[ServicePortName, PortCounters] = {}
     get = packets.__getitem__
     for spn, fragment in fragments.items():
-        p = plans.get(spn)
-        if p is None or p.fragment is not fragment:
-            p = plans[spn] = _plan(family, fragment)
+        p = plans.get(id(fragment))
+        if p is None:
+            p = plans[id(fragment)] = _plan(family, fragment)
         try:
             values = tuple(map(get, p.keys))
         except KeyError:
@@ -244,9 +249,14 @@ def dump(
             for i, v in zip(p.index, values, strict=True):
                 conns[i] += v
             values = tuple(conns)
-        ports[spn] = PortCounters(Counts(sum(values)), p.endpoints, values)
-    for spn in plans.keys() - fragments.keys():
-        del plans[spn]  # a service's counters go with it
+        last = p.last
+        if last is None or last.connections != values:
+            last = p.last = PortCounters(Counts(sum(values)), p.endpoints, values)
+        ports[spn] = last
+    if len(plans) > len(fragments):  # every fragment has its plan: more plans are those of fragments gone
+        live = {id(f) for f in fragments.values()}
+        for gone in plans.keys() - live:
+            del plans[gone]  # a service's counters go with it
     return CounterDump(family, ports)
 
 
@@ -263,7 +273,7 @@ class Reader:
 
     def __init__(self, proxier: _Source) -> None:
         self.proxier = proxier
-        self._plans: dict[IPFamily, dict[ServicePortName, _Plan]] = {}
+        self._plans: dict[IPFamily, dict[int, _Plan]] = {}
         self._lock = threading.Lock()
         #: the last read's seconds: ``dump`` (kernel and socket), ``parse``, ``map`` (to service ports)
         self.seconds: dict[str, float] = {}

@@ -5,11 +5,13 @@
 Figures (``SyncBench.counter_read``):
 
 - ``read_s``: median over ``repeat`` reads of ``backend.counters(family)`` for every family, the dump a scrape
-  asks for; ``read_parts_s``: medians of what the backend says the read spent where, when it says
-  (``counter_read_seconds``; the nftables mode: ``dump``, the kernel and the socket, ``parse``, ``map``);
-- ``exposition_s``: median of the collector's whole text (``CounterCollector.exposition``: the read and its
-  formatting, what ``/metrics`` appends for the counters), ``exposition_bytes`` its size; ``first_exposition_s``
-  the first one (every port's format strings made);
+  asks for (``read_cpu_s``: the process's CPU time in it, kernel time included: on a shared machine the wall time
+  also says how busy the neighbours were); ``read_parts_s``: medians of what the backend says the read spent
+  where, when it says (``counter_read_seconds``; the nftables mode: ``dump``, the kernel and the socket,
+  ``parse``, ``map``);
+- ``exposition_s`` (``exposition_cpu_s``): median of the collector's whole text (``CounterCollector.exposition``:
+  the read and its formatting, what ``/metrics`` appends for the counters), ``exposition_bytes`` its size;
+  ``first_exposition_s`` the first one (every port's format strings made, and the read's plans);
 - ``rss_added_mb``: the resident set the first exposition leaves behind (the reader's plans, the collector's
   format strings), ``rss_peak_added_mb`` its high-water mark above the resident set before it (``peak_reset``:
   whether the kernel let the mark be reset first; when not, the peak is the process's);
@@ -31,15 +33,16 @@ from kproxy.counters import SYNC_READ_S, CounterCollector, CounterSource
 from kproxy.model import IPFamily
 
 
-def _read(backend: CounterSource, families: Sequence[IPFamily]) -> tuple[float, dict[str, float]]:
-    """One read of every family: seconds, and the backend's own split of them summed over the families."""
+def _read(backend: CounterSource, families: Sequence[IPFamily]) -> tuple[float, float, dict[str, float]]:
+    """One read of every family: seconds, the process's CPU seconds, and the backend's own split of the seconds
+    summed over the families."""
     parts: dict[str, float] = {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for family in families:
         backend.counters(family)
         for k, v in (getattr(backend, "counter_read_seconds", None) or {}).items():
             parts[k] = parts.get(k, 0.0) + v
-    return time.perf_counter() - t0, parts
+    return time.perf_counter() - t0, time.process_time() - c0, parts
 
 
 def measure(backend: CounterSource, families: Sequence[IPFamily], repeat: int = 5) -> dict[str, Any]:
@@ -52,19 +55,23 @@ def measure(backend: CounterSource, families: Sequence[IPFamily], repeat: int = 
     text = collector.exposition()
     first = time.perf_counter() - t0
     peak, after = memory.peak_mb(), memory.rss_mb()
-    reads, parts, expositions = [], [], []
+    reads, cpu, parts, expositions, expositions_cpu = [], [], [], [], []
     for _ in range(max(1, repeat)):
-        seconds, split = _read(backend, families)
+        seconds, cpu_s, split = _read(backend, families)
         reads.append(seconds)
+        cpu.append(cpu_s)
         parts.append(split)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         collector.exposition()
         expositions.append(time.perf_counter() - t0)
+        expositions_cpu.append(time.process_time() - c0)
     read_s = statistics.median(reads)
     return {
         "read_s": read_s,
+        "read_cpu_s": statistics.median(cpu),
         "read_parts_s": {k: statistics.median(p.get(k, 0.0) for p in parts) for k in parts[0]},
         "exposition_s": statistics.median(expositions),
+        "exposition_cpu_s": statistics.median(expositions_cpu),
         "first_exposition_s": first,
         "exposition_bytes": len(text),
         "rss_added_mb": round(after - before, 1),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import struct
 from pathlib import Path
 from types import MappingProxyType
 
@@ -254,7 +255,7 @@ def test_the_dump_maps_the_kernels_listing_back_to_service_ports() -> None:
         name = ServicePortName("ns1", s["name"], s["port_name"], Protocol(s["protocol"]))
         sp = ServicePort(name, IPFamily.V4, s["cluster_ip"], s["port"], cluster_endpoints=eps, has_any_endpoints=True)
         frags[sp.name] = p.render(sp, CTX4)
-    plans: dict[ServicePortName, object] = {}
+    plans: dict[int, object] = {}
     dump = counters.dump(IPFamily.V4, frags, packets, plans)  # type: ignore[arg-type]
     assert set(dump.ports) == set(frags)
     for s in meta["services"]:
@@ -264,5 +265,28 @@ def test_the_dump_maps_the_kernels_listing_back_to_service_ports() -> None:
     # a service the ledger no longer has goes from the dump and the plans
     gone = next(iter(frags))
     rest = {k: v for k, v in frags.items() if k != gone}
-    assert gone not in counters.dump(IPFamily.V4, rest, packets, plans).ports and gone not in plans  # type: ignore[arg-type]
+    assert gone not in counters.dump(IPFamily.V4, rest, packets, plans).ports  # type: ignore[arg-type]
+    assert set(plans) == {id(f) for f in rest.values()}  # its plan went with it
     assert NftablesProxier.counters_offered == frozenset({Measure.CONNECTIONS})
+
+
+def test_the_parser_reads_a_message_of_another_shape_attribute_by_attribute() -> None:
+    """The kernel's dump parsed by the one-pattern path, and again with a key the pattern does not expect in one
+    element (a copy of the dump's first element, its key's data attribute lengthened by a 4-byte field: the run no
+    longer matches), which the attribute walk reads: the same counts, and the odd element's own key."""
+    listing = json.loads((GOLDEN / "counters_dump.json").read_text())
+    chunks = [base64.b64decode(c) for c in listing["netlink_dump_base64"]["endpoint-counters"]]
+    fast, _ = setdump.parse_raw("endpoint-counters", chunks)
+    assert len(fast) == 6
+    first = chunks[0]
+    at = first.index(struct.pack("=HHHHHH", 76, 1, 28, 1, 24, 1))  # the first element: 20-byte key
+    odd = struct.pack("=HHHHHH", 80, 1, 32, 1, 28, 1) + first[at + 12 : at + 32] + b"XXXX" + first[at + 32 : at + 76]
+    # the element list's length (and the message's) grow by the odd element's 80 bytes
+    lst = first.rindex(struct.pack("=H", 3), 0, at) - 2  # NFTA_SET_ELEM_LIST_ELEMENTS header, just before
+    (list_len,) = struct.unpack_from("=H", first, lst)
+    grown = bytearray(first[: lst + list_len] + odd + first[lst + list_len :])
+    struct.pack_into("=H", grown, lst, list_len + 80)
+    struct.pack_into("=I", grown, 0, struct.unpack_from("=I", first, 0)[0] + 80)
+    slow, done = setdump.parse_raw("endpoint-counters", [bytes(grown), *chunks[1:]])
+    key = first[at + 12 : at + 32] + b"XXXX"
+    assert done and slow == {**fast, key: fast[first[at + 12 : at + 32]]}
