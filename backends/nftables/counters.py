@@ -1,5 +1,5 @@
 """The nftables mode's traffic counters (``--service-counters``): new connections per service port and endpoint,
-in per-element counters of two sets of kproxy's table.
+in per-element counters of kproxy's counting sets.
 
 Decisions:
 
@@ -10,14 +10,19 @@ Decisions:
 - **Where**: the DNAT happens in shared chains (``numgen random mod K map @backends-tcp``), one rule for every
   service with K endpoints, so no rule belongs to one endpoint. The count is taken after the DNAT instead, in two
   base chains of the source-NAT hooks (``count-postrouting``, ``count-input``, priority 90: before any source NAT,
-  which would end the hook's nat chains; a connection reaches exactly one of them, once): ``meta l4proto tcp ct
-  status dnat ct original ip daddr . meta l4proto . ct original proto-dst . ip daddr . th dport @endpoint-counters
-  accept`` (the service address the client dialled and the endpoint the DNAT chose; a NodePort by protocol and
-  port in ``@nodeport-endpoint-counters``), one rule per protocol and set, since ``ct original proto-dst`` has a
-  type only where the transport protocol is known. A lookup that finds an element counts on the element's own
-  counter. So every path to an endpoint counts the same way: shared chains, ClientIP affinity's own chains,
-  firewalls, Local policy's shortcuts. Connections that are not DNATed are not counted: rejected or dropped ones (no
-  (local) endpoints), and localhost NodePorts (the relay's).
+  which would end the hook's nat chains; a connection reaches exactly one of them, once), by an element lookup of
+  ``ct original ip daddr . meta l4proto . ct original proto-dst . ip daddr . th dport`` (the service address the
+  client dialled and the endpoint the DNAT chose; a NodePort's by protocol and port), one rule per protocol, since
+  ``ct original proto-dst`` has a type only where the transport protocol is known. A lookup that finds an element
+  counts on the element's own counter. So every path to an endpoint counts the same way: shared chains, ClientIP
+  affinity's own chains, firewalls, Local policy's shortcuts. Connections that are not DNATed are not counted:
+  rejected or dropped ones (no (local) endpoints), and localhost NodePorts (the relay's).
+- **Sharded sets**: the elements of each kind are spread over ``layout.COUNT_SHARDS`` sets (``endpoint-counters-07``,
+  ``nodeport-endpoint-counters-07``) by the low bits of the service address (of the NodePort), and the base chains
+  pick the shard's chain with one verdict-map lookup on the same bits of the original destination
+  (``layout.counting_set`` places an element as the kernel looks it up). Why: the kernel answers a set's element
+  dump in ~32 KB pieces and, for each, walks the set again from its start, skipping what it sent: a dump of one set
+  of n elements costs O(n^2), of small sets O(n) (measured: docs/PERFORMANCE.md).
 - **Elements, not named counter objects**: one element per (service address or NodePort, endpoint), an ordinary
   element of the service's fragment (so the ledger's diff writes only the changed endpoints' elements, a partial
   sync leaves the other endpoints' counts alone even when their slots in ``@backends`` move, a restart writes
@@ -25,11 +30,13 @@ Decisions:
   100,000 counter objects in the table, libnftables 1.0.6 fetches every object before any command, and a one-element
   partial sync took seconds. An endpoint's count is the sum over the service's addresses; the service's total is
   the sum of its endpoints'.
-- **One netlink element dump of the two sets per family per read**, parsed here (keys from their raw bytes). Not
-  libnftables' ``list set``: nft 1.0.6 fetches every element of the table and formats each, tens of seconds at
-  10,000 services x 10 endpoints. Mapped back to service ports and endpoints through the ledger's applied
-  fragments (their counting elements, whose keys end in the endpoint); that mapping is kept per fragment object.
-  Adoption reads the same dump when some service changed while kproxy was down, to find its old elements.
+- **One netlink element dump of each counting set per family per read**, on one socket (``setdump``), keyed by the
+  elements' raw key bytes: no key is formatted. Not libnftables' ``list set``: nft 1.0.6 fetches every element of
+  the table and formats each, tens of seconds at 10,000 services x 10 endpoints. Mapped back to service ports and
+  endpoints through the ledger's applied fragments: per fragment object a plan (its elements' key bytes, made once)
+  and the last PortCounters it gave, handed out again while the counts stay. Adoption reads the same dumps with the
+  keys spelled as written (``read_counts``) when some service changed while kproxy was down, to find its old
+  elements.
 - **Off** (the default): nothing of this is written; the fixed part, the layout digest and every fragment are what
   they are without counters. Turning it on or off changes the layout digest: the table is replaced whole once.
 """

@@ -25,7 +25,7 @@ from types import MappingProxyType
 
 import pytest
 
-from kproxy.backends.nftables import counters
+from kproxy.backends.nftables import counters, layout
 from kproxy.backends.nftables.proxier import NftablesProxier
 from kproxy.config import ProxyConfig
 from kproxy.counters import Measure
@@ -280,6 +280,50 @@ def test_counters_off_writes_none_and_turning_them_on_replaces_the_table(
     assert per_endpoint(p, A) == {str(e): 0 for e in ENDPOINTS.values()}
     seen = answers(netns, "tcp", SP_A.cluster_ip, 80, 6)
     assert per_endpoint(p, A) == expected(seen)
+
+
+def test_each_connection_counts_in_the_shard_python_renders_its_element_in(
+    netns: str, make: Callable[..., NftablesProxier]
+) -> None:
+    """The count chains pick a counting set in the kernel by the low bits of the address the client dialled (or of
+    the NodePort); ``layout.counting_set`` picks one in Python for the element it renders. Connections to services
+    whose ClusterIPs fall in four different shards (1, 63, 0, 2) and to a NodePort (shard 61, dialled at the node's
+    own address, whose shard 62 holds nothing) count in their own elements, each in the set Python chose, and
+    nowhere else."""
+    two = (ENDPOINTS["ep1"], ENDPOINTS["ep2"])
+
+    def key(name: str) -> str:  # an endpoint's fields of a counting key
+        return f"{ENDPOINTS[name].ip} . {ENDPOINTS[name].port}"
+
+    addresses = ("198.19.0.1", "198.19.0.63", "198.19.0.64", "198.19.1.130")
+    sharded = [sp(ServicePortName("ns1", f"s{i}", "http", Protocol.TCP), ip, 80, two) for i, ip in enumerate(addresses)]
+    np_name = ServicePortName("ns1", "np", "http", Protocol.TCP)
+    np = ServicePort(
+        np_name, IPFamily.V4, "198.19.0.5", 80, node_port=30077, cluster_endpoints=two, has_any_endpoints=True
+    )
+    p = make()
+    assert p.sync(state(*sharded, np), Changes(full=True)).ok
+    want: dict[tuple[str, str], int] = {}
+    for n, s in enumerate(sharded, start=3):
+        seen = answers(netns, "tcp", s.cluster_ip, 80, n)
+        assert sum(seen.values()) == n
+        shard = layout.counting_set(layout.SERVICE_IPS, f"{s.cluster_ip} . tcp . 80")
+        want.update({(shard, f"{s.cluster_ip} . tcp . 80 . {key(e)}"): c for e, c in seen.items()})
+        assert per_endpoint(p, s.name) == expected(seen, ("ep1", "ep2"))
+    seen = answers(netns, "tcp", CLIENT, 30077, 4)
+    shard = layout.counting_set(layout.SERVICE_NODEPORTS, "tcp . 30077")
+    want.update({(shard, f"tcp . 30077 . {key(e)}"): c for e, c in seen.items()})
+    assert per_endpoint(p, np_name) == expected(seen, ("ep1", "ep2"))
+    held, err = counters.read_counts(p.nft, IPFamily.V4)
+    assert held is not None, err
+    assert {mk: v for mk, v in held.items() if v} == want
+    assert {m for m, _ in want} == {
+        "endpoint-counters-01",
+        "endpoint-counters-63",
+        "endpoint-counters-00",
+        "endpoint-counters-02",
+        "nodeport-endpoint-counters-61",
+    }
 
 
 @pytest.mark.slow
