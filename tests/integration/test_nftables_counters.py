@@ -120,7 +120,7 @@ def answers(ns: str, proto: str, host: str, port: int, count: int) -> collection
 import socket
 kind = socket.SOCK_STREAM if {proto!r} == "tcp" else socket.SOCK_DGRAM
 for _ in range({count}):
-    with socket.socket(socket.AF_INET, kind) as s:
+    with socket.socket(socket.AF_INET6 if ":" in {host!r} else socket.AF_INET, kind) as s:
         s.settimeout(5)
         s.connect(({host!r}, {port}))
         s.sendall(b"hi\\n")
@@ -324,6 +324,80 @@ def test_each_connection_counts_in_the_shard_python_renders_its_element_in(
         "endpoint-counters-02",
         "nodeport-endpoint-counters-61",
     }
+
+
+@pytest.fixture
+def netns6(tmp_path: Path) -> Iterator[str]:
+    """``netns``'s two namespaces in IPv6 only: the node at ``CLIENT6``, two echo servers at ``EP6``."""
+    with scratch_netns("kpx-nct6-", lo_up=True) as ns, scratch_netns("kpx-nce6-", lo_up=True) as ends:
+        ip(ns, "link", "add", "kpx0", "type", "veth", "peer", "name", "eth0", "netns", ends)
+        ip(ns, "-6", "addr", "add", f"{CLIENT6}/64", "dev", "kpx0", "nodad")
+        ip(ns, "link", "set", "kpx0", "up")
+        ip(ns, "-6", "route", "add", "fd00:198:19::/64", "dev", "kpx0")  # the ClusterIPs
+        ip(ends, "-6", "addr", "add", f"{EP6}/64", "dev", "eth0", "nodad")
+        ip(ends, "link", "set", "eth0", "up")
+        procs = []
+        try:
+            for name, port in (("ep1", 8081), ("ep2", 8082)):
+                argv = [sys.executable, "-m", "kproxy.lab.echo", "--name", name, "--ports", str(port)]
+                procs.append(
+                    subprocess.Popen(["ip", "netns", "exec", ends, *argv, "--ready-file", str(tmp_path / name)])
+                )
+            deadline = time.monotonic() + 20
+            while not all((tmp_path / n).exists() for n in ("ep1", "ep2")) and time.monotonic() < deadline:
+                assert all(p.poll() is None for p in procs), "an echo server exited"
+                time.sleep(0.05)
+            assert all((tmp_path / n).exists() for n in ("ep1", "ep2")), "echo servers not ready"
+            yield ns
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait(10)
+
+
+CLIENT6 = "fd00:198:18:1::fe"
+EP6 = "fd00:198:18:1::1"
+
+
+def test_ipv6_connections_count_in_the_shard_python_renders_their_element_in(netns6: str) -> None:
+    """The IPv6 table's dispatch (``ct original ip6 daddr & ::3f``): connections to ClusterIPs in shards 1, 63 and 0
+    count in the elements Python put in those shards."""
+    eps = (Endpoint(EP6, 8081), Endpoint(EP6, 8082))
+    addresses = ("fd00:198:19::1", "fd00:198:19::7f", "fd00:198:19::140")
+    sps = [
+        ServicePort(
+            ServicePortName("ns1", f"v{i}", "http", Protocol.TCP),
+            IPFamily.V6,
+            a,
+            80,
+            cluster_endpoints=eps,
+            has_any_endpoints=True,
+        )
+        for i, a in enumerate(addresses)
+    ]
+    config = ProxyConfig(cluster_cidrs=("fd00:198:18::/48",), ip_families=(IPFamily.V6,), service_counters=True)
+    p = NftablesProxier(config, netns=netns6)
+    p.start()
+    try:
+        v6 = MappingProxyType({s.name: s for s in sps})
+        node = NodeInfo("node-a", pod_cidrs=("fd00:198:18:1::/64",))
+        assert p.sync(ProxyState(MappingProxyType({IPFamily.V6: v6}), node, 1), Changes(full=True)).ok
+        want = {}
+        for n, s in enumerate(sps, start=3):
+            seen = answers(netns6, "tcp", s.cluster_ip, 80, n)
+            assert sum(seen.values()) == n
+            shard = layout.counting_set(layout.SERVICE_IPS, f"{s.cluster_ip} . tcp . 80")
+            want.update({(shard, f"{s.cluster_ip} . tcp . 80 . {EP6} . 808{e[-1]}"): c for e, c in seen.items()})
+            dump = p.counters(IPFamily.V6)
+            assert dump is not None
+            got = {ep: c.connections for ep, c in dump.ports[s.name].per_endpoint().items()}
+            assert {k: v for k, v in got.items() if v} == {f"[{EP6}]:808{e[-1]}": c for e, c in seen.items()}
+        held, err = counters.read_counts(p.nft, IPFamily.V6)
+        assert held is not None, err
+        assert {mk: v for mk, v in held.items() if v} == want
+        assert {m for m, _ in want} == {"endpoint-counters-01", "endpoint-counters-63", "endpoint-counters-00"}
+    finally:
+        p.close()
 
 
 @pytest.mark.slow
