@@ -13,8 +13,9 @@ Figures (``SyncBench.counter_read``):
   the read and its formatting, what ``/metrics`` appends for the counters), ``exposition_bytes`` its size;
   ``first_exposition_s`` the first one (every port's format strings made, and the read's plans);
 - ``rss_added_mb``: the resident set the first exposition leaves behind (the reader's plans, the collector's
-  format strings), ``rss_peak_added_mb`` its high-water mark above the resident set before it (``peak_reset``:
-  whether the kernel let the mark be reset first; when not, the peak is the process's);
+  format strings; not the text, gone once served), ``rss_peak_added_mb`` its high-water mark above the resident set
+  before it, the text included (``peak_reset``: whether the kernel let the mark be reset first; when not, the peak
+  is the process's);
 - ``background``: whether the collector would serve this mode's reads from the background (a read of
   ``SYNC_READ_S`` or more): then a scrape does not wait for the read, and ``exposition_s`` times the last read's
   formatting only.
@@ -52,7 +53,7 @@ def measure(backend: CounterSource, families: Sequence[IPFamily], repeat: int = 
     before = memory.rss_mb()
     reset = memory.reset_peak()
     t0 = time.perf_counter()
-    text = collector.exposition()
+    size = len(collector.exposition())  # the text goes once served: what stays is the reader's and collector's
     first = time.perf_counter() - t0
     peak, after = memory.peak_mb(), memory.rss_mb()
     reads, cpu, parts, expositions, expositions_cpu = [], [], [], [], []
@@ -73,7 +74,7 @@ def measure(backend: CounterSource, families: Sequence[IPFamily], repeat: int = 
         "exposition_s": statistics.median(expositions),
         "exposition_cpu_s": statistics.median(expositions_cpu),
         "first_exposition_s": first,
-        "exposition_bytes": len(text),
+        "exposition_bytes": size,
         "rss_added_mb": round(after - before, 1),
         "rss_peak_added_mb": round(peak - before, 1),
         "peak_reset": reset,
