@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kproxy.bench import memory
@@ -81,3 +81,20 @@ def measure(backend: CounterSource, families: Sequence[IPFamily], repeat: int = 
         "background": read_s >= SYNC_READ_S,
         "repeat": len(reads),
     }
+
+
+def table_rows(c: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """``bench sync``'s table rows of ``measure``'s figures (none without counters)."""
+    if not c:
+        return []
+    parts = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in c["read_parts_s"].items())
+    return [
+        (f"counter read (median of {c['repeat']})", f"{c['read_s'] * 1000:.1f} ms" + (f" ({parts})" if parts else "")),
+        ("  its CPU time", f"{c['read_cpu_s'] * 1000:.1f} ms"),
+        (
+            "  counters' /metrics text (CPU)",
+            f"{c['exposition_s'] * 1000:.1f} ms ({c['exposition_cpu_s'] * 1000:.1f} ms),"
+            f" {c['exposition_bytes'] / 1e6:.1f} MB",
+        ),
+        ("  RSS the first read adds (its peak)", f"{c['rss_added_mb']:.1f} MB ({c['rss_peak_added_mb']:.1f} MB)"),
+    ]

@@ -603,7 +603,7 @@ def format_table(b: SyncBench) -> str:
             else f"p50 {b.describe_ms['p50']:.1f} ms, max {b.describe_ms['max']:.1f} ms "
             f"({int(b.describe_ms['answers'])} answers)",
         ),
-        *_counter_rows(b.counter_read),
+        *counterread.table_rows(b.counter_read),
         ("peak RSS", f"{b.rss_mb:.1f} MB"),
         ("peak RSS with the restart", "-" if b.restart_rss_mb is None else f"{b.restart_rss_mb:.1f} MB"),
     ]
@@ -635,22 +635,6 @@ def format_table(b: SyncBench) -> str:
             " the built-in chains and the canary included; .../total = rules kproxy's chains hold)"
         )
     return text
-
-
-def _counter_rows(c: Mapping[str, Any] | None) -> list[tuple[str, str]]:
-    if not c:
-        return []
-    parts = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in c["read_parts_s"].items())
-    return [
-        (f"counter read (median of {c['repeat']})", f"{c['read_s'] * 1000:.1f} ms" + (f" ({parts})" if parts else "")),
-        ("  its CPU time", f"{c['read_cpu_s'] * 1000:.1f} ms"),
-        (
-            "  counters' /metrics text (CPU)",
-            f"{c['exposition_s'] * 1000:.1f} ms ({c['exposition_cpu_s'] * 1000:.1f} ms),"
-            f" {c['exposition_bytes'] / 1e6:.1f} MB",
-        ),
-        ("  RSS the first read adds (its peak)", f"{c['rss_added_mb']:.1f} MB ({c['rss_peak_added_mb']:.1f} MB)"),
-    ]
 
 
 def _memory_rows(mem: Mapping[str, Any]) -> list[tuple[str, str]]:
