@@ -85,6 +85,9 @@ class PortCounters:
 
     def __post_init__(self) -> None:
         n = len(self.endpoints)
+        p, b = self.packets, self.bytes
+        if len(self.connections) == n and (p is None or len(p) == n) and (b is None or len(b) == n):
+            return  # the common case, without walking Measure: a read makes one per service port
         for measure in Measure:
             column = self.column(measure)
             if column is not None and len(column) != n:

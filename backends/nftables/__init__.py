@@ -7,7 +7,7 @@ protocol), ``kernel`` (libnftables in-process through the core's ``kproxy.nftker
 table for ``verify``, the bench's floors), ``adopt`` (reading the table back cheaply), ``trace`` (the packet
 explainer), ``cleanup`` (remnants, the per-service kernel view, deleting the two tables), ``localhost``
 (localhost NodePorts: listeners on 127.0.0.1 relayed by the core's ``kproxy.relay``), ``counters``
-(``--service-counters``: per-endpoint connection counters and their one-listing read).
+(``--service-counters``: per-endpoint connection counters and their read; ``setdump``: the netlink element dumps).
 
 Layout (table ``kproxy`` in family ``ip`` and again in ``ip6``; nothing outside it):
 - ``services`` (from ``nat-prerouting`` at dstnat and ``nat-output`` at -100): ``ip daddr . meta l4proto . th dport
@@ -53,9 +53,10 @@ lives in a plain set, ``service-digests`` (one element per service port, keyed b
 ``kernel_view`` and adoption; slots carry none (their key extends their entry's, and comments on every slot cost
 ``nft -f`` a measurable share). The entry maps carry per-element counters: new connections per service address
 (``nft list map ip kproxy service-ips``), nearly free since nat chains see only a connection's first packet.
-With ``--service-counters`` the table also holds two counting sets, an element with its own counter per (service
-address or NodePort, endpoint), looked up by two counting chains at the source-NAT hooks, where a connection's first
-packet arrives after its DNAT (``counters``: new connections only, and why).
+With ``--service-counters`` the table also holds counting sets, an element with its own counter per (service
+address or NodePort, endpoint), sharded 64 ways so that the kernel dumps them in linear time, looked up by two
+counting chains at the source-NAT hooks, where a connection's first packet arrives after its DNAT (``counters``: new
+connections only, and why).
 
 Syncs: one atomic transaction per family per batch through libnftables in-process (no process per change), handed
 over as a memfd file so a refused element's line maps back to its service (the ledger retries without it). Elements

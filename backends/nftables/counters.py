@@ -1,5 +1,5 @@
 """The nftables mode's traffic counters (``--service-counters``): new connections per service port and endpoint,
-in per-element counters of two sets of kproxy's table.
+in per-element counters of kproxy's counting sets.
 
 Decisions:
 
@@ -10,14 +10,19 @@ Decisions:
 - **Where**: the DNAT happens in shared chains (``numgen random mod K map @backends-tcp``), one rule for every
   service with K endpoints, so no rule belongs to one endpoint. The count is taken after the DNAT instead, in two
   base chains of the source-NAT hooks (``count-postrouting``, ``count-input``, priority 90: before any source NAT,
-  which would end the hook's nat chains; a connection reaches exactly one of them, once): ``meta l4proto tcp ct
-  status dnat ct original ip daddr . meta l4proto . ct original proto-dst . ip daddr . th dport @endpoint-counters
-  accept`` (the service address the client dialled and the endpoint the DNAT chose; a NodePort by protocol and
-  port in ``@nodeport-endpoint-counters``), one rule per protocol and set, since ``ct original proto-dst`` has a
-  type only where the transport protocol is known. A lookup that finds an element counts on the element's own
-  counter. So every path to an endpoint counts the same way: shared chains, ClientIP affinity's own chains,
-  firewalls, Local policy's shortcuts. Connections that are not DNATed are not counted: rejected or dropped ones (no
-  (local) endpoints), and localhost NodePorts (the relay's).
+  which would end the hook's nat chains; a connection reaches exactly one of them, once), by an element lookup of
+  ``ct original ip daddr . meta l4proto . ct original proto-dst . ip daddr . th dport`` (the service address the
+  client dialled and the endpoint the DNAT chose; a NodePort's by protocol and port), one rule per protocol, since
+  ``ct original proto-dst`` has a type only where the transport protocol is known. A lookup that finds an element
+  counts on the element's own counter. So every path to an endpoint counts the same way: shared chains, ClientIP
+  affinity's own chains, firewalls, Local policy's shortcuts. Connections that are not DNATed are not counted:
+  rejected or dropped ones (no (local) endpoints), and localhost NodePorts (the relay's).
+- **Sharded sets**: the elements of each kind are spread over ``layout.COUNT_SHARDS`` sets (``endpoint-counters-07``,
+  ``nodeport-endpoint-counters-07``) by the low bits of the service address (of the NodePort), and the base chains
+  pick the shard's chain with one verdict-map lookup on the same bits of the original destination
+  (``layout.counting_set`` places an element as the kernel looks it up). Why: the kernel answers a set's element
+  dump in ~32 KB pieces and, for each, walks the set again from its start, skipping what it sent: a dump of one set
+  of n elements costs O(n^2), of small sets O(n) (measured: docs/PERFORMANCE.md).
 - **Elements, not named counter objects**: one element per (service address or NodePort, endpoint), an ordinary
   element of the service's fragment (so the ledger's diff writes only the changed endpoints' elements, a partial
   sync leaves the other endpoints' counts alone even when their slots in ``@backends`` move, a restart writes
@@ -25,22 +30,22 @@ Decisions:
   100,000 counter objects in the table, libnftables 1.0.6 fetches every object before any command, and a one-element
   partial sync took seconds. An endpoint's count is the sum over the service's addresses; the service's total is
   the sum of its endpoints'.
-- **One netlink element dump of the two sets per family per read**, parsed here (keys from their raw bytes). Not
-  libnftables' ``list set``: nft 1.0.6 fetches every element of the table and formats each, tens of seconds at
-  10,000 services x 10 endpoints. Mapped back to service ports and endpoints through the ledger's applied
-  fragments (their counting elements, whose keys end in the endpoint); that mapping is kept per fragment object.
-  Adoption reads the same dump when some service changed while kproxy was down, to find its old elements.
+- **One netlink element dump of each counting set per family per read**, on one socket (``setdump``), keyed by the
+  elements' raw key bytes: no key is formatted. Not libnftables' ``list set``: nft 1.0.6 fetches every element of
+  the table and formats each, tens of seconds at 10,000 services x 10 endpoints. Mapped back to service ports and
+  endpoints through the ledger's applied fragments: per fragment object a plan (its elements' key bytes, made once)
+  and the last PortCounters it gave, handed out again while the counts stay. Adoption reads the same dumps with the
+  keys spelled as written (``read_counts``) when some service changed while kproxy was down, to find its old
+  elements.
 - **Off** (the default): nothing of this is written; the fixed part, the layout digest and every fragment are what
   they are without counters. Turning it on or off changes the layout digest: the table is replaced whole once.
 """
 
 from __future__ import annotations
 
-import errno
-import os
 import socket
-import struct
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -50,7 +55,7 @@ from kproxy.model import Endpoint, IPFamily, ServicePort, ServicePortName, endpo
 from kproxy.nftkernel import Nft
 from kproxy.proxier import BackendError
 
-from . import layout
+from . import layout, setdump
 from .render import Fragment, _digest
 
 #: What the mode counts (``Proxier.counters_offered``): connections, see the module's docstring.
@@ -62,17 +67,23 @@ def _endpoints(sp: ServicePort) -> list[Endpoint]:
     return list(dict.fromkeys((*sp.internal_endpoints, *sp.cluster_endpoints, *sp.local_endpoints)))
 
 
-COUNTING = (layout.ENDPOINT_COUNTERS, layout.NODEPORT_ENDPOINT_COUNTERS)
-_SET_OF = {layout.SERVICE_IPS: layout.ENDPOINT_COUNTERS, layout.SERVICE_NODEPORTS: layout.NODEPORT_ENDPOINT_COUNTERS}
+#: the counting sets (every shard of both kinds) and the kind of each
+_KIND = {name: kind for kind in layout.COUNT_SHARD_CHAIN for name in layout.count_shards(kind)}
+COUNTING = tuple(_KIND)
 
 
 def with_counters(frag: Fragment, sp: ServicePort) -> Fragment:
     """``frag`` with a counting element per (entry, endpoint) appended after its own elements (its first stays its
-    ClusterIP entry); the digest covers them."""
+    ClusterIP entry), each in its entry's shard (``layout.counting_set``); the digest covers them."""
     eps = _endpoints(sp)
     if not eps:
         return frag
-    extra = [(_SET_OF[m], f"{key} . {ep.ip} . {ep.port}", "") for m, key, _ in frag.entries for ep in eps]
+    extra = [
+        (shard, f"{key} . {ep.ip} . {ep.port}", "")
+        for m, key, _ in frag.entries
+        for shard in (layout.counting_set(m, key),)
+        for ep in eps
+    ]
     elements = (*frag.elements, *extra)
     return replace(
         frag, elements=elements, digest=_digest(elements, (frag.shared, frag.chains, frag.sets, frag.hairpin))
@@ -82,7 +93,7 @@ def with_counters(frag: Fragment, sp: ServicePort) -> Fragment:
 def entry_of(setname: str, key: str) -> tuple[str, str]:
     """The (entry map, entry key) a counting element belongs to: its key without the endpoint's two fields."""
     entry = key.rsplit(" . ", 2)[0]
-    return (layout.SERVICE_IPS if setname == layout.ENDPOINT_COUNTERS else layout.SERVICE_NODEPORTS), entry
+    return (layout.SERVICE_IPS if _KIND[setname] == layout.ENDPOINT_COUNTERS else layout.SERVICE_NODEPORTS), entry
 
 
 def by_entry(counts: Mapping[tuple[str, str], int]) -> dict[tuple[str, str], list[tuple[str, str]]]:
@@ -100,50 +111,20 @@ def skeleton(
     return {mk: "" for entry in entries for mk in held.get(entry, ())}
 
 
-# netlink: nfnetlink's nftables subsystem, its set-element messages and attributes (linux/netfilter/nf_tables.h)
-_SUBSYS = 10 << 8  # NFNL_SUBSYS_NFTABLES
-_GETSETELEM, _NEWSETELEM = 13, 12
-_DUMP = 0x1 | 0x300  # NLM_F_REQUEST | NLM_F_DUMP
-_DUMP_INTR = 0x10  # NLM_F_DUMP_INTR: the set changed during the dump
-_NLMSG_ERROR, _NLMSG_DONE = 2, 3
-_LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3  # NFTA_SET_ELEM_LIST_*
-_ELEM_KEY, _ELEM_EXPR, _ELEM_EXPRESSIONS = 1, 7, 11  # NFTA_SET_ELEM_*
-_DATA_VALUE, _EXPR_NAME, _EXPR_DATA, _COUNTER_PACKETS = 1, 1, 2, 2
-_NETLINK_NETFILTER = 12
+# A counting element's key in the kernel: each field in 4-byte registers (an address 4 or 16 bytes, the protocol one
+# byte and a port two, big-endian, each padded with zeros), the service address's fields first (a NodePort's key has
+# none): 20 bytes (16 for a NodePort's) in IPv4, 44 (28) in IPv6, so the two kinds never share a key.
 _PROTO_NAMES = {6: "tcp", 17: "udp", 132: "sctp"}
-
-
-def _attrs(data: bytes, start: int, end: int) -> list[tuple[int, int, int]]:
-    """Netlink attributes in ``data[start:end]``: (type without the nested flag, payload start, payload end)."""
-    out = []
-    while start + 4 <= end:
-        length, kind = struct.unpack_from("=HH", data, start)
-        if length < 4:
-            break
-        out.append((kind & 0x3FFF, start + 4, start + length))
-        start += (length + 3) & ~3
-    return out
-
-
-def _nla(payload: bytes) -> bytes:
-    return payload + b"\0" * (-len(payload) % 4)
-
-
-def _request(family: IPFamily, setname: str, seq: int) -> bytes:
-    table, name = layout.TABLE.encode() + b"\0", setname.encode() + b"\0"
-    attrs = struct.pack("=HH", 4 + len(table), _LIST_TABLE) + _nla(table)
-    attrs += struct.pack("=HH", 4 + len(name), _LIST_SET) + _nla(name)
-    nfgen = struct.pack("=BBH", socket.AF_INET if family is IPFamily.V4 else socket.AF_INET6, 0, 0)
-    header = struct.pack("=IHHII", 16 + len(nfgen) + len(attrs), _SUBSYS | _GETSETELEM, _DUMP, seq, 0)
-    return header + nfgen + attrs
+_PROTO_NUMBERS = {v: k for k, v in _PROTO_NAMES.items()}
+_AF = {IPFamily.V4: socket.AF_INET, IPFamily.V6: socket.AF_INET6}
 
 
 def key_text(setname: str, family: IPFamily, raw: bytes) -> str:
-    """A counting element's key from its bytes (each field in 4-byte registers), spelled as ``with_counters``
-    writes it: ``198.19.0.1 . tcp . 80 . 198.18.1.1 . 8080`` (a NodePort's: ``tcp . 30080 . 198.18.1.1 . 8080``)."""
+    """A counting element's key from its bytes, spelled as ``with_counters`` writes it: ``198.19.0.1 . tcp . 80 .
+    198.18.1.1 . 8080`` (a NodePort's: ``tcp . 30080 . 198.18.1.1 . 8080``)."""
     af, n = (socket.AF_INET, 4) if family is IPFamily.V4 else (socket.AF_INET6, 16)
     at, parts = 0, []
-    if setname == layout.ENDPOINT_COUNTERS:
+    if _KIND.get(setname, setname) == layout.ENDPOINT_COUNTERS:
         parts.append(socket.inet_ntop(af, raw[:n]))
         at = n
     parts.append(_PROTO_NAMES.get(raw[at], str(raw[at])))
@@ -153,104 +134,44 @@ def key_text(setname: str, family: IPFamily, raw: bytes) -> str:
     return " . ".join(parts)
 
 
-def _packets(data: bytes, start: int, end: int) -> int | None:
-    """The packets of a counter expression (NFTA_EXPR_NAME "counter", NFTA_EXPR_DATA)."""
-    attrs = _attrs(data, start, end)
-    if not any(k == _EXPR_NAME and data[a:b].rstrip(b"\0") == b"counter" for k, a, b in attrs):
-        return None
-    for k, a, b in attrs:
-        if k == _EXPR_DATA:
-            for k2, a2, _ in _attrs(data, a, b):
-                if k2 == _COUNTER_PACKETS:
-                    return int(struct.unpack_from(">Q", data, a2)[0])
-    return None
+def _port(port: str) -> bytes:
+    return int(port).to_bytes(2, "big") + b"\0\0"
 
 
-def _element(data: bytes, start: int, end: int) -> tuple[bytes, int] | None:
-    """(key bytes, packets) of one NFTA_LIST_ELEM."""
-    key, packets = None, None
-    for kind, a, b in _attrs(data, start, end):
-        if kind == _ELEM_KEY:
-            key = next((data[a2:b2] for k2, a2, b2 in _attrs(data, a, b) if k2 == _DATA_VALUE), None)
-        elif kind == _ELEM_EXPR:
-            packets = _packets(data, a, b)
-        elif kind == _ELEM_EXPRESSIONS:  # more than one expression: a list of them
-            packets = next((p for _, a2, b2 in _attrs(data, a, b) if (p := _packets(data, a2, b2)) is not None), None)
-    return None if key is None or packets is None else (key, packets)
+def entry_bytes(family: IPFamily, entry: str) -> bytes:
+    """The first fields of a counting element's key, its entry's (``198.19.0.1 . tcp . 80``, ``tcp . 30080``)."""
+    fields = entry.split(" . ")
+    head = socket.inet_pton(_AF[family], fields.pop(0)) if len(fields) == 3 else b""
+    proto, port = fields
+    return head + bytes((_PROTO_NUMBERS[proto], 0, 0, 0)) + _port(port)
+
+
+def key_bytes(family: IPFamily, text: str) -> bytes:
+    """``key_text``'s inverse: the kernel's bytes of a counting element's key as ``with_counters`` spells it."""
+    entry, ip, port = text.rsplit(" . ", 2)
+    return entry_bytes(family, entry) + socket.inet_pton(_AF[family], ip) + _port(port)
 
 
 def parse_dump(setname: str, family: IPFamily, chunks: Iterable[bytes]) -> tuple[dict[tuple[str, str], int], bool]:
-    """A netlink element dump of a counting set (the datagrams it was read in) -> (packets per (set, key), whether
-    the dump ended). InterruptedError when the set changed during the dump, OSError for an error message."""
-    out: dict[tuple[str, str], int] = {}
-    for data in chunks:
-        at = 0
-        while at + 16 <= len(data):
-            length, kind, flags = struct.unpack_from("=IHH", data, at)
-            if length < 16:
-                break
-            if kind == _NLMSG_DONE:
-                return out, True
-            if kind == _NLMSG_ERROR:
-                (code,) = struct.unpack_from("=i", data, at + 16)
-                if code:
-                    raise OSError(-code, f"netlink element dump of {setname}: {os.strerror(-code)}")
-            elif flags & _DUMP_INTR:
-                raise InterruptedError(f"{setname} changed during the dump")
-            elif kind == _SUBSYS | _NEWSETELEM:
-                for k, a, b in _attrs(data, at + 20, at + length):
-                    if k == _LIST_ELEMENTS:
-                        for _, a2, b2 in _attrs(data, a, b):
-                            got = _element(data, a2, b2)
-                            if got is not None:
-                                out[(setname, key_text(setname, family, got[0]))] = got[1]
-            at += (length + 3) & ~3
-    return out, False
+    """``setdump.parse_raw`` with the keys spelled as ``with_counters`` writes them: ((set, key) -> packets, whether
+    the dump ended)."""
+    got, ended = setdump.parse_raw(setname, chunks)
+    return {(setname, key_text(setname, family, k)): v for k, v in got.items()}, ended
 
 
-def _ended(data: bytes, setname: str, family: IPFamily) -> bool:
-    """Whether a datagram of a dump holds its end (headers only; errors raised as ``parse_dump`` raises them)."""
-    at = 0
-    while at + 16 <= len(data):
-        length, kind, flags = struct.unpack_from("=IHH", data, at)
-        if kind == _NLMSG_DONE:
-            return True
-        if kind == _NLMSG_ERROR:
-            parse_dump(setname, family, [data[at : at + length]])
-        elif flags & _DUMP_INTR:
-            raise InterruptedError(f"{setname} changed during the dump")
-        at += max(16, (length + 3) & ~3)
-    return False
-
-
-def raw_dump(family: IPFamily, setname: str) -> list[bytes]:
-    """The datagrams of one element dump of a counting set, in the calling thread's namespace (taken again, up to
-    twice, when the set changed during it)."""
-    for attempt in range(3):
-        chunks: list[bytes] = []
-        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER) as sock:
-            sock.settimeout(30)
-            sock.bind((0, 0))
-            sock.send(_request(family, setname, attempt + 1))
-            try:
-                while True:
-                    chunks.append(sock.recv(1 << 20))
-                    if _ended(chunks[-1], setname, family):
-                        return chunks
-            except InterruptedError:
-                continue
-    raise OSError(errno.EAGAIN, f"netlink element dump of {setname}: the set kept changing")
+raw_dump = setdump.raw_dump
 
 
 def read_counts(nft: Nft, family: IPFamily) -> tuple[dict[tuple[str, str], int] | None, str]:
     """Every counting element of kproxy's table in ``family`` ((set, key) -> packets), in one element dump of each
-    counting set over netlink (see the module docstring); (None, error) on failure."""
+    counting set over netlink (see the module docstring); (None, error) on failure. Adoption's and the tests' read;
+    the scrape's is ``Reader.read``, by the keys' bytes."""
 
     def go() -> dict[tuple[str, str], int]:
         out: dict[tuple[str, str], int] = {}
-        for setname in COUNTING:
-            got, _ = parse_dump(setname, family, raw_dump(family, setname))
-            out.update(got)
+        for setname, chunks in setdump.raw_dumps(family, COUNTING):
+            got, _ = setdump.parse_raw(setname, chunks)
+            out.update(((setname, key_text(setname, family, k)), v) for k, v in got.items())
         return out
 
     try:
@@ -259,48 +180,90 @@ def read_counts(nft: Nft, family: IPFamily) -> tuple[dict[tuple[str, str], int] 
         return None, str(exc)
 
 
-@dataclass(frozen=True, slots=True)
+def read_raw(
+    nft: Nft, family: IPFamily, seconds: dict[str, float] | None = None
+) -> tuple[dict[bytes, int] | None, str]:
+    """Every counting element of kproxy's table in ``family`` (the key's bytes -> packets: no key is formatted), in
+    one element dump of each counting set on one netlink socket; (None, error) on failure. ``seconds`` gets the
+    time spent in the dumps (``dump``: the kernel and the socket) and in parsing them (``parse``)."""
+
+    def go() -> dict[bytes, int]:
+        out: dict[bytes, int] = {}
+        parse = 0.0
+        t0 = time.perf_counter()
+        for setname, chunks in setdump.raw_dumps(family, COUNTING):
+            p0 = time.perf_counter()
+            out.update(setdump.parse_raw(setname, chunks)[0])
+            parse += time.perf_counter() - p0
+        if seconds is not None:
+            seconds.update(dump=time.perf_counter() - t0 - parse, parse=parse)
+        return out
+
+    try:
+        return nft.call(go), ""
+    except OSError as exc:
+        return None, str(exc)
+
+
+@dataclass(slots=True)
 class _Plan:
-    """One fragment's endpoints and, per counting element, the index of its endpoint."""
+    """One fragment's endpoints, its counting elements' keys (bytes) and, per key, the index of its endpoint (None
+    when the keys are the endpoints in order: a service with one address); ``last``: what the last read made of it,
+    handed out again while its counts stay the same (most services' between two scrapes)."""
 
     fragment: Fragment
     endpoints: tuple[str, ...]
-    keys: tuple[tuple[tuple[str, str], int], ...]
+    keys: tuple[bytes, ...]
+    index: tuple[int, ...] | None
+    last: PortCounters | None = None
 
 
-def _plan(fragment: Fragment) -> _Plan:
+def _plan(family: IPFamily, fragment: Fragment) -> _Plan:
     index: dict[str, int] = {}
-    keys = []
+    keys, at = [], []
+    heads: dict[str, bytes] = {}  # an entry's part of its elements' keys, made once per entry
     for m, key, _ in fragment.elements:
-        if m in COUNTING:
-            _, ip, port = key.rsplit(" . ", 2)
-            ep = endpoint_label(ip, int(port))
-            keys.append(((m, key), index.setdefault(ep, len(index))))
-    return _Plan(fragment, tuple(index), tuple(keys))
+        if m in _KIND:
+            entry, ip, port = key.rsplit(" . ", 2)
+            head = heads.get(entry) or heads.setdefault(entry, entry_bytes(family, entry))
+            keys.append(head + socket.inet_pton(_AF[family], ip) + _port(port))
+            at.append(index.setdefault(endpoint_label(ip, int(port)), len(index)))
+    simple = at == list(range(len(at)))
+    return _Plan(fragment, tuple(index), tuple(keys), None if simple else tuple(at))
 
 
 def dump(
     family: IPFamily,
     fragments: Mapping[ServicePortName, Fragment],
-    packets: Mapping[tuple[str, str], int],
-    plans: dict[ServicePortName, _Plan],
+    packets: Mapping[bytes, int],
+    plans: dict[int, _Plan],
 ) -> CounterDump:
-    """The CounterDump of ``fragments`` from the counting elements' packets. ``plans`` (service port -> plan) is the
-    last call's, updated in place. A service whose elements the kernel lacks is left out (not programmed)."""
+    """The CounterDump of ``fragments`` from the counting elements' packets (by key bytes, ``read_raw``). ``plans``
+    (a fragment's id -> its plan, which holds it: an id is not reused while its plan lives) is the last call's,
+    updated in place. A service whose elements the kernel lacks is left out (not programmed)."""
     ports: dict[ServicePortName, PortCounters] = {}
+    get = packets.__getitem__
     for spn, fragment in fragments.items():
-        p = plans.get(spn)
-        if p is None or p.fragment is not fragment:
-            p = plans[spn] = _plan(fragment)
-        conns = [0] * len(p.endpoints)
+        p = plans.get(id(fragment))
+        if p is None:
+            p = plans[id(fragment)] = _plan(family, fragment)
         try:
-            for mk, i in p.keys:
-                conns[i] += packets[mk]
+            values = tuple(map(get, p.keys))
         except KeyError:
             continue
-        ports[spn] = PortCounters(Counts(sum(conns)), p.endpoints, tuple(conns))
-    for spn in plans.keys() - fragments.keys():
-        del plans[spn]  # a service's counters go with it
+        if p.index is not None:  # several addresses: an endpoint's count is the sum over them
+            conns = [0] * len(p.endpoints)
+            for i, v in zip(p.index, values, strict=True):
+                conns[i] += v
+            values = tuple(conns)
+        last = p.last
+        if last is None or last.connections != values:
+            last = p.last = PortCounters(Counts(sum(values)), p.endpoints, values)
+        ports[spn] = last
+    if len(plans) > len(fragments):  # every fragment has its plan: more plans are those of fragments gone
+        live = {id(f) for f in fragments.values()}
+        for gone in plans.keys() - live:
+            del plans[gone]  # a service's counters go with it
     return CounterDump(family, ports)
 
 
@@ -317,15 +280,21 @@ class Reader:
 
     def __init__(self, proxier: _Source) -> None:
         self.proxier = proxier
-        self._plans: dict[IPFamily, dict[ServicePortName, _Plan]] = {}
+        self._plans: dict[IPFamily, dict[int, _Plan]] = {}
         self._lock = threading.Lock()
+        #: the last read's seconds: ``dump`` (kernel and socket), ``parse``, ``map`` (to service ports)
+        self.seconds: dict[str, float] = {}
 
     def read(self, family: IPFamily) -> CounterDump:
         """Every service port the ledger records as applied in ``family``, with its connections per endpoint.
         BackendError when the dump fails."""
         _, fragments = self.proxier.applied(family)
-        packets, err = read_counts(self.proxier.nft, family)
+        seconds: dict[str, float] = {}
+        packets, err = read_raw(self.proxier.nft, family, seconds)
         if packets is None:
             raise BackendError(f"{layout.FAM[family]} {layout.TABLE}: reading the counting sets: {err}")
         with self._lock:
-            return dump(family, fragments, packets, self._plans.setdefault(family, {}))
+            t0 = time.perf_counter()
+            out = dump(family, fragments, packets, self._plans.setdefault(family, {}))
+            self.seconds = {**seconds, "map": time.perf_counter() - t0}
+            return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import ipaddress
 import re
 from collections.abc import Iterable
 
@@ -38,15 +39,21 @@ HAIRPIN = "hairpin"
 LOCAL_CIDRS = "local-cidrs"
 LOCAL_IFACES = "local-ifaces"
 NODEPORT_CIDRS = "nodeport-cidrs"
-# --service-counters only (``counters``): sets of (service address or NodePort, endpoint), a counter on each element
+# --service-counters only (``counters``): sets of (service address or NodePort, endpoint), a counter on each element,
+# each kind sharded over COUNT_SHARDS sets (``endpoint-counters-07``) by the low bits of the service address or of
+# the NodePort: the kernel's element dump restarts its walk of a set at every ~32 KB continuation, so dumping one set
+# of n elements costs O(n^2); small sets keep the read linear (backends/nftables/counters.py)
 ENDPOINT_COUNTERS = "endpoint-counters"
 NODEPORT_ENDPOINT_COUNTERS = "nodeport-endpoint-counters"
+COUNT_SHARDS = 64  # a power of two: the count chains pick a shard with one mask and one verdict-map lookup
 COUNT_CHAINS = {
     # nat chains at the source-NAT hooks see a connection's first packet after its DNAT; before any masquerade (a
     # chain after one that set up source NAT is not reached), so below srcnat (100)
     "count-postrouting": "type nat hook postrouting priority 90; policy accept;",
     "count-input": "type nat hook input priority 90; policy accept;",
 }
+#: the shard chains' name stems: ``count-ep-07`` looks up ``endpoint-counters-07``, ``count-np-07`` the NodePorts'
+COUNT_SHARD_CHAIN = {ENDPOINT_COUNTERS: "count-ep", NODEPORT_ENDPOINT_COUNTERS: "count-np"}
 
 SLOT_BASES = (BACKENDS, SHORTCUT_BACKENDS, NODEPORT_BACKENDS, NODEPORT_SHORTCUT_BACKENDS)
 PROTOCOLS = ("tcp", "udp", "sctp")
@@ -177,15 +184,13 @@ def set_declarations(family: IPFamily, counters: bool = False) -> list[tuple[str
         ("set", HAIRPIN, f"type {addr} . {addr};"),
         *(
             [
-                (
-                    "set",
-                    ENDPOINT_COUNTERS,
-                    f"type {addr} . inet_proto . inet_service . {addr} . inet_service; counter;",
+                *(
+                    ("set", name, f"type {addr} . inet_proto . inet_service . {addr} . inet_service; counter;")
+                    for name in count_shards(ENDPOINT_COUNTERS)
                 ),
-                (
-                    "set",
-                    NODEPORT_ENDPOINT_COUNTERS,
-                    f"type inet_proto . inet_service . {addr} . inet_service; counter;",
+                *(
+                    ("set", name, f"type inet_proto . inet_service . {addr} . inet_service; counter;")
+                    for name in count_shards(NODEPORT_ENDPOINT_COUNTERS)
                 ),
             ]
             if counters
@@ -194,19 +199,58 @@ def set_declarations(family: IPFamily, counters: bool = False) -> list[tuple[str
     ]
 
 
-def fixed_chain_rules(family: IPFamily, counters: bool = False) -> dict[str, tuple[str, ...]]:
-    """The rules of the fixed chains (adoption compares their tags; ``counters``: with ``--service-counters``)."""
+def count_shards(kind: str) -> tuple[str, ...]:
+    """The counting sets of one kind (ENDPOINT_COUNTERS or NODEPORT_ENDPOINT_COUNTERS), shard 0 first."""
+    return tuple(f"{kind}-{i:02d}" for i in range(COUNT_SHARDS))
+
+
+def address_shard(address: str) -> int:
+    """The shard of a service address's counting elements: the low bits of its last byte, as the count chains'
+    ``ct original ip daddr & 0.0.0.63`` (``ip6``: ``& ::3f``) takes them."""
+    return ipaddress.ip_address(address).packed[-1] & (COUNT_SHARDS - 1)
+
+
+def counting_set(entry_map: str, entry_key: str) -> str:
+    """The counting set of an entry's elements: ``service-ips`` ``198.19.0.65 . tcp . 80`` -> ``endpoint-counters-01``
+    (by address), ``service-nodeports`` ``tcp . 30080`` -> ``nodeport-endpoint-counters-32`` (by port)."""
+    if entry_map == SERVICE_IPS:
+        return f"{ENDPOINT_COUNTERS}-{address_shard(entry_key.split(' . ', 1)[0]):02d}"
+    return f"{NODEPORT_ENDPOINT_COUNTERS}-{int(entry_key.rsplit(' . ', 1)[1]) & (COUNT_SHARDS - 1):02d}"
+
+
+def _count_chain_rules(family: IPFamily) -> dict[str, tuple[str, ...]]:
+    """The counting chains' rules: the two base chains pick a shard chain by the original destination's low bits
+    (one verdict-map lookup, whatever COUNT_SHARDS), which looks the connection up in its counting set; a connection
+    counted through its address is not looked up again by port (``accept`` ends the base chain)."""
     fam = FAM[family]
     # per protocol: ``ct original proto-dst`` has a type only where the transport protocol is known
     key = f"meta l4proto . ct original proto-dst . {fam} daddr . th dport"
-    counted = tuple(  # a connection counted through its address is not looked up again by port
-        f"meta l4proto {p} ct status dnat {lookup} accept"
-        for p in PROTOCOLS
-        for lookup in (
-            f"ct original {fam} daddr . {key} @{ENDPOINT_COUNTERS}",
-            f"{key} @{NODEPORT_ENDPOINT_COUNTERS}",
-        )
+
+    def low(i: int) -> str:  # the address whose last byte is i: 0.0.0.7, ::7
+        return str(ipaddress.IPv4Address(i) if family is IPFamily.V4 else ipaddress.IPv6Address(i))
+
+    ep, np = COUNT_SHARD_CHAIN[ENDPOINT_COUNTERS], COUNT_SHARD_CHAIN[NODEPORT_ENDPOINT_COUNTERS]
+    by_address = ", ".join(f"{low(i)} : jump {ep}-{i:02d}" for i in range(COUNT_SHARDS))
+    by_port = ", ".join(f"{i} : jump {np}-{i:02d}" for i in range(COUNT_SHARDS))
+    dispatch = (
+        f"ct status dnat ct original {fam} daddr & {low(COUNT_SHARDS - 1)} vmap {{ {by_address} }}",
+        *(
+            f"meta l4proto {p} ct status dnat ct original proto-dst & {COUNT_SHARDS - 1} vmap {{ {by_port} }}"
+            for p in PROTOCOLS
+        ),
     )
+    out: dict[str, tuple[str, ...]] = {}
+    for i, (a, n) in enumerate(
+        zip(count_shards(ENDPOINT_COUNTERS), count_shards(NODEPORT_ENDPOINT_COUNTERS), strict=True)
+    ):
+        out[f"{ep}-{i:02d}"] = tuple(f"meta l4proto {p} ct original {fam} daddr . {key} @{a} accept" for p in PROTOCOLS)
+        out[f"{np}-{i:02d}"] = tuple(f"meta l4proto {p} {key} @{n} accept" for p in PROTOCOLS)
+    return {**out, **{chain: dispatch for chain in COUNT_CHAINS}}
+
+
+def fixed_chain_rules(family: IPFamily, counters: bool = False) -> dict[str, tuple[str, ...]]:
+    """The rules of the fixed chains (adoption compares their tags; ``counters``: with ``--service-counters``)."""
+    fam = FAM[family]
     return {
         REJECT_CHAIN: ("reject",),
         MASQ_INTERNAL: (
@@ -224,7 +268,7 @@ def fixed_chain_rules(family: IPFamily, counters: bool = False) -> dict[str, tup
             f"ct label {MASQ_LABEL} masquerade fully-random",
             f"ct status dnat {fam} saddr . {fam} daddr @{HAIRPIN} masquerade fully-random",
         ),
-        **({chain: counted for chain in COUNT_CHAINS} if counters else {}),
+        **(_count_chain_rules(family) if counters else {}),
     }
 
 
@@ -268,7 +312,7 @@ def fixed_commands(
             out.append(f"add {kind} {fam} {TABLE} {name} {{ {spec} }}")
         out.append(f"add chain {fam} {TABLE} {layout_chain(family, counters)}")
     rules = fixed_chain_rules(family, counters)
-    every = (*FIXED_CHAINS, *(COUNT_CHAINS if counters else ()))
+    every = (*FIXED_CHAINS, *(c for c in rules if c not in FIXED_CHAINS))  # the counting chains after the rest
     todo = every if chains is None else tuple(c for c in every if c in set(chains))
     for chain in every:  # declared first: they jump to each other
         if chain in todo:

@@ -73,7 +73,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         self._counts: dict[IPFamily, dict[str, int]] = {}  # the last apply's figures per family, for describe()
         self.localhost = LocalhostRelay(netns)  # localhost NodePorts (``localhost``): a thread only while serving
         self.localhost.engine.on_dead = lambda ident: self.request_full(IPFamily.V4)  # a full sync binds it anew
-        self.counting = config.service_counters  # --service-counters: named counters per endpoint (``counters``)
+        self.counting = config.service_counters  # --service-counters: a counting element per endpoint (``counters``)
         self._counters = counters_mod.Reader(self)  # reads only when asked
 
     # ------------------------------------------------------------------------------------------ hooks
@@ -114,9 +114,14 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         return counters_mod.with_counters(frag, sp) if self.counting else frag
 
     def counters(self, family: IPFamily) -> CounterDump | None:
-        """New connections per service port and endpoint from the table's named counters (``counters.py``); None
+        """New connections per service port and endpoint from the table's counting sets (``counters.py``); None
         when ``--service-counters`` is off."""
         return self._counters.read(family) if self.counting else None
+
+    @property
+    def counter_read_seconds(self) -> dict[str, float]:
+        """Where the last ``counters()`` spent its time (``dump``, ``parse``, ``map``; kproxy.bench.counterread)."""
+        return dict(self._counters.seconds)
 
     def adopt(self, family: IPFamily, ctx: FamilyContext) -> adopt_mod.Adopted | None:
         t0 = time.perf_counter()

@@ -80,7 +80,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from kproxy.bench import memory, mixed, synthetic
+from kproxy.bench import counterread, memory, mixed, synthetic
 from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig
 from kproxy.conntrack import ConntrackReconciler, udp_changes
@@ -153,6 +153,8 @@ class SyncBench:
     counts: dict[str, int] = field(default_factory=dict)
     #: where the bytes go, per phase and per owner (see the module docstring)
     memory: dict[str, Any] = field(default_factory=dict)
+    #: ``--service-counters``: what reading them costs after the partial syncs (kproxy.bench.counterread.measure)
+    counter_read: dict[str, Any] | None = None
     #: ``--reference``: the yardstick's figures (kproxy.bench.reference_nft.ReferenceBench.to_json()), or why not
     reference: dict[str, Any] | None = None
     reference_note: str = ""
@@ -314,6 +316,8 @@ def run_sync_bench(
         state = _full_phase(out, backend, cache, gen, meter)
         state = _partial_phase(out, backend, cache, gen, meter, state) or state
         _weigh(out, "", cache, state, backend)
+        if service_counters:
+            out.counter_read = counterread.measure(backend, (IPFamily.V4,), repeat)  # the state is IPv4
         floors: BenchHooks = backend
         pfloor = dict(floors.measure_partial_floor() or {})
         out.partial_floor_s = pfloor.pop("floor_s", None)
@@ -614,6 +618,7 @@ def format_table(b: SyncBench) -> str:
             else f"p50 {b.describe_ms['p50']:.1f} ms, max {b.describe_ms['max']:.1f} ms "
             f"({int(b.describe_ms['answers'])} answers)",
         ),
+        *counterread.table_rows(b.counter_read),
         ("peak RSS", f"{b.rss_mb:.1f} MB"),
         ("peak RSS with the restart", "-" if b.restart_rss_mb is None else f"{b.restart_rss_mb:.1f} MB"),
     ]

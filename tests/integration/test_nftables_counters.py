@@ -25,7 +25,7 @@ from types import MappingProxyType
 
 import pytest
 
-from kproxy.backends.nftables import counters
+from kproxy.backends.nftables import counters, layout
 from kproxy.backends.nftables.proxier import NftablesProxier
 from kproxy.config import ProxyConfig
 from kproxy.counters import Measure
@@ -120,7 +120,7 @@ def answers(ns: str, proto: str, host: str, port: int, count: int) -> collection
 import socket
 kind = socket.SOCK_STREAM if {proto!r} == "tcp" else socket.SOCK_DGRAM
 for _ in range({count}):
-    with socket.socket(socket.AF_INET, kind) as s:
+    with socket.socket(socket.AF_INET6 if ":" in {host!r} else socket.AF_INET, kind) as s:
         s.settimeout(5)
         s.connect(({host!r}, {port}))
         s.sendall(b"hi\\n")
@@ -280,6 +280,124 @@ def test_counters_off_writes_none_and_turning_them_on_replaces_the_table(
     assert per_endpoint(p, A) == {str(e): 0 for e in ENDPOINTS.values()}
     seen = answers(netns, "tcp", SP_A.cluster_ip, 80, 6)
     assert per_endpoint(p, A) == expected(seen)
+
+
+def test_each_connection_counts_in_the_shard_python_renders_its_element_in(
+    netns: str, make: Callable[..., NftablesProxier]
+) -> None:
+    """The count chains pick a counting set in the kernel by the low bits of the address the client dialled (or of
+    the NodePort); ``layout.counting_set`` picks one in Python for the element it renders. Connections to services
+    whose ClusterIPs fall in four different shards (1, 63, 0, 2) and to a NodePort (shard 61, dialled at the node's
+    own address, whose shard 62 holds nothing) count in their own elements, each in the set Python chose, and
+    nowhere else."""
+    two = (ENDPOINTS["ep1"], ENDPOINTS["ep2"])
+
+    def key(name: str) -> str:  # an endpoint's fields of a counting key
+        return f"{ENDPOINTS[name].ip} . {ENDPOINTS[name].port}"
+
+    addresses = ("198.19.0.1", "198.19.0.63", "198.19.0.64", "198.19.1.130")
+    sharded = [sp(ServicePortName("ns1", f"s{i}", "http", Protocol.TCP), ip, 80, two) for i, ip in enumerate(addresses)]
+    np_name = ServicePortName("ns1", "np", "http", Protocol.TCP)
+    np = ServicePort(
+        np_name, IPFamily.V4, "198.19.0.5", 80, node_port=30077, cluster_endpoints=two, has_any_endpoints=True
+    )
+    p = make()
+    assert p.sync(state(*sharded, np), Changes(full=True)).ok
+    want: dict[tuple[str, str], int] = {}
+    for n, s in enumerate(sharded, start=3):
+        seen = answers(netns, "tcp", s.cluster_ip, 80, n)
+        assert sum(seen.values()) == n
+        shard = layout.counting_set(layout.SERVICE_IPS, f"{s.cluster_ip} . tcp . 80")
+        want.update({(shard, f"{s.cluster_ip} . tcp . 80 . {key(e)}"): c for e, c in seen.items()})
+        assert per_endpoint(p, s.name) == expected(seen, ("ep1", "ep2"))
+    seen = answers(netns, "tcp", CLIENT, 30077, 4)
+    shard = layout.counting_set(layout.SERVICE_NODEPORTS, "tcp . 30077")
+    want.update({(shard, f"tcp . 30077 . {key(e)}"): c for e, c in seen.items()})
+    assert per_endpoint(p, np_name) == expected(seen, ("ep1", "ep2"))
+    held, err = counters.read_counts(p.nft, IPFamily.V4)
+    assert held is not None, err
+    assert {mk: v for mk, v in held.items() if v} == want
+    assert {m for m, _ in want} == {
+        "endpoint-counters-01",
+        "endpoint-counters-63",
+        "endpoint-counters-00",
+        "endpoint-counters-02",
+        "nodeport-endpoint-counters-61",
+    }
+
+
+@pytest.fixture
+def netns6(tmp_path: Path) -> Iterator[str]:
+    """``netns``'s two namespaces in IPv6 only: the node at ``CLIENT6``, two echo servers at ``EP6``."""
+    with scratch_netns("kpx-nct6-", lo_up=True) as ns, scratch_netns("kpx-nce6-", lo_up=True) as ends:
+        ip(ns, "link", "add", "kpx0", "type", "veth", "peer", "name", "eth0", "netns", ends)
+        ip(ns, "-6", "addr", "add", f"{CLIENT6}/64", "dev", "kpx0", "nodad")
+        ip(ns, "link", "set", "kpx0", "up")
+        ip(ns, "-6", "route", "add", "fd00:198:19::/64", "dev", "kpx0")  # the ClusterIPs
+        ip(ends, "-6", "addr", "add", f"{EP6}/64", "dev", "eth0", "nodad")
+        ip(ends, "link", "set", "eth0", "up")
+        procs = []
+        try:
+            for name, port in (("ep1", 8081), ("ep2", 8082)):
+                argv = [sys.executable, "-m", "kproxy.lab.echo", "--name", name, "--ports", str(port)]
+                procs.append(
+                    subprocess.Popen(["ip", "netns", "exec", ends, *argv, "--ready-file", str(tmp_path / name)])
+                )
+            deadline = time.monotonic() + 20
+            while not all((tmp_path / n).exists() for n in ("ep1", "ep2")) and time.monotonic() < deadline:
+                assert all(p.poll() is None for p in procs), "an echo server exited"
+                time.sleep(0.05)
+            assert all((tmp_path / n).exists() for n in ("ep1", "ep2")), "echo servers not ready"
+            yield ns
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait(10)
+
+
+CLIENT6 = "fd00:198:18:1::fe"
+EP6 = "fd00:198:18:1::1"
+
+
+def test_ipv6_connections_count_in_the_shard_python_renders_their_element_in(netns6: str) -> None:
+    """The IPv6 table's dispatch (``ct original ip6 daddr & ::3f``): connections to ClusterIPs in shards 1, 63 and 0
+    count in the elements Python put in those shards."""
+    eps = (Endpoint(EP6, 8081), Endpoint(EP6, 8082))
+    addresses = ("fd00:198:19::1", "fd00:198:19::7f", "fd00:198:19::140")
+    sps = [
+        ServicePort(
+            ServicePortName("ns1", f"v{i}", "http", Protocol.TCP),
+            IPFamily.V6,
+            a,
+            80,
+            cluster_endpoints=eps,
+            has_any_endpoints=True,
+        )
+        for i, a in enumerate(addresses)
+    ]
+    config = ProxyConfig(cluster_cidrs=("fd00:198:18::/48",), ip_families=(IPFamily.V6,), service_counters=True)
+    p = NftablesProxier(config, netns=netns6)
+    p.start()
+    try:
+        v6 = MappingProxyType({s.name: s for s in sps})
+        node = NodeInfo("node-a", pod_cidrs=("fd00:198:18:1::/64",))
+        assert p.sync(ProxyState(MappingProxyType({IPFamily.V6: v6}), node, 1), Changes(full=True)).ok
+        want = {}
+        for n, s in enumerate(sps, start=3):
+            seen = answers(netns6, "tcp", s.cluster_ip, 80, n)
+            assert sum(seen.values()) == n
+            shard = layout.counting_set(layout.SERVICE_IPS, f"{s.cluster_ip} . tcp . 80")
+            want.update({(shard, f"{s.cluster_ip} . tcp . 80 . {EP6} . 808{e[-1]}"): c for e, c in seen.items()})
+            dump = p.counters(IPFamily.V6)
+            assert dump is not None
+            got = {ep: c.connections for ep, c in dump.ports[s.name].per_endpoint().items()}
+            assert {k: v for k, v in got.items() if v} == {f"[{EP6}]:808{e[-1]}": c for e, c in seen.items()}
+        held, err = counters.read_counts(p.nft, IPFamily.V6)
+        assert held is not None, err
+        assert {mk: v for mk, v in held.items() if v} == want
+        assert {m for m, _ in want} == {"endpoint-counters-01", "endpoint-counters-63", "endpoint-counters-00"}
+    finally:
+        p.close()
 
 
 @pytest.mark.slow

@@ -9,10 +9,11 @@ from __future__ import annotations
 import base64
 import json
 import re
+import struct
 from pathlib import Path
 from types import MappingProxyType
 
-from kproxy.backends.nftables import adopt, counters, layout, plan, render
+from kproxy.backends.nftables import adopt, counters, layout, plan, render, setdump
 from kproxy.backends.nftables.proxier import NftablesProxier
 from kproxy.batch import Batch, Delta
 from kproxy.config import ProxyConfig
@@ -118,26 +119,44 @@ def test_counters_on_add_the_counting_chains_sets_and_an_element_per_address_and
     text = full_text(True)
     off = full_text(False)
     assert layout.layout_chain(IPFamily.V4, True) != layout.layout_chain(IPFamily.V4)  # turning it on replaces
-    assert (
-        "add set ip kproxy endpoint-counters { type ipv4_addr . inet_proto . inet_service . ipv4_addr . inet_service;"
-        " counter; }" in text
-    )
+    for i in (0, 63):
+        assert (
+            f"add set ip kproxy endpoint-counters-{i:02d} {{ type ipv4_addr . inet_proto . inet_service . ipv4_addr"
+            " . inet_service; counter; }" in text
+        )
+        assert (
+            f"add set ip kproxy nodeport-endpoint-counters-{i:02d} {{ type inet_proto . inet_service . ipv4_addr"
+            " . inet_service; counter; }" in text
+        )
+    assert "endpoint-counters-64" not in text and len(counters.COUNTING) == 2 * layout.COUNT_SHARDS == 128
     assert "add chain ip kproxy count-postrouting { type nat hook postrouting priority 90; policy accept; }" in text
     assert "add chain ip kproxy count-input { type nat hook input priority 90; policy accept; }" in text
+    assert "add chain ip kproxy count-ep-63\n" in text and "add chain ip kproxy count-np-00\n" in text
+    # one dispatch per connection, whatever the number of shards: the low bits of the address, or of the NodePort
     assert (
-        "meta l4proto udp ct status dnat ct original ip daddr . meta l4proto . ct original proto-dst . ip daddr"
-        " . th dport @endpoint-counters accept" in text
+        "ct status dnat ct original ip daddr & 0.0.0.63 vmap { 0.0.0.0 : jump count-ep-00, 0.0.0.1 : jump count-ep-01,"
+        in text
+    )
+    assert "meta l4proto sctp ct status dnat ct original proto-dst & 63 vmap { 0 : jump count-np-00, 1 :" in text
+    assert (
+        "meta l4proto udp ct original ip daddr . meta l4proto . ct original proto-dst . ip daddr"
+        " . th dport @endpoint-counters-07 accept" in text
+    )
+    assert (
+        "meta l4proto tcp meta l4proto . ct original proto-dst . ip daddr . th dport"
+        " @nodeport-endpoint-counters-07 accept" in text
     )
     assert "counter ip" not in text  # no named counter objects
     web = proxier(True).render(services()[0], CTX4)
-    got = [k for m, k, _ in web.elements if m == layout.ENDPOINT_COUNTERS]
-    assert got == [f"198.18.200.1 . tcp . 80 . {e.ip} . 8080" for e in THREE]
+    got = [(m, k) for m, k, _ in web.elements if m in counters.COUNTING]
+    assert got == [("endpoint-counters-01", f"198.18.200.1 . tcp . 80 . {e.ip} . 8080") for e in THREE]
     edge = proxier(True).render(services()[3], CTX4)
     by_map: dict[str, int] = {}
     for m, _, _ in edge.elements:
         by_map[m] = by_map.get(m, 0) + 1
-    assert by_map[layout.ENDPOINT_COUNTERS] == 3 * 3  # ClusterIP, externalIP, LB IP x 3 endpoints
-    assert by_map[layout.NODEPORT_ENDPOINT_COUNTERS] == 3
+    # ClusterIP 198.18.200.4, externalIP 203.0.113.7, LB IP 203.0.113.8 (shards 4, 7, 8) x 3 endpoints
+    assert [by_map[f"endpoint-counters-{i:02d}"] for i in (4, 7, 8)] == [3, 3, 3]
+    assert by_map["nodeport-endpoint-counters-00"] == 3  # 30080 & 63
     assert (
         edge.elements[0][0] == layout.SERVICE_IPS and edge.digest != render.render_service(services()[3], CTX4).digest
     )
@@ -155,10 +174,16 @@ def test_ipv6_counting_keys_and_rules() -> None:
         spn("v6"), IPFamily.V6, "fd00:198:19::1", 80, cluster_endpoints=(ep("fd00:198:18::2"),), has_any_endpoints=True
     )
     frag = NftablesProxier(ProxyConfig(ip_families=(IPFamily.V6,), service_counters=True)).render(six, CTX6)
-    assert [k for m, k, _ in frag.elements if m == layout.ENDPOINT_COUNTERS] == [
-        "fd00:198:19::1 . tcp . 80 . fd00:198:18::2 . 8080"
+    assert [(m, k) for m, k, _ in frag.elements if m in counters.COUNTING] == [
+        ("endpoint-counters-01", "fd00:198:19::1 . tcp . 80 . fd00:198:18::2 . 8080")
     ]
-    assert "ct original ip6 daddr" in " ".join(layout.fixed_chain_rules(IPFamily.V6, True)["count-input"])
+    rules = layout.fixed_chain_rules(IPFamily.V6, True)
+    assert rules["count-input"][0].startswith(
+        "ct status dnat ct original ip6 daddr & ::3f vmap { :: : jump count-ep-00, "
+    )
+    assert ", ::3f : jump count-ep-63 }" in rules["count-input"][0]
+    assert "ct original ip6 daddr . meta l4proto" in rules["count-ep-05"][0]
+    assert layout.counting_set(layout.SERVICE_IPS, "fd00::1:ff7f . tcp . 80") == "endpoint-counters-63"
     assert endpoint_label("fd00:198:18::2", 8080) == str(Endpoint("fd00:198:18::2", 8080))
 
 
@@ -174,9 +199,9 @@ def test_an_endpoint_change_keeps_the_other_endpoints_counting_elements() -> Non
     tx = render.Transaction(IPFamily.V4)
     render.change_service(tx, spn("web"), old, new)
     lines = tx.text().splitlines()
-    i = lines.index("delete element ip kproxy endpoint-counters {")
+    i = lines.index("delete element ip kproxy endpoint-counters-01 {")
     assert lines[i + 1 : i + 3] == ["198.18.200.1 . tcp . 80 . 198.18.1.2 . 8080", "}"]
-    assert "add element ip kproxy endpoint-counters {" not in lines
+    assert not [ln for ln in lines if ln.startswith("add element ip kproxy endpoint-counters")]
 
 
 def test_adoption_finds_a_changed_services_counting_elements() -> None:
@@ -195,7 +220,7 @@ def test_adoption_finds_a_changed_services_counting_elements() -> None:
     )
     new = p.render(fewer, CTX4)
     held = {(m, k): 0 for m, k, _ in old.elements if m in counters.COUNTING}
-    held[(layout.ENDPOINT_COUNTERS, "198.18.250.9 . tcp . 80 . 198.18.1.2 . 8080")] = 0  # another service's
+    held[("endpoint-counters-09", "198.18.250.9 . tcp . 80 . 198.18.1.2 . 8080")] = 0  # another service's
     svc = adopt.Service(digest=old.digest, digest_key=old.digest_key, entries={(m, k): v for m, k, v in old.entries})
     skeleton = counters.skeleton(svc.entries, counters.by_entry(held))
     assert skeleton == {(m, k): v for m, k, v in old.elements if m in counters.COUNTING}
@@ -212,12 +237,14 @@ def test_the_dump_maps_the_kernels_listing_back_to_service_ports() -> None:
     the integration test (its services ``ns1/a:http/TCP`` and ``ns1/u:dns/UDP`` with three endpoints each), after
     real connections, with what the servers saw; the fragments are rendered here the same way."""
     listing = json.loads((GOLDEN / "counters_dump.json").read_text())
-    packets: dict[tuple[str, str], int] = {}
+    packets: dict[bytes, int] = {}
     for name, raw in listing["netlink_dump_base64"].items():
         chunks = [base64.b64decode(c) for c in raw]
         got, done = counters.parse_dump(name, IPFamily.V4, chunks)
-        assert done
-        packets.update(got)
+        by_bytes, done_raw = setdump.parse_raw(name, chunks)
+        assert done and done_raw and len(got) == len(by_bytes)
+        assert {counters.key_bytes(IPFamily.V4, k): v for (_, k), v in got.items()} == by_bytes  # each other's inverse
+        packets.update(by_bytes)
         assert counters.parse_dump(name, IPFamily.V4, chunks[:-1] + [chunks[-1][:-20]])[1] is False  # cut short
     assert len(packets) == 6
     meta = listing["kproxy_test"]
@@ -228,7 +255,7 @@ def test_the_dump_maps_the_kernels_listing_back_to_service_ports() -> None:
         name = ServicePortName("ns1", s["name"], s["port_name"], Protocol(s["protocol"]))
         sp = ServicePort(name, IPFamily.V4, s["cluster_ip"], s["port"], cluster_endpoints=eps, has_any_endpoints=True)
         frags[sp.name] = p.render(sp, CTX4)
-    plans: dict[ServicePortName, object] = {}
+    plans: dict[int, object] = {}
     dump = counters.dump(IPFamily.V4, frags, packets, plans)  # type: ignore[arg-type]
     assert set(dump.ports) == set(frags)
     for s in meta["services"]:
@@ -238,5 +265,28 @@ def test_the_dump_maps_the_kernels_listing_back_to_service_ports() -> None:
     # a service the ledger no longer has goes from the dump and the plans
     gone = next(iter(frags))
     rest = {k: v for k, v in frags.items() if k != gone}
-    assert gone not in counters.dump(IPFamily.V4, rest, packets, plans).ports and gone not in plans  # type: ignore[arg-type]
+    assert gone not in counters.dump(IPFamily.V4, rest, packets, plans).ports  # type: ignore[arg-type]
+    assert set(plans) == {id(f) for f in rest.values()}  # its plan went with it
     assert NftablesProxier.counters_offered == frozenset({Measure.CONNECTIONS})
+
+
+def test_the_parser_reads_a_message_of_another_shape_attribute_by_attribute() -> None:
+    """The kernel's dump parsed by the one-pattern path, and again with a key the pattern does not expect in one
+    element (a copy of the dump's first element, its key's data attribute lengthened by a 4-byte field: the run no
+    longer matches), which the attribute walk reads: the same counts, and the odd element's own key."""
+    listing = json.loads((GOLDEN / "counters_dump.json").read_text())
+    chunks = [base64.b64decode(c) for c in listing["netlink_dump_base64"]["endpoint-counters"]]
+    fast, _ = setdump.parse_raw("endpoint-counters", chunks)
+    assert len(fast) == 6
+    first = chunks[0]
+    at = first.index(struct.pack("=HHHHHH", 76, 1, 28, 1, 24, 1))  # the first element: 20-byte key
+    odd = struct.pack("=HHHHHH", 80, 1, 32, 1, 28, 1) + first[at + 12 : at + 32] + b"XXXX" + first[at + 32 : at + 76]
+    # the element list's length (and the message's) grow by the odd element's 80 bytes
+    lst = first.rindex(struct.pack("=H", 3), 0, at) - 2  # NFTA_SET_ELEM_LIST_ELEMENTS header, just before
+    (list_len,) = struct.unpack_from("=H", first, lst)
+    grown = bytearray(first[: lst + list_len] + odd + first[lst + list_len :])
+    struct.pack_into("=H", grown, lst, list_len + 80)
+    struct.pack_into("=I", grown, 0, struct.unpack_from("=I", first, 0)[0] + 80)
+    slow, done = setdump.parse_raw("endpoint-counters", [bytes(grown), *chunks[1:]])
+    key = first[at + 12 : at + 32] + b"XXXX"
+    assert done and slow == {**fast, key: fast[first[at + 12 : at + 32]]}

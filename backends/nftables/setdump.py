@@ -1,0 +1,210 @@
+"""Netlink element dumps of nf_tables sets whose elements carry a counter (the nftables mode's counting sets,
+``counters.py``): the request, the datagrams, and a parser keyed by the elements' raw key bytes.
+
+Decisions:
+
+- **Raw netlink, not libnftables**: nft 1.0.6's ``list set`` fetches every element of the table and formats each.
+- **One socket for every set of a read**: the dumps run one after the other on it (a netlink socket holds one dump
+  at a time), so a read of 128 sets opens one socket, not 128.
+- **Small sets** are the caller's business and the reason it shards: the kernel resumes a set's dump at each ~32 KB
+  continuation by walking the set again from its start and skipping the elements already sent, so one dump of n
+  elements costs O(n^2).
+- **Parsing**: every element of a counting set without comment or timeout has the same attributes in the same order
+  and the same length (key, then one ``counter`` expression: bytes, packets). A message's element list is checked
+  whole against one compiled pattern (a run of such elements) and unpacked by one ``struct`` in C, straight into
+  the result (no Python per element, no object kept per element but its key). A list of another shape (a kernel
+  that pads 64-bit attributes, an element with a comment) is walked attribute by attribute instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import re
+import socket
+import struct
+from collections.abc import Iterable, Iterator
+
+from kproxy.model import IPFamily
+
+from . import layout
+
+# netlink: nfnetlink's nftables subsystem, its set-element messages and attributes (linux/netfilter/nf_tables.h)
+_SUBSYS = 10 << 8  # NFNL_SUBSYS_NFTABLES
+_GETSETELEM, _NEWSETELEM = 13, 12
+_DUMP = 0x1 | 0x300  # NLM_F_REQUEST | NLM_F_DUMP
+_DUMP_INTR = 0x10  # NLM_F_DUMP_INTR: the set changed during the dump
+_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+_LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3  # NFTA_SET_ELEM_LIST_*
+_LIST_ELEM = 1  # NFTA_LIST_ELEM
+_ELEM_KEY, _ELEM_EXPR, _ELEM_EXPRESSIONS = 1, 7, 11  # NFTA_SET_ELEM_*
+_DATA_VALUE, _EXPR_NAME, _EXPR_DATA, _COUNTER_BYTES, _COUNTER_PACKETS = 1, 1, 2, 1, 2
+_NETLINK_NETFILTER = 12
+_RECV = 1 << 16  # a dump's datagram is at most ~32 KB (the kernel's cap on its continuation buffers)
+_TIMEOUT_S = 30.0
+
+
+def _attrs(data: bytes, start: int, end: int) -> list[tuple[int, int, int]]:
+    """Netlink attributes in ``data[start:end]``: (type without the nested flag, payload start, payload end)."""
+    out = []
+    while start + 4 <= end:
+        length, kind = struct.unpack_from("=HH", data, start)
+        if length < 4:
+            break
+        out.append((kind & 0x3FFF, start + 4, start + length))
+        start += (length + 3) & ~3
+    return out
+
+
+def _nla(payload: bytes) -> bytes:
+    return payload + b"\0" * (-len(payload) % 4)
+
+
+def request(family: IPFamily, setname: str, seq: int) -> bytes:
+    """The NFT_MSG_GETSETELEM dump request for ``setname`` in kproxy's table of ``family``."""
+    table, name = layout.TABLE.encode() + b"\0", setname.encode() + b"\0"
+    attrs = struct.pack("=HH", 4 + len(table), _LIST_TABLE) + _nla(table)
+    attrs += struct.pack("=HH", 4 + len(name), _LIST_SET) + _nla(name)
+    nfgen = struct.pack("=BBH", socket.AF_INET if family is IPFamily.V4 else socket.AF_INET6, 0, 0)
+    header = struct.pack("=IHHII", 16 + len(nfgen) + len(attrs), _SUBSYS | _GETSETELEM, _DUMP, seq, 0)
+    return header + nfgen + attrs
+
+
+def _packets(data: bytes, start: int, end: int) -> int | None:
+    """The packets of a counter expression (NFTA_EXPR_NAME "counter", NFTA_EXPR_DATA)."""
+    attrs = _attrs(data, start, end)
+    if not any(k == _EXPR_NAME and data[a:b].rstrip(b"\0") == b"counter" for k, a, b in attrs):
+        return None
+    for k, a, b in attrs:
+        if k == _EXPR_DATA:
+            for k2, a2, _ in _attrs(data, a, b):
+                if k2 == _COUNTER_PACKETS:
+                    return int(struct.unpack_from(">Q", data, a2)[0])
+    return None
+
+
+def _element(data: bytes, start: int, end: int) -> tuple[bytes, int] | None:
+    """(key bytes, packets) of one NFTA_LIST_ELEM."""
+    key, packets = None, None
+    for kind, a, b in _attrs(data, start, end):
+        if kind == _ELEM_KEY:
+            key = next((data[a2:b2] for k2, a2, b2 in _attrs(data, a, b) if k2 == _DATA_VALUE), None)
+        elif kind == _ELEM_EXPR:
+            packets = _packets(data, a, b)
+        elif kind == _ELEM_EXPRESSIONS:  # more than one expression: a list of them
+            packets = next((p for _, a2, b2 in _attrs(data, a, b) if (p := _packets(data, a2, b2)) is not None), None)
+    return None if key is None or packets is None else (key, packets)
+
+
+@functools.lru_cache(maxsize=16)
+def _shape(keylen: int) -> tuple[re.Pattern[bytes], struct.Struct]:
+    """For a key of ``keylen`` bytes (a multiple of 4): the pattern of a run of plain counting elements, each
+    NFTA_LIST_ELEM { KEY { DATA_VALUE key }, EXPR { NAME "counter", DATA { BYTES u64, PACKETS u64 } } }, and the
+    struct that takes (key, packets) out of one."""
+    head = struct.pack("=HHHHHH", 56 + keylen, _LIST_ELEM, 8 + keylen, _ELEM_KEY, 4 + keylen, _DATA_VALUE)
+    expr = struct.pack("=HHHH", 44, _ELEM_EXPR, 12, _EXPR_NAME) + b"counter\0"
+    expr += struct.pack("=HHHH", 28, _EXPR_DATA, 12, _COUNTER_BYTES)
+    one = re.escape(head) + b".{%d}" % keylen + re.escape(expr) + b".{8}" + re.escape(struct.pack("=HH", 12, 2))
+    return re.compile(b"(?:" + one + b".{8})+", re.DOTALL), struct.Struct(f">{len(head)}x{keylen}s{len(expr) + 12}xQ")
+
+
+def _elements(data: bytes, start: int, end: int, out: dict[bytes, int]) -> None:
+    """The elements of one NFTA_SET_ELEM_LIST_ELEMENTS payload into ``out``: when the whole payload is a run of
+    elements of the first one's shape, unpacked in C; else attribute by attribute."""
+    if end - start >= 16:
+        keylen = struct.unpack_from("=H", data, start + 8)[0] - 4
+        if keylen > 0 and keylen % 4 == 0:
+            run, one = _shape(keylen)
+            if run.fullmatch(data, start, end):
+                out.update(one.iter_unpack(memoryview(data)[start:end]))
+                return
+    for _, a, b in _attrs(data, start, end):
+        got = _element(data, a, b)
+        if got is not None:
+            out[got[0]] = got[1]
+
+
+def parse_raw(setname: str, chunks: Iterable[bytes]) -> tuple[dict[bytes, int], bool]:
+    """A netlink element dump of a counting set (the datagrams it was read in) -> (packets per key bytes, whether
+    the dump ended). InterruptedError when the set changed during the dump, OSError for an error message."""
+    out: dict[bytes, int] = {}
+    for data in chunks:
+        at = 0
+        while at + 16 <= len(data):
+            length, kind, flags = struct.unpack_from("=IHH", data, at)
+            if length < 16:
+                break
+            if kind == _NLMSG_DONE:
+                return out, True
+            if kind == _NLMSG_ERROR:
+                (code,) = struct.unpack_from("=i", data, at + 16)
+                if code:
+                    raise OSError(-code, f"netlink element dump of {setname}: {os.strerror(-code)}")
+            elif flags & _DUMP_INTR:
+                raise InterruptedError(f"{setname} changed during the dump")
+            elif kind == _SUBSYS | _NEWSETELEM:
+                for k, a, b in _attrs(data, at + 20, at + length):
+                    if k == _LIST_ELEMENTS:
+                        _elements(data, a, b, out)
+            at += (length + 3) & ~3
+    return out, False
+
+
+def _ended(data: bytes, setname: str) -> bool:
+    """Whether a datagram of a dump holds its end (headers only; errors raised as ``parse_raw`` raises them)."""
+    at = 0
+    while at + 16 <= len(data):
+        length, kind, flags = struct.unpack_from("=IHH", data, at)
+        if kind == _NLMSG_DONE:
+            return True
+        if kind == _NLMSG_ERROR:
+            parse_raw(setname, [data[at : at + length]])
+        elif flags & _DUMP_INTR:
+            raise InterruptedError(f"{setname} changed during the dump")
+        at += max(16, (length + 3) & ~3)
+    return False
+
+
+def _one(sock: socket.socket, family: IPFamily, setname: str, seq: int) -> list[bytes]:
+    """The datagrams of one dump on ``sock``, taken again (up to twice) when the set changed during it."""
+    for attempt in range(3):
+        chunks: list[bytes] = []
+        sock.send(request(family, setname, seq + attempt))
+        try:
+            while True:
+                chunks.append(sock.recv(_RECV))
+                if _ended(chunks[-1], setname):
+                    return chunks
+        except InterruptedError:
+            _drain(sock, chunks[-1])
+            continue
+    raise OSError(errno.EAGAIN, f"netlink element dump of {setname}: the set kept changing")
+
+
+def _drain(sock: socket.socket, last: bytes) -> None:
+    """Read an interrupted dump to its end (its NLMSG_DONE or error), so the socket can carry the next one."""
+    data = last
+    for _ in range(1 << 20):  # bounded: a dump ends
+        at = 0
+        while at + 16 <= len(data):
+            length, kind = struct.unpack_from("=IH", data, at)
+            if kind in (_NLMSG_DONE, _NLMSG_ERROR):
+                return
+            at += max(16, (length + 3) & ~3)
+        data = sock.recv(_RECV)
+
+
+def raw_dumps(family: IPFamily, setnames: Iterable[str]) -> Iterator[tuple[str, list[bytes]]]:
+    """(set, the datagrams of its element dump) for each of ``setnames`` in turn, on one socket, in the calling
+    thread's network namespace."""
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER) as sock:
+        sock.settimeout(_TIMEOUT_S)
+        sock.bind((0, 0))
+        for i, setname in enumerate(setnames):
+            yield setname, _one(sock, family, setname, 4 * i + 1)
+
+
+def raw_dump(family: IPFamily, setname: str) -> list[bytes]:
+    """The datagrams of one element dump of ``setname``."""
+    return next(iter(raw_dumps(family, (setname,))))[1]
