@@ -16,21 +16,23 @@ from kproxy.lab.cluster import make_plan
 LOADED = {"node-1", "node-2"}
 
 
-def _nodes() -> dict[str, str]:
+def _nodes(pods_per_node: int = dpconfig.PODS_PER_NODE) -> dict[str, str]:
     """pod name -> node name in the benchmark's lab (8 nodes: the conntrack limits are on)."""
-    plan = make_plan(8, dpconfig.PODS_PER_NODE, ipv6=False, prefix="kpd-")
+    plan = make_plan(8, pods_per_node, ipv6=False, prefix="kpd-")
     return {p.name: p.node for p in plan.pods}
 
 
-def test_every_target_has_a_server_and_a_client_pod_of_its_own() -> None:
-    cfg = datapath.DatapathConfig()
+@pytest.mark.parametrize("counters_cost", [False, True])
+def test_every_target_has_a_server_and_a_client_pod_of_its_own(counters_cost: bool) -> None:
+    cfg = datapath.DatapathConfig(counters_cost=counters_cost)
     targets = datapath.targets_for("nftables", cfg)
-    assert set(targets) == set(dpconfig.ROLES)  # every target measured by default has a role, and only those
+    # every target measured has a role, and only those: the reversed ClusterIP only with --counters-cost
+    assert set(targets) == set(dpconfig.ROLES) - (set() if counters_cost else {dpconfig.REV})
     servers = [dpconfig.ROLES[t][1] for t in targets]
     clients = [dpconfig.ROLES[t][0] for t in targets]
     assert len(set(servers)) == len(servers), servers  # no server shared: one operation per turn each
     assert len(set(clients)) == len(clients), clients
-    nodes = _nodes()
+    nodes = _nodes(cfg.pods_per_node)
     assert set(servers) | set(clients) <= set(nodes)  # every pod exists in the lab the benchmark builds
     # the ClusterIP's only endpoint is its server (the Service written to the lab's API)
     assert dpconfig.ROLES["clusterip"][1] == "pod-2-1"
