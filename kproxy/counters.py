@@ -156,8 +156,10 @@ _NEEDS_ESCAPE = re.compile(r'[\\"\n]')
 ENDPOINT_MEASURES = frozenset({Measure.CONNECTIONS})
 
 
-#: a mode whose counter read takes this long or more is read in the background, its last read served meanwhile
-SYNC_READ_S = 0.5
+#: a mode whose counter read takes this long or more is read in the background, its last read served meanwhile:
+#: the scrape budget (docs/BEHAVIOUR.md), so a scrape never waits longer than that for the kernel; the counters it
+#: serves are then one scrape old (the read its predecessor started)
+SYNC_READ_S = 0.2
 
 
 def metric_name(measure: Measure, endpoint: bool = False) -> str:
@@ -182,10 +184,24 @@ def _offered_text(offered: frozenset[Measure]) -> str:
 
 #: per (family, service port): its endpoints, and the format strings of its service line and endpoint lines (the
 #: metric name is argument 0, the values follow), so a scrape formats one port's endpoints in one C call
-_Formats = dict[tuple[IPFamily, ServicePortName], tuple[tuple[str, ...], str, str]]
+_Format = tuple[tuple[str, ...], str, str]
 
 
-def _formats(family: IPFamily, spn: ServicePortName, endpoints: tuple[str, ...]) -> tuple[tuple[str, ...], str, str]:
+@dataclass(slots=True)
+class _Port:
+    """What the last scrape made of one service port: its format strings, the ``PortCounters`` it formatted, and
+    the encoded lines per measure (service, endpoints). A read that hands back the same ``PortCounters`` object
+    (the nftables mode does for a port whose counts did not change) gets the same bytes without formatting."""
+
+    fmt: _Format
+    pc: PortCounters | None = None
+    lines: tuple[tuple[bytes, bytes], ...] = ()
+
+
+_Ports = dict[tuple[IPFamily, ServicePortName], _Port]
+
+
+def _formats(family: IPFamily, spn: ServicePortName, endpoints: tuple[str, ...]) -> _Format:
     labels = (
         (
             f'namespace="{_esc(spn.namespace)}",service="{_esc(spn.name)}",port="{_esc(spn.port)}",'
@@ -208,34 +224,47 @@ def _head(measure: Measure, endpoint: bool) -> str:
     return f"# HELP {name} {_HELP[measure]} per {what}, as the kernel counted them\n# TYPE {name} counter\n"
 
 
-def _families(
-    dumps: Sequence[CounterDump], measures: Sequence[Measure], old: _Formats, new: _Formats
-) -> list[bytearray]:
+def _lines(
+    pc: PortCounters, fmt: _Format, measures: Sequence[Measure], names: Sequence[tuple[str, str]]
+) -> tuple[tuple[bytes, bytes], ...]:
+    """One port's encoded service line and endpoint lines, per measure (empty where it has no value)."""
+    _, service_fmt, endpoint_fmt = fmt
+    out = []
+    for measure, (service_name, endpoint_name) in zip(measures, names, strict=True):
+        total = pc.total.get(measure)
+        column = pc.column(measure) if measure in ENDPOINT_MEASURES else None
+        out.append(
+            (
+                service_fmt.format(service_name, total).encode() if total is not None else b"",
+                endpoint_fmt.format(endpoint_name, *column).encode() if column else b"",
+            )
+        )
+    return tuple(out)
+
+
+def _families(dumps: Sequence[CounterDump], measures: Sequence[Measure], old: _Ports, new: _Ports) -> list[bytearray]:
     """Per measure, the service family's and the endpoint family's text, in one walk over the dumps: the hot loop of
-    a scrape. A port's format strings are reused from the last scrape while its endpoints stay the same. Byte
-    arrays, grown in place: a scrape holds its text about once, not as pieces plus their join."""
+    a scrape. A port's format strings are reused from the last scrape while its endpoints stay the same, its
+    encoded lines while its counters are the same object. Byte arrays, grown in place: a scrape holds its text
+    about once, not as pieces plus their join."""
     names = [(metric_name(m), metric_name(m, endpoint=True)) for m in measures]
     texts = [
         (bytearray(_head(m, False).encode()), bytearray(_head(m, True).encode() if m in ENDPOINT_MEASURES else b""))
         for m in measures
     ]
-    plan = list(zip(measures, names, texts, strict=True))
     for dump in dumps:
         family = dump.family
         for spn, pc in dump.ports.items():
             key = (family, spn)
-            cached = old.get(key)
-            if cached is None or cached[0] != pc.endpoints:
-                cached = _formats(family, spn, pc.endpoints)
-            new[key] = cached
-            _, service_fmt, endpoint_fmt = cached
-            for measure, (service_name, endpoint_name), (services, endpoints) in plan:
-                total = pc.total.get(measure)
-                if total is not None:
-                    services += service_fmt.format(service_name, total).encode()
-                column = pc.column(measure) if measure in ENDPOINT_MEASURES else None
-                if column:
-                    endpoints += endpoint_fmt.format(endpoint_name, *column).encode()
+            port = old.get(key)
+            if port is None or port.fmt[0] != pc.endpoints:
+                port = _Port(_formats(family, spn, pc.endpoints))
+            if port.pc is not pc or len(port.lines) != len(measures):
+                port.pc, port.lines = pc, _lines(pc, port.fmt, measures, names)
+            new[key] = port
+            for (services, endpoints), (service_line, endpoint_lines) in zip(texts, port.lines, strict=True):
+                services += service_line
+                endpoints += endpoint_lines
     return [text for pair in texts for text in pair]
 
 
@@ -246,7 +275,7 @@ class CounterCollector:
     def __init__(self, source: CounterSource, families: Iterable[IPFamily]) -> None:
         self.source = source
         self.families = tuple(families)
-        self._formats: _Formats = {}  # the last scrape's: a removed service's entry goes with the next scrape
+        self._ports: _Ports = {}  # the last scrape's: a removed service's entry goes with the next scrape
         self._lock = threading.Lock()
         self._last: list[CounterDump] = []  # the last read, served while a slow read runs
         self._read_s = 0.0  # how long the last read took
@@ -284,9 +313,9 @@ class CounterCollector:
         has no family at all."""
         offered = frozenset(self.source.counters_offered)
         dumps = self.dumps()
-        new: _Formats = {}
-        parts = _families(dumps, [m for m in Measure if m in offered], self._formats, new)
-        self._formats = new
+        new: _Ports = {}
+        parts = _families(dumps, [m for m in Measure if m in offered], self._ports, new)
+        self._ports = new
         out.append(_offered_text(offered).encode())
         out.extend(part for part in parts if part)
 

@@ -227,3 +227,35 @@ def test_a_slow_mode_is_read_in_the_background_and_a_scrape_never_waits() -> Non
     assert [d.family for d in c.dumps()] == [IPFamily.V4]  # the last read, at once
     assert asked.wait(30) and c.dumps() and len(reads) == 2  # one background read at a time, still not waited for
     release.set()
+
+
+def test_a_scrape_reuses_a_ports_lines_only_while_its_counters_are_the_same_object() -> None:
+    """The nftables mode hands back the same ``PortCounters`` object for a port whose counts did not change, and
+    the scrape reuses that port's encoded lines; a new object (new counts, or new endpoints) is formatted again."""
+    from kproxy.counters import CounterCollector, CounterDump
+
+    spn = ServicePortName("ns", "web", "http", Protocol.TCP)
+    current: dict[str, PortCounters] = {}
+
+    class Source:
+        counters_offered = frozenset({Measure.CONNECTIONS})
+
+        def counters(self, family: IPFamily) -> CounterDump:
+            return CounterDump(family, {spn: current["pc"]})
+
+    def value(text: str, endpoint: str | None) -> float:
+        return samples(text)[(metric_name(Measure.CONNECTIONS, endpoint is not None), labels(spn, "IPv4", endpoint))]
+
+    c = CounterCollector(Source(), (IPFamily.V4,))
+    same = current["pc"] = PortCounters(Counts(3), ("10.0.0.1:80", "10.0.0.2:80"), (1, 2))
+    first = c.exposition().decode()
+    assert value(first, None) == 3 and value(first, "10.0.0.2:80") == 2
+    port = c._ports[(IPFamily.V4, spn)]
+    assert c.exposition().decode() == first and c._ports[(IPFamily.V4, spn)].lines is port.lines  # reused
+    assert current["pc"] is same
+    current["pc"] = PortCounters(Counts(7), ("10.0.0.1:80", "10.0.0.2:80"), (3, 4))  # new counts: a new object
+    second = c.exposition().decode()
+    assert value(second, None) == 7 and value(second, "10.0.0.1:80") == 3
+    current["pc"] = PortCounters(Counts(7), ("10.0.0.3:80",), (7,))  # new endpoints
+    third = c.exposition().decode()
+    assert value(third, "10.0.0.3:80") == 7 and ("10.0.0.1:80" not in third)
