@@ -212,14 +212,20 @@ class Ledger(Generic[F, C, A, V, S]):
 
     def check_now(self, family: IPFamily) -> bool:
         """The cheap check (``needs_full``) of ``family`` now, between syncs (the drift watcher asks; runner thread
-        only): True when it found this mode's state gone, and then ``family``'s next sync is a full batch."""
+        only): True when it found this mode's state gone, and then ``family``'s next sync is a full batch.
+
+        Also when a full batch is owed already after a failed sync: someone else's change inside a sync (a flushed
+        table under a partial batch) fails that sync, and its retry would wait the retry interval; a state found
+        gone is worth a run now. A failed sync whose state is still there is left to its retry (no loop of runs
+        on a kernel that keeps refusing)."""
         rec = self.records.get(family)
-        if rec is None or rec.need_full:
-            return False  # nothing applied yet, or a full batch is owed already
+        if rec is None:
+            return False  # nothing applied yet
         self._checked_at[family] = time.monotonic()
         if not self.backend.needs_full(family):
             return False
-        self.request_full(family)
+        if not rec.need_full:
+            self.request_full(family)
         return True
 
     # -- one family --------------------------------------------------------------------------------------------

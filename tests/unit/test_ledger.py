@@ -289,3 +289,29 @@ def test_the_fault_switch_fails_applies_and_counts_down(tmp_path: Any, monkeypat
     assert fake.programmed[("IPv4", a.name)] == a  # nothing applied
     res = fake.sync(state(sp("a", 2)), partial("a"))
     assert res.ok and res.full and fake.programmed[("IPv4", a.name)] == sp("a", 2)
+
+
+def test_a_check_that_finds_the_state_gone_after_a_failed_sync_asks_for_a_run_now() -> None:
+    """Someone else flushes the table while a partial sync writes into it: that sync fails (a full batch is owed,
+    its retry a retry interval away), and the drift check that follows must still say the state is gone, so the
+    repair runs now; while the state is there, a failed sync is left to its retry."""
+
+    class Checked(Refusing):
+        gone = False
+
+        def needs_full(self, family: IPFamily) -> bool:
+            return self.gone
+
+    r = Checked()
+    a = sp("a")
+    assert not r.check_now(IPFamily.V4)  # nothing applied yet
+    assert r.sync(state(a), Changes(full=True)).ok
+    assert not r.check_now(IPFamily.V4)  # there, and nothing owed
+    r.raise_in.add(IPFamily.V4)  # the partial sync under the flush fails
+    assert not r.sync(state(sp("a", 2)), partial("a")).ok
+    r.raise_in.clear()
+    assert not r.check_now(IPFamily.V4)  # failed, but the state is there: the retry interval stands
+    r.gone = True
+    assert r.check_now(IPFamily.V4)  # failed, and the state is gone: a run now
+    done = r.sync(state(sp("a", 2)), partial("a"))
+    assert done.ok and done.full  # the full batch that was owed
