@@ -93,6 +93,15 @@ class _CollectorPause:
                             gc.set_threshold(*self._thresholds)
                         self._thresholds = None
 
+    def keep(self) -> None:
+        """Move what the pause has allocated so far into the frozen heap now, as its end will: a bulk step that
+        keeps everything it allocates (a relist's pages, held until the last one is in) would otherwise have every
+        young and middle collection of the pause walk all the earlier steps' objects again. Only while held, and
+        only by a pause that froze (someone else's freeze is left alone); ``gc.freeze()`` is a list splice."""
+        with self._lock:
+            if self._holders > 0 and self._froze:
+                gc.freeze()
+
 
 #: the process's one pause (see ``_CollectorPause``)
 collector_paused = _CollectorPause()

@@ -96,3 +96,16 @@ def test_concurrent_relists_and_snapshots_leave_the_collector_as_it_was() -> Non
     state, _ = cache.snapshot()
     assert len(state) == n and all(sp.has_any_endpoints for sp in state)
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_keep_freezes_what_the_pause_allocated_so_far_and_nothing_outside_a_pause() -> None:
+    kept = [{"n": i} for i in range(100)]
+    _gc_paused.keep()  # not held: nothing happens
+    assert gc.get_freeze_count() == 0
+    with _gc_paused(True):
+        made = [{"n": i} for i in range(100)]
+        _gc_paused.keep()
+        ids = {id(o) for o in gc.get_objects()}
+        # the step's objects are out of every generation's walk (frozen), like the rest of the heap
+        assert not any(id(o) in ids for o in made) and not any(id(o) in ids for o in kept)
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
