@@ -91,7 +91,7 @@ class Store:
         self._floor = self._rv  # a watch from rv >= floor can be served from history
         self._events: collections.deque[WatchEvent] = collections.deque()
         self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in RESOURCES}
-        # each stored object's list-item JSON, made once (see ``list_item``), beside the object it encodes
+        # each stored object's list-item JSON, made when it is stored (see ``list_item``), beside that object
         self._encoded: dict[str, dict[tuple[str, str], tuple[dict[str, Any], bytes]]] = {k: {} for k in RESOURCES}
         self._alloc = ServiceAllocator(service_cidrs)
         self.closed = False
@@ -144,20 +144,21 @@ class Store:
         return items, rv
 
     def list_item(self, res: Resource, obj: dict[str, Any]) -> bytes:
-        """``obj``'s JSON as a list item (``encode_item``), encoded once per stored version of the object: every page
-        of every client's list (each node of a lab lists everything) and every snapshot after an unrelated write
-        reuse it. Kept beside the stored object it encodes, checked by identity, and dropped when the object
-        changes; an older version (a list at a past resourceVersion) is encoded each time, not kept."""
-        meta = object_meta(obj)
-        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
-        cached = self._encoded[res.key].get(key)
+        """``obj``'s JSON as a list item (``encode_item``), made once per stored version of the object, when it is
+        stored (a scale run's bulk load pays it before anyone lists): every page of every client's list (each node
+        of a lab lists everything) reuses it, and so does every watch event of that version (``watch_object``).
+        Checked by identity against the stored object; an older version (a list or a watch at a past
+        resourceVersion) is encoded each time it is served."""
+        cached = self._encoded[res.key].get(_meta_key(obj))
         if cached is not None and cached[0] is obj:
             return cached[1]
-        data = encode_item(obj)
-        # no lock: a write racing with this can only leave an entry whose object is no longer stored, never used
-        if self._objects[res.key].get(key) is obj:
-            self._encoded[res.key][key] = (obj, data)
-        return data
+        return encode_item(obj)
+
+    def watch_object(self, res: Resource, obj: dict[str, Any]) -> bytes:
+        """``obj``'s JSON as a watch event carries it: the list item's bytes with ``apiVersion`` and ``kind``."""
+        item = self.list_item(res, obj)
+        head = json.dumps({"apiVersion": res.api_version, "kind": res.kind}, separators=(",", ":")).encode()
+        return head[:-1] + (b"," + item[1:] if item != b"{}" else b"}")
 
     def state_at(self, res: Resource, at_rv: int | None = None) -> tuple[dict[tuple[str, str], dict[str, Any]], int]:
         """Every stored object of `res` by (namespace, name) as it was at `at_rv` (now if None), and that version:
@@ -206,8 +207,10 @@ class Store:
 
     def _bump(self, res: Resource, type_: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
         self._events.append(WatchEvent(self._rv, res.key, type_, obj, old))
-        meta = object_meta(obj)
-        self._encoded[res.key].pop((str(meta.get("namespace") or ""), str(meta.get("name") or "")), None)
+        if type_ == "DELETED":
+            self._encoded[res.key].pop(_meta_key(obj), None)
+        else:
+            self._encoded[res.key][_meta_key(obj)] = (obj, encode_item(obj))
         while len(self._events) > self.history:
             self._floor = self._events.popleft().rv
         self.cond.notify_all()
@@ -446,6 +449,11 @@ def encode_item(obj: Mapping[str, Any]) -> bytes:
     server's list items)."""
     item = {k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
     return json.dumps(item, separators=(",", ":")).encode()
+
+
+def _meta_key(obj: Mapping[str, Any]) -> tuple[str, str]:
+    meta = object_meta(obj)
+    return str(meta.get("namespace") or ""), str(meta.get("name") or "")
 
 
 def storage_key(namespace: str, name: str) -> str:
