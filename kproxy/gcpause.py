@@ -55,6 +55,7 @@ class _CollectorPause:
         self._may_freeze: bool | None = None
         self._froze = False  # a holder froze objects: the last one out unfreezes them
         self._thresholds: tuple[int, int, int] | None = None  # the thresholds before the pause, restored at its end
+        self._settled = False  # ``settle`` froze the heap, for good: pauses only defer collections from then on
 
     @contextlib.contextmanager
     def __call__(self, active: bool = True, *, light: bool = False) -> Iterator[None]:
@@ -71,7 +72,7 @@ class _CollectorPause:
                     self._thresholds = before
                     gc.set_threshold(self.PAUSED_YOUNG, before[1], before[2])
             self._holders += 1
-            if not light:
+            if not light and not self._settled:
                 if self._may_freeze is None:
                     self._may_freeze = gc.get_freeze_count() == 0
                 if self._may_freeze:
@@ -101,6 +102,33 @@ class _CollectorPause:
         with self._lock:
             if self._holders > 0 and self._froze:
                 gc.freeze()
+
+    def settle(self) -> bool:
+        """A long-running process's steady heap, out of the collector's walks for good: collect (cycles that became
+        garbage are freed), then freeze what is left. Between two calls, every collection, the full ones
+        included, walks only what was allocated since the last one; without it, a full collection walks the whole
+        heap (at 50,000 services x 10 endpoints, 1.2 s of a churn's 10 s with nothing else running), and a churn's
+        long-lived objects trigger one every few seconds: every change meanwhile waits for it.
+
+        The cost: a frozen object that later becomes part of a garbage *cycle* is never freed (acyclic ones still
+        are, by their reference counts); the cache's and the ledgers' objects are acyclic (a unit test checks a
+        churn leaves no cyclic garbage in the frozen heap). The first call walks the whole heap once. From then on
+        pauses freeze nothing (nothing is frozen without a collection first) and only defer collections. Does
+        nothing while a pause is held or when someone else froze objects; True when it settled the heap."""
+        with self._lock:
+            if self._holders or (not self._settled and gc.get_freeze_count()):
+                return False
+            gc.collect()
+            gc.freeze()
+            self._settled = True
+            return True
+
+    def unsettle(self) -> None:
+        """Give the settled heap back to the collector (tests, and a process done with its steady state)."""
+        with self._lock:
+            if self._settled:
+                gc.unfreeze()
+                self._settled = False
 
 
 #: the process's one pause (see ``_CollectorPause``)
