@@ -213,12 +213,19 @@ def _hist_sum(metrics: Mapping[str, list[tuple[dict[str, str], float]]], name: s
     return {"count": count, "sum_s": round(total, 3)}
 
 
-def sync_phases(metrics: Mapping[str, list[tuple[dict[str, str], float]]]) -> dict[str, Any]:
-    phases = {lb["phase"] for lb, _ in metrics.get("kproxy_sync_phase_duration_seconds_count", [])}
+def sync_phases(metrics: Mapping[str, list[tuple[dict[str, str], float]]], family: str = "IPv4") -> dict[str, Any]:
+    """The syncs and their phases as one family's histograms count them: kproxy observes each sync (and its
+    phases) once per configured family, so a sum over families would count every sync twice. The scale lab is
+    IPv4."""
+    series = metrics.get("kproxy_sync_phase_duration_seconds_count", [])
+    phases = {lb["phase"] for lb, _ in series if lb.get("ip_family") == family}
     return {
-        "full_syncs": _hist_sum(metrics, "kubeproxy_sync_full_proxy_rules_duration_seconds"),
-        "partial_syncs": _hist_sum(metrics, "kubeproxy_sync_partial_proxy_rules_duration_seconds"),
-        "phases": {p: _hist_sum(metrics, "kproxy_sync_phase_duration_seconds", phase=p) for p in sorted(phases)},
+        "full_syncs": _hist_sum(metrics, "kubeproxy_sync_full_proxy_rules_duration_seconds", ip_family=family),
+        "partial_syncs": _hist_sum(metrics, "kubeproxy_sync_partial_proxy_rules_duration_seconds", ip_family=family),
+        "phases": {
+            p: _hist_sum(metrics, "kproxy_sync_phase_duration_seconds", phase=p, ip_family=family)
+            for p in sorted(phases)
+        },
     }
 
 
