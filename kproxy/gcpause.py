@@ -4,6 +4,10 @@ Bulk work allocates hundreds of thousands of acyclic objects while the process h
 would walk that heap again and again for nothing. ``collector_paused`` is the one pause every part shares (the
 cache's sources and snapshot, the ledger's full syncs), so overlapping users never end each other's pause.
 
+The daemon's process also *settles* its heap after syncs (``settle``: collect, then freeze for good): a long-running
+kproxy holds one large, acyclic, slowly changing heap, and the collector's full walks of it stalled every change
+of a churn; once settled, every collection walks only what changed since the last settling.
+
 Imports nothing of kproxy: any layer may use it.
 """
 
