@@ -111,8 +111,8 @@ class _CollectorPause:
         """A long-running process's steady heap, out of the collector's walks for good: collect (cycles that became
         garbage are freed), then freeze what is left. Between two calls, every collection, the full ones
         included, walks only what was allocated since the last one; without it, a full collection walks the whole
-        heap (at 50,000 services x 10 endpoints, 1.2 s of a churn's 10 s with nothing else running), and a churn's
-        long-lived objects trigger one every few seconds: every change meanwhile waits for it.
+        heap (seconds at 100,000 service ports), and a churn's long-lived objects trigger one every few seconds:
+        every change meanwhile waits for it (the figures: docs/PERFORMANCE.md).
 
         The cost: a frozen object that later becomes part of a garbage *cycle* is never freed (acyclic ones still
         are, by their reference counts); the cache's and the ledgers' objects are acyclic (a unit test checks a

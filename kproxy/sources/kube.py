@@ -287,7 +287,7 @@ class Reflector:
         list, no resourceVersion) raises `_BadList` before the sink sees anything: believing a `200 {}` from a
         broken proxy would replace every object with nothing."""
         # Every page's objects stay alive until the last page is in: without the pause, each collection walked all
-        # the pages before it again (at 50,000 EndpointSlices the JSON parsing took three times as long).
+        # the pages before it again, and the parsing of a large list took several times as long.
         with collector_paused(True):
             items, rv = self._pages()
             self._list_rv = rv
