@@ -256,7 +256,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         factory, event_sink = _make_source_factory(config)
-        daemon = Daemon(config, cls(config), factory, event_sink=event_sink)
+        daemon = Daemon(config, cls(config), factory, event_sink=event_sink, settle_heap=True)
     except Exception as exc:
         print(f"kproxy: cannot start: {exc}", file=sys.stderr)
         return 1

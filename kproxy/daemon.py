@@ -37,6 +37,7 @@ from kproxy.config import ProxyConfig, to_kube_proxy_configuration
 from kproxy.conntrack import ConntrackReconciler, reconcile_needed, udp_changes
 from kproxy.counters import register as register_counters
 from kproxy.drift import DriftWatcher
+from kproxy.gcpause import collector_paused
 from kproxy.metrics import Metrics
 from kproxy.model import (
     Changes,
@@ -57,6 +58,8 @@ from kproxy.syncfacts import SyncFacts
 
 log = logging.getLogger(__name__)
 
+# seconds between two settlings of the heap: each collects only what the syncs since the last one left alive
+SETTLE_EVERY = 1.0
 STOP_TIMEOUT = 120.0  # seconds stop() waits for a sync in progress (a full sync at 10k services takes ~12 s)
 
 
@@ -92,8 +95,12 @@ class Daemon:
         metrics: Metrics | None = None,
         reconciler: ConntrackReconciler | None = None,
         event_sink: Callable[[str, str, NamespacedName | None], None] | None = None,
+        settle_heap: bool = False,
     ) -> None:
         self.config = config
+        # ``kproxy run``'s process: after syncs, at most every SETTLE_EVERY, the heap is settled (gcpause.settle)
+        self._settle_heap = settle_heap
+        self._settled_at = float("-inf")
         self.backend = backend
         self.families = tuple(config.ip_families)
         self.metrics = metrics or Metrics(self.families)
@@ -199,6 +206,8 @@ class Daemon:
             self.backend.close()
         else:  # never tear down what a running sync uses; the process is about to exit anyway
             log.error("the sync did not end within %gs: backend left open", STOP_TIMEOUT)
+        if self._settle_heap:
+            collector_paused.unsettle()
         log.info("kproxy stopped; rules left in place")
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -341,6 +350,11 @@ class Daemon:
                 self._conntrack_owed = not self._reconcile_conntrack(state)
         if result.need_full_sync:
             self.runner.run()  # the backend wants a full sync (it says so when it lost track of the kernel)
+        if self._settle_heap and time.monotonic() - self._settled_at >= SETTLE_EVERY:
+            # what this sync and the changes before it left alive joins the frozen heap, collected first; the first
+            # call walks everything once, after the first sync's rules are in
+            collector_paused.settle()
+            self._settled_at = time.monotonic()
         # Services the kernel refused stay dirty: ask the runner to come back after the retry interval.
         return not failed
 

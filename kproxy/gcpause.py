@@ -4,6 +4,10 @@ Bulk work allocates hundreds of thousands of acyclic objects while the process h
 would walk that heap again and again for nothing. ``collector_paused`` is the one pause every part shares (the
 cache's sources and snapshot, the ledger's full syncs), so overlapping users never end each other's pause.
 
+The daemon's process also *settles* its heap after syncs (``settle``: collect, then freeze for good): a long-running
+kproxy holds one large, acyclic, slowly changing heap, and the collector's full walks of it stalled every change
+of a churn; once settled, every collection walks only what changed since the last settling.
+
 Imports nothing of kproxy: any layer may use it.
 """
 
@@ -55,6 +59,7 @@ class _CollectorPause:
         self._may_freeze: bool | None = None
         self._froze = False  # a holder froze objects: the last one out unfreezes them
         self._thresholds: tuple[int, int, int] | None = None  # the thresholds before the pause, restored at its end
+        self._settled = False  # ``settle`` froze the heap, for good: pauses only defer collections from then on
 
     @contextlib.contextmanager
     def __call__(self, active: bool = True, *, light: bool = False) -> Iterator[None]:
@@ -71,7 +76,7 @@ class _CollectorPause:
                     self._thresholds = before
                     gc.set_threshold(self.PAUSED_YOUNG, before[1], before[2])
             self._holders += 1
-            if not light:
+            if not light and not self._settled:
                 if self._may_freeze is None:
                     self._may_freeze = gc.get_freeze_count() == 0
                 if self._may_freeze:
@@ -92,6 +97,42 @@ class _CollectorPause:
                         if gc.get_threshold()[0] == self.PAUSED_YOUNG:  # nobody changed them since
                             gc.set_threshold(*self._thresholds)
                         self._thresholds = None
+
+    def keep(self) -> None:
+        """Move what the pause has allocated so far into the frozen heap now, as its end will: a bulk step that
+        keeps everything it allocates (a relist's pages, held until the last one is in) would otherwise have every
+        young and middle collection of the pause walk all the earlier steps' objects again. Only while held, and
+        only by a pause that froze (someone else's freeze is left alone); ``gc.freeze()`` is a list splice."""
+        with self._lock:
+            if self._holders > 0 and self._froze:
+                gc.freeze()
+
+    def settle(self) -> bool:
+        """A long-running process's steady heap, out of the collector's walks for good: collect (cycles that became
+        garbage are freed), then freeze what is left. Between two calls, every collection, the full ones
+        included, walks only what was allocated since the last one; without it, a full collection walks the whole
+        heap (seconds at 100,000 service ports), and a churn's long-lived objects trigger one every few seconds:
+        every change meanwhile waits for it (the figures: docs/PERFORMANCE.md).
+
+        The cost: a frozen object that later becomes part of a garbage *cycle* is never freed (acyclic ones still
+        are, by their reference counts); the cache's and the ledgers' objects are acyclic (a unit test checks a
+        churn leaves no cyclic garbage in the frozen heap). The first call walks the whole heap once. From then on
+        pauses freeze nothing (nothing is frozen without a collection first) and only defer collections. Does
+        nothing while a pause is held or when someone else froze objects; True when it settled the heap."""
+        with self._lock:
+            if self._holders or (not self._settled and gc.get_freeze_count()):
+                return False
+            gc.collect()
+            gc.freeze()
+            self._settled = True
+            return True
+
+    def unsettle(self) -> None:
+        """Give the settled heap back to the collector (tests, and a process done with its steady state)."""
+        with self._lock:
+            if self._settled:
+                gc.unfreeze()
+                self._settled = False
 
 
 #: the process's one pause (see ``_CollectorPause``)

@@ -11,8 +11,9 @@ the objects coming from the API the way they do in a cluster. The run:
    through the ordinary API: paginated lists (pages of 500), then watches;
 3. on node 1 the sweep (``kproxy.bench.apiscale_probe``) starts connecting to a sample of the ClusterIPs, then
    kproxy starts on every node in ``--mode``; reported per node: the first and last list request (the stand-in's
-   request log, by the node's address), /healthz 200, and, on node 1, when every sampled service had answered a
-   real connection (``all_answered_s``, from the first list request), with the sync phases from kproxy's metrics
+   request log, by the node's address), when the cache had absorbed both lists (``absorbed_s``: the last sync
+   queued), /healthz 200, and, on node 1, when every sampled service had answered a real connection
+   (``all_answered_s``, from the first list request), with the sync phases from kproxy's metrics
    (``kubeproxy_sync_full_proxy_rules_duration_seconds``, ``kproxy_sync_phase_duration_seconds``);
 4. the churn (``--churn-rate`` K per second for ``--churn-seconds`` T): every tenth of a second K/10 EndpointSlices
    each move one endpoint to another pod, stamped with ``endpoints.kubernetes.io/last-change-trigger-time`` as the
@@ -213,13 +214,31 @@ def _hist_sum(metrics: Mapping[str, list[tuple[dict[str, str], float]]], name: s
     return {"count": count, "sum_s": round(total, 3)}
 
 
-def sync_phases(metrics: Mapping[str, list[tuple[dict[str, str], float]]]) -> dict[str, Any]:
-    phases = {lb["phase"] for lb, _ in metrics.get("kproxy_sync_phase_duration_seconds_count", [])}
+def sync_phases(metrics: Mapping[str, list[tuple[dict[str, str], float]]], family: str = "IPv4") -> dict[str, Any]:
+    """The syncs and their phases as one family's histograms count them: kproxy observes each sync (and its
+    phases) once per configured family, so a sum over families would count every sync twice. The scale lab is
+    IPv4."""
+    series = metrics.get("kproxy_sync_phase_duration_seconds_count", [])
+    phases = {lb["phase"] for lb, _ in series if lb.get("ip_family") == family}
     return {
-        "full_syncs": _hist_sum(metrics, "kubeproxy_sync_full_proxy_rules_duration_seconds"),
-        "partial_syncs": _hist_sum(metrics, "kubeproxy_sync_partial_proxy_rules_duration_seconds"),
-        "phases": {p: _hist_sum(metrics, "kproxy_sync_phase_duration_seconds", phase=p) for p in sorted(phases)},
+        "full_syncs": _hist_sum(metrics, "kubeproxy_sync_full_proxy_rules_duration_seconds", ip_family=family),
+        "partial_syncs": _hist_sum(metrics, "kubeproxy_sync_partial_proxy_rules_duration_seconds", ip_family=family),
+        "phases": {
+            p: _hist_sum(metrics, "kproxy_sync_phase_duration_seconds", phase=p, ip_family=family)
+            for p in sorted(phases)
+        },
     }
+
+
+def queued_at(
+    metrics: Mapping[str, list[tuple[dict[str, str], float]]], start: float, family: str = "IPv4"
+) -> float | None:
+    """When kproxy last queued a sync (``kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds``), in seconds
+    after ``start``. Read before the churn, it is when the cache had absorbed both lists: kproxy queues a sync for
+    every change once the cache is ready, and nothing changes between that moment and the scrape."""
+    name = "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds"
+    got = [v for lb, v in metrics.get(name, []) if lb.get("ip_family") == family and v > 0]
+    return round(max(got) - start, 3) if got else None
 
 
 # --- the run ------------------------------------------------------------------------------------------------------
@@ -306,7 +325,9 @@ def measure_startup(lab: Lab, client: Any, cfg: ScaleConfig, out: ScaleResult) -
     log = requests_log(client, lab.api_url)
     for node in lab.nodes:
         phase = list_phase(log, node.ip4, start)
-        out.nodes[node.name] = {**phase, "healthz_s": healthy[node.name], **sync_phases(scrape(lab, node.ns))}
+        metrics = scrape(lab, node.ns)
+        absorbed = {"absorbed_s": queued_at(metrics, start)}
+        out.nodes[node.name] = {**phase, **absorbed, "healthz_s": healthy[node.name], **sync_phases(metrics)}
     answered = result["answered"]
     first_list = out.nodes[lab.nodes[0].name].get("first_list_s", 0.0)
     out.sweep = {
@@ -403,6 +424,7 @@ def table(r: ScaleResult) -> str:
         full = n.get("full_syncs", {})
         pages = f"{n.get('pages')}, {n.get('first_list_s')} .. {n.get('last_page_s')} s"
         rows.append((f"{name}: list pages, first .. last", pages))
+        rows.append((f"{name}: both lists absorbed (sync queued)", f"{n.get('absorbed_s')} s"))
         rows.append((f"{name}: full syncs (count, total)", f"{full.get('count')}, {full.get('sum_s')} s"))
         rows.append((f"{name}: /healthz 200", f"{n.get('healthz_s')} s"))
     s = r.sweep

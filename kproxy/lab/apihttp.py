@@ -265,14 +265,12 @@ class _Handler(BaseHTTPRequestHandler):
         if as_table is not None:
             self._send_json(200, self.table(res, page, meta, as_table, query))
             return
-        body = {
-            "kind": f"{res.kind}List",
-            "apiVersion": res.api_version,
-            "metadata": meta,
-            # Like the real server, list items carry no kind/apiVersion.
-            "items": [{k: v for k, v in obj.items() if k not in ("kind", "apiVersion")} for obj in page],
-        }
-        self._send_json(200, body)
+        # Like the real server, list items carry no kind/apiVersion. Each item's JSON is the store's, made once per
+        # object version (``Store.list_item``): a page is its envelope and those bytes, joined.
+        envelope = {"kind": f"{res.kind}List", "apiVersion": res.api_version, "metadata": meta}
+        head = json.dumps(envelope, separators=(",", ":")).encode()[:-1]  # without its closing brace
+        items = b",".join(api.store.list_item(res, obj) for obj in page)
+        self._send_bytes(200, b"".join((head, b',"items":[', items, b"]}")), "application/json")
 
     # --- Table (kubectl get)
 

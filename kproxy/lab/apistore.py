@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,6 +49,7 @@ __all__ = [
     "Resource",
     "Store",
     "WatchEvent",
+    "encode_item",
     "json_patch",
     "merge_patch",
     "object_meta",
@@ -89,6 +91,8 @@ class Store:
         self._floor = self._rv  # a watch from rv >= floor can be served from history
         self._events: collections.deque[WatchEvent] = collections.deque()
         self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in RESOURCES}
+        # each stored object's list-item JSON, made when it is stored (see ``list_item``), beside that object
+        self._encoded: dict[str, dict[tuple[str, str], tuple[dict[str, Any], bytes]]] = {k: {} for k in RESOURCES}
         self._alloc = ServiceAllocator(service_cidrs)
         self.closed = False
 
@@ -139,6 +143,23 @@ class Store:
         ]
         return items, rv
 
+    def list_item(self, res: Resource, obj: dict[str, Any]) -> bytes:
+        """``obj``'s JSON as a list item (``encode_item``), made once per stored version of the object, when it is
+        stored (a scale run's bulk load pays it before anyone lists): every page of every client's list (each node
+        of a lab lists everything) reuses it, and so does every watch event of that version (``watch_object``).
+        Checked by identity against the stored object; an older version (a list or a watch at a past
+        resourceVersion) is encoded each time it is served."""
+        cached = self._encoded[res.key].get(_meta_key(obj))
+        if cached is not None and cached[0] is obj:
+            return cached[1]
+        return encode_item(obj)
+
+    def watch_object(self, res: Resource, obj: dict[str, Any]) -> bytes:
+        """``obj``'s JSON as a watch event carries it: the list item's bytes with ``apiVersion`` and ``kind``."""
+        item = self.list_item(res, obj)
+        head = json.dumps({"apiVersion": res.api_version, "kind": res.kind}, separators=(",", ":")).encode()
+        return head[:-1] + (b"," + item[1:] if item != b"{}" else b"}")
+
     def state_at(self, res: Resource, at_rv: int | None = None) -> tuple[dict[tuple[str, str], dict[str, Any]], int]:
         """Every stored object of `res` by (namespace, name) as it was at `at_rv` (now if None), and that version:
         410 Expired if the history no longer reaches back to it, 504 if it is in the future."""
@@ -186,6 +207,10 @@ class Store:
 
     def _bump(self, res: Resource, type_: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
         self._events.append(WatchEvent(self._rv, res.key, type_, obj, old))
+        if type_ == "DELETED":
+            self._encoded[res.key].pop(_meta_key(obj), None)
+        else:
+            self._encoded[res.key][_meta_key(obj)] = (obj, encode_item(obj))
         while len(self._events) > self.history:
             self._floor = self._events.popleft().rv
         self.cond.notify_all()
@@ -417,6 +442,18 @@ class Store:
             updated["status"] = obj["status"]
             updated = self.update(updated, resource=res.key, subresource="status")
         return updated
+
+
+def encode_item(obj: Mapping[str, Any]) -> bytes:
+    """An object as the items of a list carry it: compact JSON without ``kind`` and ``apiVersion`` (as the real
+    server's list items)."""
+    item = {k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
+    return json.dumps(item, separators=(",", ":")).encode()
+
+
+def _meta_key(obj: Mapping[str, Any]) -> tuple[str, str]:
+    meta = object_meta(obj)
+    return str(meta.get("namespace") or ""), str(meta.get("name") or "")
 
 
 def storage_key(namespace: str, name: str) -> str:

@@ -186,6 +186,13 @@ class WatchStream:
             # As the real server: each object as a one-row Table, the columns only in the first event.
             meta = {"resourceVersion": object_meta(obj).get("resourceVersion", "")}
             obj = self.h.table(self.res, [obj], meta, self.as_table, self.query, headers=self.sent == 0)
+        elif type_ != "ERROR" and isinstance(obj, dict):
+            # the stored object's JSON, made once for every watcher and list (``Store.watch_object``)
+            self._write(
+                b'{"type":%s,"object":%s}\n' % (json.dumps(type_).encode(), self.api.store.watch_object(self.res, obj))
+            )
+            self.sent += 1
+            return
         self._chunk({"type": type_, "object": obj})
         self.sent += 1
 
@@ -199,5 +206,7 @@ class WatchStream:
         )
 
     def _chunk(self, payload: Mapping[str, Any]) -> None:
-        data = json.dumps(payload, separators=(",", ":")).encode() + b"\n"
-        self.h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self._write(json.dumps(payload, separators=(",", ":")).encode() + b"\n")
+
+    def _write(self, line: bytes) -> None:
+        self.h.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))

@@ -213,3 +213,65 @@ def test_bulk_replace_changes_objects_and_reports_the_missing(api: ApiServer) ->
     got = api.store.get("services", "default", "r1")
     assert got["metadata"]["labels"] == {"v": "2"} and int(got["metadata"]["resourceVersion"]) == rv + 1
     assert got["spec"]["clusterIP"]  # the allocation is kept, as a replace keeps it
+
+
+def test_each_object_is_serialized_once_for_every_page_list_and_watch_of_that_version(
+    api: ApiServer, core: kubernetes.client.CoreV1Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every node of a lab lists everything and watches it, and any write (a node's Event) starts a new snapshot:
+    each stored object's JSON is made once per version of the object (when it is stored), not once per page or
+    event served; a changed object once more."""
+    from kproxy.lab import apistore
+
+    encoded: list[str] = []
+    real = apistore.encode_item
+
+    def counting(obj: Any) -> bytes:
+        encoded.append(obj["metadata"]["name"])
+        return real(obj)
+
+    monkeypatch.setattr(apistore, "encode_item", counting)
+    store = api.store
+    for i in range(1234):
+        store.create(svc(f"s{i:04d}"))
+
+    def names() -> list[str]:
+        got, token = [], ""
+        while True:
+            kw = {"_continue": token} if token else {}
+            body = raw_list(core, limit=500, **kw)
+            got += [o["metadata"]["name"] for o in body["items"]]
+            token = body["metadata"].get("continue", "")
+            if not token:
+                return got
+
+    first = names()
+    store.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}})  # an unrelated write: new version
+    assert names() == first and len(first) == 1234
+    assert sorted(n for n in encoded if n != "n1") == sorted(first)  # once each, for two lists of three pages
+    rv = first_rv = str(store.resource_version)
+    store.patch("services", "default", "s0007", {"metadata": {"labels": {"changed": "yes"}}})
+    again = raw_list(core, limit=500)
+    watch = core.list_service_for_all_namespaces(
+        watch=True, resource_version=first_rv, timeout_seconds=1, _preload_content=False
+    )
+    events = [json.loads(line) for line in watch.data.splitlines() if line.strip()]
+    assert encoded[1235:] == ["s0007"] and again["items"][7]["metadata"]["labels"] == {"changed": "yes"}
+    assert [(e["type"], e["object"]["kind"], e["object"]["apiVersion"]) for e in events] == [
+        ("MODIFIED", "Service", "v1")
+    ]
+    assert events[0]["object"] == store.get("services", "default", "s0007") and rv != store.resource_version
+
+
+def test_a_page_is_the_same_json_as_the_whole_list_serialized_at_once(
+    api: ApiServer, core: kubernetes.client.CoreV1Api
+) -> None:
+    """The page assembled from per-object JSON is byte for byte what serializing the list at once gives."""
+    store = api.store
+    for i in range(3):
+        store.create(svc(f"s{i}", labels={"app": f"a{i}"}))
+    resp = core.list_service_for_all_namespaces(_preload_content=False, limit=2)
+    body = json.loads(resp.data)
+    items = [{k: v for k, v in o.items() if k not in ("kind", "apiVersion")} for o in store.list("services")[0]]
+    whole = {"kind": "ServiceList", "apiVersion": "v1", "metadata": body["metadata"], "items": items[:2]}
+    assert resp.data == json.dumps(whole, separators=(",", ":")).encode()

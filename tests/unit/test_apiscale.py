@@ -63,6 +63,51 @@ def test_quantiles_interpolate_within_buckets_as_histogram_quantile() -> None:
     assert apiscale.quantile(0.5, {0.25: 0.0, float("inf"): 0.0}) is None
 
 
+def test_one_sync_counts_once_though_kproxy_observes_it_for_each_family() -> None:
+    """kproxy observes every sync (and its phases) once per configured family: the report reads the IPv4 series
+    (the scale lab's family), not their sum, which counted each full sync twice."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kproxy.metrics import Metrics
+    from kproxy.model import IPFamily
+
+    m = Metrics((IPFamily.V4, IPFamily.V6))
+    for fam in (IPFamily.V4, IPFamily.V6):
+        m.observe_sync(fam, 9.5, full=True)
+        m.observe_phases(fam, [("render", 1.5), ("apply", 8.0)])
+    parsed: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(generate_latest(m.registry).decode()):
+        for sample in family.samples:
+            parsed.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    got = apiscale.sync_phases(parsed)
+    assert got["full_syncs"] == {"count": 1.0, "sum_s": 9.5}
+    assert got["phases"] == {"apply": {"count": 1.0, "sum_s": 8.0}, "render": {"count": 1.0, "sum_s": 1.5}}
+
+
+def test_the_lists_absorbed_moment_is_the_last_sync_queued_for_the_lab_family() -> None:
+    """The report's ``absorbed_s``: kproxy's last-queued gauge of the IPv4 family (the other family's unset gauge
+    is 0), in seconds after kproxy's start; None before anything was queued."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kproxy.metrics import Metrics
+    from kproxy.model import IPFamily
+
+    m = Metrics((IPFamily.V4, IPFamily.V6))
+
+    def parsed() -> dict[str, list[tuple[dict[str, str], float]]]:
+        out: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for family in text_string_to_metric_families(generate_latest(m.registry).decode()):
+            for sample in family.samples:
+                out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+        return out
+
+    assert apiscale.queued_at(parsed(), 1000.0) is None
+    m.set_last_queued(IPFamily.V4, 1012.5)
+    assert apiscale.queued_at(parsed(), 1000.0) == 12.5
+
+
 def test_bulk_load_then_kproxy_lists_in_pages_and_the_log_shows_them(api: ApiServer) -> None:
     cfg = apiscale.ScaleConfig(mode="nftables", services=700, endpoints=3, ports_every=7)
     cfgc = kubernetes.client.Configuration()

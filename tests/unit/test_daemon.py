@@ -494,3 +494,31 @@ def test_after_first_sync_runs_once_after_the_first_sync_and_before_it_is_report
         assert daemon.metrics.value(synced, {"ip_family": "IPv4"})
     finally:
         daemon.stop()
+
+
+def test_kproxy_runs_heap_is_settled_after_a_sync_and_given_back_at_stop(tmp_path: Path) -> None:
+    """``kproxy run`` settles its heap after syncs (kproxy.gcpause.settle): the cache's objects are then out of the
+    collector's walks, so a churn's full collections walk only what changed since; stop gives the heap back."""
+    import gc
+
+    cfg = ProxyConfig(
+        mode="iptables",
+        hostname_override="node-1",
+        healthz_bind_address="127.0.0.1:0",
+        metrics_bind_address="127.0.0.1:0",
+        min_sync_period=0.0,
+        sync_period=0.5,
+        manifests=str(tmp_path),
+    )
+    write(tmp_path, "a.yaml", service("web", "10.96.0.10"), slice_("web-1", "web", ["10.0.0.5"]))
+    fake = FakeProxier(cfg)
+    source = lambda sink: FilesSource(sink, tmp_path, cfg.node_name, poll_interval=0.1)  # noqa: E731
+    daemon = Daemon(cfg, fake, source, reconciler=NoConntrack(), settle_heap=True)  # type: ignore[arg-type]
+    daemon.start()
+    try:
+        eventually(lambda: daemon.status.syncs >= 1 and "web" in programmed(fake))
+        services = daemon.cache._services
+        assert services and not any(o is services for o in gc.get_objects())
+    finally:
+        daemon.stop()
+    assert gc.get_freeze_count() == 0
