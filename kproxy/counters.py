@@ -156,10 +156,9 @@ _NEEDS_ESCAPE = re.compile(r'[\\"\n]')
 ENDPOINT_MEASURES = frozenset({Measure.CONNECTIONS})
 
 
-#: a mode whose counter read takes this long or more is read in the background, its last read served meanwhile:
-#: the scrape budget (docs/BEHAVIOUR.md), so a scrape never waits longer than that for the kernel; the counters it
-#: serves are then one scrape old (the read its predecessor started)
-SYNC_READ_S = 0.2
+#: the scrape budget (docs/BEHAVIOUR.md): a counter text whose last making (the read and its formatting) took this
+#: long or more is made in the background, the last one served meanwhile
+SCRAPE_BUDGET_S = 0.2
 
 
 def metric_name(measure: Measure, endpoint: bool = False) -> str:
@@ -270,59 +269,79 @@ def _families(dumps: Sequence[CounterDump], measures: Sequence[Measure], old: _P
 
 class CounterCollector:
     """A prometheus-client collector over a backend's dumps, one per family per scrape. ``exposition()`` is what
-    ``/metrics`` serves; ``collect()`` parses that same text for any other reader of the registry."""
+    ``/metrics`` serves; ``collect()`` parses that same text for any other reader of the registry.
+
+    A scrape's counter text is the backend's read plus its formatting. When the last one took less than
+    ``SCRAPE_BUDGET_S`` the scrape makes its own; otherwise it serves the text the last one made and starts the
+    next in the background (one at a time), so a scrape never waits for the kernel or the formatting at scale (the
+    iptables mode's read is a save of the nat table: seconds at 10,000 services) and serves counters one scrape
+    old."""
 
     def __init__(self, source: CounterSource, families: Iterable[IPFamily]) -> None:
         self.source = source
         self.families = tuple(families)
-        self._ports: _Ports = {}  # the last scrape's: a removed service's entry goes with the next scrape
-        self._lock = threading.Lock()
-        self._last: list[CounterDump] = []  # the last read, served while a slow read runs
-        self._read_s = 0.0  # how long the last read took
-        self._reading: threading.Thread | None = None
+        self._ports: _Ports = {}  # the last text's: a removed service's entry goes with the next one
+        self._lock = threading.Lock()  # the fields below
+        self._build = threading.Lock()  # one text made at a time
+        self._text: list[bytes | bytearray] | None = None  # the last text made, served while the next is made
+        self._took = 0.0  # how long the last text took to make
+        self._making: threading.Thread | None = None
 
     def dumps(self) -> list[CounterDump]:
-        """The backend's dumps. A mode that reads its counters fast (under ``SYNC_READ_S``) is read at every scrape;
-        a slow one (iptables' save of the nat table takes seconds at 10,000 services) answers from its last read
-        while the next runs in the background, one at a time, so a scrape never waits for the kernel."""
-        with self._lock:
-            slow = self._read_s >= SYNC_READ_S
-            if slow and self._reading is None:
-                self._reading = threading.Thread(target=self._read, name="kproxy-counters", daemon=True)
-                self._reading.start()
-        if not slow:
-            self._read()
-        with self._lock:
-            return list(self._last)
-
-    def _read(self) -> None:
-        t0 = time.monotonic()
+        """A fresh read of every family (the backend's dumps)."""
         out = []
-        try:
-            for family in self.families:
-                dump = self.source.counters(family)
-                if dump is not None:
-                    out.append(dump)
-        finally:
-            with self._lock:
-                self._last, self._read_s, self._reading = out, time.monotonic() - t0, None
+        for family in self.families:
+            dump = self.source.counters(family)
+            if dump is not None:
+                out.append(dump)
+        return out
+
+    def _make(self) -> list[bytes | bytearray]:
+        """Read and format: the offered gauge, then per offered measure the service and the endpoint family."""
+        with self._build:
+            t0 = time.monotonic()
+            try:
+                offered = frozenset(self.source.counters_offered)
+                new: _Ports = {}
+                parts = _families(self.dumps(), [m for m in Measure if m in offered], self._ports, new)
+                self._ports = new
+                text: list[bytes | bytearray] = [_offered_text(offered).encode(), *(p for p in parts if p)]
+                with self._lock:
+                    self._text = text
+                return text
+            finally:
+                with self._lock:
+                    self._took, self._making = time.monotonic() - t0, None
 
     def write(self, out: list[bytes | bytearray]) -> None:
-        """Append the counter families' text (Prometheus text format 0.0.4) to ``out``, a piece per family: the
-        offered gauge, then per offered measure the service family and the endpoint family. A measure not offered
-        has no family at all."""
-        offered = frozenset(self.source.counters_offered)
-        dumps = self.dumps()
-        new: _Ports = {}
-        parts = _families(dumps, [m for m in Measure if m in offered], self._ports, new)
-        self._ports = new
-        out.append(_offered_text(offered).encode())
-        out.extend(part for part in parts if part)
+        """Append the counter families' text (Prometheus text format 0.0.4) to ``out``, a piece per family. A
+        measure not offered has no family at all."""
+        with self._lock:
+            slow, text = self._took >= SCRAPE_BUDGET_S, self._text
+            if slow and text is not None and self._making is None:
+                self._making = threading.Thread(target=self._make, name="kproxy-counters", daemon=True)
+                self._making.start()
+        if not slow or text is None:
+            text = self._make()
+        out.extend(text)
 
     def exposition(self) -> bytes:
         out: list[bytes | bytearray] = []
         self.write(out)
         return b"".join(out)
+
+    @property
+    def made_s(self) -> float:
+        """How long the last text took to make (the read and its formatting)."""
+        with self._lock:
+            return self._took
+
+    def settle(self, timeout: float = 60.0) -> None:
+        """Wait for a text being made in the background (benchmarks, tests)."""
+        with self._lock:
+            making = self._making
+        if making is not None:
+            making.join(timeout)
 
     def describe(self) -> list[Metric]:
         return []  # no collect() at registration: a scrape's worth of work for nothing

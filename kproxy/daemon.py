@@ -350,9 +350,13 @@ class Daemon:
                 self._conntrack_owed = not self._reconcile_conntrack(state)
         if result.need_full_sync:
             self.runner.run()  # the backend wants a full sync (it says so when it lost track of the kernel)
-        if self._settle_heap and time.monotonic() - self._settled_at >= SETTLE_EVERY:
+        if self._settle_heap and (periodic or time.monotonic() - self._settled_at >= SETTLE_EVERY):
             # what this sync and the changes before it left alive joins the frozen heap, collected first; the first
-            # call walks everything once, after the first sync's rules are in
+            # call walks everything once, after the first sync's rules are in. The periodic full sync (hourly) gives
+            # the whole heap back to the collector first: a frozen object that joined a garbage cycle since (none
+            # is known: a unit test checks the cache's churn) is freed then, so no such leak outlives the hour
+            if periodic:
+                collector_paused.unsettle()
             collector_paused.settle()
             self._settled_at = time.monotonic()
         # Services the kernel refused stay dirty: ask the runner to come back after the retry interval.

@@ -16,11 +16,11 @@ def test_counter_read_figures_in_the_json_and_the_table_with_counters_on() -> No
     assert 0 <= c["read_cpu_s"] and 0 <= c["read_s"] and 0 < c["exposition_s"] and 0 < c["first_exposition_s"]
     # the fake mode offers every measure: the offered gauge, then each measure's families (no samples: no counts)
     assert c["exposition_bytes"] > len(_offered_text(ALL_MEASURES).encode())
-    assert c["background"] is False and isinstance(c["peak_reset"], bool)
+    assert 0 < c["made_s"] and c["background"] is False and isinstance(c["peak_reset"], bool)
     assert c["rss_peak_added_mb"] >= c["rss_added_mb"] or not c["peak_reset"]
     b = run_sync_bench("fake", 60, 3, repeat=1, service_counters=True)
     table = format_table(b)
-    assert "counter read (median of 1)" in table and "counters' /metrics text" in table
+    assert "counter read (median of 1)" in table and "a scrape waits for the counters' text" in table
 
 
 def test_no_counter_read_without_counters() -> None:

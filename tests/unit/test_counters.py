@@ -201,15 +201,17 @@ def test_fake_offers_every_measure() -> None:
     assert FakeProxier.counters_offered == ALL_MEASURES
 
 
-def test_a_slow_mode_is_read_in_the_background_and_a_scrape_never_waits() -> None:
-    """iptables reads its counters with a save of the nat table (seconds at 10,000 services): once a read is that
-    slow, a scrape answers from the last read while one next read runs in the background."""
+def test_a_slow_text_is_made_in_the_background_and_a_scrape_never_waits() -> None:
+    """iptables reads its counters with a save of the nat table (seconds at 10,000 services): once making the text
+    took the scrape budget or more, a scrape serves the last text while the next is made in the background, one at
+    a time; the first scrape makes its own."""
     import threading
 
-    from kproxy.counters import CounterCollector, CounterDump
+    from kproxy.counters import SCRAPE_BUDGET_S, CounterCollector, CounterDump
 
     release, asked = threading.Event(), threading.Event()
     reads: list[int] = []
+    a = ServicePortName("ns", "a", "http", Protocol.TCP)
 
     class Slow:
         counters_offered = frozenset({Measure.CONNECTIONS})
@@ -219,14 +221,19 @@ def test_a_slow_mode_is_read_in_the_background_and_a_scrape_never_waits() -> Non
             if len(reads) > 1:
                 asked.set()
                 assert release.wait(30)
-            return CounterDump(family, {})
+            return CounterDump(family, {a: PortCounters(Counts(len(reads)), ("10.0.0.1:80",), (len(reads),))})
+
+    def total(text: bytes) -> float:
+        return samples(text.decode())[(metric_name(Measure.CONNECTIONS), labels(a, "IPv4"))]
 
     c = CounterCollector(Slow(), (IPFamily.V4,))
-    assert [d.family for d in c.dumps()] == [IPFamily.V4]  # the first read: at the scrape
-    c._read_s = 5.0  # that read was slow
-    assert [d.family for d in c.dumps()] == [IPFamily.V4]  # the last read, at once
-    assert asked.wait(30) and c.dumps() and len(reads) == 2  # one background read at a time, still not waited for
+    assert total(c.exposition()) == 1  # the first text: made at the scrape
+    c._took = SCRAPE_BUDGET_S  # that took the whole budget
+    assert total(c.exposition()) == 1  # the last text, at once, while the next read waits on ``release``
+    assert asked.wait(30) and total(c.exposition()) == 1 and len(reads) == 2  # one background making at a time
     release.set()
+    c.settle()
+    assert c._text is not None and total(b"".join(c._text)) == 2  # made in the background: the next one served
 
 
 def test_a_scrape_reuses_a_ports_lines_only_while_its_counters_are_the_same_object() -> None:

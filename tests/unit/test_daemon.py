@@ -522,3 +522,42 @@ def test_kproxy_runs_heap_is_settled_after_a_sync_and_given_back_at_stop(tmp_pat
     finally:
         daemon.stop()
     assert gc.get_freeze_count() == 0
+
+
+def test_the_periodic_full_sync_gives_the_settled_heap_back_to_the_collector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frozen object that joined a garbage cycle would never be freed: the periodic full sync unsettles the heap
+    (a whole collection) before settling it again, so no such leak outlives the full sync period."""
+    import gc
+
+    from kproxy.gcpause import collector_paused
+
+    unsettled: list[float] = []
+    real = collector_paused.unsettle
+
+    def counting() -> None:
+        unsettled.append(time.monotonic())
+        real()
+
+    monkeypatch.setattr(collector_paused, "unsettle", counting)
+    cfg = ProxyConfig(
+        mode="iptables",
+        hostname_override="node-1",
+        healthz_bind_address="127.0.0.1:0",
+        metrics_bind_address="127.0.0.1:0",
+        min_sync_period=0.0,
+        sync_period=0.2,
+        full_sync_period=0.2,
+        manifests=str(tmp_path),
+    )
+    write(tmp_path, "a.yaml", service("web", "10.96.0.10"), slice_("web-1", "web", ["10.0.0.5"]))
+    fake = FakeProxier(cfg)
+    source = lambda sink: FilesSource(sink, tmp_path, cfg.node_name, poll_interval=0.1)  # noqa: E731
+    daemon = Daemon(cfg, fake, source, reconciler=NoConntrack(), settle_heap=True)  # type: ignore[arg-type]
+    daemon.start()
+    try:
+        eventually(lambda: daemon.status.syncs >= 3 and bool(unsettled))  # a periodic full sync came, and unsettled
+    finally:
+        daemon.stop()
+    assert gc.get_freeze_count() == 0
