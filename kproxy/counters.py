@@ -181,20 +181,20 @@ def _offered_text(offered: frozenset[Measure]) -> str:
     return "".join(lines)
 
 
-#: per (family, service port): its endpoints, and the format strings of its service line and endpoint lines (the
-#: metric name is argument 0, the values follow), so a scrape formats one port's endpoints in one C call
+#: one service port's format strings: its endpoints, its service line's and its endpoint lines' (the metric name
+#: is argument 0, the values follow), so a text formats one port's endpoints in one C call
 _Format = tuple[tuple[str, ...], str, str]
 
 
 @dataclass(slots=True)
 class _Port:
-    """What the last scrape made of one service port: its format strings, the ``PortCounters`` it formatted, and
-    the encoded lines per measure (service, endpoints). A read that hands back the same ``PortCounters`` object
-    (the nftables mode does for a port whose counts did not change) gets the same bytes without formatting."""
+    """Where the last text holds one service port: the ``PortCounters`` it formatted, and per piece of that text
+    (a service family and an endpoint family per measure) the start and end of the port's lines. A read that hands
+    back the same ``PortCounters`` object (the nftables mode does for a port whose counts did not change) has its
+    bytes copied from there, unformatted; nothing of a port's text is kept twice."""
 
-    fmt: _Format
-    pc: PortCounters | None = None
-    lines: tuple[tuple[bytes, bytes], ...] = ()
+    pc: PortCounters
+    spans: tuple[int, ...]
 
 
 _Ports = dict[tuple[IPFamily, ServicePortName], _Port]
@@ -225,46 +225,58 @@ def _head(measure: Measure, endpoint: bool) -> str:
 
 def _lines(
     pc: PortCounters, fmt: _Format, measures: Sequence[Measure], names: Sequence[tuple[str, str]]
-) -> tuple[tuple[bytes, bytes], ...]:
-    """One port's encoded service line and endpoint lines, per measure (empty where it has no value)."""
+) -> list[bytes]:
+    """One port's encoded lines, a piece each: per measure its service line and its endpoint lines (empty where it
+    has no value)."""
     _, service_fmt, endpoint_fmt = fmt
     out = []
     for measure, (service_name, endpoint_name) in zip(measures, names, strict=True):
         total = pc.total.get(measure)
         column = pc.column(measure) if measure in ENDPOINT_MEASURES else None
-        out.append(
-            (
-                service_fmt.format(service_name, total).encode() if total is not None else b"",
-                endpoint_fmt.format(endpoint_name, *column).encode() if column else b"",
-            )
-        )
-    return tuple(out)
+        out.append(service_fmt.format(service_name, total).encode() if total is not None else b"")
+        out.append(endpoint_fmt.format(endpoint_name, *column).encode() if column else b"")
+    return out
 
 
-def _families(dumps: Sequence[CounterDump], measures: Sequence[Measure], old: _Ports, new: _Ports) -> list[bytearray]:
-    """Per measure, the service family's and the endpoint family's text, in one walk over the dumps: the hot loop of
-    a scrape. A port's format strings are reused from the last scrape while its endpoints stay the same, its
-    encoded lines while its counters are the same object. Byte arrays, grown in place: a scrape holds its text
-    about once, not as pieces plus their join."""
+def _families(
+    dumps: Sequence[CounterDump],
+    measures: Sequence[Measure],
+    old: _Ports,
+    old_pieces: Sequence[bytearray],
+    new: _Ports,
+) -> list[bytearray]:
+    """Per measure, the service family's and the endpoint family's text (the pieces), in one walk over the dumps:
+    the hot loop of a text. A port whose counters are the object the last text formatted is copied from
+    ``old_pieces`` (that text's, ``old`` says where); any other is formatted. Byte arrays, grown in place."""
     names = [(metric_name(m), metric_name(m, endpoint=True)) for m in measures]
-    texts = [
-        (bytearray(_head(m, False).encode()), bytearray(_head(m, True).encode() if m in ENDPOINT_MEASURES else b""))
+    pieces = [
+        bytearray(text.encode())
         for m in measures
+        for text in (_head(m, False), _head(m, True) if m in ENDPOINT_MEASURES else "")
     ]
+    views = [memoryview(p) for p in old_pieces] if len(old_pieces) == len(pieces) else None
     for dump in dumps:
         family = dump.family
         for spn, pc in dump.ports.items():
             key = (family, spn)
             port = old.get(key)
-            if port is None or port.fmt[0] != pc.endpoints:
-                port = _Port(_formats(family, spn, pc.endpoints))
-            if port.pc is not pc or len(port.lines) != len(measures):
-                port.pc, port.lines = pc, _lines(pc, port.fmt, measures, names)
-            new[key] = port
-            for (services, endpoints), (service_line, endpoint_lines) in zip(texts, port.lines, strict=True):
-                services += service_line
-                endpoints += endpoint_lines
-    return [text for pair in texts for text in pair]
+            spans: list[int] = []
+            if port is not None and port.pc is pc and views is not None:
+                at = port.spans
+                for i, piece in enumerate(pieces):
+                    spans.append(len(piece))
+                    piece += views[i][at[2 * i] : at[2 * i + 1]]
+                    spans.append(len(piece))
+            else:
+                lines = _lines(pc, _formats(family, spn, pc.endpoints), measures, names)
+                for piece, line in zip(pieces, lines, strict=True):
+                    spans.append(len(piece))
+                    piece += line
+                    spans.append(len(piece))
+            new[key] = _Port(pc, tuple(spans))
+    for v in views or ():
+        v.release()
+    return pieces
 
 
 class CounterCollector:
@@ -280,7 +292,8 @@ class CounterCollector:
     def __init__(self, source: CounterSource, families: Iterable[IPFamily]) -> None:
         self.source = source
         self.families = tuple(families)
-        self._ports: _Ports = {}  # the last text's: a removed service's entry goes with the next one
+        self._ports: _Ports = {}  # where the last text holds each port: a removed service's entry goes with the next
+        self._pieces: list[bytearray] = []  # the last text's pieces (what ``_ports`` points into)
         self._lock = threading.Lock()  # the fields below
         self._build = threading.Lock()  # one text made at a time
         self._text: list[bytes | bytearray] | None = None  # the last text made, served while the next is made
@@ -303,8 +316,8 @@ class CounterCollector:
             try:
                 offered = frozenset(self.source.counters_offered)
                 new: _Ports = {}
-                parts = _families(self.dumps(), [m for m in Measure if m in offered], self._ports, new)
-                self._ports = new
+                parts = _families(self.dumps(), [m for m in Measure if m in offered], self._ports, self._pieces, new)
+                self._ports, self._pieces = new, parts
                 text: list[bytes | bytearray] = [_offered_text(offered).encode(), *(p for p in parts if p)]
                 with self._lock:
                     self._text = text

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -236,33 +236,48 @@ def test_a_slow_text_is_made_in_the_background_and_a_scrape_never_waits() -> Non
     assert c._text is not None and total(b"".join(c._text)) == 2  # made in the background: the next one served
 
 
-def test_a_scrape_reuses_a_ports_lines_only_while_its_counters_are_the_same_object() -> None:
+def test_a_text_copies_a_ports_lines_only_while_its_counters_are_the_same_object(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The nftables mode hands back the same ``PortCounters`` object for a port whose counts did not change, and
-    the scrape reuses that port's encoded lines; a new object (new counts, or new endpoints) is formatted again."""
+    the next text copies that port's bytes from the last one, unformatted; a new object (new counts, or new
+    endpoints) is formatted again."""
+    from kproxy import counters
     from kproxy.counters import CounterCollector, CounterDump
 
     spn = ServicePortName("ns", "web", "http", Protocol.TCP)
+    other = ServicePortName("ns", "db", "sql", Protocol.TCP)
     current: dict[str, PortCounters] = {}
+    formatted: list[ServicePortName] = []
+    real = counters._formats
+
+    def counting(family: IPFamily, name: ServicePortName, endpoints: tuple[str, ...]) -> Any:
+        formatted.append(name)
+        return real(family, name, endpoints)
+
+    monkeypatch.setattr(counters, "_formats", counting)
 
     class Source:
-        counters_offered = frozenset({Measure.CONNECTIONS})
+        counters_offered = frozenset({Measure.CONNECTIONS, Measure.PACKETS})
 
         def counters(self, family: IPFamily) -> CounterDump:
-            return CounterDump(family, {spn: current["pc"]})
+            return CounterDump(family, {spn: current["pc"], other: current["other"]})
 
-    def value(text: str, endpoint: str | None) -> float:
-        return samples(text)[(metric_name(Measure.CONNECTIONS, endpoint is not None), labels(spn, "IPv4", endpoint))]
+    def value(text: str, name: ServicePortName, endpoint: str | None) -> float:
+        key = (metric_name(Measure.CONNECTIONS, endpoint is not None), labels(name, "IPv4", endpoint))
+        return samples(text)[key]
 
     c = CounterCollector(Source(), (IPFamily.V4,))
-    same = current["pc"] = PortCounters(Counts(3), ("10.0.0.1:80", "10.0.0.2:80"), (1, 2))
+    current["pc"] = PortCounters(Counts(3, 30), ("10.0.0.1:80", "10.0.0.2:80"), (1, 2))
+    current["other"] = PortCounters(Counts(5, 50), ("10.0.1.1:5432",), (5,))
     first = c.exposition().decode()
-    assert value(first, None) == 3 and value(first, "10.0.0.2:80") == 2
-    port = c._ports[(IPFamily.V4, spn)]
-    assert c.exposition().decode() == first and c._ports[(IPFamily.V4, spn)].lines is port.lines  # reused
-    assert current["pc"] is same
-    current["pc"] = PortCounters(Counts(7), ("10.0.0.1:80", "10.0.0.2:80"), (3, 4))  # new counts: a new object
+    assert value(first, spn, None) == 3 and value(first, spn, "10.0.0.2:80") == 2 and formatted == [spn, other]
+    assert c.exposition().decode() == first and formatted == [spn, other]  # both copied from the last text
+    current["pc"] = PortCounters(Counts(7, 70), ("10.0.0.1:80", "10.0.0.2:80"), (3, 4))  # new counts: new object
     second = c.exposition().decode()
-    assert value(second, None) == 7 and value(second, "10.0.0.1:80") == 3
-    current["pc"] = PortCounters(Counts(7), ("10.0.0.3:80",), (7,))  # new endpoints
+    assert formatted == [spn, other, spn]  # only the changed port formatted; the other copied, at its new place
+    assert value(second, spn, None) == 7 and value(second, spn, "10.0.0.1:80") == 3 and value(second, other, None) == 5
+    current["pc"] = PortCounters(Counts(7, 70), ("10.0.0.3:80",), (7,))  # new endpoints
     third = c.exposition().decode()
-    assert value(third, "10.0.0.3:80") == 7 and ("10.0.0.1:80" not in third)
+    assert value(third, spn, "10.0.0.3:80") == 7 and "10.0.0.1:80" not in third and value(third, other, None) == 5
+    assert third.count("kproxy_service_packets_total{") == 2
