@@ -496,24 +496,29 @@ def test_after_first_sync_runs_once_after_the_first_sync_and_before_it_is_report
         daemon.stop()
 
 
-def test_kproxy_runs_heap_is_settled_after_a_sync_and_given_back_at_stop(tmp_path: Path) -> None:
-    """``kproxy run`` settles its heap after syncs (kproxy.gcpause.settle): the cache's objects are then out of the
-    collector's walks, so a churn's full collections walk only what changed since; stop gives the heap back."""
-    import gc
-
+def _settling_daemon(tmp_path: Path, **periods: float) -> tuple[Daemon, FakeProxier]:
+    """``kproxy run``'s daemon (its heap settled after syncs) over a fake and one service in a manifest folder."""
     cfg = ProxyConfig(
         mode="iptables",
         hostname_override="node-1",
         healthz_bind_address="127.0.0.1:0",
         metrics_bind_address="127.0.0.1:0",
         min_sync_period=0.0,
-        sync_period=0.5,
         manifests=str(tmp_path),
+        **periods,  # type: ignore[arg-type]
     )
     write(tmp_path, "a.yaml", service("web", "10.96.0.10"), slice_("web-1", "web", ["10.0.0.5"]))
     fake = FakeProxier(cfg)
     source = lambda sink: FilesSource(sink, tmp_path, cfg.node_name, poll_interval=0.1)  # noqa: E731
-    daemon = Daemon(cfg, fake, source, reconciler=NoConntrack(), settle_heap=True)  # type: ignore[arg-type]
+    return Daemon(cfg, fake, source, reconciler=NoConntrack(), settle_heap=True), fake  # type: ignore[arg-type]
+
+
+def test_kproxy_runs_heap_is_settled_after_a_sync_and_given_back_at_stop(tmp_path: Path) -> None:
+    """``kproxy run`` settles its heap after syncs (kproxy.gcpause.settle): the cache's objects are then out of the
+    collector's walks, so a churn's full collections walk only what changed since; stop gives the heap back."""
+    import gc
+
+    daemon, fake = _settling_daemon(tmp_path, sync_period=0.5)
     daemon.start()
     try:
         eventually(lambda: daemon.status.syncs >= 1 and "web" in programmed(fake))
@@ -541,20 +546,7 @@ def test_the_periodic_full_sync_gives_the_settled_heap_back_to_the_collector(
         real()
 
     monkeypatch.setattr(collector_paused, "unsettle", counting)
-    cfg = ProxyConfig(
-        mode="iptables",
-        hostname_override="node-1",
-        healthz_bind_address="127.0.0.1:0",
-        metrics_bind_address="127.0.0.1:0",
-        min_sync_period=0.0,
-        sync_period=0.2,
-        full_sync_period=0.2,
-        manifests=str(tmp_path),
-    )
-    write(tmp_path, "a.yaml", service("web", "10.96.0.10"), slice_("web-1", "web", ["10.0.0.5"]))
-    fake = FakeProxier(cfg)
-    source = lambda sink: FilesSource(sink, tmp_path, cfg.node_name, poll_interval=0.1)  # noqa: E731
-    daemon = Daemon(cfg, fake, source, reconciler=NoConntrack(), settle_heap=True)  # type: ignore[arg-type]
+    daemon, _ = _settling_daemon(tmp_path, sync_period=0.2, full_sync_period=0.2)
     daemon.start()
     try:
         eventually(lambda: daemon.status.syncs >= 3 and bool(unsettled))  # a periodic full sync came, and unsettled
