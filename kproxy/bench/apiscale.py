@@ -432,6 +432,8 @@ def table(r: ScaleResult) -> str:
         ("services (service ports) x endpoints", f"{c['services']} ({r.service_ports}) x {c['endpoints']}"),
         ("bulk load", f"{r.load_s} s"),
     ]
+    if c.get("backend_options"):
+        rows.append(("backend options", ", ".join(f"{k}={v}" for k, v in sorted(c["backend_options"].items()))))
     for name, n in r.nodes.items():
         full = n.get("full_syncs", {})
         pages = f"{n.get('pages')}, {n.get('first_list_s')} .. {n.get('last_page_s')} s"

@@ -138,8 +138,10 @@ def test_the_options_are_recorded_in_each_benchs_json() -> None:
     described = json.loads(json.dumps(DatapathConfig(backend_options=per_mode).describe()))
     assert described["backend_options"] == per_mode
     cfg = apiscale.ScaleConfig(mode="bpf", backend_options={"bpf_map_size": 65536})
-    doc = json.loads(json.dumps(asdict(apiscale.ScaleResult(config=asdict(cfg), service_ports=1))))
+    result = apiscale.ScaleResult(config=asdict(cfg), service_ports=1)
+    doc = json.loads(json.dumps(asdict(result)))
     assert doc["config"]["backend_options"] == {"bpf_map_size": 65536}
+    assert "backend options" in apiscale.table(result) and "bpf_map_size=65536" in apiscale.table(result)
     args = _parsed("datapath", "--mode", "bpf,nftables", "--backend-option", "bpf_map_size=65536")
     assert " --backend-option bpf_map_size=65536 " in datapath_command(args, ["bpf", "nftables"])
 
