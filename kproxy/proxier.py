@@ -151,15 +151,22 @@ def add_option_flags(group: argparse._ArgumentGroup, cls: type[Proxier]) -> list
     return dests
 
 
+def split_option_assignment(item: str) -> tuple[str, str]:
+    """One ``NAME=VALUE`` (``--backend-option``) as (the option's name, ``bpf_map_size`` for ``bpf-map-size`` too,
+    the value's text); ValueError when it is not of that form."""
+    name, eq, value = item.partition("=")
+    name = name.strip().lstrip("-").replace("-", "_")
+    if not eq or not name:
+        raise ValueError(f"--backend-option {item!r}: expected NAME=VALUE")
+    return name, value
+
+
 def parse_option_assignments(cls: type[Proxier], assignments: Iterable[str]) -> dict[str, Any]:
     """``NAME=VALUE`` strings (``--backend-option``) into a backend's typed options; ValueError names the fault."""
     known = {o.name: o for o in cls.options}
     out: dict[str, Any] = {}
     for item in assignments:
-        name, eq, value = item.partition("=")
-        name = name.strip().lstrip("-").replace("-", "_")
-        if not eq or not name:
-            raise ValueError(f"--backend-option {item!r}: expected NAME=VALUE")
+        name, value = split_option_assignment(item)
         opt = known.get(name)
         if opt is None:
             names = ", ".join(sorted(known)) or "none"

@@ -41,6 +41,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kproxy.bench import options as bench_options
 from kproxy.bench import synthetic
 from kproxy.objects import ANNOTATION_TRIGGER_TIME
 
@@ -63,6 +64,9 @@ class ScaleConfig:
     churn_seconds: float = 10.0
     lab_prefix: str = "kpa-"
     timeout: float = 600.0
+    #: the mode's options (``--backend-option``, typed as it declares them) for every node's kproxy, e.g.
+    #: bpf_map_size: the default maps of the bpf mode do not hold 100,000 services x 10 endpoints
+    backend_options: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
         if not 1 <= self.services <= synthetic.MAX_SERVICES:
@@ -397,7 +401,15 @@ def run(cfg: ScaleConfig) -> ScaleResult:
     ports = synthetic.service_ports(cfg.services, ports_every=cfg.ports_every)
     out = ScaleResult(config=asdict(cfg), service_ports=ports)
     per_node = -(-(cfg.endpoints + 2) // cfg.nodes)  # two pods more than E, so the churn can move an endpoint
-    lab = Lab.up(nodes=cfg.nodes, pods_per_node=per_node, mode=None, ipv6=False, prefix=cfg.lab_prefix, timeout=120)
+    lab = Lab.up(
+        nodes=cfg.nodes,
+        pods_per_node=per_node,
+        mode=None,
+        ipv6=False,
+        prefix=cfg.lab_prefix,
+        timeout=120,
+        backend_options=cfg.backend_options,  # Lab.kproxy_argv turns them into the mode's flags on every node
+    )
     try:
         client = lab.api_client()
         try:
@@ -420,6 +432,8 @@ def table(r: ScaleResult) -> str:
         ("services (service ports) x endpoints", f"{c['services']} ({r.service_ports}) x {c['endpoints']}"),
         ("bulk load", f"{r.load_s} s"),
     ]
+    if c.get("backend_options"):
+        rows.append(("backend options", ", ".join(f"{k}={v}" for k, v in sorted(c["backend_options"].items()))))
     for name, n in r.nodes.items():
         full = n.get("full_syncs", {})
         pages = f"{n.get('pages')}, {n.get('first_list_s')} .. {n.get('last_page_s')} s"
@@ -452,6 +466,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ports-every", type=int, default=0, metavar="K", help="every K-th service has 3 ports")
     p.add_argument("--churn-rate", type=int, default=0, metavar="K", help="endpoint changes per second (0: none)")
     p.add_argument("--churn-seconds", type=float, default=10.0, metavar="T")
+    bench_options.add_argument(p)
     p.add_argument("--lab-prefix", default="kpa-")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds the start-up may take")
     p.add_argument("--format", choices=("json", "table"), default="table")
@@ -460,6 +475,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_apiscale(args: argparse.Namespace) -> int:
     # SIGTERM (a time limit around the run) must still take the lab down: run the finally blocks
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from kproxy.proxier import BackendError
+
+    try:  # before the lab: an option the mode does not declare (or a mode that cannot load) is a usage error
+        options = bench_options.parse_for_modes([args.mode], args.backend_option)[args.mode]
+    except (ValueError, BackendError) as exc:
+        print(f"kproxy bench apiscale: {exc}", file=sys.stderr)
+        return 2
     cfg = ScaleConfig(
         mode=args.mode,
         services=args.services,
@@ -471,6 +493,7 @@ def cmd_apiscale(args: argparse.Namespace) -> int:
         churn_seconds=args.churn_seconds,
         lab_prefix=args.lab_prefix,
         timeout=args.timeout,
+        backend_options=options,
     )
     from kproxy.lab.cluster import LabError
 

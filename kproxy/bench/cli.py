@@ -10,6 +10,7 @@ import argparse
 import subprocess
 import sys
 
+from kproxy.bench import options as bench_options
 from kproxy.bench.reference_nft import DEFAULT_MAX_ENDPOINTS, REFERENCES
 from kproxy.bench.synthetic import UDP_EVERY
 from kproxy.proxier import MODE_NAMES, BackendError, backend_class, parse_option_assignments
@@ -50,13 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         metavar="N",
         help="default state: every Nth service is UDP (default %(default)s; 1: all of them, 0: none)",
     )
-    s.add_argument(
-        "--backend-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a backend option as the backend declares it, e.g. iptables_flavour=legacy (repeatable)",
-    )
+    bench_options.add_argument(s)
     s.add_argument(
         "--service-counters",
         action="store_true",
@@ -110,6 +105,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         " one counting and one not in the same rounds, each proxied mode run twice with the roles swapped, and the"
         " counting node's /metrics checked against the connections made (kproxy.bench.dpcounters)",
     )
+    bench_options.add_argument(d, "a requested mode's backend, given to the modes that declare it")
     d.add_argument("--lab-prefix", default="kpd-", help="the lab's namespace prefix (default %(default)s)")
     d.add_argument("--format", choices=("json", "table"), default="table")
     d.set_defaults(func=cmd_datapath)
@@ -208,6 +204,7 @@ def cmd_datapath(args: argparse.Namespace) -> int:
     import os
 
     from kproxy.bench.datapath import (
+        NONE_MODE,
         DatapathConfig,
         DatapathError,
         LabError,
@@ -227,6 +224,11 @@ def cmd_datapath(args: argparse.Namespace) -> int:
     if args.rounds < 1 or args.seconds <= 0 or args.iperf_seconds < 1 or args.endpoints < 1:
         print("kproxy bench datapath: --rounds, --endpoints and --iperf-seconds >= 1, --seconds > 0", file=sys.stderr)
         return 2
+    try:  # before anything starts: an option no requested mode declares is a typo, not a run without it
+        per_mode = bench_options.parse_for_modes(modes, args.backend_option, skip=(NONE_MODE,))
+    except (ValueError, BackendError) as exc:
+        print(f"kproxy bench datapath: {exc}", file=sys.stderr)
+        return 2
     problems = check_modes(modes)
     if problems:
         print("kproxy bench datapath: " + "; ".join(problems), file=sys.stderr)
@@ -242,6 +244,7 @@ def cmd_datapath(args: argparse.Namespace) -> int:
         prefix=args.lab_prefix,
         conntrack_limits=args.conntrack_limits,
         counters_cost=args.counters_cost,
+        backend_options=per_mode,
     )
 
     def progress(msg: str, advance: int = 0) -> None:
@@ -258,18 +261,25 @@ def cmd_datapath(args: argparse.Namespace) -> int:
         print(f"kproxy bench datapath: {exc}", file=sys.stderr)
         return 1
     if args.format == "json":
-        command = (
-            f"kproxy bench datapath --mode {','.join(modes)} --services {args.services} --endpoints {args.endpoints}"
-            f" --rounds {args.rounds} --seconds {args.seconds:g} --iperf-seconds {args.iperf_seconds:g}"
-            f" --{'' if args.conntrack_limits else 'no-'}conntrack-limits"
-            + (" --counters-cost" if args.counters_cost else "")
-            + f" --lab-prefix {args.lab_prefix} --format json"
-        )
-        doc = {**result.to_json(), "machine": machine, "command": command}
+        doc = {**result.to_json(), "machine": machine, "command": datapath_command(args, modes)}
         print(json.dumps(doc, indent=2))
     else:
         print(format_table(result))
     return 0
+
+
+def datapath_command(args: argparse.Namespace, modes: list[str]) -> str:
+    """The command behind a datapath results document, every option spelled out (defaults too)."""
+    import shlex
+
+    return (
+        f"kproxy bench datapath --mode {','.join(modes)} --services {args.services} --endpoints {args.endpoints}"
+        f" --rounds {args.rounds} --seconds {args.seconds:g} --iperf-seconds {args.iperf_seconds:g}"
+        f" --{'' if args.conntrack_limits else 'no-'}conntrack-limits"
+        + (" --counters-cost" if args.counters_cost else "")
+        + "".join(f" --backend-option {shlex.quote(opt)}" for opt in args.backend_option)
+        + f" --lab-prefix {args.lab_prefix} --format json"
+    )
 
 
 def register_idle(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

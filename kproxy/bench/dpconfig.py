@@ -136,6 +136,9 @@ class DatapathConfig:
     #: also measure what --service-counters costs the ClusterIP path, per mode (kproxy.bench.dpcounters): REV every
     #: round, each mode run twice with the counting node swapped
     counters_cost: bool = False
+    #: mode -> the backend options (``--backend-option``) its kproxy runs with on the loaded nodes, those the mode
+    #: declares (kproxy.bench.options.parse_for_modes); recorded in the result's config
+    backend_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def pods_per_node(self) -> int:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kproxy.bench import options as bench_options
 from kproxy.bench.dpconfig import (
     CLEANUP_TIMEOUT,
     CLUSTER_IPS,
@@ -112,7 +113,13 @@ class DatapathLab:
         nodes, pods = (8 if self.config.conntrack_limits else 4), self.config.pods_per_node
         self.progress(f"lab up ({self.config.prefix}: {nodes} nodes, {pods} pods each)")
         self.lab = Lab.up(
-            nodes=nodes, pods_per_node=pods, mode=None, ipv6=False, prefix=self.config.prefix, timeout=120
+            nodes=nodes,
+            pods_per_node=pods,
+            mode=None,
+            ipv6=False,
+            prefix=self.config.prefix,
+            timeout=120,
+            backend_options=bench_options.lab_options(self.config.backend_options),
         )
         lab = self.lab
         # the limit is only a limit if nothing in its nodes hooks netfilter; the loaded nodes start as bare (and are
