@@ -113,7 +113,8 @@ def test_the_sweep_removes_a_killed_runs_places_and_nothing_else() -> None:
         dead = stack.enter_context(killed_run())  # its own bpf_place swept first: the live run is not touched
         pin, cg = Path(dead["bpf_pin_path"]), Path(dead["bpf_cgroup_path"])
         assert live_pin.is_dir() and live_cg.is_dir()
-        assert (pin / "m").exists() and (cg / "sub").is_dir() and state(int(dead["stray"])) == "S"  # left behind
+        assert (pin / "m").exists() and (cg / "sub").is_dir()  # left behind, with a process still running there
+        assert state(int(dead["stray"])) not in (None, "Z")
         m = OWNED.search(pin.name)
         assert m is not None
         others = [
