@@ -48,20 +48,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kproxy.model import IPFamily
+from kproxy.toolkit import netlink
 from kproxy.toolkit.netns import enter_netns
 
 log = logging.getLogger(__name__)
 
-# include/uapi/linux/netlink.h, netfilter/nfnetlink.h, netfilter/nf_tables.h
-NETLINK_NETFILTER = 12
+# include/uapi/linux/netlink.h, netfilter/nf_tables.h; what the element dumps use too is in kproxy.toolkit.netlink
 SOL_NETLINK = 270
 NETLINK_ADD_MEMBERSHIP = 1
 NFNLGRP_NFTABLES = 7
-NFNL_SUBSYS_NFTABLES = 10
-NLMSG_ERROR = 2
-NLMSG_HDR = struct.Struct("=IHHII")  # len, type, flags, seq, portid
-NFGEN_HDR = struct.Struct("=BBH")  # family, version, res_id (big endian)
-NLA_HDR = struct.Struct("=HH")
 NFT_MSG_NEWGEN = 15
 #: NFT_MSG_* that remove something (DEL*, and the DESTROY* of kernels since 6.3)
 DELETIONS = frozenset({2, 5, 8, 11, 14, 20, 24, 26, 27, 28, 29, 30, 31, 32})
@@ -101,15 +96,7 @@ class Message:
     body: bytes
 
     def attr(self, number: int) -> bytes | None:
-        off = 0
-        while off + 4 <= len(self.body):
-            length, typ = NLA_HDR.unpack_from(self.body, off)
-            if length < 4:
-                return None
-            if typ & 0x3FFF == number:
-                return self.body[off + 4 : off + length]
-            off += (length + 3) & ~3
-        return None
+        return netlink.attr(self.body, number)
 
     def text(self, number: int) -> str | None:
         raw = self.attr(number)
@@ -139,16 +126,10 @@ class Transaction:
 
 def parse(data: bytes) -> Iterator[Message]:
     """The nf_tables messages in one datagram of the notification group (other subsystems' are skipped)."""
-    off = 0
-    while off + NLMSG_HDR.size <= len(data):
-        length, typ, _flags, _seq, portid = NLMSG_HDR.unpack_from(data, off)
-        if length < NLMSG_HDR.size or off + length > len(data):
-            break
-        if typ >> 8 == NFNL_SUBSYS_NFTABLES and length >= NLMSG_HDR.size + NFGEN_HDR.size:
-            family = data[off + NLMSG_HDR.size]
-            body = data[off + NLMSG_HDR.size + NFGEN_HDR.size : off + length]
-            yield Message(typ & 0xFF, family, portid, body)
-        off += (length + 3) & ~3
+    for h in netlink.headers(data):
+        if h.type >> 8 == netlink.NFNL_SUBSYS_NFTABLES and h.length >= netlink.NFNL_HDRLEN:
+            family = data[h.at + netlink.NLMSG_HDR.size]
+            yield Message(h.type & 0xFF, family, h.portid, data[h.at + netlink.NFNL_HDRLEN : h.at + h.length])
 
 
 class Assembler:
@@ -310,12 +291,11 @@ class DriftWatcher:
         try:
             if self.netns:
                 enter_netns(self.netns)
-            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
+            sock = netlink.netfilter_socket()
             try:
                 sock.setsockopt(socket.SOL_SOCKET, 33, RCVBUF)  # SO_RCVBUFFORCE (root), beyond rmem_max
             except OSError:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
-            sock.bind((0, 0))
             sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, NFNLGRP_NFTABLES)
             sock.setblocking(False)
             return sock

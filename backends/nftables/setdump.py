@@ -27,58 +27,36 @@ import struct
 from collections.abc import Iterable, Iterator
 
 from kproxy.model import IPFamily
+from kproxy.toolkit import netlink
 
 from . import layout
 
-# netlink: nfnetlink's nftables subsystem, its set-element messages and attributes (linux/netfilter/nf_tables.h)
-_SUBSYS = 10 << 8  # NFNL_SUBSYS_NFTABLES
-_GETSETELEM, _NEWSETELEM = 13, 12
-_DUMP = 0x1 | 0x300  # NLM_F_REQUEST | NLM_F_DUMP
-_DUMP_INTR = 0x10  # NLM_F_DUMP_INTR: the set changed during the dump
-_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+# nf_tables' set-element messages and attributes (linux/netfilter/nf_tables.h)
+_GETSETELEM, _NEWSETELEM = 13, 12  # NFT_MSG_*
+_NEWSETELEM_TYPE = netlink.nft_type(_NEWSETELEM)
 _LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3  # NFTA_SET_ELEM_LIST_*
 _LIST_ELEM = 1  # NFTA_LIST_ELEM
 _ELEM_KEY, _ELEM_EXPR, _ELEM_EXPRESSIONS = 1, 7, 11  # NFTA_SET_ELEM_*
 _DATA_VALUE, _EXPR_NAME, _EXPR_DATA, _COUNTER_BYTES, _COUNTER_PACKETS = 1, 1, 2, 1, 2
-_NETLINK_NETFILTER = 12
 _RECV = 1 << 16  # a dump's datagram is at most ~32 KB (the kernel's cap on its continuation buffers)
 _TIMEOUT_S = 30.0
 
 
-def _attrs(data: bytes, start: int, end: int) -> list[tuple[int, int, int]]:
-    """Netlink attributes in ``data[start:end]``: (type without the nested flag, payload start, payload end)."""
-    out = []
-    while start + 4 <= end:
-        length, kind = struct.unpack_from("=HH", data, start)
-        if length < 4:
-            break
-        out.append((kind & 0x3FFF, start + 4, start + length))
-        start += (length + 3) & ~3
-    return out
-
-
-def _nla(payload: bytes) -> bytes:
-    return payload + b"\0" * (-len(payload) % 4)
-
-
 def request(family: IPFamily, setname: str, seq: int) -> bytes:
     """The NFT_MSG_GETSETELEM dump request for ``setname`` in kproxy's table of ``family``."""
-    table, name = layout.TABLE.encode() + b"\0", setname.encode() + b"\0"
-    attrs = struct.pack("=HH", 4 + len(table), _LIST_TABLE) + _nla(table)
-    attrs += struct.pack("=HH", 4 + len(name), _LIST_SET) + _nla(name)
-    nfgen = struct.pack("=BBH", socket.AF_INET if family is IPFamily.V4 else socket.AF_INET6, 0, 0)
-    header = struct.pack("=IHHII", 16 + len(nfgen) + len(attrs), _SUBSYS | _GETSETELEM, _DUMP, seq, 0)
-    return header + nfgen + attrs
+    body = netlink.nla(_LIST_TABLE, layout.TABLE.encode() + b"\0") + netlink.nla(_LIST_SET, setname.encode() + b"\0")
+    nfproto = socket.AF_INET if family is IPFamily.V4 else socket.AF_INET6  # NFPROTO_IPV4/6 have the same numbers
+    return netlink.nfmsg(_GETSETELEM, netlink.NLM_F_REQUEST | netlink.NLM_F_DUMP, seq, nfproto, body)
 
 
 def _packets(data: bytes, start: int, end: int) -> int | None:
     """The packets of a counter expression (NFTA_EXPR_NAME "counter", NFTA_EXPR_DATA)."""
-    attrs = _attrs(data, start, end)
-    if not any(k == _EXPR_NAME and data[a:b].rstrip(b"\0") == b"counter" for k, a, b in attrs):
+    expr = list(netlink.attrs(data, start, end))
+    if not any(k == _EXPR_NAME and data[a:b].rstrip(b"\0") == b"counter" for k, a, b in expr):
         return None
-    for k, a, b in attrs:
+    for k, a, b in expr:
         if k == _EXPR_DATA:
-            for k2, a2, _ in _attrs(data, a, b):
+            for k2, a2, _ in netlink.attrs(data, a, b):
                 if k2 == _COUNTER_PACKETS:
                     return int(struct.unpack_from(">Q", data, a2)[0])
     return None
@@ -87,13 +65,14 @@ def _packets(data: bytes, start: int, end: int) -> int | None:
 def _element(data: bytes, start: int, end: int) -> tuple[bytes, int] | None:
     """(key bytes, packets) of one NFTA_LIST_ELEM."""
     key, packets = None, None
-    for kind, a, b in _attrs(data, start, end):
+    for kind, a, b in netlink.attrs(data, start, end):
         if kind == _ELEM_KEY:
-            key = next((data[a2:b2] for k2, a2, b2 in _attrs(data, a, b) if k2 == _DATA_VALUE), None)
+            key = netlink.attr(data, _DATA_VALUE, a, b)
         elif kind == _ELEM_EXPR:
             packets = _packets(data, a, b)
         elif kind == _ELEM_EXPRESSIONS:  # more than one expression: a list of them
-            packets = next((p for _, a2, b2 in _attrs(data, a, b) if (p := _packets(data, a2, b2)) is not None), None)
+            found = (_packets(data, a2, b2) for _, a2, b2 in netlink.attrs(data, a, b))
+            packets = next((p for p in found if p is not None), None)
     return None if key is None or packets is None else (key, packets)
 
 
@@ -119,7 +98,7 @@ def _elements(data: bytes, start: int, end: int, out: dict[bytes, int]) -> None:
             if run.fullmatch(data, start, end):
                 out.update(one.iter_unpack(memoryview(data)[start:end]))
                 return
-    for _, a, b in _attrs(data, start, end):
+    for _, a, b in netlink.attrs(data, start, end):
         got = _element(data, a, b)
         if got is not None:
             out[got[0]] = got[1]
@@ -130,39 +109,31 @@ def parse_raw(setname: str, chunks: Iterable[bytes]) -> tuple[dict[bytes, int], 
     the dump ended). InterruptedError when the set changed during the dump, OSError for an error message."""
     out: dict[bytes, int] = {}
     for data in chunks:
-        at = 0
-        while at + 16 <= len(data):
-            length, kind, flags = struct.unpack_from("=IHH", data, at)
-            if length < 16:
-                break
-            if kind == _NLMSG_DONE:
+        for h in netlink.headers(data):
+            if h.type == netlink.NLMSG_DONE:
                 return out, True
-            if kind == _NLMSG_ERROR:
-                (code,) = struct.unpack_from("=i", data, at + 16)
+            if h.type == netlink.NLMSG_ERROR:
+                (code,) = struct.unpack_from("=i", data, h.at + netlink.NLMSG_HDR.size)
                 if code:
                     raise OSError(-code, f"netlink element dump of {setname}: {os.strerror(-code)}")
-            elif flags & _DUMP_INTR:
+            elif h.flags & netlink.NLM_F_DUMP_INTR:
                 raise InterruptedError(f"{setname} changed during the dump")
-            elif kind == _SUBSYS | _NEWSETELEM:
-                for k, a, b in _attrs(data, at + 20, at + length):
+            elif h.type == _NEWSETELEM_TYPE:
+                for k, a, b in netlink.attrs(data, h.at + netlink.NFNL_HDRLEN, h.at + h.length):
                     if k == _LIST_ELEMENTS:
                         _elements(data, a, b, out)
-            at += (length + 3) & ~3
     return out, False
 
 
 def _ended(data: bytes, setname: str) -> bool:
     """Whether a datagram of a dump holds its end (headers only; errors raised as ``parse_raw`` raises them)."""
-    at = 0
-    while at + 16 <= len(data):
-        length, kind, flags = struct.unpack_from("=IHH", data, at)
-        if kind == _NLMSG_DONE:
+    for h in netlink.headers(data):
+        if h.type == netlink.NLMSG_DONE:
             return True
-        if kind == _NLMSG_ERROR:
-            parse_raw(setname, [data[at : at + length]])
-        elif flags & _DUMP_INTR:
+        if h.type == netlink.NLMSG_ERROR:
+            parse_raw(setname, [data[h.at : h.at + h.length]])
+        elif h.flags & netlink.NLM_F_DUMP_INTR:
             raise InterruptedError(f"{setname} changed during the dump")
-        at += max(16, (length + 3) & ~3)
     return False
 
 
@@ -186,21 +157,16 @@ def _drain(sock: socket.socket, last: bytes) -> None:
     """Read an interrupted dump to its end (its NLMSG_DONE or error), so the socket can carry the next one."""
     data = last
     for _ in range(1 << 20):  # bounded: a dump ends
-        at = 0
-        while at + 16 <= len(data):
-            length, kind = struct.unpack_from("=IH", data, at)
-            if kind in (_NLMSG_DONE, _NLMSG_ERROR):
-                return
-            at += max(16, (length + 3) & ~3)
+        if any(h.type in (netlink.NLMSG_DONE, netlink.NLMSG_ERROR) for h in netlink.headers(data)):
+            return
         data = sock.recv(_RECV)
 
 
 def raw_dumps(family: IPFamily, setnames: Iterable[str]) -> Iterator[tuple[str, list[bytes]]]:
     """(set, the datagrams of its element dump) for each of ``setnames`` in turn, on one socket, in the calling
     thread's network namespace."""
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER) as sock:
+    with netlink.netfilter_socket() as sock:
         sock.settimeout(_TIMEOUT_S)
-        sock.bind((0, 0))
         for i, setname in enumerate(setnames):
             yield setname, _one(sock, family, setname, 4 * i + 1)
 
