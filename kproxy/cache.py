@@ -53,7 +53,7 @@ from kproxy.objects import (
 from kproxy.objects import clip as _clip
 from kproxy.objects import label as _label
 from kproxy.objects import object_label as _object_label
-from kproxy.serviceport import ServiceInfo, parse_service, with_endpoints
+from kproxy.serviceport import ServiceInfo, as_template, parse_service, with_endpoints
 from kproxy.topology import categorize_endpoints, uses_cluster_endpoints, uses_local_endpoints
 from kproxy.validation import printable
 
@@ -395,8 +395,13 @@ class ServiceCache:
         with self._lock:
             if self._errors:
                 self._errors.pop(_label("Service", key.namespace, key.name), None)
-            if self._services.get(key) == svc:
+            old = self._services.get(key)
+            if old == svc:
                 return True, False
+            # one NamespacedName per service, shared with its slices
+            canonical = old.key if old is not None else self._slices.service_key(key)
+            if canonical is not None and canonical is not svc.key:
+                svc = ServiceInfo(canonical, svc.ports)
             self._services[key] = svc
             self._touch(key, endpoints=False, when=None)  # as upstream, only slices carry trigger times
         return True, True
@@ -428,6 +433,9 @@ class ServiceCache:
                 self._errors[label] = parsed.warning
             elif self._errors:
                 self._errors.pop(label, None)
+            svc = self._services.get(parsed.service)
+            if svc is not None:
+                parsed.service = svc.key  # one NamespacedName per service, shared with the Service's record
             changed, moved_from = self._slices.update(skey, parsed)
             if not changed:
                 return True, False
@@ -488,7 +496,7 @@ class ServiceCache:
         if svc is not None:
             slices = self._slices.for_service(key)
             zone = self._node.zone
-            for tmpl in svc.ports:
+            for tmpl in svc.ports:  # templates, or the ServicePorts the last recompute completed from them
                 eps = merge_endpoints(slices, tmpl)
                 if eps:
                     has_external = tmpl.has_external_addresses
@@ -500,8 +508,10 @@ class ServiceCache:
                         node_name=self._node_name,
                         zone=zone,
                     )
-                    tmpl = with_endpoints(tmpl, cat, eps)
-                new[(tmpl.family, tmpl.name)] = tmpl
+                    sp = with_endpoints(tmpl, cat, eps)
+                else:
+                    sp = as_template(tmpl)
+                new[(sp.family, sp.name)] = sp
             new = self._bounded(key, new)
         changed = False
         before = self._ports_of.pop(key, None)
@@ -513,11 +523,25 @@ class ServiceCache:
                 changed = True
         for (fam, spn), sp in new.items():
             current = self._current[fam]
-            if current.get(spn) != sp:
+            held = current.get(spn)
+            if held != sp:
                 current[spn] = sp
                 self._dirty[spn] = gen
                 self._changed[fam].add(spn)
                 changed = True
-        if new and svc is not None:
-            self._ports_of[key] = svc
+            else:
+                new[(fam, spn)] = held  # an equal value: keep the one object already handed out
+        if svc is not None:
+            self._keep(key, svc, new)
         return changed
+
+    def _keep(
+        self, key: NamespacedName, svc: ServiceInfo, new: dict[tuple[IPFamily, ServicePortName], ServicePort]
+    ) -> None:
+        """The Service's record holds the ServicePorts just completed in place of its templates (one object per
+        port, not a template and its completed copy); without any (refused as too big), its bare templates."""
+        ports = tuple(new.values()) if new else tuple(as_template(sp) for sp in svc.ports)
+        if any(a is not b for a, b in zip(ports, svc.ports, strict=True)):
+            svc = self._services[key] = ServiceInfo(svc.key, ports)
+        if new:
+            self._ports_of[key] = svc

@@ -56,11 +56,13 @@ def _hint_set(names: frozenset[str]) -> frozenset[str]:
 class SliceInfo:
     """An EndpointSlice reduced to what the proxy reads.
 
-    ``endpoints`` are ``Endpoint`` objects sorted by address, carrying ``base_port`` (the lowest of the slice's port
-    numbers, 0 without ports): the raw parse is not kept. The endpoints of another port of the slice are built once
-    on first use (``endpoints_for``) and kept, so every snapshot shares the same objects."""
+    ``name`` is the slice's own name (its namespace is the service's). ``endpoints`` are ``Endpoint`` objects
+    sorted by address, carrying ``base_port`` (the lowest of the slice's port numbers, 0 without ports): the raw
+    parse is not kept. The endpoints of another port of the slice are built once on first use (``endpoints_for``)
+    and kept, so every snapshot shares the same objects."""
 
     service: NamespacedName
+    name: str
     family: IPFamily
     ports: Mapping[tuple[str, Protocol], int]  # (port name, protocol) -> port number (shared, read-only)
     endpoints: tuple[Endpoint, ...]  # sorted by address, with base_port
@@ -196,12 +198,16 @@ def parse_slice(
             if when is not None and when > since:
                 trigger_time = when
 
-    base_port = min(ports.values(), default=0)
+    shared_ports = _port_set(tuple(ports.items()))
+    # the shared mapping's numbers: one int object per distinct port set, not one per slice (a list's JSON gives
+    # every slice its own 8080)
+    base_port = min(shared_ports.values(), default=0)
     endpoints = tuple([_new_endpoint(r, base_port) for r in sorted(by_ip.values(), key=lambda r: r[0])])
     return (namespace, name), SliceInfo(
         service=NamespacedName(namespace, service_name),
+        name=name,
         family=family,
-        ports=_port_set(tuple(ports.items())),
+        ports=shared_ports,
         endpoints=endpoints,
         trigger_time=trigger_time,
         warning="; ".join(duplicates) or None,
@@ -317,19 +323,27 @@ def _hint_names(value: Any, what: str) -> frozenset[str]:
 
 class EndpointSliceCache:
     """Every accepted slice by the service it belongs to (upstream's EndpointSliceCache, without its pending/applied
-    split: ``ServiceCache.snapshot`` is the check-out). Not locked: the owning ``ServiceCache`` holds its lock."""
+    split: ``ServiceCache.snapshot`` is the check-out). Not locked: the owning ``ServiceCache`` holds its lock.
+
+    Kept small, since it holds one entry per slice of the cluster: a service with one slice (the common case) maps
+    to that ``SliceInfo`` itself, not to a dict of one (an empty-ish dict costs ~180 bytes, more than the slice's own
+    record); only a second slice makes it a dict by slice name. Owners are kept per namespace, by slice name, so no
+    (namespace, name) tuple is stored per slice; every slice of a service names it with one ``NamespacedName``."""
 
     def __init__(self) -> None:
-        self._by_service: dict[NamespacedName, dict[str, SliceInfo]] = {}  # service -> slice name -> slice
-        self._owner: dict[SliceKey, NamespacedName] = {}
+        self._by_service: dict[NamespacedName, SliceInfo | dict[str, SliceInfo]] = {}
+        self._owner: dict[str, dict[str, NamespacedName]] = {}  # namespace -> slice name -> service
         self.endpoint_count = 0
 
     def update(self, key: SliceKey, parsed: SliceInfo) -> tuple[bool, NamespacedName | None]:
         """Store a slice: (changed, the service it belonged to before if that was another one)."""
-        owner = self._owner.get(key)
+        namespace, name = key
+        if parsed.name != name or parsed.service.namespace != namespace:
+            raise ValueError(f"slice {namespace}/{name} stored under another name ({parsed.service}: {parsed.name})")
+        owner = self._owner.get(namespace, {}).get(name)
         moved_from = None
         if owner is not None:
-            old = self._by_service[owner][key[1]]
+            old = self._slice(owner, name)
             if old.same_as(parsed):
                 return False, None
             if owner != parsed.service:
@@ -337,30 +351,62 @@ class EndpointSliceCache:
                 moved_from = owner
             else:
                 self.endpoint_count -= len(old.endpoints)
-        self._by_service.setdefault(parsed.service, {})[key[1]] = parsed
-        self._owner[key] = parsed.service
+        held = self._by_service.get(parsed.service)
+        if held is None:
+            self._by_service[parsed.service] = parsed
+        elif type(held) is SliceInfo:
+            parsed.service = held.service  # one NamespacedName per service, not one per slice
+            self._by_service[parsed.service] = parsed if held.name == name else {held.name: held, name: parsed}
+        else:
+            parsed.service = next(iter(held.values())).service
+            held[name] = parsed
+        self._owner.setdefault(namespace, {})[name] = parsed.service
         self.endpoint_count += len(parsed.endpoints)
         return True, moved_from
 
+    def _slice(self, service: NamespacedName, name: str) -> SliceInfo:
+        held = self._by_service[service]
+        return held if type(held) is SliceInfo else held[name]
+
     def remove(self, key: SliceKey) -> NamespacedName | None:
         """Forget a slice: the service it belonged to, None if it was unknown."""
-        owner = self._owner.pop(key, None)
+        namespace, name = key
+        names = self._owner.get(namespace)
+        owner = names.pop(name, None) if names is not None else None
         if owner is None:
             return None
-        slices = self._by_service[owner]
-        old = slices.pop(key[1])
-        if not slices:
+        if not names:
+            del self._owner[namespace]
+        held = self._by_service[owner]
+        if type(held) is SliceInfo:
+            old = held
             del self._by_service[owner]
+        else:
+            old = held.pop(name)
+            if len(held) == 1:
+                self._by_service[owner] = next(iter(held.values()))  # one slice left: the slice itself again
         self.endpoint_count -= len(old.endpoints)
         return owner
 
     def for_service(self, service: NamespacedName) -> list[SliceInfo]:
         """The service's slices sorted by name (so a merge is the same whatever order they arrived in)."""
-        by_name = self._by_service.get(service)
-        return [by_name[n] for n in sorted(by_name)] if by_name else []
+        held = self._by_service.get(service)
+        if held is None:
+            return []
+        if type(held) is SliceInfo:
+            return [held]
+        return [held[n] for n in sorted(held)]
+
+    def service_key(self, service: NamespacedName) -> NamespacedName | None:
+        """The ``NamespacedName`` object the slices of ``service`` name it with (None without slices), so the
+        Service's own record can share it."""
+        held = self._by_service.get(service)
+        if held is None:
+            return None
+        return held.service if type(held) is SliceInfo else next(iter(held.values())).service
 
     def keys(self) -> Iterable[SliceKey]:
-        return self._owner.keys()
+        return [(namespace, name) for namespace, names in self._owner.items() for name in names]
 
     def services(self) -> Iterable[NamespacedName]:
         """Services with at least one slice."""
