@@ -354,7 +354,7 @@ class EndpointSliceCache:
         held = self._by_service.get(parsed.service)
         if held is None:
             self._by_service[parsed.service] = parsed
-        elif type(held) is SliceInfo:
+        elif isinstance(held, SliceInfo):
             parsed.service = held.service  # one NamespacedName per service, not one per slice
             self._by_service[parsed.service] = parsed if held.name == name else {held.name: held, name: parsed}
         else:
@@ -366,7 +366,7 @@ class EndpointSliceCache:
 
     def _slice(self, service: NamespacedName, name: str) -> SliceInfo:
         held = self._by_service[service]
-        return held if type(held) is SliceInfo else held[name]
+        return held if isinstance(held, SliceInfo) else held[name]
 
     def remove(self, key: SliceKey) -> NamespacedName | None:
         """Forget a slice: the service it belonged to, None if it was unknown."""
@@ -378,7 +378,7 @@ class EndpointSliceCache:
         if not names:
             del self._owner[namespace]
         held = self._by_service[owner]
-        if type(held) is SliceInfo:
+        if isinstance(held, SliceInfo):
             old = held
             del self._by_service[owner]
         else:
@@ -393,7 +393,7 @@ class EndpointSliceCache:
         held = self._by_service.get(service)
         if held is None:
             return []
-        if type(held) is SliceInfo:
+        if isinstance(held, SliceInfo):
             return [held]
         return [held[n] for n in sorted(held)]
 
@@ -403,7 +403,7 @@ class EndpointSliceCache:
         held = self._by_service.get(service)
         if held is None:
             return None
-        return held.service if type(held) is SliceInfo else next(iter(held.values())).service
+        return held.service if isinstance(held, SliceInfo) else next(iter(held.values())).service
 
     def keys(self) -> Iterable[SliceKey]:
         return [(namespace, name) for namespace, names in self._owner.items() for name in names]
