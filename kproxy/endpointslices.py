@@ -23,7 +23,16 @@ from types import MappingProxyType
 from typing import Any
 
 from kproxy import validation as v
-from kproxy.model import Endpoint, IPFamily, NamespacedName, Protocol, ServicePort, shared_text
+from kproxy.model import (
+    Endpoint,
+    IPFamily,
+    NamespacedName,
+    Protocol,
+    ServicePort,
+    new_endpoint,
+    rare_fields,
+    shared_text,
+)
 from kproxy.objects import ANNOTATION_TRIGGER_TIME, LABEL_SERVICE_NAME, Ignored, parse_time
 
 _MAX_SLICE_ENDPOINTS = 1000  # the API server's limits for one EndpointSlice
@@ -33,9 +42,10 @@ _NO_HINTS: frozenset[str] = frozenset()
 SliceKey = tuple[str, str]  # (namespace, slice name)
 
 
-# One endpoint of a slice as parsed, before a port number is attached: (sort key, ip, ready, serving, terminating,
-# nodeName, zone, is_local, zone hints, node hints). Only while a slice is parsed: a slice keeps Endpoint objects.
-RawEndpoint = tuple[int, str, bool, bool, bool, "str | None", "str | None", bool, frozenset[str], frozenset[str]]
+# One endpoint of a slice as parsed, before a port number is attached: (sort key, ip, ready, serving, nodeName,
+# is_local, the rarely read fields as ``model.rare_fields`` shares them). Only while a slice is parsed: a slice keeps
+# Endpoint objects.
+RawEndpoint = tuple[int, str, bool, bool, "str | None", bool, "tuple[bool, str | None, frozenset[str], frozenset[str]]"]
 
 PortItems = tuple[tuple[tuple[str, Protocol], int], ...]
 
@@ -87,52 +97,18 @@ class SliceInfo:
             self.memo = {}
         eps = self.memo.get(port)
         if eps is None:
-            eps = self.memo[port] = tuple([_with_port(e, port) for e in self.endpoints])
+            eps = self.memo[port] = tuple([e.with_port(port) for e in self.endpoints])
         return eps
 
 
-_ENDPOINT_FIELDS = (
-    "ip",
-    "port",
-    "ready",
-    "serving",
-    "terminating",
-    "node_name",
-    "zone",
-    "is_local",
-    "zone_hints",
-    "node_hints",
-)
-if tuple(f.name for f in dataclasses.fields(Endpoint)) != _ENDPOINT_FIELDS:  # pragma: no cover - a model change
-    raise ImportError("kproxy.model.Endpoint's fields changed: update endpointslices._new_endpoint")
-_ep_new = Endpoint.__new__
-(_set_ip, _set_port, _set_ready, _set_serving, _set_terminating, _set_node, _set_zone, _set_local, _set_zh, _set_nh) = (
-    getattr(Endpoint, name).__set__ for name in _ENDPOINT_FIELDS
-)
+_PLAIN = rare_fields(False, None, _NO_HINTS, _NO_HINTS)
 
 
 def _new_endpoint(r: RawEndpoint, port: int) -> Endpoint:
-    """``Endpoint(r[1], port, *r[2:])``, cheaper: the frozen dataclass's ``__init__`` sets each field through
-    ``object.__setattr__`` by name; the slots' own descriptors do the same directly (this runs once per endpoint of a
-    full rebuild; docs/PERFORMANCE.md, "The core"). The object is the same: same class, same field values, same hash
-    and equality (tests/unit/test_cache_perf.py compares them)."""
-    ep = _ep_new(Endpoint)
-    _set_ip(ep, r[1])
-    _set_port(ep, port)
-    _set_ready(ep, r[2])
-    _set_serving(ep, r[3])
-    _set_terminating(ep, r[4])
-    _set_node(ep, r[5])
-    _set_zone(ep, r[6])
-    _set_local(ep, r[7])
-    _set_zh(ep, r[8])
-    _set_nh(ep, r[9])
-    return ep
-
-
-def _with_port(e: Endpoint, port: int) -> Endpoint:
-    raw = (0, e.ip, e.ready, e.serving, e.terminating, e.node_name, e.zone, e.is_local, e.zone_hints, e.node_hints)
-    return _new_endpoint(raw, port)
+    """``Endpoint(...)`` of a parsed endpoint on ``port``, through ``model.new_endpoint`` (this runs once per endpoint
+    of a full rebuild: docs/PERFORMANCE.md, "The core"). The object is the same: same class, same field values, same
+    hash and equality (tests/unit/test_cache_perf.py compares them)."""
+    return new_endpoint(r[1], port, r[2], r[3], r[4], r[5], r[6])
 
 
 def parse_slice(
@@ -181,7 +157,7 @@ def parse_slice(
         entry = _endpoint_fast(raw, family, node_name)
         if entry is None:
             entry = _endpoint_checked(raw, f"endpoints[{i}]", family, node_name)
-        ip, is_local = entry[1], entry[7]
+        ip, is_local = entry[1], entry[5]
         if ip in by_ip:
             duplicates.append(f"endpoints[{i}]: duplicate address {ip} (counted once)")
             if not is_local:
@@ -276,7 +252,8 @@ def _endpoint_fast(raw: Any, family: IPFamily, node_name: str) -> RawEndpoint | 
         ep_node = intern(ep_node)  # model.shared_text, without the call: the type was checked above
     if zone is not None:
         zone = intern(zone)
-    return (sort_key, ip, ready, serving, terminating, ep_node, zone, ep_node == node_name, _NO_HINTS, _NO_HINTS)
+    rare = _PLAIN if terminating is False and zone is None else rare_fields(terminating, zone, _NO_HINTS, _NO_HINTS)
+    return (sort_key, ip, ready, serving, ep_node, ep_node == node_name, rare)
 
 
 def _endpoint_checked(raw: Any, what: str, family: IPFamily, node_name: str) -> RawEndpoint:
@@ -308,7 +285,8 @@ def _endpoint_checked(raw: Any, what: str, family: IPFamily, node_name: str) -> 
         hints = v.mapping(hints, f"{what}.hints")
         zone_hints = _hint_names(hints.get("forZones"), f"{what}.hints.forZones")
         node_hints = _hint_names(hints.get("forNodes"), f"{what}.hints.forNodes")
-    return (sort_key, ip, ready, serving, terminating, ep_node, zone, ep_node == node_name, zone_hints, node_hints)
+    rare = rare_fields(terminating, zone, zone_hints, node_hints)
+    return (sort_key, ip, ready, serving, ep_node, ep_node == node_name, rare)
 
 
 def _hint_names(value: Any, what: str) -> frozenset[str]:

@@ -1,12 +1,15 @@
 """What the cache keeps per object, pinned: its bytes per service port under tracemalloc (every allocation it holds,
 not a walk of what it reaches), and the compact records behind that figure: a Service's record holds the completed
-ServicePorts in place of their templates, a service's one slice is kept without a dict around it, and a service's
-slices share its one NamespacedName."""
+ServicePorts in place of their templates, a service's one slice is kept without a dict around it, a service's slices
+share its one NamespacedName, and an endpoint keeps its rarely read fields in one shared tuple."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import gc
 import json
+import pickle
 import tracemalloc
 from typing import Any
 
@@ -15,7 +18,7 @@ import pytest
 from kproxy.bench import synthetic
 from kproxy.cache import ServiceCache
 from kproxy.endpointslices import EndpointSliceCache, parse_slice
-from kproxy.model import IPFamily, NamespacedName, Protocol, ServicePortName
+from kproxy.model import Endpoint, IPFamily, NamespacedName, Protocol, ServicePortName
 from kproxy.serviceport import as_template, parse_service, same_template, with_endpoints
 from kproxy.topology import categorize_endpoints
 
@@ -179,3 +182,28 @@ def test_the_service_and_its_slices_share_one_name_whichever_comes_first(service
     (sl,) = cache._slices.for_service(WEB)
     assert cache._services[WEB].key is sl.service
     assert cache.snapshot()[0].get(HTTP, V4) is not None
+
+
+def test_an_endpoint_is_a_frozen_value_with_its_rare_fields_shared() -> None:
+    hints = frozenset({"zone-1"})
+    a = Endpoint("198.18.1.1", 8080, terminating=True, node_name="node-a", zone="zone-1", zone_hints=hints)
+    b = Endpoint("198.18.1.2", 8080, terminating=True, node_name="node-a", zone="zone-1", zone_hints=hints)
+    assert (a.terminating, a.zone, a.zone_hints, a.node_hints) == (True, "zone-1", hints, frozenset())
+    assert a._rare is b._rare  # one tuple for every endpoint with the same rare fields
+    assert Endpoint("198.18.1.3", 80)._rare is Endpoint("198.18.1.4", 81)._rare
+    same = Endpoint("198.18.1.1", 8080, True, True, True, "node-a", "zone-1", False, hints, frozenset())
+    assert a == same and hash(a) == hash(same) and a != b and a != "198.18.1.1:8080"
+    assert a != Endpoint("198.18.1.1", 8080, terminating=True, node_name="node-a", zone="zone-2", zone_hints=hints)
+    assert repr(Endpoint("198.18.1.1", 80)) == (
+        "Endpoint(ip='198.18.1.1', port=80, ready=True, serving=True, terminating=False, node_name=None, zone=None,"
+        " is_local=False, zone_hints=frozenset(), node_hints=frozenset())"
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.ip = "198.18.1.9"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del a.port
+    for twin in (pickle.loads(pickle.dumps(a)), copy.copy(a), copy.deepcopy(a)):
+        assert twin == a and twin.zone_hints == hints and twin.family is V4
+    moved = a.with_port(9090)
+    assert moved.port == 9090 and moved._rare is a._rare and (moved.ip, moved.node_name) == (a.ip, a.node_name)
+    assert str(Endpoint("fd00:198:18::1", 53)) == "[fd00:198:18::1]:53"
