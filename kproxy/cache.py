@@ -136,9 +136,10 @@ class ServiceCache:
         self._bases: dict[IPFamily, dict[ServicePortName, ServicePort]] = {f: {} for f in IPFamily}
         self._overlays: dict[IPFamily, dict[ServicePortName, ServicePort | None]] = {f: {} for f in IPFamily}
         self._changed: dict[IPFamily, set[ServicePortName]] = {f: set() for f in IPFamily}  # since the last snapshot
-        # the Service whose templates the current ports came from (each template gave one (family, port) entry); the
-        # same object as in ``_services`` until the Service changes, so it costs one slot
-        self._ports_of: dict[NamespacedName, ServiceInfo] = {}
+        # the record a Service had at its last recompute, kept only from its replacement or deletion until the next
+        # recompute (which removes the ports it no longer has); every other Service's record in ``_services`` is that
+        # record, so nothing per service is kept for this
+        self._replaced: dict[NamespacedName, ServiceInfo] = {}
 
         self._generation = 0
         self._touched: set[NamespacedName] = set()
@@ -403,12 +404,16 @@ class ServiceCache:
             if canonical is not None and canonical is not svc.key:
                 svc = ServiceInfo(canonical, svc.ports)
             self._services[key] = svc
+            if old is not None:
+                self._replaced.setdefault(key, old)
             self._touch(key, endpoints=False, when=None)  # as upstream, only slices carry trigger times
         return True, True
 
     def _drop_service(self, key: NamespacedName) -> bool:
-        if self._services.pop(key, None) is None:
+        old = self._services.pop(key, None)
+        if old is None:
             return False
+        self._replaced.setdefault(key, old)
         self._touch(key, endpoints=False, when=None)
         return True
 
@@ -514,10 +519,10 @@ class ServiceCache:
                 new[(sp.family, sp.name)] = sp
             new = self._bounded(key, new)
         changed = False
-        before = self._ports_of.pop(key, None)
+        before = self._replaced.pop(key, svc)
         for fam, spn in ((t.family, t.name) for t in before.ports) if before is not None else ():
-            if (fam, spn) not in new:
-                del self._current[fam][spn]
+            # not there when that record was never recomputed, or refused as too big
+            if (fam, spn) not in new and self._current[fam].pop(spn, None) is not None:
                 self._dirty[spn] = gen
                 self._changed[fam].add(spn)
                 changed = True
@@ -542,6 +547,4 @@ class ServiceCache:
         port, not a template and its completed copy); without any (refused as too big), its bare templates."""
         ports = tuple(new.values()) if new else tuple(as_template(sp) for sp in svc.ports)
         if any(a is not b for a, b in zip(ports, svc.ports, strict=True)):
-            svc = self._services[key] = ServiceInfo(svc.key, ports)
-        if new:
-            self._ports_of[key] = svc
+            self._services[key] = ServiceInfo(svc.key, ports)

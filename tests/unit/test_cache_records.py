@@ -207,3 +207,35 @@ def test_an_endpoint_is_a_frozen_value_with_its_rare_fields_shared() -> None:
     moved = a.with_port(9090)
     assert moved.port == 9090 and moved._rare is a._rare and (moved.ip, moved.node_name) == (a.ip, a.node_name)
     assert str(Endpoint("fd00:198:18::1", 53)) == "[fd00:198:18::1]:53"
+
+
+def _names(cache: ServiceCache) -> set[str]:
+    return {sp.name.port for sp in cache.snapshot()[0]}
+
+
+def test_the_ports_a_service_no_longer_has_go_without_a_record_per_service() -> None:
+    """The cache keeps a Service's previous record only from its change to the next snapshot: a renamed port, a
+    Service replaced twice between snapshots, deleted and added again, or refused and then changed, all leave
+    exactly the ports the Service has now."""
+    dns = {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353}
+    http = {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}
+    cache = ServiceCache(NODE, ip_families=(V4,), max_service_entries=2)
+    cache.upsert_service(service(ports=[http]))
+    assert _names(cache) == {"http"}
+    cache.upsert_service(service(ports=[dns]))
+    cache.upsert_service(service(ports=[{**dns, "name": "dns2"}]))  # twice before a snapshot
+    state, changes = cache.snapshot()
+    assert {sp.name.port for sp in state} == {"dns2"}
+    assert {spn.port for spn in changes.services} == {"http", "dns2"}
+    cache.commit(changes)
+    cache.delete_service("default", "web")
+    cache.upsert_service(service(ports=[http]))
+    assert _names(cache) == {"http"}
+    cache.upsert_service(service(ports=[http, dns]))  # 1 address x 2 ports + 0 endpoints: 2 entries, fits
+    assert _names(cache) == {"http", "dns"}
+    cache.upsert_service(service(ports=[http, dns], externalIPs=["198.18.5.5"]))  # 4 entries: refused
+    assert _names(cache) == set() and "Service default/web" in cache.errors()
+    cache.upsert_service(service(ports=[dns]))
+    assert _names(cache) == {"dns"}
+    cache.delete_service("default", "web")
+    assert _names(cache) == set() and not cache._replaced
