@@ -136,7 +136,7 @@ class Endpoint:
     (``rare_fields``), so an endpoint is 7 slots, not 10 (24 bytes each)."""
 
     __slots__ = ("ip", "port", "ready", "serving", "node_name", "is_local", "_rare")
-    __match_args__ = _ENDPOINT_FIELDS = (
+    __match_args__ = (
         "ip",
         "port",
         "ready",
@@ -210,7 +210,7 @@ class Endpoint:
         return hash(self._key())
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._ENDPOINT_FIELDS)
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__match_args__)
         return f"Endpoint({fields})"
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -220,7 +220,7 @@ class Endpoint:
         raise FrozenInstanceError(f"cannot delete field {name!r}")
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (Endpoint, tuple(getattr(self, name) for name in self._ENDPOINT_FIELDS))
+        return (Endpoint, tuple(getattr(self, name) for name in self.__match_args__))
 
     @property
     def family(self) -> IPFamily:
