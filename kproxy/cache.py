@@ -53,7 +53,7 @@ from kproxy.objects import (
 from kproxy.objects import clip as _clip
 from kproxy.objects import label as _label
 from kproxy.objects import object_label as _object_label
-from kproxy.serviceport import ServiceInfo, parse_service, with_endpoints
+from kproxy.serviceport import ServiceInfo, as_template, parse_service, with_endpoints
 from kproxy.topology import categorize_endpoints, uses_cluster_endpoints, uses_local_endpoints
 from kproxy.validation import printable
 
@@ -136,9 +136,10 @@ class ServiceCache:
         self._bases: dict[IPFamily, dict[ServicePortName, ServicePort]] = {f: {} for f in IPFamily}
         self._overlays: dict[IPFamily, dict[ServicePortName, ServicePort | None]] = {f: {} for f in IPFamily}
         self._changed: dict[IPFamily, set[ServicePortName]] = {f: set() for f in IPFamily}  # since the last snapshot
-        # the Service whose templates the current ports came from (each template gave one (family, port) entry); the
-        # same object as in ``_services`` until the Service changes, so it costs one slot
-        self._ports_of: dict[NamespacedName, ServiceInfo] = {}
+        # the record a Service had at its last recompute, kept only from its replacement or deletion until the next
+        # recompute (which removes the ports it no longer has); every other Service's record in ``_services`` is that
+        # record, so nothing per service is kept for this
+        self._replaced: dict[NamespacedName, ServiceInfo] = {}
 
         self._generation = 0
         self._touched: set[NamespacedName] = set()
@@ -395,15 +396,24 @@ class ServiceCache:
         with self._lock:
             if self._errors:
                 self._errors.pop(_label("Service", key.namespace, key.name), None)
-            if self._services.get(key) == svc:
+            old = self._services.get(key)
+            if old == svc:
                 return True, False
+            # one NamespacedName per service, shared with its slices
+            canonical = old.key if old is not None else self._slices.service_key(key)
+            if canonical is not None and canonical is not svc.key:
+                svc = ServiceInfo(canonical, svc.ports)
             self._services[key] = svc
+            if old is not None:
+                self._replaced.setdefault(key, old)
             self._touch(key, endpoints=False, when=None)  # as upstream, only slices carry trigger times
         return True, True
 
     def _drop_service(self, key: NamespacedName) -> bool:
-        if self._services.pop(key, None) is None:
+        old = self._services.pop(key, None)
+        if old is None:
             return False
+        self._replaced.setdefault(key, old)
         self._touch(key, endpoints=False, when=None)
         return True
 
@@ -428,6 +438,9 @@ class ServiceCache:
                 self._errors[label] = parsed.warning
             elif self._errors:
                 self._errors.pop(label, None)
+            svc = self._services.get(parsed.service)
+            if svc is not None:
+                parsed.service = svc.key  # one NamespacedName per service, shared with the Service's record
             changed, moved_from = self._slices.update(skey, parsed)
             if not changed:
                 return True, False
@@ -488,7 +501,7 @@ class ServiceCache:
         if svc is not None:
             slices = self._slices.for_service(key)
             zone = self._node.zone
-            for tmpl in svc.ports:
+            for tmpl in svc.ports:  # templates, or the ServicePorts the last recompute completed from them
                 eps = merge_endpoints(slices, tmpl)
                 if eps:
                     has_external = tmpl.has_external_addresses
@@ -500,24 +513,38 @@ class ServiceCache:
                         node_name=self._node_name,
                         zone=zone,
                     )
-                    tmpl = with_endpoints(tmpl, cat, eps)
-                new[(tmpl.family, tmpl.name)] = tmpl
+                    sp = with_endpoints(tmpl, cat, eps)
+                else:
+                    sp = as_template(tmpl)
+                new[(sp.family, sp.name)] = sp
             new = self._bounded(key, new)
         changed = False
-        before = self._ports_of.pop(key, None)
+        before = self._replaced.pop(key, svc)
         for fam, spn in ((t.family, t.name) for t in before.ports) if before is not None else ():
-            if (fam, spn) not in new:
-                del self._current[fam][spn]
+            # not there when that record was never recomputed, or refused as too big
+            if (fam, spn) not in new and self._current[fam].pop(spn, None) is not None:
                 self._dirty[spn] = gen
                 self._changed[fam].add(spn)
                 changed = True
         for (fam, spn), sp in new.items():
             current = self._current[fam]
-            if current.get(spn) != sp:
+            held = current.get(spn)
+            if held != sp:
                 current[spn] = sp
                 self._dirty[spn] = gen
                 self._changed[fam].add(spn)
                 changed = True
-        if new and svc is not None:
-            self._ports_of[key] = svc
+            else:
+                new[(fam, spn)] = held  # an equal value: keep the one object already handed out
+        if svc is not None:
+            self._keep(key, svc, new)
         return changed
+
+    def _keep(
+        self, key: NamespacedName, svc: ServiceInfo, new: dict[tuple[IPFamily, ServicePortName], ServicePort]
+    ) -> None:
+        """The Service's record holds the ServicePorts just completed in place of its templates (one object per
+        port, not a template and its completed copy); without any (refused as too big), its bare templates."""
+        ports = tuple(new.values()) if new else tuple(as_template(sp) for sp in svc.ports)
+        if any(a is not b for a, b in zip(ports, svc.ports, strict=True)):
+            self._services[key] = ServiceInfo(svc.key, ports)

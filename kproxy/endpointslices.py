@@ -23,7 +23,16 @@ from types import MappingProxyType
 from typing import Any
 
 from kproxy import validation as v
-from kproxy.model import Endpoint, IPFamily, NamespacedName, Protocol, ServicePort, shared_text
+from kproxy.model import (
+    Endpoint,
+    IPFamily,
+    NamespacedName,
+    Protocol,
+    ServicePort,
+    new_endpoint,
+    rare_fields,
+    shared_text,
+)
 from kproxy.objects import ANNOTATION_TRIGGER_TIME, LABEL_SERVICE_NAME, Ignored, parse_time
 
 _MAX_SLICE_ENDPOINTS = 1000  # the API server's limits for one EndpointSlice
@@ -33,9 +42,10 @@ _NO_HINTS: frozenset[str] = frozenset()
 SliceKey = tuple[str, str]  # (namespace, slice name)
 
 
-# One endpoint of a slice as parsed, before a port number is attached: (sort key, ip, ready, serving, terminating,
-# nodeName, zone, is_local, zone hints, node hints). Only while a slice is parsed: a slice keeps Endpoint objects.
-RawEndpoint = tuple[int, str, bool, bool, bool, "str | None", "str | None", bool, frozenset[str], frozenset[str]]
+# One endpoint of a slice as parsed, before a port number is attached: (sort key, ip, ready, serving, nodeName,
+# is_local, the rarely read fields as ``model.rare_fields`` shares them). Only while a slice is parsed: a slice keeps
+# Endpoint objects.
+RawEndpoint = tuple[int, str, bool, bool, "str | None", bool, "tuple[bool, str | None, frozenset[str], frozenset[str]]"]
 
 PortItems = tuple[tuple[tuple[str, Protocol], int], ...]
 
@@ -56,11 +66,13 @@ def _hint_set(names: frozenset[str]) -> frozenset[str]:
 class SliceInfo:
     """An EndpointSlice reduced to what the proxy reads.
 
-    ``endpoints`` are ``Endpoint`` objects sorted by address, carrying ``base_port`` (the lowest of the slice's port
-    numbers, 0 without ports): the raw parse is not kept. The endpoints of another port of the slice are built once
-    on first use (``endpoints_for``) and kept, so every snapshot shares the same objects."""
+    ``name`` is the slice's own name (its namespace is the service's). ``endpoints`` are ``Endpoint`` objects
+    sorted by address, carrying ``base_port`` (the lowest of the slice's port numbers, 0 without ports): the raw
+    parse is not kept. The endpoints of another port of the slice are built once on first use (``endpoints_for``)
+    and kept, so every snapshot shares the same objects."""
 
     service: NamespacedName
+    name: str
     family: IPFamily
     ports: Mapping[tuple[str, Protocol], int]  # (port name, protocol) -> port number (shared, read-only)
     endpoints: tuple[Endpoint, ...]  # sorted by address, with base_port
@@ -85,52 +97,18 @@ class SliceInfo:
             self.memo = {}
         eps = self.memo.get(port)
         if eps is None:
-            eps = self.memo[port] = tuple([_with_port(e, port) for e in self.endpoints])
+            eps = self.memo[port] = tuple([e.with_port(port) for e in self.endpoints])
         return eps
 
 
-_ENDPOINT_FIELDS = (
-    "ip",
-    "port",
-    "ready",
-    "serving",
-    "terminating",
-    "node_name",
-    "zone",
-    "is_local",
-    "zone_hints",
-    "node_hints",
-)
-if tuple(f.name for f in dataclasses.fields(Endpoint)) != _ENDPOINT_FIELDS:  # pragma: no cover - a model change
-    raise ImportError("kproxy.model.Endpoint's fields changed: update endpointslices._new_endpoint")
-_ep_new = Endpoint.__new__
-(_set_ip, _set_port, _set_ready, _set_serving, _set_terminating, _set_node, _set_zone, _set_local, _set_zh, _set_nh) = (
-    getattr(Endpoint, name).__set__ for name in _ENDPOINT_FIELDS
-)
+_PLAIN = rare_fields(False, None, _NO_HINTS, _NO_HINTS)
 
 
 def _new_endpoint(r: RawEndpoint, port: int) -> Endpoint:
-    """``Endpoint(r[1], port, *r[2:])``, cheaper: the frozen dataclass's ``__init__`` sets each field through
-    ``object.__setattr__`` by name; the slots' own descriptors do the same directly (this runs once per endpoint of a
-    full rebuild; docs/PERFORMANCE.md, "The core"). The object is the same: same class, same field values, same hash
-    and equality (tests/unit/test_cache_perf.py compares them)."""
-    ep = _ep_new(Endpoint)
-    _set_ip(ep, r[1])
-    _set_port(ep, port)
-    _set_ready(ep, r[2])
-    _set_serving(ep, r[3])
-    _set_terminating(ep, r[4])
-    _set_node(ep, r[5])
-    _set_zone(ep, r[6])
-    _set_local(ep, r[7])
-    _set_zh(ep, r[8])
-    _set_nh(ep, r[9])
-    return ep
-
-
-def _with_port(e: Endpoint, port: int) -> Endpoint:
-    raw = (0, e.ip, e.ready, e.serving, e.terminating, e.node_name, e.zone, e.is_local, e.zone_hints, e.node_hints)
-    return _new_endpoint(raw, port)
+    """``Endpoint(...)`` of a parsed endpoint on ``port``, through ``model.new_endpoint`` (this runs once per endpoint
+    of a full rebuild: docs/PERFORMANCE.md, "The core"). The object is the same: same class, same field values, same
+    hash and equality (tests/unit/test_cache_perf.py compares them)."""
+    return new_endpoint(r[1], port, r[2], r[3], r[4], r[5], r[6])
 
 
 def parse_slice(
@@ -179,7 +157,7 @@ def parse_slice(
         entry = _endpoint_fast(raw, family, node_name)
         if entry is None:
             entry = _endpoint_checked(raw, f"endpoints[{i}]", family, node_name)
-        ip, is_local = entry[1], entry[7]
+        ip, is_local = entry[1], entry[5]
         if ip in by_ip:
             duplicates.append(f"endpoints[{i}]: duplicate address {ip} (counted once)")
             if not is_local:
@@ -196,12 +174,16 @@ def parse_slice(
             if when is not None and when > since:
                 trigger_time = when
 
-    base_port = min(ports.values(), default=0)
+    shared_ports = _port_set(tuple(ports.items()))
+    # the shared mapping's numbers: one int object per distinct port set, not one per slice (a list's JSON gives
+    # every slice its own 8080)
+    base_port = min(shared_ports.values(), default=0)
     endpoints = tuple([_new_endpoint(r, base_port) for r in sorted(by_ip.values(), key=lambda r: r[0])])
     return (namespace, name), SliceInfo(
         service=NamespacedName(namespace, service_name),
+        name=name,
         family=family,
-        ports=_port_set(tuple(ports.items())),
+        ports=shared_ports,
         endpoints=endpoints,
         trigger_time=trigger_time,
         warning="; ".join(duplicates) or None,
@@ -270,7 +252,8 @@ def _endpoint_fast(raw: Any, family: IPFamily, node_name: str) -> RawEndpoint | 
         ep_node = intern(ep_node)  # model.shared_text, without the call: the type was checked above
     if zone is not None:
         zone = intern(zone)
-    return (sort_key, ip, ready, serving, terminating, ep_node, zone, ep_node == node_name, _NO_HINTS, _NO_HINTS)
+    rare = _PLAIN if terminating is False and zone is None else rare_fields(terminating, zone, _NO_HINTS, _NO_HINTS)
+    return (sort_key, ip, ready, serving, ep_node, ep_node == node_name, rare)
 
 
 def _endpoint_checked(raw: Any, what: str, family: IPFamily, node_name: str) -> RawEndpoint:
@@ -302,7 +285,8 @@ def _endpoint_checked(raw: Any, what: str, family: IPFamily, node_name: str) -> 
         hints = v.mapping(hints, f"{what}.hints")
         zone_hints = _hint_names(hints.get("forZones"), f"{what}.hints.forZones")
         node_hints = _hint_names(hints.get("forNodes"), f"{what}.hints.forNodes")
-    return (sort_key, ip, ready, serving, terminating, ep_node, zone, ep_node == node_name, zone_hints, node_hints)
+    rare = rare_fields(terminating, zone, zone_hints, node_hints)
+    return (sort_key, ip, ready, serving, ep_node, ep_node == node_name, rare)
 
 
 def _hint_names(value: Any, what: str) -> frozenset[str]:
@@ -317,19 +301,27 @@ def _hint_names(value: Any, what: str) -> frozenset[str]:
 
 class EndpointSliceCache:
     """Every accepted slice by the service it belongs to (upstream's EndpointSliceCache, without its pending/applied
-    split: ``ServiceCache.snapshot`` is the check-out). Not locked: the owning ``ServiceCache`` holds its lock."""
+    split: ``ServiceCache.snapshot`` is the check-out). Not locked: the owning ``ServiceCache`` holds its lock.
+
+    Kept small, since it holds one entry per slice of the cluster: a service with one slice (the common case) maps
+    to that ``SliceInfo`` itself, not to a dict of one (an empty-ish dict costs ~180 bytes, more than the slice's own
+    record); only a second slice makes it a dict by slice name. Owners are kept per namespace, by slice name, so no
+    (namespace, name) tuple is stored per slice; every slice of a service names it with one ``NamespacedName``."""
 
     def __init__(self) -> None:
-        self._by_service: dict[NamespacedName, dict[str, SliceInfo]] = {}  # service -> slice name -> slice
-        self._owner: dict[SliceKey, NamespacedName] = {}
+        self._by_service: dict[NamespacedName, SliceInfo | dict[str, SliceInfo]] = {}
+        self._owner: dict[str, dict[str, NamespacedName]] = {}  # namespace -> slice name -> service
         self.endpoint_count = 0
 
     def update(self, key: SliceKey, parsed: SliceInfo) -> tuple[bool, NamespacedName | None]:
         """Store a slice: (changed, the service it belonged to before if that was another one)."""
-        owner = self._owner.get(key)
+        namespace, name = key
+        if parsed.name != name or parsed.service.namespace != namespace:
+            raise ValueError(f"slice {namespace}/{name} stored under another name ({parsed.service}: {parsed.name})")
+        owner = self._owner.get(namespace, {}).get(name)
         moved_from = None
         if owner is not None:
-            old = self._by_service[owner][key[1]]
+            old = self._slice(owner, name)
             if old.same_as(parsed):
                 return False, None
             if owner != parsed.service:
@@ -337,30 +329,62 @@ class EndpointSliceCache:
                 moved_from = owner
             else:
                 self.endpoint_count -= len(old.endpoints)
-        self._by_service.setdefault(parsed.service, {})[key[1]] = parsed
-        self._owner[key] = parsed.service
+        held = self._by_service.get(parsed.service)
+        if held is None:
+            self._by_service[parsed.service] = parsed
+        elif isinstance(held, SliceInfo):
+            parsed.service = held.service  # one NamespacedName per service, not one per slice
+            self._by_service[parsed.service] = parsed if held.name == name else {held.name: held, name: parsed}
+        else:
+            parsed.service = next(iter(held.values())).service
+            held[name] = parsed
+        self._owner.setdefault(namespace, {})[name] = parsed.service
         self.endpoint_count += len(parsed.endpoints)
         return True, moved_from
 
+    def _slice(self, service: NamespacedName, name: str) -> SliceInfo:
+        held = self._by_service[service]
+        return held if isinstance(held, SliceInfo) else held[name]
+
     def remove(self, key: SliceKey) -> NamespacedName | None:
         """Forget a slice: the service it belonged to, None if it was unknown."""
-        owner = self._owner.pop(key, None)
+        namespace, name = key
+        names = self._owner.get(namespace)
+        owner = names.pop(name, None) if names is not None else None
         if owner is None:
             return None
-        slices = self._by_service[owner]
-        old = slices.pop(key[1])
-        if not slices:
+        if not names:
+            del self._owner[namespace]
+        held = self._by_service[owner]
+        if isinstance(held, SliceInfo):
+            old = held
             del self._by_service[owner]
+        else:
+            old = held.pop(name)
+            if len(held) == 1:
+                self._by_service[owner] = next(iter(held.values()))  # one slice left: the slice itself again
         self.endpoint_count -= len(old.endpoints)
         return owner
 
     def for_service(self, service: NamespacedName) -> list[SliceInfo]:
         """The service's slices sorted by name (so a merge is the same whatever order they arrived in)."""
-        by_name = self._by_service.get(service)
-        return [by_name[n] for n in sorted(by_name)] if by_name else []
+        held = self._by_service.get(service)
+        if held is None:
+            return []
+        if isinstance(held, SliceInfo):
+            return [held]
+        return [held[n] for n in sorted(held)]
+
+    def service_key(self, service: NamespacedName) -> NamespacedName | None:
+        """The ``NamespacedName`` object the slices of ``service`` name it with (None without slices), so the
+        Service's own record can share it."""
+        held = self._by_service.get(service)
+        if held is None:
+            return None
+        return held.service if isinstance(held, SliceInfo) else next(iter(held.values())).service
 
     def keys(self) -> Iterable[SliceKey]:
-        return self._owner.keys()
+        return [(namespace, name) for namespace, names in self._owner.items() for name in names]
 
     def services(self) -> Iterable[NamespacedName]:
         """Services with at least one slice."""

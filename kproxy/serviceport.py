@@ -12,6 +12,7 @@ Pure; imports ``objects``, ``topology``, ``validation`` and ``model``.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,11 +35,29 @@ _POLICIES = ("Cluster", "Local")
 _MAX_AFFINITY_TIMEOUT = 86400
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class ServiceInfo:
-    """A Service reduced to its ServicePort templates (one per port and family, endpoints not yet filled in)."""
+    """A Service reduced to its name and its ServicePort templates (one per port and family).
 
+    The cache swaps ``ports`` for the completed ServicePorts once it has filled in their endpoints, so a port is not
+    held twice (a template and its completed copy, ~170 bytes each); only the template's fields are read from them
+    (``with_endpoints``, ``as_template``). ``==`` compares those fields (``same_template``): a Service listed again
+    unchanged is no change, whichever form is held."""
+
+    key: NamespacedName
     ports: tuple[ServicePort, ...]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ServiceInfo):
+            return NotImplemented
+        return (
+            self.key == other.key
+            and len(self.ports) == len(other.ports)
+            and all(map(same_template, self.ports, other.ports))
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.key)
 
 
 def parse_service(
@@ -97,7 +116,7 @@ def parse_service(
         lbs = tuple(dict.fromkeys(ip for ip, f, _ in lb_ips if f is fam)) if is_lb else ()
         src = tuple(dict.fromkeys(c for c, f in source_ranges if f is fam))
         templates.extend(_templates(shape, fam, cip, ext, lbs, src))
-    return key, ServiceInfo(tuple(templates))
+    return key, ServiceInfo(key, tuple(templates))
 
 
 def _identity(meta: Mapping[str, Any], proxy_name: str) -> NamespacedName:
@@ -284,6 +303,21 @@ _sp_new = ServicePort.__new__
 _SP_SETTERS = tuple(getattr(ServicePort, f).__set__ for f in _SERVICE_PORT_FIELDS)
 _SP_TEMPLATE = _SP_SETTERS[:12]  # the fields a template already holds
 _set_cluster, _set_local, _set_has_any, _set_serving, _set_created = _SP_SETTERS[12:]
+#: what a template holds: every field but the endpoint ones
+_template_of = operator.attrgetter(*_SERVICE_PORT_FIELDS[:12], "created")
+_NO_ENDPOINTS = Categorized()
+
+
+def same_template(a: ServicePort, b: ServicePort) -> bool:
+    """``a`` and ``b`` come from the same template: equal in every field but the endpoint ones."""
+    return a is b or bool(_template_of(a) == _template_of(b))
+
+
+def as_template(sp: ServicePort) -> ServicePort:
+    """``sp`` without endpoints: ``sp`` itself when it has none."""
+    if sp.has_any_endpoints or sp.cluster_endpoints or sp.local_endpoints or sp.serving_endpoints:
+        return with_endpoints(sp, _NO_ENDPOINTS, ())
+    return sp
 
 
 def with_endpoints(t: ServicePort, cat: Categorized, eps: tuple[Endpoint, ...]) -> ServicePort:
