@@ -165,7 +165,7 @@ class Book:
                 if sp is not None:
                     touched[spn] = sp
                 continue
-            if sp is not None and wanted.get(spn) is sp and spn not in refused:
+            if sp is not None and wanted.get(spn) is sp and (not refused or spn not in refused):
                 continue  # decided before, unchanged: its admitted version stands
             self._release(spn, sp, freed)
             if sp is None:
