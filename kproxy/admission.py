@@ -34,6 +34,7 @@ import dataclasses
 import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kproxy.model import ServicePort, ServicePortName
 
@@ -77,8 +78,9 @@ class Limits:
 UNLIMITED = Limits()
 
 
-@dataclass(frozen=True, slots=True)
-class Cost:
+class Cost(NamedTuple):
+    """What one admitted service port uses of each limit (a tuple: one is made per service port and sync)."""
+
     service_ports: int
     endpoints: int
     entries: int
@@ -163,7 +165,7 @@ class Book:
                 if sp is not None:
                     touched[spn] = sp
                 continue
-            if sp is not None and wanted.get(spn) is sp and spn not in refused:
+            if sp is not None and wanted.get(spn) is sp and (not refused or spn not in refused):
                 continue  # decided before, unchanged: its admitted version stands
             self._release(spn, sp, freed)
             if sp is None:
@@ -376,7 +378,12 @@ class Book:
             return
         for spn in removed:
             self._use(spn, None)
-        for spn, sp in [*decided, *others.items()]:  # the cache's order: stable from one sync to the next
+        # the cache's order: stable from one sync to the next (``others`` may name a service port of ``decided``
+        # again: a retried claimant, one by one then)
+        todo = [*decided, *others.items()]
+        if not others and self._fit_all(decided):
+            todo = []
+        for spn, sp in todo:
             if sp is None:
                 self._use(spn, None)
                 continue
@@ -401,6 +408,44 @@ class Book:
                 elif sp is not None:
                     self._set(spn, None, self.wanted[spn])
                     self.refused[spn] = Refusal("capacity", self._misfit(spn, sp) or "")
+
+    def _fit_all(self, todo: list[tuple[ServicePortName, ServicePort | None]]) -> bool:
+        """Count ``todo`` (each name once) at once when every one of them fits whatever the order (the totals plus
+        every growth fit each limit, no port over the per-port limit): the one-by-one path's outcome (with a first
+        sync's empty book, exactly the sum of the costs), for a hash and a tuple per service port instead of
+        ``_misfit``'s lookups; False (nothing counted) when some might not fit."""
+        lim = self.limits
+        npa, usage = self.nodeport_addresses, self.usage
+        names = [spn for spn, sp in todo if sp is not None]
+        costs = [cost(sp, npa) for sp in (sp for _, sp in todo) if sp is not None]
+        per_port = lim.endpoints_per_port
+        if per_port is not None and any(c.endpoints > per_port for c in costs):
+            return False
+        olds = [usage.get(spn) for spn in names] if usage else []
+        if any(o is not None for o in olds):
+            grow = [0, 0, 0]
+            for c, old in zip(costs, olds, strict=True):
+                for k in range(3):
+                    grow[k] += max(0, c[k] - (old[k] if old is not None else 0))
+        else:  # a first sync, or only new service ports
+            olds = []
+            grow = [sum(c.service_ports for c in costs), sum(c.endpoints for c in costs), sum(c.entries for c in costs)]
+        t = self.totals
+        for limit, total, more in zip((lim.service_ports, lim.endpoints, lim.entries), t, grow, strict=True):
+            if limit is not None and total + more > limit:
+                return False
+        for spn, sp in todo:
+            if sp is None:
+                self._use(spn, None)
+        if olds:
+            for spn in names:
+                self._use(spn, None)  # the old costs out first (and room_freed, as one by one)
+        usage.update(zip(names, costs, strict=True))
+        for k in range(3):
+            t[k] += sum(c[k] for c in costs)
+        if self.over_capacity:
+            self.over_capacity.difference_update(names)
+        return True
 
     def _misfit(self, spn: ServicePortName, sp: ServicePort) -> str | None:
         """None when ``sp`` fits (and then it is counted), else why not."""

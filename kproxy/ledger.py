@@ -43,6 +43,7 @@ from kproxy.config import ProxyConfig
 from kproxy.gcpause import collector_paused
 from kproxy.model import Changes, FamilySync, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext, NodeContext, resolve
+from kproxy.toolkit.mappings import dict_of, has_other_keys
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +317,7 @@ class Ledger(Generic[F, C, A, V, S]):
         pairs: Pairs
         if full:
             pairs = list(services.items())
-            if rec.fragments:
+            if rec.fragments and has_other_keys(rec.fragments, services):
                 pairs += [(spn, None) for spn in rec.fragments.keys() - services.keys()]
         else:
             pairs = [
@@ -330,20 +331,29 @@ class Ledger(Generic[F, C, A, V, S]):
         plan.pairs = self._admit(plan, node)
         return plan
 
-    def _render(self, plan: _Plan[F, C, A], spn: ServicePortName, sp: ServicePort, rounds: _Rounds[F, S]) -> F:
-        """``sp``'s fragment: from this sync's earlier round, from the record when ``sp`` and the context equal the
-        applied ones (rendering is pure), else rendered."""
-        frag = rounds.rendered.get(spn)
-        if frag is not None:
-            return frag
-        if plan.memo:
-            rec = self.records[plan.family]
-            old = rec.services.get(spn)
-            if old is not None and (old is sp or old == sp):
-                frag = rec.fragments[spn]
-        if frag is None:
+    def _render(
+        self,
+        plan: _Plan[F, C, A],
+        spn: ServicePortName,
+        sp: ServicePort,
+        rounds: _Rounds[F, S],
+        old_sp: ServicePort | None,
+        old_frag: F | None,
+    ) -> F:
+        """``sp``'s fragment: from this sync's earlier round, from the record (``old_sp``, ``old_frag``) when ``sp``
+        and the context equal the applied ones (rendering is pure), else rendered. The first round keeps nothing
+        here (``_batch`` keeps its ``wanted``: the same fragments), so a full sync looks each name up once less."""
+        rendered = rounds.rendered
+        if rendered:
+            frag = rendered.get(spn)
+            if frag is not None:
+                return frag
+        if plan.memo and old_frag is not None and old_sp is not None and (old_sp is sp or old_sp == sp):
+            frag = old_frag
+        else:
             frag = self.backend.render(sp, plan.context)
-        rounds.rendered[spn] = frag
+        if rendered:
+            rendered[spn] = frag
         return frag
 
     def _batch(
@@ -372,7 +382,7 @@ class Ledger(Generic[F, C, A, V, S]):
             elif sp is None or (skip and spn in skip):
                 new_sp, new_frag = None, None
             else:
-                new_sp, new_frag = sp, self._render(plan, spn, sp, rounds)
+                new_sp, new_frag = sp, self._render(plan, spn, sp, rounds, old_sp, old_frag)
             if new_frag is None:
                 if not full:
                     removed.add(spn)
@@ -385,6 +395,8 @@ class Ledger(Generic[F, C, A, V, S]):
             if full and new_frag is None and old_frag is None and adopted is None:
                 continue  # nothing there, nothing wanted
             deltas.append(Delta(spn, old_sp, old_frag, new_sp, new_frag))
+        if attempt == 0:  # what a later round reuses: every fragment rendered (or kept from the record) in this one
+            rounds.rendered = wanted.copy()
         batch: Batch[F, C, A, S] = Batch(
             family=plan.family,
             full=full,
@@ -484,7 +496,7 @@ class Ledger(Generic[F, C, A, V, S]):
         with rec.lock:
             if plan.full:
                 rec.services = dict(ports)  # a full batch's ``ports`` has exactly ``wanted``'s keys
-                rec.fragments = dict(batch.wanted)
+                rec.fragments = dict_of(batch.wanted)
                 rec.failed = {spn: why for spn, why in rec.failed.items() if spn in keep or spn in skip}
             else:
                 _commit_deltas(rec, batch.deltas, keep, skip)

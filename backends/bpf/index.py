@@ -45,6 +45,9 @@ class FamilyIndex:
     next_rev: int = 1
     free_backends: list[int] = field(default_factory=list)
     free_revs: list[int] = field(default_factory=list)
+    #: some reverse-NAT id is held under two names (adoption's ``claim`` can do that; ``sweep`` finds out): a freed id
+    #: is then checked against every name's (``Plan.release``), else a freed id was its one name's
+    shared_revs: bool = False
 
     entries: int = 0  # service-map entries the fronts stand for, kept as they change (read on every apply)
 

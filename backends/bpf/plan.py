@@ -69,21 +69,30 @@ class Plan:
     #: ``--service-counters``: each new backend's counter is zeroed right after the backend is written, before a
     #: slot names it, and zeroed again when the backend goes (``counters``)
     counting: bool = False
+    #: ``sweep`` ran: the free lists were rebuilt from the index (``release`` then checks each freed id against them)
+    swept: bool = False
 
     def release(self, index: FamilyIndex) -> None:
         """The plan is in the kernel: its freed ids may be handed out again (those below the next fresh id: a full
         sync's sweep may have lowered it, and an id at or above it comes back as a fresh one), each once (the sweep
         may have listed it already among the holes below the highest id: twice in the free list, one id went to two
-        backends)."""
-        have = set(index.free_backends)
+        backends).
+
+        O(freed ids) unless this plan swept or the index holds a reverse-NAT id under two names: a freed id was in
+        use until this plan, so it cannot be in a free list already (the free lists never hold an id in use); only
+        the sweep rebuilds them, and only adoption's ``claim`` gives one id to two names (``shared_revs``). Sets of
+        the whole index here made every partial sync O(services)."""
+        free_b, free_r = index.free_backends, index.free_revs
+        have_b: set[int] | tuple[()] = set(free_b) if self.swept else ()
         for b in dict.fromkeys(self.freed_backends):
-            if b < index.next_backend and b not in index.backends and b not in have:
-                index.free_backends.append(b)
-        have = set(index.free_revs)
-        used_revs = set(index.rev_ids.values())
+            if b < index.next_backend and b not in index.backends and b not in have_b:
+                free_b.append(b)
+        have_r: set[int] | tuple[()] = set(free_r) if self.swept else ()
+        shared = self.swept or index.shared_revs  # a full batch's claims may have shared an id the sweep freed
+        used_revs: set[int] | tuple[()] = set(index.rev_ids.values()) if shared and self.freed_revs else ()
         for r in dict.fromkeys(self.freed_revs):
-            if r < index.next_rev and r not in used_revs and r not in have:
-                index.free_revs.append(r)
+            if r < index.next_rev and r not in used_revs and r not in have_r:
+                free_r.append(r)
         self.freed_backends, self.freed_revs = [], []
 
     @property
@@ -420,7 +429,9 @@ def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: 
     live_revs = {st.master.rev_nat_id for st in fronts.values()}
     for name in [n for n in index.rev_ids if n not in wanted]:
         del index.rev_ids[name]
-    held = live_revs | set(index.rev_ids.values())
+    named = set(index.rev_ids.values())
+    index.shared_revs = len(named) < len(index.rev_ids)
+    held = live_revs | named
     for rev in sorted(index.rev_names.keys() - held):
         plan.name_del.append(maps.name_key(rev))
         del index.rev_names[rev]
@@ -432,6 +443,7 @@ def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: 
     else:
         index.free_backends.clear()
     index.next_rev = max([*index.rev_names, *live_revs, 0]) + 1
+    plan.swept = True
 
 
 def _stable_slots(old: tuple[int, ...], new: list[int]) -> tuple[int, ...]:

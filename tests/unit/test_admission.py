@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kproxy.admission import Book, Limits
 from kproxy.fake import FakeProxier
 from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
@@ -207,3 +210,58 @@ def test_the_book_alone_is_o_changes() -> None:
     assert book.admit([(sp.name, sp) for sp in sps]) == {}  # nothing else gained or lost anything
     assert all(book.version(sp.name, sp) is sp for sp in sps) and not book.altered
     assert book.admit([(sp.name, sp) for sp in sps]) == {}
+
+
+class _OneByOne(Book):
+    """The capacity check without its bulk path: every service port through ``_misfit``, in order."""
+
+    def _fit_all(self, todo: list[tuple[ServicePortName, ServicePort | None]]) -> bool:
+        return False
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(
+    st.tuples(st.integers(1, 8), st.integers(1, 30), st.integers(2, 6)),
+    st.lists(st.dictionaries(st.integers(0, 9), st.one_of(st.none(), st.integers(0, 8)), max_size=10), max_size=8),
+)
+def test_the_capacity_check_counts_at_once_what_it_counts_one_by_one(
+    limits: tuple[int, int, int], syncs: list[dict[int, int | None]]
+) -> None:
+    """Random syncs (service ports added, grown, shrunk, removed) under small limits: the bulk path (everything
+    fits) leaves the book as the one-by-one path does, refusals, waiting service ports and usage included."""
+    ports, endpoints, per_port = limits
+    lim = Limits(service_ports=ports, endpoints=endpoints, entries=2 * endpoints, endpoints_per_port=per_port)
+    fast, slow = Book(limits=lim), _OneByOne(limits=lim)
+    for changes in syncs:
+        pairs = [
+            (name("ns", f"s{i}"), None if n is None else port("ns", f"s{i}", f"198.19.2.{i}", eps=n))
+            for i, n in changes.items()
+        ]
+        assert fast.admit(pairs) == slow.admit(pairs)
+        for field in ("usage", "totals", "refused", "over_capacity", "admitted", "altered", "room_freed"):
+            assert getattr(fast, field) == getattr(slow, field), field
+
+
+class _CountedName(ServicePortName):
+    """A ServicePortName that counts how often it is hashed (the dataclass hash is a Python call per use)."""
+
+    hashed = 0
+
+    def __hash__(self) -> int:
+        _CountedName.hashed += 1
+        return super().__hash__()
+
+
+def test_a_first_sync_under_limits_hashes_each_service_port_a_few_times_not_once_per_check() -> None:
+    """The capacity check of a first sync whose service ports all fit counts them at once: per service port a
+    usage entry, not a lookup, a removal, an insertion and a discard."""
+    n = 500
+    sps = [
+        dataclasses.replace(p, name=_CountedName(p.name.namespace, p.name.name, p.name.port, p.name.protocol))
+        for p in (port("ns", f"s{i}", f"198.19.{3 + i // 250}.{i % 250}", eps=3) for i in range(n))
+    ]
+    book = Book(limits=Limits(service_ports=n, endpoints=3 * n, entries=4 * n, endpoints_per_port=3))
+    _CountedName.hashed = 0
+    assert book.admit([(sp.name, sp) for sp in sps]) == {}
+    assert not book.refused and book.totals == [n, 3 * n, 4 * n]
+    assert _CountedName.hashed <= 3 * n, _CountedName.hashed / n
