@@ -688,3 +688,32 @@ def test_the_judge_names_no_mode() -> None:
     for path in pathlib.Path(pkg.__file__).parent.glob("*.py"):
         hits = [ln for ln in path.read_text().splitlines() if pattern.search(ln)]
         assert not hits, f"{path.name} names a mode: {hits}"
+
+
+# ------------------------------------------------------------------------------------------- address collision
+
+
+def collision_probes(phases: dict[str, list[R]]) -> list[tuple[str, Probe]]:
+    return [(ph, Probe("pod-1-0", "tcp", "198.19.1.2", 80, [r])) for ph, rs in phases.items() for r in rs]
+
+
+def test_a_collision_probe_in_flight_when_the_restart_began_is_in_a_declared_gap() -> None:
+    """Seen on the lab under load (userspace, fe13c8d): a connection that started while the claim stood and was
+    refused once the kill landed was recorded as ``claimed -> restarting`` and failed the scenario, although the mode
+    declares new connections while kproxy is down not applicable."""
+    probes = collision_probes(
+        {
+            "claimed": [ans("pod-2-0")] * 3,
+            "claimed -> restarting": [err("refused")],
+            "restarting": [err("refused")],
+            "restarting -> restarted": [err("refused")],
+            "restarted": [ans("pod-2-0")] * 3,
+        }
+    )
+    checks.judge_collision(probes, {"pod-2-0"}, gap_ok=True)
+    with pytest.raises(ScenarioFailure, match="went elsewhere or failed"):
+        checks.judge_collision(probes, {"pod-2-0"}, gap_ok=False)
+    # outside the restart nothing may fail, gap or not; and nothing may go to another pod, ever
+    for bad in ({"restarted": [err("refused")]}, {"claimed -> restarting": [ans("pod-3-0")]}):
+        with pytest.raises(ScenarioFailure):
+            checks.judge_collision(probes + collision_probes(bad), {"pod-2-0"}, gap_ok=True)
