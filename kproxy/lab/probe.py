@@ -46,7 +46,7 @@ class ProbeResult:
     dataclasses (and typing) would cost more than the rest of its imports together.
     """
 
-    __slots__ = ("ok", "reply", "error", "seconds", "status", "headers", "body")
+    __slots__ = ("ok", "reply", "error", "seconds", "status", "headers", "body", "at")
     FIELDS = __slots__
 
     def __init__(
@@ -58,6 +58,7 @@ class ProbeResult:
         status: int | None = None,
         headers: dict[str, str] | None = None,
         body: str | None = None,
+        at: float | None = None,
     ) -> None:
         self.ok = ok
         self.reply = reply
@@ -66,6 +67,7 @@ class ProbeResult:
         self.status = status
         self.headers = headers
         self.body = body
+        self.at = at  # a held connection's exchange: when it started, in seconds from the hold's start
 
     def __repr__(self) -> str:
         shown = ", ".join(
@@ -121,6 +123,7 @@ class ProbeResult:
             status=d.get("status"),
             headers=d.get("headers"),
             body=d.get("body"),
+            at=None if d.get("at") is None else float(d["at"]),
         )
 
 
@@ -242,7 +245,7 @@ def hold(host: str, port: int, seconds: float, interval: float, timeout: float, 
     results: list[ProbeResult] = []
     interval = max(interval, 0.01)
     end = time.monotonic() + min(seconds, MAX_SECONDS)
-    start = time.monotonic()
+    start = began = time.monotonic()
     sock = socket.socket(_family(host), socket.SOCK_STREAM)
 
     def stop(*_: object) -> None:
@@ -261,9 +264,12 @@ def hold(host: str, port: int, seconds: float, interval: float, timeout: float, 
             try:
                 sock.settimeout(timeout)
                 sock.sendall((payload + "\n").encode())
-                results.append(_result(start, _readline(sock, start + timeout)))
+                r = _result(start, _readline(sock, start + timeout))
             except (OSError, EOFError) as e:
-                results.append(_result(start, error=e))
+                r = _result(start, error=e)
+            r.at = start - began
+            results.append(r)
+            if not r.ok:
                 break
             if len(results) == 1:
                 print("ready", flush=True)

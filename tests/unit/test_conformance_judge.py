@@ -416,6 +416,20 @@ def test_restart_fails_a_hold_whose_last_exchange_came_before_the_first_sync() -
         restart_verdict([ans("pod-2-0")] * 6, GOOD_PROBES, t_synced=4.0)
 
 
+def test_restart_judges_a_stamped_hold_by_its_stamps_not_by_summed_intervals() -> None:
+    """Seen on the lab under load (bpf, fe13c8d): 41 exchanges whose sleeps each overshot 0.5 s by ~10 %; summing the
+    intervals put the last start at 20.5 s, before the first sync at 20.7 s, though it came ~2 s after it. The probe
+    now stamps each exchange with its start (``at``, seconds from the hold's start), and the judge reads that."""
+    from kproxy.lab.probe import ProbeResult
+
+    stamped = [ProbeResult(True, "pod-2-0 198.18.65.10 40000", seconds=0.001, at=i * 0.555) for i in range(41)]
+    assert [ProbeResult.from_json(r.to_json()) for r in stamped] == stamped  # the stamp crosses the probe's JSON
+    restart_verdict(stamped, GOOD_PROBES, t_synced=20.7, t_after_end=22.7)
+    unstamped = [ProbeResult(True, "pod-2-0 198.18.65.10 40000", seconds=0.001) for _ in range(41)]
+    with pytest.raises(ScenarioFailure, match="no exchange after the restarted kproxy's first sync"):
+        restart_verdict(unstamped, GOOD_PROBES, t_synced=20.7, t_after_end=22.7)
+
+
 def test_restart_fails_a_new_connection_refused_while_kproxy_was_dead() -> None:
     probes = dict(GOOD_PROBES, killed=[ans("pod-2-0"), err("refused")])
     with pytest.raises(ScenarioFailure, match="new connections failed around the restart: killed"):
