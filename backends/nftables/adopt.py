@@ -8,7 +8,9 @@ writes on each (``layout.rule_tag``; one netlink rule dump, which carries no set
 chain or table and a rule added by hand are seen), the ``service-ips`` and ``service-nodeports``
 maps (one element per service address, each commented with its service's key), the ``service-digests`` set (one
 element per service port, commented ``<service key> #<fragment digest>``), the firewall and hairpin sets and the
-three context sets. A service whose entries and digest equal the new fragment's is unchanged;
+three context sets. The two maps and the digest set, an element per service address each, are read with one netlink
+element dump each (``setdump``): through libnftables (its parse, its JSON, Python's) they cost seconds at 100,000
+services; the small sets through libnftables. A service whose entries and digest equal the new fragment's is unchanged;
 for any other, the keys of its big-map elements follow from its entries (an entry's verdict names the shared chain,
 ``lb-i-3``, hence the slots 0..2 of its key in ``backends``), so it can be rewritten exactly without the big read.
 """
@@ -26,7 +28,7 @@ from kproxy.toolkit.cidr import spans
 from kproxy.toolkit.nft import elements
 
 from . import counters as counters_mod
-from . import layout, render
+from . import layout, render, setdump
 
 Tags = tuple[str | None, ...]  # the comments of a chain's rules, in order (None: a rule without one)
 
@@ -176,27 +178,24 @@ def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) 
         return out, ""
     if counters:
         out.counter_reader = lambda: counters_mod.read_counts(nft, family)
+    dumped, err = read_entries(nft, family)
+    if dumped is None:
+        return None, err
     for name in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS):
-        objs, err = nft.read(f"list map {fam} {layout.TABLE} {name}")
-        if objs is None:
-            return None, err
-        for _, key, value, comment, _ in elements(objs):
+        for key, value, comment in dumped[name]:
             ckey, _ = split_comment(comment)
             svc = out.services.get(ckey)
             if svc is None:
                 svc = out.services[ckey] = Service()
             svc.entries[(name, key)] = value
-    objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.SERVICE_DIGESTS}")
-    if objs is None:
-        return None, err
-    for el in elements(objs):
-        ckey, digest = split_comment(el.comment)
+    for key, _, comment in dumped[layout.SERVICE_DIGESTS]:
+        ckey, digest = split_comment(comment)
         svc = out.services.get(ckey)
         if svc is None:  # a digest without entries: the service is rewritten (its digest element deleted first)
             svc = out.services[ckey] = Service(digests_agree=False)
         elif svc.digest_key is not None:
             svc.digests_agree = False
-        svc.digest, svc.digest_key = digest, el.key
+        svc.digest, svc.digest_key = digest, key
     objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.FIREWALL}")
     if objs is None:
         return None, err
@@ -219,6 +218,30 @@ def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) 
     # endpoint chains instead (ep-<id>-<ep>-<timeout> uses aff-<id>-<ep>-<timeout>)
     out.sets = {"aff-" + c[3:] for c in out.chains if c.startswith("ep-")}
     return out, ""
+
+
+#: the elements adoption reads over netlink (``setdump``) rather than through libnftables: one per service address
+#: or NodePort each, the rest of what it reads is a handful of elements
+DUMPED = (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS, layout.SERVICE_DIGESTS)
+
+
+def read_entries(nft: Nft, family: IPFamily) -> tuple[dict[str, list[tuple[str, str, str]]] | None, str]:
+    """The elements of the entry maps and the digest set (``DUMPED``), name -> (key as ``render`` spells it,
+    verdict or "", comment), one netlink element dump each on one socket, where ``nft``'s context lives; (None,
+    error) when a dump fails (a set missing, the socket)."""
+
+    def go() -> dict[str, list[tuple[str, str, str]]]:
+        out: dict[str, list[tuple[str, str, str]]] = {}
+        for name, chunks in setdump.raw_dumps(family, DUMPED):
+            got, _ = setdump.parse_elements(name, chunks)  # raw_dumps hands over ended dumps only
+            address = name != layout.SERVICE_NODEPORTS
+            out[name] = [(counters_mod.entry_text(family, k, address), v, c) for k, v, c in got]
+        return out
+
+    try:
+        return nft.call(go), ""
+    except OSError as exc:
+        return None, f"netlink element dump of kproxy's {render.nft_family(family)} table: {exc}"
 
 
 def tags(rules: Sequence[str]) -> Tags:
