@@ -194,6 +194,66 @@ def _plain_element(data: bytes, start: int, end: int) -> tuple[bytes, str, str] 
     return None if key is None else (key, value, comment)
 
 
+@functools.lru_cache(maxsize=16)
+def _plain_shape(keylen: int) -> re.Pattern[bytes]:
+    """For a key of ``keylen`` bytes: the pattern of one element as the kernel lays out an entry or a digest:
+    NFTA_LIST_ELEM { KEY { DATA_VALUE key }, [DATA { VERDICT { CODE, [CHAIN] } }], [EXPR counter], [USERDATA] },
+    capturing the key, the verdict code, the chain attribute's length and name, the user data's length and the
+    comment. Lengths are checked against the names by ``_fast_element`` (a name and its padding are not told apart
+    by the pattern alone)."""
+    key = re.escape(struct.pack("=HHHH", 8 + keylen, _ELEM_KEY, 4 + keylen, _DATA_VALUE)) + b"(.{%d})" % keylen
+    data = rb"(?:..\x02\x00..\x02\x00\x08\x00\x01\x00(.{4})(?:(..)\x02\x00([^\x00]*)\x00{1,4})?)?"
+    counter = re.escape(struct.pack("=HH", 44, _ELEM_EXPR)) + b".{40}"
+    userdata = rb"(?:(..)\x06\x00\x00.([^\x00]*)\x00{1,4})?"
+    return re.compile(b"..\x01\x00" + key + data + b"(?:" + counter + b")?" + userdata, re.DOTALL)
+
+
+def _fast_element(m: re.Match[bytes]) -> tuple[bytes, str, str] | None:
+    """``_plain_shape``'s match as (key, verdict, comment), or None when a length disagrees with what the pattern
+    took for a name (the attribute walk reads that element instead)."""
+    key, code, chain_len, chain, ud_len, comment = m.groups()
+    value = ""
+    if code is not None:
+        word = _VERDICTS.get(int.from_bytes(code, "big", signed=True), "")
+        if not word:
+            return None
+        if chain is not None:
+            if int.from_bytes(chain_len, "little") != len(chain) + 5:
+                return None
+            value = f"{word} {chain.decode(errors='replace')}"
+        else:
+            value = word
+    text = ""
+    if comment is not None:
+        if int.from_bytes(ud_len, "little") != len(comment) + 7:
+            return None
+        text = comment.decode(errors="replace")
+    return key, value, text
+
+
+def _plain_elements(data: bytes, start: int, end: int, out: list[tuple[bytes, str, str]]) -> None:
+    """The elements of one NFTA_SET_ELEM_LIST_ELEMENTS payload into ``out``: each by one match of its key length's
+    pattern that must end where the element does, else by the attribute walk."""
+    pattern: re.Pattern[bytes] | None = None
+    at = start
+    while at + 4 <= end:
+        length = struct.unpack_from("=H", data, at)[0]
+        if length < 4:
+            break
+        stop = at + length
+        got = None
+        if pattern is None and at + 12 <= end:
+            keylen = struct.unpack_from("=H", data, at + 4)[0] - 8
+            pattern = _plain_shape(keylen) if 0 < keylen <= 64 else None
+        if pattern is not None and (m := pattern.match(data, at, stop)) is not None and m.end() == stop:
+            got = _fast_element(m)
+        if got is None:
+            got = _plain_element(data, at + 4, stop)
+        if got is not None:
+            out.append(got)
+        at += (length + 3) & ~3
+
+
 def parse_elements(setname: str, chunks: Iterable[bytes]) -> tuple[list[tuple[bytes, str, str]], bool]:
     """A netlink element dump of any set or verdict map -> ((key bytes, verdict or "", comment or "") per element,
     whether the dump ended); a data map's values are not read (""). Raises as ``parse_raw``."""
@@ -213,10 +273,7 @@ def parse_elements(setname: str, chunks: Iterable[bytes]) -> tuple[list[tuple[by
             elif kind == _SUBSYS | _NEWSETELEM:
                 for k, a, b in _attrs(data, at + 20, at + length):
                     if k == _LIST_ELEMENTS:
-                        for _, a2, b2 in _attrs(data, a, b):
-                            got = _plain_element(data, a2, b2)
-                            if got is not None:
-                                out.append(got)
+                        _plain_elements(data, a, b, out)
             at += (length + 3) & ~3
     return out, False
 

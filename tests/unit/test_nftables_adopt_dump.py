@@ -14,7 +14,7 @@ import pytest
 from kproxy.backends.nftables import counters, layout, setdump
 from kproxy.model import IPFamily
 
-NESTED = 0x8000
+NESTED = 0x8000  # NLA_F_NESTED: nf_tables nests without it (nla_nest_start_noflag), a parser must not rely on that
 
 
 def nla(kind: int, payload: bytes, nested: bool = False) -> bytes:
@@ -24,26 +24,29 @@ def nla(kind: int, payload: bytes, nested: bool = False) -> bytes:
 
 def verdict(code: int, chain: str = "") -> bytes:
     body = nla(1, struct.pack(">i", code)) + (nla(2, chain.encode() + b"\0") if chain else b"")
-    return nla(2, nla(2, body, nested=True), nested=True)  # NFTA_SET_ELEM_DATA { NFTA_DATA_VERDICT { ... } }
+    return nla(2, nla(2, body))  # NFTA_SET_ELEM_DATA { NFTA_DATA_VERDICT { CODE, CHAIN } }
 
 
 def counter_expr(packets: int) -> bytes:
-    data = nla(2, nla(1, struct.pack(">Q", 100 * packets)) + nla(2, struct.pack(">Q", packets)), nested=True)
-    return nla(7, nla(1, b"counter\0") + data, nested=True)
+    data = nla(2, nla(1, struct.pack(">Q", 100 * packets)) + nla(2, struct.pack(">Q", packets)))
+    return nla(7, nla(1, b"counter\0") + data)
 
 
-def element(key: bytes, value: bytes = b"", comment: str | None = None, packets: int | None = None) -> bytes:
-    body = nla(1, nla(1, key), nested=True) + value
+def element(
+    key: bytes, value: bytes = b"", comment: str | None = None, packets: int | None = None, flagged: bool = False
+) -> bytes:
+    """One NFTA_LIST_ELEM in the kernel's order (``flagged``: its nests marked NLA_F_NESTED)."""
+    body = nla(1, nla(1, key), nested=flagged) + value
     if packets is not None:
         body += counter_expr(packets)
     if comment is not None:
         text = comment.encode() + b"\0"
         body += nla(6, bytes((0, len(text))) + text)
-    return nla(1, body, nested=True)
+    return nla(1, body, nested=flagged)
 
 
 def message(setname: str, elements: list[bytes], flags: int = 0x2) -> bytes:
-    attrs = nla(1, b"kproxy\0") + nla(2, setname.encode() + b"\0") + nla(3, b"".join(elements), nested=True)
+    attrs = nla(1, b"kproxy\0") + nla(2, setname.encode() + b"\0") + nla(3, b"".join(elements))
     body = struct.pack("=BBH", socket.AF_INET, 0, 0) + attrs
     return struct.pack("=IHHII", 16 + len(body), (10 << 8) | 12, flags, 1, 0) + body
 
@@ -68,13 +71,21 @@ def test_the_entry_maps_elements_come_back_with_verdict_and_comment() -> None:
             element(b, verdict(0), "bench/svc-00002:dns/UDP", packets=0),
         ],
     )
-    second = message("service-ips", [element(c, verdict(-3, "reject-chain"), "n/s:p/SCTP", packets=7)])
+    # the attribute walk reads what the one-pattern path does not expect (flagged nests, a name of 256 bytes' padding)
+    second = message(
+        "service-ips",
+        [
+            element(c, verdict(-3, "reject-chain"), "n/s:p/SCTP", packets=7, flagged=True),
+            element(a, verdict(-4, "x" * 251), "y" * 249, packets=1),
+        ],
+    )
     got, done = setdump.parse_elements("service-ips", [first, second + DONE])
     assert done
     assert got == [
         (a, "goto lb-i-10", "bench/svc-00001:http/TCP"),
         (b, "drop", "bench/svc-00002:dns/UDP"),
         (c, "jump reject-chain", "n/s:p/SCTP"),
+        (a, "goto " + "x" * 251, "y" * 249),
     ]
     digests = message("service-digests", [element(a, comment="bench/svc-00001:http/TCP #abcdefghij"), element(b)])
     got, done = setdump.parse_elements("service-digests", [digests, DONE])
