@@ -30,6 +30,7 @@ from kproxy.toolkit.nft import elements
 from . import counters as counters_mod
 from . import layout, render, setdump
 
+_ENTRY_MAPS = frozenset((layout.SERVICE_IPS, layout.SERVICE_NODEPORTS))
 Tags = tuple[str | None, ...]  # the comments of a chain's rules, in order (None: a rule without one)
 
 
@@ -129,10 +130,20 @@ class Adopted:
         return all(self.rules.get(name, ()) == tags(rules) for name, rules in frag.chains)
 
     def unchanged(self, frag: render.Fragment) -> bool:
+        """Whether the kernel holds ``frag`` (its digest, exactly its entries, its own chains). Asked for every
+        service port of a full sync: no copy of the entries is made."""
         svc = self.services.get(frag.comment)
-        if svc is None or not svc.digests_agree or svc.digest != frag.digest or not self.chains_hold(frag):
+        if svc is None or not svc.digests_agree or svc.digest != frag.digest:
             return False
-        return svc.entries == {(m, k): v for m, k, v in frag.entries}
+        if frag.chains and not self.chains_hold(frag):
+            return False
+        held, found = svc.entries, 0
+        for m, k, v in frag.elements:
+            if m in _ENTRY_MAPS:
+                if held.get((m, k)) != v:
+                    return False
+                found += 1
+        return found == len(held)
 
 
 def context_form(name: str, items: Iterable[str]) -> tuple[tuple[int, int], ...] | tuple[str, ...]:

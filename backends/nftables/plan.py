@@ -247,8 +247,11 @@ class _Full:
                 render.change_service(tx, None, None, None, old_keys=keys)
                 self.stale.add(ckey)
         # chains of services the deltas handle (changed or removed) are theirs to rewrite or delete
+        own_chains = [c for c in adopted.chains if layout.is_service_chain(c)]
+        if not own_chains and not adopted.sets:
+            return  # no service has chains or sets of its own (ClientIP affinity): no service's id is needed
         wanted_sids = {layout.service_chain_id(spn) for spn in (*batch.wanted, *self.in_batch)}
-        stale_chains = [c for c in adopted.chains if layout.is_service_chain(c) and sid_of(c) not in wanted_sids]
+        stale_chains = [c for c in own_chains if sid_of(c) not in wanted_sids]
         for c in stale_chains:
             tx.flush_chain(c, None)
         for c in stale_chains:
