@@ -17,6 +17,7 @@ for any other, the keys of its big-map elements follow from its entries (an entr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +99,8 @@ class Adopted:
     counter_reader: Callable[[], tuple[dict[tuple[str, str], int] | None, str]] | None = None
     _counting: dict[tuple[str, str], list[tuple[str, str]]] | None = None
     seconds: float = 0.0
+    #: where the read's time went (``read``: chains, rules, dump, parse, group, small_sets)
+    parts: dict[str, float] = field(default_factory=dict)
 
     def counting(self) -> dict[tuple[str, str], list[tuple[str, str]]]:
         """The counting elements the kernel holds, by entry (empty without counters). BackendError when the read
@@ -162,9 +165,10 @@ def split_comment(comment: str | None) -> tuple[str, str | None]:
 
 def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) -> tuple[Adopted | None, str]:
     """Read the table of ``family`` (see the module docstring; ``counters``: its counting elements too, one netlink
-    dump, ``counters.read_counts``); (None, error) when a read fails."""
+    dump, ``counters.read_counts``); (None, error) when a read fails. ``Adopted.parts``: where the time went."""
     fam = render.nft_family(family)
     out = Adopted(family)
+    t0 = time.perf_counter()
     objs, err = nft.read(f"list chains {fam}")
     if objs is None:
         return None, err
@@ -179,37 +183,62 @@ def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) 
         out.layout_ok = False
         return out, ""
     out.table = True
+    t1 = time.perf_counter()
     rules, err = read_rules(nft, family)
     if rules is None:
         return None, err
     out.rules = rules
+    out.parts.update(chains=t1 - t0, rules=time.perf_counter() - t1)
     # the fixed chains' rules, not only their names: a flushed table keeps chains, sets and elements, and nothing works
     out.layout_ok = layout_chain in out.chains and not fixed_problems(family, rules, counters)
     if not out.layout_ok:
         return out, ""
     if counters:
         out.counter_reader = lambda: counters_mod.read_counts(nft, family)
-    dumped, err = read_entries(nft, family)
-    if dumped is None:
+    err = _read_services(nft, out)
+    if not err:
+        err = _read_small_sets(nft, out)
+    if err:
         return None, err
+    # `list sets` formats every element of every set (seconds at scale): affinity sets are named after their
+    # endpoint chains instead (ep-<id>-<ep>-<timeout> uses aff-<id>-<ep>-<timeout>)
+    out.sets = {"aff-" + c[3:] for c in out.chains if c.startswith("ep-")}
+    return out, ""
+
+
+def _read_services(nft: Nft, out: Adopted) -> str:
+    """The services' entries and digests into ``out.services`` (``read_entries``); the error, or ""."""
+    dumped, err = read_entries(nft, out.family, out.parts)
+    if dumped is None:
+        return err
+    t0 = time.perf_counter()
+    services = out.services
     for name in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS):
         for key, value, comment in dumped[name]:
             ckey, _ = split_comment(comment)
-            svc = out.services.get(ckey)
+            svc = services.get(ckey)
             if svc is None:
-                svc = out.services[ckey] = Service()
+                svc = services[ckey] = Service()
             svc.entries[(name, key)] = value
     for key, _, comment in dumped[layout.SERVICE_DIGESTS]:
         ckey, digest = split_comment(comment)
-        svc = out.services.get(ckey)
+        svc = services.get(ckey)
         if svc is None:  # a digest without entries: the service is rewritten (its digest element deleted first)
-            svc = out.services[ckey] = Service(digests_agree=False)
+            svc = services[ckey] = Service(digests_agree=False)
         elif svc.digest_key is not None:
             svc.digests_agree = False
         svc.digest, svc.digest_key = digest, key
+    out.parts["group"] = time.perf_counter() - t0
+    return ""
+
+
+def _read_small_sets(nft: Nft, out: Adopted) -> str:
+    """The firewall, hairpin and context sets through libnftables (a few elements each); the error, or ""."""
+    t0 = time.perf_counter()
+    fam = render.nft_family(out.family)
     objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.FIREWALL}")
     if objs is None:
-        return None, err
+        return err
     for el in elements(objs):
         ckey, _ = split_comment(el.comment)
         svc = out.services.get(ckey)
@@ -218,17 +247,15 @@ def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) 
         svc.firewall.append(el.key)
     objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.HAIRPIN}")
     if objs is None:
-        return None, err
+        return err
     out.hairpin = {el.key for el in elements(objs)}
     for name in layout.CONTEXT_SETS:
         objs, err = nft.read(f"list set {fam} {layout.TABLE} {name}")
         if objs is None:
-            return None, err
+            return err
         out.context[name] = context_form(name, [el.key for el in elements(objs)])
-    # `list sets` formats every element of every set (seconds at scale): affinity sets are named after their
-    # endpoint chains instead (ep-<id>-<ep>-<timeout> uses aff-<id>-<ep>-<timeout>)
-    out.sets = {"aff-" + c[3:] for c in out.chains if c.startswith("ep-")}
-    return out, ""
+    out.parts["small_sets"] = time.perf_counter() - t0
+    return ""
 
 
 #: the elements adoption reads over netlink (``setdump``) rather than through libnftables: one per service address
@@ -236,17 +263,25 @@ def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) 
 DUMPED = (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS, layout.SERVICE_DIGESTS)
 
 
-def read_entries(nft: Nft, family: IPFamily) -> tuple[dict[str, list[tuple[str, str, str]]] | None, str]:
+def read_entries(
+    nft: Nft, family: IPFamily, parts: dict[str, float] | None = None
+) -> tuple[dict[str, list[tuple[str, str, str]]] | None, str]:
     """The elements of the entry maps and the digest set (``DUMPED``), name -> (key as ``render`` spells it,
     verdict or "", comment), one netlink element dump each on one socket, where ``nft``'s context lives; (None,
-    error) when a dump fails (a set missing, the socket)."""
+    error) when a dump fails (a set missing, the socket). ``parts`` gets the seconds in the dumps (``dump``: the
+    kernel and the socket) and in parsing them (``parse``)."""
 
     def go() -> dict[str, list[tuple[str, str, str]]]:
         out: dict[str, list[tuple[str, str, str]]] = {}
+        parse, t0 = 0.0, time.perf_counter()
         for name, chunks in setdump.raw_dumps(family, DUMPED):
+            p0 = time.perf_counter()
             got, _ = setdump.parse_elements(name, chunks)  # raw_dumps hands over ended dumps only
             address = name != layout.SERVICE_NODEPORTS
             out[name] = [(counters_mod.entry_text(family, k, address), v, c) for k, v, c in got]
+            parse += time.perf_counter() - p0
+        if parts is not None:
+            parts.update(dump=time.perf_counter() - t0 - parse, parse=parse)
         return out
 
     try:
