@@ -10,15 +10,21 @@ maps (one element per service address, each commented with its service's key), t
 element per service port, commented ``<service key> #<fragment digest>``), the firewall and hairpin sets and the
 three context sets. The two maps and the digest set, an element per service address each, are read with one netlink
 element dump each (``setdump``): through libnftables (its parse, its JSON, Python's) they cost seconds at 100,000
-services; the small sets through libnftables. A service whose entries and digest equal the new fragment's is unchanged;
+services; the small sets through libnftables. Those dumps run in the libnftables worker thread while the ledger
+renders every wanted service (the kernel's walk happens in ``recv``, without the GIL), and are taken in at the first
+comparison (``Adopted.ready``); a dump that fails then makes the table unadoptable, replaced whole as one that
+cannot be read. Where the time goes: ``Adopted.parts`` (the bench's ``restart_parts``).
+A service whose entries and digest equal the new fragment's is unchanged;
 for any other, the keys of its big-map elements follow from its entries (an entry's verdict names the shared chain,
 ``lb-i-3``, hence the slots 0..2 of its key in ``backends``), so it can be rewritten exactly without the big read.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +38,7 @@ from . import counters as counters_mod
 from . import layout, render, setdump
 
 _ENTRY_MAPS = frozenset((layout.SERVICE_IPS, layout.SERVICE_NODEPORTS))
+log = logging.getLogger(__name__)
 Tags = tuple[str | None, ...]  # the comments of a chain's rules, in order (None: a rule without one)
 
 
@@ -99,8 +106,32 @@ class Adopted:
     counter_reader: Callable[[], tuple[dict[tuple[str, str], int] | None, str]] | None = None
     _counting: dict[tuple[str, str], list[tuple[str, str]]] | None = None
     seconds: float = 0.0
-    #: where the read's time went (``read``: chains, rules, dump, parse, group, small_sets)
+    #: where the read's time went (``read``: chains, rules, small_sets, dump, parse; ``ready``: wait, group)
     parts: dict[str, float] = field(default_factory=dict)
+    #: the entry maps' and the digest set's dumps while they run in the background (``read``), taken in by ``ready``
+    pending: Future[dict[str, list[tuple[str, str, str]]]] | None = None
+    firewall: list[tuple[str, str]] = field(default_factory=list)  # (comment key, key) of firewall-allow elements
+    error: str = ""  # why the services could not be read (the table is then replaced whole)
+
+    def ready(self) -> bool:
+        """Whether the table can be adopted (this layout, and its services read), after taking in the background
+        read of its services if it ran (waiting for it). A failed read leaves ``layout_ok`` False: the table is
+        replaced whole, as when nothing could be read."""
+        pending = self.pending
+        if pending is not None:
+            self.pending = None
+            t0 = time.perf_counter()
+            try:
+                dumped = pending.result()
+            except Exception as exc:  # noqa: BLE001 - any failure of the read leaves the table unadoptable
+                self.error = f"netlink element dump of kproxy's {render.nft_family(self.family)} table: {exc!r}"
+                log.warning("%s: %s: the table will be replaced", self.family.value, self.error)
+                self.layout_ok = False
+                dumped = None
+            self.parts["wait"] = time.perf_counter() - t0
+            if dumped is not None:
+                _take_services(self, dumped)
+        return self.layout_ok
 
     def counting(self) -> dict[tuple[str, str], list[tuple[str, str]]]:
         """The counting elements the kernel holds, by entry (empty without counters). BackendError when the read
@@ -116,6 +147,7 @@ class Adopted:
         return self._counting
 
     def service(self, spn: ServicePortName) -> Service | None:
+        self.ready()
         return self.services.get(layout.comment_key(render.service_key(spn)))
 
     def get(self, spn: ServicePortName) -> Service | None:
@@ -135,6 +167,8 @@ class Adopted:
     def unchanged(self, frag: render.Fragment) -> bool:
         """Whether the kernel holds ``frag`` (its digest, exactly its entries, its own chains). Asked for every
         service port of a full sync: no copy of the entries is made."""
+        if self.pending is not None:
+            self.ready()
         svc = self.services.get(frag.comment)
         if svc is None or not svc.digests_agree or svc.digest != frag.digest:
             return False
@@ -195,22 +229,20 @@ def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) 
         return out, ""
     if counters:
         out.counter_reader = lambda: counters_mod.read_counts(nft, family)
-    err = _read_services(nft, out)
-    if not err:
-        err = _read_small_sets(nft, out)
+    err = _read_small_sets(nft, out)
     if err:
         return None, err
+    # the services' elements are dumped where the context lives while the caller renders (the ledger renders every
+    # wanted service before its first comparison): taken in by ``ready``
+    out.pending = nft.later(lambda: _dump_entries(family, out.parts))
     # `list sets` formats every element of every set (seconds at scale): affinity sets are named after their
     # endpoint chains instead (ep-<id>-<ep>-<timeout> uses aff-<id>-<ep>-<timeout>)
     out.sets = {"aff-" + c[3:] for c in out.chains if c.startswith("ep-")}
     return out, ""
 
 
-def _read_services(nft: Nft, out: Adopted) -> str:
-    """The services' entries and digests into ``out.services`` (``read_entries``); the error, or ""."""
-    dumped, err = read_entries(nft, out.family, out.parts)
-    if dumped is None:
-        return err
+def _take_services(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]]) -> None:
+    """The services' entries, digests and firewall elements into ``out.services``."""
     t0 = time.perf_counter()
     services = out.services
     for name in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS):
@@ -228,8 +260,12 @@ def _read_services(nft: Nft, out: Adopted) -> str:
         elif svc.digest_key is not None:
             svc.digests_agree = False
         svc.digest, svc.digest_key = digest, key
+    for ckey, key in out.firewall:
+        svc = services.get(ckey)
+        if svc is None:
+            svc = services[ckey] = Service(digests_agree=False)
+        svc.firewall.append(key)
     out.parts["group"] = time.perf_counter() - t0
-    return ""
 
 
 def _read_small_sets(nft: Nft, out: Adopted) -> str:
@@ -239,12 +275,7 @@ def _read_small_sets(nft: Nft, out: Adopted) -> str:
     objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.FIREWALL}")
     if objs is None:
         return err
-    for el in elements(objs):
-        ckey, _ = split_comment(el.comment)
-        svc = out.services.get(ckey)
-        if svc is None:
-            svc = out.services[ckey] = Service(digests_agree=False)
-        svc.firewall.append(el.key)
+    out.firewall = [(split_comment(el.comment)[0], el.key) for el in elements(objs)]
     objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.HAIRPIN}")
     if objs is None:
         return err
@@ -270,24 +301,25 @@ def read_entries(
     verdict or "", comment), one netlink element dump each on one socket, where ``nft``'s context lives; (None,
     error) when a dump fails (a set missing, the socket). ``parts`` gets the seconds in the dumps (``dump``: the
     kernel and the socket) and in parsing them (``parse``)."""
-
-    def go() -> dict[str, list[tuple[str, str, str]]]:
-        out: dict[str, list[tuple[str, str, str]]] = {}
-        parse, t0 = 0.0, time.perf_counter()
-        for name, chunks in setdump.raw_dumps(family, DUMPED):
-            p0 = time.perf_counter()
-            got, _ = setdump.parse_elements(name, chunks)  # raw_dumps hands over ended dumps only
-            address = name != layout.SERVICE_NODEPORTS
-            out[name] = [(counters_mod.entry_text(family, k, address), v, c) for k, v, c in got]
-            parse += time.perf_counter() - p0
-        if parts is not None:
-            parts.update(dump=time.perf_counter() - t0 - parse, parse=parse)
-        return out
-
     try:
-        return nft.call(go), ""
+        return nft.call(lambda: _dump_entries(family, parts)), ""
     except OSError as exc:
         return None, f"netlink element dump of kproxy's {render.nft_family(family)} table: {exc}"
+
+
+def _dump_entries(family: IPFamily, parts: dict[str, float] | None) -> dict[str, list[tuple[str, str, str]]]:
+    """``read_entries`` in the calling thread's namespace (OSError when a dump fails)."""
+    out: dict[str, list[tuple[str, str, str]]] = {}
+    parse, t0 = 0.0, time.perf_counter()
+    for name, chunks in setdump.raw_dumps(family, DUMPED):
+        p0 = time.perf_counter()
+        got, _ = setdump.parse_elements(name, chunks)  # raw_dumps hands over ended dumps only
+        address = name != layout.SERVICE_NODEPORTS
+        out[name] = [(counters_mod.entry_text(family, k, address), v, c) for k, v, c in got]
+        parse += time.perf_counter() - p0
+    if parts is not None:
+        parts.update(dump=time.perf_counter() - t0 - parse, parse=parse)
+    return out
 
 
 def tags(rules: Sequence[str]) -> Tags:

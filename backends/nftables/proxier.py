@@ -256,6 +256,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         r0 = time.perf_counter()
         first_round = batch.scratch is None
         if batch.full:
+            if isinstance(batch.adopted, adopt_mod.Adopted):
+                batch.adopted.ready()  # its services' read, if still running; a failed one replaces the table
             chunks = plan.full_chunks(batch, self.counting)
         else:
             if not known.known:

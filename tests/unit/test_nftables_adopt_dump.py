@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import socket
 import struct
+from concurrent.futures import Future
 
 import pytest
 
-from kproxy.backends.nftables import counters, layout, setdump
-from kproxy.model import IPFamily
+from kproxy.backends.nftables import adopt, counters, layout, render, setdump
+from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
+from kproxy.nodeaddr import FamilyContext, LocalDetect
+
+CTX4 = FamilyContext(IPFamily.V4, local=LocalDetect("cidr", ("198.18.0.0/16",)), node_ips=("198.19.255.1",))
 
 NESTED = 0x8000  # NLA_F_NESTED: nf_tables nests without it (nla_nest_start_noflag), a parser must not rely on that
 
@@ -125,3 +129,36 @@ def test_a_counting_keys_text_is_unchanged() -> None:
         (layout.count_shards(layout.NODEPORT_ENDPOINT_COUNTERS)[0], "udp . 30080 . 198.18.1.2 . 5353"),
     ):
         assert counters.key_text(name, IPFamily.V4, counters.key_bytes(IPFamily.V4, text)) == text
+
+
+def test_services_read_in_the_background_are_taken_in_when_first_needed() -> None:
+    """``adopt.read`` leaves the services' dumps running (``Adopted.pending``); the first comparison takes them in
+    (entries, digest, firewall elements read before), and a failed read makes the table unadoptable (replaced
+    whole) instead of passing for an empty one."""
+    frag = render.render_service(
+        ServicePort(
+            ServicePortName("ns1", "web", "http", Protocol.TCP),
+            IPFamily.V4,
+            "198.18.200.1",
+            80,
+            cluster_endpoints=(Endpoint("198.18.1.2", 8080),),
+            has_any_endpoints=True,
+        ),
+        CTX4,
+    )
+    done: Future[dict[str, list[tuple[str, str, str]]]] = Future()
+    done.set_result(
+        {
+            layout.SERVICE_IPS: [(k, v, frag.comment) for m, k, v in frag.entries],
+            layout.SERVICE_NODEPORTS: [],
+            layout.SERVICE_DIGESTS: [(frag.digest_key, "", frag.digest_comment)],
+        }
+    )
+    a = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=done, firewall=[("other", "1.2.3.4")])
+    assert a.unchanged(frag) and a.pending is None and a.ready()
+    assert set(a.services) == {frag.comment, "other"} and not a.services["other"].digests_agree
+    assert "wait" in a.parts and "group" in a.parts
+    failed: Future[dict[str, list[tuple[str, str, str]]]] = Future()
+    failed.set_exception(OSError(2, "No such file or directory"))
+    b = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=failed)
+    assert not b.unchanged(frag) and not b.ready() and not b.layout_ok and "No such file" in b.error
