@@ -147,7 +147,11 @@ class _Full:
         self.present_shared, self.present_hairpin, self.present_context = self._present()
         if batch.adopted is not None and self.scratch.kernel is None and self.scratch.fresh:
             self.adopted = None  # nothing of the old table survives
-        self.refs = Counter(s for f in batch.wanted.values() for s in with_deps(f.shared))
+        # by distinct tuple of shared chains first: a handful of them for every service of the table
+        self.refs: Counter[str] = Counter()
+        for shared, users in Counter(f.shared for f in batch.wanted.values()).items():
+            for s in with_deps(shared):
+                self.refs[s] += users
         self.needed_shared = set(self.refs)
         self.needed_hairpin = {h for f in batch.wanted.values() for h in f.hairpin}
         self.both_shared = self.present_shared | self.needed_shared
