@@ -8,20 +8,21 @@ writes on each (``layout.rule_tag``; one netlink rule dump, which carries no set
 chain or table and a rule added by hand are seen), the ``service-ips`` and ``service-nodeports``
 maps (one element per service address, each commented with its service's key), the ``service-digests`` set (one
 element per service port, commented ``<service key> #<fragment digest>``), the firewall and hairpin sets and the
-three context sets. The two maps and the digest set, an element per service address each, are read with one netlink
-element dump each (``setdump``): through libnftables (its parse, its JSON, Python's) they cost seconds at 100,000
-services; the small sets through libnftables. Those dumps run in the libnftables worker thread while the ledger
-renders every wanted service (the kernel's walk happens in ``recv``, without the GIL), and are taken in at the first
-comparison (``Adopted.ready``); a dump that fails then makes the table unadoptable, replaced whole as one that
-cannot be read. Where the time goes: ``Adopted.parts`` (the bench's ``restart_parts``).
-A service whose entries and digest equal the new fragment's is unchanged;
-for any other, the keys of its big-map elements follow from its entries (an entry's verdict names the shared chain,
-``lb-i-3``, hence the slots 0..2 of its key in ``backends``), so it can be rewritten exactly without the big read.
+three context sets. The two maps and the digest set, an element per service address each, and the hairpin set, one
+per local endpoint, are read with one netlink element dump each (``setdump``): through libnftables (its parse, its
+JSON, Python's) they cost seconds at 100,000 services; the small sets through libnftables. Those dumps run in the
+libnftables worker thread while the ledger renders every wanted service (the kernel's walk happens in ``recv``,
+without the GIL), and are taken in at the first comparison (``Adopted.ready``); a dump that fails then makes the
+table unadoptable, replaced whole as one that cannot be read. Where the time goes: ``Adopted.parts`` (the bench's
+``restart_parts``). A service whose entries and digest equal the new fragment's is unchanged; for any other, the
+keys of its big-map elements follow from its entries (an entry's verdict names the shared chain, ``lb-i-3``, hence
+the slots 0..2 of its key in ``backends``), so it can be rewritten exactly without the big read.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
@@ -260,6 +261,7 @@ def _take_services(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]
         elif svc.digest_key is not None:
             svc.digests_agree = False
         svc.digest, svc.digest_key = digest, key
+    out.hairpin = {key for key, _, _ in dumped[layout.HAIRPIN]}
     for ckey, key in out.firewall:
         svc = services.get(ckey)
         if svc is None:
@@ -269,17 +271,13 @@ def _take_services(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]
 
 
 def _read_small_sets(nft: Nft, out: Adopted) -> str:
-    """The firewall, hairpin and context sets through libnftables (a few elements each); the error, or ""."""
+    """The firewall and context sets through libnftables (a few elements each); the error, or ""."""
     t0 = time.perf_counter()
     fam = render.nft_family(out.family)
     objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.FIREWALL}")
     if objs is None:
         return err
     out.firewall = [(split_comment(el.comment)[0], el.key) for el in elements(objs)]
-    objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.HAIRPIN}")
-    if objs is None:
-        return err
-    out.hairpin = {el.key for el in elements(objs)}
     for name in layout.CONTEXT_SETS:
         objs, err = nft.read(f"list set {fam} {layout.TABLE} {name}")
         if objs is None:
@@ -290,8 +288,17 @@ def _read_small_sets(nft: Nft, out: Adopted) -> str:
 
 
 #: the elements adoption reads over netlink (``setdump``) rather than through libnftables: one per service address
-#: or NodePort each, the rest of what it reads is a handful of elements
-DUMPED = (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS, layout.SERVICE_DIGESTS)
+#: or NodePort each, and one per local endpoint (hairpin); the rest of what it reads is a handful of elements
+DUMPED = (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS, layout.SERVICE_DIGESTS, layout.HAIRPIN)
+
+
+def key_text(family: IPFamily, setname: str, raw: bytes) -> str:
+    """A ``DUMPED`` element's key from its bytes, spelled as ``render`` writes it (``198.19.0.1 . tcp . 80``,
+    ``tcp . 30080``, a hairpin's ``198.18.1.2 . 198.18.1.2``)."""
+    if setname == layout.HAIRPIN:
+        af, n = (socket.AF_INET, 4) if family is IPFamily.V4 else (socket.AF_INET6, 16)
+        return f"{socket.inet_ntop(af, raw[:n])} . {socket.inet_ntop(af, raw[n : 2 * n])}"
+    return counters_mod.entry_text(family, raw, setname != layout.SERVICE_NODEPORTS)
 
 
 def read_entries(
@@ -314,8 +321,7 @@ def _dump_entries(family: IPFamily, parts: dict[str, float] | None) -> dict[str,
     for name, chunks in setdump.raw_dumps(family, DUMPED):
         p0 = time.perf_counter()
         got, _ = setdump.parse_elements(name, chunks)  # raw_dumps hands over ended dumps only
-        address = name != layout.SERVICE_NODEPORTS
-        out[name] = [(counters_mod.entry_text(family, k, address), v, c) for k, v, c in got]
+        out[name] = [(key_text(family, name, k), v, c) for k, v, c in got]
         parse += time.perf_counter() - p0
     if parts is not None:
         parts.update(dump=time.perf_counter() - t0 - parse, parse=parse)

@@ -96,7 +96,7 @@ def test_the_netlink_read_equals_libnftables_listing_and_a_restart_writes_nothin
             got, err = adopt.read_entries(p.nft, family)
             assert got is not None, err
             for name in adopt.DUMPED:
-                kind = "set" if name == layout.SERVICE_DIGESTS else "map"
+                kind = "map" if name in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS) else "set"
                 objs, err = p.nft.read(f"list {kind} {fam} kproxy {name}")
                 assert objs is not None, err
                 listed = sorted((el.key, el.value, el.comment) for el in elements(objs))

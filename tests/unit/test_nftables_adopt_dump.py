@@ -122,6 +122,13 @@ def test_entry_keys_are_spelled_as_render_writes_them(family: IPFamily, text: st
     assert counters.entry_text(family, raw, address) == text
 
 
+def test_a_hairpin_key_is_spelled_as_render_writes_it() -> None:
+    raw = socket.inet_aton("198.18.1.2") * 2
+    assert adopt.key_text(IPFamily.V4, layout.HAIRPIN, raw) == "198.18.1.2 . 198.18.1.2"
+    raw6 = socket.inet_pton(socket.AF_INET6, "fd00:198:18:7f::3") * 2
+    assert adopt.key_text(IPFamily.V6, layout.HAIRPIN, raw6) == "fd00:198:18:7f::3 . fd00:198:18:7f::3"
+
+
 def test_a_counting_keys_text_is_unchanged() -> None:
     """``key_text`` now spells its entry part with ``entry_text``: the same text as before, both kinds."""
     for name, text in (
@@ -152,12 +159,13 @@ def test_services_read_in_the_background_are_taken_in_when_first_needed() -> Non
             layout.SERVICE_IPS: [(k, v, frag.comment) for m, k, v in frag.entries],
             layout.SERVICE_NODEPORTS: [],
             layout.SERVICE_DIGESTS: [(frag.digest_key, "", frag.digest_comment)],
+            layout.HAIRPIN: [("198.18.1.2 . 198.18.1.2", "", "")],
         }
     )
     a = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=done, firewall=[("other", "1.2.3.4")])
     assert a.unchanged(frag) and a.pending is None and a.ready()
     assert set(a.services) == {frag.comment, "other"} and not a.services["other"].digests_agree
-    assert "wait" in a.parts and "group" in a.parts
+    assert "wait" in a.parts and "group" in a.parts and a.hairpin == {"198.18.1.2 . 198.18.1.2"}
     failed: Future[dict[str, list[tuple[str, str, str]]]] = Future()
     failed.set_exception(OSError(2, "No such file or directory"))
     b = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=failed)
