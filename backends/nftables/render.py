@@ -26,7 +26,7 @@ from kproxy.toolkit.nft import nft_family as nft_family
 
 from .layout import (
     ADDR,
-    B32,
+    B32_PAIRS,
     BACKENDS,
     FAM,
     FIREWALL,
@@ -133,18 +133,13 @@ class Fragment:
         return tuple(e for e in self.elements if e[0] in (SERVICE_IPS, SERVICE_NODEPORTS))
 
 
-#: two base32 characters per 10 bits, the lower 5 bits first: a digest's 50 bits in five lookups
-_B32_PAIRS = tuple(B32[v & 31] + B32[v >> 5] for v in range(1024))
-
-
 def _digest(elements: Sequence[Element], rest: Sequence[object]) -> str:
-    """A stable digest (across processes: not ``hash()``) of a fragment's content, 50 bits in base32 (the lowest 5
-    bits first). Computed for every service port a full sync renders: kept to a few C calls."""
+    """A stable digest (not ``hash()``) of a fragment's content, 50 bits in base32, lowest 5 first; few C calls."""
     text = "\n".join(map("|".join, elements))
     if any(rest):
         text += repr(rest)
     n = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-    p = _B32_PAIRS
+    p = B32_PAIRS
     return p[n & 1023] + p[(n >> 10) & 1023] + p[(n >> 20) & 1023] + p[(n >> 30) & 1023] + p[(n >> 40) & 1023]
 
 
