@@ -9,7 +9,8 @@ protocol in ``kproxy.batch``). Everything around that is the same for every mode
 - turning ``sync(state, changes)`` into ``Delta`` values and handing them to ``apply`` in a ``Batch``: partial
   batches hold the dirty services only; full batches (first sync, after a failure, a changed node context, a
   backend's request, or when the cheap check says its state vanished) hold every service whose fragment differs from
-  what the kernel holds, which the backend's ``adopt`` reads once, so a restart with nothing changed writes nothing;
+  what the kernel holds, which the backend's ``adopt`` reads once, so a restart with nothing changed writes nothing
+  (every wanted service is rendered before the first comparison: a backend may go on reading meanwhile);
 - the render memo: a service port whose ``ServicePort`` and context equal the applied ones keeps its applied
   fragment (rendering is pure), so a full sync of an unchanged table renders nothing;
 - the schedule of the cheap "is my state still there" check (``needs_full``), one policy for every mode: before
@@ -370,6 +371,12 @@ class Ledger(Generic[F, C, A, V, S]):
         rec_services, rec_fragments = rec.services, rec.fragments
         has_old = bool(rec_services) or bool(rec_fragments)  # a first sync or a restart: nothing recorded
         unchanged = self.backend.adopted_unchanged
+        if full and adopted is not None and attempt == 0:
+            # every wanted service rendered before the first comparison with the adoption: a backend whose read of
+            # the kernel goes on in the background meanwhile (nftables' element dumps) overlaps the two
+            for spn, sp in plan.pairs:
+                if sp is not None:
+                    self._render(plan, spn, sp, rounds)
         for spn, sp in plan.pairs:
             old_sp: ServicePort | None = None
             old_frag: F | None = None

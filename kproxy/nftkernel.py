@@ -178,6 +178,10 @@ class Nft:
         """Run ``fn`` where the context lives (the worker thread, in the namespace), and return what it returns."""
         return self._submit(fn).result()
 
+    def later(self, fn: Callable[[], T]) -> Future[T]:
+        """``call`` without waiting: the caller works meanwhile (calls queued after it wait for it)."""
+        return self._submit(fn)
+
     def ready(self) -> None:
         """Open the context now (the userspace mode does it before any proxy socket exists)."""
         self.call(self._nft)

@@ -76,10 +76,11 @@ dump, no set elements; a rule deleted, added or replaced by hand, or a flushed t
 the small maps and sets (``service-ips``, ``service-nodeports``, ``service-digests``, firewall, hairpin, context
 sets), never the 100,000-slot
 maps (listing the whole table takes seconds at 10k x 10; ``nft list tables`` and ``list chain`` fetch all of it too
-in nft 1.0.6). A service whose entries and digest match is left alone, so a restart with nothing changed writes
-nothing; a changed or vanished service's slot keys follow from its entries' verdicts (``lb-i-3``: slots 0..2). A
-table of another layout, or one that cannot be read, is replaced in one transaction (``add table; delete table;
-…``), so there is no moment without rules.
+in nft 1.0.6); the three with an element per service address by netlink element dumps (``setdump``), in the
+background while the ledger renders (``adopt``). A service whose entries and digest match is left alone, so a
+restart with nothing changed writes nothing; a changed or vanished service's slot keys follow from its entries'
+verdicts (``lb-i-3``: slots 0..2). A table of another layout, or one that cannot be read, is replaced in one
+transaction (``add table; delete table; …``), so there is no moment without rules.
 
 What it costs (full, partial and restart syncs, against the kernel's own ``nft -f`` and upstream's layout):
 docs/PERFORMANCE.md.

@@ -8,14 +8,24 @@ writes on each (``layout.rule_tag``; one netlink rule dump, which carries no set
 chain or table and a rule added by hand are seen), the ``service-ips`` and ``service-nodeports``
 maps (one element per service address, each commented with its service's key), the ``service-digests`` set (one
 element per service port, commented ``<service key> #<fragment digest>``), the firewall and hairpin sets and the
-three context sets. A service whose entries and digest equal the new fragment's is unchanged;
-for any other, the keys of its big-map elements follow from its entries (an entry's verdict names the shared chain,
-``lb-i-3``, hence the slots 0..2 of its key in ``backends``), so it can be rewritten exactly without the big read.
+three context sets. The two maps and the digest set, an element per service address each, and the hairpin set, one
+per local endpoint, are read with one netlink element dump each (``setdump``): through libnftables (its parse, its
+JSON, Python's) they cost seconds at 100,000 services; the small sets through libnftables. Those dumps run in the
+libnftables worker thread while the ledger renders every wanted service (the kernel's walk happens in ``recv``,
+without the GIL), and are taken in at the first comparison (``Adopted.ready``); a dump that fails then makes the
+table unadoptable, replaced whole as one that cannot be read. Where the time goes: ``Adopted.parts`` (the bench's
+``restart_parts``). A service whose entries and digest equal the new fragment's is unchanged; for any other, the
+keys of its big-map elements follow from its entries (an entry's verdict names the shared chain, ``lb-i-3``, hence
+the slots 0..2 of its key in ``backends``), so it can be rewritten exactly without the big read.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +36,10 @@ from kproxy.toolkit.cidr import spans
 from kproxy.toolkit.nft import elements
 
 from . import counters as counters_mod
-from . import layout, render
+from . import layout, render, setdump
 
+_ENTRY_MAPS = frozenset((layout.SERVICE_IPS, layout.SERVICE_NODEPORTS))
+log = logging.getLogger(__name__)
 Tags = tuple[str | None, ...]  # the comments of a chain's rules, in order (None: a rule without one)
 
 
@@ -95,6 +107,32 @@ class Adopted:
     counter_reader: Callable[[], tuple[dict[tuple[str, str], int] | None, str]] | None = None
     _counting: dict[tuple[str, str], list[tuple[str, str]]] | None = None
     seconds: float = 0.0
+    #: where the read's time went (``read``: chains, rules, small_sets, dump, parse; ``ready``: wait, group)
+    parts: dict[str, float] = field(default_factory=dict)
+    #: the entry maps' and the digest set's dumps while they run in the background (``read``), taken in by ``ready``
+    pending: Future[dict[str, list[tuple[str, str, str]]]] | None = None
+    firewall: list[tuple[str, str]] = field(default_factory=list)  # (comment key, key) of firewall-allow elements
+    error: str = ""  # why the services could not be read (the table is then replaced whole)
+
+    def ready(self) -> bool:
+        """Whether the table can be adopted (this layout, and its services read), after taking in the background
+        read of its services if it ran (waiting for it). A failed read leaves ``layout_ok`` False: the table is
+        replaced whole, as when nothing could be read."""
+        pending = self.pending
+        if pending is not None:
+            self.pending = None
+            t0 = time.perf_counter()
+            try:
+                dumped = pending.result()
+            except Exception as exc:  # noqa: BLE001 - any failure of the read leaves the table unadoptable
+                self.error = f"netlink element dump of kproxy's {render.nft_family(self.family)} table: {exc!r}"
+                log.warning("%s: %s: the table will be replaced", self.family.value, self.error)
+                self.layout_ok = False
+                dumped = None
+            self.parts["wait"] = time.perf_counter() - t0
+            if dumped is not None:
+                _take_services(self, dumped)
+        return self.layout_ok
 
     def counting(self) -> dict[tuple[str, str], list[tuple[str, str]]]:
         """The counting elements the kernel holds, by entry (empty without counters). BackendError when the read
@@ -110,6 +148,7 @@ class Adopted:
         return self._counting
 
     def service(self, spn: ServicePortName) -> Service | None:
+        self.ready()
         return self.services.get(layout.comment_key(render.service_key(spn)))
 
     def get(self, spn: ServicePortName) -> Service | None:
@@ -127,10 +166,22 @@ class Adopted:
         return all(self.rules.get(name, ()) == tags(rules) for name, rules in frag.chains)
 
     def unchanged(self, frag: render.Fragment) -> bool:
+        """Whether the kernel holds ``frag`` (its digest, exactly its entries, its own chains). Asked for every
+        service port of a full sync: no copy of the entries is made."""
+        if self.pending is not None:
+            self.ready()
         svc = self.services.get(frag.comment)
-        if svc is None or not svc.digests_agree or svc.digest != frag.digest or not self.chains_hold(frag):
+        if svc is None or not svc.digests_agree or svc.digest != frag.digest:
             return False
-        return svc.entries == {(m, k): v for m, k, v in frag.entries}
+        if frag.chains and not self.chains_hold(frag):
+            return False
+        held, found = svc.entries, 0
+        for m, k, v in frag.elements:
+            if m in _ENTRY_MAPS:
+                if held.get((m, k)) != v:
+                    return False
+                found += 1
+        return found == len(held)
 
 
 def context_form(name: str, items: Iterable[str]) -> tuple[tuple[int, int], ...] | tuple[str, ...]:
@@ -149,9 +200,10 @@ def split_comment(comment: str | None) -> tuple[str, str | None]:
 
 def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) -> tuple[Adopted | None, str]:
     """Read the table of ``family`` (see the module docstring; ``counters``: its counting elements too, one netlink
-    dump, ``counters.read_counts``); (None, error) when a read fails."""
+    dump, ``counters.read_counts``); (None, error) when a read fails. ``Adopted.parts``: where the time went."""
     fam = render.nft_family(family)
     out = Adopted(family)
+    t0 = time.perf_counter()
     objs, err = nft.read(f"list chains {fam}")
     if objs is None:
         return None, err
@@ -166,59 +218,114 @@ def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) 
         out.layout_ok = False
         return out, ""
     out.table = True
+    t1 = time.perf_counter()
     rules, err = read_rules(nft, family)
     if rules is None:
         return None, err
     out.rules = rules
+    out.parts.update(chains=t1 - t0, rules=time.perf_counter() - t1)
     # the fixed chains' rules, not only their names: a flushed table keeps chains, sets and elements, and nothing works
     out.layout_ok = layout_chain in out.chains and not fixed_problems(family, rules, counters)
     if not out.layout_ok:
         return out, ""
     if counters:
         out.counter_reader = lambda: counters_mod.read_counts(nft, family)
-    for name in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS):
-        objs, err = nft.read(f"list map {fam} {layout.TABLE} {name}")
-        if objs is None:
-            return None, err
-        for _, key, value, comment, _ in elements(objs):
-            ckey, _ = split_comment(comment)
-            svc = out.services.get(ckey)
-            if svc is None:
-                svc = out.services[ckey] = Service()
-            svc.entries[(name, key)] = value
-    objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.SERVICE_DIGESTS}")
-    if objs is None:
+    err = _read_small_sets(nft, out)
+    if err:
         return None, err
-    for el in elements(objs):
-        ckey, digest = split_comment(el.comment)
-        svc = out.services.get(ckey)
-        if svc is None:  # a digest without entries: the service is rewritten (its digest element deleted first)
-            svc = out.services[ckey] = Service(digests_agree=False)
-        elif svc.digest_key is not None:
-            svc.digests_agree = False
-        svc.digest, svc.digest_key = digest, el.key
-    objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.FIREWALL}")
-    if objs is None:
-        return None, err
-    for el in elements(objs):
-        ckey, _ = split_comment(el.comment)
-        svc = out.services.get(ckey)
-        if svc is None:
-            svc = out.services[ckey] = Service(digests_agree=False)
-        svc.firewall.append(el.key)
-    objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.HAIRPIN}")
-    if objs is None:
-        return None, err
-    out.hairpin = {el.key for el in elements(objs)}
-    for name in layout.CONTEXT_SETS:
-        objs, err = nft.read(f"list set {fam} {layout.TABLE} {name}")
-        if objs is None:
-            return None, err
-        out.context[name] = context_form(name, [el.key for el in elements(objs)])
+    # the services' elements are dumped where the context lives while the caller renders (the ledger renders every
+    # wanted service before its first comparison): taken in by ``ready``
+    out.pending = nft.later(lambda: _dump_entries(family, out.parts))
     # `list sets` formats every element of every set (seconds at scale): affinity sets are named after their
     # endpoint chains instead (ep-<id>-<ep>-<timeout> uses aff-<id>-<ep>-<timeout>)
     out.sets = {"aff-" + c[3:] for c in out.chains if c.startswith("ep-")}
     return out, ""
+
+
+def _take_services(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]]) -> None:
+    """The services' entries, digests and firewall elements into ``out.services``."""
+    t0 = time.perf_counter()
+    services = out.services
+    for name in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS):
+        for key, value, comment in dumped[name]:
+            ckey, _ = split_comment(comment)
+            svc = services.get(ckey)
+            if svc is None:
+                svc = services[ckey] = Service()
+            svc.entries[(name, key)] = value
+    for key, _, comment in dumped[layout.SERVICE_DIGESTS]:
+        ckey, digest = split_comment(comment)
+        svc = services.get(ckey)
+        if svc is None:  # a digest without entries: the service is rewritten (its digest element deleted first)
+            svc = services[ckey] = Service(digests_agree=False)
+        elif svc.digest_key is not None:
+            svc.digests_agree = False
+        svc.digest, svc.digest_key = digest, key
+    out.hairpin = {key for key, _, _ in dumped[layout.HAIRPIN]}
+    for ckey, key in out.firewall:
+        svc = services.get(ckey)
+        if svc is None:
+            svc = services[ckey] = Service(digests_agree=False)
+        svc.firewall.append(key)
+    out.parts["group"] = time.perf_counter() - t0
+
+
+def _read_small_sets(nft: Nft, out: Adopted) -> str:
+    """The firewall and context sets through libnftables (a few elements each); the error, or ""."""
+    t0 = time.perf_counter()
+    fam = render.nft_family(out.family)
+    objs, err = nft.read(f"list set {fam} {layout.TABLE} {layout.FIREWALL}")
+    if objs is None:
+        return err
+    out.firewall = [(split_comment(el.comment)[0], el.key) for el in elements(objs)]
+    for name in layout.CONTEXT_SETS:
+        objs, err = nft.read(f"list set {fam} {layout.TABLE} {name}")
+        if objs is None:
+            return err
+        out.context[name] = context_form(name, [el.key for el in elements(objs)])
+    out.parts["small_sets"] = time.perf_counter() - t0
+    return ""
+
+
+#: the elements adoption reads over netlink (``setdump``) rather than through libnftables: one per service address
+#: or NodePort each, and one per local endpoint (hairpin); the rest of what it reads is a handful of elements
+DUMPED = (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS, layout.SERVICE_DIGESTS, layout.HAIRPIN)
+
+
+def key_text(family: IPFamily, setname: str, raw: bytes) -> str:
+    """A ``DUMPED`` element's key from its bytes, spelled as ``render`` writes it (``198.19.0.1 . tcp . 80``,
+    ``tcp . 30080``, a hairpin's ``198.18.1.2 . 198.18.1.2``)."""
+    if setname == layout.HAIRPIN:
+        af, n = (socket.AF_INET, 4) if family is IPFamily.V4 else (socket.AF_INET6, 16)
+        return f"{socket.inet_ntop(af, raw[:n])} . {socket.inet_ntop(af, raw[n : 2 * n])}"
+    return counters_mod.entry_text(family, raw, setname != layout.SERVICE_NODEPORTS)
+
+
+def read_entries(
+    nft: Nft, family: IPFamily, parts: dict[str, float] | None = None
+) -> tuple[dict[str, list[tuple[str, str, str]]] | None, str]:
+    """The elements of the entry maps and the digest set (``DUMPED``), name -> (key as ``render`` spells it,
+    verdict or "", comment), one netlink element dump each on one socket, where ``nft``'s context lives; (None,
+    error) when a dump fails (a set missing, the socket). ``parts`` gets the seconds in the dumps (``dump``: the
+    kernel and the socket) and in parsing them (``parse``)."""
+    try:
+        return nft.call(lambda: _dump_entries(family, parts)), ""
+    except OSError as exc:
+        return None, f"netlink element dump of kproxy's {render.nft_family(family)} table: {exc}"
+
+
+def _dump_entries(family: IPFamily, parts: dict[str, float] | None) -> dict[str, list[tuple[str, str, str]]]:
+    """``read_entries`` in the calling thread's namespace (OSError when a dump fails)."""
+    out: dict[str, list[tuple[str, str, str]]] = {}
+    parse, t0 = 0.0, time.perf_counter()
+    for name, chunks in setdump.raw_dumps(family, DUMPED):
+        p0 = time.perf_counter()
+        got, _ = setdump.parse_elements(name, chunks)  # raw_dumps hands over ended dumps only
+        out[name] = [(key_text(family, name, k), v, c) for k, v, c in got]
+        parse += time.perf_counter() - p0
+    if parts is not None:
+        parts.update(dump=time.perf_counter() - t0 - parse, parse=parse)
+    return out
 
 
 def tags(rules: Sequence[str]) -> Tags:

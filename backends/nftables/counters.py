@@ -119,19 +119,25 @@ _PROTO_NUMBERS = {v: k for k, v in _PROTO_NAMES.items()}
 _AF = {IPFamily.V4: socket.AF_INET, IPFamily.V6: socket.AF_INET6}
 
 
+def entry_text(family: IPFamily, raw: bytes, address: bool = True) -> str:
+    """An entry's key (``service-ips``, ``service-digests``: ``address``; ``service-nodeports``: not) from the
+    kernel's bytes, spelled as ``render`` writes it: ``198.19.0.1 . tcp . 80``, ``tcp . 30080``; ``entry_bytes``'
+    inverse."""
+    n = 4 if family is IPFamily.V4 else 16
+    at = n if address else 0
+    proto = _PROTO_NAMES.get(raw[at]) or str(raw[at])
+    port = int.from_bytes(raw[at + 4 : at + 6], "big")
+    return f"{socket.inet_ntop(_AF[family], raw[:n])} . {proto} . {port}" if address else f"{proto} . {port}"
+
+
 def key_text(setname: str, family: IPFamily, raw: bytes) -> str:
     """A counting element's key from its bytes, spelled as ``with_counters`` writes it: ``198.19.0.1 . tcp . 80 .
     198.18.1.1 . 8080`` (a NodePort's: ``tcp . 30080 . 198.18.1.1 . 8080``)."""
-    af, n = (socket.AF_INET, 4) if family is IPFamily.V4 else (socket.AF_INET6, 16)
-    at, parts = 0, []
-    if _KIND.get(setname, setname) == layout.ENDPOINT_COUNTERS:
-        parts.append(socket.inet_ntop(af, raw[:n]))
-        at = n
-    parts.append(_PROTO_NAMES.get(raw[at], str(raw[at])))
-    parts.append(str(int.from_bytes(raw[at + 4 : at + 6], "big")))
-    parts.append(socket.inet_ntop(af, raw[at + 8 : at + 8 + n]))
-    parts.append(str(int.from_bytes(raw[at + 8 + n : at + 10 + n], "big")))
-    return " . ".join(parts)
+    n = 4 if family is IPFamily.V4 else 16
+    address = _KIND.get(setname, setname) == layout.ENDPOINT_COUNTERS
+    at = n + 8 if address else 8
+    ep = socket.inet_ntop(_AF[family], raw[at : at + n])
+    return f"{entry_text(family, raw, address)} . {ep} . {int.from_bytes(raw[at + n : at + n + 2], 'big')}"
 
 
 def _port(port: str) -> bytes:

@@ -91,6 +91,7 @@ ADDR = {IPFamily.V4: "ipv4_addr", IPFamily.V6: "ipv6_addr"}
 
 
 B32 = "abcdefghijklmnopqrstuvwxyz234567"
+B32_PAIRS = tuple(B32[v & 31] + B32[v >> 5] for v in range(1024))  # 10 bits, lower 5 first: 50 in five lookups
 
 
 def short_hash(text: str, n: int = 10) -> str:

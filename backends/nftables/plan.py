@@ -147,7 +147,11 @@ class _Full:
         self.present_shared, self.present_hairpin, self.present_context = self._present()
         if batch.adopted is not None and self.scratch.kernel is None and self.scratch.fresh:
             self.adopted = None  # nothing of the old table survives
-        self.refs = Counter(s for f in batch.wanted.values() for s in with_deps(f.shared))
+        # by distinct tuple of shared chains first: a handful of them for every service of the table
+        self.refs: Counter[str] = Counter()
+        for shared, users in Counter(f.shared for f in batch.wanted.values()).items():
+            for s in with_deps(shared):
+                self.refs[s] += users
         self.needed_shared = set(self.refs)
         self.needed_hairpin = {h for f in batch.wanted.values() for h in f.hairpin}
         self.both_shared = self.present_shared | self.needed_shared
@@ -247,8 +251,11 @@ class _Full:
                 render.change_service(tx, None, None, None, old_keys=keys)
                 self.stale.add(ckey)
         # chains of services the deltas handle (changed or removed) are theirs to rewrite or delete
+        own_chains = [c for c in adopted.chains if layout.is_service_chain(c)]
+        if not own_chains and not adopted.sets:
+            return  # no service has chains or sets of its own (ClientIP affinity): no service's id is needed
         wanted_sids = {layout.service_chain_id(spn) for spn in (*batch.wanted, *self.in_batch)}
-        stale_chains = [c for c in adopted.chains if layout.is_service_chain(c) and sid_of(c) not in wanted_sids]
+        stale_chains = [c for c in own_chains if sid_of(c) not in wanted_sids]
         for c in stale_chains:
             tx.flush_chain(c, None)
         for c in stale_chains:

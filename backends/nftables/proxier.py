@@ -254,7 +254,10 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         fam = batch.family
         known = self._kernel[fam]
         r0 = time.perf_counter()
+        first_round = batch.scratch is None
         if batch.full:
+            if isinstance(batch.adopted, adopt_mod.Adopted):
+                batch.adopted.ready()  # its services' read, if still running; a failed one replaces the table
             chunks = plan.full_chunks(batch, self.counting)
         else:
             if not known.known:
@@ -263,6 +266,9 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         render_s = time.perf_counter() - r0
         out = kernel.apply_chunks(self.nft, chunks, lambda chunk: plan.commit(batch, known, chunk))
         out.timings["render_apply"] += render_s
+        if batch.full and first_round and isinstance(batch.adopted, adopt_mod.Adopted):
+            # where adoption's read went (``adopt.read``), once per sync: the ledger adds up its rounds' timings
+            out.timings.update({f"adopt_{k}": v for k, v in batch.adopted.parts.items()})
         figures, timings = out.figures, MappingProxyType(out.timings)
         if out.error is not None:
             chunk, res = out.error

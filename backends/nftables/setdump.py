@@ -1,5 +1,6 @@
-"""Netlink element dumps of nf_tables sets whose elements carry a counter (the nftables mode's counting sets,
-``counters.py``): the request, the datagrams, and a parser keyed by the elements' raw key bytes.
+"""Netlink element dumps of kproxy's nf_tables sets and maps: the request, the datagrams, and two parsers: one for
+the counting sets (``counters.py``), keyed by the elements' raw key bytes, and one for the elements adoption reads
+(``adopt.py``: the entry maps and the digest set), each element's key bytes, verdict and comment.
 
 Decisions:
 
@@ -9,6 +10,9 @@ Decisions:
 - **Small sets** are the caller's business and the reason it shards: the kernel resumes a set's dump at each ~32 KB
   continuation by walking the set again from its start and skipping the elements already sent, so one dump of n
   elements costs O(n^2).
+- **Adoption's elements** (``parse_elements``): the entry maps and the digest set hold one element per service
+  address (100,000 at 100,000 services), each with a comment; libnftables' ``list map`` of one costs seconds there
+  (its own parse, its JSON, Python's JSON), the attribute walk here a fraction (docs/PERFORMANCE.md).
 - **Parsing**: every element of a counting set without comment or timeout has the same attributes in the same order
   and the same length (key, then one ``counter`` expression: bytes, packets). A message's element list is checked
   whole against one compiled pattern (a run of such elements) and unpacked by one ``struct`` in C, straight into
@@ -36,7 +40,11 @@ _GETSETELEM, _NEWSETELEM = 13, 12  # NFT_MSG_*
 _NEWSETELEM_TYPE = netlink.nft_type(_NEWSETELEM)
 _LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3  # NFTA_SET_ELEM_LIST_*
 _LIST_ELEM = 1  # NFTA_LIST_ELEM
-_ELEM_KEY, _ELEM_EXPR, _ELEM_EXPRESSIONS = 1, 7, 11  # NFTA_SET_ELEM_*
+_ELEM_KEY, _ELEM_DATA, _ELEM_USERDATA, _ELEM_EXPR, _ELEM_EXPRESSIONS = 1, 2, 6, 7, 11  # NFTA_SET_ELEM_*
+_DATA_VERDICT, _VERDICT_CODE, _VERDICT_CHAIN = 2, 1, 2  # NFTA_DATA_VERDICT, NFTA_VERDICT_*
+#: verdict codes (linux/netfilter.h, nf_tables.h) as nft spells them; jump and goto name their chain
+_VERDICTS = {0: "drop", 1: "accept", -1: "continue", -2: "break", -3: "jump", -4: "goto", -5: "return"}
+_UDATA_COMMENT = 0  # NFTNL_UDATA_SET_ELEM_COMMENT: libnftnl's user data is (type u8, length u8, value) records
 _DATA_VALUE, _EXPR_NAME, _EXPR_DATA, _COUNTER_BYTES, _COUNTER_PACKETS = 1, 1, 2, 1, 2
 _RECV = 1 << 16  # a dump's datagram is at most ~32 KB (the kernel's cap on its continuation buffers)
 _TIMEOUT_S = 30.0
@@ -122,6 +130,125 @@ def parse_raw(setname: str, chunks: Iterable[bytes]) -> tuple[dict[bytes, int], 
                 for k, a, b in netlink.attrs(data, h.at + netlink.NFNL_HDRLEN, h.at + h.length):
                     if k == _LIST_ELEMENTS:
                         _elements(data, a, b, out)
+    return out, False
+
+
+def _verdict(data: bytes, start: int, end: int) -> str:
+    """A verdict's text (``goto lb-i-3``, ``drop``) from an NFTA_DATA_VERDICT payload."""
+    code, chain = None, ""
+    for kind, a, b in _attrs(data, start, end):
+        if kind == _VERDICT_CODE:
+            code = struct.unpack_from(">i", data, a)[0]
+        elif kind == _VERDICT_CHAIN:
+            chain = data[a:b].rstrip(b"\0").decode(errors="replace")
+    word = _VERDICTS.get(code, str(code)) if code is not None else ""
+    return f"{word} {chain}" if chain else word
+
+
+def _comment(data: bytes, start: int, end: int) -> str:
+    """The comment among an element's user data records ("" without one)."""
+    while start + 2 <= end:
+        kind, length = data[start], data[start + 1]
+        if kind == _UDATA_COMMENT:
+            return data[start + 2 : start + 2 + length].rstrip(b"\0").decode(errors="replace")
+        start += 2 + length
+    return ""
+
+
+def _plain_element(data: bytes, start: int, end: int) -> tuple[bytes, str, str] | None:
+    """(key bytes, verdict or "", comment or "") of one NFTA_LIST_ELEM; None without a key."""
+    key, value, comment = None, "", ""
+    for kind, a, b in _attrs(data, start, end):
+        if kind == _ELEM_KEY:
+            key = next((data[a2:b2] for k2, a2, b2 in _attrs(data, a, b) if k2 == _DATA_VALUE), None)
+        elif kind == _ELEM_DATA:
+            value = next((_verdict(data, a2, b2) for k2, a2, b2 in _attrs(data, a, b) if k2 == _DATA_VERDICT), "")
+        elif kind == _ELEM_USERDATA:
+            comment = _comment(data, a, b)
+    return None if key is None else (key, value, comment)
+
+
+@functools.lru_cache(maxsize=16)
+def _plain_shape(keylen: int) -> re.Pattern[bytes]:
+    """For a key of ``keylen`` bytes: the pattern of one element as the kernel lays out an entry or a digest:
+    NFTA_LIST_ELEM { KEY { DATA_VALUE key }, [DATA { VERDICT { CODE, [CHAIN] } }], [EXPR counter], [USERDATA] },
+    capturing the key, the verdict code, the chain attribute's length and name, the user data's length and the
+    comment. Lengths are checked against the names by ``_fast_element`` (a name and its padding are not told apart
+    by the pattern alone)."""
+    key = re.escape(struct.pack("=HHHH", 8 + keylen, _ELEM_KEY, 4 + keylen, _DATA_VALUE)) + b"(.{%d})" % keylen
+    data = rb"(?:..\x02\x00..\x02\x00\x08\x00\x01\x00(.{4})(?:(..)\x02\x00([^\x00]*)\x00{1,4})?)?"
+    counter = re.escape(struct.pack("=HH", 44, _ELEM_EXPR)) + b".{40}"
+    userdata = rb"(?:(..)\x06\x00\x00.([^\x00]*)\x00{1,4})?"
+    return re.compile(b"..\x01\x00" + key + data + b"(?:" + counter + b")?" + userdata, re.DOTALL)
+
+
+def _fast_element(m: re.Match[bytes]) -> tuple[bytes, str, str] | None:
+    """``_plain_shape``'s match as (key, verdict, comment), or None when a length disagrees with what the pattern
+    took for a name (the attribute walk reads that element instead)."""
+    key, code, chain_len, chain, ud_len, comment = m.groups()
+    value = ""
+    if code is not None:
+        word = _VERDICTS.get(int.from_bytes(code, "big", signed=True), "")
+        if not word:
+            return None
+        if chain is not None:
+            if int.from_bytes(chain_len, "little") != len(chain) + 5:
+                return None
+            value = f"{word} {chain.decode(errors='replace')}"
+        else:
+            value = word
+    text = ""
+    if comment is not None:
+        if int.from_bytes(ud_len, "little") != len(comment) + 7:
+            return None
+        text = comment.decode(errors="replace")
+    return key, value, text
+
+
+def _plain_elements(data: bytes, start: int, end: int, out: list[tuple[bytes, str, str]]) -> None:
+    """The elements of one NFTA_SET_ELEM_LIST_ELEMENTS payload into ``out``: each by one match of its key length's
+    pattern that must end where the element does, else by the attribute walk."""
+    pattern: re.Pattern[bytes] | None = None
+    at = start
+    while at + 4 <= end:
+        length = struct.unpack_from("=H", data, at)[0]
+        if length < 4:
+            break
+        stop = at + length
+        got = None
+        if pattern is None and at + 12 <= end:
+            keylen = struct.unpack_from("=H", data, at + 4)[0] - 8
+            pattern = _plain_shape(keylen) if 0 < keylen <= 64 else None
+        if pattern is not None and (m := pattern.match(data, at, stop)) is not None and m.end() == stop:
+            got = _fast_element(m)
+        if got is None:
+            got = _plain_element(data, at + 4, stop)
+        if got is not None:
+            out.append(got)
+        at += (length + 3) & ~3
+
+
+def parse_elements(setname: str, chunks: Iterable[bytes]) -> tuple[list[tuple[bytes, str, str]], bool]:
+    """A netlink element dump of any set or verdict map -> ((key bytes, verdict or "", comment or "") per element,
+    whether the dump ended); a data map's values are not read (""). Raises as ``parse_raw``."""
+    out: list[tuple[bytes, str, str]] = []
+    for data in chunks:
+        at = 0
+        while at + 16 <= len(data):
+            length, kind, flags = struct.unpack_from("=IHH", data, at)
+            if length < 16:
+                break
+            if kind == _NLMSG_DONE:
+                return out, True
+            if kind == _NLMSG_ERROR:
+                parse_raw(setname, [data[at : at + length]])
+            elif flags & _DUMP_INTR:
+                raise InterruptedError(f"{setname} changed during the dump")
+            elif kind == _SUBSYS | _NEWSETELEM:
+                for k, a, b in _attrs(data, at + 20, at + length):
+                    if k == _LIST_ELEMENTS:
+                        _plain_elements(data, a, b, out)
+            at += (length + 3) & ~3
     return out, False
 
 

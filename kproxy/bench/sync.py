@@ -37,6 +37,9 @@ Phases, each timed with ``time.perf_counter``:
   kernel holds (``restart_sync_s``, the adopt-only figure); ``restart_total_s`` is what the restarted process pays
   before it proxies, to set beside ``absorb_s`` + ``full_sync_s`` of a first start; ``restart_writes``: the
   services that sync wrote (0 when adoption works: nothing changed; anything else is a bound failure);
+  ``restart_parts``: that sync's phases as the ledger times them (``adopt``, ``render``, ``apply``, ``total``) with
+  the backend's own split of its adoption (nftables: ``adopt_chains``, ``adopt_rules``, ``adopt_dump``,
+  ``adopt_parse``, ``adopt_group``, ``adopt_small_sets``);
 - ``conntrack_partial_s``: median over the partial runs of what the UDP conntrack reconciler does after that sync
   before it dumps the kernel's entries (``ConntrackReconciler.update_targets`` with the sync's changed UDP service
   ports, as the daemon calls it), and ``conntrack_walk_s``: the map built from the whole table (what a
@@ -143,6 +146,9 @@ class SyncBench:
     restart_snapshot_s: float | None = None
     restart_total_s: float | None = None
     restart_writes: int | None = None
+    #: the restart sync's phases as the ledger and the backend time them (``adopt``: reading the kernel, and the
+    #: backend's own split of it, e.g. nftables' ``adopt_dump``; ``render``: rendering and comparing every service)
+    restart_parts: dict[str, float] = field(default_factory=dict)
     #: peak RSS of the whole run, the restart phase included (``rss_mb`` is the peak before it: full and partial
     #: syncs, as a running kproxy; a restart's adoption reads the kernel's whole state back)
     restart_rss_mb: float | None = None
@@ -482,6 +488,7 @@ def _restart_phase(
     out.restart_absorb_s, out.restart_snapshot_s, out.restart_sync_s = t1 - t0, t2 - t1b, t3 - t2b
     out.restart_total_s = out.restart_absorb_s + out.restart_snapshot_s + out.restart_sync_s
     out.restart_writes = _written(result)
+    out.restart_parts = {k: round(v, 4) for k, v in result.timings.items()}
     _weigh(out, "restart_", cache, state, fresh)
 
 

@@ -80,3 +80,7 @@ def test_the_sync_bench_reports_where_the_bytes_go() -> None:
     # the fake's restart: a fresh cache from a list, its snapshot, and an adopting sync that wrote nothing
     assert doc["restart_writes"] == 0
     assert doc["restart_total_s"] == doc["restart_absorb_s"] + doc["restart_snapshot_s"] + doc["restart_sync_s"]
+    # and where that sync's time went, as the ledger timed it: reading the kernel, rendering and comparing
+    parts = doc["restart_parts"]
+    assert {"adopt", "render", "total"} <= set(parts) and parts["total"] <= doc["restart_sync_s"] + 1e-4  # rounded
+    assert parts["adopt"] + parts["render"] <= parts["total"] + 2e-4

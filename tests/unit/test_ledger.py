@@ -95,6 +95,36 @@ def test_a_restart_that_changes_nothing_writes_nothing() -> None:
     assert ("IPv4", spn("gone")) not in third.programmed
 
 
+class _OrderedFake(FakeProxier):
+    """Records the order of renders and comparisons with the adoption."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def render(self, sp: ServicePort, ctx: FamilyContext) -> ServicePort:
+        self.calls.append("render")
+        return super().render(sp, ctx)
+
+    def adopted_unchanged(self, adopted: Any, name: ServicePortName, fragment: ServicePort) -> bool:
+        self.calls.append("compare")
+        return super().adopted_unchanged(adopted, name, fragment)
+
+
+def test_a_full_batch_renders_every_service_before_it_compares_with_the_adoption() -> None:
+    """A backend may read the kernel in the background (nftables' element dumps): the ledger renders every wanted
+    service first, so the read overlaps the rendering, and compares afterwards; each service is rendered once."""
+    names = [f"o{i}" for i in range(5)]
+    first = FakeProxier()
+    assert first.sync(state(*(sp(n) for n in names)), Changes(full=True)).ok
+    again = _OrderedFake()
+    again.programmed = dict(first.programmed)
+    assert again.sync(state(*(sp(n) for n in names)), Changes(full=True)).ok
+    assert again.calls == ["render"] * 5 + ["compare"] * 5
+    (batch,) = v4_batches(again)
+    assert batch.deltas == ()
+
+
 def test_a_refused_update_keeps_the_old_version_and_a_refused_new_service_is_left_out() -> None:
     fake = FakeProxier()
     a, b = sp("a", 1), sp("b", 1)

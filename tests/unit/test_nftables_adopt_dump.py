@@ -1,0 +1,172 @@
+"""Adoption's netlink element dumps parsed (no root, no kernel): the entry maps' and the digest set's elements
+(``setdump.parse_elements``) and their keys spelled as ``render`` writes them (``counters.entry_text``).
+
+The datagrams here are built attribute by attribute as the kernel's ``nf_tables_fill_setelem`` lays them out (key,
+data, expressions, user data); ``tests/integration/test_nftables_restart.py`` reads a real table the same way."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from concurrent.futures import Future
+
+import pytest
+
+from kproxy.backends.nftables import adopt, counters, layout, render, setdump
+from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
+from kproxy.nodeaddr import FamilyContext, LocalDetect
+
+CTX4 = FamilyContext(IPFamily.V4, local=LocalDetect("cidr", ("198.18.0.0/16",)), node_ips=("198.19.255.1",))
+
+NESTED = 0x8000  # NLA_F_NESTED: nf_tables nests without it (nla_nest_start_noflag), a parser must not rely on that
+
+
+def nla(kind: int, payload: bytes, nested: bool = False) -> bytes:
+    head = struct.pack("=HH", 4 + len(payload), kind | (NESTED if nested else 0))
+    return head + payload + b"\0" * (-len(payload) % 4)
+
+
+def verdict(code: int, chain: str = "") -> bytes:
+    body = nla(1, struct.pack(">i", code)) + (nla(2, chain.encode() + b"\0") if chain else b"")
+    return nla(2, nla(2, body))  # NFTA_SET_ELEM_DATA { NFTA_DATA_VERDICT { CODE, CHAIN } }
+
+
+def counter_expr(packets: int) -> bytes:
+    data = nla(2, nla(1, struct.pack(">Q", 100 * packets)) + nla(2, struct.pack(">Q", packets)))
+    return nla(7, nla(1, b"counter\0") + data)
+
+
+def element(
+    key: bytes, value: bytes = b"", comment: str | None = None, packets: int | None = None, flagged: bool = False
+) -> bytes:
+    """One NFTA_LIST_ELEM in the kernel's order (``flagged``: its nests marked NLA_F_NESTED)."""
+    body = nla(1, nla(1, key), nested=flagged) + value
+    if packets is not None:
+        body += counter_expr(packets)
+    if comment is not None:
+        text = comment.encode() + b"\0"
+        body += nla(6, bytes((0, len(text))) + text)
+    return nla(1, body, nested=flagged)
+
+
+def message(setname: str, elements: list[bytes], flags: int = 0x2) -> bytes:
+    attrs = nla(1, b"kproxy\0") + nla(2, setname.encode() + b"\0") + nla(3, b"".join(elements))
+    body = struct.pack("=BBH", socket.AF_INET, 0, 0) + attrs
+    return struct.pack("=IHHII", 16 + len(body), (10 << 8) | 12, flags, 1, 0) + body
+
+
+DONE = struct.pack("=IHHIIi", 20, 3, 0x2, 1, 0, 0)
+
+
+def v4_entry(ip: str, proto: int, port: int) -> bytes:
+    return socket.inet_aton(ip) + bytes((proto, 0, 0, 0)) + port.to_bytes(2, "big") + b"\0\0"
+
+
+def test_the_entry_maps_elements_come_back_with_verdict_and_comment() -> None:
+    """Two datagrams of a ``service-ips`` dump (counters on the elements, comments of several lengths, a goto, a
+    drop, a jump) and a ``service-digests`` one: every element with its key bytes, its verdict and its comment."""
+    a = v4_entry("198.19.0.1", 6, 80)
+    b = v4_entry("198.19.0.2", 17, 53)
+    c = v4_entry("198.19.0.3", 132, 9999)
+    first = message(
+        "service-ips",
+        [
+            element(a, verdict(-4, "lb-i-10"), "bench/svc-00001:http/TCP", packets=3),
+            element(b, verdict(0), "bench/svc-00002:dns/UDP", packets=0),
+        ],
+    )
+    # the attribute walk reads what the one-pattern path does not expect (flagged nests, a name of 256 bytes' padding)
+    second = message(
+        "service-ips",
+        [
+            element(c, verdict(-3, "reject-chain"), "n/s:p/SCTP", packets=7, flagged=True),
+            element(a, verdict(-4, "x" * 251), "y" * 249, packets=1),
+        ],
+    )
+    got, done = setdump.parse_elements("service-ips", [first, second + DONE])
+    assert done
+    assert got == [
+        (a, "goto lb-i-10", "bench/svc-00001:http/TCP"),
+        (b, "drop", "bench/svc-00002:dns/UDP"),
+        (c, "jump reject-chain", "n/s:p/SCTP"),
+        (a, "goto " + "x" * 251, "y" * 249),
+    ]
+    digests = message("service-digests", [element(a, comment="bench/svc-00001:http/TCP #abcdefghij"), element(b)])
+    got, done = setdump.parse_elements("service-digests", [digests, DONE])
+    assert done and got == [(a, "", "bench/svc-00001:http/TCP #abcdefghij"), (b, "", "")]
+
+
+def test_a_dump_cut_short_interrupted_or_refused_is_not_taken_for_the_set() -> None:
+    one = message("service-ips", [element(v4_entry("198.19.0.1", 6, 80), verdict(0), "x")])
+    got, done = setdump.parse_elements("service-ips", [one])
+    assert len(got) == 1 and not done  # no NLMSG_DONE: the caller must not take it for the whole set
+    with pytest.raises(InterruptedError, match="service-ips changed during the dump"):
+        setdump.parse_elements("service-ips", [message("service-ips", [], flags=0x2 | 0x10)])
+    enoent = struct.pack("=IHHIIi", 36, 2, 0, 1, 0, -2) + b"\0" * 16
+    with pytest.raises(OSError, match="service-ips"):
+        setdump.parse_elements("service-ips", [enoent])
+
+
+@pytest.mark.parametrize(
+    ("family", "text", "address"),
+    [
+        (IPFamily.V4, "198.19.0.1 . tcp . 80", True),
+        (IPFamily.V4, "198.18.128.7 . udp . 53", True),
+        (IPFamily.V6, "fd00:198:18:ff:1::2 . sctp . 9999", True),
+        (IPFamily.V4, "tcp . 30080", False),
+        (IPFamily.V6, "udp . 32767", False),
+    ],
+)
+def test_entry_keys_are_spelled_as_render_writes_them(family: IPFamily, text: str, address: bool) -> None:
+    raw = counters.entry_bytes(family, text)
+    assert counters.entry_text(family, raw, address) == text
+
+
+def test_a_hairpin_key_is_spelled_as_render_writes_it() -> None:
+    raw = socket.inet_aton("198.18.1.2") * 2
+    assert adopt.key_text(IPFamily.V4, layout.HAIRPIN, raw) == "198.18.1.2 . 198.18.1.2"
+    raw6 = socket.inet_pton(socket.AF_INET6, "fd00:198:18:7f::3") * 2
+    assert adopt.key_text(IPFamily.V6, layout.HAIRPIN, raw6) == "fd00:198:18:7f::3 . fd00:198:18:7f::3"
+
+
+def test_a_counting_keys_text_is_unchanged() -> None:
+    """``key_text`` now spells its entry part with ``entry_text``: the same text as before, both kinds."""
+    for name, text in (
+        (layout.count_shards(layout.ENDPOINT_COUNTERS)[1], "198.19.0.65 . tcp . 80 . 198.18.1.2 . 8080"),
+        (layout.count_shards(layout.NODEPORT_ENDPOINT_COUNTERS)[0], "udp . 30080 . 198.18.1.2 . 5353"),
+    ):
+        assert counters.key_text(name, IPFamily.V4, counters.key_bytes(IPFamily.V4, text)) == text
+
+
+def test_services_read_in_the_background_are_taken_in_when_first_needed() -> None:
+    """``adopt.read`` leaves the services' dumps running (``Adopted.pending``); the first comparison takes them in
+    (entries, digest, firewall elements read before), and a failed read makes the table unadoptable (replaced
+    whole) instead of passing for an empty one."""
+    frag = render.render_service(
+        ServicePort(
+            ServicePortName("ns1", "web", "http", Protocol.TCP),
+            IPFamily.V4,
+            "198.18.200.1",
+            80,
+            cluster_endpoints=(Endpoint("198.18.1.2", 8080),),
+            has_any_endpoints=True,
+        ),
+        CTX4,
+    )
+    done: Future[dict[str, list[tuple[str, str, str]]]] = Future()
+    done.set_result(
+        {
+            layout.SERVICE_IPS: [(k, v, frag.comment) for m, k, v in frag.entries],
+            layout.SERVICE_NODEPORTS: [],
+            layout.SERVICE_DIGESTS: [(frag.digest_key, "", frag.digest_comment)],
+            layout.HAIRPIN: [("198.18.1.2 . 198.18.1.2", "", "")],
+        }
+    )
+    a = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=done, firewall=[("other", "1.2.3.4")])
+    assert a.unchanged(frag) and a.pending is None and a.ready()
+    assert set(a.services) == {frag.comment, "other"} and not a.services["other"].digests_agree
+    assert "wait" in a.parts and "group" in a.parts and a.hairpin == {"198.18.1.2 . 198.18.1.2"}
+    failed: Future[dict[str, list[tuple[str, str, str]]]] = Future()
+    failed.set_exception(OSError(2, "No such file or directory"))
+    b = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=failed)
+    assert not b.unchanged(frag) and not b.ready() and not b.layout_ok and "No such file" in b.error
