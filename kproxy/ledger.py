@@ -371,12 +371,15 @@ class Ledger(Generic[F, C, A, V, S]):
         rec_services, rec_fragments = rec.services, rec.fragments
         has_old = bool(rec_services) or bool(rec_fragments)  # a first sync or a restart: nothing recorded
         unchanged = self.backend.adopted_unchanged
+        pre: dict[ServicePortName, F] = {}
         if full and adopted is not None and attempt == 0:
             # every wanted service rendered before the first comparison with the adoption: a backend whose read of
-            # the kernel goes on in the background meanwhile (nftables' element dumps) overlaps the two
+            # the kernel goes on in the background meanwhile (nftables' element dumps) overlaps the two. The first
+            # round keeps no rendered dict (see _render), so the fragments wait here for the loop below.
             for spn, sp in plan.pairs:
-                if sp is not None:
-                    self._render(plan, spn, sp, rounds)
+                if sp is not None and not (keep and spn in keep) and not (skip and spn in skip):
+                    o_sp, o_frag = (rec_services.get(spn), rec_fragments.get(spn)) if has_old else (None, None)
+                    pre[spn] = self._render(plan, spn, sp, rounds, o_sp, o_frag)
         for spn, sp in plan.pairs:
             old_sp: ServicePort | None = None
             old_frag: F | None = None
@@ -389,7 +392,9 @@ class Ledger(Generic[F, C, A, V, S]):
             elif sp is None or (skip and spn in skip):
                 new_sp, new_frag = None, None
             else:
-                new_sp, new_frag = sp, self._render(plan, spn, sp, rounds, old_sp, old_frag)
+                new_sp, new_frag = sp, pre.get(spn) if pre else None
+                if new_frag is None:
+                    new_frag = self._render(plan, spn, sp, rounds, old_sp, old_frag)
             if new_frag is None:
                 if not full:
                     removed.add(spn)

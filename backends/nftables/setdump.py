@@ -136,7 +136,7 @@ def parse_raw(setname: str, chunks: Iterable[bytes]) -> tuple[dict[bytes, int], 
 def _verdict(data: bytes, start: int, end: int) -> str:
     """A verdict's text (``goto lb-i-3``, ``drop``) from an NFTA_DATA_VERDICT payload."""
     code, chain = None, ""
-    for kind, a, b in _attrs(data, start, end):
+    for kind, a, b in netlink.attrs(data, start, end):
         if kind == _VERDICT_CODE:
             code = struct.unpack_from(">i", data, a)[0]
         elif kind == _VERDICT_CHAIN:
@@ -158,11 +158,12 @@ def _comment(data: bytes, start: int, end: int) -> str:
 def _plain_element(data: bytes, start: int, end: int) -> tuple[bytes, str, str] | None:
     """(key bytes, verdict or "", comment or "") of one NFTA_LIST_ELEM; None without a key."""
     key, value, comment = None, "", ""
-    for kind, a, b in _attrs(data, start, end):
+    for kind, a, b in netlink.attrs(data, start, end):
         if kind == _ELEM_KEY:
-            key = next((data[a2:b2] for k2, a2, b2 in _attrs(data, a, b) if k2 == _DATA_VALUE), None)
+            key = netlink.attr(data, _DATA_VALUE, a, b)
         elif kind == _ELEM_DATA:
-            value = next((_verdict(data, a2, b2) for k2, a2, b2 in _attrs(data, a, b) if k2 == _DATA_VERDICT), "")
+            verdicts = (_verdict(data, a2, b2) for k2, a2, b2 in netlink.attrs(data, a, b) if k2 == _DATA_VERDICT)
+            value = next(verdicts, "")
         elif kind == _ELEM_USERDATA:
             comment = _comment(data, a, b)
     return None if key is None else (key, value, comment)
@@ -233,22 +234,17 @@ def parse_elements(setname: str, chunks: Iterable[bytes]) -> tuple[list[tuple[by
     whether the dump ended); a data map's values are not read (""). Raises as ``parse_raw``."""
     out: list[tuple[bytes, str, str]] = []
     for data in chunks:
-        at = 0
-        while at + 16 <= len(data):
-            length, kind, flags = struct.unpack_from("=IHH", data, at)
-            if length < 16:
-                break
-            if kind == _NLMSG_DONE:
+        for h in netlink.headers(data):
+            if h.type == netlink.NLMSG_DONE:
                 return out, True
-            if kind == _NLMSG_ERROR:
-                parse_raw(setname, [data[at : at + length]])
-            elif flags & _DUMP_INTR:
+            if h.type == netlink.NLMSG_ERROR:
+                parse_raw(setname, [data[h.at : h.at + h.length]])
+            elif h.flags & netlink.NLM_F_DUMP_INTR:
                 raise InterruptedError(f"{setname} changed during the dump")
-            elif kind == _SUBSYS | _NEWSETELEM:
-                for k, a, b in _attrs(data, at + 20, at + length):
+            elif h.type == _NEWSETELEM_TYPE:
+                for k, a, b in netlink.attrs(data, h.at + netlink.NFNL_HDRLEN, h.at + h.length):
                     if k == _LIST_ELEMENTS:
                         _plain_elements(data, a, b, out)
-            at += (length + 3) & ~3
     return out, False
 
 
