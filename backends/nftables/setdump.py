@@ -28,7 +28,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from kproxy.model import IPFamily
 from kproxy.toolkit import netlink
@@ -116,21 +116,27 @@ def parse_raw(setname: str, chunks: Iterable[bytes]) -> tuple[dict[bytes, int], 
     """A netlink element dump of a counting set (the datagrams it was read in) -> (packets per key bytes, whether
     the dump ended). InterruptedError when the set changed during the dump, OSError for an error message."""
     out: dict[bytes, int] = {}
+    return out, _walk(setname, chunks, lambda data, a, b: _elements(data, a, b, out))
+
+
+def _walk(setname: str, chunks: Iterable[bytes], take: Callable[[bytes, int, int], None] | None) -> bool:
+    """The one walk over a dump's datagrams: ``take(data, start, end)`` for each NFTA_SET_ELEM_LIST_ELEMENTS payload;
+    whether the dump ended. InterruptedError when the set changed during the dump, OSError for an error message."""
     for data in chunks:
         for h in netlink.headers(data):
             if h.type == netlink.NLMSG_DONE:
-                return out, True
+                return True
             if h.type == netlink.NLMSG_ERROR:
                 (code,) = struct.unpack_from("=i", data, h.at + netlink.NLMSG_HDR.size)
                 if code:
                     raise OSError(-code, f"netlink element dump of {setname}: {os.strerror(-code)}")
             elif h.flags & netlink.NLM_F_DUMP_INTR:
                 raise InterruptedError(f"{setname} changed during the dump")
-            elif h.type == _NEWSETELEM_TYPE:
+            elif take is not None and h.type == _NEWSETELEM_TYPE:
                 for k, a, b in netlink.attrs(data, h.at + netlink.NFNL_HDRLEN, h.at + h.length):
                     if k == _LIST_ELEMENTS:
-                        _elements(data, a, b, out)
-    return out, False
+                        take(data, a, b)
+    return False
 
 
 def _verdict(data: bytes, start: int, end: int) -> str:
@@ -233,31 +239,12 @@ def parse_elements(setname: str, chunks: Iterable[bytes]) -> tuple[list[tuple[by
     """A netlink element dump of any set or verdict map -> ((key bytes, verdict or "", comment or "") per element,
     whether the dump ended); a data map's values are not read (""). Raises as ``parse_raw``."""
     out: list[tuple[bytes, str, str]] = []
-    for data in chunks:
-        for h in netlink.headers(data):
-            if h.type == netlink.NLMSG_DONE:
-                return out, True
-            if h.type == netlink.NLMSG_ERROR:
-                parse_raw(setname, [data[h.at : h.at + h.length]])
-            elif h.flags & netlink.NLM_F_DUMP_INTR:
-                raise InterruptedError(f"{setname} changed during the dump")
-            elif h.type == _NEWSETELEM_TYPE:
-                for k, a, b in netlink.attrs(data, h.at + netlink.NFNL_HDRLEN, h.at + h.length):
-                    if k == _LIST_ELEMENTS:
-                        _plain_elements(data, a, b, out)
-    return out, False
+    return out, _walk(setname, chunks, lambda data, a, b: _plain_elements(data, a, b, out))
 
 
 def _ended(data: bytes, setname: str) -> bool:
     """Whether a datagram of a dump holds its end (headers only; errors raised as ``parse_raw`` raises them)."""
-    for h in netlink.headers(data):
-        if h.type == netlink.NLMSG_DONE:
-            return True
-        if h.type == netlink.NLMSG_ERROR:
-            parse_raw(setname, [data[h.at : h.at + h.length]])
-        elif h.flags & netlink.NLM_F_DUMP_INTR:
-            raise InterruptedError(f"{setname} changed during the dump")
-    return False
+    return _walk(setname, [data], None)
 
 
 def _one(sock: socket.socket, family: IPFamily, setname: str, seq: int) -> list[bytes]:
