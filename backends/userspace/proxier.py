@@ -48,7 +48,16 @@ from . import trace as tracing
 from .adopt import Adopted, Served, View, extra, fixed_problems, parse_table, service_problems
 from .adopt import read as read_adopted
 from .kernel import context as kernel_context
-from .kernel import floor_seconds, guard_ports, listening, missing, own_socket_inodes, raise_open_file_limit, read_table
+from .kernel import (
+    descriptor_budget,
+    floor_seconds,
+    guard_ports,
+    listening,
+    missing,
+    own_socket_inodes,
+    raise_open_file_limit,
+    read_table,
+)
 from .ports import (
     DEFAULT_PORT_RANGE,
     Ident,
@@ -352,8 +361,12 @@ class UserspaceProxier(LedgerProxier[Fragment, FamilyContext, Adopted, View, Non
         """A service port takes at least one proxy port of its protocol's pool in ``--proxy-port-range``: more
         service ports than the range holds never fit (the core refuses them before anything is bound). Within it,
         a pool that runs out (one protocol's ports, or a Local policy's second socket) refuses the service port that
-        needed one more (``ProxyPortsExhausted``)."""
-        return Limits(service_ports=self.pool.capacity())
+        needed one more (``ProxyPortsExhausted``). Each socket is a descriptor too: no more than the open-file limit
+        leaves room for (``descriptor_budget``), so a large table is refused service by service in the core rather
+        than failing its writes when the process runs out of descriptors."""
+        budget = descriptor_budget()
+        ports = self.pool.capacity()
+        return Limits(service_ports=ports if budget is None else min(ports, budget))
 
     def _take_over(self, fam: IPFamily, proto: str, port: int) -> tuple[socket.socket, int] | None:
         """The proxy socket on ``port`` from another instance of this process that holds it (see ``_HOLDERS``)."""

@@ -106,3 +106,30 @@ def test_the_input_guard_in_the_fixed_table() -> None:
     assert render.proxy_ports_element((20000, 29999)) == "20000-29999"
     assert render.proxy_ports_element((41000, 41000)) == "41000"
     assert render.LAYOUT.endswith("-3")  # a table of an older layout (unguarded, no martian guard) is replaced whole
+
+
+def test_the_open_file_limit_caps_what_fits() -> None:
+    """Each proxy socket is a descriptor: under a hard open-file limit of FD_RESERVE + 100 the mode holds 100 service
+    ports, so the core refuses the rest service by service (before, the sockets took every descriptor and the table's
+    own write failed with EMFILE). In a child process: a lowered hard limit cannot be raised again."""
+    import resource
+    import subprocess
+    import sys
+
+    from kproxy.backends.userspace.kernel import FD_RESERVE
+
+    code = (
+        "from kproxy.config import ProxyConfig\n"
+        "from kproxy.model import IPFamily\n"
+        "from kproxy.backends.userspace.proxier import UserspaceProxier\n"
+        "print(UserspaceProxier(ProxyConfig(ip_families=(IPFamily.V4,))).limits(IPFamily.V4).service_ports)\n"
+    )
+    limit = FD_RESERVE + 100
+
+    def lower() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    out = subprocess.run(
+        [sys.executable, "-c", code], preexec_fn=lower, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "100"
