@@ -47,8 +47,12 @@ def _family_view(
     """(name, applied version, fragment, failed, refused) of one family, copied under the record's lock."""
     rec = ledger.records[fam]
     book = ledger.books[fam]
+    # the admission book changes in the sync's thread outside the record's lock: dict.copy() takes it in one step
+    # (a C-level clone with the stored hashes, no Python code in between), where iterating it raced a sync that
+    # refused or admitted a service port meanwhile ("dictionary changed size during iteration")
+    held = book.refused.copy()
     with rec.lock:
-        refused = {spn: f"{r.reason}: {r.message}" for spn, r in book.refused.items()}
+        refused = {spn: f"{r.reason}: {r.message}" for spn, r in held.items()}
         if key is not None:
             known = key in rec.services or key in rec.failed or key in refused
             names = [key] if known else []

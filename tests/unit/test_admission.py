@@ -265,3 +265,24 @@ def test_a_first_sync_under_limits_hashes_each_service_port_a_few_times_not_once
     assert book.admit([(sp.name, sp) for sp in sps]) == {}
     assert not book.refused and book.totals == [n, 3 * n, 4 * n]
     assert _CountedName.hashed <= 3 * n, _CountedName.hashed / n
+
+
+def test_describe_reads_the_refusals_while_a_sync_changes_them() -> None:
+    """``describe()`` (``/rules``, from the HTTP server's thread) reads the admission book while the sync's thread
+    refuses or admits service ports. Seen in `kproxy bench sync --mode userspace --services 50000` (34,096 refused):
+    "dictionary changed size during iteration". Here the book changes while describe formats a refusal."""
+    fake = FakeProxier()
+    fake.capacity = Limits(service_ports=1)
+    a, b, c = (port("ns", n, f"198.19.0.{90 + i}") for i, n in enumerate("abc"))
+    assert fake.sync(state(a, b, c), full()).refused.keys() == {b.name, c.name}
+    book = fake.ledger.books[IPFamily.V4]
+
+    class Meanwhile(str):
+        def __format__(self, spec: str) -> str:  # the sync's thread refuses one more service port meanwhile
+            book.refused.setdefault(name("ns", "late"), book.refused[c.name])
+            return str.__format__(self, spec)
+
+    book.refused[b.name] = dataclasses.replace(book.refused[b.name], message=Meanwhile("room for 1"))
+    services = fake.describe()["services"]
+    assert services["ns/b:dns/UDP"]["IPv4"]["refused"] == "capacity: room for 1"
+    assert name("ns", "late") in book.refused
