@@ -44,8 +44,9 @@ def label(kind: str, namespace: str, name: str) -> str:
     return f"{kind} {clip(namespace)}/{clip(name)}"
 
 
-def object_label(kind: str, obj: Any) -> tuple[str, str, str]:
-    """Best-effort (label, namespace, name) of an object for logs and ``errors()``, even when it is malformed."""
+def object_name(obj: Any) -> tuple[str, str]:
+    """Best-effort (namespace, name) of an object, even when it is malformed (``"?"`` for what is missing); no label
+    is built (a list's every object needs its name, only a rejected one a label)."""
     meta = obj.get("metadata") if isinstance(obj, Mapping) else None
     ns = name = "?"
     if isinstance(meta, Mapping):
@@ -53,6 +54,12 @@ def object_label(kind: str, obj: Any) -> tuple[str, str, str]:
             ns = meta["namespace"]
         if isinstance(meta.get("name"), str):
             name = meta["name"]
+    return ns, name
+
+
+def object_label(kind: str, obj: Any) -> tuple[str, str, str]:
+    """Best-effort (label, namespace, name) of an object for logs and ``errors()``, even when it is malformed."""
+    ns, name = object_name(obj)
     return label(kind, ns, name), ns, name
 
 
