@@ -19,7 +19,6 @@ import functools
 import operator
 import socket
 from collections.abc import Iterable, Mapping, Sequence
-from sys import intern
 from types import MappingProxyType
 from typing import Any
 
@@ -34,7 +33,7 @@ from kproxy.model import (
     rare_fields,
     shared_text,
 )
-from kproxy.objects import ANNOTATION_TRIGGER_TIME, LABEL_SERVICE_NAME, Ignored, parse_time
+from kproxy.objects import ANNOTATION_TRIGGER_TIME, LABEL_SERVICE_NAME, NAMESPACES, Ignored, parse_time
 
 _MAX_SLICE_ENDPOINTS = 1000  # the API server's limits for one EndpointSlice
 _MAX_SLICE_PORTS = 100
@@ -120,7 +119,7 @@ def parse_slice(
     meta = v.mapping(obj.get("metadata"), "metadata")
     # names every slice repeats are interned: one string per namespace, service, node, zone and port name, not one
     # per object (a list's JSON gives each occurrence its own)
-    namespace = shared_text(v.dns1123_label(meta.get("namespace"), "metadata.namespace"))
+    namespace = NAMESPACES(meta.get("namespace"), "metadata.namespace")
     name = v.dns1123_subdomain(meta.get("name"), "metadata.name")
     labels = v.string_map(meta.get("labels"), "metadata.labels")
     service_name = labels.get(LABEL_SERVICE_NAME)
@@ -228,24 +227,12 @@ def _endpoints(
 _first = operator.itemgetter(0)
 
 
-# A cluster has few node names and zones and every slice repeats them: their checks are cached (bounded: slices are
-# input); an over-long string is never a valid one and never cached.
-@functools.lru_cache(maxsize=16384)
-def _is_node_name(text: str) -> bool:
-    try:
-        v.dns1123_subdomain(text, "nodeName")
-    except ValueError:
-        return False
-    return True
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_zone(text: str) -> bool:
-    try:
-        v.label_value(text, "zone")
-    except ValueError:
-        return False
-    return True
+# A cluster has few node names and zones and every endpoint repeats them: each checked once and shared (bounded:
+# slices are input)
+_NODE_NAMES = v.Known(v.dns1123_subdomain, 16384)
+_ZONES = v.Known(v.label_value, 4096)
+_known_node, _known_zone = _NODE_NAMES.known.get, _ZONES.known.get
+_inet_pton, _AF_INET, _from_bytes = socket.inet_pton, socket.AF_INET, int.from_bytes
 
 
 def _endpoint_fast(raw: Any, family: IPFamily, node_name: str, port: int) -> tuple[int, Endpoint] | None:
@@ -258,7 +245,7 @@ def _endpoint_fast(raw: Any, family: IPFamily, node_name: str, port: int) -> tup
         return None
     ip = addresses[0]
     try:
-        sort_key = int.from_bytes(socket.inet_pton(socket.AF_INET, ip), "big")
+        sort_key = _from_bytes(_inet_pton(_AF_INET, ip), "big")
     except OSError:
         return None
     cond = raw.get("conditions")
@@ -280,15 +267,19 @@ def _endpoint_fast(raw: Any, family: IPFamily, node_name: str, port: int) -> tup
     elif terminating is not True and terminating is not False:
         return None
     ep_node = raw.get("nodeName")
-    if ep_node is not None and (type(ep_node) is not str or len(ep_node) > 253 or not _is_node_name(ep_node)):
-        return None
-    zone = raw.get("zone")
-    if zone is not None and (type(zone) is not str or len(zone) > 63 or not _is_zone(zone)):
-        return None
     if ep_node is not None:
-        ep_node = intern(ep_node)  # model.shared_text, without the call: the type was checked above
+        if type(ep_node) is not str:
+            return None
+        ep_node = _known_node(ep_node) or _NODE_NAMES.shared(ep_node)  # the table first: one lookup, no call
+        if ep_node is None:
+            return None
+    zone = raw.get("zone")
     if zone is not None:
-        zone = intern(zone)
+        if type(zone) is not str:
+            return None
+        zone = _known_zone(zone) or _ZONES.shared(zone)
+        if zone is None:
+            return None
     rare = _PLAIN if terminating is False and zone is None else rare_fields(terminating, zone, _NO_HINTS, _NO_HINTS)
     return sort_key, new_endpoint(ip, port, ready, serving, ep_node, ep_node == node_name, rare)
 
@@ -312,10 +303,10 @@ def _endpoint_checked(raw: Any, what: str, family: IPFamily, node_name: str) -> 
     terminating = False if terminating_c is None else terminating_c
     ep_node = ep.get("nodeName")
     if ep_node is not None:
-        ep_node = shared_text(v.dns1123_subdomain(ep_node, f"{what}.nodeName"))
+        ep_node = _NODE_NAMES(ep_node, f"{what}.nodeName")
     zone = ep.get("zone")
     if zone is not None:
-        zone = shared_text(v.label_value(zone, f"{what}.zone"))
+        zone = _ZONES(zone, f"{what}.zone")
     zone_hints, node_hints = _NO_HINTS, _NO_HINTS
     hints = ep.get("hints")
     if hints is not None:

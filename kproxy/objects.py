@@ -27,6 +27,10 @@ ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
 
 
+#: every object names its namespace, and a cluster has few: each checked once (a DNS-1123 label) and shared
+NAMESPACES = v.Known(v.dns1123_label, 4096)
+
+
 class Ignored(Exception):
     """The object is valid but not ours (labels, headless, ExternalName, FQDN, another family)."""
 

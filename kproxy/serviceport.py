@@ -28,7 +28,7 @@ from kproxy.model import (
     ServicePortName,
     shared_text,
 )
-from kproxy.objects import LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, Ignored
+from kproxy.objects import LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, NAMESPACES, Ignored
 from kproxy.topology import Categorized
 
 _SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
@@ -123,7 +123,7 @@ def parse_service(
 
 def _identity(meta: Mapping[str, Any], proxy_name: str) -> NamespacedName:
     """The Service's name, or ``Ignored`` when its labels give it to another proxy or make it headless."""
-    namespace = v.dns1123_label(meta.get("namespace"), "metadata.namespace")
+    namespace = NAMESPACES(meta.get("namespace"), "metadata.namespace")
     name = v.dns1035_label(meta.get("name"), "metadata.name")
     labels = v.string_map(meta.get("labels"), "metadata.labels")
     if LABEL_SERVICE_PROXY_NAME in labels and not (proxy_name and labels[LABEL_SERVICE_PROXY_NAME] == proxy_name):
@@ -131,7 +131,7 @@ def _identity(meta: Mapping[str, Any], proxy_name: str) -> NamespacedName:
     if LABEL_HEADLESS in labels:
         raise Ignored(f"labelled {LABEL_HEADLESS}")
     # interned: the service's slices, its ports and the ledger's records name it too (``model.shared_text``)
-    return NamespacedName(shared_text(namespace), shared_text(name))
+    return NamespacedName(namespace, shared_text(name))
 
 
 def _cluster_ips(spec: Mapping[str, Any]) -> dict[IPFamily, str]:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
-from kproxy.model import IPFamily, Protocol
+from kproxy.model import IPFamily, Protocol, shared_text
 
 _DNS1123_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?\Z")
 _DNS1035_LABEL = re.compile(r"[a-z](?:[-a-z0-9]*[a-z0-9])?\Z")
@@ -194,6 +194,35 @@ def label_value(value: Any, what: str) -> str:
     if len(text) > 63 or not _LABEL_VALUE.match(text):
         raise ValueError(f"{what}: {_show(text)} is not a valid label value")
     return text
+
+
+class Known:
+    """Valid names of one kind that many objects repeat (namespaces, node names, zones): each is checked once, then
+    known, and handed out as one shared string (``model.shared_text``). Bounded, since input decides what goes in:
+    past ``limit`` names, a new one is checked every time, as an unknown one is. ``known`` is the table itself, for
+    a hot path's own lookup before it calls ``shared``."""
+
+    def __init__(self, check: Callable[[Any, str], str], limit: int) -> None:
+        self._check, self._limit = check, limit
+        self.known: dict[str, str] = {}
+
+    def __call__(self, value: Any, what: str) -> str:
+        """``value`` checked (a ValueError naming ``what`` when it is bad), as its shared string."""
+        if type(value) is str:
+            known = self.known.get(value)
+            if known is not None:
+                return known
+        text = shared_text(self._check(value, what))
+        if type(text) is str and len(self.known) < self._limit:
+            self.known[text] = text
+        return text
+
+    def shared(self, value: str) -> str | None:
+        """The shared string of ``value`` when it is valid, None when not (its message is left to the caller)."""
+        try:
+            return self(value, "")
+        except ValueError:
+            return None
 
 
 def string_map(value: Any, what: str) -> dict[str, str]:
