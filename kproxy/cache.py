@@ -24,6 +24,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from operator import is_not
 from types import MappingProxyType
 from typing import Any
 
@@ -53,6 +54,7 @@ from kproxy.objects import (
 from kproxy.objects import clip as _clip
 from kproxy.objects import label as _label
 from kproxy.objects import object_label as _object_label
+from kproxy.objects import object_name as _object_name
 from kproxy.serviceport import ServiceInfo, as_template, parse_service, with_endpoints
 from kproxy.topology import categorize_endpoints, uses_cluster_endpoints, uses_local_endpoints
 from kproxy.validation import printable
@@ -177,8 +179,7 @@ class ServiceCache:
         changed = False
         with _gc_paused(True):
             for obj in objs:
-                _, ns, name = _object_label("Service", obj)
-                present.add((ns, name))
+                present.add(_object_name(obj))
                 changed |= self._upsert_service(obj)[1]
         with self._lock:
             for key in [k for k in self._services if (k.namespace, k.name) not in present]:
@@ -206,8 +207,7 @@ class ServiceCache:
         changed = False
         with _gc_paused(True):
             for obj in objs:
-                _, ns, name = _object_label("EndpointSlice", obj)
-                present.add((ns, name))
+                present.add(_object_name(obj))
                 changed |= self._upsert_slice(obj)[1]
         with self._lock:
             for key in [k for k in self._slices.keys() if k not in present]:
@@ -354,9 +354,13 @@ class ServiceCache:
             self._errors[label] = reason
 
     def _forget_errors(self, kind: str, present: set[tuple[str, str]]) -> None:
+        listed = [k for k in self._errors if k.startswith(kind + " ")]
+        if not listed:
+            return  # no label per object of the list to compare with (the common case)
         wanted = {_label(kind, ns, name) for ns, name in present}
-        for label in [k for k in self._errors if k.startswith(kind + " ") and k not in wanted]:
-            del self._errors[label]
+        for label in listed:
+            if label not in wanted:
+                del self._errors[label]
 
     def _is_ready(self) -> bool:
         return "services" in self._synced and "endpointslices" in self._synced
@@ -467,11 +471,13 @@ class ServiceCache:
         for sp in ports.values():
             entries += 1 + len(sp.external_ips) + len(sp.load_balancer_ips) + (1 if sp.node_port else 0)
             entries += max(len(sp.cluster_endpoints), len(sp.local_endpoints))
-        label = _label("Service", key.namespace, key.name)
         if entries <= self._max_entries:
-            if label in self._errors and self._errors[label].startswith(_TOO_BIG):
-                del self._errors[label]
+            if self._errors:  # the label only when there is something to look it up in (not once per service)
+                label = _label("Service", key.namespace, key.name)
+                if label in self._errors and self._errors[label].startswith(_TOO_BIG):
+                    del self._errors[label]
             return ports
+        label = _label("Service", key.namespace, key.name)
         why = (
             f"{_TOO_BIG} {entries} entries (addresses + endpoints over {len(ports)} service ports), over "
             f"--max-service-entries {self._max_entries}: not served"
@@ -486,9 +492,11 @@ class ServiceCache:
         change since it, O(changes); once the overlay outgrows ``_overlay_max`` a new base is copied from
         ``_current`` (O(services), once per that many changes: a few dict entries' copy per change, amortized)."""
         current, overlay = self._current[fam], self._overlays[fam]
-        for spn in names:
-            overlay[spn] = current.get(spn)
-        if len(overlay) > _overlay_max(len(current)):
+        limit = _overlay_max(len(current))
+        if len(names) <= limit:  # else a new base whatever the overlay held: not worth filling (a first snapshot)
+            for spn in names:
+                overlay[spn] = current.get(spn)
+        if len(names) > limit or len(overlay) > limit:
             base = self._bases[fam] = dict(current)
             self._overlays[fam] = {}
             return MappingProxyType(base)
@@ -520,6 +528,8 @@ class ServiceCache:
             new = self._bounded(key, new)
         changed = False
         before = self._replaced.pop(key, svc)
+        if before is svc and new:
+            before = None  # ``new`` holds every port of this very record: none of them went
         for fam, spn in ((t.family, t.name) for t in before.ports) if before is not None else ():
             # not there when that record was never recomputed, or refused as too big
             if (fam, spn) not in new and self._current[fam].pop(spn, None) is not None:
@@ -546,5 +556,5 @@ class ServiceCache:
         """The Service's record holds the ServicePorts just completed in place of its templates (one object per
         port, not a template and its completed copy); without any (refused as too big), its bare templates."""
         ports = tuple(new.values()) if new else tuple(as_template(sp) for sp in svc.ports)
-        if any(a is not b for a, b in zip(ports, svc.ports, strict=True)):
+        if len(ports) != len(svc.ports) or any(map(is_not, ports, svc.ports)):
             self._services[key] = ServiceInfo(svc.key, ports)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import socket
 from collections.abc import Iterable, Mapping, Sequence
-from sys import intern
 from types import MappingProxyType
 from typing import Any
 
@@ -33,7 +33,7 @@ from kproxy.model import (
     rare_fields,
     shared_text,
 )
-from kproxy.objects import ANNOTATION_TRIGGER_TIME, LABEL_SERVICE_NAME, Ignored, parse_time
+from kproxy.objects import ANNOTATION_TRIGGER_TIME, LABEL_SERVICE_NAME, NAMESPACES, Ignored, parse_time
 
 _MAX_SLICE_ENDPOINTS = 1000  # the API server's limits for one EndpointSlice
 _MAX_SLICE_PORTS = 100
@@ -119,7 +119,7 @@ def parse_slice(
     meta = v.mapping(obj.get("metadata"), "metadata")
     # names every slice repeats are interned: one string per namespace, service, node, zone and port name, not one
     # per object (a list's JSON gives each occurrence its own)
-    namespace = shared_text(v.dns1123_label(meta.get("namespace"), "metadata.namespace"))
+    namespace = NAMESPACES(meta.get("namespace"), "metadata.namespace")
     name = v.dns1123_subdomain(meta.get("name"), "metadata.name")
     labels = v.string_map(meta.get("labels"), "metadata.labels")
     service_name = labels.get(LABEL_SERVICE_NAME)
@@ -136,33 +136,15 @@ def parse_slice(
     raw_ports = v.optional_sequence(obj.get("ports"), "ports")
     if len(raw_ports) > _MAX_SLICE_PORTS:
         raise ValueError(f"ports: {len(raw_ports)} entries, more than {_MAX_SLICE_PORTS}")
-    ports: dict[tuple[str, Protocol], int] = {}
-    for i, raw in enumerate(raw_ports):
-        what = f"ports[{i}]"
-        p = v.mapping(raw, what)
-        pname = shared_text(v.port_name(p.get("name"), f"{what}.name"))
-        proto = v.protocol(p.get("protocol"), f"{what}.protocol")
-        if (pname, proto) in ports:
-            raise ValueError(f"{what}: duplicate port {pname!r}/{proto.value}")
-        if p.get("port") is None:
-            continue  # "all ports": upstream's proxy has nothing to program for it either
-        ports[(pname, proto)] = v.port_number(p.get("port"), f"{what}.port")
-
+    key = v.plain_key(raw_ports, _PORT_FIELDS)
+    shared_ports = _checked_ports(raw_ports) if key is None else _known_ports(key)
+    # the shared mapping's numbers: one int object per distinct port set, not one per slice (a list's JSON gives
+    # every slice its own 8080)
+    base_port = min(shared_ports.values(), default=0)
     raw_endpoints = v.optional_sequence(obj.get("endpoints"), "endpoints")
     if len(raw_endpoints) > _MAX_SLICE_ENDPOINTS:
         raise ValueError(f"endpoints: {len(raw_endpoints)} entries, more than {_MAX_SLICE_ENDPOINTS}")
-    by_ip: dict[str, RawEndpoint] = {}
-    duplicates: list[str] = []
-    for i, raw in enumerate(raw_endpoints):
-        entry = _endpoint_fast(raw, family, node_name)
-        if entry is None:
-            entry = _endpoint_checked(raw, f"endpoints[{i}]", family, node_name)
-        ip, is_local = entry[1], entry[5]
-        if ip in by_ip:
-            duplicates.append(f"endpoints[{i}]: duplicate address {ip} (counted once)")
-            if not is_local:
-                continue  # as upstream: of two copies, prefer the one that says it is local
-        by_ip[ip] = entry
+    endpoints, duplicates = _endpoints(raw_endpoints, family, node_name, base_port)
 
     trigger_time = None
     annotations = meta.get("annotations")
@@ -174,11 +156,6 @@ def parse_slice(
             if when is not None and when > since:
                 trigger_time = when
 
-    shared_ports = _port_set(tuple(ports.items()))
-    # the shared mapping's numbers: one int object per distinct port set, not one per slice (a list's JSON gives
-    # every slice its own 8080)
-    base_port = min(shared_ports.values(), default=0)
-    endpoints = tuple([_new_endpoint(r, base_port) for r in sorted(by_ip.values(), key=lambda r: r[0])])
     return (namespace, name), SliceInfo(
         service=NamespacedName(namespace, service_name),
         name=name,
@@ -191,29 +168,76 @@ def parse_slice(
     )
 
 
-# A cluster has few node names and zones and every slice repeats them: their checks are cached (bounded: slices are
-# input); an over-long string is never a valid one and never cached.
-@functools.lru_cache(maxsize=16384)
-def _is_node_name(text: str) -> bool:
-    try:
-        v.dns1123_subdomain(text, "nodeName")
-    except ValueError:
-        return False
-    return True
+_PORT_FIELDS = ("name", "protocol", "port")  # what _checked_ports reads of a port
 
 
+# a slice's ports parsed once per distinct list of plain values (``validation.plain_key``): most slices of a cluster
+# say ``http/TCP 8080``; bounded, and only accepted lists are kept (a rejection raises, and is not cached)
 @functools.lru_cache(maxsize=4096)
-def _is_zone(text: str) -> bool:
-    try:
-        v.label_value(text, "zone")
-    except ValueError:
-        return False
-    return True
+def _known_ports(key: tuple[tuple[Any, ...], ...]) -> Mapping[tuple[str, Protocol], int]:
+    return _checked_ports(v.from_key(key, _PORT_FIELDS))
 
 
-def _endpoint_fast(raw: Any, family: IPFamily, node_name: str) -> RawEndpoint | None:
-    """The common, well-formed IPv4 endpoint without building a single message string; None: use the checked
-    path (which gives the precise error, or parses the unusual-but-valid case)."""
+def _checked_ports(raw_ports: Sequence[Any]) -> Mapping[tuple[str, Protocol], int]:
+    """A slice's ports: (name, protocol) -> number, a port without a number left out; the shared mapping."""
+    ports: dict[tuple[str, Protocol], int] = {}
+    for i, raw in enumerate(raw_ports):
+        what = f"ports[{i}]"
+        p = v.mapping(raw, what)
+        pname = shared_text(v.port_name(p.get("name"), f"{what}.name"))
+        proto = v.protocol(p.get("protocol"), f"{what}.protocol")
+        if (pname, proto) in ports:
+            raise ValueError(f"{what}: duplicate port {pname!r}/{proto.value}")
+        if p.get("port") is None:
+            continue  # "all ports": upstream's proxy has nothing to program for it either
+        ports[(pname, proto)] = v.port_number(p.get("port"), f"{what}.port")
+    return _port_set(tuple(ports.items()))
+
+
+def _endpoints(
+    raw_endpoints: Sequence[Any], family: IPFamily, node_name: str, port: int
+) -> tuple[tuple[Endpoint, ...], list[str]]:
+    """A slice's endpoints on ``port``, sorted by address, each address once (of two copies the local one, as
+    upstream), and a note per duplicate. Each is built once, straight from its entry (no intermediate record), and
+    the sort is skipped when the slice lists them in order already (the EndpointSlice controller's usual order)."""
+    by_ip: dict[str, tuple[int, Endpoint]] = {}
+    duplicates: list[str] = []
+    ordered, last = True, -1
+    for i, raw in enumerate(raw_endpoints):
+        entry = _endpoint_fast(raw, family, node_name, port)
+        if entry is None:
+            checked = _endpoint_checked(raw, f"endpoints[{i}]", family, node_name)
+            entry = (checked[0], _new_endpoint(checked, port))
+        key, ep = entry
+        ip = ep.ip
+        if ip in by_ip:
+            duplicates.append(f"endpoints[{i}]: duplicate address {ip} (counted once)")
+            if ep.is_local:
+                by_ip[ip] = entry  # as upstream: of two copies, prefer the one that says it is local
+            continue
+        by_ip[ip] = entry
+        if key <= last:
+            ordered = False
+        last = key
+    if ordered:
+        return tuple([ep for _, ep in by_ip.values()]), duplicates
+    return tuple([ep for _, ep in sorted(by_ip.values(), key=_first)]), duplicates
+
+
+_first = operator.itemgetter(0)
+
+
+# A cluster has few node names and zones and every endpoint repeats them: each checked once and shared (bounded:
+# slices are input)
+_NODE_NAMES = v.Known(v.dns1123_subdomain, 16384)
+_ZONES = v.Known(v.label_value, 4096)
+_known_node, _known_zone = _NODE_NAMES.known.get, _ZONES.known.get
+_inet_pton, _AF_INET, _from_bytes = socket.inet_pton, socket.AF_INET, int.from_bytes
+
+
+def _endpoint_fast(raw: Any, family: IPFamily, node_name: str, port: int) -> tuple[int, Endpoint] | None:
+    """The common, well-formed IPv4 endpoint on ``port`` and its sort key, without building a single message
+    string; None: use the checked path (which gives the precise error, or parses the unusual-but-valid case)."""
     if type(raw) is not dict or family is not IPFamily.V4 or "hints" in raw:
         return None
     addresses = raw.get("addresses")
@@ -221,7 +245,7 @@ def _endpoint_fast(raw: Any, family: IPFamily, node_name: str) -> RawEndpoint | 
         return None
     ip = addresses[0]
     try:
-        sort_key = int.from_bytes(socket.inet_pton(socket.AF_INET, ip), "big")
+        sort_key = _from_bytes(_inet_pton(_AF_INET, ip), "big")
     except OSError:
         return None
     cond = raw.get("conditions")
@@ -243,17 +267,21 @@ def _endpoint_fast(raw: Any, family: IPFamily, node_name: str) -> RawEndpoint | 
     elif terminating is not True and terminating is not False:
         return None
     ep_node = raw.get("nodeName")
-    if ep_node is not None and (type(ep_node) is not str or len(ep_node) > 253 or not _is_node_name(ep_node)):
-        return None
-    zone = raw.get("zone")
-    if zone is not None and (type(zone) is not str or len(zone) > 63 or not _is_zone(zone)):
-        return None
     if ep_node is not None:
-        ep_node = intern(ep_node)  # model.shared_text, without the call: the type was checked above
+        if type(ep_node) is not str:
+            return None
+        ep_node = _known_node(ep_node) or _NODE_NAMES.shared(ep_node)  # the table first: one lookup, no call
+        if ep_node is None:
+            return None
+    zone = raw.get("zone")
     if zone is not None:
-        zone = intern(zone)
+        if type(zone) is not str:
+            return None
+        zone = _known_zone(zone) or _ZONES.shared(zone)
+        if zone is None:
+            return None
     rare = _PLAIN if terminating is False and zone is None else rare_fields(terminating, zone, _NO_HINTS, _NO_HINTS)
-    return (sort_key, ip, ready, serving, ep_node, ep_node == node_name, rare)
+    return sort_key, new_endpoint(ip, port, ready, serving, ep_node, ep_node == node_name, rare)
 
 
 def _endpoint_checked(raw: Any, what: str, family: IPFamily, node_name: str) -> RawEndpoint:
@@ -275,10 +303,10 @@ def _endpoint_checked(raw: Any, what: str, family: IPFamily, node_name: str) -> 
     terminating = False if terminating_c is None else terminating_c
     ep_node = ep.get("nodeName")
     if ep_node is not None:
-        ep_node = shared_text(v.dns1123_subdomain(ep_node, f"{what}.nodeName"))
+        ep_node = _NODE_NAMES(ep_node, f"{what}.nodeName")
     zone = ep.get("zone")
     if zone is not None:
-        zone = shared_text(v.label_value(zone, f"{what}.zone"))
+        zone = _ZONES(zone, f"{what}.zone")
     zone_hints, node_hints = _NO_HINTS, _NO_HINTS
     hints = ep.get("hints")
     if hints is not None:

@@ -27,6 +27,10 @@ ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
 
 
+#: every object names its namespace, and a cluster has few: each checked once (a DNS-1123 label) and shared
+NAMESPACES = v.Known(v.dns1123_label, 4096)
+
+
 class Ignored(Exception):
     """The object is valid but not ours (labels, headless, ExternalName, FQDN, another family)."""
 
@@ -44,8 +48,9 @@ def label(kind: str, namespace: str, name: str) -> str:
     return f"{kind} {clip(namespace)}/{clip(name)}"
 
 
-def object_label(kind: str, obj: Any) -> tuple[str, str, str]:
-    """Best-effort (label, namespace, name) of an object for logs and ``errors()``, even when it is malformed."""
+def object_name(obj: Any) -> tuple[str, str]:
+    """Best-effort (namespace, name) of an object, even when it is malformed (``"?"`` for what is missing); no label
+    is built (a list's every object needs its name, only a rejected one a label)."""
     meta = obj.get("metadata") if isinstance(obj, Mapping) else None
     ns = name = "?"
     if isinstance(meta, Mapping):
@@ -53,6 +58,12 @@ def object_label(kind: str, obj: Any) -> tuple[str, str, str]:
             ns = meta["namespace"]
         if isinstance(meta.get("name"), str):
             name = meta["name"]
+    return ns, name
+
+
+def object_label(kind: str, obj: Any) -> tuple[str, str, str]:
+    """Best-effort (label, namespace, name) of an object for logs and ``errors()``, even when it is malformed."""
+    ns, name = object_name(obj)
     return label(kind, ns, name), ns, name
 
 

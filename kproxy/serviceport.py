@@ -12,9 +12,10 @@ Pure; imports ``objects``, ``topology``, ``validation`` and ``model``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kproxy import validation as v
 from kproxy.model import (
@@ -27,7 +28,7 @@ from kproxy.model import (
     ServicePortName,
     shared_text,
 )
-from kproxy.objects import LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, Ignored
+from kproxy.objects import LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, NAMESPACES, Ignored
 from kproxy.topology import Categorized
 
 _SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
@@ -99,7 +100,7 @@ def parse_service(
     raw_created = meta.get("creationTimestamp")
     shape = _Shape(
         key=key,
-        ports=tuple(ports),
+        ports=ports,
         has_node_ports=has_node_ports,
         affinity_timeout=affinity_timeout,
         external_local=external_local,
@@ -112,16 +113,17 @@ def parse_service(
         cip = cluster_ips.get(fam)
         if cip is None:
             continue
-        ext = tuple(dict.fromkeys(ip for ip, f, _ in external_ips if f is fam))
-        lbs = tuple(dict.fromkeys(ip for ip, f, _ in lb_ips if f is fam)) if is_lb else ()
-        src = tuple(dict.fromkeys(c for c, f in source_ranges if f is fam))
+        # most Services have none of these: no generator and no dict for an empty list
+        ext = tuple(dict.fromkeys([ip for ip, f, _ in external_ips if f is fam])) if external_ips else ()
+        lbs = tuple(dict.fromkeys([ip for ip, f, _ in lb_ips if f is fam])) if is_lb and lb_ips else ()
+        src = tuple(dict.fromkeys([c for c, f in source_ranges if f is fam])) if source_ranges else ()
         templates.extend(_templates(shape, fam, cip, ext, lbs, src))
     return key, ServiceInfo(key, tuple(templates))
 
 
 def _identity(meta: Mapping[str, Any], proxy_name: str) -> NamespacedName:
     """The Service's name, or ``Ignored`` when its labels give it to another proxy or make it headless."""
-    namespace = v.dns1123_label(meta.get("namespace"), "metadata.namespace")
+    namespace = NAMESPACES(meta.get("namespace"), "metadata.namespace")
     name = v.dns1035_label(meta.get("name"), "metadata.name")
     labels = v.string_map(meta.get("labels"), "metadata.labels")
     if LABEL_SERVICE_PROXY_NAME in labels and not (proxy_name and labels[LABEL_SERVICE_PROXY_NAME] == proxy_name):
@@ -129,7 +131,7 @@ def _identity(meta: Mapping[str, Any], proxy_name: str) -> NamespacedName:
     if LABEL_HEADLESS in labels:
         raise Ignored(f"labelled {LABEL_HEADLESS}")
     # interned: the service's slices, its ports and the ledger's records name it too (``model.shared_text``)
-    return NamespacedName(shared_text(namespace), shared_text(name))
+    return NamespacedName(namespace, shared_text(name))
 
 
 def _cluster_ips(spec: Mapping[str, Any]) -> dict[IPFamily, str]:
@@ -153,7 +155,13 @@ def _cluster_ips(spec: Mapping[str, Any]) -> dict[IPFamily, str]:
             raise ValueError(f"spec.clusterIPs: two {fam.value} addresses ({by_family[fam]} and {text})")
         by_family[fam] = text
     ordered_families = list(by_family)
-    if cluster_ip and cluster_ips and v.ip_address(cluster_ip, "spec.clusterIP")[0] != by_family[ordered_families[0]]:
+    # the same text as clusterIPs[0] (the API server's usual answer) is the same address: parsed once
+    if (
+        cluster_ip
+        and cluster_ips
+        and cluster_ip != cluster_ips[0]
+        and v.ip_address(cluster_ip, "spec.clusterIP")[0] != by_family[ordered_families[0]]
+    ):
         raise ValueError(f"spec.clusterIP {cluster_ip!r} differs from spec.clusterIPs[0] {cluster_ips[0]!r}")
     _check_ip_families(spec, ordered_families)
     return by_family
@@ -174,14 +182,30 @@ def _check_ip_families(spec: Mapping[str, Any], ordered_families: Sequence[IPFam
             )
 
 
-def _ports(spec: Mapping[str, Any]) -> list[tuple[str, Protocol, int, int]]:
-    """``spec.ports`` as (name, protocol, port, nodePort): present, not empty, no name or port/protocol twice."""
+_PORT_FIELDS = ("name", "protocol", "port", "nodePort")  # what _checked_ports reads of a port
+
+
+def _ports(spec: Mapping[str, Any]) -> tuple[tuple[str, Protocol, int, int], ...]:
+    """``spec.ports`` as (name, protocol, port, nodePort): present, not empty, no name or port/protocol twice.
+    Parsed once per distinct list of plain values (``validation.plain_key``): most Services repeat a few."""
     raw_ports = spec.get("ports")
     if raw_ports is None:
         raise ValueError("spec.ports: missing")
     raw_ports = v.sequence(raw_ports, "spec.ports")
     if not raw_ports:
         raise ValueError("spec.ports: empty")
+    key = v.plain_key(raw_ports, _PORT_FIELDS)
+    return _checked_ports(raw_ports) if key is None else _known_ports(key)
+
+
+# bounded (input decides what goes in); only accepted lists are kept (a rejection raises, and is not cached), and
+# an accepted one holds short names and port numbers only
+@functools.lru_cache(maxsize=4096)
+def _known_ports(key: tuple[tuple[Any, ...], ...]) -> tuple[tuple[str, Protocol, int, int], ...]:
+    return _checked_ports(v.from_key(key, _PORT_FIELDS))
+
+
+def _checked_ports(raw_ports: Sequence[Any]) -> tuple[tuple[str, Protocol, int, int], ...]:
     ports: list[tuple[str, Protocol, int, int]] = []
     names: set[str] = set()
     numbers: set[tuple[int, Protocol]] = set()
@@ -201,7 +225,7 @@ def _ports(spec: Mapping[str, Any]) -> list[tuple[str, Protocol, int, int]]:
         names.add(pname)
         numbers.add((num, proto))
         ports.append((pname, proto, num, node_port))
-    return ports
+    return tuple(ports)
 
 
 def _affinity_timeout(spec: Mapping[str, Any]) -> int:
@@ -240,9 +264,9 @@ def _load_balancer_ips(obj: Mapping[str, Any]) -> list[tuple[str, IPFamily, int]
     return lb_ips
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Shape:
-    """What every template of one Service shares, whatever the family."""
+class _Shape(NamedTuple):
+    """What every template of one Service shares, whatever the family (a tuple: built once per Service, where a
+    frozen dataclass's ``__init__`` cost several times as much)."""
 
     key: NamespacedName
     ports: tuple[tuple[str, Protocol, int, int], ...]
@@ -257,25 +281,34 @@ class _Shape:
 def _templates(
     shape: _Shape, fam: IPFamily, cip: str, ext: tuple[str, ...], lbs: tuple[str, ...], src: tuple[str, ...]
 ) -> list[ServicePort]:
-    """One template per port of the Service, in family ``fam``."""
-    return [
-        ServicePort(
-            name=ServicePortName(shape.key.namespace, shape.key.name, pname, proto),
-            family=fam,
-            cluster_ip=cip,
-            port=num,
-            node_port=node_port if shape.has_node_ports else 0,
-            external_ips=ext,
-            load_balancer_ips=lbs,
-            load_balancer_source_ranges=src,
-            affinity_timeout=shape.affinity_timeout,
-            external_policy_local=shape.external_local,
-            internal_policy_local=shape.internal_local,
-            health_check_node_port=shape.health_port,
-            created=shape.created,
-        )
-        for pname, proto, num, node_port in shape.ports
-    ]
+    """One template per port of the Service, in family ``fam``: ``ServicePort(...)`` with no endpoints, built
+    through the slots' descriptors as ``with_endpoints`` builds its copies (once per service port of a list; the
+    frozen ``__init__``'s ``object.__setattr__`` by name was most of a template's cost). The result equals what the
+    constructor gives (tests/unit/test_cache_absorb.py)."""
+    (s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11) = _SP_TEMPLATE
+    namespace, name = shape.key.namespace, shape.key.name
+    out = []
+    for pname, proto, num, node_port in shape.ports:
+        sp = _sp_new(ServicePort)
+        s0(sp, _new_port_name(namespace, name, pname, proto))
+        s1(sp, fam)
+        s2(sp, cip)
+        s3(sp, num)
+        s4(sp, node_port if shape.has_node_ports else 0)
+        s5(sp, ext)
+        s6(sp, lbs)
+        s7(sp, src)
+        s8(sp, shape.affinity_timeout)
+        s9(sp, shape.external_local)
+        s10(sp, shape.internal_local)
+        s11(sp, shape.health_port)
+        _set_created(sp, shape.created)
+        _set_cluster(sp, ())
+        _set_local(sp, ())
+        _set_has_any(sp, False)
+        _set_serving(sp, ())
+        out.append(sp)
+    return out
 
 
 _SERVICE_PORT_FIELDS = (
@@ -303,6 +336,23 @@ _sp_new = ServicePort.__new__
 _SP_SETTERS = tuple(getattr(ServicePort, f).__set__ for f in _SERVICE_PORT_FIELDS)
 _SP_TEMPLATE = _SP_SETTERS[:12]  # the fields a template already holds
 _set_cluster, _set_local, _set_has_any, _set_serving, _set_created = _SP_SETTERS[12:]
+_spn_new = ServicePortName.__new__
+_SPN_SETTERS = tuple(getattr(ServicePortName, f.name).__set__ for f in dataclasses.fields(ServicePortName))
+if len(_SPN_SETTERS) != 4:  # pragma: no cover
+    raise ImportError("kproxy.model.ServicePortName's fields changed: update serviceport._new_port_name")
+
+
+def _new_port_name(namespace: str, name: str, port: str, protocol: Protocol) -> ServicePortName:
+    """``ServicePortName(namespace, name, port, protocol)`` through the slots' descriptors (once per template)."""
+    spn = _spn_new(ServicePortName)
+    set_ns, set_name, set_port, set_proto = _SPN_SETTERS
+    set_ns(spn, namespace)
+    set_name(spn, name)
+    set_port(spn, port)
+    set_proto(spn, protocol)
+    return spn
+
+
 #: what a template holds: every field but the endpoint ones
 _template_of = operator.attrgetter(*_SERVICE_PORT_FIELDS[:12], "created")
 _NO_ENDPOINTS = Categorized()

@@ -74,6 +74,8 @@ def topology_mode(endpoints: Sequence[Endpoint], node_name: str, zone: str | Non
             all_zone_hints = False
         elif zone is not None and zone in ep.zone_hints:
             for_zone = True
+        if not all_node_hints and not all_zone_hints:
+            return ""  # a ready endpoint without hints of either kind: nothing later can make a mode (the common case)
     if not has_ready:
         return ""
     if all_node_hints and for_node:
@@ -119,7 +121,7 @@ def categorize_endpoints(
         elif mode == PREFER_SAME_ZONE:
             cluster = tuple(ep for ep in endpoints if ep.ready and zone in ep.zone_hints)
         else:
-            cluster = _same_or(endpoints, tuple(ep for ep in endpoints if ep.ready))
+            cluster = _same_or(endpoints, tuple([ep for ep in endpoints if ep.ready]))
         if not cluster:
             # Topology already fell back to "none" if no ready endpoint matched it, so the only reason to get
             # here is that nothing is ready anywhere: use what is still serving while it terminates.
@@ -144,7 +146,7 @@ def categorize_endpoints(
     local: tuple[Endpoint, ...] = ()
     terminating_fallback = False
     if local_ready:
-        local = _same_or(endpoints, tuple(ep for ep in endpoints if ep.is_local and ep.ready))
+        local = _same_or(endpoints, tuple([ep for ep in endpoints if ep.is_local and ep.ready]))
     elif local_serving_terminating:
         terminating_fallback = True
         local = tuple(ep for ep in endpoints if ep.is_local and ep.serving and ep.terminating)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
-from kproxy.model import IPFamily, Protocol
+from kproxy.model import IPFamily, Protocol, shared_text
 
 _DNS1123_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?\Z")
 _DNS1035_LABEL = re.compile(r"[a-z](?:[-a-z0-9]*[a-z0-9])?\Z")
@@ -71,7 +71,8 @@ def _show(value: Any) -> str:
 
 
 def mapping(value: Any, what: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
+    # a dict (what JSON gives) without the Mapping ABC's instance check: this runs several times per object
+    if type(value) is not dict and not isinstance(value, Mapping):
         raise ValueError(f"{what}: expected an object, got {type(value).__name__} {_show(value)}")
     return value
 
@@ -195,12 +196,73 @@ def label_value(value: Any, what: str) -> str:
     return text
 
 
+class Known:
+    """Valid names of one kind that many objects repeat (namespaces, node names, zones): each is checked once, then
+    known, and handed out as one shared string (``model.shared_text``). Bounded, since input decides what goes in:
+    past ``limit`` names, a new one is checked every time, as an unknown one is. ``known`` is the table itself, for
+    a hot path's own lookup before it calls ``shared``."""
+
+    def __init__(self, check: Callable[[Any, str], str], limit: int) -> None:
+        self._check, self._limit = check, limit
+        self.known: dict[str, str] = {}
+
+    def __call__(self, value: Any, what: str) -> str:
+        """``value`` checked (a ValueError naming ``what`` when it is bad), as its shared string."""
+        if type(value) is str:
+            known = self.known.get(value)
+            if known is not None:
+                return known
+        text = shared_text(self._check(value, what))
+        if type(text) is str and len(self.known) < self._limit:
+            self.known[text] = text
+        return text
+
+    def shared(self, value: str) -> str | None:
+        """The shared string of ``value`` when it is valid, None when not (its message is left to the caller)."""
+        try:
+            return self(value, "")
+        except ValueError:
+            return None
+
+
 def string_map(value: Any, what: str) -> dict[str, str]:
-    """Labels or annotations: an object of strings to strings (absent means empty)."""
+    """Labels or annotations: an object of strings to strings (absent means empty).
+
+    Every object carries labels, so the common case (a dict of plain ``str``, as JSON gives) is checked without
+    building the message of each entry; anything else takes the entry-by-entry path, which names the bad one."""
+    if type(value) is dict:
+        for key, item in value.items():
+            if type(key) is not str or type(item) is not str:
+                break
+        else:
+            return dict(value)
     out: dict[str, str] = {}
     for key, item in optional_mapping(value, what).items():
         out[string(key, f"{what} key")] = string(item, f"{what}[{printable(key[:100])}]")
     return out
+
+
+def plain_key(items: Sequence[Any], fields: tuple[str, ...]) -> tuple[tuple[Any, ...], ...] | None:
+    """The values of ``fields`` in each of ``items`` as one hashable key, when every item is a dict and every value
+    is None, a str or an int (exactly those types: not a bool, not a subclass); None otherwise. A parser that reads
+    only those fields (a missing one read as null) gives the same answer for two lists with the same key, so it can
+    be memoized on it: most objects of a cluster repeat a few port lists. Anything unusual takes the parser itself,
+    which names what is wrong."""
+    key = []
+    for item in items:
+        if type(item) is not dict:
+            return None
+        values = tuple([item.get(f) for f in fields])
+        for x in values:
+            if x is not None and type(x) is not str and type(x) is not int:
+                return None
+        key.append(values)
+    return tuple(key)
+
+
+def from_key(key: tuple[tuple[Any, ...], ...], fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The items a ``plain_key`` stands for (nulls where a field was missing: the same to its parser)."""
+    return [dict(zip(fields, values, strict=True)) for values in key]
 
 
 def _unsloppy(text: str) -> str:

@@ -1,6 +1,7 @@
 """Synthetic Services and EndpointSlices for ``kproxy bench sync``, shaped exactly as the API server returns them.
 
-Generated lazily, one object at a time, so feeding 100,000 services x 10 endpoints never holds the whole input in
+Generated lazily (``TimedPages``: a page of 500 at a time, its generation timed apart so a bench can leave the
+generator's time out of the cache's), so feeding 100,000 services x 10 endpoints never holds the whole input in
 memory (the benchmark measures the cache's and the backend's memory, not the generator's). Everything is
 deterministic: service ``i`` always gets the same ClusterIP, ports and endpoints, so a run can regenerate one
 object later and change it (``variant``) to time a partial sync.
@@ -24,7 +25,8 @@ object later and change it (``variant``) to time a partial sync.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from time import perf_counter
 from typing import Any
 
 NAMESPACE = "bench"
@@ -41,6 +43,7 @@ _EP_BASE = int(ENDPOINT_NET.network_address) + 1
 _EP_POOL = ENDPOINT_NET.num_addresses - 2
 UDP_EVERY = 10
 MAX_ENDPOINTS = 1000  # per service: one EndpointSlice holds at most 1000 endpoints
+PAGE = 500  # objects generated at once by TimedPages: kproxy.sources.kube's page size
 #: the ports a multi-port service has besides its first: (name, protocol, service port, target port)
 EXTRA_PORTS = (("https", "TCP", 443, 8443), ("metrics", "TCP", 9090, 9090))
 
@@ -180,3 +183,21 @@ def endpoint_slices(
 ) -> Iterator[dict[str, Any]]:
     for i in range(1, n + 1):
         yield endpoint_slice(i, n_endpoints, udp_every=udp_every, ports_every=ports_every, ipv6=ipv6)
+
+
+class TimedPages:
+    """Objects generated a page (``PAGE``) at a time, each page's generation timed apart and summed in ``seconds``:
+    whoever feeds them to the cache subtracts these from its clock (a real process gets the objects from JSON, not
+    from this generator), while only one page is alive at once (a run weighs the cache, not the generator's
+    objects)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def paged(self, make: Callable[[int], dict[str, Any]], n: int) -> Iterator[dict[str, Any]]:
+        """``make(1)`` ... ``make(n)``, a page at a time."""
+        for start in range(1, n + 1, PAGE):
+            t0 = perf_counter()
+            page = [make(i) for i in range(start, min(start + PAGE, n + 1))]
+            self.seconds += perf_counter() - t0
+            yield from page
