@@ -28,6 +28,7 @@ import os
 import re
 import socket
 import struct
+import threading
 from collections.abc import Callable, Iterable, Iterator
 
 from kproxy.model import IPFamily
@@ -247,8 +248,15 @@ def _ended(data: bytes, setname: str) -> bool:
     return _walk(setname, [data], None)
 
 
-def _one(sock: socket.socket, family: IPFamily, setname: str, seq: int) -> list[bytes]:
-    """The datagrams of one dump on ``sock``, taken again (up to twice) when the set changed during it."""
+class Cancelled(Exception):
+    """A dump given up by its caller (``raw_dumps``' ``cancel``): closing the socket ends it in the kernel."""
+
+
+def _one(
+    sock: socket.socket, family: IPFamily, setname: str, seq: int, cancel: threading.Event | None = None
+) -> list[bytes]:
+    """The datagrams of one dump on ``sock``, taken again (up to twice) when the set changed during it; Cancelled
+    as soon as ``cancel`` is set (checked after each datagram)."""
     for attempt in range(3):
         chunks: list[bytes] = []
         sock.send(request(family, setname, seq + attempt))
@@ -257,6 +265,8 @@ def _one(sock: socket.socket, family: IPFamily, setname: str, seq: int) -> list[
                 chunks.append(sock.recv(_RECV))
                 if _ended(chunks[-1], setname):
                     return chunks
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled(f"netlink element dump of {setname}: given up after {len(chunks)} datagrams")
         except InterruptedError:
             _drain(sock, chunks[-1])
             continue
@@ -272,13 +282,17 @@ def _drain(sock: socket.socket, last: bytes) -> None:
         data = sock.recv(_RECV)
 
 
-def raw_dumps(family: IPFamily, setnames: Iterable[str]) -> Iterator[tuple[str, list[bytes]]]:
+def raw_dumps(
+    family: IPFamily, setnames: Iterable[str], cancel: threading.Event | None = None
+) -> Iterator[tuple[str, list[bytes]]]:
     """(set, the datagrams of its element dump) for each of ``setnames`` in turn, on one socket, in the calling
-    thread's network namespace."""
+    thread's network namespace; Cancelled once ``cancel`` is set (the socket, and the dump in the kernel, closed)."""
     with netlink.netfilter_socket() as sock:
         sock.settimeout(_TIMEOUT_S)
         for i, setname in enumerate(setnames):
-            yield setname, _one(sock, family, setname, 4 * i + 1)
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"netlink element dump of {setname}: given up before it started")
+            yield setname, _one(sock, family, setname, 4 * i + 1, cancel)
 
 
 def raw_dump(family: IPFamily, setname: str) -> list[bytes]:

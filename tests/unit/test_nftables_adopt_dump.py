@@ -170,3 +170,75 @@ def test_services_read_in_the_background_are_taken_in_when_first_needed() -> Non
     failed.set_exception(OSError(2, "No such file or directory"))
     b = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=failed)
     assert not b.unchanged(frag) and not b.ready() and not b.layout_ok and "No such file" in b.error
+
+
+def _frag(name: str, ip: str) -> render.Fragment:
+    sp = ServicePort(
+        ServicePortName("ns1", name, "http", Protocol.TCP),
+        IPFamily.V4,
+        ip,
+        80,
+        cluster_endpoints=(Endpoint("198.18.1.2", 8080),),
+        has_any_endpoints=True,
+    )
+    return render.render_service(sp, CTX4)
+
+
+def _done(value: object) -> Future[dict[str, list[tuple[str, str, str]]]]:
+    fut: Future[dict[str, list[tuple[str, str, str]]]] = Future()
+    fut.set_result(value)  # type: ignore[arg-type]
+    return fut
+
+
+def test_a_restart_trusts_the_digests_and_reads_the_entry_maps_only_for_a_changed_service() -> None:
+    """A trusting adoption (a restart's) takes a service whose digest matches as held without taking in the entry
+    maps; ``settle`` gives their read up (the cancel flag the dump checks after each datagram); a held service that
+    changed takes them in (read again when given up) and is regrouped from every dump; the counts say what was
+    read."""
+    web, api = _frag("web", "198.18.200.1"), _frag("api", "198.18.200.2")
+    first = _done(
+        {
+            layout.SERVICE_DIGESTS: [(f.digest_key, "", f.digest_comment) for f in (web, api)],
+            layout.HAIRPIN: [("198.18.1.2 . 198.18.1.2", "", "")],
+        }
+    )
+    entries = {
+        layout.SERVICE_IPS: [(k, v, f.comment) for f in (web, api) for _, k, v in f.entries],
+        layout.SERVICE_NODEPORTS: [],
+    }
+    rereads: list[int] = []
+
+    def reread() -> tuple[dict[str, list[tuple[str, str, str]]], dict[str, int]]:
+        rereads.append(1)
+        return entries, {"datagrams": 1, "elements": 2}
+
+    never: Future[dict[str, list[tuple[str, str, str]]]] = Future()  # the background read, still running
+    a = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=first, trusting=True)
+    a.entries_pending, a.reread, a.counts = never, reread, {"datagrams": 2, "elements": 3}
+    assert a.unchanged(web) and a.unchanged(api) and a.trusting
+    assert all(not svc.entries and svc.digests_agree for svc in a.services.values())
+    a.settle()
+    assert a.cancel.is_set() and not rereads
+    # the same service with another endpoint: its digest differs, and its old keys come from the entry maps
+    moved = render.render_service(
+        ServicePort(
+            ServicePortName("ns1", "web", "http", Protocol.TCP),
+            IPFamily.V4,
+            "198.18.200.1",
+            80,
+            cluster_endpoints=(Endpoint("198.18.1.3", 8080),),
+            has_any_endpoints=True,
+        ),
+        CTX4,
+    )
+    assert not a.unchanged(moved)
+    svc = a.service(ServicePortName("ns1", "web", "http", Protocol.TCP))
+    assert svc is not None and svc.entries == {(layout.SERVICE_IPS, "198.18.200.1 . tcp . 80"): "goto lb-i-1"}
+    assert rereads == [1] and not a.trusting and a.counts == {"datagrams": 3, "elements": 5}
+    assert a.unchanged(api)  # compared entry by entry now
+    # not given up: the background read is taken in, no read again
+    b = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=_done(first.result()), trusting=True)
+    b.entries_pending, b.reread, b.entry_counts = _done(entries), reread, {"datagrams": 1, "elements": 2}
+    assert b.service(ServicePortName("ns1", "new", "http", Protocol.TCP)) is None and b.trusting  # nothing held
+    assert b.service(ServicePortName("ns1", "api", "http", Protocol.TCP)) is not None and not b.trusting
+    assert rereads == [1] and b.counts == {"datagrams": 1, "elements": 2}
