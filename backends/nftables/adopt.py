@@ -56,6 +56,7 @@ from . import layout, render, setdump
 _ENTRY_MAPS = frozenset((layout.SERVICE_IPS, layout.SERVICE_NODEPORTS))
 log = logging.getLogger(__name__)
 Tags = tuple[str | None, ...]  # the comments of a chain's rules, in order (None: a rule without one)
+Raw = list[tuple[str, list[bytes]]]  # (set, the datagrams of its element dump) per set, unparsed
 
 
 @dataclass(slots=True)
@@ -132,10 +133,9 @@ class Adopted:
     #: and chains match its fragment is held whole; ``complete`` takes them in when a changed or unwanted service
     #: needs its old keys (``entries_pending``: their read in the background meanwhile, given up by ``settle``)
     trusting: bool = False
-    entries_pending: Future[dict[str, list[tuple[str, str, str]]]] | None = None
+    entries_pending: Future[Raw] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
-    reread: Callable[[], tuple[dict[str, list[tuple[str, str, str]]], dict[str, int]]] | None = None
-    entry_counts: dict[str, int] = field(default_factory=dict)  # the background read's datagrams and elements
+    reread: Callable[[], Raw] | None = None  # the entry maps' dumps again, when the background read was given up
     #: what the netlink element dumps taken in read: ``datagrams``, ``elements`` (the bench's figures)
     counts: dict[str, int] = field(default_factory=dict)
     _dumped: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)
@@ -151,17 +151,17 @@ class Adopted:
         t0 = time.perf_counter()
         try:
             if pending is not None and not self.cancel.is_set():
-                got, counts = pending.result(), self.entry_counts
+                raw = pending.result()
             elif self.reread is not None:
-                got, counts = self.reread()
+                raw = self.reread()
             else:
                 raise OSError("no read of the entry maps")
+            t1 = time.perf_counter()
+            got = _parsed(self.family, raw, self.counts)
         except Exception as exc:  # noqa: BLE001 - any failure of the read fails this sync, not the process
             fam = render.nft_family(self.family)
             raise BackendError(f"reading the entry maps of kproxy's {fam} table: {exc!r}") from exc
-        self.parts["entries_wait"] = time.perf_counter() - t0
-        for k, v in counts.items():
-            self.counts[k] = self.counts.get(k, 0) + v
+        self.parts.update(entries_wait=t1 - t0, entries_parse=time.perf_counter() - t1)
         self.services.clear()
         _take_services(self, {**self._dumped, **got})
 
@@ -312,14 +312,14 @@ def read(
     # the services' elements are dumped where the context lives while the caller renders (the ledger renders every
     # wanted service before its first comparison): taken in by ``ready``
     if not trust_digests:
-        out.pending = nft.later(lambda: _dump_entries(family, out.parts, DUMPED, counts=out.counts))
+        out.pending = nft.later(lambda: _dump_entries(family, out.parts, DUMPED, out.counts))
     else:
         out.trusting = True
-        out.pending = nft.later(lambda: _dump_entries(family, out.parts, FIRST, counts=out.counts))
+        out.pending = nft.later(lambda: _dump_entries(family, out.parts, FIRST, out.counts))
         # queued behind the first: the entry maps, needed only when a service changed or went (``complete``)
-        entries = ENTRY_MAPS
-        out.entries_pending = nft.later(lambda: _dump_entries(family, None, entries, out.cancel, out.entry_counts))
-        out.reread = lambda: _reread(nft, family)
+        cancel = out.cancel
+        out.entries_pending = nft.later(lambda: _raw_entries(family, cancel))
+        out.reread = lambda: nft.call(lambda: _raw_entries(family, None))
     # `list sets` formats every element of every set (seconds at scale): affinity sets are named after their
     # endpoint chains instead (ep-<id>-<ep>-<timeout> uses aff-<id>-<ep>-<timeout>)
     out.sets = {"aff-" + c[3:] for c in out.chains if c.startswith("ep-")}
@@ -408,32 +408,37 @@ def _dump_entries(
     family: IPFamily,
     parts: dict[str, float] | None,
     names: Sequence[str] = DUMPED,
-    cancel: threading.Event | None = None,
     counts: dict[str, int] | None = None,
 ) -> dict[str, list[tuple[str, str, str]]]:
-    """``read_entries`` of ``names`` in the calling thread's namespace (OSError when a dump fails, setdump.Cancelled
-    once ``cancel`` is set); ``counts`` gets the datagrams and elements read."""
+    """``read_entries`` of ``names`` in the calling thread's namespace (OSError when a dump fails); ``counts`` gets
+    the datagrams and elements read."""
     out: dict[str, list[tuple[str, str, str]]] = {}
     parse, t0 = 0.0, time.perf_counter()
-    datagrams = elements_read = 0
-    for name, chunks in setdump.raw_dumps(family, names, cancel):
+    for name, chunks in setdump.raw_dumps(family, names):
         p0 = time.perf_counter()
-        got, _ = setdump.parse_elements(name, chunks)  # raw_dumps hands over ended dumps only
-        out[name] = [(key_text(family, name, k), v, c) for k, v, c in got]
+        out.update(_parsed(family, [(name, chunks)], counts))
         parse += time.perf_counter() - p0
-        datagrams, elements_read = datagrams + len(chunks), elements_read + len(got)
-    if counts is not None:
-        counts["datagrams"] = counts.get("datagrams", 0) + datagrams
-        counts["elements"] = counts.get("elements", 0) + elements_read
     if parts is not None:
         parts.update(dump=time.perf_counter() - t0 - parse, parse=parse)
     return out
 
 
-def _reread(nft: Nft, family: IPFamily) -> tuple[dict[str, list[tuple[str, str, str]]], dict[str, int]]:
-    """The entry maps read again, in ``nft``'s context (a trusting adoption whose background read was given up)."""
-    counts: dict[str, int] = {}
-    return nft.call(lambda: _dump_entries(family, None, ENTRY_MAPS, None, counts)), counts
+def _parsed(family: IPFamily, raw: Raw, counts: dict[str, int] | None) -> dict[str, list[tuple[str, str, str]]]:
+    """Ended dumps (``setdump.raw_dumps``) as ``read_entries`` returns them; ``counts`` gets what was read."""
+    out: dict[str, list[tuple[str, str, str]]] = {}
+    for name, chunks in raw:
+        got, _ = setdump.parse_elements(name, chunks)
+        out[name] = [(key_text(family, name, k), v, c) for k, v, c in got]
+        if counts is not None:
+            counts["datagrams"] = counts.get("datagrams", 0) + len(chunks)
+            counts["elements"] = counts.get("elements", 0) + len(got)
+    return out
+
+
+def _raw_entries(family: IPFamily, cancel: threading.Event | None) -> Raw:
+    """The entry maps' datagrams, unparsed (a trusting adoption parses them only if it needs them: no GIL taken
+    from the render meanwhile but one append per datagram); setdump.Cancelled once ``cancel`` is set."""
+    return list(setdump.raw_dumps(family, ENTRY_MAPS, cancel))
 
 
 def tags(rules: Sequence[str]) -> Tags:

@@ -202,17 +202,30 @@ def test_a_restart_trusts_the_digests_and_reads_the_entry_maps_only_for_a_change
             layout.HAIRPIN: [("198.18.1.2 . 198.18.1.2", "", "")],
         }
     )
-    entries = {
-        layout.SERVICE_IPS: [(k, v, f.comment) for f in (web, api) for _, k, v in f.entries],
-        layout.SERVICE_NODEPORTS: [],
-    }
+    # the entry maps as the kernel sends them (one datagram each, ended), parsed only when taken in
+    entries = [
+        (
+            layout.SERVICE_IPS,
+            [
+                message(
+                    layout.SERVICE_IPS,
+                    [
+                        element(v4_entry(ip, 6, 80), verdict(-4, "lb-i-1"), c, 0)
+                        for ip, c in (("198.18.200.1", web.comment), ("198.18.200.2", api.comment))
+                    ],
+                )
+                + DONE
+            ],
+        ),
+        (layout.SERVICE_NODEPORTS, [DONE]),
+    ]
     rereads: list[int] = []
 
-    def reread() -> tuple[dict[str, list[tuple[str, str, str]]], dict[str, int]]:
+    def reread() -> list[tuple[str, list[bytes]]]:
         rereads.append(1)
-        return entries, {"datagrams": 1, "elements": 2}
+        return entries
 
-    never: Future[dict[str, list[tuple[str, str, str]]]] = Future()  # the background read, still running
+    never: Future[list[tuple[str, list[bytes]]]] = Future()  # the background read, still running
     a = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=first, trusting=True)
     a.entries_pending, a.reread, a.counts = never, reread, {"datagrams": 2, "elements": 3}
     assert a.unchanged(web) and a.unchanged(api) and a.trusting
@@ -234,11 +247,13 @@ def test_a_restart_trusts_the_digests_and_reads_the_entry_maps_only_for_a_change
     assert not a.unchanged(moved)
     svc = a.service(ServicePortName("ns1", "web", "http", Protocol.TCP))
     assert svc is not None and svc.entries == {(layout.SERVICE_IPS, "198.18.200.1 . tcp . 80"): "goto lb-i-1"}
-    assert rereads == [1] and not a.trusting and a.counts == {"datagrams": 3, "elements": 5}
+    assert rereads == [1] and not a.trusting and a.counts == {"datagrams": 4, "elements": 5}
     assert a.unchanged(api)  # compared entry by entry now
     # not given up: the background read is taken in, no read again
     b = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=_done(first.result()), trusting=True)
-    b.entries_pending, b.reread, b.entry_counts = _done(entries), reread, {"datagrams": 1, "elements": 2}
+    done: Future[list[tuple[str, list[bytes]]]] = Future()
+    done.set_result(entries)
+    b.entries_pending, b.reread = done, reread
     assert b.service(ServicePortName("ns1", "new", "http", Protocol.TCP)) is None and b.trusting  # nothing held
     assert b.service(ServicePortName("ns1", "api", "http", Protocol.TCP)) is not None and not b.trusting
-    assert rereads == [1] and b.counts == {"datagrams": 1, "elements": 2}
+    assert rereads == [1] and b.counts == {"datagrams": 2, "elements": 2}
