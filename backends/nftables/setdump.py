@@ -7,9 +7,11 @@ Decisions:
 - **Raw netlink, not libnftables**: nft 1.0.6's ``list set`` fetches every element of the table and formats each.
 - **One socket for every set of a read**: the dumps run one after the other on it (a netlink socket holds one dump
   at a time), so a read of 128 sets opens one socket, not 128.
+- **A read can be given up** (``raw_dumps``' ``cancel``, checked after each datagram): a restart dumps the entry maps
+  in the background in case it needs them, and stops as soon as it knows it does not (``adopt``).
 - **Small sets** are the caller's business and the reason it shards: the kernel resumes a set's dump at each ~32 KB
   continuation by walking the set again from its start and skipping the elements already sent, so one dump of n
-  elements costs O(n^2).
+  elements costs O(n^2) (a bigger receive buffer does not help: the kernel caps a dump's datagram at 32 KB).
 - **Adoption's elements** (``parse_elements``): the entry maps and the digest set hold one element per service
   address (100,000 at 100,000 services), each with a comment; libnftables' ``list map`` of one costs seconds there
   (its own parse, its JSON, Python's JSON), the attribute walk here a fraction (docs/PERFORMANCE.md).
