@@ -138,19 +138,9 @@ def _digest(elements: Sequence[Element], rest: Sequence[object]) -> str:
     text = "\n".join(map("|".join, elements))
     if any(rest):
         text += repr(rest)
-    return _b32_50(text)
-
-
-def _b32_50(text: str) -> str:
-    """``text``'s 64-bit blake2b, its low 50 bits in base32 (``_digest``)."""
-    n = _FROM_BYTES(_BLAKE2B(text.encode(), digest_size=8).digest(), "big")
+    n = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
     p = B32_PAIRS
     return p[n & 1023] + p[(n >> 10) & 1023] + p[(n >> 20) & 1023] + p[(n >> 30) & 1023] + p[(n >> 40) & 1023]
-
-
-_BLAKE2B, _FROM_BYTES = hashlib.blake2b, int.from_bytes
-#: repr() of a shared-chain tuple (a handful of distinct ones in a table): ``_render_cluster_ip_only``'s digest
-_SHARED_REPR: dict[tuple[str, ...], str] = {}
 
 
 def _ep(ep: Endpoint) -> str:
@@ -376,17 +366,13 @@ def _render_cluster_ip_only(sp: ServicePort, ctx: FamilyContext) -> Fragment:
     else:
         elements = [(SERVICE_IPS, key, f"goto {REJECT_CHAIN}")]
     elements_t = tuple(elements)
-    # _digest(elements_t, (shared, (), (), hairpin)), with the repr of that tuple spelled from its parts (the shared
-    # tuple's repr kept: a few distinct ones per table)
-    text = "\n".join(map("|".join, elements_t))
-    if shared or hairpin:
-        rs = _SHARED_REPR.get(shared)
-        if rs is None:
-            rs = repr(shared)
-            if len(_SHARED_REPR) < 4096:  # bounded: one per endpoint count and masquerade kind in practice
-                _SHARED_REPR[shared] = rs
-        text += f"({rs}, (), (), {hairpin!r})"
-    return Fragment(key=service_key(sp.name), elements=elements_t, shared=shared, hairpin=hairpin, digest=_b32_50(text))
+    return Fragment(
+        key=service_key(sp.name),
+        elements=elements_t,
+        shared=shared,
+        hairpin=hairpin,
+        digest=_digest(elements_t, (shared, (), (), hairpin)),
+    )
 
 
 _SLOT_NAMES = {p: slot_map(BACKENDS, p) for p in PROTOCOLS}
