@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kproxy.model import IPFamily, ServicePortName
 from kproxy.nftkernel import Nft
@@ -57,6 +58,7 @@ _ENTRY_MAPS = frozenset((layout.SERVICE_IPS, layout.SERVICE_NODEPORTS))
 log = logging.getLogger(__name__)
 Tags = tuple[str | None, ...]  # the comments of a chain's rules, in order (None: a rule without one)
 Raw = list[tuple[str, list[bytes]]]  # (set, the datagrams of its element dump) per set, unparsed
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -312,10 +314,10 @@ def read(
     # the services' elements are dumped where the context lives while the caller renders (the ledger renders every
     # wanted service before its first comparison): taken in by ``ready``
     if not trust_digests:
-        out.pending = nft.later(lambda: _dump_entries(family, out.parts, DUMPED, out.counts))
+        out.pending = nft.later(lambda: _prompt(_dump_entries, family, out.parts, DUMPED, out.counts))
     else:
         out.trusting = True
-        out.pending = nft.later(lambda: _dump_entries(family, out.parts, FIRST, out.counts))
+        out.pending = nft.later(lambda: _prompt(_dump_entries, family, out.parts, FIRST, out.counts))
         # queued behind the first: the entry maps, needed only when a service changed or went (``complete``)
         cancel = out.cancel
         out.entries_pending = nft.later(lambda: _raw_entries(family, cancel))
@@ -402,6 +404,23 @@ def read_entries(
         return nft.call(lambda: _dump_entries(family, parts)), ""
     except OSError as exc:
         return None, f"netlink element dump of kproxy's {render.nft_family(family)} table: {exc}"
+
+
+#: the interpreter's thread switch interval while the services' read runs beside the render (``_prompt``)
+SWITCH_S = 0.0005
+
+
+def _prompt(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` with the interpreter's thread switch interval cut to ``SWITCH_S`` meanwhile: a dump's thread
+    needs the GIL back after each ~32 KB datagram while the ledger renders in the main thread, and at the default 5 ms
+    those waits added up to about the kernel's own time (a 100,000-element dump is ~230 datagrams). The render is
+    interrupted as often either way (once per datagram), only sooner."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, SWITCH_S))
+    try:
+        return fn(*args)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def _dump_entries(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 from concurrent.futures import Future
 
 import pytest
@@ -257,3 +258,18 @@ def test_a_restart_trusts_the_digests_and_reads_the_entry_maps_only_for_a_change
     assert b.service(ServicePortName("ns1", "new", "http", Protocol.TCP)) is None and b.trusting  # nothing held
     assert b.service(ServicePortName("ns1", "api", "http", Protocol.TCP)) is not None and not b.trusting
     assert rereads == [1] and b.counts == {"datagrams": 2, "elements": 2}
+
+
+def test_the_services_read_runs_with_a_short_thread_switch_interval() -> None:
+    """The dumps beside the render (``adopt._prompt``): the dump's thread gets the GIL back within ``SWITCH_S`` of
+    each datagram rather than the default 5 ms; the interval is restored after, also when the read fails."""
+    before = sys.getswitchinterval()
+    assert adopt._prompt(sys.getswitchinterval) == min(before, adopt.SWITCH_S)
+    assert sys.getswitchinterval() == before
+
+    def fails() -> None:
+        raise OSError(2, "gone")
+
+    with pytest.raises(OSError):
+        adopt._prompt(fails)
+    assert sys.getswitchinterval() == before
