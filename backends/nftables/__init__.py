@@ -110,7 +110,9 @@ Where kproxy deviates from upstream's nftables mode, and why:
   processes use it. A NodePort without cluster endpoints has no listener (refused, as the rules reject it);
   SCTP has none. The endpoint sees the node's address as the source, as upstream's masquerade shows it.
 - kproxy trusts its own table's content between full syncs: a deleted table is noticed and rebuilt, an element
-  edited by hand under an unchanged digest is not.
+  edited by hand under an unchanged digest is not. A restart trusts a service's digest for its entries too (it
+  reads the entry maps only when a service changed or went: ``adopt``); the next full sync that reads everything
+  repairs such an edit, and the drift watcher sees one made while kproxy runs.
 
 Conformance scenarios not applicable to this mode: none.
 """

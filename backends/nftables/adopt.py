@@ -17,17 +17,33 @@ table unadoptable, replaced whole as one that cannot be read. Where the time goe
 ``restart_parts``). A service whose entries and digest equal the new fragment's is unchanged; for any other, the
 keys of its big-map elements follow from its entries (an entry's verdict names the shared chain, ``lb-i-3``, hence
 the slots 0..2 of its key in ``backends``), so it can be rewritten exactly without the big read.
+
+A restart (the first adoption of a process, ``read(trust_digests=True)``) reads the digest and hairpin sets first
+and takes a service whose digest and own chains match its new fragment as held whole, as the slots always are: the
+digest is written in the same transaction as the service's entries and slots, so only a hand edit makes them
+differ. The entry maps are dumped meanwhile, queued behind, and taken in only when a service the kernel holds
+changed or is no longer wanted (its old keys are deleted, ``Adopted.complete``); a restart with nothing changed
+gives that read up (``Adopted.settle``) and reads half the elements. Why it matters: the kernel resumes a set's
+element dump at each ~32 KB continuation by walking the set again from its start, so one dump of n elements costs
+O(n^2) in the kernel (the counting sets are sharded for it, ``setdump``), and ``service-ips``, the biggest (a
+counter and a comment per element), was most of a restart's time at 100,000 services (docs/PERFORMANCE.md). What
+a restart does not see, an entry edited by hand under its unchanged digest while kproxy was down, is repaired by
+the next full sync that reads everything (every later adoption of the process does: a drift repair, one after a
+failure, the periodic one) and reported by ``kproxy verify`` (also run after the periodic full sync); while kproxy
+runs, the drift watcher (``kproxy.drift``) turns such an edit into a full sync at once.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kproxy.model import IPFamily, ServicePortName
 from kproxy.nftkernel import Nft
@@ -41,6 +57,8 @@ from . import layout, render, setdump
 _ENTRY_MAPS = frozenset((layout.SERVICE_IPS, layout.SERVICE_NODEPORTS))
 log = logging.getLogger(__name__)
 Tags = tuple[str | None, ...]  # the comments of a chain's rules, in order (None: a rule without one)
+Raw = list[tuple[str, list[bytes]]]  # (set, the datagrams of its element dump) per set, unparsed
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -113,6 +131,53 @@ class Adopted:
     pending: Future[dict[str, list[tuple[str, str, str]]]] | None = None
     firewall: list[tuple[str, str]] = field(default_factory=list)  # (comment key, key) of firewall-allow elements
     error: str = ""  # why the services could not be read (the table is then replaced whole)
+    #: a restart's adoption (``read(trust_digests=True)``): the entry maps not taken in yet, a service whose digest
+    #: and chains match its fragment is held whole; ``complete`` takes them in when a changed or unwanted service
+    #: needs its old keys (``entries_pending``: their read in the background meanwhile, given up by ``settle``)
+    trusting: bool = False
+    entries_pending: Future[Raw] | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    reread: Callable[[], Raw] | None = None  # the entry maps' dumps again, when the background read was given up
+    #: what the netlink element dumps taken in read: ``datagrams``, ``elements`` (the bench's figures)
+    counts: dict[str, int] = field(default_factory=dict)
+    _dumped: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)
+
+    def complete(self) -> None:
+        """Take in the entry maps of a trusting adoption (its background read, or a new one when that was given
+        up) and regroup the services from every dump; a no-op otherwise. BackendError when the read fails (the
+        sync fails; the next full sync adopts again, reading everything)."""
+        if not self.ready() or not self.trusting:
+            return
+        self.trusting = False
+        pending, self.entries_pending = self.entries_pending, None
+        t0 = time.perf_counter()
+        try:
+            if pending is not None and not self.cancel.is_set():
+                raw = pending.result()
+            elif self.reread is not None:
+                raw = self.reread()
+            else:
+                raise OSError("no read of the entry maps")
+            t1 = time.perf_counter()
+            got = _parsed(self.family, raw, self.counts)
+        except Exception as exc:  # noqa: BLE001 - any failure of the read fails this sync, not the process
+            fam = render.nft_family(self.family)
+            raise BackendError(f"reading the entry maps of kproxy's {fam} table: {exc!r}") from exc
+        self.parts.update(entries_wait=t1 - t0, entries_parse=time.perf_counter() - t1)
+        self.services.clear()
+        _take_services(self, {**self._dumped, **got})
+
+    def settle(self) -> None:
+        """A trusting adoption whose entries nothing needed: give up their background read, which would otherwise
+        hold libnftables' worker thread (the next transaction's) for seconds at scale."""
+        if self.trusting:
+            self.cancel.set()
+
+    def held(self, ckey: str) -> bool:
+        """Whether the kernel holds something of the service with comment key ``ckey`` (its digest, entries or
+        firewall elements as read so far)."""
+        self.ready()
+        return ckey in self.services
 
     def ready(self) -> bool:
         """Whether the table can be adopted (this layout, and its services read), after taking in the background
@@ -129,8 +194,12 @@ class Adopted:
                 log.warning("%s: %s: the table will be replaced", self.family.value, self.error)
                 self.layout_ok = False
                 dumped = None
+                self.settle()  # a table replaced whole needs no entry
+                self.trusting = False
             self.parts["wait"] = time.perf_counter() - t0
             if dumped is not None:
+                if self.trusting:
+                    self._dumped = dumped  # regrouped with the entries if they are needed (``complete``)
                 _take_services(self, dumped)
         return self.layout_ok
 
@@ -148,8 +217,12 @@ class Adopted:
         return self._counting
 
     def service(self, spn: ServicePortName) -> Service | None:
-        self.ready()
-        return self.services.get(layout.comment_key(render.service_key(spn)))
+        """What the kernel holds of ``spn`` (None: nothing); a trusting adoption takes in the entry maps first when
+        it holds something (a changed service is rewritten from its old keys)."""
+        ckey = layout.comment_key(render.service_key(spn))
+        if self.held(ckey) and self.trusting:
+            self.complete()
+        return self.services.get(ckey)
 
     def get(self, spn: ServicePortName) -> Service | None:
         return self.service(spn)
@@ -175,6 +248,8 @@ class Adopted:
             return False
         if frag.chains and not self.chains_hold(frag):
             return False
+        if self.trusting:  # the digest stands for the entries (a restart: see the module docstring)
+            return True
         held, found = svc.entries, 0
         for m, k, v in frag.elements:
             if m in _ENTRY_MAPS:
@@ -198,9 +273,12 @@ def split_comment(comment: str | None) -> tuple[str, str | None]:
     return (key, digest) if sep else (comment, None)
 
 
-def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) -> tuple[Adopted | None, str]:
+def read(
+    nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False, *, trust_digests: bool = False
+) -> tuple[Adopted | None, str]:
     """Read the table of ``family`` (see the module docstring; ``counters``: its counting elements too, one netlink
-    dump, ``counters.read_counts``); (None, error) when a read fails. ``Adopted.parts``: where the time went."""
+    dump, ``counters.read_counts``; ``trust_digests``: a restart's adoption, ``Adopted.trusting``); (None, error)
+    when a read fails. ``Adopted.parts``: where the time went."""
     fam = render.nft_family(family)
     out = Adopted(family)
     t0 = time.perf_counter()
@@ -235,7 +313,15 @@ def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) 
         return None, err
     # the services' elements are dumped where the context lives while the caller renders (the ledger renders every
     # wanted service before its first comparison): taken in by ``ready``
-    out.pending = nft.later(lambda: _dump_entries(family, out.parts))
+    if not trust_digests:
+        out.pending = nft.later(lambda: _prompt(_dump_entries, family, out.parts, DUMPED, out.counts))
+    else:
+        out.trusting = True
+        out.pending = nft.later(lambda: _prompt(_dump_entries, family, out.parts, FIRST, out.counts))
+        # queued behind the first: the entry maps, needed only when a service changed or went (``complete``)
+        cancel = out.cancel
+        out.entries_pending = nft.later(lambda: _raw_entries(family, cancel))
+        out.reread = lambda: nft.call(lambda: _raw_entries(family, None))
     # `list sets` formats every element of every set (seconds at scale): affinity sets are named after their
     # endpoint chains instead (ep-<id>-<ep>-<timeout> uses aff-<id>-<ep>-<timeout>)
     out.sets = {"aff-" + c[3:] for c in out.chains if c.startswith("ep-")}
@@ -243,11 +329,13 @@ def read(nft: Nft, family: IPFamily, layout_chain: str, counters: bool = False) 
 
 
 def _take_services(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]]) -> None:
-    """The services' entries, digests and firewall elements into ``out.services``."""
+    """The services' entries (when read: not yet in a trusting adoption), digests and firewall elements into
+    ``out.services``."""
     t0 = time.perf_counter()
     services = out.services
+    entries_read = layout.SERVICE_IPS in dumped
     for name in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS):
-        for key, value, comment in dumped[name]:
+        for key, value, comment in dumped.get(name, ()):
             ckey, _ = split_comment(comment)
             svc = services.get(ckey)
             if svc is None:
@@ -257,7 +345,7 @@ def _take_services(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]
         ckey, digest = split_comment(comment)
         svc = services.get(ckey)
         if svc is None:  # a digest without entries: the service is rewritten (its digest element deleted first)
-            svc = services[ckey] = Service(digests_agree=False)
+            svc = services[ckey] = Service(digests_agree=not entries_read)
         elif svc.digest_key is not None:
             svc.digests_agree = False
         svc.digest, svc.digest_key = digest, key
@@ -267,7 +355,7 @@ def _take_services(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]
         if svc is None:
             svc = services[ckey] = Service(digests_agree=False)
         svc.firewall.append(key)
-    out.parts["group"] = time.perf_counter() - t0
+    out.parts["group"] = out.parts.get("group", 0.0) + time.perf_counter() - t0
 
 
 def _read_small_sets(nft: Nft, out: Adopted) -> str:
@@ -290,6 +378,10 @@ def _read_small_sets(nft: Nft, out: Adopted) -> str:
 #: the elements adoption reads over netlink (``setdump``) rather than through libnftables: one per service address
 #: or NodePort each, and one per local endpoint (hairpin); the rest of what it reads is a handful of elements
 DUMPED = (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS, layout.SERVICE_DIGESTS, layout.HAIRPIN)
+#: a restart's adoption reads these first (one element per service port, one per local endpoint) ...
+FIRST = (layout.SERVICE_DIGESTS, layout.HAIRPIN)
+#: ... and the entry maps only when a changed or unwanted service needs its old keys (``Adopted.complete``)
+ENTRY_MAPS = (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS)
 
 
 def key_text(family: IPFamily, setname: str, raw: bytes) -> str:
@@ -314,18 +406,58 @@ def read_entries(
         return None, f"netlink element dump of kproxy's {render.nft_family(family)} table: {exc}"
 
 
-def _dump_entries(family: IPFamily, parts: dict[str, float] | None) -> dict[str, list[tuple[str, str, str]]]:
-    """``read_entries`` in the calling thread's namespace (OSError when a dump fails)."""
+#: the interpreter's thread switch interval while the services' read runs beside the render (``_prompt``)
+SWITCH_S = 0.0005
+
+
+def _prompt(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` with the interpreter's thread switch interval cut to ``SWITCH_S`` meanwhile: a dump's thread
+    needs the GIL back after each ~32 KB datagram while the ledger renders in the main thread, and at the default 5 ms
+    those waits added up to about the kernel's own time (a 100,000-element dump is ~230 datagrams). The render is
+    interrupted as often either way (once per datagram), only sooner."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, SWITCH_S))
+    try:
+        return fn(*args)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def _dump_entries(
+    family: IPFamily,
+    parts: dict[str, float] | None,
+    names: Sequence[str] = DUMPED,
+    counts: dict[str, int] | None = None,
+) -> dict[str, list[tuple[str, str, str]]]:
+    """``read_entries`` of ``names`` in the calling thread's namespace (OSError when a dump fails); ``counts`` gets
+    the datagrams and elements read."""
     out: dict[str, list[tuple[str, str, str]]] = {}
     parse, t0 = 0.0, time.perf_counter()
-    for name, chunks in setdump.raw_dumps(family, DUMPED):
+    for name, chunks in setdump.raw_dumps(family, names):
         p0 = time.perf_counter()
-        got, _ = setdump.parse_elements(name, chunks)  # raw_dumps hands over ended dumps only
-        out[name] = [(key_text(family, name, k), v, c) for k, v, c in got]
+        out.update(_parsed(family, [(name, chunks)], counts))
         parse += time.perf_counter() - p0
     if parts is not None:
         parts.update(dump=time.perf_counter() - t0 - parse, parse=parse)
     return out
+
+
+def _parsed(family: IPFamily, raw: Raw, counts: dict[str, int] | None) -> dict[str, list[tuple[str, str, str]]]:
+    """Ended dumps (``setdump.raw_dumps``) as ``read_entries`` returns them; ``counts`` gets what was read."""
+    out: dict[str, list[tuple[str, str, str]]] = {}
+    for name, chunks in raw:
+        got, _ = setdump.parse_elements(name, chunks)
+        out[name] = [(key_text(family, name, k), v, c) for k, v, c in got]
+        if counts is not None:
+            counts["datagrams"] = counts.get("datagrams", 0) + len(chunks)
+            counts["elements"] = counts.get("elements", 0) + len(got)
+    return out
+
+
+def _raw_entries(family: IPFamily, cancel: threading.Event | None) -> Raw:
+    """The entry maps' datagrams, unparsed (a trusting adoption parses them only if it needs them: no GIL taken
+    from the render meanwhile but one append per datagram); setdump.Cancelled once ``cancel`` is set."""
+    return list(setdump.raw_dumps(family, ENTRY_MAPS, cancel))
 
 
 def tags(rules: Sequence[str]) -> Tags:

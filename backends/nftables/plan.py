@@ -245,6 +245,8 @@ class _Full:
         handled = {f.comment for f in batch.wanted.values()}
         handled.update(layout.comment_key(render.service_key(spn)) for spn in self.in_batch)
         done = self.scratch.stale_done
+        if adopted.trusting and any(c not in handled and c not in done for c in adopted.services):
+            adopted.complete()  # an unwanted service: its entries are deleted, so they must be known
         for ckey, svc in adopted.services.items():
             if ckey not in handled and ckey not in done:
                 keys = {**svc.keys(), **counters_mod.skeleton(svc.entries, adopted.counting())}
@@ -313,3 +315,16 @@ def shared_changes(tx: render.Transaction, present: set[str], refs: Counter[str]
 def add_hairpin(tx: render.Transaction, add: set[str], delete: set[str]) -> None:
     tx.delete_keys(((layout.HAIRPIN, h) for h in sorted(delete)), None)
     tx.add_elements(((layout.HAIRPIN, h, "") for h in sorted(add)), None, None)
+
+
+def entries_needed(batch: NftBatch) -> bool:
+    """Whether a full batch over a trusting adoption (a restart's: ``adopt.Adopted.trusting``) needs the entry maps:
+    a service it writes that the kernel holds something of (rewritten from its old keys), or one the kernel holds
+    that nothing wants (removed). False: every service the kernel holds is wanted and unchanged, or new."""
+    adopted = batch.adopted
+    if adopted is None or not adopted.ready():
+        return False
+    if any(adopted.held(layout.comment_key(render.service_key(d.name))) for d in batch.deltas):
+        return True
+    handled = {f.comment for f in batch.wanted.values()}
+    return any(c not in handled for c in adopted.services)

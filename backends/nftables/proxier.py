@@ -75,6 +75,9 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         self.localhost.engine.on_dead = lambda ident: self.request_full(IPFamily.V4)  # a full sync binds it anew
         self.counting = config.service_counters  # --service-counters: a counting element per endpoint (``counters``)
         self._counters = counters_mod.Reader(self)  # reads only when asked
+        # families adopted once already: only the first adoption of a process (a restart) trusts the digests
+        # (``adopt.Adopted.trusting``); every later full sync (drift, a failure, the periodic one) reads everything
+        self._adopted_once: set[IPFamily] = set()
 
     # ------------------------------------------------------------------------------------------ hooks
 
@@ -125,7 +128,10 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
 
     def adopt(self, family: IPFamily, ctx: FamilyContext) -> adopt_mod.Adopted | None:
         t0 = time.perf_counter()
-        got, err = adopt_mod.read(self.nft, family, layout.layout_chain(family, self.counting), self.counting)
+        trust = family not in self._adopted_once
+        self._adopted_once.add(family)
+        chain = layout.layout_chain(family, self.counting)
+        got, err = adopt_mod.read(self.nft, family, chain, self.counting, trust_digests=trust)
         if got is None:
             log.warning("%s: reading kproxy's nftables table failed (%s): it will be replaced", family.value, err)
             return None
@@ -258,6 +264,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         if batch.full:
             if isinstance(batch.adopted, adopt_mod.Adopted):
                 batch.adopted.ready()  # its services' read, if still running; a failed one replaces the table
+                if batch.adopted.trusting and not plan.entries_needed(batch):
+                    batch.adopted.settle()  # nothing changed or went: the entry maps' read is given up
             chunks = plan.full_chunks(batch, self.counting)
         else:
             if not known.known:
@@ -269,6 +277,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         if batch.full and first_round and isinstance(batch.adopted, adopt_mod.Adopted):
             # where adoption's read went (``adopt.read``), once per sync: the ledger adds up its rounds' timings
             out.timings.update({f"adopt_{k}": v for k, v in batch.adopted.parts.items()})
+            out.figures.update({f"adopt_{k}": v for k, v in batch.adopted.counts.items()})
         figures, timings = out.figures, MappingProxyType(out.timings)
         if out.error is not None:
             chunk, res = out.error

@@ -346,7 +346,7 @@ class _General:
 def _render_cluster_ip_only(sp: ServicePort, ctx: FamilyContext) -> Fragment:
     """``render_service`` for the common case (a ClusterIP only, no affinity), without the general path's closures:
     the same fragment, in a fraction of the time."""
-    proto = sp.name.protocol.lowercase
+    proto = sp.name.protocol._value_.lower()  # not the enum's ``value`` property: once per service of a full sync
     key = f"{sp.cluster_ip} . {proto} . {sp.port}"
     eps = sp.internal_endpoints
     shared: tuple[str, ...] = ()

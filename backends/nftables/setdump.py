@@ -7,9 +7,11 @@ Decisions:
 - **Raw netlink, not libnftables**: nft 1.0.6's ``list set`` fetches every element of the table and formats each.
 - **One socket for every set of a read**: the dumps run one after the other on it (a netlink socket holds one dump
   at a time), so a read of 128 sets opens one socket, not 128.
+- **A read can be given up** (``raw_dumps``' ``cancel``, checked after each datagram): a restart dumps the entry maps
+  in the background in case it needs them, and stops as soon as it knows it does not (``adopt``).
 - **Small sets** are the caller's business and the reason it shards: the kernel resumes a set's dump at each ~32 KB
   continuation by walking the set again from its start and skipping the elements already sent, so one dump of n
-  elements costs O(n^2).
+  elements costs O(n^2) (a bigger receive buffer does not help: the kernel caps a dump's datagram at 32 KB).
 - **Adoption's elements** (``parse_elements``): the entry maps and the digest set hold one element per service
   address (100,000 at 100,000 services), each with a comment; libnftables' ``list map`` of one costs seconds there
   (its own parse, its JSON, Python's JSON), the attribute walk here a fraction (docs/PERFORMANCE.md).
@@ -28,6 +30,7 @@ import os
 import re
 import socket
 import struct
+import threading
 from collections.abc import Callable, Iterable, Iterator
 
 from kproxy.model import IPFamily
@@ -247,8 +250,15 @@ def _ended(data: bytes, setname: str) -> bool:
     return _walk(setname, [data], None)
 
 
-def _one(sock: socket.socket, family: IPFamily, setname: str, seq: int) -> list[bytes]:
-    """The datagrams of one dump on ``sock``, taken again (up to twice) when the set changed during it."""
+class Cancelled(Exception):
+    """A dump given up by its caller (``raw_dumps``' ``cancel``): closing the socket ends it in the kernel."""
+
+
+def _one(
+    sock: socket.socket, family: IPFamily, setname: str, seq: int, cancel: threading.Event | None = None
+) -> list[bytes]:
+    """The datagrams of one dump on ``sock``, taken again (up to twice) when the set changed during it; Cancelled
+    as soon as ``cancel`` is set (checked after each datagram)."""
     for attempt in range(3):
         chunks: list[bytes] = []
         sock.send(request(family, setname, seq + attempt))
@@ -257,6 +267,8 @@ def _one(sock: socket.socket, family: IPFamily, setname: str, seq: int) -> list[
                 chunks.append(sock.recv(_RECV))
                 if _ended(chunks[-1], setname):
                     return chunks
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled(f"netlink element dump of {setname}: given up after {len(chunks)} datagrams")
         except InterruptedError:
             _drain(sock, chunks[-1])
             continue
@@ -272,13 +284,17 @@ def _drain(sock: socket.socket, last: bytes) -> None:
         data = sock.recv(_RECV)
 
 
-def raw_dumps(family: IPFamily, setnames: Iterable[str]) -> Iterator[tuple[str, list[bytes]]]:
+def raw_dumps(
+    family: IPFamily, setnames: Iterable[str], cancel: threading.Event | None = None
+) -> Iterator[tuple[str, list[bytes]]]:
     """(set, the datagrams of its element dump) for each of ``setnames`` in turn, on one socket, in the calling
-    thread's network namespace."""
+    thread's network namespace; Cancelled once ``cancel`` is set (the socket, and the dump in the kernel, closed)."""
     with netlink.netfilter_socket() as sock:
         sock.settimeout(_TIMEOUT_S)
         for i, setname in enumerate(setnames):
-            yield setname, _one(sock, family, setname, 4 * i + 1)
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"netlink element dump of {setname}: given up before it started")
+            yield setname, _one(sock, family, setname, 4 * i + 1, cancel)
 
 
 def raw_dump(family: IPFamily, setname: str) -> list[bytes]:

@@ -5,12 +5,13 @@ a fresh process adopting that table writes nothing."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from types import MappingProxyType
 
 import pytest
 
-from kproxy.backends.nftables import adopt, layout
+from kproxy.backends.nftables import adopt, layout, setdump
 from kproxy.backends.nftables.proxier import NftablesProxier
 from kproxy.config import ProxyConfig
 from kproxy.model import Changes, Endpoint, IPFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
@@ -113,3 +114,30 @@ def test_the_netlink_read_equals_libnftables_listing_and_a_restart_writes_nothin
         assert {k for k in res.timings if k.startswith("adopt_")} >= {"adopt_dump", "adopt_parse", "adopt_group"}
     finally:
         again.close()
+
+
+def test_a_dump_given_up_ends_at_once_and_the_next_read_is_whole(netns: str) -> None:
+    """``setdump.raw_dumps`` with a cancel flag (a restart's entry-map read that nothing needed): once it is set, the
+    next dump is not started (Cancelled, the socket closed), and a read after it gets every element."""
+    p = NftablesProxier(CFG, netns=netns)
+    try:
+        assert p.sync(state(), Changes(full=True)).ok
+        cancel = threading.Event()
+
+        def run() -> tuple[list[str], BaseException | None]:
+            taken: list[str] = []
+            try:
+                for name, _ in setdump.raw_dumps(IPFamily.V4, (*adopt.FIRST, *adopt.ENTRY_MAPS), cancel):
+                    taken.append(name)
+                    cancel.set()
+            except setdump.Cancelled as exc:
+                return taken, exc
+            return taken, None
+
+        taken, stopped = p.nft.call(run)
+        assert taken == [layout.SERVICE_DIGESTS] and isinstance(stopped, setdump.Cancelled), (taken, stopped)
+        got, err = adopt.read_entries(p.nft, IPFamily.V4)
+        assert got is not None, err
+        assert len(got[layout.SERVICE_IPS]) == len(got[layout.SERVICE_DIGESTS]) + 2  # "edge": an externalIP, an LB IP
+    finally:
+        p.close()

@@ -74,6 +74,7 @@ def one_sync(netns: str, services: int, endpoints: int, partials: int = 0) -> di
             "seconds": seconds,
             "written_commands": written.count("\n"),
             "timings": dict(res.timings),
+            "figures": dict(res.families[IPFamily.V4].figures),
             "partial_sync_runs": partial,
             "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         }
@@ -100,6 +101,17 @@ def test_restart_with_nothing_changed_writes_nothing(netns: str) -> None:
     assert int(str(first["written_commands"])) > 300
     again = _child(netns, 300, 5)
     assert again["written_commands"] == 0, again
+    # nothing changed: the restart read the digest set (one element per service port) and the hairpin set (one per
+    # local endpoint), not the entry maps (service-ips: 300 more, the biggest elements)
+    figures = dict(again["figures"])  # type: ignore[call-overload]
+    listed = subprocess.run(
+        ["ip", "netns", "exec", netns, "nft", "-j", "list", "set", "ip", "kproxy", "hairpin"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    hairpin = sum(len(o["set"].get("elem", ())) for o in json.loads(listed)["nftables"] if "set" in o)
+    assert figures["adopt_elements"] == 300 + hairpin, figures
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 from concurrent.futures import Future
 
 import pytest
@@ -170,3 +171,105 @@ def test_services_read_in_the_background_are_taken_in_when_first_needed() -> Non
     failed.set_exception(OSError(2, "No such file or directory"))
     b = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=failed)
     assert not b.unchanged(frag) and not b.ready() and not b.layout_ok and "No such file" in b.error
+
+
+def _frag(name: str, ip: str) -> render.Fragment:
+    sp = ServicePort(
+        ServicePortName("ns1", name, "http", Protocol.TCP),
+        IPFamily.V4,
+        ip,
+        80,
+        cluster_endpoints=(Endpoint("198.18.1.2", 8080),),
+        has_any_endpoints=True,
+    )
+    return render.render_service(sp, CTX4)
+
+
+def _done(value: object) -> Future[dict[str, list[tuple[str, str, str]]]]:
+    fut: Future[dict[str, list[tuple[str, str, str]]]] = Future()
+    fut.set_result(value)  # type: ignore[arg-type]
+    return fut
+
+
+def test_a_restart_trusts_the_digests_and_reads_the_entry_maps_only_for_a_changed_service() -> None:
+    """A trusting adoption (a restart's) takes a service whose digest matches as held without taking in the entry
+    maps; ``settle`` gives their read up (the cancel flag the dump checks after each datagram); a held service that
+    changed takes them in (read again when given up) and is regrouped from every dump; the counts say what was
+    read."""
+    web, api = _frag("web", "198.18.200.1"), _frag("api", "198.18.200.2")
+    first = _done(
+        {
+            layout.SERVICE_DIGESTS: [(f.digest_key, "", f.digest_comment) for f in (web, api)],
+            layout.HAIRPIN: [("198.18.1.2 . 198.18.1.2", "", "")],
+        }
+    )
+    # the entry maps as the kernel sends them (one datagram each, ended), parsed only when taken in
+    entries = [
+        (
+            layout.SERVICE_IPS,
+            [
+                message(
+                    layout.SERVICE_IPS,
+                    [
+                        element(v4_entry(ip, 6, 80), verdict(-4, "lb-i-1"), c, 0)
+                        for ip, c in (("198.18.200.1", web.comment), ("198.18.200.2", api.comment))
+                    ],
+                )
+                + DONE
+            ],
+        ),
+        (layout.SERVICE_NODEPORTS, [DONE]),
+    ]
+    rereads: list[int] = []
+
+    def reread() -> list[tuple[str, list[bytes]]]:
+        rereads.append(1)
+        return entries
+
+    never: Future[list[tuple[str, list[bytes]]]] = Future()  # the background read, still running
+    a = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=first, trusting=True)
+    a.entries_pending, a.reread, a.counts = never, reread, {"datagrams": 2, "elements": 3}
+    assert a.unchanged(web) and a.unchanged(api) and a.trusting
+    assert all(not svc.entries and svc.digests_agree for svc in a.services.values())
+    a.settle()
+    assert a.cancel.is_set() and not rereads
+    # the same service with another endpoint: its digest differs, and its old keys come from the entry maps
+    moved = render.render_service(
+        ServicePort(
+            ServicePortName("ns1", "web", "http", Protocol.TCP),
+            IPFamily.V4,
+            "198.18.200.1",
+            80,
+            cluster_endpoints=(Endpoint("198.18.1.3", 8080),),
+            has_any_endpoints=True,
+        ),
+        CTX4,
+    )
+    assert not a.unchanged(moved)
+    svc = a.service(ServicePortName("ns1", "web", "http", Protocol.TCP))
+    assert svc is not None and svc.entries == {(layout.SERVICE_IPS, "198.18.200.1 . tcp . 80"): "goto lb-i-1"}
+    assert rereads == [1] and not a.trusting and a.counts == {"datagrams": 4, "elements": 5}
+    assert a.unchanged(api)  # compared entry by entry now
+    # not given up: the background read is taken in, no read again
+    b = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=_done(first.result()), trusting=True)
+    done: Future[list[tuple[str, list[bytes]]]] = Future()
+    done.set_result(entries)
+    b.entries_pending, b.reread = done, reread
+    assert b.service(ServicePortName("ns1", "new", "http", Protocol.TCP)) is None and b.trusting  # nothing held
+    assert b.service(ServicePortName("ns1", "api", "http", Protocol.TCP)) is not None and not b.trusting
+    assert rereads == [1] and b.counts == {"datagrams": 2, "elements": 2}
+
+
+def test_the_services_read_runs_with_a_short_thread_switch_interval() -> None:
+    """The dumps beside the render (``adopt._prompt``): the dump's thread gets the GIL back within ``SWITCH_S`` of
+    each datagram rather than the default 5 ms; the interval is restored after, also when the read fails."""
+    before = sys.getswitchinterval()
+    assert adopt._prompt(sys.getswitchinterval) == min(before, adopt.SWITCH_S)
+    assert sys.getswitchinterval() == before
+
+    def fails() -> None:
+        raise OSError(2, "gone")
+
+    with pytest.raises(OSError):
+        adopt._prompt(fails)
+    assert sys.getswitchinterval() == before
