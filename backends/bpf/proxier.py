@@ -227,6 +227,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         cleanup.record_places(p, self.netns)
         self._ensure_maps(every=True)  # created with the programs' specs: the compiler reopens them
         self.attached, self._replaced = self.programs.start(p)
+        self._reaper.warm()  # a partial sync that ends UDP sockets hands them to a thread already running
         log.info("bpf: attached %s to %s", ", ".join(self.attached), p.cgroup)
         if self._replaced:
             log.info("bpf: %d older programs stay attached until the first sync fills the maps", len(self._replaced))

@@ -84,3 +84,62 @@ def test_the_restarts_read_of_the_maps_overlaps_the_render(
         assert fam.written == 0 and fam.figures["map_writes"] == 0 and fam.figures["service_entries"] == 300 * 4
     finally:
         second.close()
+
+
+def test_a_partial_sync_after_start_starts_no_thread_and_learns_no_map(
+    place: tuple[str, dict[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a started proxier needs once is done at ``start``, not in the first partial sync after it: the UDP
+    reaper's worker thread (a UDP service losing a backend hands its sockets to it) and the names of the maps the
+    held programs read (the first check of kernel state puts back pins from them). Counted: threads started and map
+    names read while the check and the partial sync run."""
+    from kproxy.backends.bpf import objects
+    from kproxy.backends.bpf.proxier import BpfProxier
+
+    ns, opts = place
+    config = ProxyConfig(
+        mode="bpf", hostname_override="node-a", ip_families=(IPFamily.V4,), backend_options=MappingProxyType(opts)
+    )
+    from kproxy.backends.bpf.proxier import MAX_FRESH_REAP
+
+    names = [ServicePortName("ns1", f"dns{i}", "p", Protocol.UDP) for i in range(MAX_FRESH_REAP + 1)]
+    name = names[0]
+
+    def state(n_eps: int, gen: int) -> ProxyState:
+        """UDP services, more than a first sync looks for sockets of (so it hands the reaper nothing); the first
+        with ``n_eps`` endpoints, the others with two."""
+        ports = {}
+        for i, spn in enumerate(names):
+            eps = tuple(Endpoint(f"198.18.{216 + i // 100}.{10 + (i % 100) * 2 + j}", 53) for j in range(2))
+            ports[spn] = ServicePort(
+                name=spn, family=IPFamily.V4, cluster_ip=f"198.19.1.{1 + i}", port=53,
+                cluster_endpoints=eps[:n_eps] if i == 0 else eps, local_endpoints=(), has_any_endpoints=True,
+            )  # fmt: skip
+        return ProxyState({IPFamily.V4: MappingProxyType(ports)}, NODE, gen)
+
+    p = BpfProxier(config, netns=ns)
+    try:
+        p.start()
+        assert p.attached
+        assert p.sync(state(2, 1), Changes(full=True)).ok and p.last_reap is None  # nothing to reap yet
+        started: list[str] = []
+        learnt: list[int] = []
+        real_start, real_name = threading.Thread.start, objects.map_name
+
+        def start(self: threading.Thread) -> None:
+            started.append(self.name)
+            real_start(self)
+
+        def map_name(fd: int) -> str:
+            learnt.append(fd)
+            return real_name(fd)
+
+        monkeypatch.setattr(threading.Thread, "start", start)
+        monkeypatch.setattr(objects, "map_name", map_name)
+        assert not p.check_now(IPFamily.V4)  # the kernel state is all there
+        res = p.sync(state(1, 2), Changes(full=False, services=frozenset({name})))
+        assert res.ok and res.family(IPFamily.V4).written == 1
+        assert p.last_reap is not None and p.last_reap.result(timeout=60) == 0  # handed over; no socket to end
+        assert started == [] and learnt == [], (started, learnt)
+    finally:
+        p.close()
