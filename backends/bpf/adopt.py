@@ -2,7 +2,8 @@
 (``decode``) and compared with the fragments the ledger wants.
 
 A full batch adopts: the service, backend and names maps are read back (``maps.read_lb``: the backend array as far
-as the highest id a slot names) and decoded; a service whose frontends, backends and flags match, under a
+as the highest id a slot names; in a thread while the ledger renders, ``pending``) and decoded; a service whose
+frontends, backends (in any slot order: ``same_backends``) and flags match, under a
 reverse-NAT id the names map gives to it, is not rewritten, so a restart with nothing changed writes nothing. The
 frontends of each wanted service are claimed (``claim``) so their backend ids are reused, not duplicated. ``verify``
 reads the same way, through the pins (never kproxy's own fds), and says what differs per service.
