@@ -2,7 +2,8 @@
 (``decode``) and compared with the fragments the ledger wants.
 
 A full batch adopts: the service, backend and names maps are read back (``maps.read_lb``: the backend array as far
-as the highest id a slot names) and decoded; a service whose frontends, backends and flags match, under a
+as the highest id a slot names; in a thread while the ledger renders, ``pending``) and decoded; a service whose
+frontends, backends (in any slot order: ``same_backends``) and flags match, under a
 reverse-NAT id the names map gives to it, is not rewritten, so a restart with nothing changed writes nothing. The
 frontends of each wanted service are claimed (``claim``) so their backend ids are reused, not duplicated. ``verify``
 reads the same way, through the pins (never kproxy's own fds), and says what differs per service.
@@ -10,9 +11,11 @@ reads the same way, through the pins (never kproxy's own fds), and says what dif
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from kproxy.model import IPFamily, ServicePortName
 from kproxy.toolkit.keys import service_key
@@ -37,6 +40,31 @@ class Adopted:
     problem: str | None = None
     #: (verify) why the companion table does not work: a fixed chain lost its rules
     nft_problem: str | None = None
+    #: the maps' read while it runs in another thread (``pending``): ``ready`` decodes it on first use
+    raw: Future[dict[str, tuple[bytes, bytes]]] | None = None
+    #: seconds ``ready`` waited for that read (``adopt_wait``) and decoded it (``adopt_decode``), for the timings
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def ready(self) -> Adopted:
+        """This adoption with the maps read and decoded: waits for a read still running (``pending``), once; raises
+        what the read raised."""
+        raw = self.raw
+        if raw is not None:
+            self.raw = None
+            t0 = time.perf_counter()
+            got_raw = raw.result()
+            t1 = time.perf_counter()
+            got = adopted(self.index.family, got_raw, self.nft)
+            self.index, self.view, self.rev_counts = got.index, got.view, got.rev_counts
+            self.seconds = {"adopt_wait": t1 - t0, "adopt_decode": time.perf_counter() - t1}
+        return self
+
+
+def pending(family: IPFamily, raw: Future[dict[str, tuple[bytes, bytes]]], table: NftView) -> Adopted:
+    """An ``Adopted`` whose maps are still being read (``Adopted.ready`` decodes them): the read's ``bpf(2)`` calls
+    release the GIL, so they overlap the ledger's admission and rendering of every wanted service, which the ledger
+    does before its first comparison."""
+    return Adopted(FamilyIndex(family), {}, Counter(), table, raw=raw)
 
 
 def index_from_kernel(
@@ -105,25 +133,32 @@ def unchanged(
 ) -> bool:
     """Whether the kernel holds ``fragment``'s frontends exactly, under a reverse-NAT id named for ``name``, and no
     other frontend under that id."""
-    text = service_key(name)
-    revs = set()
+    rev = -1  # every frontend's reverse-NAT id, once they agree
     for f in fragment.frontends:
         got = view.get(f.key)
-        if got is None or got[:3] != (f.flags, f.affinity, tuple(sorted(f.backends))):
+        if got is None or got[0] != f.flags or got[1] != f.affinity or not same_backends(got[2], f.backends):
             return False
-        revs.add(got[3])
-    if len(revs) != 1:
-        return False
-    rev = revs.pop()
-    if index.rev_names.get(rev) != text:
+        if rev != got[3]:
+            if rev != -1:
+                return False
+            rev = got[3]
+    if rev == -1 or index.rev_names.get(rev) != service_key(name):
         return False
     return rev_counts.get(rev, 0) == len(fragment.frontends)
+
+
+def same_backends(held: tuple[tuple[str, int], ...], wanted: tuple[tuple[str, int], ...]) -> bool:
+    """Whether a frontend's slots (``View`` order: the slots') hold ``wanted`` in any order: equal as they are (slots
+    written in the fragment's order and not changed since), else equal once both are sorted."""
+    return held == wanted or (len(held) == len(wanted) and sorted(held) == sorted(wanted))
 
 
 def adopted_unchanged(a: Adopted, name: ServicePortName, fragment: Fragment) -> bool:
     """Whether ``a`` holds ``fragment`` for ``name`` exactly: its frontends and its companion part."""
     if a.trusted is not None:
         return a.trusted.get(name) == fragment
+    if a.raw is not None:
+        a.ready()
     if not a.view:  # the maps hold no frontend (a first sync): nothing is there already
         return False
     if not unchanged(a.index, a.view, a.rev_counts, name, fragment):
@@ -151,8 +186,9 @@ def verify_service(a: Adopted, name: ServicePortName, fragment: Fragment) -> str
         got = a.view.get(k)
         if got is None:
             return f"different: frontend {k[0]}:{k[1]}/{k[2]} missing"
-        if got[:3] != want:
-            return f"different: frontend {k[0]}:{k[1]}/{k[2]} holds {got[:3]}, wanted {want}"
+        held_sorted = (got[0], got[1], tuple(sorted(got[2])))  # ``decoded``'s order
+        if held_sorted != want:
+            return f"different: frontend {k[0]}:{k[1]}/{k[2]} holds {held_sorted}, wanted {want}"
     missing = [e for e in fragment.nft.elements if e not in a.nft.elements]
     if missing:
         return f"different: companion element {' '.join(missing[0])} missing"

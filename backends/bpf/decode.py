@@ -432,8 +432,8 @@ def _view(
     slot_ids: list[tuple[int, ...]],
     pair: Any,
 ) -> View:
-    """frontend -> (flags, affinity, its backends' (address, port) sorted, rev_nat_id)."""
-    held = map(tuple, map(sorted, map(map, repeat(pair), slot_ids)))
+    """frontend -> (flags, affinity, its backends' (address, port) in slot order, rev_nat_id)."""
+    held = map(tuple, map(map, repeat(pair), slot_ids))
     return dict(zip(fkeys, zip(flags, affs, held, revs, strict=True), strict=True))
 
 
@@ -500,7 +500,7 @@ def general_index(
         sl = slots.get(fk, empty)
         count = m.count
         ids = tuple([sl.get(i, 0) for i in range(1, count + 1)])
-        view[fk] = (m.flags, m.affinity, tuple(sorted([be_ap.get(i, _UNKNOWN) for i in ids])), m.rev_nat_id)
+        view[fk] = (m.flags, m.affinity, tuple([be_ap.get(i, _UNKNOWN) for i in ids]), m.rev_nat_id)
         index.by_rev.setdefault(m.rev_nat_id, []).append(fk)
         if len(sl) > count:  # slots beyond the count (a half-finished shrink): kept so a rewrite deletes them
             ids += tuple(sl[s] for s in range(count + 1, max(sl) + 1) if s in sl)

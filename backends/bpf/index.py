@@ -15,7 +15,9 @@ from .maps import Master
 #: the highest backend and reverse-NAT id (32 bits in the maps; 0 is "none")
 MAX_ID = 0xFFFFFFFF - 1
 
-#: frontend -> (flags, affinity, its backends' (address, port) sorted, rev_nat_id): what adoption and verify compare
+#: frontend -> (flags, affinity, its backends' (address, port) in slot order, rev_nat_id): what adoption and verify
+#: compare (``adopt.same_backends``: slot order is the fragment's until endpoints change, so most comparisons sort
+#: nothing)
 View = dict[tuple[str, int, int], tuple[int, int, tuple[tuple[str, int], ...], int]]
 
 

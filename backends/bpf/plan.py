@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from kproxy.model import ServicePortName
 from kproxy.toolkit.keys import service_key
+from kproxy.toolkit.mappings import dict_of
 
 from . import maps
 from .index import FamilyIndex, FrontState
@@ -420,14 +421,25 @@ def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: 
     service; then the allocators start again from what is left (the holes below the highest backend id first: the
     backend array's indexes are the ids, so ids stay below its size while the backends fit in it)."""
     fronts = index.fronts
-    for k in [k for k, st in fronts.items() if st.owner is None or st.owner not in wanted]:
+    # owners and names are compared with ``wanted`` by the hashes both dicts store (``index.owned`` holds every
+    # owner: a ServicePortName's own hash is a Python call, one per service port of a full batch twice over)
+    wanted_names = dict_of(wanted)
+    gone = set(index.owned).difference(wanted_names)
+    for owner in [o for o in gone if not index.owned[o]]:  # a service whose frontends all moved to others
+        del index.owned[owner]
+        gone.discard(owner)
+    if gone:
+        doomed = [k for k, st in fronts.items() if st.owner is None or st.owner not in wanted_names]
+    else:
+        doomed = [k for k, st in fronts.items() if st.owner is None]
+    for k in doomed:
         remove_front(plan, index, k, fronts[k])
     used: set[int] = set().union(*[st.slots for st in fronts.values()])
     for bid in sorted(index.backends.keys() - used):
         plan.be_del.append(_ID.pack(bid))
         del index.backends[bid]
     live_revs = {st.master.rev_nat_id for st in fronts.values()}
-    for name in [n for n in index.rev_ids if n not in wanted]:
+    for name in set(index.rev_ids).difference(wanted_names):
         del index.rev_ids[name]
     named = set(index.rev_ids.values())
     index.shared_revs = len(named) < len(index.rev_ids)

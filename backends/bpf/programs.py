@@ -24,6 +24,7 @@ imported into kproxy's own process; a bcc upgrade without a source change keeps 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -266,6 +267,8 @@ class Keeper:
             held.pin(p)
         except OSError as exc:
             log.warning("bpf: pinning the programs in %s failed (a restart compiles them): %s", p.pin_dir, exc)
+        with contextlib.suppress(OSError):  # failing here, the first check of kernel state learns it (and says why)
+            held.map_pins()  # learnt now, not in that first check (the one before the first partial sync)
 
     def put_back_pins(self, p: loader.Places, own: Mapping[tuple[str, IPFamily], int]) -> bool:
         """Pins someone removed put back from the held programs and ``own`` (the map fds kproxy holds, ``Held.repin``);

@@ -26,7 +26,7 @@ import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -137,6 +137,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         self._replaced: list[dict[str, Any]] = []
         self._filled: set[IPFamily] = set()
         self._reaper = sockets.Reaper()
+        #: adoption's reads of the maps, in the background while the ledger renders (``adopt``)
+        self._reader: ThreadPoolExecutor | None = None
         self.last_reap: Future[int] | None = None
         self._last_full: tuple[IPFamily, list[Step]] | None = None
         self._last_partial: tuple[IPFamily, list[Step]] | None = None
@@ -225,6 +227,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         cleanup.record_places(p, self.netns)
         self._ensure_maps(every=True)  # created with the programs' specs: the compiler reopens them
         self.attached, self._replaced = self.programs.start(p)
+        self._reaper.warm()  # a partial sync that ends UDP sockets hands them to a thread already running
         log.info("bpf: attached %s to %s", ", ".join(self.attached), p.cgroup)
         if self._replaced:
             log.info("bpf: %d older programs stay attached until the first sync fills the maps", len(self._replaced))
@@ -233,6 +236,9 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
 
     def close(self) -> None:
         self._reaper.close()  # it reads the reverse-NAT map: before the fds go
+        if self._reader is not None:  # a read under way ends before its fds go
+            self._reader.shutdown(wait=True)
+            self._reader = None
         self._maps.close()
         self.programs.close()  # pinned and attached: they stay in the kernel
         self._companion.close()
@@ -266,9 +272,11 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
             table = companion.NftView(present, frozenset(), frozenset())
             return Adopted(cur, {}, Counter(), table, self.applied_fragments(family))
         self._kernel_read[family] = time.monotonic()
-        raw = kernel.read_maps(self._maps.family_fds(family), family)
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kproxy-bpf-read")
+        raw = self._reader.submit(kernel.read_maps, self._maps.family_fds(family), family)
         table, _why = self._companion.checked(family, self.applied_fragments(family))
-        return adopt.adopted(family, raw, table)
+        return adopt.pending(family, raw, table)  # decoded at the ledger's first comparison (``Adopted.ready``)
 
     def adopted_unchanged(self, adopted: Adopted, name: ServicePortName, fragment: Fragment) -> bool:
         return adopt.adopted_unchanged(adopted, name, fragment)
@@ -425,7 +433,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         self._ensure_maps()
         adopted: Adopted | None = batch.adopted
         if batch.full:
-            index = adopted.index if adopted is not None else self.adopt(fam, batch.context).index
+            index = (adopted if adopted is not None else self.adopt(fam, batch.context)).ready().index
             adopt.claim_all(index, batch.wanted, (d.name for d in batch.deltas))
         else:
             cur = self._index[fam]
@@ -471,6 +479,9 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
                 self._repair_programs()  # the maps hold everything again: the programs may read them
         self._reap_udp(batch)
         timings = {"plan": t1 - t0, "apply": t2 - t1, "nft": t3 - t2, **({"pipelined": t_write} if t_write else {})}
+        if adopted is not None:  # the read of the maps and its decode (inside the ledger's "render" when it compared)
+            timings.update(adopted.seconds)
+            adopted.seconds = {}  # once per adoption: a later refusal round does not count them again
         return Applied(figures=MappingProxyType(self._figures(fam, index, the_plan)), timings=MappingProxyType(timings))
 
     def _write_maps(self, batch: BpfBatch, index: FamilyIndex) -> tuple[plan.Plan, list[Step], float, float]:

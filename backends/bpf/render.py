@@ -200,8 +200,9 @@ def nodeport_cidrs(
 
 
 def decoded(fragment: Fragment) -> dict[tuple[str, int, int], tuple[int, int, tuple[tuple[str, int], ...]]]:
-    """frontend key -> (flags, affinity, backends in sorted order), as ``View`` values hold them (without the
-    reverse-NAT id; slots keep surviving backends in place, so the kernel's order is not the fragment's)."""
+    """frontend key -> (flags, affinity, backends in sorted order), as ``verify`` compares ``View`` values (whose
+    backends are in slot order: slots keep surviving backends in place, so the kernel's order is not the fragment's),
+    without the reverse-NAT id."""
     return {f.key: (f.flags, f.affinity, tuple(sorted(f.backends))) for f in fragment.frontends}
 
 

@@ -154,6 +154,12 @@ class Reaper:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
 
+    def warm(self) -> None:
+        """Start the worker thread now (``start``), so a sync that ends sockets never waits for a thread to start."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bpf-udp-reaper")
+            self._pool.submit(int).result()
+
     def submit(
         self, cgroup: Path, peers: Iterable[tuple[str, int]], rev_fd: int | None, family: IPFamily
     ) -> Future[int] | None:
