@@ -38,18 +38,6 @@ def context(netns: str | None) -> nft_tools.OwnContext:
     return nft_tools.OwnContext(netns, worker=False, name=f"kpu-kernel-{netns}" if netns else "kpu-kernel")
 
 
-#: descriptors kept back from proxy sockets: relayed connections (six each), libnftables' memfd, netlink and the API
-#: connections; a table that took every descriptor for sockets could not even be written
-FD_RESERVE = 4096
-
-
-def descriptor_budget() -> int | None:
-    """How many proxy sockets the open-file limit leaves room for (the hard limit, which ``raise_open_file_limit``
-    lifts the soft one to, less ``FD_RESERVE``); None when unlimited."""
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    return None if hard == resource.RLIM_INFINITY else max(0, hard - FD_RESERVE)
-
-
 def raise_open_file_limit() -> None:
     """One descriptor per proxy socket and six per relayed connection: the soft limit goes up to the hard one."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -15,6 +15,7 @@ import errno
 import itertools
 import logging
 import random
+import resource
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -32,6 +33,18 @@ DEFAULT_PORT_RANGE = "20000-29999"
 FLOOR_BATCH = 2000  # sockets bind_seconds holds at once
 
 Held = tuple[int, str, int]  # (socket family, protocol, port)
+
+
+#: descriptors kept back from proxy sockets: relayed connections (six each), libnftables' memfd, netlink and the API
+#: connections; a table that took every descriptor for sockets could not even be written
+FD_RESERVE = 4096
+
+
+def descriptor_budget() -> int | None:
+    """How many proxy sockets the open-file limit leaves room for (the hard limit, which ``kernel.raise_open_file_limit``
+    lifts the soft one to, less ``FD_RESERVE``); None when unlimited."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return None if hard == resource.RLIM_INFINITY else max(0, hard - FD_RESERVE)
 
 
 def parse_port_range(text: str) -> tuple[int, int] | None:

@@ -48,16 +48,7 @@ from . import trace as tracing
 from .adopt import Adopted, Served, View, extra, fixed_problems, parse_table, service_problems
 from .adopt import read as read_adopted
 from .kernel import context as kernel_context
-from .kernel import (
-    descriptor_budget,
-    floor_seconds,
-    guard_ports,
-    listening,
-    missing,
-    own_socket_inodes,
-    raise_open_file_limit,
-    read_table,
-)
+from .kernel import floor_seconds, guard_ports, listening, missing, own_socket_inodes, raise_open_file_limit, read_table
 from .ports import (
     DEFAULT_PORT_RANGE,
     Ident,
@@ -65,6 +56,7 @@ from .ports import (
     PortRange,
     ProxyPortsExhausted,
     Sockets,
+    descriptor_budget,
     parse_port_range,
     socket_family,
 )

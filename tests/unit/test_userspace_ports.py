@@ -116,7 +116,7 @@ def test_the_open_file_limit_caps_what_fits() -> None:
     import subprocess
     import sys
 
-    from kproxy.backends.userspace.kernel import FD_RESERVE
+    from kproxy.backends.userspace.ports import FD_RESERVE
 
     code = (
         "from kproxy.config import ProxyConfig\n"
