@@ -41,8 +41,8 @@ FD_RESERVE = 4096
 
 
 def descriptor_budget() -> int | None:
-    """How many proxy sockets the open-file limit leaves room for (the hard limit, which ``kernel.raise_open_file_limit``
-    lifts the soft one to, less ``FD_RESERVE``); None when unlimited."""
+    """How many proxy sockets the open-file limit leaves room for: the hard limit (which
+    ``kernel.raise_open_file_limit`` lifts the soft one to) less ``FD_RESERVE``; None when unlimited."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     return None if hard == resource.RLIM_INFINITY else max(0, hard - FD_RESERVE)
 
