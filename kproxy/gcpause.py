@@ -104,7 +104,7 @@ class _CollectorPause:
 
     def keep(self) -> None:
         """Move what the pause has allocated so far into the frozen heap now, as its end will: a bulk step that
-        keeps everything it allocates (a relist's pages, held until the last one is in) would otherwise have every
+        keeps most of what it allocates (a relist: the sink's records of each page) would otherwise have every
         young and middle collection of the pause walk all the earlier steps' objects again. Only while held, and
         only by a pause that froze (someone else's freeze is left alone); ``gc.freeze()`` is a list splice."""
         with self._lock:
