@@ -16,10 +16,10 @@ Node. Each kind has one `Reflector` thread that does what client-go's reflector 
 Requests go through the official client's API methods with `_preload_content=False` and the JSON is parsed here:
 building the client's model classes for 10,000 objects is far too slow, and the cache wants plain dicts anyway.
 A list is streamed into the sink rather than gathered first (client-go's pager gathers it): the sink parses each
-object into its compact records and drops the dict, so at most two pages of raw objects are alive (the next one is
-read ahead, in a helper thread, while the sink absorbs this one); gathering 100,000 EndpointSlices first held them
-all beside the cache being built from them (several times the cache's memory at the peak, kept by the process after
-the list was freed), and the sink absorbed nothing while the server prepared the pages.
+object into its compact records and drops the dict, so only one page of raw objects is alive at a time; gathering
+100,000 EndpointSlices first held them all beside the cache being built from them (about as much again as the
+cache, kept by the process after the list was freed). The next page is not read ahead in a helper thread: tried, it
+made the lab's first sync at 100,000 services slower, not faster (the reads compete with the absorbing thread).
 The server-side label selector is upstream's (`!service-proxy-name,!headless`, cmd/kube-proxy/app/server.go),
 applied to Services and EndpointSlices alike (the EndpointSlice controller copies a Service's labels to its slices).
 """
@@ -32,7 +32,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -222,7 +221,7 @@ class Reflector:
     def _list(self) -> str:
         """List every page into the sink as it arrives (one ``replace`` call, fed page by page), then mark synced.
 
-        At most two pages of raw objects are alive at a time: the sink parses each object into its own records and drops
+        Only one page of raw objects is alive at a time: the sink parses each object into its own records and drops
         it, so a list of 100,000 slices is never held whole (raw dicts beside the cache's records). The first page is
         fetched and checked before the sink sees anything: a malformed answer (not this kind's list, no
         resourceVersion; a broken proxy's ``200 {}``) raises `_BadList` with nothing applied. A later page that fails
@@ -279,29 +278,25 @@ class Reflector:
         self, page: list[dict[str, Any]], token: str, failure: list[BaseException], count: list[int]
     ) -> Iterator[dict[str, Any]]:
         """The items of the first page, then of each next one as client-go's pager reads them (following
-        ``continue``, the token alone: upstream refuses a resourceVersion beside one). The next page is requested
-        (in a helper thread) as soon as a page is in, so the server prepares it while the sink absorbs this one: at
-        most two pages are alive. An error is recorded in ``failure`` before it ends the sink's iteration, so the
-        caller can tell it from the sink's own; an expired token (410 on a later page) is `_ContinueExpired`."""
+        ``continue``, the token alone: upstream refuses a resourceVersion beside one). Each page is released once the
+        sink has taken it. An error is recorded in ``failure`` before it ends the sink's iteration, so the caller can
+        tell it from the sink's own; an expired token (410 on a later page) is `_ContinueExpired`."""
         try:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"list-{self.kind}") as ahead:
-                while True:
-                    kw = {**self._selectors(), "limit": self.page_size, "_continue": token}
-                    following = ahead.submit(self._page, **kw) if token else None
-                    count[0] += len(page)
-                    yield from page
-                    # what the sink built from this page lives on: out of the pause's later walks
-                    collector_paused.keep()
-                    if following is None:
-                        return
-                    page = []  # released before the next is taken
-                    try:
-                        page, meta = following.result()
-                    except ApiException as exc:
-                        if exc.status == 410:
-                            raise _ContinueExpired() from None
-                        raise
-                    token = _continue(meta)
+            while True:
+                count[0] += len(page)
+                yield from page
+                # what the sink built from this page lives on: out of the pause's later walks
+                collector_paused.keep()
+                if not token:
+                    return
+                page = []  # the next page replaces this one: never two pages at once
+                try:
+                    page, meta = self._page(**self._selectors(), limit=self.page_size, _continue=token)
+                except ApiException as exc:
+                    if exc.status == 410:
+                        raise _ContinueExpired() from None
+                    raise
+                token = _continue(meta)
         except Exception as exc:
             failure.append(exc)
             raise
