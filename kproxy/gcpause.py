@@ -8,15 +8,19 @@ The daemon's process also *settles* its heap after syncs (``settle``: collect, t
 kproxy holds one large, acyclic, slowly changing heap, and the collector's full walks of it stalled every change
 of a churn; once settled, every collection walks only what changed since the last settling.
 
+``trim_heap`` gives the C heap's free pages back to the OS after a bulk step freed a large share of it (a relist's
+raw objects): glibc keeps freed memory in its arenas, and a process that peaked once would hold that peak for good.
+
 Imports nothing of kproxy: any layer may use it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 class _CollectorPause:
@@ -100,7 +104,7 @@ class _CollectorPause:
 
     def keep(self) -> None:
         """Move what the pause has allocated so far into the frozen heap now, as its end will: a bulk step that
-        keeps everything it allocates (a relist's pages, held until the last one is in) would otherwise have every
+        keeps most of what it allocates (a relist: the sink's records of each page) would otherwise have every
         young and middle collection of the pause walk all the earlier steps' objects again. Only while held, and
         only by a pause that froze (someone else's freeze is left alone); ``gc.freeze()`` is a list splice."""
         with self._lock:
@@ -137,3 +141,25 @@ class _CollectorPause:
 
 #: the process's one pause (see ``_CollectorPause``)
 collector_paused = _CollectorPause()
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        fn = ctypes.CDLL(None).malloc_trim  # glibc only: musl and others have no such call
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def trim_heap() -> bool:
+    """Return the C heap's free memory to the OS (glibc's ``malloc_trim(0)``: every arena, not only the top of the
+    main one); True if some was released. A no-op (False) without glibc. It walks the free chunks, so it is meant
+    for once after a bulk step, not for every change; ctypes drops the GIL meanwhile."""
+    if _MALLOC_TRIM is None:
+        return False
+    return bool(_MALLOC_TRIM(0))

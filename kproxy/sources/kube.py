@@ -3,9 +3,11 @@
 Used by the daemon (`kproxy run`) to feed the cache (an `ObjectSink`) with Services, EndpointSlices and this node's
 Node. Each kind has one `Reflector` thread that does what client-go's reflector does for upstream kube-proxy:
 
-    list (pages of 500, as client-go's pager) -> sink.replace_*  -> mark_synced (once) -> watch from the list's RV
+    list (pages of 500, as client-go's pager), each page into sink.replace_* as it arrives -> mark_synced (once)
+      -> watch from the list's RV
       a continue token expired between pages (410)  -> one list without limit (the pager's FullListIfExpired)
-      an answer that is not this kind's list with a resourceVersion -> nothing applied; back off and relist
+      a first page that is not this kind's list with a resourceVersion -> nothing applied; back off and relist
+      a later page that fails -> its predecessors were upserted, nothing deleted; back off and relist
       ADDED/MODIFIED -> upsert, DELETED -> delete, BOOKMARK -> remember the resourceVersion only
       watch ended normally or the connection broke -> watch again from the last resourceVersion (no relist)
       410 Expired (ERROR event or HTTP 410)        -> relist; the replace applies deletions missed meanwhile
@@ -13,6 +15,11 @@ Node. Each kind has one `Reflector` thread that does what client-go's reflector 
 
 Requests go through the official client's API methods with `_preload_content=False` and the JSON is parsed here:
 building the client's model classes for 10,000 objects is far too slow, and the cache wants plain dicts anyway.
+A list is streamed into the sink rather than gathered first (client-go's pager gathers it): the sink parses each
+object into its compact records and drops the dict, so only one page of raw objects is alive at a time; gathering
+100,000 EndpointSlices first held them all beside the cache being built from them (about as much again as the
+cache, kept by the process after the list was freed). The next page is not read ahead in a helper thread: tried, it
+made the lab's first sync at 100,000 services slower, not faster (the reads compete with the absorbing thread).
 The server-side label selector is upstream's (`!service-proxy-name,!headless`, cmd/kube-proxy/app/server.go),
 applied to Services and EndpointSlices alike (the EndpointSlice controller copies a Service's labels to its slices).
 """
@@ -21,105 +28,30 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import kubernetes
 from kubernetes.client import ApiClient, ApiException
 
-from kproxy.gcpause import collector_paused
+from kproxy.gcpause import collector_paused, trim_heap
 from kproxy.sources import ObjectSink
+from kproxy.sources.client import make_api_client
 from kproxy.sources.selectors import proxy_label_selector
 
 log = logging.getLogger(__name__)
 
+__all__ = ["DEFAULT_PAGE_SIZE", "KubeSource", "Reflector", "ReflectorStats", "make_api_client"]
+
 DEFAULT_PAGE_SIZE = 500
 # Upstream's reflector picks timeoutSeconds in [minWatchTimeout, 2*minWatchTimeout) with minWatchTimeout = 5 min.
 DEFAULT_WATCH_TIMEOUT = 300.0
-
-
-def make_api_client(kubeconfig: str = "", master: str = "") -> ApiClient:
-    """An ApiClient from --kubeconfig, else the in-cluster service account, else ~/.kube/config; --master overrides
-    the server address (plain http is fine, for the lab's API stand-in)."""
-    cfg = kubernetes.client.Configuration()
-    if kubeconfig:
-        kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)  # type: ignore[no-untyped-call]
-        token_file = _token_file(kubeconfig)
-        if token_file is not None:
-            _follow_token_file(cfg, token_file)
-    elif os.environ.get("KUBERNETES_SERVICE_HOST") and os.environ.get("KUBERNETES_SERVICE_PORT"):
-        kubernetes.config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-    elif Path(os.path.expanduser(kubernetes.config.KUBE_CONFIG_DEFAULT_LOCATION)).exists():
-        kubernetes.config.load_kube_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-    elif not master:
-        raise kubernetes.config.ConfigException(
-            "no --kubeconfig, no in-cluster service account and no ~/.kube/config: cannot reach the API server"
-        )
-    if master:
-        host = master.rstrip("/")
-        cfg.host = host
-        refresh = cfg.refresh_api_key_hook
-        if refresh is not None:
-            # the in-cluster loader refreshes the token before every request and, in doing so, sets the server
-            # back to KUBERNETES_SERVICE_HOST: --master must survive it
-            def keep_master(c: Any) -> None:
-                refresh(c)
-                c.host = host
-
-            cfg.refresh_api_key_hook = keep_master
-    client = ApiClient(cfg)
-    client.user_agent = "kproxy/0.1"
-    return client
-
-
-TOKEN_REREAD_S = 60.0  # a projected service-account token is rotated well before it expires (kubelet: at 80 %)
-
-
-def _token_file(kubeconfig: str) -> Path | None:
-    """The current context's user's ``tokenFile`` (what kubeadm's kube-proxy kubeconfig names), or None."""
-    import yaml
-
-    try:
-        doc = yaml.safe_load(Path(kubeconfig).read_text()) or {}
-        ctx_name = doc.get("current-context")
-        ctx = next(c["context"] for c in doc.get("contexts") or [] if c.get("name") == ctx_name)
-        user = next(u["user"] for u in doc.get("users") or [] if u.get("name") == ctx.get("user"))
-        path = user.get("tokenFile")
-    except (OSError, yaml.YAMLError, StopIteration, AttributeError, KeyError, TypeError):
-        return None
-    if not isinstance(path, str) or not path:
-        return None
-    return (Path(kubeconfig).parent / path) if not os.path.isabs(path) else Path(path)
-
-
-def _follow_token_file(cfg: Any, path: Path) -> None:
-    """Send the token file's current content, stripped (the client reads it once and sends it verbatim, a trailing
-    newline included), and read it again at most every ``TOKEN_REREAD_S`` so a rotated token is picked up."""
-    state: dict[str, Any] = {"at": 0.0, "token": ""}
-
-    # the loader's own hook is not chained: it re-reads the file verbatim and installs itself again on every call
-    def refresh(c: Any) -> None:
-        now = time.monotonic()
-        if not state["at"] or now - state["at"] >= TOKEN_REREAD_S:
-            try:
-                state["token"] = path.read_text().strip() or state["token"]
-                state["at"] = now
-            except OSError as exc:
-                log.warning("cannot read the kubeconfig's token file %s: %s (keeping the last token)", path, exc)
-        if state["token"]:
-            for key in ("BearerToken", "authorization"):  # the client looks the first up, then the second
-                c.api_key_prefix.pop(key, None)
-            c.api_key["BearerToken"] = f"Bearer {state['token']}"
-            c.api_key.pop("authorization", None)
-
-    cfg.refresh_api_key_hook = refresh
-    refresh(cfg)
+# A list of at least this many items gives its freed pages back to the OS once applied (kproxy.gcpause.trim_heap).
+TRIM_AFTER = 2 * DEFAULT_PAGE_SIZE
 
 
 class _Expired(Exception):
@@ -128,6 +60,10 @@ class _Expired(Exception):
 
 class _Relist(Exception):
     """An ERROR watch event other than 410: state is unknown, relist after a back-off (as client-go does)."""
+
+
+class _ContinueExpired(Exception):
+    """A continue token expired between pages (410): list again without limit (the pager's FullListIfExpired)."""
 
 
 class _BadList(Exception):
@@ -160,7 +96,7 @@ class Reflector:
         kind: str,
         list_fn: ListFn,
         *,
-        apply_list: Callable[[list[dict[str, Any]]], None],
+        apply_list: Callable[[Iterable[dict[str, Any]]], None],
         upsert: Callable[[Mapping[str, Any]], object],
         delete: Callable[[Mapping[str, Any]], object],
         synced: Callable[[], None],
@@ -283,71 +219,100 @@ class Reflector:
     # --- list
 
     def _list(self) -> str:
-        """List every page, check the answer, then hand it to the sink whole. A malformed answer (not this kind's
-        list, no resourceVersion) raises `_BadList` before the sink sees anything: believing a `200 {}` from a
-        broken proxy would replace every object with nothing."""
-        # Every page's objects stay alive until the last page is in: without the pause, each collection walked all
-        # the pages before it again, and the parsing of a large list took several times as long.
+        """List every page into the sink as it arrives (one ``replace`` call, fed page by page), then mark synced.
+
+        Only one page of raw objects is alive at a time: the sink parses each object into its own records and drops
+        it, so a list of 100,000 slices is never held whole (raw dicts beside the cache's records). The first page is
+        fetched and checked before the sink sees anything: a malformed answer (not this kind's list, no
+        resourceVersion; a broken proxy's ``200 {}``) raises `_BadList` with nothing applied. A later page that fails
+        ends the sink's iteration with the error: the objects of the pages before it were upserted (they are the
+        server's, at the list's version), nothing was deleted (a sink deletes only what a *complete* list lacks) and
+        the list is not counted; the reflector backs off and lists again. A continue token that expired between
+        pages ends the partial replace the same way, then the list is read again without ``limit`` and replaces it.
+        """
+        trimmed = 0
         with collector_paused(True):
-            items, rv = self._pages()
-            self._list_rv = rv
-            self.stats.lists += 1
-            self.stats.last_rv = rv
             try:
-                self._apply_list(items)
-            except Exception:  # noqa: BLE001 - a sink bug must not stop the reflector
-                self.stats.errors += 1
-                log.exception("reflector %s: the sink rejected a full list", self.kind)
-            del items
+                rv, trimmed = self._stream_list(paged=True)
+            except _ContinueExpired:
+                self.stats.expired_pages += 1
+                log.info("reflector %s: continue token expired mid-list; listing without limit", self.kind)
+                rv, trimmed = self._stream_list(paged=False)
+        if trimmed >= TRIM_AFTER:
+            trim_heap()  # the pages' memory, freed by now, back to the OS (see kproxy.gcpause.trim_heap)
         if not self.synced.is_set():
-            self.synced.set()
-            self._synced_cb()
+            try:
+                self._synced_cb()  # before the event: whoever waited on it finds the sink marked synced
+            finally:
+                self.synced.set()
         return rv
 
-    def _pages(self) -> tuple[list[dict[str, Any]], str]:
-        """Every item and the list's resourceVersion, as client-go's pager gathers them: `page_size` items a
-        request, following `continue`; the resourceVersion is the first page's (every page of a consistent list
-        carries it). A continue token that expired meanwhile (410 on a later page) falls back to one list without
-        `limit`, as the pager's FullListIfExpired does, rather than paging again from the start."""
-        items: list[dict[str, Any]] = []
-        token, rv = "", ""
+    def _stream_list(self, *, paged: bool) -> tuple[str, int]:
+        """One list (``paged``: in pages of `page_size`, else one request without limit) streamed into the sink;
+        the list's resourceVersion and how many items it brought. Errors of the source propagate; the sink's own
+        are logged and counted (a sink bug must not stop the reflector)."""
         first = {"resource_version": self._list_rv} if self._list_rv else {}
-        while True:
-            kw = self._selectors()
-            if self.page_size:
-                kw["limit"] = self.page_size
-            # later pages carry the token alone: upstream refuses a resourceVersion beside one
-            kw.update({"_continue": token} if token else first)
-            try:
-                page, meta = self._page(**kw)
-            except ApiException as exc:
-                if exc.status != 410 or not token:
+        kw = {**self._selectors(), **first}
+        if paged and self.page_size:
+            kw["limit"] = self.page_size
+        page, meta = self._page(**kw)
+        rv = _list_rv(meta)
+        token = _continue(meta) if paged else ""
+        failure: list[BaseException] = []
+        count = [0]
+        try:
+            self._apply_list(self._items(page, token, failure, count))
+        except Exception:  # noqa: BLE001 - a sink bug must not stop the reflector; the source's own errors re-raise
+            if failure:
+                raise failure[0] from None
+            self.stats.errors += 1
+            log.exception("reflector %s: the sink rejected a full list", self.kind)
+        if failure:  # a sink that swallowed the source's error: the list is not complete
+            raise failure[0]
+        self._list_rv = rv
+        self.stats.lists += 1
+        self.stats.last_rv = rv
+        return rv, count[0]
+
+    def _items(
+        self, page: list[dict[str, Any]], token: str, failure: list[BaseException], count: list[int]
+    ) -> Iterator[dict[str, Any]]:
+        """The items of the first page, then of each next one as client-go's pager reads them (following
+        ``continue``, the token alone: upstream refuses a resourceVersion beside one). Each page is released once the
+        sink has taken it. An error is recorded in ``failure`` before it ends the sink's iteration, so the caller can
+        tell it from the sink's own; an expired token (410 on a later page) is `_ContinueExpired`."""
+        try:
+            while True:
+                count[0] += len(page)
+                yield from page
+                # what the sink built from this page lives on: out of the pause's later walks
+                collector_paused.keep()
+                if not token:
+                    return
+                page = []  # the next page replaces this one: never two pages at once
+                try:
+                    page, meta = self._page(**self._selectors(), limit=self.page_size, _continue=token)
+                except ApiException as exc:
+                    if exc.status == 410:
+                        raise _ContinueExpired() from None
                     raise
-                self.stats.expired_pages += 1
-                log.info(
-                    "reflector %s: continue token expired after %d items; listing without limit", self.kind, len(items)
-                )
-                items, rv, token = [], "", ""
-                page, meta = self._page(**self._selectors(), **first)
-            rv = rv or _list_rv(meta)
-            items.extend(page)
-            collector_paused.keep()  # this page is kept until the list is applied: out of the next walks
-            token = meta.get("continue") or ""
-            if not isinstance(token, str):
-                raise _BadList(f"metadata.continue is a {type(token).__name__}, not a string")
-            if not token:
-                return items, rv
+                token = _continue(meta)
+        except Exception as exc:
+            failure.append(exc)
+            raise
 
     def _page(self, **kw: Any) -> tuple[list[dict[str, Any]], Mapping[str, Any]]:
-        """One list request: its checked items (with kind and apiVersion, as watched objects) and metadata."""
+        """One list request: its checked items (with kind and apiVersion, as watched objects) and metadata. The
+        body is read without the response keeping a copy (the client holds its last response until its next call)."""
         resp = self._list_fn(_preload_content=False, _request_timeout=(self.connect_timeout, 60.0), **kw)
         try:
-            body = json.loads(resp.data)
+            body = json.loads(resp.read(decode_content=True))
         except ValueError as exc:
             raise _BadList(f"list response is not JSON ({exc})") from None
         finally:
             resp.release_conn()
         page, meta = self._check_page(body)
+        del body
         items = []
         for item in page:
             if isinstance(item, dict):
@@ -452,6 +417,13 @@ def _lines(resp: Any) -> Iterator[bytes]:
         yield buf
 
 
+def _continue(meta: Mapping[str, Any]) -> str:
+    token = meta.get("continue") or ""
+    if not isinstance(token, str):
+        raise _BadList(f"metadata.continue is a {type(token).__name__}, not a string")
+    return token
+
+
 def _list_rv(meta: Mapping[str, Any]) -> str:
     rv = meta.get("resourceVersion")
     if not isinstance(rv, str) or not rv:
@@ -506,7 +478,7 @@ class KubeSource:
         discovery = kubernetes.client.DiscoveryV1Api(api_client)
         common: dict[str, Any] = {"backoff": resync_backoff, "watch_timeout": watch_timeout, "page_size": page_size}
 
-        def node_list(items: list[dict[str, Any]]) -> None:
+        def node_list(items: Iterable[dict[str, Any]]) -> None:
             mine = [i for i in items if (i.get("metadata") or {}).get("name") == node_name]
             sink.set_node(mine[0] if mine else None)
 

@@ -17,7 +17,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from kproxy.sources import kube
+from kproxy.sources import client as kube_client
 
 
 @pytest.fixture
@@ -60,14 +60,14 @@ def test_the_token_file_is_sent_stripped_and_followed(
         "contexts: [{name: c, context: {cluster: k, user: u}}]\n"
         "users: [{name: u, user: {tokenFile: token}}]\n"  # relative to the kubeconfig, as kubectl resolves it
     )
-    client = kube.make_api_client(str(conf))
+    client = kube_client.make_api_client(str(conf))
     core = kubernetes.client.CoreV1Api(client)
     core.list_service_for_all_namespaces(_request_timeout=5)
     assert seen[-1] == "Bearer first-token"
     token.write_text("rotated-token")
     core.list_service_for_all_namespaces(_request_timeout=5)
     assert seen[-1] == "Bearer first-token"  # read again at most every TOKEN_REREAD_S
-    monkeypatch.setattr(kube, "TOKEN_REREAD_S", 0.0)
+    monkeypatch.setattr(kube_client, "TOKEN_REREAD_S", 0.0)
     core.list_service_for_all_namespaces(_request_timeout=5)
     assert seen[-1] == "Bearer rotated-token"
     client.close()

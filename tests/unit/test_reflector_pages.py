@@ -179,9 +179,9 @@ def test_the_pages_read_so_far_are_out_of_the_collectors_walks_while_the_next_is
     sink: RecordingSink,
     started: list[Reflector],
 ) -> None:
-    """Every page is kept until the last one is in; the collector must not walk them again for each new page (that
-    multiplied a large list's parsing time): the list runs in the shared pause, which freezes each page once it is
-    read, and the pause ends with the list."""
+    """What the sink keeps of each page (here the recording sink's copies, in the cache its records) must not be
+    walked again by the collector for each new page (that multiplied a large list's parsing time): the list runs in
+    the shared pause, which freezes what each page left once the sink took it, and the pause ends with the list."""
     store = reflector_api.store
     for i in range(1234):
         store.create(svc(f"s{i:04d}"))
