@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from kproxy.bench import options as bench_options
 from kproxy.bench import synthetic
+from kproxy.bench.memory import process_mb
 from kproxy.objects import ANNOTATION_TRIGGER_TIME
 
 if TYPE_CHECKING:  # the lab loads when the command runs, not with every `kproxy` command line
@@ -394,6 +395,16 @@ def _programmed(
         time.sleep(1.0)
 
 
+def memory(lab: Lab, out: ScaleResult) -> None:
+    """Each node's kproxy after the run: resident MiB now and at its peak (``VmHWM``: every phase, the first list
+    and the churn included)."""
+    for node in lab.nodes:
+        pid = lab.kproxy_pid(node)
+        got = process_mb(pid) if pid is not None else None
+        if got is not None:
+            out.nodes.setdefault(node.name, {}).update(rss_mb=round(got[0], 1), peak_rss_mb=round(got[1], 1))
+
+
 def run(cfg: ScaleConfig) -> ScaleResult:
     from kproxy.lab.cluster import Lab
 
@@ -417,6 +428,7 @@ def run(cfg: ScaleConfig) -> ScaleResult:
             measure_startup(lab, client, cfg, out)
             if cfg.churn_rate > 0 and cfg.churn_seconds > 0:
                 churn(lab, client, cfg, out)
+            memory(lab, out)
         finally:
             client.close()
     finally:
@@ -441,6 +453,8 @@ def table(r: ScaleResult) -> str:
         rows.append((f"{name}: both lists absorbed (sync queued)", f"{n.get('absorbed_s')} s"))
         rows.append((f"{name}: full syncs (count, total)", f"{full.get('count')}, {full.get('sum_s')} s"))
         rows.append((f"{name}: /healthz 200", f"{n.get('healthz_s')} s"))
+        if "peak_rss_mb" in n:
+            rows.append((f"{name}: kproxy resident at the end / peak", f"{n['rss_mb']} / {n['peak_rss_mb']} MiB"))
     s = r.sweep
     rows.append(("sampled services answering", f"{s.get('answered')}/{s.get('targets')}"))
     answered = f"{s.get('all_answered_s')} / {s.get('from_first_list_s')} s"

@@ -35,6 +35,7 @@ from kproxy.bench.dpconfig import (
 )
 from kproxy.bench.dpobjects import ApiWriter, synthetic_objects, target_objects
 from kproxy.bench.dpstats import flatten, iperf_gbps, round_failure
+from kproxy.bench.memory import process_mb
 from kproxy.counters import Scrape, parse
 from kproxy.lab import netns
 from kproxy.lab.cluster import Lab
@@ -344,16 +345,9 @@ class DatapathLab:
         rss, peak = {}, {}
         for node in self.loaded_nodes:
             pid = self._lab.kproxy_pid(node)
-            if pid is None:
-                continue
-            try:
-                fields = dict(
-                    line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
-                )
-            except OSError:
-                continue
-            rss[node.name] = int(fields["VmRSS"].split()[0]) / 1024
-            peak[node.name] = int(fields["VmHWM"].split()[0]) / 1024
+            got = process_mb(pid) if pid is not None else None
+            if got is not None:
+                rss[node.name], peak[node.name] = got
         return rss, peak
 
     def sync_metrics(self) -> dict[str, dict[str, float]]:

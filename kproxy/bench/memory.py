@@ -55,6 +55,16 @@ def peak_mb() -> float:
     return 0.0  # pragma: no cover - every Linux has it
 
 
+def process_mb(pid: int) -> tuple[float, float] | None:
+    """(resident MiB, peak resident MiB: ``VmRSS``, ``VmHWM``) of another process, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["VmRSS"].split()[0]) / 1024.0, int(fields["VmHWM"].split()[0]) / 1024.0
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
 def reset_peak() -> bool:
     """Reset ``VmHWM`` to the current resident set (Linux >= 4.0); False when the kernel refuses."""
     try:

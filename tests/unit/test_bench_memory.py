@@ -84,3 +84,20 @@ def test_the_sync_bench_reports_where_the_bytes_go() -> None:
     parts = doc["restart_parts"]
     assert {"adopt", "render", "total"} <= set(parts) and parts["total"] <= doc["restart_sync_s"] + 1e-4  # rounded
     assert parts["adopt"] + parts["render"] <= parts["total"] + 2e-4
+
+
+def test_another_processes_memory_and_a_gone_one() -> None:
+    """``process_mb``: what `bench apiscale` and the data-path lab read of each node's kproxy (``VmRSS``, ``VmHWM``)."""
+    import subprocess
+
+    from kproxy.bench.memory import process_mb
+
+    code = "import sys; b = b'x' * (64 << 20); print('ready', flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"  # its 64 MiB are written
+        got = process_mb(child.pid)
+        assert got is not None and 64 <= got[0] <= got[1]
+    finally:
+        child.communicate("", timeout=30)
+    assert process_mb(child.pid) is None  # reaped: no /proc entry
