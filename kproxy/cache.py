@@ -177,10 +177,15 @@ class ServiceCache:
     def replace_services(self, objs: Iterable[Mapping[str, Any]]) -> None:
         present: set[tuple[str, str]] = set()
         changed = False
-        with _gc_paused(True):
-            for obj in objs:
-                present.add(_object_name(obj))
-                changed |= self._upsert_service(obj)[1]
+        try:
+            with _gc_paused(True):
+                for obj in objs:
+                    present.add(_object_name(obj))
+                    changed |= self._upsert_service(obj)[1]
+        except BaseException:
+            if changed:  # a list streamed page by page failed part-way: what it upserted still asks for a sync
+                self._notify()
+            raise
         with self._lock:
             for key in [k for k in self._services if (k.namespace, k.name) not in present]:
                 changed |= self._drop_service(key)
@@ -205,10 +210,15 @@ class ServiceCache:
     def replace_slices(self, objs: Iterable[Mapping[str, Any]]) -> None:
         present: set[tuple[str, str]] = set()
         changed = False
-        with _gc_paused(True):
-            for obj in objs:
-                present.add(_object_name(obj))
-                changed |= self._upsert_slice(obj)[1]
+        try:
+            with _gc_paused(True):
+                for obj in objs:
+                    present.add(_object_name(obj))
+                    changed |= self._upsert_slice(obj)[1]
+        except BaseException:
+            if changed:  # a list streamed page by page failed part-way: what it upserted still asks for a sync
+                self._notify()
+            raise
         with self._lock:
             for key in [k for k in self._slices.keys() if k not in present]:
                 changed |= self._drop_slice(key)

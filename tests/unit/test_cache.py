@@ -918,3 +918,25 @@ def test_leading_zero_ipv4_is_read_as_decimal_as_upstreams_parse_ip_sloppy() -> 
     # still not an address: refused, and named
     cache.upsert_service(service("bad", cluster_ip="198.18.0.11", externalIPs=["198.0256.1.1"]))
     assert any("198.0256.1.1" in why for why in cache.errors().values())
+
+
+def test_a_list_that_fails_part_way_still_asks_for_a_sync_for_what_it_upserted() -> None:
+    """The API source streams a list into ``replace_*`` page by page; when a later page fails, the objects of the
+    earlier ones are already in the cache. Without a notification they would wait for an unrelated change: the
+    relist finds them unchanged and asks for nothing."""
+    calls: list[int] = []
+    cache = ServiceCache(NODE, ip_families=(IPFamily.V4,), on_change=lambda: calls.append(1))
+
+    def pages(objs: list[dict[str, Any]]) -> Any:
+        yield from objs
+        raise ConnectionError("the second page's request failed")
+
+    with pytest.raises(ConnectionError):
+        cache.replace_services(pages([service("a", cluster_ip="198.18.0.21")]))
+    assert calls == [1]
+    with pytest.raises(ConnectionError):
+        cache.replace_slices(pages([endpoint_slice("a-1", service_name="a", endpoints=[endpoint("10.0.0.5")])]))
+    assert calls == [1, 1]
+    with pytest.raises(ConnectionError):
+        cache.replace_services(pages([service("a", cluster_ip="198.18.0.21")]))  # nothing new: nothing asked
+    assert calls == [1, 1]
