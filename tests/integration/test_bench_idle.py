@@ -90,9 +90,21 @@ def test_report_fields(runs: list[subprocess.Popen[str]]) -> None:
     assert _leftovers(proc.pid) == []
 
 
+def _ctrl_c_reaches_it() -> None:
+    """In the child before exec: SIGINT back to its default. A shell without job control starts background commands
+    with SIGINT ignored, a child inherits that, and Python then leaves it ignored: the test's Ctrl-C would do
+    nothing (seen when CI's command ran as `setsid bash -c '...' &`)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_the_daemon_runs_leaves_nothing(runs: list[subprocess.Popen[str]]) -> None:
     proc = subprocess.Popen(
-        _argv("--seconds", "600"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env()
+        _argv("--seconds", "600"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        preexec_fn=_ctrl_c_reaches_it,
     )
     runs.append(proc)
     assert proc.stderr is not None
