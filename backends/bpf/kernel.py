@@ -13,12 +13,12 @@ import errno
 import logging
 import os
 import queue
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kproxy.model import IPFamily
+from kproxy.toolkit.switching import switch_interval
 
 from . import loader, maps, objects
 
@@ -27,24 +27,12 @@ log = logging.getLogger(__name__)
 Step = tuple[str, str, Sequence[bytes], Sequence[bytes]]  # (map role, "put" or "del", keys, values)
 #: the maps a sync reads and writes (the LRU maps belong to the programs alone)
 SYNC_ROLES: tuple[str, ...] = ("svc", "be", "name")
-#: while a writer thread runs, the interpreter's switch interval (Python's default: 0.005 s); see ``_switching``
+#: while a writer thread runs, the interpreter's switch interval (Python's default: 0.005 s). Why: the writer thread
+#: needs the GIL back after every ``bpf(2)`` call (each releases it) while the sync thread plans; at the default 5 ms a
+#: write waits that long for its turn, which doubled the writer's time (0.2 s of waits for 0.25 s of writes at
+#: 10,000 x 10) and made the pipeline slower than no pipeline. Lowered only while the pipeline runs
+#: (``kproxy.toolkit.switching``).
 WRITER_SWITCH_INTERVAL = 0.0005
-
-
-@contextlib.contextmanager
-def _switching(interval: float) -> Iterator[None]:
-    """The interpreter's thread switch interval lowered to ``interval`` for the block, restored after it whatever
-    happens. Why: the writer thread needs the GIL back after every ``bpf(2)`` call (each releases it) while the sync
-    thread plans; at the default 5 ms a write waits that long for its turn, which doubled the writer's time (0.2 s
-    of waits for 0.25 s of writes at 10,000 x 10) and made the pipeline slower than no pipeline. The setting is the
-    interpreter's (CPython has no per-thread one), so it is held only while the pipeline runs, and only the sync
-    thread enters it (one pipeline at a time: the value it restores is the one it found)."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, interval))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
 
 
 class Writer:
@@ -60,7 +48,7 @@ class Writer:
         self._scope = contextlib.ExitStack()
 
     def __enter__(self) -> Writer:
-        self._scope.enter_context(_switching(WRITER_SWITCH_INTERVAL))
+        self._scope.enter_context(switch_interval(WRITER_SWITCH_INTERVAL))
         self._thread.start()
         return self
 

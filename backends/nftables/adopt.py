@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -50,6 +49,7 @@ from kproxy.nftkernel import Nft
 from kproxy.proxier import BackendError
 from kproxy.toolkit.cidr import spans
 from kproxy.toolkit.nft import elements
+from kproxy.toolkit.switching import switch_interval
 
 from . import counters as counters_mod
 from . import layout, render, setdump
@@ -415,12 +415,8 @@ def _prompt(fn: Callable[..., T], *args: Any) -> T:
     needs the GIL back after each ~32 KB datagram while the ledger renders in the main thread, and at the default 5 ms
     those waits added up to about the kernel's own time (a 100,000-element dump is ~230 datagrams). The render is
     interrupted as often either way (once per datagram), only sooner."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, SWITCH_S))
-    try:
+    with switch_interval(SWITCH_S):
         return fn(*args)
-    finally:
-        sys.setswitchinterval(before)
 
 
 def _dump_entries(
