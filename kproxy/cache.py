@@ -174,18 +174,27 @@ class ServiceCache:
         if changed:
             self._notify()
 
-    def replace_services(self, objs: Iterable[Mapping[str, Any]]) -> None:
+    def _absorb(
+        self, objs: Iterable[Mapping[str, Any]], upsert: Callable[[Mapping[str, Any]], tuple[bool, bool]]
+    ) -> tuple[set[tuple[str, str]], bool]:
+        """Every object of a list through ``upsert`` (the garbage collector paused meanwhile): the (namespace, name)
+        of each and whether any changed the cache. A list streamed page by page that fails part-way re-raises its
+        error, after asking for a sync of what it had already upserted."""
         present: set[tuple[str, str]] = set()
         changed = False
         try:
             with _gc_paused(True):
                 for obj in objs:
                     present.add(_object_name(obj))
-                    changed |= self._upsert_service(obj)[1]
+                    changed |= upsert(obj)[1]
         except BaseException:
-            if changed:  # a list streamed page by page failed part-way: what it upserted still asks for a sync
+            if changed:
                 self._notify()
             raise
+        return present, changed
+
+    def replace_services(self, objs: Iterable[Mapping[str, Any]]) -> None:
+        present, changed = self._absorb(objs, self._upsert_service)
         with self._lock:
             for key in [k for k in self._services if (k.namespace, k.name) not in present]:
                 changed |= self._drop_service(key)
@@ -208,17 +217,7 @@ class ServiceCache:
             self._notify()
 
     def replace_slices(self, objs: Iterable[Mapping[str, Any]]) -> None:
-        present: set[tuple[str, str]] = set()
-        changed = False
-        try:
-            with _gc_paused(True):
-                for obj in objs:
-                    present.add(_object_name(obj))
-                    changed |= self._upsert_slice(obj)[1]
-        except BaseException:
-            if changed:  # a list streamed page by page failed part-way: what it upserted still asks for a sync
-                self._notify()
-            raise
+        present, changed = self._absorb(objs, self._upsert_slice)
         with self._lock:
             for key in [k for k in self._slices.keys() if k not in present]:
                 changed |= self._drop_slice(key)
