@@ -63,6 +63,9 @@ class LedgerProxier(Proxier, Generic[F, C, A, V, S]):
         """Default: the mode reads the kernel back at every full batch anyway."""
         return False
 
+    def kernel_read(self, family: IPFamily, at: float | None) -> None:
+        """Default: nothing to remember (a mode without ``readback_due`` never gets a read-behind)."""
+
     def verify_view(self, family: IPFamily, ctx: C) -> V | None:
         """Default: the mode cannot read its kernel state back."""
         return None

@@ -18,7 +18,7 @@ The rest of the contract (the classmethod hooks for the kernel, the lab and the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -72,6 +72,41 @@ class Batch(Generic[F, C, A, S]):
     def written(self) -> tuple[ServicePortName, ...]:
         """The services this batch (re)writes (not removals)."""
         return tuple(d.name for d in self.deltas if d.new_fragment is not None)
+
+
+class Overlay(Mapping[ServicePortName, F]):
+    """A partial batch's ``wanted``: the applied fragments with the batch's changes laid over them, without a copy
+    of the whole table (a partial sync stays O(changes)). Valid while the batch is applied."""
+
+    __slots__ = ("_base", "_new", "_gone")
+
+    def __init__(
+        self, base: Mapping[ServicePortName, F], new: Mapping[ServicePortName, F], gone: set[ServicePortName]
+    ) -> None:
+        self._base, self._new, self._gone = base, new, gone
+
+    def __getitem__(self, key: ServicePortName) -> F:
+        if key in self._new:
+            return self._new[key]
+        if key in self._gone:
+            raise KeyError(key)
+        return self._base[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._new or (key not in self._gone and key in self._base)
+
+    def __iter__(self) -> Iterator[ServicePortName]:
+        new, gone = self._new, self._gone
+        yield from (k for k in self._base if k not in new and k not in gone)
+        yield from new
+
+    def __len__(self) -> int:
+        base = self._base
+        return (
+            len(base)
+            - sum(1 for k in self._gone if k in base and k not in self._new)
+            + sum(1 for k in self._new if k not in base)
+        )
 
 
 def _no_refusals() -> Mapping[ServicePortName, str]:
@@ -149,6 +184,12 @@ class Backend(Protocol[F, C, A, V, S]):
         """Whether a full batch that reads the kernel back is due although nothing is known to be damaged (a mode
         that trusts its memory of what it wrote between such read-backs); asked with the cheap check before a sync,
         never by the drift watcher (a due read-back is no damage)."""
+        ...
+
+    def kernel_read(self, family: IPFamily, at: float | None) -> None:
+        """A read-behind (``kproxy.readbehind``) read the kernel back beginning at monotonic time ``at`` and found it
+        holding what the ledger records; None: it did not, so the next full batch must adopt from the kernel, not
+        from the backend's memory of what it wrote. Any thread."""
         ...
 
     def verify_view(self, family: IPFamily, ctx: C) -> V | None:

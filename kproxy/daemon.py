@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kproxy.backend import LedgerProxier
 from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig, to_kube_proxy_configuration
 from kproxy.conntrack import ConntrackReconciler, reconcile_needed, udp_changes
@@ -50,6 +51,7 @@ from kproxy.model import (
 from kproxy.nodeaddr import AddressWatch, NodeContext, health_check_addresses, local_addresses, resolve
 from kproxy.proxier import Proxier
 from kproxy.queries import ServiceFilter, parse_trace_query
+from kproxy.readbehind import ReadBehind
 from kproxy.runner import BoundedFrequencyRunner
 from kproxy.server.health import ProxyHealth
 from kproxy.server.http import HealthzServer, MetricsServer
@@ -125,6 +127,7 @@ class Daemon:
             check_fn=self._check,
         )
         self.drift: DriftWatcher | None = None  # made in start(), when the backend declares what to watch
+        self.read_behind: ReadBehind[Any, Any, Any, Any, Any] | None = None  # start(): periodic read-backs
         self._checks_owed: set[IPFamily] = set()
         self.drift_repairs = 0  # full syncs asked for because someone else changed or removed this mode's state
         self._checks_lock = threading.Lock()
@@ -185,6 +188,7 @@ class Daemon:
             before_sync()
         self.backend.start()
         self._start_drift()
+        self._start_read_behind()
         self.runner.start()
         self.source.start()
         log.info("kproxy started: mode=%s node=%s", self.backend.mode, self.config.node_name)
@@ -196,6 +200,8 @@ class Daemon:
         self._stopped.set()
         self.source.stop()
         self.runner.stop(timeout=STOP_TIMEOUT)  # a full sync in progress finishes first (bounded by its length)
+        if self.read_behind is not None:
+            self.read_behind.stop()
         if self.drift is not None:
             self.drift.stop()
         self.service_health.close()
@@ -253,6 +259,14 @@ class Daemon:
             spec, self.families, repair=self._drift_repair, check=self._drift_check, netns=self.backend.netns
         )
         self.drift.start()
+
+    def _start_read_behind(self) -> None:
+        """The backend's periodic read-back of its kernel state, in a thread of its own (``kproxy.readbehind``),
+        when it has one: a due read-back then never makes a sync a full one; a difference it finds is a repair."""
+        backend = self.backend
+        if isinstance(backend, LedgerProxier) and type(backend).readback_due is not LedgerProxier.readback_due:
+            self.read_behind = ReadBehind(backend.ledger, self._lock, self._drift_repair)
+            self.read_behind.start()
 
     def _drift_repair(self, families: frozenset[IPFamily], why: str) -> None:
         """Someone else changed this mode's state (the watcher's thread): a full sync of those families."""

@@ -14,7 +14,9 @@ protocol in ``kproxy.batch``). Everything around that is the same for every mode
 - the render memo: a service port whose ``ServicePort`` and context equal the applied ones keeps its applied
   fragment (rendering is pure), so a full sync of an unchanged table renders nothing;
 - the schedule of the cheap "is my state still there" check (``needs_full``), one policy for every mode: before
-  every full batch but a first one, and before a partial batch at most every ``CHECK_INTERVAL_S`` per family;
+  every full batch but a first one, and before a partial batch at most every ``CHECK_INTERVAL_S`` per family; a
+  backend's periodic read-back of the whole kernel (``readback_due``) runs off the sync path when the daemon runs a
+  read-behind (``kproxy.readbehind``), which the records help with (``touched``, ``full_batches``);
 - the address ownership and capacity rules (``kproxy.admission``), decided before anything is rendered;
 - the refusal rounds: a service the kernel refuses is retried without it, up to ``MAX_ROUNDS`` times: it keeps its
   previously applied fragment if it had one (as upstream, whose failed restore leaves every old rule in place), else
@@ -32,14 +34,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Generic
 
 from kproxy.admission import UNLIMITED, Book
-from kproxy.batch import A, Applied, Backend, Batch, C, Delta, F, S, V
+from kproxy.batch import A, Applied, Backend, Batch, C, Delta, F, Overlay, S, V
 from kproxy.config import ProxyConfig
 from kproxy.gcpause import collector_paused
 from kproxy.model import Changes, FamilySync, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
@@ -106,6 +108,10 @@ class FamilyRecord(Generic[F, C]):
     failed: dict[ServicePortName, str] = field(default_factory=dict)
     need_full: bool = True  # first sync, or the last sync of this family failed
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: while a read-behind runs (``kproxy.readbehind``): per service a partial batch wrote or removed since it began,
+    #: the fragment recorded before that first change (None: there was none); None when no read-behind runs
+    touched: dict[ServicePortName, F | None] | None = None
+    full_batches: int = 0  # successful full batches (a read-behind that overlaps one compares nothing)
 
 
 @dataclass(slots=True)
@@ -145,6 +151,9 @@ class Ledger(Generic[F, C, A, V, S]):
         self.generation = 0  # the state generation of the last sync
         self._checked_at: dict[IPFamily, float] = {}  # when ``needs_full`` was last asked, per family
         self._full_requested: set[IPFamily] = set()  # ``request_full``'s, taken by the family's next sync
+        #: a read-behind (``kproxy.readbehind``) serves the backend's periodic read-back off the sync path; without
+        #: one (tests, benchmarks), a due read-back makes the next batch a full one that adopts the kernel
+        self.read_behind = False
         folder = os.environ.get(FAULT_SWITCH)
         self._fault_switch = Path(folder) / config.node_name / "fail-apply" if folder else None
 
@@ -302,7 +311,7 @@ class Ledger(Generic[F, C, A, V, S]):
             self._checked_at[fam] = time.monotonic()
             c0 = time.perf_counter()
             gone = self.backend.needs_full(fam)
-            if not full and (gone or self.backend.readback_due(fam)):
+            if not full and (gone or (not self.read_behind and self.backend.readback_due(fam))):
                 why = "its kernel state changed under it" if gone else "its periodic read-back is due"
                 log.info("%s: the backend asks for a full batch (%s)", fam.value, why)
                 full = True
@@ -414,7 +423,7 @@ class Ledger(Generic[F, C, A, V, S]):
             full=full,
             context=plan.context,
             deltas=tuple(deltas),
-            wanted=MappingProxyType(wanted) if full else _Overlay(rec.fragments, wanted, removed),
+            wanted=MappingProxyType(wanted) if full else Overlay(rec.fragments, wanted, removed),
             applied=MappingProxyType(rec.fragments),
             state=state,
             adopted=adopted,
@@ -507,6 +516,7 @@ class Ledger(Generic[F, C, A, V, S]):
         keep, skip = rounds.keep, rounds.skip
         with rec.lock:
             if plan.full:
+                rec.full_batches += 1
                 rec.services = dict(ports)  # a full batch's ``ports`` has exactly ``wanted``'s keys
                 rec.fragments = dict_of(batch.wanted)
                 rec.failed = {spn: why for spn, why in rec.failed.items() if spn in keep or spn in skip}
@@ -531,47 +541,15 @@ class Ledger(Generic[F, C, A, V, S]):
         return Applied(ok=False, error="injected apply failure (test fault switch)")
 
 
-class _Overlay(Mapping[ServicePortName, F]):
-    """A partial batch's ``wanted``: the applied fragments with the batch's changes laid over them, without a copy
-    of the whole table (a partial sync stays O(changes)). Valid while the batch is applied."""
-
-    __slots__ = ("_base", "_new", "_gone")
-
-    def __init__(
-        self, base: Mapping[ServicePortName, F], new: Mapping[ServicePortName, F], gone: set[ServicePortName]
-    ) -> None:
-        self._base, self._new, self._gone = base, new, gone
-
-    def __getitem__(self, key: ServicePortName) -> F:
-        if key in self._new:
-            return self._new[key]
-        if key in self._gone:
-            raise KeyError(key)
-        return self._base[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._new or (key not in self._gone and key in self._base)
-
-    def __iter__(self) -> Iterator[ServicePortName]:
-        new, gone = self._new, self._gone
-        yield from (k for k in self._base if k not in new and k not in gone)
-        yield from new
-
-    def __len__(self) -> int:
-        base = self._base
-        return (
-            len(base)
-            - sum(1 for k in self._gone if k in base and k not in self._new)
-            + sum(1 for k in self._new if k not in base)
-        )
-
-
 def _commit_deltas(
     rec: FamilyRecord[F, C], deltas: Iterable[Delta[F]], keep: set[ServicePortName], skip: set[ServicePortName]
 ) -> None:
+    touched = rec.touched
     for d in deltas:
         if d.name in keep:
             continue  # still the old version, reported in failed
+        if touched is not None and d.name not in touched:
+            touched[d.name] = rec.fragments.get(d.name)
         if d.new_fragment is None:
             rec.services.pop(d.name, None)
             rec.fragments.pop(d.name, None)

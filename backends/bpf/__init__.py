@@ -99,13 +99,15 @@ another ``--bpf-cgroup-path`` detaches kproxy's programs from the cgroup the rec
 
 Syncs: maps are created and pinned by kproxy with the programs' exact specs (no compiler needed to sync: ``kproxy
 bench sync`` never starts programs); ``start()`` compiles with bcc (1-4 s here, in a child process) and bcc reopens
-the pins. Full syncs read the maps and the companion table back at the first sync, after a failure and at least every
-25 s (``KERNEL_READ_S``: a full sync that adopts what the kernel holds and puts back what someone edited in place); in
-between, periodic full syncs trust kproxy's own index. Before each sync, at most once a second, a check of a few
-``bpf(2)`` calls and one ``list tables``: pinned maps unpinned or replaced, programs detached or reading maps other
-than the pinned ones, the companion table gone (``kproxy cleanup`` of another process does all three) -> the maps are
-pinned again, a full sync writes everything, then the programs are attached again. ``verify`` reads the maps through
-the pins (never kproxy's own fds), the cgroup's attachments and the companion table's rules.
+the pins. Full syncs read the maps and the companion table back at the first sync and after a failure; in between
+they trust kproxy's own index. Every 25 s (``KERNEL_READ_S``) the maps and the table are read back to find what
+someone edited in place: in ``kproxy run`` by the core's read-behind beside the syncs (``kproxy.readbehind``: a
+difference asks for a full sync that adopts from the kernel), without one (tests, ``kproxy bench``) as a full sync
+that adopts. Before each sync, at most once a second, a check of a few ``bpf(2)`` calls and one ``list tables``:
+pinned maps unpinned or replaced, programs detached or reading maps other than the pinned ones, the companion table
+gone (``kproxy cleanup`` of another process does all three) -> the maps are pinned again, a full sync writes
+everything, then the programs are attached again. ``verify`` reads the maps through the pins (never kproxy's own
+fds), the cgroup's attachments and the companion table's rules.
 
 Where it deviates from upstream, and why:
 - ClusterIPs are load-balanced for sockets in the node's cgroup (its pods and host processes). A packet forwarded to

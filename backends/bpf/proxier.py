@@ -50,9 +50,8 @@ from .render import Context, Fragment
 log = logging.getLogger(__name__)
 
 NEEDS_FULL_CHECK_S = 1.0
-#: the maps and the companion table are read back (a full sync that adopts what the kernel holds, repairing what
-#: someone changed by hand) at least this often; in between syncs trust kproxy's own index. Under the default 30 s
-#: sync period every periodic sync reads them.
+#: the maps and the companion table are read back (what someone changed by hand) this often: by the daemon's
+#: read-behind, else as a full sync that adopts them; in between, full syncs trust kproxy's own index
 KERNEL_READ_S = 25.0
 MAX_FRESH_REAP = 64  # new translating UDP frontends per batch whose untranslated sockets are looked for (a first
 # sync makes every frontend new: nothing was translated before it, and one ss filter of thousands would not do)
@@ -261,10 +260,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         return render.render(sp, ctx)
 
     def adopt(self, family: IPFamily, ctx: Context) -> Adopted:
-        """What the maps hold. Read from the kernel at the first sync, after a failure and at least every
-        ``KERNEL_READ_S``; in between, a full sync trusts kproxy's index of what it wrote (what someone else flushed
-        or deleted, pins, programs or the companion table, is noticed by ``needs_full`` within a second), so it
-        costs a render, not a decode of every entry."""
+        """What the maps hold: read at the first sync, after a failure, or when a read-back differed or is overdue;
+        else kproxy's index (``needs_full`` notices what vanished within a second): no decode of every entry."""
         self._ensure_maps()
         cur = self._index[family]
         if cur is not None and time.monotonic() - self._kernel_read.get(family, 0.0) < KERNEL_READ_S:
@@ -318,9 +315,16 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         return False
 
     def readback_due(self, family: IPFamily) -> bool:
-        """A full batch that reads the maps back is due every ``KERNEL_READ_S`` (what someone edited in place)."""
+        """A read-back of the maps (edits in place) is due every ``KERNEL_READ_S`` (``kproxy.readbehind``)."""
         read = self._kernel_read.get(family)
         return read is not None and time.monotonic() - read >= KERNEL_READ_S
+
+    def kernel_read(self, family: IPFamily, at: float | None) -> None:
+        """A clean read-back from ``at`` (None: a difference: the next full batch adopts from the maps)."""
+        if at is None:
+            self._kernel_read.pop(family, None)
+        elif at > self._kernel_read.get(family, float("-inf")):
+            self._kernel_read[family] = at
 
     def _owe(self, families: Iterable[IPFamily], *, forget_index: bool = False) -> None:
         for f in families:

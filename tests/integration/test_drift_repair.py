@@ -9,6 +9,7 @@ full sync beyond the ones the damages caused."""
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import subprocess
 import time
@@ -229,6 +230,8 @@ def test_damage_is_repaired_within_a_second_and_own_writes_wake_nothing(
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="kproxy.ledger")  # a failure shows why each full batch was made
     assert node.daemon.drift is not None and node.daemon.drift.error is None, "the drift watcher is not running"
+    # only a mode that reads its kernel back periodically gets a read-behind (``kproxy.readbehind``)
+    assert (node.daemon.read_behind is not None) == (node.mode == "bpf"), node.daemon.read_behind
     took = []
     kinds = damages(node.mode, node.ns, node.options)
     compiles = node.compiles()
@@ -250,12 +253,44 @@ def test_damage_is_repaired_within_a_second_and_own_writes_wake_nothing(
 
     watcher = node.daemon.drift
     settle(node)  # a repair still owed from the last damage belongs to the damage, not to the writes below
-    # the bpf mode also reads its maps back in a full batch every 25 s by design (``KERNEL_READ_S``), whoever wrote
-    before = (0.0 if node.mode == "bpf" else node.full_syncs(), node.daemon.drift_repairs)
+    # the bpf mode's periodic read-back of its maps (``KERNEL_READ_S``) runs beside the syncs (``kproxy.readbehind``)
+    # and asks for a full batch only when it finds a difference: no mode's own writes make a full sync
+    before = (node.full_syncs(), node.daemon.drift_repairs)
     syncs = node.daemon.status.syncs
     for services in (4, 5, 2):  # ordinary syncs with changes: kproxy's own writes
         write(tmp_path, services)
         eventually(lambda: node.holds(services), 30, f"{services} services synced")  # noqa: B023
     assert node.daemon.status.syncs >= syncs + 3
-    after = (0.0 if node.mode == "bpf" else node.full_syncs(), node.daemon.drift_repairs)
+    after = (node.full_syncs(), node.daemon.drift_repairs)
     assert after == before, f"kproxy's own writes woke a repair: {before} -> {after}, checks {watcher.checks}"
+
+
+def test_the_bpf_read_behind_repairs_an_edit_in_place_without_a_full_sync_when_clean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's read-behind (``kproxy.readbehind``) on real maps, its interval shortened to 1 s: while nobody
+    edits anything its reads find nothing and no sync is a full one; a service-map entry deleted by hand (what no
+    notification announces) is found by the next read and repaired by a full sync."""
+    require_mode("bpf")
+    from kproxy.backends.bpf import maps, proxier
+
+    monkeypatch.setattr(proxier, "KERNEL_READ_S", 1.0)
+    with ExitStack() as stack:
+        ns, options = stack.enter_context(bpf_place("kpr-rb-", CG_MOUNT))
+        write(tmp_path, 3)
+        node = Node("bpf", ns, tmp_path, options)
+        node.start()
+        stack.callback(node.daemon.stop)
+        eventually(lambda: node.holds(3), 30, "first sync")
+        rb = node.daemon.read_behind
+        assert rb is not None
+        eventually(lambda: rb.reads >= 3, 30, "three read-backs")  # noqa: B023 - one node, one read-behind
+        assert rb.repairs == 0 and node.full_syncs() == 1.0, (rb.repairs, node.full_syncs())
+
+        svc = maps.obj_get(str(Path(options["bpf_pin_path"]) / maps.pin_name("svc", IPFamily.V4)))
+        stack.callback(os.close, svc)
+        maps.delete_batch(svc, [maps.lb_key(IPFamily.V4, "198.19.0.11", 80, 6, 0)])  # web1's master entry
+        assert not node.holds(3)
+        took = eventually(lambda: rb.repairs >= 1 and node.full_syncs() >= 2.0 and node.holds(3), 10, "repair")
+        assert took < 5.0, took  # a read within 1 s of being due, then the repair's sync
+        assert node.daemon.drift_repairs >= 1

@@ -263,3 +263,71 @@ def test_verify_names_what_was_edited_by_hand_and_the_read_back_repairs_it(
         os.close(be)
     finally:
         p.close()
+
+
+def test_the_read_behind_finds_an_edit_in_place_off_the_sync_path_and_a_full_batch_repairs_it(
+    place: tuple[str, dict[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's read-behind (``kproxy.readbehind``) reads the real maps beside the syncs: a clean read tells the
+    backend it may trust its index for another interval; a backend element changed by hand is named, a repair is
+    asked for, and the full batch that follows reads the maps (not the index, which the read told it to distrust)
+    and puts the element back. With a read-behind, a due read-back no longer makes a periodic sync a full one."""
+    import threading
+
+    from kproxy.backends.bpf import decode, maps, proxier
+    from kproxy.backends.bpf.proxier import BpfProxier
+    from kproxy.readbehind import ReadBehind
+
+    monkeypatch.setattr(BpfProxier, "CHECK_INTERVAL_S", 0.0)
+    assert proxier.KERNEL_READ_S >= 20  # the index is trusted between read-backs: the repair must not trust it
+    ns, opts = place
+    config = ProxyConfig(mode="bpf", hostname_override="node-a", ip_families=(IPFamily.V4,), backend_options=opts)
+    p = BpfProxier(config, netns=ns)
+    pins = Path(opts["bpf_pin_path"])
+    ks = maps.key_sizes(IPFamily.V4)
+    asked: list[str] = []
+
+    def repair(families: frozenset[IPFamily], why: str) -> None:
+        asked.append(why)
+        for fam in families:
+            p.request_full(fam)
+
+    rb = ReadBehind(p.ledger, threading.Lock(), repair)
+    p.ledger.read_behind = True  # as ``rb.start()`` does, without its thread: the test runs the reads itself
+    try:
+        assert p.sync(STATE, Changes(full=True)).ok
+        out = rb.once(IPFamily.V4)
+        assert out is not None and out.compared and out.differences == () and asked == [], out
+        assert not p.readback_due(IPFamily.V4)
+
+        svc = maps.obj_get(str(pins / maps.pin_name("svc", IPFamily.V4)))
+        be = maps.obj_get(str(pins / maps.pin_name("be", IPFamily.V4)))
+        index, _ = decode.index_from_raw(
+            IPFamily.V4, maps.lookup_raw(svc, *ks["svc"]), maps.lookup_array(be, *ks["be"], 64)
+        )
+        slot = maps.lookup(svc, maps.lb_key(IPFamily.V4, "198.19.1.1", 80, 6, 1), ks["svc"][1])
+        assert slot is not None
+        bid = maps.decode_service(slot)[0]
+        assert bid in index.backends
+        maps.update_batch(be, [maps.backend_key(bid)], [maps.backend_value(IPFamily.V4, "198.18.220.9", 8080, 6)])
+        out = rb.once(IPFamily.V4)
+        assert out is not None and len(out.differences) == 1, out
+        assert out.differences[0].startswith(KEYS[A]) and "198.18.220.9" in out.differences[0], out
+        assert len(asked) == 1
+        result = p.sync(STATE, PERIODIC)
+        assert result.ok and result.full
+        assert_clean(p.verify(STATE))
+        out = rb.once(IPFamily.V4)
+        assert out is not None and out.differences == (), out
+
+        monkeypatch.setattr(proxier, "KERNEL_READ_S", 0.0)  # a read-back is due at every sync from here
+        assert p.readback_due(IPFamily.V4)
+        result = p.sync(STATE, PERIODIC)
+        assert result.ok and not result.full  # the read-behind serves it, not the sync
+        p.ledger.read_behind = False
+        result = p.sync(STATE, PERIODIC)
+        assert result.ok and result.full  # without one, the old way: the due read-back is a full batch
+        os.close(svc)
+        os.close(be)
+    finally:
+        p.close()

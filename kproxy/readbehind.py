@@ -1,0 +1,214 @@
+"""The periodic read-back of a backend's kernel state, off the sync path.
+
+A mode that trusts its own memory of what it wrote between read-backs (the bpf mode: a full batch there adopts from
+kproxy's index of the maps) still reads the whole kernel back now and then (``readback_due``), to put back what
+someone edited in place. Done as a full batch, that read-back sat on the sync path: at 100,000 service ports a due
+read-back turned the next sync, whatever changed, into a read and decode of every map entry (seconds), so an
+endpoint change that arrived then waited seconds to be programmed. Here the daemon reads the kernel in a thread of
+its own while syncs go on, and compares it with what the ledger records; only a difference asks for a full batch.
+
+How one read stays honest while partial syncs change the kernel under it:
+
+1. *Begin*, between syncs (the daemon's sync lock held): the family's record starts noting every service a partial
+   batch writes or removes (``FamilyRecord.touched``, with the fragment it held before), and the count of full
+   batches is taken.
+2. *Read*, no lock held: the backend's ``verify_view`` (the same read ``kproxy verify`` uses: the kernel, never the
+   backend's memory). Syncs go on meanwhile.
+3. *Finish*, between syncs again: the applied fragments and the touched services are copied and the noting stops.
+   A full batch that ran meanwhile adopted the kernel itself: nothing is compared. Otherwise every applied service
+   that no batch touched must be held exactly (``verify_service``; services the kernel refused are left to their
+   retries), and nothing may be held that no service accounts for, where a touched service accounts for both its
+   versions (``verify_extra`` with the applied fragments, and again with the touched services' earlier ones: what
+   neither explains is foreign). A sync runs its apply and its commit under the sync lock, so the copy never sees
+   a batch half recorded.
+
+The outcome goes to the backend (``kernel_read``: clean, it may trust its memory for another interval; not clean,
+its next full batch adopts from the kernel) and, when the kernel differs, to ``repair`` (the daemon's drift repair:
+a full batch of the family, counted in the drift metrics). The comparison costs a read and a ``verify_service`` per
+service in this thread; it writes nothing. Without a read-behind (tests, benchmarks) the ledger keeps the old way:
+a due read-back makes the next batch a full one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Generic
+
+from kproxy.batch import A, C, F, S, V
+from kproxy.ledger import Ledger
+from kproxy.model import IPFamily, ServicePortName
+from kproxy.toolkit.keys import service_key
+
+log = logging.getLogger(__name__)
+
+#: how often the thread asks the backend whether a read-back is due (seconds)
+POLL_S = 1.0
+#: differences named in the log per read (the rest are counted)
+LOGGED = 5
+
+Repair = Callable[[frozenset[IPFamily], str], None]
+
+
+@dataclass(slots=True)
+class Read(Generic[C, V]):
+    """One read-back of one family in progress."""
+
+    family: IPFamily
+    context: C
+    full_batches: int
+    started: float  # monotonic
+    view: V | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one read found. ``compared``: False when a full batch ran meanwhile or the family had nothing applied
+    (nothing was concluded); ``differences``: one line each (empty: the kernel holds what the ledger records)."""
+
+    family: IPFamily
+    compared: bool
+    differences: tuple[str, ...] = ()
+    skipped: int = 0  # services a partial batch touched while the read ran, or the kernel refused
+
+
+class ReadBehind(Generic[F, C, A, V, S]):
+    """Serves ``ledger.backend.readback_due`` in a thread of its own (see the module docstring). ``between_syncs``
+    is the lock the daemon holds around every sync; ``repair`` asks for a full batch of families."""
+
+    def __init__(
+        self,
+        ledger: Ledger[F, C, A, V, S],
+        between_syncs: contextlib.AbstractContextManager[object],
+        repair: Repair,
+        *,
+        poll_s: float = POLL_S,
+    ) -> None:
+        self.ledger = ledger
+        self._between = between_syncs
+        self._repair = repair
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reads = 0  # completed reads that compared
+        self.repairs = 0  # reads that found the kernel different
+
+    # -- one read, in steps (the thread runs them in order; tests interleave syncs between them) -------------
+
+    def begin(self, family: IPFamily) -> Read[C, V] | None:
+        """Step 1 (takes the sync lock): start noting the services partial batches touch. None when the family has
+        nothing applied (its next sync is a full batch that adopts anyway)."""
+        rec = self.ledger.records[family]
+        with self._between, rec.lock:
+            if rec.context is None or rec.need_full:
+                return None
+            rec.touched = {}
+            return Read(family, rec.context, rec.full_batches, time.monotonic())
+
+    def read(self, r: Read[C, V]) -> None:
+        """Step 2 (no lock): read the kernel through the backend's ``verify_view``."""
+        backend = self.ledger.backend
+        try:
+            view = backend.verify_view(r.family, r.context)
+        except Exception as exc:  # a read that fails is a finding, not a crash of the thread
+            r.error = f"reading the kernel failed: {type(exc).__name__}: {exc}"
+            return
+        problem = "the mode cannot read its kernel state back" if view is None else backend.verify_error(view)
+        if problem:
+            r.error = problem
+        r.view = view
+
+    def finish(self, r: Read[C, V]) -> Outcome:
+        """Step 3 (takes the sync lock to copy, compares without it): what the read found; tells the backend and,
+        when the kernel differs, asks for a repair."""
+        rec = self.ledger.records[r.family]
+        with self._between, rec.lock:
+            touched, rec.touched = rec.touched, None
+            overlapped = rec.full_batches != r.full_batches or rec.context != r.context or rec.need_full
+            applied = dict(rec.fragments)
+            failed = set(rec.failed)
+        if overlapped or touched is None:
+            return Outcome(r.family, compared=False)
+        if r.error is not None or r.view is None:
+            found: tuple[str, ...] = (r.error or "no view",)
+            skipped = 0
+        else:
+            found, skipped = self._compare(r.view, applied, touched, failed)
+        backend = self.ledger.backend
+        backend.kernel_read(r.family, None if found else r.started)
+        self.reads += 1
+        if found:
+            self.repairs += 1
+            shown = "; ".join(found[:LOGGED]) + (f" (and {len(found) - LOGGED} more)" if len(found) > LOGGED else "")
+            log.warning("read-back of %s: the kernel differs from what kproxy wrote: %s", r.family.value, shown)
+            self._repair(frozenset({r.family}), f"the periodic read-back found {len(found)} differences")
+        return Outcome(r.family, compared=True, differences=found, skipped=skipped)
+
+    def _compare(
+        self,
+        view: V,
+        applied: Mapping[ServicePortName, F],
+        touched: Mapping[ServicePortName, F | None],
+        failed: set[ServicePortName],
+    ) -> tuple[tuple[str, ...], int]:
+        backend = self.ledger.backend
+        found: list[str] = []
+        skipped = 0
+        for spn, frag in applied.items():
+            if spn in touched or spn in failed:
+                skipped += 1
+                continue
+            why = backend.verify_service(view, spn, frag)
+            if why is not None:
+                found.append(f"{service_key(spn)}: {why}")
+        extra = backend.verify_extra(view, applied)
+        if extra and touched:  # what an earlier version of a touched service explains is not foreign
+            earlier = {**applied, **{spn: f for spn, f in touched.items() if f is not None}}
+            extra_earlier = set(backend.verify_extra(view, earlier))
+            extra = [line for line in extra if line in extra_earlier]
+        found += extra
+        return tuple(found), skipped
+
+    def once(self, family: IPFamily) -> Outcome | None:
+        """One whole read of ``family`` now (None: nothing applied to compare with)."""
+        r = self.begin(family)
+        if r is None:
+            return None
+        try:
+            self.read(r)
+            return self.finish(r)
+        except BaseException:
+            rec = self.ledger.records[family]
+            with rec.lock:
+                rec.touched = None  # never left noting for a read that will not finish
+            raise
+
+    # -- the thread -----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.ledger.read_behind = True
+        self._thread = threading.Thread(target=self._loop, name="kproxy-read-behind", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.ledger.read_behind = False
+
+    def _loop(self) -> None:
+        backend = self.ledger.backend
+        while not self._stop.wait(self._poll_s):
+            for fam in self.ledger.families:
+                if self._stop.is_set():
+                    return
+                try:
+                    if backend.readback_due(fam):
+                        self.once(fam)
+                except Exception:  # the thread must outlive one bad read; the next poll tries again
+                    log.exception("read-back of %s failed", fam.value)
