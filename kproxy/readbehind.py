@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Generic
 
 from kproxy.batch import A, C, F, S, V
+from kproxy.gcpause import collector_paused
 from kproxy.ledger import Ledger
 from kproxy.model import IPFamily, ServicePortName
 from kproxy.toolkit.keys import service_key
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0
 #: differences named in the log per read (the rest are counted)
 LOGGED = 5
+#: services compared between two offers of the GIL to the sync thread (a few milliseconds of comparing)
+YIELD_EVERY = 256
 
 Repair = Callable[[frozenset[IPFamily], str], None]
 
@@ -97,6 +100,7 @@ class ReadBehind(Generic[F, C, A, V, S]):
         self._thread: threading.Thread | None = None
         self.reads = 0  # completed reads that compared
         self.repairs = 0  # reads that found the kernel different
+        self.last_s = 0.0  # seconds the last whole read took
 
     # -- one read, in steps (the thread runs them in order; tests interleave syncs between them) -------------
 
@@ -159,7 +163,9 @@ class ReadBehind(Generic[F, C, A, V, S]):
         backend = self.ledger.backend
         found: list[str] = []
         skipped = 0
-        for spn, frag in applied.items():
+        for i, (spn, frag) in enumerate(applied.items()):
+            if not i % YIELD_EVERY:
+                time.sleep(0)  # the GIL to a waiting sync now, not after the interpreter's switch interval
             if spn in touched or spn in failed:
                 skipped += 1
                 continue
@@ -180,8 +186,14 @@ class ReadBehind(Generic[F, C, A, V, S]):
         if r is None:
             return None
         try:
-            self.read(r)
-            return self.finish(r)
+            # the read and the comparison allocate a few objects per map entry: without the shared pause the
+            # collector would walk them again and again, stalling the sync thread too (it holds the GIL meanwhile)
+            with collector_paused(True):
+                self.read(r)
+                out = self.finish(r)
+            self.last_s = time.monotonic() - r.started
+            log.debug("read-back of %s: %.2f s, %d differences", family.value, self.last_s, len(out.differences))
+            return out
         except BaseException:
             rec = self.ledger.records[family]
             with rec.lock:
