@@ -22,6 +22,10 @@ How one read stays honest while partial syncs change the kernel under it:
    neither explains is foreign). A sync runs its apply and its commit under the sync lock, so the copy never sees
    a batch half recorded.
 
+Reads are paced (``paced``): at most ``SHARE`` of the time goes to them, so at 100,000 service ports (a read of
+~4 s in the bpf mode) an edit in place is found within minutes rather than the backend's 25 s, as upstream's full
+resync (an hour by default) bounds its own repairs of what it cannot see.
+
 The outcome goes to the backend (``kernel_read``: clean, it may trust its memory for another interval; not clean,
 its next full batch adopts from the kernel) and, when the kernel differs, to ``repair`` (the daemon's drift repair:
 a full batch of the family, counted in the drift metrics). The comparison costs a read and a ``verify_service`` per
@@ -53,6 +57,13 @@ POLL_S = 1.0
 LOGGED = 5
 #: services compared between two offers of the GIL to the sync thread (a few milliseconds of comparing)
 YIELD_EVERY = 256
+#: the share of the time reads may take (``paced``). A read cannot give the GIL away everywhere: a backend's decode
+#: of its maps runs stretches of C-level loops that hold it (the bpf mode's: seconds at 100,000 service ports), and
+#: a sync that falls due meanwhile waits. Bounding the share bounds how many changes meet such a wait.
+SHARE = 0.01
+#: before a family's first read, its cost is guessed per applied service port (the bpf mode's, measured at 10
+#: endpoints: ~40 us)
+GUESS_S_PER_PORT = 40e-6
 
 Repair = Callable[[frozenset[IPFamily], str], None]
 
@@ -101,6 +112,8 @@ class ReadBehind(Generic[F, C, A, V, S]):
         self.reads = 0  # completed reads that compared
         self.repairs = 0  # reads that found the kernel different
         self.last_s = 0.0  # seconds the last whole read took
+        self._last: dict[IPFamily, float] = {}  # per family: when its last read began (``paced``)
+        self._cost: dict[IPFamily, float] = {}  # per family: what its last read took, or the guess before one
 
     # -- one read, in steps (the thread runs them in order; tests interleave syncs between them) -------------
 
@@ -192,6 +205,7 @@ class ReadBehind(Generic[F, C, A, V, S]):
                 self.read(r)
                 out = self.finish(r)
             self.last_s = time.monotonic() - r.started
+            self._done(family, r.started, self.last_s)
             log.debug("read-back of %s: %.2f s, %d differences", family.value, self.last_s, len(out.differences))
             return out
         except BaseException:
@@ -199,6 +213,20 @@ class ReadBehind(Generic[F, C, A, V, S]):
             with rec.lock:
                 rec.touched = None  # never left noting for a read that will not finish
             raise
+
+    def paced(self, family: IPFamily, now: float) -> bool:
+        """Whether a due read of ``family`` may start now: at most ``SHARE`` of the time goes to reading, so the
+        next read starts no sooner than its last one's cost / ``SHARE`` after that one began. Before the first
+        read, the cost is guessed from the table's size (``GUESS_S_PER_PORT``), counted from the moment the backend
+        first said a read was due."""
+        last = self._last.get(family)
+        if last is None:
+            last = self._last[family] = now
+            self._cost[family] = len(self.ledger.records[family].fragments) * GUESS_S_PER_PORT
+        return now - last >= self._cost.get(family, 0.0) / SHARE
+
+    def _done(self, family: IPFamily, started: float, cost: float) -> None:
+        self._last[family], self._cost[family] = started, cost
 
     # -- the thread -----------------------------------------------------------------------------------------
 
@@ -220,7 +248,7 @@ class ReadBehind(Generic[F, C, A, V, S]):
                 if self._stop.is_set():
                     return
                 try:
-                    if backend.readback_due(fam):
+                    if backend.readback_due(fam) and self.paced(fam, time.monotonic()):
                         self.once(fam)
                 except Exception:  # the thread must outlive one bad read; the next poll tries again
                     log.exception("read-back of %s failed", fam.value)

@@ -161,3 +161,20 @@ def test_with_a_read_behind_a_due_read_back_no_longer_makes_a_sync_full() -> Non
     fake.ledger._checked_at.clear()
     b3 = sp("b", 11, eps=3)
     assert not fake.sync(state(a, b3, generation=3), Changes(full=False, services=frozenset({b.name}))).full
+
+
+def test_reads_take_at_most_their_share_of_the_time() -> None:
+    """A read that took 2 s lets the next begin 200 s after it (``SHARE`` 1%); before the first read the cost is
+    guessed from the table's size, counted from when a read was first due."""
+    from kproxy import readbehind
+
+    _, _, rb, _ = loaded(5)
+    guess = 5 * readbehind.GUESS_S_PER_PORT / readbehind.SHARE
+    assert not rb.paced(V4, 1000.0)
+    assert not rb.paced(V4, 1000.0 + guess / 2)
+    assert rb.paced(V4, 1000.0 + guess * 1.01)
+    out = rb.once(V4)  # a real read records what it took
+    assert out is not None and rb.last_s > 0
+    rb._done(V4, 2000.0, 2.0)
+    assert not rb.paced(V4, 2100.0)
+    assert rb.paced(V4, 2200.0)
