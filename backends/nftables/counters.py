@@ -56,7 +56,7 @@ from kproxy.nftkernel import Nft
 from kproxy.proxier import BackendError
 
 from . import layout, setdump
-from .render import Fragment, _digest
+from .fragment import Fragment, digest_of
 
 #: What the mode counts (``Proxier.counters_offered``): connections, see the module's docstring.
 OFFERED: frozenset[Measure] = frozenset({Measure.CONNECTIONS})
@@ -79,15 +79,13 @@ def with_counters(frag: Fragment, sp: ServicePort) -> Fragment:
     if not eps:
         return frag
     extra = [
-        (shard, f"{key} . {ep.ip} . {ep.port}", "")
+        f"{shard}|{key} . {ep.ip} . {ep.port}|"
         for m, key, _ in frag.entries
         for shard in (layout.counting_set(m, key),)
         for ep in eps
     ]
-    elements = (*frag.elements, *extra)
-    return replace(
-        frag, elements=elements, digest=_digest(elements, (frag.shared, frag.chains, frag.sets, frag.hairpin))
-    )
+    text = "\n".join((frag.text, *extra))
+    return replace(frag, text=text, digest=digest_of(text, (frag.shared, frag.chains, frag.sets, frag.hairpin)))
 
 
 def entry_of(setname: str, key: str) -> tuple[str, str]:

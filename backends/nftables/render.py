@@ -3,7 +3,8 @@
 Nothing here touches the kernel, so unit tests assert on exact elements and commands and the benchmark times
 Python's share apart from the kernel's. The layout and the reasons for it are in ``backends/nftables/__init__.py``.
 
-Shape of the output: every service port renders into one ``Fragment``: its elements in the shared maps (keyed by
+Shape of the output: every service port renders into one ``Fragment`` (``fragment.py``: what the ledger keeps, its
+elements as one text): its elements in the shared maps (keyed by
 address . protocol . port, or protocol . port for NodePorts, entries carrying the service's comment), the names of the
 shared count-indexed chains it jumps to (``lb-i-3``), and, only for ClientIP affinity, chains and dynamic sets of its
 own. ``Transaction`` turns fragment changes into one transaction: element deletes and adds, per-service chains
@@ -14,7 +15,6 @@ masquerade helper) is ``layout.fixed_commands``; it does not depend on the node 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -24,9 +24,9 @@ from kproxy.toolkit.cidr import any_contains, collapsed
 from kproxy.toolkit.keys import service_key as service_key
 from kproxy.toolkit.nft import nft_family as nft_family
 
+from .fragment import ENTRY_MAPS, Element, Fragment, canonical_shared, digest_of, parse_elements
 from .layout import (
     ADDR,
-    B32_PAIRS,
     BACKENDS,
     FAM,
     FIREWALL,
@@ -61,7 +61,7 @@ from .layout import (
     shortcut_rules,
     slot_map,
 )
-from .localhost import Listen, listen_for
+from .localhost import listen_for
 
 #: what other modules and the tests read from here: the fragments and transactions, and the layout's names they
 #: spell
@@ -86,61 +86,6 @@ __all__ = [
     "render_service",
     "service_key",
 ]
-
-Element = tuple[str, str, str]  # (map or set, key, value; "" for a set)
-
-# ----------------------------------------------------------------------------------------------- fragments
-
-
-@dataclass(frozen=True, slots=True)
-class Fragment:
-    """One service port's share of the table in one family (compared with ==; ``digest`` is written into the comment
-    of its element in ``service-digests``, keyed by its ClusterIP entry, so adoption compares services by reading
-    small sets and maps only; its ``service-ips`` / ``service-nodeports`` entries carry the service's name).
-
-    ``elements``: its elements in the shared maps; ``shared``: the shared chains it jumps to; ``chains``/``sets``:
-    chains and dynamic sets of its own (ClientIP affinity only); ``hairpin``: ``ep . ep`` elements of its local
-    endpoints (shared by every service, never removed by a partial sync: a DNATed packet whose source is its
-    destination always needs masquerading, whichever service it came through).
-    """
-
-    key: str
-    elements: tuple[Element, ...]
-    shared: tuple[str, ...] = ()
-    chains: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    sets: tuple[tuple[str, str], ...] = ()
-    hairpin: tuple[str, ...] = ()
-    digest: str = ""
-    #: its localhost NodePort's listener on 127.0.0.1 (``localhost``: the relay, not the table; not in the digest)
-    localhost: Listen | None = None
-
-    @property
-    def comment(self) -> str:
-        return comment_key(self.key)
-
-    @property
-    def digest_comment(self) -> str:
-        return f"{comment_key(self.key)} #{self.digest}"
-
-    @property
-    def digest_key(self) -> str:
-        """The key of its ``service-digests`` element: its ClusterIP entry's (always its first element)."""
-        return self.elements[0][1]
-
-    @property
-    def entries(self) -> tuple[Element, ...]:
-        """Its ``service-ips`` and ``service-nodeports`` elements (the user-visible keys)."""
-        return tuple(e for e in self.elements if e[0] in (SERVICE_IPS, SERVICE_NODEPORTS))
-
-
-def _digest(elements: Sequence[Element], rest: Sequence[object]) -> str:
-    """A stable digest (not ``hash()``) of a fragment's content, 50 bits in base32, lowest 5 first; few C calls."""
-    text = "\n".join(map("|".join, elements))
-    if any(rest):
-        text += repr(rest)
-    n = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-    p = B32_PAIRS
-    return p[n & 1023] + p[(n >> 10) & 1023] + p[(n >> 20) & 1023] + p[(n >> 30) & 1023] + p[(n >> 40) & 1023]
 
 
 def _ep(ep: Endpoint) -> str:
@@ -332,15 +277,7 @@ class _General:
         # dict order kept: elements are written in this order
         elements = tuple(dict.fromkeys(self.elements))
         shared, chains, sets, hairpin = tuple(self.shared), tuple(self.chains), tuple(self.sets), tuple(self.hairpin)
-        return Fragment(
-            key=service_key(self.sp.name),
-            elements=elements,
-            shared=shared,
-            chains=chains,
-            sets=sets,
-            hairpin=hairpin,
-            digest=_digest(elements, (shared, chains, sets, hairpin)),
-        )
+        return Fragment.of(service_key(self.sp.name), elements, shared, chains, sets, hairpin)
 
 
 def _render_cluster_ip_only(sp: ServicePort, ctx: FamilyContext) -> Fragment:
@@ -354,24 +291,24 @@ def _render_cluster_ip_only(sp: ServicePort, ctx: FamilyContext) -> Fragment:
     if eps:
         masq = "a" if ctx.masquerade_all else ("n" if not ctx.local.implemented else "i")
         chain = f"lb-{masq}-{len(eps)}"
-        slots = _SLOT_NAMES[proto]
-        elements = [(SERVICE_IPS, key, "goto " + chain)]
-        elements += [(slots, f"{key} . {i}", f"{ep.ip} . {ep.port}") for i, ep in enumerate(eps)]
-        shared = (chain,)
+        head = f"{_SLOT_NAMES[proto]}|{key} . "
+        lines = [f"{SERVICE_IPS}|{key}|goto {chain}"]
+        lines += [f"{head}{i}|{ep.ip} . {ep.port}" for i, ep in enumerate(eps)]
+        text = "\n".join(lines)
+        shared = canonical_shared((chain,))
         local = [f"{ep.ip} . {ep.ip}" for ep in eps if ep.is_local or ep.node_name is None]
         if local:
             hairpin = tuple(dict.fromkeys(local))
     elif sp.has_any_endpoints or sp.cluster_endpoints or sp.local_endpoints:
-        elements = [(SERVICE_IPS, key, "drop")]
+        text = f"{SERVICE_IPS}|{key}|drop"
     else:
-        elements = [(SERVICE_IPS, key, f"goto {REJECT_CHAIN}")]
-    elements_t = tuple(elements)
+        text = f"{SERVICE_IPS}|{key}|goto {REJECT_CHAIN}"
     return Fragment(
-        key=service_key(sp.name),
-        elements=elements_t,
-        shared=shared,
-        hairpin=hairpin,
-        digest=_digest(elements_t, (shared, (), (), hairpin)),
+        service_key(sp.name),
+        text,
+        shared,
+        hairpin_text="\n".join(hairpin),
+        digest=digest_of(text, (shared, (), (), hairpin)),
     )
 
 
@@ -400,6 +337,18 @@ def _fill_external(
 # ----------------------------------------------------------------------------------------------- transactions
 
 
+Owner = ServicePortName | None
+
+
+@dataclass(slots=True)
+class _Group:
+    """The elements of one map in one ``add element`` / ``delete element`` command: their lines and, line for line,
+    the service each belongs to (two lists, not a tuple per element: a full sync writes millions)."""
+
+    texts: list[str] = field(default_factory=list)
+    owners: list[Owner] = field(default_factory=list)
+
+
 @dataclass(slots=True)
 class Transaction:
     """One atomic ``nft`` transaction for one family, built in order: declarations, chain contents, element
@@ -410,11 +359,11 @@ class Transaction:
 
     family: IPFamily
     head: list[str] = field(default_factory=list)  # table, maps, fixed chains, context sets
-    declare: list[tuple[str, ServicePortName | None]] = field(default_factory=list)  # chains and sets to create
-    fill: list[tuple[str, ServicePortName | None]] = field(default_factory=list)  # chain rules
-    deletes: dict[str, list[tuple[str, ServicePortName | None]]] = field(default_factory=dict)  # map -> keys
-    adds: dict[str, list[tuple[str, ServicePortName | None]]] = field(default_factory=dict)  # map -> elements
-    tail: list[tuple[str, ServicePortName | None]] = field(default_factory=list)  # chain and set removals
+    declare: list[tuple[str, Owner]] = field(default_factory=list)  # chains and sets to create
+    fill: list[tuple[str, Owner]] = field(default_factory=list)  # chain rules
+    deletes: dict[str, _Group] = field(default_factory=dict)  # map -> keys
+    adds: dict[str, _Group] = field(default_factory=dict)  # map -> elements
+    tail: list[tuple[str, Owner]] = field(default_factory=list)  # chain and set removals
     elements_added: int = 0
     elements_deleted: int = 0
 
@@ -422,20 +371,26 @@ class Transaction:
     def fam(self) -> str:
         return FAM[self.family]
 
-    def _grouped(
-        self, verb: str, groups: dict[str, list[tuple[str, ServicePortName | None]]]
-    ) -> list[tuple[str, ServicePortName | None]]:
-        out: list[tuple[str, ServicePortName | None]] = []
-        for m, items in groups.items():
-            if not items:
+    def _grouped(self, verb: str, groups: dict[str, _Group]) -> list[tuple[str, Owner]]:
+        out: list[tuple[str, Owner]] = []
+        for m, g in groups.items():
+            if not g.texts:
                 continue
             out.append((f"{verb} element {self.fam} {TABLE} {m} {{", None))
-            last = len(items) - 1
-            out.extend((text if i == last else text + ",", owner) for i, (text, owner) in enumerate(items))
+            last = len(g.texts) - 1
+            out.extend((text if i == last else text + ",", g.owners[i]) for i, text in enumerate(g.texts))
             out.append(("}", None))
         return out
 
-    def lines(self) -> list[tuple[str, ServicePortName | None]]:
+    def _grouped_text(self, verb: str, groups: dict[str, _Group]) -> list[str]:
+        """``_grouped``'s lines as text, without a tuple per line."""
+        return [
+            f"{verb} element {self.fam} {TABLE} {m} {{\n" + ",\n".join(g.texts) + "\n}\n"
+            for m, g in groups.items()
+            if g.texts
+        ]
+
+    def lines(self) -> list[tuple[str, Owner]]:
         return (
             [(h, None) for h in self.head]
             + self.declare
@@ -446,9 +401,15 @@ class Transaction:
         )
 
     def text(self) -> str:
-        return "".join(line + "\n" for line, _ in self.lines())
+        """``lines()`` as one text, one line each."""
+        parts = [h + "\n" for h in self.head]
+        parts += [line + "\n" for line, _ in (*self.declare, *self.fill)]
+        parts += self._grouped_text("delete", self.deletes)
+        parts += self._grouped_text("add", self.adds)
+        parts += [line + "\n" for line, _ in self.tail]
+        return "".join(parts)
 
-    def owner_of(self, lineno: int) -> ServicePortName | None:
+    def owner_of(self, lineno: int) -> Owner:
         """The service owning 1-based line ``lineno`` of ``text()``."""
         lines = self.lines()
         return lines[lineno - 1][1] if 0 < lineno <= len(lines) else None
@@ -458,15 +419,56 @@ class Transaction:
 
     # -- building blocks
 
-    def add_elements(self, elements: Iterable[Element], comment: str | None, owner: ServicePortName | None) -> None:
+    def _group(self, groups: dict[str, _Group], m: str) -> _Group:
+        g = groups.get(m)
+        if g is None:
+            g = groups[m] = _Group()
+        return g
+
+    def add_elements(self, elements: Iterable[Element], comment: str | None, owner: Owner) -> None:
         c = f' comment "{comment}"' if comment else ""
         for m, k, v in elements:
-            self.adds.setdefault(m, []).append((f"{k}{c} : {v}" if v else f"{k}{c}", owner))
+            g = self._group(self.adds, m)
+            g.texts.append(f"{k}{c} : {v}" if v else f"{k}{c}")
+            g.owners.append(owner)
             self.elements_added += 1
 
-    def delete_keys(self, keys: Iterable[tuple[str, str]], owner: ServicePortName | None) -> None:
+    def add_fragment(self, frag: Fragment, owner: Owner) -> None:
+        """Every element of ``frag`` into an empty place (a full sync into an empty table): its slots and other
+        uncommented elements first, then its firewall elements, its entries, its digest (commented), each from its
+        ``map|key|value`` line without making the tuples."""
+        comment = f' comment "{comment_key(frag.key)}"'
+        later: list[tuple[str, str]] = []  # firewall elements and entries, commented, in that order
+        entries: list[tuple[str, str]] = []
+        adds = self.adds
+        n = 0
+        for line in frag.text.split("\n"):
+            m, _, kv = line.partition("|")
+            if m in ENTRY_MAPS:
+                entries.append((m, kv))
+                continue
+            if m == FIREWALL:
+                later.append((m, kv))
+                continue
+            g = adds.get(m) or self._group(adds, m)
+            # "key|value" to "key : value"; a set element's "key|" to "key" (no key or value holds a "|")
+            g.texts.append(kv[:-1] if kv[-1] == "|" else kv.replace("|", " : "))
+            g.owners.append(owner)
+            n += 1
+        for m, kv in (*later, *entries):
+            k, _, v = kv.partition("|")
+            g = adds.get(m) or self._group(adds, m)
+            g.texts.append(f"{k}{comment} : {v}" if v else f"{k}{comment}")
+            g.owners.append(owner)
+            n += 1
+        self.elements_added += n
+        self.add_elements(((SERVICE_DIGESTS, frag.digest_key, ""),), frag.digest_comment, owner)
+
+    def delete_keys(self, keys: Iterable[tuple[str, str]], owner: Owner) -> None:
         for m, k in keys:
-            self.deletes.setdefault(m, []).append((k, owner))
+            g = self._group(self.deletes, m)
+            g.texts.append(k)
+            g.owners.append(owner)
             self.elements_deleted += 1
 
     def add_shared_chain(self, name: str, *, exists: bool = False) -> None:
@@ -502,7 +504,7 @@ class Transaction:
 
 def element_keys(frag: Fragment) -> dict[tuple[str, str], str]:
     """(map, key) -> value of a fragment's elements."""
-    return {(m, k): v for m, k, v in frag.elements}
+    return {(m, k): v for m, k, v in parse_elements(frag.text)}
 
 
 def change_service(
@@ -522,11 +524,7 @@ def change_service(
     verdict maps at commit); the digest element changes with the digest."""
     if old is None and not old_keys and not old_chains and not old_sets:
         if new is not None:  # the common case of a full sync into an empty table: no diff to make
-            kinds = (SERVICE_IPS, SERVICE_NODEPORTS)
-            tx.add_elements((e for e in new.elements if e[0] not in kinds and e[0] != FIREWALL), None, spn)
-            tx.add_elements((e for e in new.elements if e[0] == FIREWALL), new.comment, spn)
-            tx.add_elements((e for e in new.elements if e[0] in kinds), new.comment, spn)
-            tx.add_elements(((SERVICE_DIGESTS, new.digest_key, ""),), new.digest_comment, spn)
+            tx.add_fragment(new, spn)
             for name, spec in new.sets:
                 tx.add_set(name, spec, spn)
             for name, rules in new.chains:

@@ -1,0 +1,138 @@
+"""The nftables fragment's memory and its digest: what the ledger keeps per service port of the nftables mode
+(issue 22: at most 4 KB per service port with 10 endpoints in the cache and in each mode's ledger; the fragment
+takes at most ``BOUND`` of the ledger's share), and the digest written to the kernel, which must not change
+whatever the fragment's representation (a restarted process adopts an old kernel table only if the digests of the
+services it renders equal those the old process wrote)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from kproxy.backends.nftables import counters, layout, render
+from kproxy.bench import memory, synthetic
+from kproxy.cache import ServiceCache
+from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
+from kproxy.nodeaddr import FamilyContext, LocalDetect
+
+NODE = "node-1"
+CTX4 = FamilyContext(IPFamily.V4, local=LocalDetect("cidr", ("198.18.64.0/18",)), node_ips=("198.19.255.1",))
+#: bytes per service port with 10 endpoints (half of them local) of its rendered fragment
+BOUND = 1400
+
+
+def _ports(n: int, endpoints: int = 10) -> tuple[ServiceCache, list[ServicePort]]:
+    cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
+    for i in range(1, n + 1):
+        assert cache.upsert_service(json.loads(json.dumps(synthetic.service(i))))
+    for i in range(1, n + 1):
+        assert cache.upsert_slice(json.loads(json.dumps(synthetic.endpoint_slice(i, endpoints))))
+    cache.mark_synced("services")
+    cache.mark_synced("endpointslices")
+    state, _ = cache.snapshot()
+    return cache, sorted(state, key=lambda sp: sp.name)
+
+
+def _fragment_bytes(n: int) -> int:
+    """Bytes of the fragments of ``n`` synthetic service ports, beyond what the cache holds already."""
+    cache, ports = _ports(n)
+    frags = {sp.name: render.render_service(sp, CTX4) for sp in ports}
+    assert all(len(f.elements) == 11 for f in frags.values())  # its entry and 10 slots
+    figures = memory.walk([memory.Owner("cache", [cache, ports]), memory.Owner("fragments", [frags])])
+    return figures["fragments"]["bytes"]
+
+
+def test_a_fragment_of_10_endpoints_stays_small() -> None:
+    small, large = 100, 1100
+    per_port = (_fragment_bytes(large) - _fragment_bytes(small)) / (large - small)
+    assert per_port <= BOUND, f"{per_port:.0f} bytes per service port"
+
+
+# ----------------------------------------------------------------------------------------------- the digest
+
+
+def _spn(name: str, proto: Protocol = Protocol.TCP) -> ServicePortName:
+    return ServicePortName("ns1", name, "http", proto)
+
+
+def _ep(ip: str, local: bool = False) -> Endpoint:
+    return Endpoint(ip, 8080, is_local=local, node_name="node-a" if local else "node-b")
+
+
+EPS = (_ep("198.18.64.2", local=True), _ep("198.18.65.2"), _ep("198.18.65.3"))
+
+
+def _sp(name: str, eps: tuple[Endpoint, ...] = EPS, **kw: object) -> ServicePort:
+    base: dict[str, object] = dict(
+        name=_spn(name),
+        family=IPFamily.V4,
+        cluster_ip="198.18.200.1",
+        port=80,
+        cluster_endpoints=eps,
+        has_any_endpoints=bool(eps),
+    )
+    base.update(kw)
+    return ServicePort(**base)  # type: ignore[arg-type]
+
+
+def _cases() -> dict[str, ServicePort]:
+    return {
+        "cluster-ip": _sp("web"),
+        "no-endpoints": _sp("empty", ()),
+        "not-ready": _sp("down", (), has_any_endpoints=True),
+        "nodeport-external": _sp("np", node_port=30080, external_ips=("198.18.100.1",)),
+        "local-policy": _sp(
+            "etp",
+            node_port=30081,
+            external_ips=("198.18.100.2",),
+            external_policy_local=True,
+            local_endpoints=EPS[:1],
+        ),
+        "firewall": _sp("lb", load_balancer_ips=("198.18.150.1",), load_balancer_source_ranges=("203.0.113.0/24",)),
+        "affinity": _sp("sticky", affinity_timeout=30, node_port=30082),
+    }
+
+
+def _old_formula(frag: render.Fragment) -> str:
+    """The digest as the tuple representation computed it: its elements' "map|key|value" lines, then the repr of
+    (shared, chains, sets, hairpin) when any of them is not empty."""
+    text = "\n".join(map("|".join, frag.elements))
+    rest = (frag.shared, frag.chains, frag.sets, frag.hairpin)
+    if any(rest):
+        text += repr(rest)
+    n = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+    p = layout.B32_PAIRS
+    return "".join(p[(n >> s) & 1023] for s in (0, 10, 20, 30, 40))
+
+
+def test_the_digest_written_to_the_kernel_is_the_one_before() -> None:
+    got = {}
+    for case, sp in _cases().items():
+        frag = render.render_service(sp, CTX4)
+        assert frag.digest == _old_formula(frag), case
+        got[case] = frag.digest
+        counted = counters.with_counters(frag, sp)
+        assert counted.digest == _old_formula(counted), case
+        assert (counted.digest != frag.digest) == bool(sp.cluster_endpoints), case  # counting elements: digested
+        got[case + "+counters"] = counted.digest
+    assert got == PINNED
+
+
+#: the digest of each case (and with counters) as the tuple representation before issue 22 wrote it: they must never
+#: change, or a restart rewrites every service of an old table
+PINNED = {
+    "cluster-ip": "hvj25i2i3g",
+    "cluster-ip+counters": "yie4hgidr5",
+    "no-endpoints": "ghmmynpvdw",
+    "no-endpoints+counters": "ghmmynpvdw",
+    "not-ready": "lngzs7bmpp",
+    "not-ready+counters": "lngzs7bmpp",
+    "nodeport-external": "lw43j62cgs",
+    "nodeport-external+counters": "fvraxdzrcg",
+    "local-policy": "fjh6omammf",
+    "local-policy+counters": "rec4swqrsr",
+    "firewall": "cg3wpbplaf",
+    "firewall+counters": "nkwkcfkbqm",
+    "affinity": "ljv6smtwff",
+    "affinity+counters": "zfcir2wpdx",
+}
