@@ -47,7 +47,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kproxy.counters import CounterDump, Counts, Measure, PortCounters
@@ -56,7 +56,7 @@ from kproxy.nftkernel import Nft
 from kproxy.proxier import BackendError
 
 from . import layout, setdump
-from .fragment import Fragment, digest_of
+from .fragment import Fragment
 
 #: What the mode counts (``Proxier.counters_offered``): connections, see the module's docstring.
 OFFERED: frozenset[Measure] = frozenset({Measure.CONNECTIONS})
@@ -79,13 +79,12 @@ def with_counters(frag: Fragment, sp: ServicePort) -> Fragment:
     if not eps:
         return frag
     extra = [
-        f"{shard}|{key} . {ep.ip} . {ep.port}|"
+        (shard, f"{key} . {ep.ip} . {ep.port}", "")
         for m, key, _ in frag.entries
         for shard in (layout.counting_set(m, key),)
         for ep in eps
     ]
-    text = "\n".join((frag.text, *extra))
-    return replace(frag, text=text, digest=digest_of(text, (frag.shared, frag.chains, frag.sets, frag.hairpin)))
+    return frag.extended(extra)
 
 
 def entry_of(setname: str, key: str) -> tuple[str, str]:

@@ -3,21 +3,21 @@ string, and the digest of its content that adoption compares with the kernel's.
 
 The ledger keeps a fragment per service port per family for as long as the service exists (the render memo and the
 comparison with the next sync need it), so its size is the nftables mode's memory per service port. Its elements are
-held as one text (``map|key|value`` lines, exactly the digest's input) and its hairpin elements as another, not as a
-tuple of three fresh strings per element (about three times the bytes, and nine times the objects for the collector to
-walk), and the tuple of shared chains is one object for every fragment that jumps to the same chains. Equality is one
-string compare after the digest's, and the transaction of a full sync is written straight from the lines
-(``Transaction.add_fragment``); ``elements`` makes the tuples only where something asks (the diff of a changed
-service, ``describe``, ``verify``, the packet explainer). The digest's input text is the one the tuples gave: a table
-written before adopts with zero writes.
+held as one packed text (``pack``: ``map|key|value`` lines, a slot's map and its entry's key not repeated) and its
+hairpin elements as another, not as a tuple of three fresh strings per element (about four times the bytes and nine
+times the objects for the collector to walk), and the tuple of shared chains is one object for every fragment that
+jumps to the same chains. Equality is one string compare after the digest's, and the transaction of a full sync is
+written straight from the packed lines (``Transaction.add_fragment``); ``elements`` makes the tuples only where
+something asks (the diff of a changed service, ``describe``, ``verify``, the packet explainer). The digest's input is
+the text the tuples gave (``digest_text``: every line whole), so a table written before adopts with zero writes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 
 from .layout import B32_PAIRS, SERVICE_IPS, SERVICE_NODEPORTS, comment_key
 from .localhost import Listen
@@ -35,13 +35,12 @@ class Fragment:
     of its element in ``service-digests``, keyed by its ClusterIP entry, so adoption compares services by reading
     small sets and maps only; its ``service-ips`` / ``service-nodeports`` entries carry the service's name).
 
-    ``text``: its elements in the shared maps, one ``map|key|value`` line each (value "" for a set element), joined
-    by newlines: the digest's input, one string because the ledger keeps a fragment per service port (see the module
-    docstring); ``elements`` gives the tuples, made when asked. ``shared``: the shared chains it jumps to (one tuple
-    shared by every fragment of the same chains); ``chains``/``sets``: chains and dynamic sets of its own (ClientIP
-    affinity only); ``hairpin_text``: the ``ep . ep`` elements of its local endpoints, one a line (``hairpin`` gives
-    them; shared by every service, never removed by a partial sync: a DNATed packet whose source is its destination
-    always needs masquerading, whichever service it came through).
+    ``text``: its elements in the shared maps, packed (``pack``) in one string because the ledger keeps a fragment
+    per service port (see the module docstring); ``elements`` gives the tuples, made when asked. ``shared``: the
+    shared chains it jumps to (one tuple shared by every fragment of the same chains); ``chains``/``sets``: chains
+    and dynamic sets of its own (ClientIP affinity only); ``hairpin_text``: the ``ep . ep`` elements of its local
+    endpoints, one a line (``hairpin`` gives them; shared by every service, never removed by a partial sync: a
+    DNATed packet whose source is its destination always needs masquerading, whichever service it came through).
     """
 
     key: str
@@ -66,10 +65,15 @@ class Fragment:
         digest: str | None = None,
     ) -> Fragment:
         """A fragment from its elements as tuples; its digest computed unless given."""
-        text = "\n".join(map("|".join, elements))
         if digest is None:
-            digest = digest_of(text, (shared, chains, sets, hairpin))
-        return cls(key, text, canonical_shared(shared), chains, sets, "\n".join(hairpin), digest)
+            digest = digest_of(digest_text(elements), (shared, chains, sets, hairpin))
+        return cls(key, pack(elements), canonical_shared(shared), chains, sets, "\n".join(hairpin), digest)
+
+    def extended(self, extra: Sequence[Element]) -> Fragment:
+        """This fragment with ``extra`` elements after its own, digested with them."""
+        elements = [*parse_elements(self.text), *extra]
+        rest = (self.shared, self.chains, self.sets, self.hairpin)
+        return replace(self, text=pack(elements), digest=digest_of(digest_text(elements), rest))
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -126,9 +130,44 @@ class Fragment:
         return tuple((m, k, v) for m, k, v in map(split_line, lines))
 
 
+def pack(elements: Iterable[Element]) -> str:
+    """Elements as a fragment's ``text``: a ``map|key|value`` line each, with the map left out ("") when the line
+    before is of the same map and the element is no entry, and a key that extends the last entry's key (``entry .
+    rest``, a slot's or a counting element's) written ``~rest``. Every entry line is written whole. Deterministic,
+    so two fragments' texts are equal exactly when their elements are; no map name or key starts with ``~`` or is
+    empty."""
+    lines: list[str] = []
+    prev = entry = ""
+    for m, k, v in elements:
+        if m in ENTRY_MAPS:
+            lines.append(f"{m}|{k}|{v}")
+            entry = k + " . "
+        else:
+            mm = "" if m == prev else m
+            lines.append(f"{mm}|~{k[len(entry) :]}|{v}" if entry and k.startswith(entry) else f"{mm}|{k}|{v}")
+        prev = m
+    return "\n".join(lines)
+
+
 def parse_elements(text: str) -> list[Element]:
-    """A fragment's ``text`` as (map, key, value) tuples, in order."""
-    return [(m, k, v) for m, k, v in map(split_line, text.split("\n"))]
+    """A fragment's ``text`` (``pack``) as (map, key, value) tuples, in order."""
+    out: list[Element] = []
+    prev = entry = ""
+    for m, k, v in map(split_line, text.split("\n")):
+        if not m:
+            m = prev
+        elif m in ENTRY_MAPS:
+            entry = k + " . "
+        if k[:1] == "~":
+            k = entry + k[1:]
+        out.append((m, k, v))
+        prev = m
+    return out
+
+
+def digest_text(elements: Iterable[Element]) -> str:
+    """The digest's input for elements: their ``map|key|value`` lines, whole, joined by newlines."""
+    return "\n".join(map("|".join, elements))
 
 
 def split_line(line: str) -> list[str]:

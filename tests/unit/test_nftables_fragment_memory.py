@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from kproxy.backends.nftables import counters, layout, render
+from kproxy.backends.nftables import counters, fragment, layout, render
 from kproxy.bench import memory, synthetic
 from kproxy.cache import ServiceCache
 from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
@@ -18,7 +18,7 @@ from kproxy.nodeaddr import FamilyContext, LocalDetect
 NODE = "node-1"
 CTX4 = FamilyContext(IPFamily.V4, local=LocalDetect("cidr", ("198.18.64.0/18",)), node_ips=("198.19.255.1",))
 #: bytes per service port with 10 endpoints (half of them local) of its rendered fragment
-BOUND = 1400
+BOUND = 1000
 
 
 def _ports(n: int, endpoints: int = 10) -> tuple[ServiceCache, list[ServicePort]]:
@@ -116,6 +116,44 @@ def test_the_digest_written_to_the_kernel_is_the_one_before() -> None:
         assert (counted.digest != frag.digest) == bool(sp.cluster_endpoints), case  # counting elements: digested
         got[case + "+counters"] = counted.digest
     assert got == PINNED
+
+
+def test_the_text_is_packed_and_gives_every_element_back() -> None:
+    """``fragment.pack``: a slot's map and its entry's key are not repeated; the fast path for ClusterIPs writes the
+    same text as the general packing, and ``elements`` gives back what was packed."""
+    for case, sp in _cases().items():
+        for frag in (render.render_service(sp, CTX4), counters.with_counters(render.render_service(sp, CTX4), sp)):
+            elements = frag.elements
+            assert fragment.pack(elements) == frag.text, case
+            assert fragment.parse_elements(frag.text) == list(elements), case
+            assert fragment.digest_text(elements) == "\n".join(map("|".join, elements))
+            assert elements[0][:2] == (layout.SERVICE_IPS, frag.digest_key), case
+    web = render.render_service(_cases()["cluster-ip"], CTX4)
+    slots = render.slot_map(render.BACKENDS, "tcp")
+    assert web.text.split("\n") == [
+        "service-ips|198.18.200.1 . tcp . 80|goto lb-i-3",
+        f"{slots}|~0|198.18.64.2 . 8080",
+        "|~1|198.18.65.2 . 8080",
+        "|~2|198.18.65.3 . 8080",
+    ]
+    assert web.elements[3] == (slots, "198.18.200.1 . tcp . 80 . 2", "198.18.65.3 . 8080")
+
+
+def test_a_full_syncs_transaction_is_written_from_the_text_as_from_the_elements() -> None:
+    """``Transaction.add_fragment`` (a full sync into an empty table) writes what ``add_elements`` writes from the
+    tuples: uncommented elements, then firewall elements, entries and the digest with their comments."""
+    for case, sp in _cases().items():
+        frag = counters.with_counters(render.render_service(sp, CTX4), sp)
+        fast, slow = render.Transaction(IPFamily.V4), render.Transaction(IPFamily.V4)
+        fast.add_fragment(frag, sp.name)
+        els = frag.elements
+        entry_maps = (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS)
+        slow.add_elements([e for e in els if e[0] not in entry_maps and e[0] != layout.FIREWALL], None, sp.name)
+        slow.add_elements([e for e in els if e[0] == layout.FIREWALL], frag.comment, sp.name)
+        slow.add_elements([e for e in els if e[0] in entry_maps], frag.comment, sp.name)
+        slow.add_elements([(layout.SERVICE_DIGESTS, frag.digest_key, "")], frag.digest_comment, sp.name)
+        assert fast.text() == slow.text() and fast.lines() == slow.lines(), case
+        assert fast.elements_added == slow.elements_added == len(els) + 1
 
 
 #: the digest of each case (and with counters) as the tuple representation before issue 22 wrote it: they must never
