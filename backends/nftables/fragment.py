@@ -3,7 +3,7 @@ string, and the digest of its content that adoption compares with the kernel's.
 
 The ledger keeps a fragment per service port per family for as long as the service exists (the render memo and the
 comparison with the next sync need it), so its size is the nftables mode's memory per service port. Its elements are
-held as one packed text (``pack``: ``map|key|value`` lines, a slot's map and its entry's key not repeated) and its
+held as one packed text (``pack``: ``map|key|value`` lines, a slot's key without its entry's) and its
 hairpin elements as another, not as a tuple of three fresh strings per element (about four times the bytes and nine
 times the objects for the collector to walk), and the tuple of shared chains is one object for every fragment that
 jumps to the same chains. Equality is one string compare after the digest's, and the transaction of a full sync is
@@ -120,7 +120,7 @@ class Fragment:
     def entries(self) -> tuple[Element, ...]:
         """Its ``service-ips`` and ``service-nodeports`` elements (the user-visible keys)."""
         text = self.text
-        if _LATER_IPS not in text and _LATER_NODEPORTS not in text:  # its ClusterIP's only (asked per service)
+        if single_entry(text):  # its ClusterIP's only (asked per service)
             first = text.split("\n", 1)[0]
             if not first.startswith(_ENTRY_PREFIXES):
                 return ()
@@ -131,38 +131,51 @@ class Fragment:
 
 
 def pack(elements: Iterable[Element]) -> str:
-    """Elements as a fragment's ``text``: a ``map|key|value`` line each, with the map left out ("") when the line
-    before is of the same map and the element is no entry, and a key that extends the last entry's key (``entry .
-    rest``, a slot's or a counting element's) written ``~rest``. Every entry line is written whole. Deterministic,
-    so two fragments' texts are equal exactly when their elements are; no map name or key starts with ``~`` or is
-    empty."""
+    """Elements as a fragment's ``text``: a ``map|key|value`` line each, where a key that extends the last entry's
+    key (``<entry key> . <rest>``: a slot's, a counting element's) is written ``~<rest>``; entries are written whole.
+    Deterministic, so two fragments' texts are equal exactly when their elements are (no key starts with ``~``, no
+    key or value holds a ``|`` or a newline)."""
     lines: list[str] = []
-    prev = entry = ""
+    entry = ""
     for m, k, v in elements:
         if m in ENTRY_MAPS:
-            lines.append(f"{m}|{k}|{v}")
             entry = k + " . "
+            lines.append(f"{m}|{k}|{v}")
+        elif entry and k.startswith(entry):
+            lines.append(f"{m}|~{k[len(entry) :]}|{v}")
         else:
-            mm = "" if m == prev else m
-            lines.append(f"{mm}|~{k[len(entry) :]}|{v}" if entry and k.startswith(entry) else f"{mm}|{k}|{v}")
-        prev = m
+            lines.append(f"{m}|{k}|{v}")
+    return "\n".join(lines)
+
+
+def single_entry(text: str) -> bool:
+    """Whether a fragment's ``text`` has one entry only (on its first line, as every fragment's ClusterIP entry)."""
+    return _LATER_IPS not in text and _LATER_NODEPORTS not in text
+
+
+def unpack(text: str) -> str:
+    """A fragment's ``text`` with every line whole (``digest_text`` of its elements): in one C call when its only
+    entry is its first line, as for every service port but those with NodePorts or external addresses."""
+    if single_entry(text):
+        if "|~" not in text:
+            return text
+        # "|~" is only ever a packed key's start: values never start with "~"
+        return text.replace("|~", f"|{text.split('|', 2)[1]} . ")
+    lines: list[str] = []
+    entry = ""
+    for line in text.split("\n"):
+        m, _, kv = line.partition("|")
+        if m in ENTRY_MAPS:
+            entry = kv[: kv.index("|")] + " . "
+        elif kv[:1] == "~":
+            line = f"{m}|{entry}{kv[1:]}"
+        lines.append(line)
     return "\n".join(lines)
 
 
 def parse_elements(text: str) -> list[Element]:
     """A fragment's ``text`` (``pack``) as (map, key, value) tuples, in order."""
-    out: list[Element] = []
-    prev = entry = ""
-    for m, k, v in map(split_line, text.split("\n")):
-        if not m:
-            m = prev
-        elif m in ENTRY_MAPS:
-            entry = k + " . "
-        if k[:1] == "~":
-            k = entry + k[1:]
-        out.append((m, k, v))
-        prev = m
-    return out
+    return [(m, k, v) for m, k, v in map(split_line, unpack(text).split("\n"))]
 
 
 def digest_text(elements: Iterable[Element]) -> str:

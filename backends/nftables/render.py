@@ -292,13 +292,13 @@ def _render_cluster_ip_only(sp: ServicePort, ctx: FamilyContext) -> Fragment:
     if eps:
         masq = "a" if ctx.masquerade_all else ("n" if not ctx.local.implemented else "i")
         chain = f"lb-{masq}-{len(eps)}"
-        slots = _SLOT_NAMES[proto]
-        head = f"{slots}|{key} . "
-        # ``pack``'s text: the slots' lines "backends-tcp|<entry key> . 0|<endpoint>" are "backends-tcp|~0|..." for
-        # the first, "|~1|..." after it; the digest's input, their lines whole, made from it in two C calls
-        values = "\n|~".join([f"{i}|{ep.ip} . {ep.port}" for i, ep in enumerate(eps)])
-        text = f"{SERVICE_IPS}|{key}|goto {chain}\n{slots}|~{values}"
-        whole = text.replace("\n|~", "\n" + head).replace(f"\n{slots}|~", "\n" + head, 1)
+        # ``pack``'s text: a slot's line "backends-tcp|<entry key> . 0|<endpoint>" is "backends-tcp|~0|<endpoint>";
+        # the digest's input, every line whole, made from it in one C call (``unpack``)
+        slots = f"\n{_SLOT_NAMES[proto]}|~"
+        text = f"{SERVICE_IPS}|{key}|goto {chain}{slots}" + slots.join(
+            [f"{i}|{ep.ip} . {ep.port}" for i, ep in enumerate(eps)]
+        )
+        whole = text.replace("|~", f"|{key} . ")
         shared = canonical_shared((chain,))
         local = [f"{ep.ip} . {ep.ip}" for ep in eps if ep.is_local or ep.node_name is None]
         if local:

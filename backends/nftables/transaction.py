@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kproxy.model import IPFamily, ServicePortName
 
-from .fragment import ENTRY_MAPS, Element, Fragment, parse_elements
+from .fragment import ENTRY_MAPS, Element, Fragment, parse_elements, single_entry, split_line, unpack
 from .layout import (
     FAM,
     FIREWALL,
@@ -126,23 +126,15 @@ class Transaction:
     def add_fragment(self, frag: Fragment, owner: Owner) -> None:
         """Every element of ``frag`` into an empty place (a full sync into an empty table): its slots and other
         uncommented elements first, then its firewall elements, its entries, its digest (commented), each from its
-        line (``fragment.pack``) without making the tuples."""
+        line (``fragment.unpack``) without making the tuples."""
         comment = f' comment "{comment_key(frag.key)}"'
         later: list[tuple[str, str]] = []  # firewall elements and entries, commented, in that order
         entries: list[tuple[str, str]] = []
         adds = self.adds
         n = 0
-        prev = entry = ""
-        for line in frag.text.split("\n"):
+        for line in unpack(frag.text).split("\n"):
             m, _, kv = line.partition("|")
-            if m:
-                prev = m
-            else:
-                m = prev
-            if kv[0] == "~":
-                kv = entry + kv[1:]
-            elif m in ENTRY_MAPS:
-                entry = kv[: kv.index("|")] + " . "
+            if m in ENTRY_MAPS:
                 entries.append((m, kv))
                 continue
             if m == FIREWALL:
@@ -240,20 +232,15 @@ def _change_elements(
     old_keys: Mapping[tuple[str, str], str | None] | None,
 ) -> None:
     skeleton = old_keys or {}
-    before: Mapping[tuple[str, str], str | None] = (
-        element_keys(old) if old is not None else {k: v for k, v in skeleton.items() if k[0] != SERVICE_DIGESTS}
-    )
-    after = element_keys(new) if new is not None else {}
     old_digest = old.digest_key if old is not None else next((k for m, k in skeleton if m == SERVICE_DIGESTS), None)
     digest_changed = old is None or new is None or old.digest != new.digest or old.digest_key != new.digest_key
-    dels = [mk for mk, v in before.items() if (nv := after.get(mk)) is None or nv != v]
+    dels, adds = _diff(old, new, skeleton)
     if old_digest is not None and digest_changed:
         dels.append((SERVICE_DIGESTS, old_digest))
     if dels:
         tx.delete_keys(dels, spn)
     if new is None:
         return
-    adds = [(mk[0], mk[1], v) for mk, v in after.items() if mk not in before or before[mk] != v]
     entries = [e for e in adds if e[0] in (SERVICE_IPS, SERVICE_NODEPORTS)]
     others = [e for e in adds if e[0] not in (SERVICE_IPS, SERVICE_NODEPORTS)]
     if others:
@@ -264,6 +251,26 @@ def _change_elements(
         tx.add_elements(entries, new.comment, spn)
     if digest_changed:
         tx.add_elements(((SERVICE_DIGESTS, new.digest_key, ""),), new.digest_comment, spn)
+
+
+def _diff(
+    old: Fragment | None, new: Fragment | None, skeleton: Mapping[tuple[str, str], str | None]
+) -> tuple[list[tuple[str, str]], list[Element]]:
+    """(map, key) of every element of ``old`` (or of the skeleton) that ``new`` lacks or holds with another value,
+    and every element of ``new`` that ``old`` lacks or holds with another value, each in its fragment's order."""
+    if old is not None and new is not None and single_entry(old.text) and single_entry(new.text):
+        # no key twice in either (one entry: its slots' indexes differ), so an element is unchanged exactly when its
+        # whole line is in both: only the changed lines are split (a partial sync's diff, per changed service)
+        b, a = unpack(old.text).split("\n"), unpack(new.text).split("\n")
+        b_set, a_set = set(b), set(a)
+        dels = [(m, k) for m, k, _ in map(split_line, [line for line in b if line not in a_set])]
+        return dels, [(m, k, v) for m, k, v in map(split_line, [line for line in a if line not in b_set])]
+    before: Mapping[tuple[str, str], str | None] = (
+        element_keys(old) if old is not None else {k: v for k, v in skeleton.items() if k[0] != SERVICE_DIGESTS}
+    )
+    after = element_keys(new) if new is not None else {}
+    dels = [mk for mk, v in before.items() if (nv := after.get(mk)) is None or nv != v]
+    return dels, [(mk[0], mk[1], v) for mk, v in after.items() if mk not in before or before[mk] != v]
 
 
 def _change_chains(

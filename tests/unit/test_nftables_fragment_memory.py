@@ -119,23 +119,24 @@ def test_the_digest_written_to_the_kernel_is_the_one_before() -> None:
 
 
 def test_the_text_is_packed_and_gives_every_element_back() -> None:
-    """``fragment.pack``: a slot's map and its entry's key are not repeated; the fast path for ClusterIPs writes the
-    same text as the general packing, and ``elements`` gives back what was packed."""
+    """``fragment.pack``: a slot's key is written without its entry's; the fast path for ClusterIPs writes the same
+    text as the general packing, and ``elements`` (``unpack``) gives back what was packed."""
     for case, sp in _cases().items():
         for frag in (render.render_service(sp, CTX4), counters.with_counters(render.render_service(sp, CTX4), sp)):
             elements = frag.elements
             assert fragment.pack(elements) == frag.text, case
             assert fragment.parse_elements(frag.text) == list(elements), case
-            assert fragment.digest_text(elements) == "\n".join(map("|".join, elements))
+            assert fragment.digest_text(elements) == "\n".join(map("|".join, elements)) == fragment.unpack(frag.text)
             assert elements[0][:2] == (layout.SERVICE_IPS, frag.digest_key), case
     web = render.render_service(_cases()["cluster-ip"], CTX4)
     slots = render.slot_map(render.BACKENDS, "tcp")
     assert web.text.split("\n") == [
         "service-ips|198.18.200.1 . tcp . 80|goto lb-i-3",
         f"{slots}|~0|198.18.64.2 . 8080",
-        "|~1|198.18.65.2 . 8080",
-        "|~2|198.18.65.3 . 8080",
+        f"{slots}|~1|198.18.65.2 . 8080",
+        f"{slots}|~2|198.18.65.3 . 8080",
     ]
+    assert fragment.unpack(web.text) == fragment.digest_text(web.elements)
     assert web.elements[3] == (slots, "198.18.200.1 . tcp . 80 . 2", "198.18.65.3 . 8080")
 
 
@@ -174,3 +175,22 @@ PINNED = {
     "affinity": "ljv6smtwff",
     "affinity+counters": "zfcir2wpdx",
 }
+
+
+def test_a_changed_endpoint_rewrites_its_slot_and_the_digest_only() -> None:
+    """The diff of a partial sync: from the changed lines for a fragment with one entry, from the keys otherwise
+    (a NodePort's), the same elements either way."""
+    moved = (*EPS[:2], _ep("198.18.65.9"))
+    for case, kw in (("cluster-ip", {}), ("nodeport", {"node_port": 30080})):
+        old, new = (render.render_service(_sp("web", eps, **kw), CTX4) for eps in (EPS, moved))
+        tx = render.Transaction(IPFamily.V4)
+        render.change_service(tx, _spn("web"), old, new)
+        slots = [render.slot_map(m, "tcp") for m in (render.BACKENDS, layout.NODEPORT_BACKENDS)][: 1 + bool(kw)]
+        keys = ["198.18.200.1 . tcp . 80 . 2", "tcp . 30080 . 2"]
+        want = [(m, f"{k} : 198.18.65.9 . 8080") for m, k in zip(slots, keys, strict=False)]
+        assert [(m, t) for m, g in tx.adds.items() for t in g.texts if m != layout.SERVICE_DIGESTS] == want, case
+        assert [(m, t) for m, g in tx.deletes.items() for t in g.texts] == [
+            *((m, k) for m, k in zip(slots, keys, strict=False)),
+            (layout.SERVICE_DIGESTS, "198.18.200.1 . tcp . 80"),
+        ], case
+        assert tx.elements_added == len(slots) + 1 and old.digest != new.digest
