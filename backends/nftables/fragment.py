@@ -14,6 +14,7 @@ the text the tuples gave (``digest_text``: every line whole), so a table written
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 from collections.abc import Iterable, Sequence
@@ -187,20 +188,10 @@ def split_line(line: str) -> list[str]:
     return line.split("|")
 
 
-#: one tuple object per distinct tuple of shared chains (a handful in a table of any size): fragments share it
-_SHARED: dict[tuple[str, ...], tuple[str, ...]] = {}
-_SHARED_MAX = 4096  # distinct tuples kept (chain names follow endpoint counts: a few hundred at most in practice)
-
-
+@functools.lru_cache(maxsize=4096)  # distinct tuples: chain names follow endpoint counts (a few hundred in practice)
 def canonical_shared(shared: tuple[str, ...]) -> tuple[str, ...]:
-    if not shared:
-        return ()
-    got = _SHARED.get(shared)
-    if got is None:
-        if len(_SHARED) >= _SHARED_MAX:
-            _SHARED.clear()
-        got = _SHARED[shared] = tuple(sys.intern(s) for s in shared)
-    return got
+    """One tuple object per distinct tuple of shared chains (a handful in a table of any size): fragments share it."""
+    return tuple(sys.intern(s) for s in shared)
 
 
 def digest_of(text: str, rest: Sequence[object]) -> str:
