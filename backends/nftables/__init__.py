@@ -1,7 +1,8 @@
 """The nftables mode: verdict maps in a table of kproxy's own, a number of chains that does not grow with services.
 
 Modules: ``layout`` (pure: the table's names, the fixed part, the shared chains named by endpoint count),
-``render`` (pure: ServicePorts -> fragments of map elements, fragment changes -> transactions), ``plan`` (the
+``render`` (pure: ServicePorts -> fragments of map elements; ``fragment``: the fragment as the ledger keeps it,
+its elements packed in one text, and its digest; ``transaction``: fragment changes -> transactions), ``plan`` (the
 transactions of one batch, and what the kernel holds after each), ``proxier`` (``NftablesProxier``: the ledger's
 protocol), ``kernel`` (libnftables in-process through the core's ``kproxy.nftkernel``: applying chunks, reading the
 table for ``verify``, the bench's floors), ``adopt`` (reading the table back cheaply), ``trace`` (the packet

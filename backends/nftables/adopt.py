@@ -54,7 +54,6 @@ from kproxy.toolkit.switching import switch_interval
 from . import counters as counters_mod
 from . import layout, render, setdump
 
-_ENTRY_MAPS = frozenset((layout.SERVICE_IPS, layout.SERVICE_NODEPORTS))
 log = logging.getLogger(__name__)
 Tags = tuple[str | None, ...]  # the comments of a chain's rules, in order (None: a rule without one)
 Raw = list[tuple[str, list[bytes]]]  # (set, the datagrams of its element dump) per set, unparsed
@@ -251,11 +250,10 @@ class Adopted:
         if self.trusting:  # the digest stands for the entries (a restart: see the module docstring)
             return True
         held, found = svc.entries, 0
-        for m, k, v in frag.elements:
-            if m in _ENTRY_MAPS:
-                if held.get((m, k)) != v:
-                    return False
-                found += 1
+        for m, k, v in frag.entries:
+            if held.get((m, k)) != v:
+                return False
+            found += 1
         return found == len(held)
 
 

@@ -47,7 +47,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kproxy.counters import CounterDump, Counts, Measure, PortCounters
@@ -56,7 +56,7 @@ from kproxy.nftkernel import Nft
 from kproxy.proxier import BackendError
 
 from . import layout, setdump
-from .render import Fragment, _digest
+from .fragment import Fragment
 
 #: What the mode counts (``Proxier.counters_offered``): connections, see the module's docstring.
 OFFERED: frozenset[Measure] = frozenset({Measure.CONNECTIONS})
@@ -84,10 +84,7 @@ def with_counters(frag: Fragment, sp: ServicePort) -> Fragment:
         for shard in (layout.counting_set(m, key),)
         for ep in eps
     ]
-    elements = (*frag.elements, *extra)
-    return replace(
-        frag, elements=elements, digest=_digest(elements, (frag.shared, frag.chains, frag.sets, frag.hairpin))
-    )
+    return frag.extended(extra)
 
 
 def entry_of(setname: str, key: str) -> tuple[str, str]:

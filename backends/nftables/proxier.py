@@ -291,9 +291,9 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         else:
             self._last_partial.pop(fam, None)
         known.known = True
-        self._last_text[fam] = "".join(out.texts)
+        text = self._last_text[fam] = "".join(out.texts)
         if batch.full and plan.scratch(batch).fresh:
-            self._last_full_text[fam] = "".join(out.texts)
+            self._last_full_text[fam] = text  # the same string: a full sync's text is the table's size
         figures["shared_chains"] = len(known.shared)
         self._counts[fam] = figures
         if fam == IPFamily.V4:

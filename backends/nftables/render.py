@@ -3,30 +3,30 @@
 Nothing here touches the kernel, so unit tests assert on exact elements and commands and the benchmark times
 Python's share apart from the kernel's. The layout and the reasons for it are in ``backends/nftables/__init__.py``.
 
-Shape of the output: every service port renders into one ``Fragment``: its elements in the shared maps (keyed by
-address . protocol . port, or protocol . port for NodePorts, entries carrying the service's comment), the names of the
-shared count-indexed chains it jumps to (``lb-i-3``), and, only for ClientIP affinity, chains and dynamic sets of its
-own. ``Transaction`` turns fragment changes into one transaction: element deletes and adds, per-service chains
-written or removed, shared chains created on first use. The fixed part of the table (base chains, maps, the
-masquerade helper) is ``layout.fixed_commands``; it does not depend on the node context, which lives in three small sets
-(``local-cidrs``, ``local-ifaces``, ``nodeport-cidrs``) rendered by ``context_elements``.
+Shape of the output: every service port renders into one ``Fragment`` (``fragment.py``: what the ledger keeps, its
+elements packed in one text): its elements in the shared maps (keyed by address . protocol . port, or protocol . port
+for NodePorts, entries carrying the service's comment), the names of the shared count-indexed chains it jumps to
+(``lb-i-3``), and, only for ClientIP affinity, chains and dynamic sets of its own. ``Transaction`` and
+``change_service`` (``transaction.py``, re-exported here) turn fragment changes into one transaction: element deletes
+and adds, per-service chains written or removed, shared chains created on first use. The fixed part of the table (base
+chains, maps, the masquerade helper) is ``layout.fixed_commands``; it does not depend on the node context, which lives
+in three small sets (``local-cidrs``, ``local-ifaces``, ``nodeport-cidrs``) rendered by ``context_elements``.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 
-from kproxy.model import Endpoint, IPFamily, ServicePort, ServicePortName
+from kproxy.model import Endpoint, IPFamily, ServicePort
 from kproxy.nodeaddr import FamilyContext
 from kproxy.toolkit.cidr import any_contains, collapsed
 from kproxy.toolkit.keys import service_key as service_key
 from kproxy.toolkit.nft import nft_family as nft_family
 
+from .fragment import Element, Fragment, canonical_shared, digest_of
 from .layout import (
     ADDR,
-    B32_PAIRS,
     BACKENDS,
     FAM,
     FIREWALL,
@@ -40,7 +40,6 @@ from .layout import (
     NODEPORT_SHORTCUT_BACKENDS,
     PROTOCOLS,
     REJECT_CHAIN,
-    SERVICE_DIGESTS,
     SERVICE_IPS,
     SERVICE_NODEPORTS,
     SERVICES,
@@ -53,7 +52,6 @@ from .layout import (
     is_service_chain,
     layout_chain,
     masq_rule,
-    rule_command,
     service_chain_id,
     shared_chain_needs,
     shared_chain_rules,
@@ -61,7 +59,8 @@ from .layout import (
     shortcut_rules,
     slot_map,
 )
-from .localhost import Listen, listen_for
+from .localhost import listen_for
+from .transaction import Transaction, change_service, element_keys
 
 #: what other modules and the tests read from here: the fragments and transactions, and the layout's names they
 #: spell
@@ -73,10 +72,12 @@ __all__ = [
     "MASQ_LABEL",
     "NODEPORT_CIDRS",
     "SERVICES",
+    "TABLE",
     "Element",
     "Fragment",
     "Transaction",
     "change_service",
+    "comment_key",
     "context_elements",
     "element_keys",
     "fixed_chain_rules",
@@ -86,61 +87,6 @@ __all__ = [
     "render_service",
     "service_key",
 ]
-
-Element = tuple[str, str, str]  # (map or set, key, value; "" for a set)
-
-# ----------------------------------------------------------------------------------------------- fragments
-
-
-@dataclass(frozen=True, slots=True)
-class Fragment:
-    """One service port's share of the table in one family (compared with ==; ``digest`` is written into the comment
-    of its element in ``service-digests``, keyed by its ClusterIP entry, so adoption compares services by reading
-    small sets and maps only; its ``service-ips`` / ``service-nodeports`` entries carry the service's name).
-
-    ``elements``: its elements in the shared maps; ``shared``: the shared chains it jumps to; ``chains``/``sets``:
-    chains and dynamic sets of its own (ClientIP affinity only); ``hairpin``: ``ep . ep`` elements of its local
-    endpoints (shared by every service, never removed by a partial sync: a DNATed packet whose source is its
-    destination always needs masquerading, whichever service it came through).
-    """
-
-    key: str
-    elements: tuple[Element, ...]
-    shared: tuple[str, ...] = ()
-    chains: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    sets: tuple[tuple[str, str], ...] = ()
-    hairpin: tuple[str, ...] = ()
-    digest: str = ""
-    #: its localhost NodePort's listener on 127.0.0.1 (``localhost``: the relay, not the table; not in the digest)
-    localhost: Listen | None = None
-
-    @property
-    def comment(self) -> str:
-        return comment_key(self.key)
-
-    @property
-    def digest_comment(self) -> str:
-        return f"{comment_key(self.key)} #{self.digest}"
-
-    @property
-    def digest_key(self) -> str:
-        """The key of its ``service-digests`` element: its ClusterIP entry's (always its first element)."""
-        return self.elements[0][1]
-
-    @property
-    def entries(self) -> tuple[Element, ...]:
-        """Its ``service-ips`` and ``service-nodeports`` elements (the user-visible keys)."""
-        return tuple(e for e in self.elements if e[0] in (SERVICE_IPS, SERVICE_NODEPORTS))
-
-
-def _digest(elements: Sequence[Element], rest: Sequence[object]) -> str:
-    """A stable digest (not ``hash()``) of a fragment's content, 50 bits in base32, lowest 5 first; few C calls."""
-    text = "\n".join(map("|".join, elements))
-    if any(rest):
-        text += repr(rest)
-    n = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-    p = B32_PAIRS
-    return p[n & 1023] + p[(n >> 10) & 1023] + p[(n >> 20) & 1023] + p[(n >> 30) & 1023] + p[(n >> 40) & 1023]
 
 
 def _ep(ep: Endpoint) -> str:
@@ -332,15 +278,7 @@ class _General:
         # dict order kept: elements are written in this order
         elements = tuple(dict.fromkeys(self.elements))
         shared, chains, sets, hairpin = tuple(self.shared), tuple(self.chains), tuple(self.sets), tuple(self.hairpin)
-        return Fragment(
-            key=service_key(self.sp.name),
-            elements=elements,
-            shared=shared,
-            chains=chains,
-            sets=sets,
-            hairpin=hairpin,
-            digest=_digest(elements, (shared, chains, sets, hairpin)),
-        )
+        return Fragment.of(service_key(self.sp.name), elements, shared, chains, sets, hairpin)
 
 
 def _render_cluster_ip_only(sp: ServicePort, ctx: FamilyContext) -> Fragment:
@@ -354,24 +292,27 @@ def _render_cluster_ip_only(sp: ServicePort, ctx: FamilyContext) -> Fragment:
     if eps:
         masq = "a" if ctx.masquerade_all else ("n" if not ctx.local.implemented else "i")
         chain = f"lb-{masq}-{len(eps)}"
-        slots = _SLOT_NAMES[proto]
-        elements = [(SERVICE_IPS, key, "goto " + chain)]
-        elements += [(slots, f"{key} . {i}", f"{ep.ip} . {ep.port}") for i, ep in enumerate(eps)]
-        shared = (chain,)
+        # ``pack``'s text: a slot's line "backends-tcp|<entry key> . 0|<endpoint>" is "backends-tcp|~0|<endpoint>";
+        # the digest's input, every line whole, made from it in one C call (``unpack``)
+        slots = f"\n{_SLOT_NAMES[proto]}|~"
+        text = f"{SERVICE_IPS}|{key}|goto {chain}{slots}" + slots.join(
+            [f"{i}|{ep.ip} . {ep.port}" for i, ep in enumerate(eps)]
+        )
+        whole = text.replace("|~", f"|{key} . ")
+        shared = canonical_shared((chain,))
         local = [f"{ep.ip} . {ep.ip}" for ep in eps if ep.is_local or ep.node_name is None]
         if local:
             hairpin = tuple(dict.fromkeys(local))
     elif sp.has_any_endpoints or sp.cluster_endpoints or sp.local_endpoints:
-        elements = [(SERVICE_IPS, key, "drop")]
+        text = whole = f"{SERVICE_IPS}|{key}|drop"
     else:
-        elements = [(SERVICE_IPS, key, f"goto {REJECT_CHAIN}")]
-    elements_t = tuple(elements)
+        text = whole = f"{SERVICE_IPS}|{key}|goto {REJECT_CHAIN}"
     return Fragment(
-        key=service_key(sp.name),
-        elements=elements_t,
-        shared=shared,
-        hairpin=hairpin,
-        digest=_digest(elements_t, (shared, (), (), hairpin)),
+        service_key(sp.name),
+        text,
+        shared,
+        hairpin_text="\n".join(hairpin),
+        digest=digest_of(whole, (shared, (), (), hairpin)),
     )
 
 
@@ -395,205 +336,3 @@ def _fill_external(
             elements.append((primary, f"{key} . {i}", _ep(ep)))
         for i, ep in enumerate(sp.cluster_endpoints):
             elements.append((shortcut, f"{key} . {i}", _ep(ep)))
-
-
-# ----------------------------------------------------------------------------------------------- transactions
-
-
-@dataclass(slots=True)
-class Transaction:
-    """One atomic ``nft`` transaction for one family, built in order: declarations, chain contents, element
-    deletes, element adds, removals. Elements are grouped into one ``add element`` / ``delete element`` command per
-    map with one element per line (thousands of small commands cost libnftables far more than one long one), and
-    every line that belongs to one service is recorded as its, so a refused element (libnftables names its line)
-    names the service to leave out."""
-
-    family: IPFamily
-    head: list[str] = field(default_factory=list)  # table, maps, fixed chains, context sets
-    declare: list[tuple[str, ServicePortName | None]] = field(default_factory=list)  # chains and sets to create
-    fill: list[tuple[str, ServicePortName | None]] = field(default_factory=list)  # chain rules
-    deletes: dict[str, list[tuple[str, ServicePortName | None]]] = field(default_factory=dict)  # map -> keys
-    adds: dict[str, list[tuple[str, ServicePortName | None]]] = field(default_factory=dict)  # map -> elements
-    tail: list[tuple[str, ServicePortName | None]] = field(default_factory=list)  # chain and set removals
-    elements_added: int = 0
-    elements_deleted: int = 0
-
-    @property
-    def fam(self) -> str:
-        return FAM[self.family]
-
-    def _grouped(
-        self, verb: str, groups: dict[str, list[tuple[str, ServicePortName | None]]]
-    ) -> list[tuple[str, ServicePortName | None]]:
-        out: list[tuple[str, ServicePortName | None]] = []
-        for m, items in groups.items():
-            if not items:
-                continue
-            out.append((f"{verb} element {self.fam} {TABLE} {m} {{", None))
-            last = len(items) - 1
-            out.extend((text if i == last else text + ",", owner) for i, (text, owner) in enumerate(items))
-            out.append(("}", None))
-        return out
-
-    def lines(self) -> list[tuple[str, ServicePortName | None]]:
-        return (
-            [(h, None) for h in self.head]
-            + self.declare
-            + self.fill
-            + self._grouped("delete", self.deletes)
-            + self._grouped("add", self.adds)
-            + self.tail
-        )
-
-    def text(self) -> str:
-        return "".join(line + "\n" for line, _ in self.lines())
-
-    def owner_of(self, lineno: int) -> ServicePortName | None:
-        """The service owning 1-based line ``lineno`` of ``text()``."""
-        lines = self.lines()
-        return lines[lineno - 1][1] if 0 < lineno <= len(lines) else None
-
-    def empty(self) -> bool:
-        return not (self.head or self.declare or self.fill or self.deletes or self.adds or self.tail)
-
-    # -- building blocks
-
-    def add_elements(self, elements: Iterable[Element], comment: str | None, owner: ServicePortName | None) -> None:
-        c = f' comment "{comment}"' if comment else ""
-        for m, k, v in elements:
-            self.adds.setdefault(m, []).append((f"{k}{c} : {v}" if v else f"{k}{c}", owner))
-            self.elements_added += 1
-
-    def delete_keys(self, keys: Iterable[tuple[str, str]], owner: ServicePortName | None) -> None:
-        for m, k in keys:
-            self.deletes.setdefault(m, []).append((k, owner))
-            self.elements_deleted += 1
-
-    def add_shared_chain(self, name: str, *, exists: bool = False) -> None:
-        """Declare and fill a shared chain; ``exists``: the kernel holds it with other rules (edited by hand), which
-        are flushed first."""
-        fam = self.fam
-        self.declare.append((f"add chain {fam} {TABLE} {name}", None))
-        if exists:
-            self.fill.append((f"flush chain {fam} {TABLE} {name}", None))
-        self.fill.extend((rule_command(fam, name, r), None) for r in shared_chain_rules(name, self.family))
-
-    def delete_chain(self, name: str, owner: ServicePortName | None) -> None:
-        fam = self.fam
-        self.tail.append((f"delete chain {fam} {TABLE} {name}", owner))
-
-    def write_chain(self, name: str, rules: Sequence[str], owner: ServicePortName | None, *, exists: bool) -> None:
-        fam = self.fam
-        self.declare.append((f"add chain {fam} {TABLE} {name}", owner))
-        if exists:
-            self.fill.append((f"flush chain {fam} {TABLE} {name}", owner))
-        self.fill.extend((rule_command(fam, name, r), owner) for r in rules)
-
-    def flush_chain(self, name: str, owner: ServicePortName | None) -> None:
-        """Emptied before anything is deleted (a removed service's chains jump to each other)."""
-        self.declare.append((f"flush chain {self.fam} {TABLE} {name}", owner))
-
-    def add_set(self, name: str, spec: str, owner: ServicePortName | None) -> None:
-        self.declare.insert(0, (f"add set {self.fam} {TABLE} {name} {{ {spec} }}", owner))
-
-    def delete_set(self, name: str, owner: ServicePortName | None) -> None:
-        self.tail.append((f"delete set {self.fam} {TABLE} {name}", owner))
-
-
-def element_keys(frag: Fragment) -> dict[tuple[str, str], str]:
-    """(map, key) -> value of a fragment's elements."""
-    return {(m, k): v for m, k, v in frag.elements}
-
-
-def change_service(
-    tx: Transaction,
-    spn: ServicePortName | None,
-    old: Fragment | None,
-    new: Fragment | None,
-    *,
-    old_keys: Mapping[tuple[str, str], str | None] | None = None,
-    old_chains: Iterable[str] = (),
-    old_sets: Iterable[str] = (),
-) -> None:
-    """Add to ``tx`` what turns ``old`` into ``new`` for one service (None: absent). ``old_keys`` (values None when
-    unknown) / ``old_chains`` / ``old_sets`` stand for ``old`` when only the kernel's skeleton of it is known (adopted
-    after a restart): every element whose value is unknown is deleted and written again. An entry whose verdict is
-    unchanged is left alone (adding a verdict-map element makes the kernel validate every element of the table's
-    verdict maps at commit); the digest element changes with the digest."""
-    if old is None and not old_keys and not old_chains and not old_sets:
-        if new is not None:  # the common case of a full sync into an empty table: no diff to make
-            kinds = (SERVICE_IPS, SERVICE_NODEPORTS)
-            tx.add_elements((e for e in new.elements if e[0] not in kinds and e[0] != FIREWALL), None, spn)
-            tx.add_elements((e for e in new.elements if e[0] == FIREWALL), new.comment, spn)
-            tx.add_elements((e for e in new.elements if e[0] in kinds), new.comment, spn)
-            tx.add_elements(((SERVICE_DIGESTS, new.digest_key, ""),), new.digest_comment, spn)
-            for name, spec in new.sets:
-                tx.add_set(name, spec, spn)
-            for name, rules in new.chains:
-                tx.write_chain(name, rules, spn, exists=False)
-        return
-    _change_elements(tx, spn, old, new, old_keys)
-    _change_chains(tx, spn, old, new, old_chains, old_sets)
-
-
-def _change_elements(
-    tx: Transaction,
-    spn: ServicePortName | None,
-    old: Fragment | None,
-    new: Fragment | None,
-    old_keys: Mapping[tuple[str, str], str | None] | None,
-) -> None:
-    skeleton = old_keys or {}
-    before: Mapping[tuple[str, str], str | None] = (
-        element_keys(old) if old is not None else {k: v for k, v in skeleton.items() if k[0] != SERVICE_DIGESTS}
-    )
-    after = element_keys(new) if new is not None else {}
-    old_digest = old.digest_key if old is not None else next((k for m, k in skeleton if m == SERVICE_DIGESTS), None)
-    digest_changed = old is None or new is None or old.digest != new.digest or old.digest_key != new.digest_key
-    dels = [mk for mk, v in before.items() if (nv := after.get(mk)) is None or nv != v]
-    if old_digest is not None and digest_changed:
-        dels.append((SERVICE_DIGESTS, old_digest))
-    if dels:
-        tx.delete_keys(dels, spn)
-    if new is None:
-        return
-    adds = [(mk[0], mk[1], v) for mk, v in after.items() if mk not in before or before[mk] != v]
-    entries = [e for e in adds if e[0] in (SERVICE_IPS, SERVICE_NODEPORTS)]
-    others = [e for e in adds if e[0] not in (SERVICE_IPS, SERVICE_NODEPORTS)]
-    if others:
-        # slots carry no comment (their key starts with their entry's, which names the service)
-        tx.add_elements((e for e in others if e[0] != FIREWALL), None, spn)
-        tx.add_elements((e for e in others if e[0] == FIREWALL), new.comment, spn)
-    if entries:
-        tx.add_elements(entries, new.comment, spn)
-    if digest_changed:
-        tx.add_elements(((SERVICE_DIGESTS, new.digest_key, ""),), new.digest_comment, spn)
-
-
-def _change_chains(
-    tx: Transaction,
-    spn: ServicePortName | None,
-    old: Fragment | None,
-    new: Fragment | None,
-    old_chains: Iterable[str],
-    old_sets: Iterable[str],
-) -> None:
-    """Per-service chains and sets (ClientIP affinity)."""
-    old_chain_rules = dict(old.chains) if old is not None else {c: None for c in old_chains}
-    new_chain_rules = dict(new.chains) if new is not None else {}
-    old_set_specs = dict(old.sets) if old is not None else {s: None for s in old_sets}
-    new_set_specs = dict(new.sets) if new is not None else {}
-    for name, spec in new_set_specs.items():
-        if name not in old_set_specs:  # the timeout is part of the name: a set never changes in place
-            tx.add_set(name, spec, spn)
-    for name, rules in new_chain_rules.items():
-        if old_chain_rules.get(name) != rules:
-            tx.write_chain(name, rules, spn, exists=name in old_chain_rules)
-    gone_chains = [c for c in old_chain_rules if c not in new_chain_rules]
-    for name in gone_chains:
-        tx.flush_chain(name, spn)
-    for name in gone_chains:
-        tx.delete_chain(name, spn)
-    for name in old_set_specs:
-        if name not in new_set_specs:
-            tx.delete_set(name, spn)

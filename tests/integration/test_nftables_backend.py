@@ -383,7 +383,7 @@ def test_a_refusal_in_a_later_chunk_keeps_what_earlier_chunks_committed(
         if s.name != bad:
             return frag
         els = tuple((m, k, "goto no-such-chain" if m == render.SERVICE_IPS else v) for m, k, v in frag.elements)
-        return render.Fragment(frag.key, els, frag.shared, frag.chains, frag.sets, frag.hairpin, frag.digest)
+        return render.Fragment.of(frag.key, els, frag.shared, frag.chains, frag.sets, frag.hairpin, frag.digest)
 
     monkeypatch.setattr(p, "render", render_)
     try:
