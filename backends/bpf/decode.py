@@ -21,7 +21,6 @@ view, one write per slot at a random place.
 from __future__ import annotations
 
 import array
-import contextlib
 import dataclasses
 import random
 import struct
@@ -35,7 +34,7 @@ from typing import Any, TypeVar
 from kproxy.model import IPFamily
 
 from . import maps
-from .index import FamilyIndex, FrontState, View
+from .index import Backends, FamilyIndex, FrontState, View
 from .maps import Master
 
 _T = TypeVar("_T")
@@ -244,11 +243,9 @@ def _states(masters: list[Master], slots: list[tuple[int, ...]]) -> list[FrontSt
 PairsById = list[tuple[str, int]] | dict[int, tuple[str, int]]
 
 
-def _backends(
-    family: IPFamily, be_raw: tuple[bytes, bytes]
-) -> tuple[dict[int, tuple[str, int, int]], PairsById] | None:
-    """The backend map (id -> (address, port, protocol), all-zero values skipped) and each id's (address, port);
-    None for lengths that do not fit. Each distinct value is decoded once and its tuples shared."""
+def _backends(family: IPFamily, be_raw: tuple[bytes, bytes]) -> tuple[Backends, PairsById] | None:
+    """The backend table (all-zero values no backend) and each id's (address, port); None for lengths that do not
+    fit, or an id twice. Each distinct value is decoded once and its tuples shared."""
     keys, values = be_raw
     vs = _BE_SIZE[family]
     al = _ADDR_SIZE[family]
@@ -261,6 +258,9 @@ def _backends(
         n = used
         keys, values = keys[: 4 * n], values[: vs * n]
     ids: Sequence[int] = _u32(keys)
+    dense = keys == _iota(n)  # an array map read from index 0: ids in order, the values are the table as they come
+    if not dense and len(set(ids)) != n:
+        return None  # an id twice (no map reads so): the general path keeps render's order of events
     # each distinct value gets the next ordinal: setdefault's default is the dict's size when it is called
     first: dict[Any, int] = {}
     if family == IPFamily.V4:
@@ -273,34 +273,26 @@ def _backends(
         zero_key = bytes(vs)
     texts = _texts(family, _firsts(distinct, al, vs))
     ports = _u16(distinct[al + 1 :: vs], distinct[al::vs])
-    triples: list[Any] = list(zip(texts, ports, distinct[al + 2 :: vs], strict=True))
     pairs: list[Any] = list(zip(texts, ports, strict=True))
     zero_ord = first.get(zero_key)
     if zero_ord is not None:
-        pairs[zero_ord] = _UNKNOWN  # all zero bytes: an array map's "no backend" (taken out of the dict below)
-    backends = dict(zip(ids, map(triples.__getitem__, ords), strict=True))
-    if len(backends) != n:
-        return None  # an id twice (no map reads so): the general path keeps render's order of events
+        pairs[zero_ord] = _UNKNOWN  # all zero bytes: an array map's "no backend"
+    if dense:
+        backends = Backends.from_array(family, values)
+    else:
+        backends = Backends(family)
+        for bid, v in zip(ids, _chunks(values, vs, vs), strict=True):
+            if any(v):
+                backends.put_raw(bid, v)
     top = max(ids, default=-1)
     by_id: PairsById
-    if top == n - 1 and keys == _iota(n):  # an array map read from index 0: ids in order, the list as it comes
+    if dense:
         by_id = list(map(pairs.__getitem__, ords))
     elif top < 2 * n + 1024:
         by_id = [_UNKNOWN] * (top + 1)
         deque(map(by_id.__setitem__, ids, map(pairs.__getitem__, ords)), maxlen=0)
     else:
         by_id = dict(zip(ids, map(pairs.__getitem__, ords), strict=True))
-    if zero_ord is not None:  # deleted, the others keep their order
-        if ords.count(zero_ord) > 16:
-            zeros: list[int] = list(compress(ids, map(zero_ord.__eq__, ords)))
-        else:  # usually id 0 alone (ids start at 1): found by a C-level scan, not a pass per entry
-            zeros, at = [], -1
-            with contextlib.suppress(ValueError):
-                while True:
-                    at = ords.index(zero_ord, at + 1)
-                    zeros.append(ids[at])
-        for bid in zeros:
-            backends.pop(bid, None)
     return backends, by_id
 
 
@@ -362,7 +354,7 @@ def fast_index(
     _fill_by_rev(index.by_rev, revs, fkeys)
     index.entries = n
     index.next_rev = max(max(revs, default=0), max(rev_names, default=0)) + 1
-    index.next_backend = max(backends, default=0) + 1
+    index.next_backend = backends.top() + 1
     return index, view
 
 
@@ -472,10 +464,9 @@ def general_index(
     for bid, (value,) in zip(be_ids, _BE_WHOLE[family].iter_unpack(be_raw[1]), strict=True):
         if value == zero:
             continue  # an array map's entry of no backend
-        a, p, proto = be_dec.unpack(value)
-        t = text(a)
-        backends[bid] = (t, p, proto)
-        be_ap[bid] = (t, p)
+        a, p, _proto = be_dec.unpack(value)
+        backends.put_raw(bid, value)
+        be_ap[bid] = (text(a), p)
     key_fmt = _RAW_KEY4 if v4 else _RAW_KEY6
     raw_masters: dict[tuple[bytes, int], Master] = {}
     raw_slots: dict[tuple[bytes, int], dict[int, int]] = {}
@@ -511,5 +502,5 @@ def general_index(
     index.entries = sum(1 + len(st.slots) for st in fronts.values())
     revs = {st.master.rev_nat_id for st in fronts.values()} | set(index.rev_names)
     index.next_rev = max(revs, default=0) + 1
-    index.next_backend = max(backends, default=0) + 1
+    index.next_backend = backends.top() + 1
     return index, view

@@ -6,11 +6,14 @@ never reads the maps. A module of its own so that the planner and the decoder sh
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass, field
+from itertools import compress
+from typing import Any
 
 from kproxy.model import IPFamily, ServicePortName
 
-from .maps import Master
+from .maps import LB4_BACKEND, LB6_BACKEND, Master, addr_bytes, addr_text
 
 #: the highest backend and reverse-NAT id (32 bits in the maps; 0 is "none")
 MAX_ID = 0xFFFFFFFF - 1
@@ -19,6 +22,157 @@ MAX_ID = 0xFFFFFFFF - 1
 #: compare (``adopt.same_backends``: slot order is the fragment's until endpoints change, so most comparisons sort
 #: nothing)
 View = dict[tuple[str, int, int], tuple[int, int, tuple[tuple[str, int], ...], int]]
+
+
+class Backends(MutableMapping[int, tuple[str, int, int]]):
+    """Backend id -> (address, port, protocol), held as the backend array holds it: each id's map value (address,
+    port in network order, protocol, flags; 8 bytes for IPv4, 20 for IPv6) at ``id * size`` of one ``bytearray``, an
+    all-zero value meaning no backend. Why not a dict of tuples: at 100,000 services x 10 endpoints that dict held
+    ~1.4 KB per service port (an int key, a tuple and a port int per backend, the dict's slots); this holds 80 bytes,
+    a plan writes a new service's values with one slice assignment (the blob it hands the kernel) and adoption takes
+    the array's read as it comes. Ids are dense from 1 (the allocators hand out the lowest free ones), so the buffer
+    is about as long as the backends held. Reading an entry as a tuple decodes it; the planner compares the raw
+    bytes (``raw``, ``endpoint``)."""
+
+    __slots__ = ("_buf", "_size", "_alen", "_count")
+
+    def __init__(self, family: IPFamily, items: Iterable[tuple[int, tuple[str, int, int]]] = ()) -> None:
+        v4 = family == IPFamily.V4
+        self._size = (LB4_BACKEND if v4 else LB6_BACKEND).size
+        self._alen = 4 if v4 else 16
+        self._buf = bytearray()
+        self._count = 0
+        for bid, be in items:
+            self[bid] = be
+
+    @property
+    def size(self) -> int:
+        """Bytes of one value."""
+        return self._size
+
+    def _zero(self, off: int) -> bool:
+        buf = self._buf
+        return not any(buf[off : off + self._size])
+
+    def raw(self, bid: int) -> bytes | None:
+        """The map value of ``bid`` (None: no backend)."""
+        off = bid * self._size
+        if bid < 0 or off >= len(self._buf):
+            return None
+        v = bytes(self._buf[off : off + self._size])
+        return v if any(v) else None
+
+    def endpoint(self, bid: int) -> bytes | None:
+        """The address and port bytes of ``bid``'s value (what tells two backends of one service apart)."""
+        v = self.raw(bid)
+        return None if v is None else v[: self._alen + 2]
+
+    def put_raw(self, bid: int, value: bytes) -> None:
+        """Hold ``value`` (a map value, not all zero) for ``bid``."""
+        if bid < 0 or len(value) != self._size or not any(value):
+            raise ValueError(f"backend {bid}: {len(value)}-byte value {value.hex()} is not a backend's")
+        off = bid * self._size
+        buf = self._buf
+        if off >= len(buf):
+            buf.extend(bytes(off + self._size - len(buf)))
+        elif not self._zero(off):
+            self._count -= 1
+        buf[off : off + self._size] = value
+        self._count += 1
+
+    def put_run(self, first: int, values: bytes) -> None:
+        """Hold the values laid end to end in ``values`` for ids ``first``, ``first + 1`` ... (a new service's
+        backends: one slice assignment). Every value must be a backend's (not all zero)."""
+        size = self._size
+        n, rest = divmod(len(values), size)
+        if first < 0 or rest:
+            raise ValueError(f"{len(values)} bytes from id {first} are not whole {size}-byte values")
+        off, end = first * size, (first + n) * size
+        buf = self._buf
+        if end > len(buf):
+            buf.extend(bytes(end - len(buf)))
+        held = self._rows(buf[off:end])
+        new = self._rows(values)
+        if len(new) != n:
+            raise ValueError(f"an all-zero value among the {n} from id {first}")
+        buf[off:end] = values
+        self._count += n - len(held)
+
+    def _rows(self, blob: bytes | bytearray) -> list[int]:
+        """The row numbers of the values in ``blob`` that are not all zero (C-level: one OR of the byte columns)."""
+        size = self._size
+        n = len(blob) // size
+        if not n:
+            return []
+        acc = 0
+        for i in range(size):
+            acc |= int.from_bytes(blob[i::size], "little")
+        return list(compress(range(n), acc.to_bytes(n, "little")))
+
+    @classmethod
+    def from_array(cls, family: IPFamily, values: bytes) -> Backends:
+        """The table of a backend array read from index 0 (values laid end to end, all-zero ones no backend)."""
+        out = cls(family)
+        if len(values) % out._size:
+            raise ValueError(f"{len(values)} bytes are not whole {out._size}-byte values")
+        out._buf = bytearray(values)
+        out._count = len(out._rows(values))
+        return out
+
+    def ids(self) -> set[int]:
+        return set(self._rows(self._buf))
+
+    def top(self) -> int:
+        """The highest id held (0: none)."""
+        used = len(self._buf.rstrip(b"\0"))
+        return (used - 1) // self._size if used else 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, bid: object) -> bool:
+        return isinstance(bid, int) and self.raw(bid) is not None
+
+    def __getitem__(self, bid: int) -> tuple[str, int, int]:
+        v = self.raw(bid) if isinstance(bid, int) else None
+        if v is None:
+            raise KeyError(bid)
+        al = self._alen
+        return addr_text(v[:al]), int.from_bytes(v[al : al + 2], "big"), v[al + 2]
+
+    def get(self, bid: int, default: Any = None) -> Any:
+        try:
+            return self[bid]
+        except KeyError:
+            return default
+
+    def __setitem__(self, bid: int, be: tuple[str, int, int]) -> None:
+        a, port, proto = be
+        self.put_raw(bid, addr_bytes(a) + port.to_bytes(2, "big") + bytes((proto, 0)))
+
+    def __delitem__(self, bid: int) -> None:
+        if bid not in self:
+            raise KeyError(bid)
+        off = bid * self._size
+        self._buf[off : off + self._size] = bytes(self._size)
+        self._count -= 1
+
+    def discard(self, bid: int) -> None:
+        if bid in self:
+            del self[bid]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._rows(self._buf))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Backends):
+            return self._size == other._size and self._buf.rstrip(b"\0") == other._buf.rstrip(b"\0")
+        return super().__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Backends({dict(self.items())!r})"
 
 
 @dataclass(slots=True)
@@ -37,7 +191,7 @@ class FamilyIndex:
 
     family: IPFamily
     fronts: dict[tuple[str, int, int], FrontState] = field(default_factory=dict)
-    backends: dict[int, tuple[str, int, int]] = field(default_factory=dict)
+    backends: Backends = field(init=False)
     rev_ids: dict[ServicePortName, int] = field(default_factory=dict)
     rev_names: dict[int, str] = field(default_factory=dict)  # the names map: rev_nat_id -> "ns/name:port/PROTO"
     owned: dict[ServicePortName, set[tuple[str, int, int]]] = field(default_factory=dict)  # owner -> its frontends
@@ -52,6 +206,9 @@ class FamilyIndex:
     shared_revs: bool = False
 
     entries: int = 0  # service-map entries the fronts stand for, kept as they change (read on every apply)
+
+    def __post_init__(self) -> None:
+        self.backends = Backends(self.family)
 
     @property
     def svc_entries(self) -> int:

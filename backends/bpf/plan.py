@@ -232,12 +232,13 @@ def plan_service(
     keep = set(keep_fronts) if keep_fronts else ()
     fronts = index.fronts
     owned = {k: fronts[k] for k in mine if k in fronts} if mine else {}
-    old_ids: dict[tuple[str, int], int] = {}
+    old_ids: dict[bytes, int] = {}  # address . port bytes -> backend id
+    endpoint = index.backends.endpoint
     for st in owned.values():
         for bid in st.slots:
-            be = index.backends.get(bid)
-            if be is not None:
-                old_ids.setdefault((be[0], be[1]), bid)
+            ep = endpoint(bid)
+            if ep is not None:
+                old_ids.setdefault(ep, bid)
     if new is None:
         _plan_removal(index, name, owned, old_ids, keep, plan)
         return
@@ -257,7 +258,7 @@ def _free_backends(index: FamilyIndex, bids: Iterable[int], plan: Plan) -> None:
     """Plan the removal of backends no slot of their service names any more (their ids freed with the plan)."""
     for bid in bids:
         plan.be_del.append(_ID.pack(bid))
-        index.backends.pop(bid, None)
+        index.backends.discard(bid)
         plan.freed_backends.append(bid)
 
 
@@ -265,7 +266,7 @@ def _plan_removal(
     index: FamilyIndex,
     name: ServicePortName,
     owned: Mapping[tuple[str, int, int], FrontState],
-    old_ids: Mapping[tuple[str, int], int],
+    old_ids: Mapping[bytes, int],
     keep: Iterable[tuple[str, int, int]],
     plan: Plan,
 ) -> None:
@@ -282,11 +283,11 @@ def _plan_removal(
 
 
 def _backend_ids(
-    index: FamilyIndex, new: Fragment, old_ids: Mapping[tuple[str, int], int], plan: Plan
+    index: FamilyIndex, new: Fragment, old_ids: Mapping[bytes, int], plan: Plan
 ) -> dict[tuple[str, int], int]:
     """Each backend of ``new`` with its id: the one it had in this service, else a freed or fresh one (its backend
     entry planned)."""
-    backends = index.backends
+    put_raw = index.backends.put_raw
     be_put = plan.be_put
     free = index.free_backends
     nb = index.next_backend
@@ -298,16 +299,17 @@ def _backend_ids(
         for b in f.backends:
             if b in ids:
                 continue
-            known = old_ids.get(b) if old_ids else None
+            ep = _addr(b[0]) + port_bytes[b[1]]
+            known = old_ids.get(ep) if old_ids else None
             if known is None:
                 if free:
                     known = free.pop()
                 else:
                     known = nb
                     nb += 1
-                a = b[0]
-                backends[known] = (a, b[1], f.proto)
-                be_put[pack_id(known)] = _addr(a) + port_bytes[b[1]] + tail2
+                value = ep + tail2
+                put_raw(known, value)
+                be_put[pack_id(known)] = value
             ids[b] = known
     index.next_backend = nb
     return ids
@@ -388,7 +390,6 @@ def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan
     head = _addr(f.address) + port_bytes[f.port]
     tails = _key_tails(proto, n)
     if n:
-        index.backends.update(zip(bids, [(a, p, proto) for a, p in bes], strict=True))
         tail2 = bytes((proto, 0))
         be = plan.bulk_be
         ids = _ids_packer(n, "I")
@@ -396,10 +397,12 @@ def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan
         ips, ports = zip(*bes, strict=True)
         if ports.count(ports[0]) == n:  # one target port (the usual case): address . (port . proto . flags) ...
             sep = port_bytes[ports[0]] + tail2
-            be.values.append(sep.join([_addr(a) for a in ips]) + sep)
+            values = sep.join(map(_addr, ips)) + sep
         else:
-            be.values.append(b"".join([(_addr(a)) + port_bytes[p] + tail2 for a, p in bes]))
+            values = b"".join([(_addr(a)) + port_bytes[p] + tail2 for a, p in bes])
+        be.values.append(values)
         be.count += n
+        index.backends.put_run(nb, values)  # the table holds what the array will
         sl = plan.bulk_slot
         sl.keys.append(head + head.join(tails[1 : n + 1]))
         vals = _ids_packer(n, "I12x")
@@ -435,7 +438,7 @@ def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: 
     for k in doomed:
         remove_front(plan, index, k, fronts[k])
     used: set[int] = set().union(*[st.slots for st in fronts.values()])
-    for bid in sorted(index.backends.keys() - used):
+    for bid in sorted(index.backends.ids() - used):
         plan.be_del.append(_ID.pack(bid))
         del index.backends[bid]
     live_revs = {st.master.rev_nat_id for st in fronts.values()}
@@ -448,9 +451,9 @@ def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: 
         plan.name_del.append(maps.name_key(rev))
         del index.rev_names[rev]
     index.free_revs.clear()
-    index.next_backend = max(index.backends, default=0) + 1
+    index.next_backend = index.backends.top() + 1
     if index.next_backend - 1 > len(index.backends):
-        holes = set(range(1, index.next_backend)) - index.backends.keys()
+        holes = set(range(1, index.next_backend)) - index.backends.ids()
         index.free_backends = sorted(holes, reverse=True)
     else:
         index.free_backends.clear()

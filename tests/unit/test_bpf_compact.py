@@ -1,0 +1,104 @@
+"""The bpf mode's index held compactly (``backends/bpf/index.py``): the backend table is the backend array's bytes
+(not a dict of tuples), it behaves as the dict it replaced under any sequence of writes, and a plan's backend values
+are exactly what the table holds. Memory is counted with ``kproxy.bench.memory.walk`` (what the sync bench's
+breakdown uses), not timed."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kproxy.backends.bpf import plan as planner
+from kproxy.backends.bpf.index import Backends, FamilyIndex
+from kproxy.backends.bpf.plan import Plan
+from kproxy.backends.bpf.render import Fragment, Frontend
+from kproxy.bench import memory
+from kproxy.model import IPFamily, Protocol, ServicePortName
+
+V4, V6 = IPFamily.V4, IPFamily.V6
+SERVICES, ENDPOINTS = 500, 10
+
+
+def _name(i: int) -> ServicePortName:
+    return ServicePortName("bench", f"s{i}", "http", Protocol.TCP)
+
+
+def _fragment(i: int) -> Fragment:
+    backends = tuple((f"10.{(i >> 8) & 255}.{i & 255}.{j + 1}", 8080) for j in range(ENDPOINTS))
+    return Fragment((Frontend(f"172.16.{(i >> 8) & 255}.{i & 255}", 80, 6, 0, 0, backends),))
+
+
+def _planned(n: int) -> tuple[FamilyIndex, Plan]:
+    index, plan = FamilyIndex(V4), Plan()
+    for i in range(1, n + 1):
+        planner.plan_service(index, _name(i), _fragment(i), plan)
+    planner.finish_plan(plan)
+    return index, plan
+
+
+def test_backend_table_costs_bytes_per_backend_not_objects() -> None:
+    """A first sync's backends held at about the array's 8 bytes each (the dict of tuples it replaced held ~140
+    bytes and three objects per backend: 1.4 KB per service port at 10 endpoints)."""
+    index, _ = _planned(SERVICES)
+    assert len(index.backends) == SERVICES * ENDPOINTS
+    got = memory.walk([memory.Owner("backends", [index.backends])])["backends"]
+    assert got["bytes"] / len(index.backends) <= 12, got
+    assert got["objects"] <= 8, got  # the table, its buffer and a few small ints: none per backend
+
+
+def test_table_bytes_are_the_planned_backend_array() -> None:
+    """What the plan writes to the backend array (id -> value) is, byte for byte, what the table holds at that id;
+    ids the plan did not write hold nothing."""
+    index, plan = _planned(50)
+    written = plan.written("be")
+    assert written
+    for key, value in written.items():
+        bid = int.from_bytes(key, "little")
+        assert index.backends.raw(bid) == value
+    assert sorted(index.backends) == sorted(int.from_bytes(k, "little") for k in written)
+    assert index.backends.raw(0) is None and index.backends.top() == max(index.backends)
+
+
+def _addr(family: IPFamily, n: int) -> str:
+    return str(ipaddress.IPv4Address(0x0A000001 + n) if family == V4 else ipaddress.IPv6Address((0xFD << 120) + n))
+
+
+_ops = st.lists(
+    st.tuples(st.sampled_from(("set", "del", "run")), st.integers(0, 40), st.integers(1, 65535), st.integers(0, 3)),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from((V4, V6)), _ops)
+def test_table_behaves_as_the_dict_it_replaced(family: IPFamily, ops: list[tuple[str, int, int, int]]) -> None:
+    """Any sequence of sets, deletes and runs of new ids: the same items (in id order), length, membership, highest
+    id and decoded tuples as a dict of (address, port, protocol)."""
+    table, model = Backends(family), {}
+    protos = (6, 17, 132, 6)
+    for op, bid, port, p in ops:
+        be = (_addr(family, bid * 7 + p), port, protos[p])
+        if op == "set":
+            table[bid] = be
+            model[bid] = be
+        elif op == "del":
+            assert (bid in table) == (bid in model)
+            table.discard(bid)
+            model.pop(bid, None)
+        else:
+            fresh = [b for b in range(bid, bid + p + 1) if b not in model]
+            if len(fresh) != p + 1:
+                continue  # a run is of new ids only (a plan's fresh ones)
+            scratch = Backends(family)
+            for b in fresh:
+                scratch[b] = (be[0], port, be[2])
+                model[b] = (be[0], port, be[2])
+            table.put_run(bid, b"".join(scratch.raw(b) or b"" for b in fresh))
+        assert len(table) == len(model)
+    assert list(table.items()) == sorted(model.items())
+    assert table == model and table == Backends(family, model.items())
+    assert table.top() == max(model, default=0)
+    assert table.ids() == set(model)
+    assert all(table.get(b) is None for b in range(45) if b not in model)
