@@ -82,21 +82,21 @@ class Backends(MutableMapping[int, tuple[str, int, int]]):
 
     def put_run(self, first: int, values: bytes) -> None:
         """Hold the values laid end to end in ``values`` for ids ``first``, ``first + 1`` ... (a new service's
-        backends: one slice assignment). Every value must be a backend's (not all zero)."""
+        backends: one slice assignment). Every value's protocol byte must be set (as every backend's is)."""
         size = self._size
         n, rest = divmod(len(values), size)
         if first < 0 or rest:
             raise ValueError(f"{len(values)} bytes from id {first} are not whole {size}-byte values")
+        if values[self._alen + 2 :: size].count(0):
+            raise ValueError(f"a value without a protocol among the {n} from id {first}")
         off, end = first * size, (first + n) * size
         buf = self._buf
+        old = buf[off:end]  # whole values (the buffer is), fewer past its end
+        held = len(self._rows(old)) if old.strip(b"\0") else 0  # fresh ids (a plan's): nothing to count
         if end > len(buf):
             buf.extend(bytes(end - len(buf)))
-        held = self._rows(buf[off:end])
-        new = self._rows(values)
-        if len(new) != n:
-            raise ValueError(f"an all-zero value among the {n} from id {first}")
         buf[off:end] = values
-        self._count += n - len(held)
+        self._count += n - held
 
     def _rows(self, blob: bytes | bytearray) -> list[int]:
         """The row numbers of the values in ``blob`` that are not all zero (C-level: one OR of the byte columns)."""

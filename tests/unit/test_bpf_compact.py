@@ -5,7 +5,9 @@ breakdown uses), not timed."""
 
 from __future__ import annotations
 
+import gc
 import ipaddress
+import tracemalloc
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -102,3 +104,23 @@ def test_table_behaves_as_the_dict_it_replaced(family: IPFamily, ops: list[tuple
     assert table.top() == max(model, default=0)
     assert table.ids() == set(model)
     assert all(table.get(b) is None for b in range(45) if b not in model)
+
+
+def test_planning_keeps_nothing_once_its_index_and_plan_are_gone() -> None:
+    """Planning holds nothing outside the index and the plan: no memo of the addresses it packed (a bounded cache
+    of a million addresses held 190 MB at 100,000 x 10, missing on every new backend)."""
+    fragments = [(_name(i), _fragment(i)) for i in range(1, 2001)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index, plan = FamilyIndex(V4), Plan()
+        for name, frag in fragments:
+            planner.plan_service(index, name, frag, plan)
+        planner.finish_plan(plan)
+        assert len(index.backends) == 2000 * ENDPOINTS
+        del index, plan
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 100_000, f"{kept} bytes kept after planning 20,000 backends"
