@@ -35,6 +35,7 @@ from kproxy.model import IPFamily
 
 from . import maps
 from .index import Backends, FamilyIndex, FrontState, View
+from .index import ids as slot_ids
 from .maps import Master
 
 _T = TypeVar("_T")
@@ -230,7 +231,7 @@ def _masters(counts: list[int], flags: list[int], affs: list[int], revs: list[in
     return _build(Master, len(counts), {f: cols[f] for f in _MASTER_FIELDS})
 
 
-def _states(masters: list[Master], slots: list[tuple[int, ...]]) -> list[FrontState]:
+def _states(masters: list[Master], slots: list[array.array[int]]) -> list[FrontState]:
     if not _BUILD:
         return list(map(FrontState, repeat(None), masters, slots))
     cols: dict[str, Any] = {"owner": repeat(None, len(masters)), "master": masters, "slots": slots}
@@ -372,7 +373,7 @@ def _addr_columns(family: IPFamily, keys: bytes, n: int) -> list[bytes]:
 
 def _slot_ids(
     front: array.array[int], slot_lo: bytes, masters: list[int], counts: list[int], ids: Sequence[int]
-) -> list[tuple[int, ...]] | None:
+) -> list[array.array[int]] | None:
     """Each master's backend ids of its slots 1..count, or None when the slot entries are not exactly those.
     ``front``: every entry's frontend as one integer (the slot left out); ``ids``: every entry's backend id."""
     n_masters = len(masters)
@@ -398,7 +399,7 @@ def _slot_ids(
     held_ids = list(map(placed.__getitem__, map(slice, starts, map(add, starts, counts))))
     if array.array("I", b"".join(held_ids)).count(_UNFILLED_ID):
         return None  # a place unwritten (or a backend id that spells it: the general path decides)
-    return list(map(tuple, held_ids))
+    return held_ids  # each an array of its own (a slice)
 
 
 def _fill_by_rev(
@@ -421,7 +422,7 @@ def _view(
     flags: list[int],
     affs: list[int],
     revs: list[int],
-    slot_ids: list[tuple[int, ...]],
+    slot_ids: list[array.array[int]],
     pair: Any,
 ) -> View:
     """frontend -> (flags, affinity, its backends' (address, port) in slot order, rev_nat_id)."""
@@ -495,10 +496,10 @@ def general_index(
         index.by_rev.setdefault(m.rev_nat_id, []).append(fk)
         if len(sl) > count:  # slots beyond the count (a half-finished shrink): kept so a rewrite deletes them
             ids += tuple(sl[s] for s in range(count + 1, max(sl) + 1) if s in sl)
-        fronts[fk] = FrontState(None, m, ids)
+        fronts[fk] = FrontState(None, m, slot_ids(ids))
     for fk, sl in slots.items():
         if fk not in masters:  # orphan slots without a master: owned by nobody, removed on the next full sync
-            fronts[fk] = FrontState(None, Master(0, 0, 0, 0), tuple(sl[s] for s in sorted(sl)))
+            fronts[fk] = FrontState(None, Master(0, 0, 0, 0), slot_ids(sl[s] for s in sorted(sl)))
     index.entries = sum(1 + len(st.slots) for st in fronts.values())
     revs = {st.master.rev_nat_id for st in fronts.values()} | set(index.rev_names)
     index.next_rev = max(revs, default=0) + 1

@@ -6,6 +6,7 @@ never reads the maps. A module of its own so that the planner and the decoder sh
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from itertools import compress
@@ -175,13 +176,19 @@ class Backends(MutableMapping[int, tuple[str, int, int]]):
         return f"Backends({dict(self.items())!r})"
 
 
+def ids(values: Iterable[int] = ()) -> array[int]:
+    """Backend ids as ``FrontState.slots`` holds them."""
+    return array("I", values)
+
+
 @dataclass(slots=True)
 class FrontState:
     """What the service map holds for one frontend (as written or adopted)."""
 
     owner: ServicePortName | None
     master: Master
-    slots: tuple[int, ...]  # backend ids of slots 1..count
+    #: backend ids of slots 1..count: 4 bytes each (a tuple of ints held 36 per id, 10 ints a service port)
+    slots: array[int]
 
 
 @dataclass
@@ -194,7 +201,8 @@ class FamilyIndex:
     backends: Backends = field(init=False)
     rev_ids: dict[ServicePortName, int] = field(default_factory=dict)
     rev_names: dict[int, str] = field(default_factory=dict)  # the names map: rev_nat_id -> "ns/name:port/PROTO"
-    owned: dict[ServicePortName, set[tuple[str, int, int]]] = field(default_factory=dict)  # owner -> its frontends
+    #: owner -> its frontends (a tuple: a service port has one to a few, and a set of one held 216 bytes)
+    owned: dict[ServicePortName, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
     by_rev: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)  # adopted frontends per rev id
     _by_name: dict[str, list[int]] | None = None  # rev_names inverted, built on first use (adoption only)
     next_backend: int = 1
@@ -236,29 +244,42 @@ class FamilyIndex:
         if old is not None:
             self.entries -= 1 + len(old.slots)
             if old.owner is not None and old.owner != st.owner:
-                self.owned.get(old.owner, set()).discard(key)
+                self._disown(old.owner, key, keep_empty=True)
         self.entries += 1 + len(st.slots)
         self.fronts[key] = st
         if st.owner is not None:
-            self.owned.setdefault(st.owner, set()).add(key)
+            self._own(st.owner, key)
 
     def drop_front(self, key: tuple[str, int, int]) -> None:
         old = self.fronts.pop(key, None)
         if old is not None:
             self.entries -= 1 + len(old.slots)
         if old is not None and old.owner is not None:
-            mine = self.owned.get(old.owner)
-            if mine is not None:
-                mine.discard(key)
-                if not mine:
-                    del self.owned[old.owner]
+            self._disown(old.owner, key, keep_empty=False)
 
     def set_owner(self, key: tuple[str, int, int], name: ServicePortName) -> None:
         st = self.fronts[key]
         if st.owner is not None and st.owner != name:
-            self.owned.get(st.owner, set()).discard(key)
+            self._disown(st.owner, key, keep_empty=True)
         st.owner = name
-        self.owned.setdefault(name, set()).add(key)
+        self._own(name, key)
+
+    def _own(self, name: ServicePortName, key: tuple[str, int, int]) -> None:
+        mine = self.owned.get(name, ())
+        if key not in mine:
+            self.owned[name] = (*mine, key)
+
+    def _disown(self, name: ServicePortName, key: tuple[str, int, int], *, keep_empty: bool) -> None:
+        """``key`` no longer ``name``'s; a service left with none keeps its (empty) entry when ``keep_empty`` (the
+        next sweep forgets it), else loses it."""
+        mine = self.owned.get(name)
+        if mine is None or key not in mine:
+            return
+        rest = tuple([k for k in mine if k != key])
+        if rest or keep_empty:
+            self.owned[name] = rest
+        else:
+            del self.owned[name]
 
     def alloc_rev(self) -> int:
         if self.free_revs:

@@ -22,6 +22,7 @@ from kproxy.toolkit.mappings import dict_of
 
 from . import maps
 from .index import FamilyIndex, FrontState
+from .index import ids as slot_ids
 from .maps import Master
 from .render import Fragment, Frontend
 
@@ -328,7 +329,7 @@ def _plan_front(index: FamilyIndex, name: ServicePortName, f: Frontend, bids: li
     slots beyond a smaller count deleted."""
     key = f.key
     cur = index.fronts.get(key)
-    old_slots = cur.slots if cur is not None else ()
+    old_slots: Sequence[int] = cur.slots if cur is not None else ()
     slots = _stable_slots(old_slots, bids)
     master = Master(len(slots), f.flags, f.affinity, rev)
     # key bytes: address . port (network order), then slot (host order), protocol, padding
@@ -348,7 +349,7 @@ def _plan_front(index: FamilyIndex, name: ServicePortName, f: Frontend, bids: li
         plan.master_put[head + tails[0]] = maps.master_value(master)
     for i in range(n_old, len(slots), -1):
         plan.svc_del.append(head + tails[i])
-    index.put_front(key, FrontState(name, master, slots))
+    index.put_front(key, FrontState(name, master, slot_ids(slots)))
 
 
 def _named_rev(index: FamilyIndex, name: ServicePortName, plan: Plan) -> int:
@@ -422,9 +423,9 @@ def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan
     ms.keys.append(head + tails[0])
     ms.values.append(maps.master_value(master))
     ms.count += 1
-    fronts[key] = FrontState(name, master, tuple(bids))
+    fronts[key] = FrontState(name, master, slot_ids(bids))
     index.entries += 1 + n
-    index.owned[name] = {key}
+    index.owned[name] = (key,)
     return True
 
 
@@ -470,7 +471,7 @@ def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: 
     plan.swept = True
 
 
-def _stable_slots(old: tuple[int, ...], new: list[int]) -> tuple[int, ...]:
+def _stable_slots(old: Sequence[int], new: list[int]) -> tuple[int, ...]:
     """The new slot order: a backend that stays keeps its slot (ClientIP affinity entries name the slot their
     backend was found in, which the programs look at first; and an endpoint change rewrites only the slots that
     change); survivors past the new count move into the holes (the programs find a moved backend of an affinity

@@ -50,6 +50,19 @@ def test_backend_table_costs_bytes_per_backend_not_objects() -> None:
     assert got["objects"] <= 8, got  # the table, its buffer and a few small ints: none per backend
 
 
+def test_index_costs_under_800_bytes_per_service_port() -> None:
+    """The whole index of a first sync (frontends with their slots, backends, owners, reverse-NAT ids and names),
+    beyond what the wanted fragments hold already, per service port of 10 endpoints: slots are 4-byte ids in an
+    array (a tuple of ints held 400 bytes), owners a tuple (a set of one held 216). It was ~2,500 bytes."""
+    wanted = [(_name(i), _fragment(i)) for i in range(1, SERVICES + 1)]
+    index, plan = FamilyIndex(V4), Plan()
+    for name, frag in wanted:
+        planner.plan_service(index, name, frag, plan)
+    got = memory.walk([memory.Owner("wanted", [wanted]), memory.Owner("index", [index])])["index"]
+    assert got["bytes"] / SERVICES <= 800, got
+    assert got["objects"] / SERVICES <= 12, got
+
+
 def test_table_bytes_are_the_planned_backend_array() -> None:
     """What the plan writes to the backend array (id -> value) is, byte for byte, what the table holds at that id;
     ids the plan did not write hold nothing."""
