@@ -140,7 +140,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         #: adoption's reads of the maps, in the background while the ledger renders (``adopt``)
         self._reader: ThreadPoolExecutor | None = None
         self.last_reap: Future[int] | None = None
-        self._last_full: tuple[IPFamily, list[Step]] | None = None
+        self._last_full: IPFamily | None = None  # the family of the last full sync that wrote (the floor's)
         self._last_partial: tuple[IPFamily, list[Step]] | None = None
 
     @property
@@ -453,7 +453,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
             raise
         if steps:
             if batch.full:
-                self._last_full = (fam, steps)
+                self._last_full = fam
             else:
                 self._last_partial = (fam, steps)
         t2 = time.perf_counter()
@@ -554,7 +554,11 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         maps live outside namespaces, so ``scratch`` is not needed."""
         if self._last_full is None:
             return None
-        fam, steps = self._last_full
+        fam = self._last_full
+        items = list(self.applied_fragments(fam).items())
+        steps = plan.full_steps(
+            fam, items, self._names is not None, PIPELINE_CHUNK if len(items) >= PIPELINE_SERVICES else 0
+        )
         return kernel.floor_full(fam, steps, self._where().map_size)
 
     def measure_partial_floor(self) -> Mapping[str, float] | None:

@@ -12,6 +12,7 @@ import tracemalloc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kproxy.backends.bpf import maps
 from kproxy.backends.bpf import plan as planner
 from kproxy.backends.bpf.index import Backends, FamilyIndex
 from kproxy.backends.bpf.plan import Plan
@@ -137,3 +138,30 @@ def test_planning_keeps_nothing_once_its_index_and_plan_are_gone() -> None:
     finally:
         tracemalloc.stop()
     assert kept < 100_000, f"{kept} bytes kept after planning 20,000 backends"
+
+
+def _mixed(i: int) -> Fragment:
+    """Every third service port with a NodePort frontend too (the general path plans those)."""
+    f = _fragment(i).frontends[0]
+    if i % 3:
+        return Fragment((f,))
+    return Fragment((f, Frontend("192.168.0.1", 30000 + i, 6, maps.F_EXTERNAL, 0, f.backends)))
+
+
+def test_floor_steps_are_built_again_as_the_sync_wrote_them() -> None:
+    """The benchmark's floor replays a full sync's writes: ``full_steps`` builds them again from the applied
+    fragments (the proxier no longer keeps them), the same steps in the same chunks as the pipelined sync drains."""
+    items = [(_name(i), _mixed(i)) for i in range(1, 700)]
+    for chunk in (0, 64):
+        index, plan = FamilyIndex(V4), Plan()
+        synced: list[tuple[str, str, list[bytes], list[bytes]]] = []
+        for start in range(0, len(items), chunk or len(items)):  # as BpfProxier._write_maps plans a batch
+            for name, frag in items[start : start + (chunk or len(items))]:
+                planner.plan_service(index, name, frag, plan)
+            if chunk:
+                synced += [(r, o, list(k), list(v)) for r, o, k, v in plan.drain_puts()]
+        planner.finish_plan(plan)
+        synced += [(r, o, list(k), list(v)) for r, o, k, v in plan.ordered()]
+        again = [(r, o, list(k), list(v)) for r, o, k, v in planner.full_steps(V4, items, False, chunk)]
+        assert again == synced
+        assert sum(len(k) for _, _, k, _ in again) == plan.writes
