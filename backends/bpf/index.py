@@ -238,6 +238,12 @@ class FamilyIndex:
             self._by_name = by
         return self._by_name.get(text, [])
 
+    def forget_adoption(self) -> None:
+        """Drop what only claiming adopted frontends looks up (``by_rev``, the names inverted: ~200 bytes per
+        service port after a restart); both describe the maps as read, not as planned since."""
+        self.by_rev = {}
+        self._by_name = None
+
     def put_front(self, key: tuple[str, int, int], st: FrontState) -> None:
         """Record a frontend (taking it from its previous owner, if another)."""
         old = self.fronts.get(key)

@@ -468,6 +468,7 @@ def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: 
     else:
         index.free_backends.clear()
     index.next_rev = max([*index.rev_names, *live_revs, 0]) + 1
+    index.forget_adoption()  # every frontend left is owned: adoption's lookups are stale from here on
     plan.swept = True
 
 
