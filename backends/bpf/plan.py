@@ -11,7 +11,6 @@ plan writes and on their order.
 from __future__ import annotations
 
 import functools
-import socket
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from kproxy.toolkit.keys import service_key
 from kproxy.toolkit.mappings import dict_of
 
 from . import maps
-from .index import FamilyIndex, FrontState
+from .index import PORT, PTON, FamilyIndex, FrontState
 from .index import ids as slot_ids
 from .maps import Master
 from .render import Fragment, Frontend
@@ -178,15 +177,7 @@ class Plan:
 _ID = struct.Struct("<I")
 _SLOT_VALUE = struct.Struct("<I12x")  # a slot entry: backend_id, the rest zero (see maps.slot_value)
 _SLOT = [i.to_bytes(2, "little") for i in range(65536)]
-_PORT = [i.to_bytes(2, "big") for i in range(65536)]
-#: an address as the maps hold it, by the index's family: ``inet_pton`` bound to the family, so a ``map`` over a
-#: service's backends runs no Python frame. Not memoised: a first sync's addresses are new to any cache (a bounded
-#: one of 1,048,576 missed on every backend at 100,000 x 10, cost more than ``inet_pton`` even when it hit, and held
-#: 190 MB outside the index)
-_PTON = {
-    IPFamily.V4: functools.partial(socket.inet_pton, socket.AF_INET),
-    IPFamily.V6: functools.partial(socket.inet_pton, socket.AF_INET6),
-}
+_PORT = PORT
 
 
 def _key_tails(proto: int, upto: int) -> tuple[bytes, ...]:
@@ -204,7 +195,7 @@ def _tails_upto(proto: int, size: int) -> tuple[bytes, ...]:
 
 def remove_front(plan: Plan, index: FamilyIndex, key: tuple[str, int, int], st: FrontState) -> None:
     """Plan the deletion of one frontend's entries (master first) and forget it in ``index``."""
-    head = _PTON[index.family](key[0]) + _PORT[key[1]]
+    head = PTON[index.family](key[0]) + _PORT[key[1]]
     tails = _key_tails(key[2], len(st.slots))
     # the master first (Cilium's order): a connect() racing the removal then finds the service whole or gone, never
     # a master counting slots already deleted
@@ -296,7 +287,7 @@ def _backend_ids(
     """Each backend of ``new`` with its id: the one it had in this service, else a freed or fresh one (its backend
     entry planned)."""
     put_raw = index.backends.put_raw
-    pton = _PTON[index.family]
+    pton = PTON[index.family]
     be_put = plan.be_put
     free = index.free_backends
     nb = index.next_backend
@@ -333,7 +324,7 @@ def _plan_front(index: FamilyIndex, name: ServicePortName, f: Frontend, bids: li
     slots = _stable_slots(old_slots, bids)
     master = Master(len(slots), f.flags, f.affinity, rev)
     # key bytes: address . port (network order), then slot (host order), protocol, padding
-    head = _PTON[index.family](f.address) + _PORT[f.port]
+    head = PTON[index.family](f.address) + _PORT[f.port]
     n_old = len(old_slots)
     tails = _key_tails(f.proto, max(n_old, len(slots)))
     slot_put = plan.slot_put
@@ -396,7 +387,7 @@ def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan
     bids = range(nb, nb + n)
     index.next_backend = nb + n
     port_bytes = _PORT
-    pton = _PTON[index.family]
+    pton = PTON[index.family]
     head = pton(f.address) + port_bytes[f.port]
     tails = _key_tails(proto, n)
     if n:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kproxy.backends.bpf import adopt, decode, maps
 from kproxy.backends.bpf import plan as planner
-from kproxy.backends.bpf.index import Backends, FamilyIndex
+from kproxy.backends.bpf.index import Backends, FamilyIndex, endpoints
 from kproxy.backends.bpf.plan import Plan
 from kproxy.backends.bpf.render import Fragment, Frontend
 from kproxy.bench import memory
@@ -188,3 +188,31 @@ def test_an_adopted_index_after_its_full_batch_holds_what_a_planned_one_does() -
     assert again.writes == 0 and index.by_rev == {} and index.fronts == first.fronts
     got = memory.walk([memory.Owner("wanted", [wanted]), memory.Owner("index", [index])])["index"]
     assert got["bytes"] / SERVICES <= 950, got
+
+
+def test_adoption_decodes_no_backend_address() -> None:
+    """A restart's decode names each slot's backend by its value's address . port bytes (the view's backends are
+    one bytes per frontend): no backend's address becomes text, no tuple per backend. The view of 500 service ports
+    x 10 endpoints costs what its keys and bytes do (it was ~1,300 bytes per service port)."""
+    wanted = {_name(i): _fragment(i) for i in range(1, SERVICES + 1)}
+    index, plan = FamilyIndex(V4), Plan()
+    for name, frag in wanted.items():
+        planner.plan_service(index, name, frag, plan)
+    planner.finish_plan(plan)
+    written: dict[str, dict[bytes, bytes]] = {"svc": {}, "be": {}, "name": {}}
+    for role, _, keys, values in plan.ordered():
+        written[role].update(zip(keys, values, strict=True))
+    be = written["be"]
+    top = max(int.from_bytes(k, "little") for k in be)  # the backend array as read_lb reads it: from index 0
+    array_keys = b"".join(i.to_bytes(4, "little") for i in range(top + 1))
+    array_values = b"".join(be.get(i.to_bytes(4, "little"), bytes(8)) for i in range(top + 1))
+    svc = (b"".join(written["svc"]), b"".join(written["svc"].values()))
+    names = (b"".join(written["name"]), b"".join(written["name"].values()))
+    got_index, view = decode.index_from_raw(V4, svc, (array_keys, array_values), names)
+    assert got_index.backends == index.backends
+    for name, frag in wanted.items():
+        f = frag.frontends[0]
+        assert view[f.key][2] == endpoints(V4, f.backends)
+        assert adopt.unchanged(got_index, view, {view[f.key][3]: 1}, name, frag)
+    walked = memory.walk([memory.Owner("index", [got_index]), memory.Owner("view", [view])])["view"]
+    assert walked["bytes"] / SERVICES <= 400, walked
