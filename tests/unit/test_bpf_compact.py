@@ -216,3 +216,27 @@ def test_adoption_decodes_no_backend_address() -> None:
         assert adopt.unchanged(got_index, view, {view[f.key][3]: 1}, name, frag)
     walked = memory.walk([memory.Owner("index", [got_index]), memory.Owner("view", [view])])["view"]
     assert walked["bytes"] / SERVICES <= 400, walked
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from((V4, V6)),
+    st.lists(st.tuples(st.integers(0, 2**128 - 1), st.integers(1, 65535)), min_size=1, max_size=12),
+    st.sampled_from((6, 17, 132)),
+)
+def test_packing_is_the_maps_encoders(family: IPFamily, raw: list[tuple[int, int]], proto: int) -> None:
+    """The planner's and the view's packing (``inet_pton`` bound to the family, the port table) gives the bytes
+    ``maps``' own encoders give: a new service's backend values, each backend's value in the table, the view's
+    address . port bytes."""
+    make = ipaddress.IPv4Address if family == V4 else ipaddress.IPv6Address
+    bits = 32 if family == V4 else 128
+    pairs = tuple(dict.fromkeys((str(make(a % 2**bits)), p) for a, p in raw))
+    index, plan = FamilyIndex(family), Plan()
+    front = Frontend(_addr(family, 7), 80, proto, 0, 0, pairs)
+    planner.plan_service(index, _name(1), Fragment((front,)), plan)
+    want = [maps.backend_value(family, a, p, proto) for a, p in pairs]
+    assert list(plan.written("be").values()) == want
+    assert [index.backends.raw(b) for b in index.fronts[front.key].slots] == want
+    assert endpoints(family, pairs) == b"".join(maps.addr_bytes(a) + maps.port_bytes(p) for a, p in pairs)
+    key = maps.lb_key(family, front.address, 80, proto, 0)
+    assert key in plan.written("master")
