@@ -216,9 +216,9 @@ def plan_service(
     """Add to ``plan`` the writes that make ``name`` hold ``new`` (None: remove it), and update ``index`` as if they
     were done. Frontends in ``keep_fronts`` belong to another service and are never removed here.
 
-    Written for speed (a full sync at 10,000 x 10 plans 220,000 writes): key bytes from cached address, port and
-    slot pieces, one concatenation per entry; a new service with one frontend (the bulk of a first sync) one per
-    phase (``_plan_new``)."""
+    Written for speed (a full sync at 10,000 x 10 plans 220,000 writes): key bytes from the address (``PTON``) and
+    cached port and slot pieces, one concatenation per entry; a new service with one frontend (the bulk of a first
+    sync) one per phase (``_plan_new``)."""
     mine = index.owned.get(name)
     if (
         mine is None
