@@ -22,7 +22,7 @@ from kproxy.toolkit.keys import service_key
 
 from . import decode
 from .companion import NftView
-from .index import FamilyIndex, View
+from .index import FamilyIndex, View, endpoint_pairs, endpoint_size, endpoints
 from .render import Fragment, decoded
 
 
@@ -134,9 +134,12 @@ def unchanged(
     """Whether the kernel holds ``fragment``'s frontends exactly, under a reverse-NAT id named for ``name``, and no
     other frontend under that id."""
     rev = -1  # every frontend's reverse-NAT id, once they agree
+    family = index.family
     for f in fragment.frontends:
         got = view.get(f.key)
-        if got is None or got[0] != f.flags or got[1] != f.affinity or not same_backends(got[2], f.backends):
+        if got is None or got[0] != f.flags or got[1] != f.affinity:
+            return False
+        if not same_backends(got[2], endpoints(family, f.backends), endpoint_size(family)):
             return False
         if rev != got[3]:
             if rev != -1:
@@ -147,10 +150,19 @@ def unchanged(
     return rev_counts.get(rev, 0) == len(fragment.frontends)
 
 
-def same_backends(held: tuple[tuple[str, int], ...], wanted: tuple[tuple[str, int], ...]) -> bool:
-    """Whether a frontend's slots (``View`` order: the slots') hold ``wanted`` in any order: equal as they are (slots
-    written in the fragment's order and not changed since), else equal once both are sorted."""
-    return held == wanted or (len(held) == len(wanted) and sorted(held) == sorted(wanted))
+def same_backends(held: bytes, wanted: bytes, size: int) -> bool:
+    """Whether a frontend's slots (``View`` order: the slots') hold ``wanted`` (``index.endpoints``, ``size`` bytes
+    each) in any order: equal as they are (slots written in the fragment's order and not changed since), else equal
+    once both are sorted."""
+    if held == wanted:
+        return True
+    if len(held) != len(wanted):
+        return False
+    return sorted(_pieces(held, size)) == sorted(_pieces(wanted, size))
+
+
+def _pieces(blob: bytes, size: int) -> list[bytes]:
+    return [blob[i : i + size] for i in range(0, len(blob), size)]
 
 
 def adopted_unchanged(a: Adopted, name: ServicePortName, fragment: Fragment) -> bool:
@@ -188,7 +200,7 @@ def verify_service(a: Adopted, name: ServicePortName, fragment: Fragment) -> str
         got = a.view.get(k)
         if got is None:
             return f"different: frontend {k[0]}:{k[1]}/{k[2]} missing"
-        held_sorted = (got[0], got[1], tuple(sorted(got[2])))  # ``decoded``'s order
+        held_sorted = (got[0], got[1], tuple(sorted(endpoint_pairs(a.index.family, got[2]))))  # ``decoded``'s order
         if held_sorted != want:
             return f"different: frontend {k[0]}:{k[1]}/{k[2]} holds {held_sorted}, wanted {want}"
     missing = [e for e in fragment.nft.elements if e not in a.nft.elements]

@@ -11,17 +11,19 @@ of those present; anything else (orphan slots, slots beyond a count, a missing m
 general path (``general_index``), entry by entry. Both give the same result, order of every dict included;
 tests/unit/test_bpf_decode.py checks that on random plans and corruptions.
 
-The backend map may be an array: values of all zero bytes are no backend and are skipped (both paths).
+The backend map may be an array: values of all zero bytes are no backend and are skipped (both paths). Read from
+index 0 (as ``maps.read_lb`` reads it), its values are the index's backend table as they come (``index.Backends``),
+and the view names a slot's backend by the head of its value (address . port bytes), so no backend's address is
+decoded to text: at 100,000 x 10 a dict of a million backends' tuples and their texts was most of the decode.
 
 The fast path takes about half of the general path's time for IPv4 (less of a gain for IPv6, whose addresses are
-numbered through 16-byte pieces). The rest is memory-bound: a dict of 100,000 backends, a sort per frontend for the
-view, one write per slot at a random place.
+numbered through 16-byte pieces). The rest is memory-bound: one write per slot at a random place, one join per
+frontend for the view.
 """
 
 from __future__ import annotations
 
 import array
-import contextlib
 import dataclasses
 import random
 import struct
@@ -35,12 +37,14 @@ from typing import Any, TypeVar
 from kproxy.model import IPFamily
 
 from . import maps
-from .index import FamilyIndex, FrontState, View
+from .index import Backends, FamilyIndex, FrontState, View, endpoint_size
+from .index import ids as slot_ids
 from .maps import Master
 
 _T = TypeVar("_T")
 _LITTLE = sys.byteorder == "little"
-_UNKNOWN = ("?", 0)  # a slot naming a backend id the backend map lacks, as the view shows it
+#: a slot naming a backend id the backend map lacks, as the view shows it (``index.endpoint_pairs``: ``("?", 0)``)
+_UNKNOWN = {f: bytes(endpoint_size(f)) for f in IPFamily}
 _KEY_SIZE = {IPFamily.V4: maps.LB4_KEY.size, IPFamily.V6: maps.LB6_KEY.size}  # 12, 24
 _ADDR_SIZE = {IPFamily.V4: 4, IPFamily.V6: 16}
 _BE_SIZE = {IPFamily.V4: maps.LB4_BACKEND.size, IPFamily.V6: maps.LB6_BACKEND.size}  # 8, 20
@@ -143,27 +147,6 @@ def _firsts(raw: bytes, size: int, stride: int) -> bytes:
     return bytes(out)
 
 
-def _unpacked(packed: array.array[int], order: tuple[int, ...], size: int) -> bytes:
-    """``_packed``'s rows back to bytes: column ``k`` of the packed rows is byte ``order[k]`` of a ``size``-byte row."""
-    raw = packed.tobytes()
-    n = len(packed)
-    cols = [raw[(i if _LITTLE else 7 - i) :: 8] for i in range(8)]
-    for i in reversed(range(len(_TABLES))):  # each mixed byte from the original bytes above it
-        acc = int.from_bytes(cols[i], "little")
-        for j in range(i + 1, 8):
-            acc ^= int.from_bytes(cols[j].translate(_TABLES[i][j]), "little")
-        cols[i] = acc.to_bytes(n, "little")
-    out = bytearray(size * n)
-    for k, pos in enumerate(order):
-        out[pos::size] = cols[k]
-    return bytes(out)
-
-
-#: an IPv4 backend value's bytes as ``_packed`` columns: the address's last bytes lowest (they vary most)
-_BE4_ORDER = (3, 2, 1, 0, 5, 4, 6, 7)
-_ZERO_BE4 = _packed([b"\0"] * 8)[0]  # an all-zero IPv4 backend value's key
-
-
 def _texts4(addrs: bytes) -> list[str]:
     """IPv4 addresses (4 bytes each, concatenated) as text, as ``inet_ntop`` spells them: one ``%`` format for all."""
     n = len(addrs) // 4
@@ -231,7 +214,7 @@ def _masters(counts: list[int], flags: list[int], affs: list[int], revs: list[in
     return _build(Master, len(counts), {f: cols[f] for f in _MASTER_FIELDS})
 
 
-def _states(masters: list[Master], slots: list[tuple[int, ...]]) -> list[FrontState]:
+def _states(masters: list[Master], slots: list[array.array[int]]) -> list[FrontState]:
     if not _BUILD:
         return list(map(FrontState, repeat(None), masters, slots))
     cols: dict[str, Any] = {"owner": repeat(None, len(masters)), "master": masters, "slots": slots}
@@ -240,18 +223,15 @@ def _states(masters: list[Master], slots: list[tuple[int, ...]]) -> list[FrontSt
 
 # ------------------------------------------------------------------------------------------------ fast path
 
-#: backend id -> (address, port) as the view shows a slot's backend: a list indexed by id when ids are dense
-PairsById = list[tuple[str, int]] | dict[int, tuple[str, int]]
+#: backend id -> its address . port bytes as the view shows a slot's backend: a list indexed by id when ids are dense
+EndpointsById = list[bytes] | dict[int, bytes]
 
 
-def _backends(
-    family: IPFamily, be_raw: tuple[bytes, bytes]
-) -> tuple[dict[int, tuple[str, int, int]], PairsById] | None:
-    """The backend map (id -> (address, port, protocol), all-zero values skipped) and each id's (address, port);
-    None for lengths that do not fit. Each distinct value is decoded once and its tuples shared."""
+def _backends(family: IPFamily, be_raw: tuple[bytes, bytes]) -> tuple[Backends, EndpointsById] | None:
+    """The backend table (all-zero values no backend) and each id's address . port bytes (all zero: none); None for
+    lengths that do not fit, or an id twice. Nothing per backend but one slice of its value."""
     keys, values = be_raw
     vs = _BE_SIZE[family]
-    al = _ADDR_SIZE[family]
     n = len(keys) // 4
     if len(keys) != 4 * n or len(values) != vs * n:
         return None
@@ -261,46 +241,23 @@ def _backends(
         n = used
         keys, values = keys[: 4 * n], values[: vs * n]
     ids: Sequence[int] = _u32(keys)
-    # each distinct value gets the next ordinal: setdefault's default is the dict's size when it is called
-    first: dict[Any, int] = {}
-    if family == IPFamily.V4:
-        ords = list(map(first.setdefault, _packed([values[i::vs] for i in _BE4_ORDER]), map(len, repeat(first))))
-        distinct = _unpacked(array.array("Q", first), _BE4_ORDER, vs)
-        zero_key: Any = _ZERO_BE4
-    else:
-        ords = list(map(first.setdefault, _chunks(values, vs, vs), map(len, repeat(first))))
-        distinct = b"".join(first)
-        zero_key = bytes(vs)
-    texts = _texts(family, _firsts(distinct, al, vs))
-    ports = _u16(distinct[al + 1 :: vs], distinct[al::vs])
-    triples: list[Any] = list(zip(texts, ports, distinct[al + 2 :: vs], strict=True))
-    pairs: list[Any] = list(zip(texts, ports, strict=True))
-    zero_ord = first.get(zero_key)
-    if zero_ord is not None:
-        pairs[zero_ord] = _UNKNOWN  # all zero bytes: an array map's "no backend" (taken out of the dict below)
-    backends = dict(zip(ids, map(triples.__getitem__, ords), strict=True))
-    if len(backends) != n:
+    dense = keys == _iota(n)  # an array map read from index 0: ids in order, the values are the table as they come
+    if not dense and len(set(ids)) != n:
         return None  # an id twice (no map reads so): the general path keeps render's order of events
+    eps = _chunks(values, endpoint_size(family), vs)
+    if dense:
+        return Backends.from_array(family, values), eps
+    backends = Backends(family)
+    for bid, v in zip(ids, _chunks(values, vs, vs), strict=True):
+        if any(v):
+            backends.put_raw(bid, v)
     top = max(ids, default=-1)
-    by_id: PairsById
-    if top == n - 1 and keys == _iota(n):  # an array map read from index 0: ids in order, the list as it comes
-        by_id = list(map(pairs.__getitem__, ords))
-    elif top < 2 * n + 1024:
-        by_id = [_UNKNOWN] * (top + 1)
-        deque(map(by_id.__setitem__, ids, map(pairs.__getitem__, ords)), maxlen=0)
+    by_id: EndpointsById
+    if top < 2 * n + 1024:
+        by_id = [_UNKNOWN[family]] * (top + 1)
+        deque(map(by_id.__setitem__, ids, eps), maxlen=0)
     else:
-        by_id = dict(zip(ids, map(pairs.__getitem__, ords), strict=True))
-    if zero_ord is not None:  # deleted, the others keep their order
-        if ords.count(zero_ord) > 16:
-            zeros: list[int] = list(compress(ids, map(zero_ord.__eq__, ords)))
-        else:  # usually id 0 alone (ids start at 1): found by a C-level scan, not a pass per entry
-            zeros, at = [], -1
-            with contextlib.suppress(ValueError):
-                while True:
-                    at = ords.index(zero_ord, at + 1)
-                    zeros.append(ids[at])
-        for bid in zeros:
-            backends.pop(bid, None)
+        by_id = dict(zip(ids, eps, strict=True))
     return backends, by_id
 
 
@@ -325,7 +282,7 @@ def fast_index(
     got_be = _backends(family, be_raw)
     if rev_names is None or got_be is None:
         return None
-    backends, pair_by_id = got_be
+    backends, ep_by_id = got_be
     slot_lo = keys[al + 2 :: ks]
     masters = list(compress(range(n), slot_lo.translate(_IS_ZERO)))
     n_masters = len(masters)
@@ -355,14 +312,15 @@ def fast_index(
     index.backends = backends
     index.fronts = dict(zip(fkeys, _states(_masters(counts, flags, affs, revs), slot_ids), strict=True))
     try:
-        view = _view(fkeys, flags, affs, revs, slot_ids, pair_by_id.__getitem__)
+        view = _view(fkeys, flags, affs, revs, slot_ids, ep_by_id.__getitem__)
     except (IndexError, KeyError):  # a slot naming a backend the map lacks
-        get = pair_by_id.get if isinstance(pair_by_id, dict) else dict(enumerate(pair_by_id)).get
-        view = _view(fkeys, flags, affs, revs, slot_ids, lambda i: get(i, _UNKNOWN))
+        get = ep_by_id.get if isinstance(ep_by_id, dict) else dict(enumerate(ep_by_id)).get
+        unknown = _UNKNOWN[family]
+        view = _view(fkeys, flags, affs, revs, slot_ids, lambda i: get(i, unknown))
     _fill_by_rev(index.by_rev, revs, fkeys)
     index.entries = n
     index.next_rev = max(max(revs, default=0), max(rev_names, default=0)) + 1
-    index.next_backend = max(backends, default=0) + 1
+    index.next_backend = backends.top() + 1
     return index, view
 
 
@@ -380,7 +338,7 @@ def _addr_columns(family: IPFamily, keys: bytes, n: int) -> list[bytes]:
 
 def _slot_ids(
     front: array.array[int], slot_lo: bytes, masters: list[int], counts: list[int], ids: Sequence[int]
-) -> list[tuple[int, ...]] | None:
+) -> list[array.array[int]] | None:
     """Each master's backend ids of its slots 1..count, or None when the slot entries are not exactly those.
     ``front``: every entry's frontend as one integer (the slot left out); ``ids``: every entry's backend id."""
     n_masters = len(masters)
@@ -406,7 +364,7 @@ def _slot_ids(
     held_ids = list(map(placed.__getitem__, map(slice, starts, map(add, starts, counts))))
     if array.array("I", b"".join(held_ids)).count(_UNFILLED_ID):
         return None  # a place unwritten (or a backend id that spells it: the general path decides)
-    return list(map(tuple, held_ids))
+    return held_ids  # each an array of its own (a slice)
 
 
 def _fill_by_rev(
@@ -429,11 +387,11 @@ def _view(
     flags: list[int],
     affs: list[int],
     revs: list[int],
-    slot_ids: list[tuple[int, ...]],
+    slot_ids: list[array.array[int]],
     pair: Any,
 ) -> View:
-    """frontend -> (flags, affinity, its backends' (address, port) in slot order, rev_nat_id)."""
-    held = map(tuple, map(map, repeat(pair), slot_ids))
+    """frontend -> (flags, affinity, its backends' address . port bytes in slot order, rev_nat_id)."""
+    held = map(b"".join, map(map, repeat(pair), slot_ids))
     return dict(zip(fkeys, zip(flags, affs, held, revs, strict=True), strict=True))
 
 
@@ -465,17 +423,17 @@ def general_index(
     ):
         index.rev_names[rev] = nm.split(b"\0", 1)[0].decode(errors="replace")
     backends = index.backends
-    be_ap: dict[int, tuple[str, int]] = {}
+    be_ap: dict[int, bytes] = {}
+    ep_size = endpoint_size(family)
+    unknown = _UNKNOWN[family]
     be_ids = _u32(be_raw[0])
     be_dec = _BE4_DECODE if v4 else _BE6_DECODE
     zero = bytes(be_dec.size)
     for bid, (value,) in zip(be_ids, _BE_WHOLE[family].iter_unpack(be_raw[1]), strict=True):
         if value == zero:
             continue  # an array map's entry of no backend
-        a, p, proto = be_dec.unpack(value)
-        t = text(a)
-        backends[bid] = (t, p, proto)
-        be_ap[bid] = (t, p)
+        backends.put_raw(bid, value)
+        be_ap[bid] = value[:ep_size]
     key_fmt = _RAW_KEY4 if v4 else _RAW_KEY6
     raw_masters: dict[tuple[bytes, int], Master] = {}
     raw_slots: dict[tuple[bytes, int], dict[int, int]] = {}
@@ -500,16 +458,16 @@ def general_index(
         sl = slots.get(fk, empty)
         count = m.count
         ids = tuple([sl.get(i, 0) for i in range(1, count + 1)])
-        view[fk] = (m.flags, m.affinity, tuple([be_ap.get(i, _UNKNOWN) for i in ids]), m.rev_nat_id)
+        view[fk] = (m.flags, m.affinity, b"".join([be_ap.get(i, unknown) for i in ids]), m.rev_nat_id)
         index.by_rev.setdefault(m.rev_nat_id, []).append(fk)
         if len(sl) > count:  # slots beyond the count (a half-finished shrink): kept so a rewrite deletes them
             ids += tuple(sl[s] for s in range(count + 1, max(sl) + 1) if s in sl)
-        fronts[fk] = FrontState(None, m, ids)
+        fronts[fk] = FrontState(None, m, slot_ids(ids))
     for fk, sl in slots.items():
         if fk not in masters:  # orphan slots without a master: owned by nobody, removed on the next full sync
-            fronts[fk] = FrontState(None, Master(0, 0, 0, 0), tuple(sl[s] for s in sorted(sl)))
+            fronts[fk] = FrontState(None, Master(0, 0, 0, 0), slot_ids(sl[s] for s in sorted(sl)))
     index.entries = sum(1 + len(st.slots) for st in fronts.values())
     revs = {st.master.rev_nat_id for st in fronts.values()} | set(index.rev_names)
     index.next_rev = max(revs, default=0) + 1
-    index.next_backend = max(backends, default=0) + 1
+    index.next_backend = backends.top() + 1
     return index, view

@@ -15,12 +15,13 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kproxy.model import ServicePortName
+from kproxy.model import IPFamily, ServicePortName
 from kproxy.toolkit.keys import service_key
 from kproxy.toolkit.mappings import dict_of
 
 from . import maps
-from .index import FamilyIndex, FrontState
+from .index import PORT, PTON, FamilyIndex, FrontState
+from .index import ids as slot_ids
 from .maps import Master
 from .render import Fragment, Frontend
 
@@ -36,7 +37,11 @@ class Bulk:
     count: int = 0
 
     def packed(self) -> tuple[maps.Packed, maps.Packed]:
+        """Keys and values, each one byte string; the per-service pieces are let go (replaced by the joined ones,
+        which the batch calls read anyway): a drained chunk no longer holds ~30 small objects per service until the
+        whole sync ends."""
         kb, vb = b"".join(self.keys), b"".join(self.values)
+        self.keys, self.values = [kb], [vb]
         return maps.Packed(kb, len(kb) // self.count), maps.Packed(vb, len(vb) // self.count)
 
 
@@ -176,9 +181,7 @@ class Plan:
 _ID = struct.Struct("<I")
 _SLOT_VALUE = struct.Struct("<I12x")  # a slot entry: backend_id, the rest zero (see maps.slot_value)
 _SLOT = [i.to_bytes(2, "little") for i in range(65536)]
-_PORT = [i.to_bytes(2, "big") for i in range(65536)]
-#: an address as the maps hold it, memoised (bounded: pods churn over a long life)
-_addr = functools.lru_cache(maxsize=1 << 20)(maps.addr_bytes)
+_PORT = PORT
 
 
 def _key_tails(proto: int, upto: int) -> tuple[bytes, ...]:
@@ -196,7 +199,7 @@ def _tails_upto(proto: int, size: int) -> tuple[bytes, ...]:
 
 def remove_front(plan: Plan, index: FamilyIndex, key: tuple[str, int, int], st: FrontState) -> None:
     """Plan the deletion of one frontend's entries (master first) and forget it in ``index``."""
-    head = _addr(key[0]) + _PORT[key[1]]
+    head = PTON[index.family](key[0]) + _PORT[key[1]]
     tails = _key_tails(key[2], len(st.slots))
     # the master first (Cilium's order): a connect() racing the removal then finds the service whole or gone, never
     # a master counting slots already deleted
@@ -217,9 +220,9 @@ def plan_service(
     """Add to ``plan`` the writes that make ``name`` hold ``new`` (None: remove it), and update ``index`` as if they
     were done. Frontends in ``keep_fronts`` belong to another service and are never removed here.
 
-    Written for speed (a full sync at 10,000 x 10 plans 220,000 writes): key bytes from cached address, port and
-    slot pieces, one concatenation per entry; a new service with one frontend (the bulk of a first sync) one per
-    phase (``_plan_new``)."""
+    Written for speed (a full sync at 10,000 x 10 plans 220,000 writes): key bytes from the address (``PTON``) and
+    cached port and slot pieces, one concatenation per entry; a new service with one frontend (the bulk of a first
+    sync) one per phase (``_plan_new``)."""
     mine = index.owned.get(name)
     if (
         mine is None
@@ -232,12 +235,13 @@ def plan_service(
     keep = set(keep_fronts) if keep_fronts else ()
     fronts = index.fronts
     owned = {k: fronts[k] for k in mine if k in fronts} if mine else {}
-    old_ids: dict[tuple[str, int], int] = {}
+    old_ids: dict[bytes, int] = {}  # address . port bytes -> backend id
+    endpoint = index.backends.endpoint
     for st in owned.values():
         for bid in st.slots:
-            be = index.backends.get(bid)
-            if be is not None:
-                old_ids.setdefault((be[0], be[1]), bid)
+            ep = endpoint(bid)
+            if ep is not None:
+                old_ids.setdefault(ep, bid)
     if new is None:
         _plan_removal(index, name, owned, old_ids, keep, plan)
         return
@@ -257,7 +261,7 @@ def _free_backends(index: FamilyIndex, bids: Iterable[int], plan: Plan) -> None:
     """Plan the removal of backends no slot of their service names any more (their ids freed with the plan)."""
     for bid in bids:
         plan.be_del.append(_ID.pack(bid))
-        index.backends.pop(bid, None)
+        index.backends.discard(bid)
         plan.freed_backends.append(bid)
 
 
@@ -265,7 +269,7 @@ def _plan_removal(
     index: FamilyIndex,
     name: ServicePortName,
     owned: Mapping[tuple[str, int, int], FrontState],
-    old_ids: Mapping[tuple[str, int], int],
+    old_ids: Mapping[bytes, int],
     keep: Iterable[tuple[str, int, int]],
     plan: Plan,
 ) -> None:
@@ -282,11 +286,12 @@ def _plan_removal(
 
 
 def _backend_ids(
-    index: FamilyIndex, new: Fragment, old_ids: Mapping[tuple[str, int], int], plan: Plan
+    index: FamilyIndex, new: Fragment, old_ids: Mapping[bytes, int], plan: Plan
 ) -> dict[tuple[str, int], int]:
     """Each backend of ``new`` with its id: the one it had in this service, else a freed or fresh one (its backend
     entry planned)."""
-    backends = index.backends
+    put_raw = index.backends.put_raw
+    pton = PTON[index.family]
     be_put = plan.be_put
     free = index.free_backends
     nb = index.next_backend
@@ -298,16 +303,17 @@ def _backend_ids(
         for b in f.backends:
             if b in ids:
                 continue
-            known = old_ids.get(b) if old_ids else None
+            ep = pton(b[0]) + port_bytes[b[1]]
+            known = old_ids.get(ep) if old_ids else None
             if known is None:
                 if free:
                     known = free.pop()
                 else:
                     known = nb
                     nb += 1
-                a = b[0]
-                backends[known] = (a, b[1], f.proto)
-                be_put[pack_id(known)] = _addr(a) + port_bytes[b[1]] + tail2
+                value = ep + tail2
+                put_raw(known, value)
+                be_put[pack_id(known)] = value
             ids[b] = known
     index.next_backend = nb
     return ids
@@ -318,11 +324,11 @@ def _plan_front(index: FamilyIndex, name: ServicePortName, f: Frontend, bids: li
     slots beyond a smaller count deleted."""
     key = f.key
     cur = index.fronts.get(key)
-    old_slots = cur.slots if cur is not None else ()
+    old_slots: Sequence[int] = cur.slots if cur is not None else ()
     slots = _stable_slots(old_slots, bids)
     master = Master(len(slots), f.flags, f.affinity, rev)
     # key bytes: address . port (network order), then slot (host order), protocol, padding
-    head = _addr(f.address) + _PORT[f.port]
+    head = PTON[index.family](f.address) + _PORT[f.port]
     n_old = len(old_slots)
     tails = _key_tails(f.proto, max(n_old, len(slots)))
     slot_put = plan.slot_put
@@ -338,7 +344,7 @@ def _plan_front(index: FamilyIndex, name: ServicePortName, f: Frontend, bids: li
         plan.master_put[head + tails[0]] = maps.master_value(master)
     for i in range(n_old, len(slots), -1):
         plan.svc_del.append(head + tails[i])
-    index.put_front(key, FrontState(name, master, slots))
+    index.put_front(key, FrontState(name, master, slot_ids(slots)))
 
 
 def _named_rev(index: FamilyIndex, name: ServicePortName, plan: Plan) -> int:
@@ -385,10 +391,10 @@ def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan
     bids = range(nb, nb + n)
     index.next_backend = nb + n
     port_bytes = _PORT
-    head = _addr(f.address) + port_bytes[f.port]
+    pton = PTON[index.family]
+    head = pton(f.address) + port_bytes[f.port]
     tails = _key_tails(proto, n)
     if n:
-        index.backends.update(zip(bids, [(a, p, proto) for a, p in bes], strict=True))
         tail2 = bytes((proto, 0))
         be = plan.bulk_be
         ids = _ids_packer(n, "I")
@@ -396,10 +402,12 @@ def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan
         ips, ports = zip(*bes, strict=True)
         if ports.count(ports[0]) == n:  # one target port (the usual case): address . (port . proto . flags) ...
             sep = port_bytes[ports[0]] + tail2
-            be.values.append(sep.join([_addr(a) for a in ips]) + sep)
+            values = sep.join(map(pton, ips)) + sep
         else:
-            be.values.append(b"".join([(_addr(a)) + port_bytes[p] + tail2 for a, p in bes]))
+            values = b"".join([pton(a) + port_bytes[p] + tail2 for a, p in bes])
+        be.values.append(values)
         be.count += n
+        index.backends.put_run(nb, values)  # the table holds what the array will
         sl = plan.bulk_slot
         sl.keys.append(head + head.join(tails[1 : n + 1]))
         vals = _ids_packer(n, "I12x")
@@ -410,9 +418,9 @@ def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan
     ms.keys.append(head + tails[0])
     ms.values.append(maps.master_value(master))
     ms.count += 1
-    fronts[key] = FrontState(name, master, tuple(bids))
+    fronts[key] = FrontState(name, master, slot_ids(bids))
     index.entries += 1 + n
-    index.owned[name] = {key}
+    index.owned[name] = (key,)
     return True
 
 
@@ -435,7 +443,7 @@ def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: 
     for k in doomed:
         remove_front(plan, index, k, fronts[k])
     used: set[int] = set().union(*[st.slots for st in fronts.values()])
-    for bid in sorted(index.backends.keys() - used):
+    for bid in sorted(index.backends.ids() - used):
         plan.be_del.append(_ID.pack(bid))
         del index.backends[bid]
     live_revs = {st.master.rev_nat_id for st in fronts.values()}
@@ -448,17 +456,18 @@ def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: 
         plan.name_del.append(maps.name_key(rev))
         del index.rev_names[rev]
     index.free_revs.clear()
-    index.next_backend = max(index.backends, default=0) + 1
+    index.next_backend = index.backends.top() + 1
     if index.next_backend - 1 > len(index.backends):
-        holes = set(range(1, index.next_backend)) - index.backends.keys()
+        holes = set(range(1, index.next_backend)) - index.backends.ids()
         index.free_backends = sorted(holes, reverse=True)
     else:
         index.free_backends.clear()
     index.next_rev = max([*index.rev_names, *live_revs, 0]) + 1
+    index.forget_adoption()  # every frontend left is owned: adoption's lookups are stale from here on
     plan.swept = True
 
 
-def _stable_slots(old: tuple[int, ...], new: list[int]) -> tuple[int, ...]:
+def _stable_slots(old: Sequence[int], new: list[int]) -> tuple[int, ...]:
     """The new slot order: a backend that stays keeps its slot (ClientIP affinity entries name the slot their
     backend was found in, which the programs look at first; and an endpoint change rewrites only the slots that
     change); survivors past the new count move into the holes (the programs find a moved backend of an affinity
@@ -489,3 +498,20 @@ def finish_plan(plan: Plan) -> None:
         plan.be_del = [k for k in dict.fromkeys(plan.be_del) if not any(k in p.be_put for p in parts)]
     if plan.name_del:
         plan.name_del = [k for k in dict.fromkeys(plan.name_del) if not any(k in p.name_put for p in parts)]
+
+
+def full_steps(
+    family: IPFamily, items: Sequence[tuple[ServicePortName, Fragment]], counting: bool, chunk: int
+) -> list[tuple[str, str, Sequence[bytes], Sequence[bytes]]]:
+    """The steps a full sync of ``items`` into empty maps executes, put phases drained every ``chunk`` services as
+    the pipelined sync does (0: none). Built again when the benchmark's floor asks: keeping the last full sync's
+    steps for it held every byte written (~640 per service port) for as long as kproxy ran."""
+    index, plan = FamilyIndex(family), Plan(counting=counting)
+    steps: list[tuple[str, str, Sequence[bytes], Sequence[bytes]]] = []
+    for start in range(0, len(items), chunk or max(1, len(items))):
+        for name, fragment in items[start : start + (chunk or len(items))]:
+            plan_service(index, name, fragment, plan)
+        if chunk:
+            steps += plan.drain_puts()
+    finish_plan(plan)
+    return steps + plan.ordered()

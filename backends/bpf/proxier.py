@@ -139,7 +139,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         #: adoption's reads of the maps, in the background while the ledger renders (``adopt``)
         self._reader: ThreadPoolExecutor | None = None
         self.last_reap: Future[int] | None = None
-        self._last_full: tuple[IPFamily, list[Step]] | None = None
+        self._last_full: IPFamily | None = None  # the family of the last full sync that wrote (the floor's)
         self._last_partial: tuple[IPFamily, list[Step]] | None = None
 
     @property
@@ -457,7 +457,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
             raise
         if steps:
             if batch.full:
-                self._last_full = (fam, steps)
+                self._last_full = fam
             else:
                 self._last_partial = (fam, steps)
         t2 = time.perf_counter()
@@ -489,9 +489,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         return Applied(figures=MappingProxyType(self._figures(fam, index, the_plan)), timings=MappingProxyType(timings))
 
     def _write_maps(self, batch: BpfBatch, index: FamilyIndex) -> tuple[plan.Plan, list[Step], float, float]:
-        """Plan the batch's map writes and execute them: (the plan, its exact steps for the benchmark's floors, the
-        seconds a writer thread wrote while planning went on, when planning ended). "apply" timings are the writes
-        after planning ended; a large batch's puts are written meanwhile by another thread."""
+        """Plan the batch's map writes and execute them: (the plan, its steps, the seconds a writer thread wrote while
+        planning went on, when planning ended). "apply" timings are the writes after planning ended."""
         fam = batch.family
         the_plan = plan.Plan(counting=self._names is not None)
         # an index holding nothing before this plan (a first sync into empty maps) has nothing to sweep after it: the
@@ -554,12 +553,13 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
     # -- benchmark floors, metrics, trace --------------------------------------------------------------------------
 
     def measure_floor(self, scratch: str) -> float | None:
-        """The last full sync's exact map writes into fresh empty maps of the same shape (``kernel.floor_full``):
-        maps live outside namespaces, so ``scratch`` is not needed."""
-        if self._last_full is None:
+        """The last full sync's map writes (built again: ``plan.full_steps``) into fresh empty maps of the same shape
+        (``kernel.floor_full``); maps live outside namespaces, so ``scratch`` is not needed."""
+        if (fam := self._last_full) is None:
             return None
-        fam, steps = self._last_full
-        return kernel.floor_full(fam, steps, self._where().map_size)
+        items, counting = list(self.applied_fragments(fam).items()), self._names is not None
+        chunk = PIPELINE_CHUNK if len(items) >= PIPELINE_SERVICES else 0  # as ``_write_maps`` drains
+        return kernel.floor_full(fam, plan.full_steps(fam, items, counting, chunk), self._where().map_size)
 
     def measure_partial_floor(self) -> Mapping[str, float] | None:
         """The last partial sync's map writes again, into the maps as they are (rewriting the same bytes)."""

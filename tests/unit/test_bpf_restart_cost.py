@@ -15,7 +15,7 @@ import pytest
 from kproxy.backends.bpf import adopt, decode
 from kproxy.backends.bpf import plan as planner
 from kproxy.backends.bpf.companion import NftView
-from kproxy.backends.bpf.index import FamilyIndex
+from kproxy.backends.bpf.index import FamilyIndex, endpoints
 from kproxy.backends.bpf.plan import Plan
 from kproxy.backends.bpf.render import Fragment, Frontend
 from kproxy.model import IPFamily, Protocol, ServicePortName
@@ -142,7 +142,7 @@ def test_slots_in_another_order_than_the_fragments_still_compare_equal() -> None
                     maps[role][k] = v
     raw = {role: (b"".join(m), b"".join(m.values())) for role, m in maps.items()}
     a = adopt.adopted(V4, raw, NftView(False, frozenset(), frozenset()))
-    assert a.view[f0.key][2] != moved.frontends[0].backends  # slot order, not the fragment's
+    assert a.view[f0.key][2] != endpoints(V4, moved.frontends[0].backends)  # slot order, not the fragment's
     assert adopt.adopted_unchanged(a, name, moved)
     assert adopt.verify_service(a, name, moved) is None
     short = Fragment((dataclasses.replace(f0, backends=moved.frontends[0].backends[:-1]),))
