@@ -127,6 +127,22 @@ def assert_clean(report: dict[str, object]) -> None:
     assert report["drift"] == 0 and not report["services"] and not report["extra"] and not report["errors"], report
 
 
+def edit_a_backend(svc: int, be: int, to: str) -> None:
+    """Service a's first backend element rewritten by hand to ``to``:8080 (what someone with ``bpftool`` could do);
+    the backend array's first entries hold this state's few backends (they have the lowest ids)."""
+    from kproxy.backends.bpf import decode, maps
+
+    ks = maps.key_sizes(IPFamily.V4)
+    index, _ = decode.index_from_raw(
+        IPFamily.V4, maps.lookup_raw(svc, *ks["svc"]), maps.lookup_array(be, *ks["be"], 64)
+    )
+    slot = maps.lookup(svc, maps.lb_key(IPFamily.V4, "198.19.1.1", 80, 6, 1), ks["svc"][1])
+    assert slot is not None
+    bid = maps.decode_service(slot)[0]
+    assert bid in index.backends
+    maps.update_batch(be, [maps.backend_key(bid)], [maps.backend_value(IPFamily.V4, to, 8080, 6)])
+
+
 def test_verify_names_what_was_flushed_and_the_periodic_sync_repairs_it(
     place: tuple[str, dict[str, str]], server: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -193,7 +209,7 @@ def test_verify_names_what_was_edited_by_hand_and_the_read_back_repairs_it(
     """What was edited in place (a service-map element deleted, a backend element changed, a map emptied, the table
     flushed): verify names the service at once; the periodic sync's read-back of the kernel puts it back (its
     schedule, every ``KERNEL_READ_S``, is shortened to every sync here)."""
-    from kproxy.backends.bpf import decode, maps, proxier
+    from kproxy.backends.bpf import maps, proxier
     from kproxy.backends.bpf.proxier import BpfProxier
 
     monkeypatch.setattr(BpfProxier, "CHECK_INTERVAL_S", 0.0)
@@ -218,15 +234,7 @@ def test_verify_names_what_was_edited_by_hand_and_the_read_back_repairs_it(
         assert_clean(p.verify(STATE))
 
         # a's backend element changed by hand: connections would go to another pod
-        # the backend array's first entries (this state's few backends have the lowest ids)
-        index, _ = decode.index_from_raw(
-            IPFamily.V4, maps.lookup_raw(svc, *ks["svc"]), maps.lookup_array(be, *ks["be"], 64)
-        )
-        slot = maps.lookup(svc, maps.lb_key(IPFamily.V4, "198.19.1.1", 80, 6, 1), ks["svc"][1])
-        assert slot is not None
-        bid = maps.decode_service(slot)[0]
-        assert bid in index.backends
-        maps.update_batch(be, [maps.backend_key(bid)], [maps.backend_value(IPFamily.V4, "198.18.220.9", 8080, 6)])
+        edit_a_backend(svc, be, "198.18.220.9")
         report = p.verify(STATE)
         assert drifted(report) == {KEYS[A]} and "198.18.220.9" in why(report, KEYS[A]), report
         assert p.sync(STATE, PERIODIC).ok
@@ -274,7 +282,7 @@ def test_the_read_behind_finds_an_edit_in_place_off_the_sync_path_and_a_full_bat
     and puts the element back. With a read-behind, a due read-back no longer makes a periodic sync a full one."""
     import threading
 
-    from kproxy.backends.bpf import decode, maps, proxier
+    from kproxy.backends.bpf import maps, proxier
     from kproxy.backends.bpf.proxier import BpfProxier
     from kproxy.readbehind import ReadBehind
 
@@ -284,7 +292,6 @@ def test_the_read_behind_finds_an_edit_in_place_off_the_sync_path_and_a_full_bat
     config = ProxyConfig(mode="bpf", hostname_override="node-a", ip_families=(IPFamily.V4,), backend_options=opts)
     p = BpfProxier(config, netns=ns)
     pins = Path(opts["bpf_pin_path"])
-    ks = maps.key_sizes(IPFamily.V4)
     asked: list[str] = []
 
     def repair(families: frozenset[IPFamily], why: str) -> None:
@@ -302,14 +309,7 @@ def test_the_read_behind_finds_an_edit_in_place_off_the_sync_path_and_a_full_bat
 
         svc = maps.obj_get(str(pins / maps.pin_name("svc", IPFamily.V4)))
         be = maps.obj_get(str(pins / maps.pin_name("be", IPFamily.V4)))
-        index, _ = decode.index_from_raw(
-            IPFamily.V4, maps.lookup_raw(svc, *ks["svc"]), maps.lookup_array(be, *ks["be"], 64)
-        )
-        slot = maps.lookup(svc, maps.lb_key(IPFamily.V4, "198.19.1.1", 80, 6, 1), ks["svc"][1])
-        assert slot is not None
-        bid = maps.decode_service(slot)[0]
-        assert bid in index.backends
-        maps.update_batch(be, [maps.backend_key(bid)], [maps.backend_value(IPFamily.V4, "198.18.220.9", 8080, 6)])
+        edit_a_backend(svc, be, "198.18.220.9")
         out = rb.once(IPFamily.V4)
         assert out is not None and len(out.differences) == 1, out
         assert out.differences[0].startswith(KEYS[A]) and "198.18.220.9" in out.differences[0], out
