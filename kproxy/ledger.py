@@ -109,8 +109,9 @@ class FamilyRecord(Generic[F, C]):
     need_full: bool = True  # first sync, or the last sync of this family failed
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: while a read-behind runs (``kproxy.readbehind``): per service a partial batch wrote or removed since it began,
-    #: the fragment recorded before that first change (None: there was none); None when no read-behind runs
-    touched: dict[ServicePortName, F | None] | None = None
+    #: the fragments recorded before each of those changes, oldest first (None: there was none); None when no
+    #: read-behind runs
+    touched: dict[ServicePortName, list[F | None]] | None = None
     full_batches: int = 0  # successful full batches (a read-behind that overlaps one compares nothing)
 
 
@@ -548,8 +549,8 @@ def _commit_deltas(
     for d in deltas:
         if d.name in keep:
             continue  # still the old version, reported in failed
-        if touched is not None and d.name not in touched:
-            touched[d.name] = rec.fragments.get(d.name)
+        if touched is not None:
+            touched.setdefault(d.name, []).append(rec.fragments.get(d.name))
         if d.new_fragment is None:
             rec.services.pop(d.name, None)
             rec.fragments.pop(d.name, None)

@@ -26,6 +26,10 @@ Reads are paced (``paced``): at most ``SHARE`` of the time goes to them, so at 1
 ~4 s in the bpf mode) an edit in place is found within minutes rather than the backend's 25 s, as upstream's full
 resync (an hour by default) bounds its own repairs of what it cannot see.
 
+A service that changes in every read's window is never compared (its view is stale by construction); what someone
+edited in place there is put back by the next full batch that adopts from the kernel: the periodic full sync
+(``full_sync_period``: an hour, upstream's FullSyncPeriod), since by then the backend's last read is old.
+
 The outcome goes to the backend (``kernel_read``: clean, it may trust its memory for another interval; not clean,
 its next full batch adopts from the kernel) and, when the kernel differs, to ``repair`` (the daemon's drift repair:
 a full batch of the family, counted in the drift metrics). The comparison costs a read and a ``verify_service`` per
@@ -156,8 +160,8 @@ class ReadBehind(Generic[F, C, A, V, S]):
             skipped = 0
         else:
             found, skipped = self._compare(r.view, applied, touched, failed)
-        backend = self.ledger.backend
-        backend.kernel_read(r.family, None if found else r.started)
+        with self._between:  # between syncs: an apply takes the backend's read time away and puts it back
+            self.ledger.backend.kernel_read(r.family, None if found else r.started)
         self.reads += 1
         if found:
             self.repairs += 1
@@ -170,7 +174,7 @@ class ReadBehind(Generic[F, C, A, V, S]):
         self,
         view: V,
         applied: Mapping[ServicePortName, F],
-        touched: Mapping[ServicePortName, F | None],
+        touched: Mapping[ServicePortName, list[F | None]],
         failed: set[ServicePortName],
     ) -> tuple[tuple[str, ...], int]:
         backend = self.ledger.backend
@@ -186,10 +190,16 @@ class ReadBehind(Generic[F, C, A, V, S]):
             if why is not None:
                 found.append(f"{service_key(spn)}: {why}")
         extra = backend.verify_extra(view, applied)
-        if extra and touched:  # what an earlier version of a touched service explains is not foreign
-            earlier = {**applied, **{spn: f for spn, f in touched.items() if f is not None}}
-            extra_earlier = set(backend.verify_extra(view, earlier))
-            extra = [line for line in extra if line in extra_earlier]
+        # what an earlier version of a touched service explains is not foreign: the k-th layer lays every touched
+        # service's k-th earlier version over the applied ones, and a line stays only while every layer has it
+        depth = max(map(len, touched.values()), default=0)
+        for k in range(depth):
+            if not extra:
+                break
+            layer = {spn: versions[k] for spn, versions in touched.items() if k < len(versions)}
+            earlier = {**applied, **{spn: f for spn, f in layer.items() if f is not None}}
+            seen = set(backend.verify_extra(view, earlier))
+            extra = [line for line in extra if line in seen]
         found += extra
         return tuple(found), skipped
 
@@ -204,8 +214,6 @@ class ReadBehind(Generic[F, C, A, V, S]):
             with collector_paused(True):
                 self.read(r)
                 out = self.finish(r)
-            self.last_s = time.monotonic() - r.started
-            self._done(family, r.started, self.last_s)
             log.debug("read-back of %s: %.2f s, %d differences", family.value, self.last_s, len(out.differences))
             return out
         except BaseException:
@@ -213,6 +221,9 @@ class ReadBehind(Generic[F, C, A, V, S]):
             with rec.lock:
                 rec.touched = None  # never left noting for a read that will not finish
             raise
+        finally:  # a read that failed is paced too: it must not run again at every poll
+            self.last_s = time.monotonic() - r.started
+            self._done(family, r.started, self.last_s)
 
     def paced(self, family: IPFamily, now: float) -> bool:
         """Whether a due read of ``family`` may start now: at most ``SHARE`` of the time goes to reading, so the

@@ -502,17 +502,35 @@ def _lookup_batches(fd: int, key_size: int, value_size: int, limit: int | None, 
 def read_lb(svc_fd: int, be_fd: int, name_fd: int, family: IPFamily) -> dict[str, tuple[bytes, bytes]]:
     """The service, backend and names maps raw (role -> (keys, values), each concatenated): the backend array as far
     as the highest backend id a service entry names (ids beyond are unreachable: left for the next writer of that
-    id), entries of no backend included as all zero bytes."""
+    id), entries of no backend included as all zero bytes.
+
+    The names map is read before the service map and again after it, and the two are joined (the later one wins a
+    key): a read beside a sync (``kproxy.readbehind``) would otherwise miss the name of a service removed between
+    its service-map read and its names read, and report that service's frontends as nobody's. Between syncs the two
+    reads are the same."""
     ks = key_sizes(family)
+    names_before = lookup_raw(name_fd, *ks["name"])
     svc = lookup_raw(svc_fd, *ks["svc"])
     ids = array.array("I")
     ids.frombytes(svc[1])
     upto = max(ids[0 :: LB_SERVICE.size // 4], default=0)  # each value's first field is its backend id (0: a master)
-    return {
-        "svc": svc,
-        "be": lookup_array(be_fd, *ks["be"], upto + 1),
-        "name": lookup_raw(name_fd, *ks["name"]),
-    }
+    be = lookup_array(be_fd, *ks["be"], upto + 1)
+    return {"svc": svc, "be": be, "name": joined(names_before, lookup_raw(name_fd, *ks["name"]), *ks["name"])}
+
+
+def joined(
+    first: tuple[bytes, bytes], second: tuple[bytes, bytes], key_size: int, value_size: int
+) -> tuple[bytes, bytes]:
+    """Two raw reads of one hash map as one: every key of either, with ``second``'s value where both have it."""
+    if first == second:
+        return second
+    entries = dict(zip(_pieces(first[0], key_size), _pieces(first[1], value_size), strict=True))
+    entries.update(zip(_pieces(second[0], key_size), _pieces(second[1], value_size), strict=True))
+    return b"".join(entries), b"".join(entries.values())
+
+
+def _pieces(raw: bytes, size: int) -> list[bytes]:
+    return [raw[i : i + size] for i in range(0, len(raw), size)]
 
 
 def zero_values(count: int, value_size: int) -> Packed:

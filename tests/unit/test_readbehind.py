@@ -178,3 +178,57 @@ def test_reads_take_at_most_their_share_of_the_time() -> None:
     rb._done(V4, 2000.0, 2.0)
     assert not rb.paced(V4, 2100.0)
     assert rb.paced(V4, 2200.0)
+
+
+class ByElement(Reads):
+    """A "kernel" whose extras are judged per element, as the bpf and nftables modes judge theirs: an entry the view
+    holds is foreign unless some wanted fragment is exactly it (a name alone does not explain it)."""
+
+    def verify_extra(self, view: dict[ServicePortName, ServicePort], wanted: object) -> list[str]:
+        assert isinstance(wanted, dict)
+        return [f"{k}: {sp.cluster_endpoints} not wanted" for k, sp in view.items() if wanted.get(k) != sp]
+
+
+def test_a_service_changed_twice_during_the_read_is_not_damage() -> None:
+    """A -> B before the read, B -> C after it: the view holds B, the ledger C, the first earlier version A. Only
+    the layer of the second earlier version (B) explains the view; with the first alone, B's entry was foreign."""
+    fake = ByElement()
+    sps = [sp(f"s{i}", 10 + i, eps=1) for i in range(3)]
+    assert fake.sync(state(*sps), Changes(full=True)).ok
+    repairs = Repairs()
+    rb: ReadBehind[object, object, object, object, object] = ReadBehind(
+        fake.ledger,  # type: ignore[arg-type]
+        threading.Lock(),
+        repairs,
+    )
+    name = sps[1].name
+    r = rb.begin(V4)
+    assert r is not None
+    b, c = sp("s1", 11, eps=2), sp("s1", 11, eps=3)
+    assert fake.sync(state(sps[0], b, sps[2], generation=2), Changes(full=False, services=frozenset({name}))).ok
+    rb.read(r)  # the kernel holds B
+    assert fake.sync(state(sps[0], c, sps[2], generation=3), Changes(full=False, services=frozenset({name}))).ok
+    touched = fake.ledger.records[V4].touched
+    assert touched is not None and touched[name] == [sps[1], b]
+    out = rb.finish(r)
+    assert out.compared and out.differences == () and repairs.asked == [], out
+
+
+def test_a_foreign_entry_stays_foreign_in_every_layer() -> None:
+    fake = ByElement()
+    sps = [sp(f"s{i}", 10 + i, eps=1) for i in range(3)]
+    assert fake.sync(state(*sps), Changes(full=True)).ok
+    rb: ReadBehind[object, object, object, object, object] = ReadBehind(
+        fake.ledger,  # type: ignore[arg-type]
+        threading.Lock(),
+        Repairs(),
+    )
+    r = rb.begin(V4)
+    assert r is not None
+    b = sp("s1", 11, eps=2)
+    assert fake.sync(state(sps[0], b, sps[2], generation=2), Changes(full=False, services=frozenset({b.name}))).ok
+    with fake.lock:
+        fake.programmed[(V4.value, sps[2].name)] = sp("s2", 12, eps=4)  # someone's edit of an untouched service
+    rb.read(r)
+    out = rb.finish(r)
+    assert out.compared and len(out.differences) == 2, out  # s2 differs, and its entry explains nothing
