@@ -208,13 +208,13 @@ class ReadBehind(Generic[F, C, A, V, S]):
         r = self.begin(family)
         if r is None:
             return None
+        out: Outcome | None = None
         try:
             # the read and the comparison allocate a few objects per map entry: without the shared pause the
             # collector would walk them again and again, stalling the sync thread too (it holds the GIL meanwhile)
             with collector_paused(True):
                 self.read(r)
                 out = self.finish(r)
-            log.debug("read-back of %s: %.2f s, %d differences", family.value, self.last_s, len(out.differences))
             return out
         except BaseException:
             rec = self.ledger.records[family]
@@ -224,6 +224,8 @@ class ReadBehind(Generic[F, C, A, V, S]):
         finally:  # a read that failed is paced too: it must not run again at every poll
             self.last_s = time.monotonic() - r.started
             self._done(family, r.started, self.last_s)
+            found = "failed" if out is None else f"{len(out.differences)} differences"
+            log.debug("read-back of %s: %.2f s, %s", family.value, self.last_s, found)
 
     def paced(self, family: IPFamily, now: float) -> bool:
         """Whether a due read of ``family`` may start now: at most ``SHARE`` of the time goes to reading, so the

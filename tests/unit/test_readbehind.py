@@ -52,16 +52,20 @@ class Reads(FakeProxier):
         self.told.append(at)
 
 
-def loaded(n: int = 5) -> tuple[Reads, list[ServicePort], ReadBehind[object, object, object, object, object], Repairs]:
-    fake = Reads()
-    sps = [sp(f"s{i}", 10 + i, eps=2) for i in range(n)]
-    assert fake.sync(state(*sps), Changes(full=True)).ok
+Reader = ReadBehind[object, object, object, object, object]
+
+
+def reader(fake: Reads) -> tuple[Reader, Repairs]:
+    """A read-behind of ``fake``'s ledger (no thread: the tests run its steps) and the repairs it asks for."""
     repairs = Repairs()
-    rb: ReadBehind[object, object, object, object, object] = ReadBehind(
-        fake.ledger,  # type: ignore[arg-type]
-        threading.Lock(),
-        repairs,
-    )
+    return ReadBehind(fake.ledger, threading.Lock(), repairs), repairs  # type: ignore[arg-type]
+
+
+def loaded(n: int = 5, fake: Reads | None = None, eps: int = 2) -> tuple[Reads, list[ServicePort], Reader, Repairs]:
+    fake = fake or Reads()
+    sps = [sp(f"s{i}", 10 + i, eps=eps) for i in range(n)]
+    assert fake.sync(state(*sps), Changes(full=True)).ok
+    rb, repairs = reader(fake)
     return fake, sps, rb, repairs
 
 
@@ -137,12 +141,7 @@ def test_a_full_batch_during_the_read_concludes_nothing() -> None:
 
 
 def test_nothing_applied_is_nothing_to_read() -> None:
-    fake = Reads()
-    rb: ReadBehind[object, object, object, object, object] = ReadBehind(
-        fake.ledger,  # type: ignore[arg-type]
-        threading.Lock(),
-        Repairs(),
-    )
+    rb, _ = reader(Reads())
     assert rb.once(V4) is None
 
 
@@ -192,15 +191,7 @@ class ByElement(Reads):
 def test_a_service_changed_twice_during_the_read_is_not_damage() -> None:
     """A -> B before the read, B -> C after it: the view holds B, the ledger C, the first earlier version A. Only
     the layer of the second earlier version (B) explains the view; with the first alone, B's entry was foreign."""
-    fake = ByElement()
-    sps = [sp(f"s{i}", 10 + i, eps=1) for i in range(3)]
-    assert fake.sync(state(*sps), Changes(full=True)).ok
-    repairs = Repairs()
-    rb: ReadBehind[object, object, object, object, object] = ReadBehind(
-        fake.ledger,  # type: ignore[arg-type]
-        threading.Lock(),
-        repairs,
-    )
+    fake, sps, rb, repairs = loaded(3, ByElement(), eps=1)
     name = sps[1].name
     r = rb.begin(V4)
     assert r is not None
@@ -215,14 +206,7 @@ def test_a_service_changed_twice_during_the_read_is_not_damage() -> None:
 
 
 def test_a_foreign_entry_stays_foreign_in_every_layer() -> None:
-    fake = ByElement()
-    sps = [sp(f"s{i}", 10 + i, eps=1) for i in range(3)]
-    assert fake.sync(state(*sps), Changes(full=True)).ok
-    rb: ReadBehind[object, object, object, object, object] = ReadBehind(
-        fake.ledger,  # type: ignore[arg-type]
-        threading.Lock(),
-        Repairs(),
-    )
+    fake, sps, rb, _ = loaded(3, ByElement(), eps=1)
     r = rb.begin(V4)
     assert r is not None
     b = sp("s1", 11, eps=2)
