@@ -521,11 +521,31 @@ def test_sync_judge_max_bound_has_a_minimum_for_modes_with_a_tiny_floor() -> Non
 
 def test_sync_judge_mean_bound_has_a_minimum_for_modes_with_a_tiny_floor() -> None:
     """CI's failing bpf run: 252 syncs with a mean of 5 ms against a floor of 4 ms (the whole state's map writes),
-    which is lab scheduling, not the backend; a bpf that sleeps 15 ms per sync (mean 18-20 ms) still fails."""
-    figures = judge([], [0.005] * 252, floor=0.004)
+    which is lab scheduling, not the backend. The minimum is per service written: 8 ms for each service a sync
+    wrote on average, so syncs costing 19 ms for one service each still fail."""
+    figures = judge([], [0.005] * 252, floor=0.004, written=1300)
     assert "mean 0.005 s" in figures
-    with pytest.raises(ScenarioFailure, match="the mean sync took 0.019 s, over 0.016 s"):
-        judge([], [0.019] * 140, floor=0.004)
+    with pytest.raises(ScenarioFailure, match="the mean sync took 0.019 s, over 0.008 s"):
+        judge([], [0.019] * 140, floor=0.004, written=140)
+
+
+def test_sync_judge_mean_minimum_grows_with_what_each_sync_wrote() -> None:
+    """CI's bpf run at e8e9930: 166 syncs wrote 1,224 services (7.4 each) with a mean of 18 ms and 2.97 s in all,
+    where runs here wrote 1.4-1.5 per sync with means of 5-7 ms and 4.1-4.6 s in all: the same work, batched
+    differently, passes; the same syncs writing one service each (18 ms for one service) fail."""
+    figures = judge([], [0.018] * 166, floor=0.008, written=1224)
+    assert (
+        "the lab's minimum for the mean 0.059 s (0.008 s x 7.4 services written per sync, at most 0.064 s)" in figures
+    )
+    with pytest.raises(ScenarioFailure, match="the mean sync took 0.018 s, over 0.008 s"):
+        judge([], [0.018] * 166, floor=0.008, written=166)
+
+
+def test_sync_judge_mean_minimum_is_capped() -> None:
+    """A bpf sync costing what the whole state costs in the bench (0.1 s at 1,000 x 3) fails however much each sync
+    carried: 40 syncs writing 25 services each would allow 0.2 s uncapped."""
+    with pytest.raises(ScenarioFailure, match="the mean sync took 0.100 s, over 0.064 s"):
+        judge([], [0.1] * 40, floor=0.008, written=1000)
 
 
 def test_sync_judge_fails_a_mean_over_the_floor() -> None:
