@@ -12,12 +12,13 @@ chunks, and their size: docs/PERFORMANCE.md and the package docstring.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
-from kproxy.batch import Batch
-from kproxy.model import ServicePortName
+from kproxy.batch import Batch, Delta
+from kproxy.model import IPFamily, NodeInfo, ProxyState, ServicePortName
 from kproxy.nodeaddr import FamilyContext
 
 from . import adopt as adopt_mod
@@ -129,6 +130,29 @@ def full_chunks(batch: NftBatch, counters: bool = False) -> Iterator[Chunk]:
     shared_changes(f.tx, f.both_shared, f.refs)
     add_hairpin(f.tx, set(), f.both_hairpin - f.needed_hairpin)
     yield f.chunk(last=True)
+
+
+def fresh_text(
+    family: IPFamily,
+    context: FamilyContext,
+    node: NodeInfo,
+    fragments: Mapping[ServicePortName, Fragment],
+    counters: bool = False,
+) -> str:
+    """The transactions that build a table holding ``fragments`` from nothing, joined into one text, as a full sync
+    into an empty namespace writes them (``full_chunks`` with an adoption that found no table). Rendered again when
+    asked (the benchmark's floor) rather than kept: the text is the table's size (70 MB at 100,000 x 10)."""
+    batch: NftBatch = Batch(
+        family=family,
+        full=True,
+        context=context,
+        deltas=tuple(Delta(name, None, None, None, frag) for name, frag in fragments.items()),
+        wanted=fragments,
+        applied=MappingProxyType({}),
+        state=ProxyState(services={}, node=node),
+        adopted=adopt_mod.Adopted(family),
+    )
+    return "".join(chunk.tx.text() for chunk in full_chunks(batch, counters))
 
 
 class _Full:

@@ -28,7 +28,7 @@ from kproxy.config import ProxyConfig
 from kproxy.counters import CounterDump
 from kproxy.drift import Drift
 from kproxy.metrics import PREFIX
-from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
+from kproxy.model import IPFamily, NodeInfo, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nftkernel import Nft, available
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelHooks
@@ -49,6 +49,7 @@ from .render import Fragment
 log = logging.getLogger(__name__)
 
 CHECK_INTERVAL = 1.0  # seconds between "is my table still there" checks at the start of partial syncs
+LAST_TEXT_KEPT = 1 << 20  # characters: a longer last transaction (a full sync at scale) is not kept between syncs
 
 
 class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, TableView, Scratch]):
@@ -66,8 +67,10 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         self._nft = nft_tools.OwnContext(netns)
         self._metrics: dict[str, Any] = {}
         self._kernel: dict[IPFamily, Known] = {f: Known() for f in self.families}
-        self._last_full_text: dict[IPFamily, str] = {}
-        self._last_text: dict[IPFamily, str] = {}
+        # per family, what the last full sync that built the table from nothing rendered from, besides the ledger's
+        # fragments: the benchmark's floor renders that transaction again (``measure_floor``)
+        self._fresh: dict[IPFamily, tuple[FamilyContext, NodeInfo]] = {}
+        self._last_text: dict[IPFamily, str] = {}  # the last transaction, when at most LAST_TEXT_KEPT long
         # the last partial batch's changes (service, old, new), for measure_partial_floor
         self._last_partial: dict[IPFamily, list[tuple[ServicePortName, Fragment | None, Fragment | None]]] = {}
         self._counts: dict[IPFamily, dict[str, int]] = {}  # the last apply's figures per family, for describe()
@@ -291,9 +294,10 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         else:
             self._last_partial.pop(fam, None)
         known.known = True
-        text = self._last_text[fam] = "".join(out.texts)
+        size = sum(map(len, out.texts))
+        self._last_text[fam] = "".join(out.texts) if size <= LAST_TEXT_KEPT else f"# not kept: {size} characters\n"
         if batch.full and plan.scratch(batch).fresh:
-            self._last_full_text[fam] = text  # the same string: a full sync's text is the table's size
+            self._fresh[fam] = (batch.context, batch.state.node)
         figures["shared_chains"] = len(known.shared)
         self._counts[fam] = figures
         if fam == IPFamily.V4:
@@ -313,8 +317,17 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
     # ------------------------------------------------------------------------------------------ tools
 
     def last_transaction(self, family: IPFamily) -> str:
-        """The text of the last committed transaction of a family (tests assert on what was written)."""
+        """The text of the last committed transaction of a family (tests assert on what was written); one longer
+        than LAST_TEXT_KEPT (a full sync at scale) is a comment saying so."""
         return self._last_text.get(family, "")
+
+    def fresh_transaction(self, family: IPFamily) -> str:
+        """The transaction that would build the table as it is now from nothing, rendered as the last full sync that
+        built it from nothing did (``plan.fresh_text``); "" before there was one."""
+        if (made := self._fresh.get(family)) is None:
+            return ""
+        context, node = made
+        return plan.fresh_text(family, context, node, self.applied_fragments(family), self.counting)
 
     def trace(
         self, src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False
@@ -336,7 +349,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         return {"floor_s": seconds}
 
     def measure_floor(self, scratch: str) -> float | None:
-        """Seconds ``nft -f`` takes for the exact transaction of the last full sync that built the table from
-        nothing, into the bench's empty namespace ``scratch``."""
-        texts = [t for t in self._last_full_text.values() if t]
+        """Seconds ``nft -f`` takes for the transaction that builds the table as it is now from nothing, as the last
+        full sync that did so wrote it (``fresh_transaction``), into the bench's empty namespace ``scratch``."""
+        texts = [t for t in map(self.fresh_transaction, self.families) if t]
         return kernel.file_floor(texts, scratch) if texts else None

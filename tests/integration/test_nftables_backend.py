@@ -258,6 +258,42 @@ def test_big_full_sync_in_chunks_of_whole_services(netns: str, monkeypatch: pyte
         p.close()
 
 
+def test_the_floor_renders_the_fresh_transaction_again(netns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmark's floor is the transaction that builds the table from nothing, rendered again when asked
+    (``fresh_transaction``): the same text, chunks included, as the full sync into the empty namespace wrote; it
+    follows the table after a partial sync; the kernel takes it in another empty namespace. A last transaction over
+    LAST_TEXT_KEPT is not kept between syncs (70 MB at 100,000 x 10)."""
+    from kproxy.backends.nftables import plan
+    from kproxy.backends.nftables import proxier as proxier_mod
+
+    monkeypatch.setattr(plan, "CHUNK", 40)
+    sps = [sp(f"s{i:03d}", f"198.19.1.{i}", tuple(f"198.18.2.{i % 200 + j}" for j in range(3))) for i in range(30)]
+    p = NftablesProxier(CFG, netns=netns)
+    try:
+        assert p.fresh_transaction(IPFamily.V4) == "" and p.measure_floor(netns) is None  # no full sync yet
+        aff = sp("aff", "198.19.2.1", ("198.18.3.1",), affinity_timeout=60)  # chains and a set of its own
+        res = p.sync(state(*sps, aff), Changes(full=True))
+        assert res.ok, res.error
+        assert res.family(IPFamily.V4).figures["transactions"] > 1
+        for fam in (IPFamily.V4, IPFamily.V6):
+            assert p.fresh_transaction(fam) == p.last_transaction(fam) != ""
+        moved = sp("s003", "198.19.1.3", ("198.18.9.9",))  # three endpoints before, one now; aff removed
+        changes = Changes(full=False, services=frozenset({moved.name, aff.name}))
+        assert p.sync(state(*sps[:3], moved, *sps[4:], gen=2), changes).ok
+        fresh = p.fresh_transaction(IPFamily.V4)
+        assert "198.19.1.3 . tcp . 80 . 0 : 198.18.9.9 . 8080" in fresh and "198.19.1.3 . tcp . 80 . 1" not in fresh
+        assert "aff" not in fresh
+        with scratch_netns("kpm-nft-", lo_up=True) as other:
+            assert (p.measure_floor(other) or 0) > 0
+            listing = nft_list(other, "list", "map", "ip", "kproxy", "backends-tcp")
+            assert "198.18.9.9 . 8080" in listing and "198.19.1.3 . tcp . 80 . 1 " not in listing
+        monkeypatch.setattr(proxier_mod, "LAST_TEXT_KEPT", 100)
+        assert p.sync(state(*sps, gen=3), Changes(full=True)).ok
+        assert p.last_transaction(IPFamily.V4).startswith("# not kept: ")
+    finally:
+        p.close()
+
+
 def test_affinity_service_removed_at_a_full_sync_and_stale_chains_swept(netns: str) -> None:
     p = NftablesProxier(CFG, netns=netns)
     try:
