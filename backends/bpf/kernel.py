@@ -49,7 +49,11 @@ class Writer:
 
     def __enter__(self) -> Writer:
         self._scope.enter_context(switch_interval(WRITER_SWITCH_INTERVAL))
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._scope.close()  # the interval as found: __exit__ does not run when __enter__ raises
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -103,3 +103,24 @@ def test_the_writer_lowers_the_switch_interval_only_while_it_runs() -> None:
         w.submit([("svc", "put", [b"k"], [b"v"])])  # no such map: the write fails
         w.finish()
     assert sys.getswitchinterval() == before
+
+
+def test_the_writer_restores_the_switch_interval_when_its_thread_does_not_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``__exit__`` does not run when ``__enter__`` raises: the writer restores the interval itself."""
+    import sys
+    import threading
+
+    from kproxy.backends.bpf import kernel
+    from kproxy.model import IPFamily
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    before = sys.getswitchinterval()
+    writer = kernel.Writer({}, IPFamily.V4)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't start new thread"), writer:
+        pass
+    assert sys.getswitchinterval() == before
