@@ -135,18 +135,23 @@ def pack(elements: Iterable[Element]) -> str:
     """Elements as a fragment's ``text``: a ``map|key|value`` line each, where a key that extends the last entry's
     key (``<entry key> . <rest>``: a slot's, a counting element's) is written ``~<rest>``; entries are written whole.
     Deterministic, so two fragments' texts are equal exactly when their elements are (no key starts with ``~``, no
-    key or value holds a ``|`` or a newline)."""
+    key or value holds a ``|`` or a newline: checked, in three counts over the text, and refused with ValueError)."""
     lines: list[str] = []
     entry = ""
+    packed = 0
     for m, k, v in elements:
         if m in ENTRY_MAPS:
             entry = k + " . "
             lines.append(f"{m}|{k}|{v}")
         elif entry and k.startswith(entry):
             lines.append(f"{m}|~{k[len(entry) :]}|{v}")
+            packed += 1
         else:
             lines.append(f"{m}|{k}|{v}")
-    return "\n".join(lines)
+    text = "\n".join(lines)
+    if text.count("|") != 2 * len(lines) or text.count("\n") != max(len(lines) - 1, 0) or text.count("|~") != packed:
+        raise ValueError(f"an element holds '|' or a newline, or a key starts with '~': {text[:200]!r}")
+    return text
 
 
 def single_entry(text: str) -> bool:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+import pytest
+
 from kproxy.backends.nftables import counters, fragment, layout, render
 from kproxy.bench import memory, synthetic
 from kproxy.cache import ServiceCache
@@ -138,6 +140,23 @@ def test_the_text_is_packed_and_gives_every_element_back() -> None:
     ]
     assert fragment.unpack(web.text) == fragment.digest_text(web.elements)
     assert web.elements[3] == (slots, "198.18.200.1 . tcp . 80 . 2", "198.18.65.3 . 8080")
+
+
+def test_pack_refuses_what_would_make_its_text_ambiguous() -> None:
+    """Every key and value comes from validated addresses, ports and names; ``pack`` still refuses an element that
+    would read back as other elements: a ``|`` or a newline in it, or a key starting with ``~`` (a packed key's
+    mark). ``_render_cluster_ip_only`` writes the same text from addresses and numbers alone."""
+    slots = render.slot_map(render.BACKENDS, "tcp")
+    entry = (layout.SERVICE_IPS, "198.18.200.1 . tcp . 80", "goto lb-i-1")
+    assert fragment.pack([entry, (slots, "198.18.200.1 . tcp . 80 . 0", "198.18.64.2 . 8080")]).count("|~") == 1
+    for bad in (
+        (slots, "198.18.200.1 . tcp . 80 . 0", "198.18.64.2 . 8080|x"),
+        (slots, "198.18.200.1 . tcp . 80 . 0", "198.18.64.2 . 8080\nservice-ips|1.2.3.4 . tcp . 1|drop"),
+        (slots, "~0", "198.18.64.2 . 8080"),
+        (layout.SERVICE_IPS, "~198.18.200.2 . tcp . 80", "drop"),
+    ):
+        with pytest.raises(ValueError, match="holds '\\|' or a newline, or a key starts with '~'"):
+            fragment.pack([entry, bad])
 
 
 def test_a_full_syncs_transaction_is_written_from_the_text_as_from_the_elements() -> None:
