@@ -43,7 +43,7 @@ from typing import Generic
 from kproxy.admission import UNLIMITED, Book
 from kproxy.batch import A, Applied, Backend, Batch, C, Delta, F, Overlay, S, V
 from kproxy.config import ProxyConfig
-from kproxy.gcpause import collector_paused
+from kproxy.gcpause import collector_paused, trim_heap
 from kproxy.model import Changes, FamilySync, IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nodeaddr import FamilyContext, NodeContext, resolve
 from kproxy.toolkit.mappings import dict_of, has_other_keys
@@ -184,6 +184,10 @@ class Ledger(Generic[F, C, A, V, S]):
                 if tally.error is not None:
                     errors.append(f"{fam.value}: {tally.error}")
                     failed_families.add(fam)
+        if bulk:  # what it rendered and wrote is freed by now: its pages back to the OS (12 ms at 100,000 x 10)
+            t1 = time.perf_counter()
+            trim_heap()
+            timings["trim"] = time.perf_counter() - t1
         self.generation = state.generation
         timings["total"] = time.perf_counter() - t0
         refused: dict[ServicePortName, str] = {}

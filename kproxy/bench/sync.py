@@ -90,6 +90,7 @@ from kproxy.bench import counterread, memory, mixed, synthetic
 from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig
 from kproxy.conntrack import ConntrackReconciler, udp_changes
+from kproxy.gcpause import trim_heap
 from kproxy.model import Changes, IPFamily, ProxyState, SyncResult
 from kproxy.proxier import FAKE_MODE, BenchHooks, backend_class
 from kproxy.toolkit.netns import scratch_netns
@@ -473,6 +474,7 @@ def _restart_phase(
     live[:] = [fresh]  # the old instance goes with the old process
     del backend
     gc.collect()
+    trim_heap()  # and its heap with it: what it freed goes back to the OS, as a new process would start without it
     fresh.start()
     cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
     meter.start()

@@ -345,3 +345,21 @@ def test_a_check_that_finds_the_state_gone_after_a_failed_sync_asks_for_a_run_no
     assert r.check_now(IPFamily.V4)  # failed, and the state is gone: a run now
     done = r.sync(state(sp("a", 2)), partial("a"))
     assert done.ok and done.full  # the full batch that was owed
+
+
+def test_a_bulk_sync_gives_the_heap_it_freed_back_to_the_os(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full sync renders every service and frees most of that by its end: the ledger trims the C heap after it
+    (``gcpause.trim_heap``; at 100,000 x 10, nftables 551 -> 449 MB in 12 ms), and after a partial one that is as
+    big; a small partial sync does not pay the walk."""
+    from kproxy import ledger
+
+    calls: list[bool] = []
+    monkeypatch.setattr(ledger, "trim_heap", lambda: calls.append(True) or True)
+    fake = FakeProxier()
+    many = [sp(f"t{i}") for i in range(ledger._BULK_SERVICES + 1)]
+    result = fake.sync(state(*many), Changes(full=True))
+    assert result.ok and calls == [True] and result.timings["trim"] >= 0
+    result = fake.sync(state(*many, generation=2), partial("t1"))
+    assert result.ok and calls == [True] and "trim" not in result.timings
+    bulk = Changes(full=False, services=frozenset(s.name for s in many))
+    assert fake.sync(state(*many, generation=3), bulk).ok and calls == [True, True]
