@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from kproxy.model import IPFamily, ServicePortName
 from kproxy.toolkit.keys import service_key
 
-from . import decode
+from . import decode, maps
 from .companion import NftView
 from .index import FamilyIndex, View, endpoint_pairs, endpoint_size, endpoints
 from .render import Fragment, decoded
@@ -158,11 +158,7 @@ def same_backends(held: bytes, wanted: bytes, size: int) -> bool:
         return True
     if len(held) != len(wanted):
         return False
-    return sorted(_pieces(held, size)) == sorted(_pieces(wanted, size))
-
-
-def _pieces(blob: bytes, size: int) -> list[bytes]:
-    return [blob[i : i + size] for i in range(0, len(blob), size)]
+    return sorted(maps.pieces(held, size)) == sorted(maps.pieces(wanted, size))
 
 
 def adopted_unchanged(a: Adopted, name: ServicePortName, fragment: Fragment) -> bool:

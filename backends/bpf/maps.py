@@ -524,12 +524,13 @@ def joined(
     """Two raw reads of one hash map as one: every key of either, with ``second``'s value where both have it."""
     if first == second:
         return second
-    entries = dict(zip(_pieces(first[0], key_size), _pieces(first[1], value_size), strict=True))
-    entries.update(zip(_pieces(second[0], key_size), _pieces(second[1], value_size), strict=True))
+    entries = dict(zip(pieces(first[0], key_size), pieces(first[1], value_size), strict=True))
+    entries.update(zip(pieces(second[0], key_size), pieces(second[1], value_size), strict=True))
     return b"".join(entries), b"".join(entries.values())
 
 
-def _pieces(raw: bytes, size: int) -> list[bytes]:
+def pieces(raw: bytes, size: int) -> list[bytes]:
+    """``raw`` cut into consecutive ``size``-byte pieces (one per map entry, or per backend of a slot list)."""
     return [raw[i : i + size] for i in range(0, len(raw), size)]
 
 

@@ -133,15 +133,12 @@ def full_chunks(batch: NftBatch, counters: bool = False) -> Iterator[Chunk]:
 
 
 def fresh_text(
-    family: IPFamily,
-    context: FamilyContext,
-    node: NodeInfo,
-    fragments: Mapping[ServicePortName, Fragment],
-    counters: bool = False,
+    family: IPFamily, context: FamilyContext, fragments: Mapping[ServicePortName, Fragment], counters: bool = False
 ) -> str:
     """The transactions that build a table holding ``fragments`` from nothing, joined into one text, as a full sync
     into an empty namespace writes them (``full_chunks`` with an adoption that found no table). Rendered again when
-    asked (the benchmark's floor) rather than kept: the text is the table's size (70 MB at 100,000 x 10)."""
+    asked (the benchmark's floor) rather than kept: the text is the table's size (70 MB at 100,000 x 10). The
+    batch's state is empty: planning reads the fragments and the context, never the services they came from."""
     batch: NftBatch = Batch(
         family=family,
         full=True,
@@ -149,7 +146,7 @@ def fresh_text(
         deltas=tuple(Delta(name, None, None, None, frag) for name, frag in fragments.items()),
         wanted=fragments,
         applied=MappingProxyType({}),
-        state=ProxyState(services={}, node=node),
+        state=ProxyState(services={}, node=NodeInfo("")),
         adopted=adopt_mod.Adopted(family),
     )
     return "".join(chunk.tx.text() for chunk in full_chunks(batch, counters))

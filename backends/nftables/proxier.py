@@ -28,7 +28,7 @@ from kproxy.config import ProxyConfig
 from kproxy.counters import CounterDump
 from kproxy.drift import Drift
 from kproxy.metrics import PREFIX
-from kproxy.model import IPFamily, NodeInfo, ProxyState, ServicePort, ServicePortName, SyncResult
+from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, SyncResult
 from kproxy.nftkernel import Nft, available
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelHooks
@@ -67,9 +67,6 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         self._nft = nft_tools.OwnContext(netns)
         self._metrics: dict[str, Any] = {}
         self._kernel: dict[IPFamily, Known] = {f: Known() for f in self.families}
-        # per family, what the last full sync that built the table from nothing rendered from, besides the ledger's
-        # fragments: the benchmark's floor renders that transaction again (``measure_floor``)
-        self._fresh: dict[IPFamily, tuple[FamilyContext, NodeInfo]] = {}
         self._last_text: dict[IPFamily, str] = {}  # the last transaction, when at most LAST_TEXT_KEPT long
         # the last partial batch's changes (service, old, new), for measure_partial_floor
         self._last_partial: dict[IPFamily, list[tuple[ServicePortName, Fragment | None, Fragment | None]]] = {}
@@ -296,8 +293,6 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         known.known = True
         size = sum(map(len, out.texts))
         self._last_text[fam] = "".join(out.texts) if size <= LAST_TEXT_KEPT else f"# not kept: {size} characters\n"
-        if batch.full and plan.scratch(batch).fresh:
-            self._fresh[fam] = (batch.context, batch.state.node)
         figures["shared_chains"] = len(known.shared)
         self._counts[fam] = figures
         if fam == IPFamily.V4:
@@ -322,12 +317,12 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         return self._last_text.get(family, "")
 
     def fresh_transaction(self, family: IPFamily) -> str:
-        """The transaction that would build the table as it is now from nothing, rendered as the last full sync that
-        built it from nothing did (``plan.fresh_text``); "" before there was one."""
-        if (made := self._fresh.get(family)) is None:
+        """The transaction that would build the table as the ledger records it from nothing, as a full sync into an
+        empty namespace writes it (``plan.fresh_text``); "" before the first successful sync."""
+        context, fragments = self.applied(family)
+        if context is None:
             return ""
-        context, node = made
-        return plan.fresh_text(family, context, node, self.applied_fragments(family), self.counting)
+        return plan.fresh_text(family, context, fragments, self.counting)
 
     def trace(
         self, src: str, proto: str, dst: str, dport: int, *, src_local: bool = False, dst_local: bool = False
@@ -349,7 +344,8 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         return {"floor_s": seconds}
 
     def measure_floor(self, scratch: str) -> float | None:
-        """Seconds ``nft -f`` takes for the transaction that builds the table as it is now from nothing, as the last
-        full sync that did so wrote it (``fresh_transaction``), into the bench's empty namespace ``scratch``."""
+        """Seconds ``nft -f`` takes for the transaction that builds the table as it is now from nothing, as a full
+        sync into an empty namespace writes it (``fresh_transaction``), into the bench's empty namespace
+        ``scratch``."""
         texts = [t for t in map(self.fresh_transaction, self.families) if t]
         return kernel.file_floor(texts, scratch) if texts else None
