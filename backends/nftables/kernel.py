@@ -28,20 +28,38 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Outcome:
-    """What applying a batch's chunks did: the committed texts, the figures, the timings, and the refused chunk
-    with libnftables' answer (None: all committed)."""
+    """What applying a batch's chunks did: the committed texts (while they add up to at most ``keep`` characters:
+    a full sync at 100,000 x 10 commits ~70 MB of text, which must not all be held until its last chunk is
+    applied), their size, the figures, the timings, and the refused chunk with libnftables' answer (None: all
+    committed)."""
 
     texts: list[str] = field(default_factory=list)
+    size: int = 0  # characters committed, kept or not
+    dropped: bool = False  # the committed texts did not fit in ``keep``: none is kept
     figures: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=lambda: {"render_apply": 0.0, "apply": 0.0})
     error: tuple[Chunk, Result] | None = None
 
+    def committed(self, text: str, keep: int) -> None:
+        """Count a committed ``text``; keep it while every committed text fits in ``keep`` characters."""
+        self.size += len(text)
+        if self.size > keep:
+            self.texts.clear()
+            self.dropped = True
+        else:
+            self.texts.append(text)
 
-def apply_chunks(nft: Nft, chunks: Iterator[Chunk], committed: Callable[[Chunk], None]) -> Outcome:
+    @property
+    def kept(self) -> str | None:
+        """Every committed text joined, or None when they did not fit."""
+        return None if self.dropped else "".join(self.texts)
+
+
+def apply_chunks(nft: Nft, chunks: Iterator[Chunk], committed: Callable[[Chunk], None], keep: int) -> Outcome:
     """Apply ``chunks`` in order, each while the next is built; ``committed(chunk)`` after each one the kernel took.
-    Stops at the first refusal."""
+    Stops at the first refusal. Keeps the committed texts up to ``keep`` characters (``Outcome.committed``)."""
     out = Outcome()
-    added = deleted = commands = 0
+    added = deleted = commands = transactions = 0
     pending: tuple[Chunk, str, Future[Result]] | None = None
     while True:
         b0 = time.perf_counter()
@@ -50,14 +68,16 @@ def apply_chunks(nft: Nft, chunks: Iterator[Chunk], committed: Callable[[Chunk],
         out.timings["render_apply"] += time.perf_counter() - b0
         if pending is not None:
             chunk, ptext, fut = pending
+            pending = None
             res = fut.result()
+            transactions += 1
             out.timings["apply"] += res.seconds
             if not res.ok:
                 out.error = (chunk, res)
                 break
             committed(chunk)
-            out.texts.append(ptext)
-            pending = None
+            out.committed(ptext, keep)
+            del chunk, ptext
         if nxt is None:
             break
         added += nxt.tx.elements_added
@@ -71,15 +91,15 @@ def apply_chunks(nft: Nft, chunks: Iterator[Chunk], committed: Callable[[Chunk],
         "elements_added": added,
         "elements_deleted": deleted,
         "commands": commands,
-        "transactions": len(out.texts) + (1 if out.error else 0),
+        "transactions": transactions,
     }
     return out
 
 
-def creates_objects(family: IPFamily, texts: list[str]) -> bool:
-    """Whether committed texts created or removed chains or sets (such a change is not replayed by the floor)."""
+def creates_objects(family: IPFamily, text: str) -> bool:
+    """Whether a committed text created or removed chains or sets (such a change is not replayed by the floor)."""
     fam = render.nft_family(family)
-    return any(f" {w} {fam} " in t for t in texts for w in ("chain", "set"))
+    return any(f" {w} {fam} " in text for w in ("chain", "set"))
 
 
 Change = tuple[ServicePortName, Fragment | None, Fragment | None]

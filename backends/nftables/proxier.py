@@ -272,7 +272,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
                 return Applied(ok=False, error="kernel state unknown: a full sync must come first", need_full=True)
             chunks = iter([plan.partial(batch, known)])
         render_s = time.perf_counter() - r0
-        out = kernel.apply_chunks(self.nft, chunks, lambda chunk: plan.commit(batch, known, chunk))
+        out = kernel.apply_chunks(self.nft, chunks, lambda chunk: plan.commit(batch, known, chunk), LAST_TEXT_KEPT)
         out.timings["render_apply"] += render_s
         if batch.full and first_round and isinstance(batch.adopted, adopt_mod.Adopted):
             # where adoption's read went (``adopt.read``), once per sync: the ledger adds up its rounds' timings
@@ -286,13 +286,13 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
                 self._kernel[fam] = Known()
             figs = MappingProxyType(figures)
             return Applied(ok=False, refused=refused, error=summary, kernel_refusals=1, figures=figs, timings=timings)
-        if not batch.full and not kernel.creates_objects(fam, out.texts):
+        kept = out.kept  # a partial batch's text too long to keep: its floor is not taken (nor would it be short)
+        if not batch.full and kept is not None and not kernel.creates_objects(fam, kept):
             self._last_partial[fam] = [(d.name, d.old_fragment, d.new_fragment) for d in batch.deltas]
         else:
             self._last_partial.pop(fam, None)
         known.known = True
-        size = sum(map(len, out.texts))
-        self._last_text[fam] = "".join(out.texts) if size <= LAST_TEXT_KEPT else f"# not kept: {size} characters\n"
+        self._last_text[fam] = kept if kept is not None else f"# not kept: {out.size} characters\n"
         figures["shared_chains"] = len(known.shared)
         self._counts[fam] = figures
         if fam == IPFamily.V4:
