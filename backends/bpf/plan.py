@@ -14,6 +14,7 @@ import functools
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 from kproxy.model import IPFamily, ServicePortName
 from kproxy.toolkit.keys import service_key
@@ -442,8 +443,7 @@ def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: 
         doomed = [k for k, st in fronts.items() if st.owner is None]
     for k in doomed:
         remove_front(plan, index, k, fronts[k])
-    used: set[int] = set().union(*[st.slots for st in fronts.values()])
-    for bid in sorted(index.backends.ids() - used):
+    for bid in index.backends.unused(chain.from_iterable(st.slots for st in fronts.values())):
         plan.be_del.append(_ID.pack(bid))
         del index.backends[bid]
     live_revs = {st.master.rev_nat_id for st in fronts.values()}
@@ -458,8 +458,7 @@ def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: 
     index.free_revs.clear()
     index.next_backend = index.backends.top() + 1
     if index.next_backend - 1 > len(index.backends):
-        holes = set(range(1, index.next_backend)) - index.backends.ids()
-        index.free_backends = sorted(holes, reverse=True)
+        index.free_backends = index.backends.holes()
     else:
         index.free_backends.clear()
     index.next_rev = max([*index.rev_names, *live_revs, 0]) + 1

@@ -120,6 +120,18 @@ def test_table_behaves_as_the_dict_it_replaced(family: IPFamily, ops: list[tuple
     assert all(table.get(b) is None for b in range(45) if b not in model)
 
 
+@given(st.sampled_from((V4, V6)), st.sets(st.integers(0, 60)), st.lists(st.integers(0, 80)))
+def test_unused_ids_and_holes_are_the_set_arithmetic_they_replaced(
+    family: IPFamily, held: set[int], used: list[int]
+) -> None:
+    """The sweep's byte maps answer what its sets did: the ids held that no slot names (lowest first), and the ids
+    from 1 to the highest held that hold nothing (highest first), whatever ids the slots name, held or not."""
+    table = Backends(family, ((b, (_addr(family, b), 80, 6)) for b in held))
+    assert table.unused(iter(used)) == sorted(held - set(used))
+    top = max(held, default=0)
+    assert table.holes() == sorted(set(range(1, top + 1)) - held, reverse=True)
+
+
 def test_planning_keeps_nothing_once_its_index_and_plan_are_gone() -> None:
     """Planning holds nothing outside the index and the plan: no memo of the addresses it packed (a bounded cache
     of a million addresses held 190 MB at 100,000 x 10, missing on every new backend)."""
