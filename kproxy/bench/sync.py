@@ -430,7 +430,7 @@ def format_table(b: SyncBench) -> str:
         ),
         *counterread.table_rows(b.counter_read),
         ("peak RSS", f"{b.rss_mb:.1f} MB"),
-        ("peak RSS with the restart", "-" if b.restart_rss_mb is None else f"{b.restart_rss_mb:.1f} MB"),
+        ("peak RSS of the restart's process", "-" if b.restart_rss_mb is None else f"{b.restart_rss_mb:.1f} MB"),
     ]
     rows += _memory_rows(b.memory)
     rows += [(f"count {k}", str(v)) for k, v in sorted(b.counts.items())]

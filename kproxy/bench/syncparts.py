@@ -70,8 +70,8 @@ class SyncBench:
     #: backend's own split of it, e.g. nftables' ``adopt_dump``; ``render``: rendering and comparing every service)
     restart_parts: dict[str, float] = field(default_factory=dict)
     #: peak RSS of the restart's process (``VmHWM``) from its start to the end of its sync, the backend's start
-    #: included (the fake's: of the run's own process, from its partial syncs on); ``rss_mb`` is the peak of the full
-    #: and partial syncs, as a running kproxy; a restart's adoption reads the kernel's whole state back
+    #: included (the fake's restart runs in the run's own process: from the start of its partial syncs); ``rss_mb``
+    #: is the peak of the full and partial syncs, as a running kproxy; a restart's adoption reads the kernel back
     restart_rss_mb: float | None = None
     #: the process that ran the restart: a real mode's is a child of the run's own (``pid``)
     restart_pid: int | None = None
