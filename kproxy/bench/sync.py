@@ -2,14 +2,15 @@
 and after one endpoint changes, next to the kernel's own time for the same payload (docs/PERFORMANCE.md).
 
 A real backend runs in a throwaway network namespace ``kpb-<pid>``: the command re-executes itself inside it
-(``ip netns exec kpb-<pid> python -m kproxy.bench bench sync ... --inside``) and deletes the namespace afterwards, also
-when the run fails or is interrupted; a namespace left by a killed run (its pid is gone) is removed by the next.
-``--mode fake`` times the cache alone and needs no namespace. ``--state mixed`` replaces the default state (ClusterIP
-services only, as every published figure) with kproxy.bench.mixed's: NodePorts, externalIPs, load-balancer IPs,
-``externalTrafficPolicy: Local`` and services without endpoints among them. Any service the core or the kernel
-refuses fails the run: every synthetic service has addresses and ports of its own. In the default state
-``--ports-every N`` gives every Nth service three ports (``services`` counts Services, ``service_ports`` what the
-cache and the ledger hold) and ``--udp-every N`` makes every Nth service UDP (1: all of them; 0: none).
+(``ip netns exec kpb-<pid> python -P -m kproxy.bench bench sync ... --inside``; ``-P``: the working directory stays
+off ``sys.path``) and deletes the namespace afterwards, also when the run fails or is interrupted; a namespace left
+by a killed run (its pid is gone) is removed by the next. ``--mode fake`` times the cache alone and needs no
+namespace. ``--state mixed`` replaces the default state (ClusterIP services only, as every published figure) with
+kproxy.bench.mixed's: NodePorts, externalIPs, load-balancer IPs, ``externalTrafficPolicy: Local`` and services
+without endpoints among them. Any service the core or the kernel refuses fails the run: every synthetic service has
+addresses and ports of its own. In the default state ``--ports-every N`` gives every Nth service three ports
+(``services`` counts Services, ``service_ports`` what the cache and the ledger hold) and ``--udp-every N`` makes
+every Nth service UDP (1: all of them; 0: none).
 
 Phases, each timed with ``time.perf_counter``:
 - ``absorb_s``: feeding every Service and EndpointSlice to ``ServiceCache`` as a list (``replace_services`` and
@@ -34,7 +35,8 @@ Phases, each timed with ``time.perf_counter``:
   ``partial_ratio`` = partial_sync_s / full_sync_s, which must stay under PARTIAL_RATIO_MAX from BOUND_SERVICES on
   (``bound_failures``: the command exits 1 after printing the figures);
 - the restart: the first backend is closed (its sockets and descriptors go, the kernel state stays: the userspace
-  mode's proxy sockets are bound again) and a fresh instance, as a restarted kproxy, builds a new cache from a list
+  mode's proxy sockets are bound again) and a fresh instance in a new process (kproxy.bench.restart, in the same
+  network namespace: ``restart_pid``, beside the run's ``pid``), as a restarted kproxy, builds a new cache from a list
   (``restart_absorb_s``, the generator's ``restart_generate_s`` left out), takes the first snapshot
   (``restart_snapshot_s``) and syncs in full adopting what the kernel holds (``restart_sync_s``, the adopt-only
   figure); ``restart_total_s`` is what the restarted process pays before it proxies, to set beside ``absorb_s`` +
@@ -42,7 +44,8 @@ Phases, each timed with ``time.perf_counter``:
   nothing changed; anything else is a bound failure);
   ``restart_parts``: that sync's phases as the ledger times them (``adopt``, ``render``, ``apply``, ``total``) with
   the backend's own split of its adoption (nftables: ``adopt_chains``, ``adopt_rules``, ``adopt_dump``,
-  ``adopt_parse``, ``adopt_group``, ``adopt_small_sets``);
+  ``adopt_parse``, ``adopt_group``, ``adopt_small_sets``); ``restart_rss_mb``: the restart's process's peak resident
+  set, from its start to the end of its sync;
 - ``conntrack_partial_s``: median over the partial runs of what the UDP conntrack reconciler does after that sync
   before it dumps the kernel's entries (``ConntrackReconciler.update_targets`` with the sync's changed UDP service
   ports, as the daemon calls it), and ``conntrack_walk_s``: the map built from the whole table (what a
@@ -53,15 +56,17 @@ Phases, each timed with ``time.perf_counter``:
   (what ``/rules?service=`` and ``kproxy show --service`` do): p50 and max milliseconds and how many answers, so
   "``/rules`` never waits for a sync" is a figure;
 - ``rss_mb``: peak resident memory of the process that ran the phases; ``counts``: the backend's sizes;
-- ``memory``: where the bytes go (kproxy.bench.memory): ``phases`` gives each phase's resident set at its end, its
-  own peak and the process's CPU time in it (``absorb``, ``snapshot``, ``full_sync``, ``partial``,
-  ``restart_absorb``, ``restart_snapshot``, ``restart_sync``); ``bytes`` the live objects after the partial syncs
-  (and after the restart's sync, ``restart_bytes``) summed per owner (``cache``, ``snapshot``, ``fake_kernel``,
-  ``ledger``, ``backend``: each object counted once, by the first of these that holds it) and ``bytes_per_port`` /
-  ``restart_bytes_per_port`` the same per service port.
+- ``memory``: where the bytes go (kproxy.bench.memory): ``phases`` gives each phase's resident set at its end, its own
+  peak and the process's CPU time in it (``absorb``, ``snapshot``, ``full_sync``, ``partial``; and the restart's
+  process's ``restart_absorb``, ``restart_snapshot``, ``restart_sync``); ``bytes`` the live objects after the partial
+  syncs (and in the restart's process after its sync, ``restart_bytes``) summed per owner (``cache``, ``snapshot``,
+  ``fake_kernel``, ``ledger``, ``backend``: each object counted once, by the first of these that holds it) and
+  ``bytes_per_port`` / ``restart_bytes_per_port`` the same per service port.
 
-The restart runs for every mode: the fake's "kernel" (what it records as programmed) is handed to the fresh instance,
-as a real kernel keeps its tables when the process goes.
+The restart runs for every mode (kproxy.bench.restart): a real mode's in a new process in the same namespace, as a
+DaemonSet's restart is (in the run's own process it carried the earlier phases' heap, 140-290 MB at 100,000 x 10,
+so its memory figures were not a restarted kproxy's); the fake's in the run's process, its "kernel" (what it records
+as programmed) handed to the fresh instance as a real kernel keeps its tables when the process goes.
 
 With ``--reference upstream-nftables`` the run also times upstream kube-proxy's nftables layout for the same state
 (kproxy.bench.reference_nft, in a namespace of its own) and reports ``reference`` with ``reference_ratio`` =
@@ -70,7 +75,6 @@ reference full time / kproxy's full sync time (``reference_partial_ratio`` likew
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import re
@@ -81,25 +85,32 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
-from kproxy.bench import counterread, memory, mixed, synthetic
+from kproxy.bench import counterread, memory, synthetic
+from kproxy.bench.restart import restart_phase
+from kproxy.bench.syncparts import (
+    NODE,
+    BenchError,
+    BenchState,
+    SyncBench,
+    bench_config,
+    no_refusals,
+    weigh,
+    written,
+)
 from kproxy.cache import ServiceCache
-from kproxy.config import ProxyConfig
 from kproxy.conntrack import ConntrackReconciler, udp_changes
-from kproxy.gcpause import trim_heap
 from kproxy.model import Changes, IPFamily, ProxyState, SyncResult
 from kproxy.proxier import FAKE_MODE, BenchHooks, backend_class
 from kproxy.toolkit.netns import scratch_netns
 
-NODE = "node-1"
+__all__ = ["BenchError", "SyncBench", "bound_failures", "format_table", "render", "run_in_namespace", "run_sync_bench"]
+
 NETNS_PREFIX = "kpb-"
-CLUSTER_CIDR = "198.18.64.0/18"
 RUN_TIMEOUT = 3600.0  # seconds: a bound on one benchmark run (upstream's nftables layout alone took 68 s here)
-STATES = ("default", "mixed")
 #: at BOUND_SERVICES services and more, a partial sync (one endpoint moved) must cost under PARTIAL_RATIO_MAX x the
 #: full sync: a backend that rewrote its whole table on every sync would be near 1. At 10,000 x 10 on a quiet 2-core
 #: machine: iptables 0.02 (its kernel's validation walk is O(table)), userspace 0.005, bpf and nftables 0.004.
@@ -107,150 +118,8 @@ BOUND_SERVICES = 10_000
 PARTIAL_RATIO_MAX = 0.05
 
 
-@dataclass
-class SyncBench:
-    """One run's figures; ``to_json()`` is the documented JSON output."""
-
-    mode: str
-    services: int
-    endpoints: int
-    repeat: int
-    #: the synthetic state (STATES): ``default`` (ClusterIPs; every published figure) or ``mixed``
-    state: str = "default"
-    #: whether the backend ran with ``--service-counters``
-    service_counters: bool = False
-    #: default state: every Nth service has three ports (0: one port each), every Nth is UDP (0: none)
-    ports_every: int = 0
-    udp_every: int = synthetic.UDP_EVERY
-    #: the service ports the cache and the ledger hold (``services`` counts Services)
-    service_ports: int = 0
-    #: the cache absorbing both lists, without the synthetic generator's time (``generate_s``)
-    absorb_s: float = 0.0
-    generate_s: float = 0.0
-    snapshot_s: float = 0.0
-    full_sync_s: float = 0.0
-    partial_sync_s: float = 0.0
-    partial_sync_runs: list[float] = field(default_factory=list)
-    #: service ports each partial sync wrote (the ledger's deltas): the changed service's, or the run fails
-    partial_writes: list[int] = field(default_factory=list)
-    #: partial_sync_s / full_sync_s (PARTIAL_RATIO_MAX at BOUND_SERVICES and more, see ``bound_failures``)
-    partial_ratio: float | None = None
-    floor_s: float | None = None
-    #: the CPU time of the floor's child process (the tool): user (the tool's parse and evaluation) and system (the
-    #: kernel taking the transaction); None when the floor runs no child (bpf writes its maps from this process)
-    floor_user_s: float | None = None
-    floor_sys_s: float | None = None
-    ratio: float | None = None
-    render_s: float | None = None
-    partial_apply_s: float | None = None
-    partial_floor_s: float | None = None
-    partial_floor_detail: dict[str, float] = field(default_factory=dict)
-    restart_sync_s: float | None = None
-    #: what a restarted process pays before it proxies: its cache from a list (restart_absorb_s), the first snapshot
-    #: (restart_snapshot_s) and the adopting sync (restart_sync_s), in all restart_total_s
-    restart_absorb_s: float | None = None
-    restart_generate_s: float | None = None
-    restart_snapshot_s: float | None = None
-    restart_total_s: float | None = None
-    restart_writes: int | None = None
-    #: the restart sync's phases as the ledger and the backend time them (``adopt``: reading the kernel, and the
-    #: backend's own split of it, e.g. nftables' ``adopt_dump``; ``render``: rendering and comparing every service)
-    restart_parts: dict[str, float] = field(default_factory=dict)
-    #: peak RSS of the whole run, the restart phase included (``rss_mb`` is the peak before it: full and partial
-    #: syncs, as a running kproxy; a restart's adoption reads the kernel's whole state back)
-    restart_rss_mb: float | None = None
-    conntrack_partial_s: float | None = None
-    conntrack_walk_s: float | None = None
-    describe_ms: dict[str, float] = field(default_factory=dict)
-    rss_mb: float = 0.0
-    counts: dict[str, int] = field(default_factory=dict)
-    #: where the bytes go, per phase and per owner (see the module docstring)
-    memory: dict[str, Any] = field(default_factory=dict)
-    #: ``--service-counters``: what reading them costs after the partial syncs (kproxy.bench.counterread.measure)
-    counter_read: dict[str, Any] | None = None
-    #: ``--reference``: the yardstick's figures (kproxy.bench.reference_nft.ReferenceBench.to_json()), or why not
-    reference: dict[str, Any] | None = None
-    reference_note: str = ""
-    #: reference full (partial) time / kproxy's full (partial) sync time: how many times ahead kproxy is
-    reference_ratio: float | None = None
-    reference_partial_ratio: float | None = None
-
-    def attach_reference(self, ref: dict[str, Any]) -> None:
-        self.reference = ref
-        if self.full_sync_s > 0 and ref.get("full_s"):
-            self.reference_ratio = ref["full_s"] / self.full_sync_s
-        if self.partial_sync_s > 0 and ref.get("partial_s"):
-            self.reference_partial_ratio = ref["partial_s"] / self.partial_sync_s
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class BenchError(RuntimeError):
-    """The benchmark cannot run (backend unavailable, a sync failed); the message says why."""
-
-
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
-
-
-class _State:
-    """The synthetic objects of one ``--state``: the default (``synthetic``: ClusterIPs only, as every published
-    figure) or ``mixed`` (``mixed``: external paths too)."""
-
-    def __init__(
-        self, name: str, n_endpoints: int, *, ports_every: int = 0, udp_every: int = synthetic.UDP_EVERY
-    ) -> None:
-        if name not in STATES:
-            raise BenchError(f"--state: one of {', '.join(STATES)}, not {name!r}")
-        if ports_every < 0 or udp_every < 0:
-            raise BenchError("--ports-every and --udp-every must be at least 0")
-        shape = {"ports_every": ports_every, "udp_every": udp_every}
-        if name == "mixed" and (ports_every, udp_every) != (0, synthetic.UDP_EVERY):
-            raise BenchError("--ports-every and --udp-every shape the default state only, not the mixed one")
-        self.name, self.n_endpoints = name, n_endpoints
-        self.gen: Any = mixed if name == "mixed" else synthetic
-        self.shape: dict[str, int] = shape if name == "default" else {}  # the generator's keywords
-        self.ports_every = ports_every
-        self.variants: dict[int, int] = {}  # service index -> the variant its slice has now (partial syncs)
-
-    def service_ports(self, n_services: int) -> int:
-        return synthetic.service_ports(n_services, ports_every=self.ports_every)
-
-    def ports_of(self, i: int) -> int:
-        """The service ports of service ``i`` (its slice lists them all: an endpoint change rewrites each)."""
-        return synthetic.service_ports(i, ports_every=self.ports_every) - synthetic.service_ports(
-            i - 1, ports_every=self.ports_every
-        )
-
-    def absorb(self, cache: ServiceCache, n_services: int) -> float:
-        """Every Service and EndpointSlice as a list would return them now (the partial syncs' changes included),
-        handed over as kproxy.sources.kube hands a list: ``replace_services`` / ``replace_slices`` (which pause the
-        collector, as a real start or restart does). Returns the seconds spent generating the objects, which the
-        caller keeps apart from the cache's (``generate_s``): a real process gets them from JSON instead."""
-        shape, variants, n_endpoints = self.shape, self.variants, self.n_endpoints
-        clock = synthetic.TimedPages()
-        cache.replace_services(clock.paged(lambda i: self.gen.service(i, **shape), n_services))
-        cache.replace_slices(
-            clock.paged(
-                lambda i: self.gen.endpoint_slice(i, n_endpoints, variant=variants.get(i, 0), **shape), n_services
-            )
-        )
-        return clock.seconds
-
-    def change_one(self, cache: ServiceCache, r: int, n_services: int) -> int:
-        """Move one endpoint of a service that has endpoints, a different one each time, spread over the table."""
-        i = 1 + (r * 7919) % n_services
-        while self.name == "mixed" and not mixed.has_endpoints(i):
-            i = 1 + i % n_services
-        self.variants[i] = r + 1
-        cache.upsert_slice(self.gen.endpoint_slice(i, self.n_endpoints, variant=r + 1, **self.shape))
-        return i
-
-
-def _written(result: SyncResult) -> int:
-    """Services one sync wrote or removed (every family's ``written``)."""
-    return sum(f.written for f in result.families.values())
 
 
 def flat_counts(result: SyncResult) -> dict[str, int]:
@@ -268,17 +137,6 @@ def flat_counts(result: SyncResult) -> dict[str, int]:
     return out
 
 
-def _no_refusals(result: SyncResult, what: str) -> None:
-    """The synthetic state gives every service its own addresses and ports: a refusal is the generator's bug (or
-    the core's), and a figure with services left out would flatter."""
-    if result.refused:
-        some = "; ".join(f"{k}: {v}" for k, v in list(result.refused.items())[:3])
-        raise BenchError(f"{what}: the core refused {len(result.refused)} service port(s), e.g. {some}")
-    if result.failed:
-        some = "; ".join(f"{k}: {v}" for k, v in list(result.failed.items())[:3])
-        raise BenchError(f"{what}: the kernel refused {len(result.failed)} service port(s), e.g. {some}")
-
-
 def run_sync_bench(
     mode: str,
     n_services: int,
@@ -291,24 +149,19 @@ def run_sync_bench(
     ports_every: int = 0,
     udp_every: int = synthetic.UDP_EVERY,
 ) -> SyncBench:
-    """Run the phases in the current network namespace (the caller chose it) and return the figures.
-    ``backend_options`` reach the backend as ``ProxyConfig.backend_options`` (e.g. ``iptables_flavour``);
-    ``state_name`` chooses the synthetic state (STATES), ``ports_every`` and ``udp_every`` shape the default one;
-    ``service_counters`` turns ``--service-counters`` on."""
+    """Run the phases in the current network namespace (the caller chose it) and return the figures; a real mode's
+    restart runs in a new process in the same namespace (kproxy.bench.restart), and the kernel state is removed at the
+    end whatever failed. ``backend_options`` reach the backend as ``ProxyConfig.backend_options`` (e.g.
+    ``iptables_flavour``); ``state_name`` chooses the synthetic state (STATES), ``ports_every`` and ``udp_every``
+    shape the default one; ``service_counters`` turns ``--service-counters`` on."""
     if n_services < 1 or n_endpoints < 1 or repeat < 1:
         raise BenchError("--services, --endpoints and --repeat must be at least 1")
     if n_endpoints > synthetic.MAX_ENDPOINTS:
         raise BenchError(f"--endpoints: at most {synthetic.MAX_ENDPOINTS} (one EndpointSlice per service)")
-    gen = _State(state_name, n_endpoints, ports_every=ports_every, udp_every=udp_every)
+    gen = BenchState(state_name, n_endpoints, ports_every=ports_every, udp_every=udp_every)
     if n_services > gen.gen.MAX_SERVICES:
         raise BenchError(f"--services: at most {gen.gen.MAX_SERVICES} in the {state_name} state")
-    config = ProxyConfig(
-        mode=mode,
-        hostname_override=NODE,
-        cluster_cidrs=(CLUSTER_CIDR,),
-        backend_options=MappingProxyType(dict(backend_options or {})),
-        service_counters=service_counters,
-    )
+    config = bench_config(mode, backend_options, service_counters)
     cls = backend_class(mode)
     avail = cls.available()
     if not avail:
@@ -323,15 +176,15 @@ def run_sync_bench(
         state=state_name,
         service_counters=service_counters,
     )
-    out.ports_every, out.udp_every = ports_every, udp_every
+    out.ports_every, out.udp_every, out.pid = ports_every, udp_every, os.getpid()
     out.service_ports = gen.service_ports(n_services)
-    live = [backend]  # the instance whose kernel state the run leaves: the restarted one once it exists
+    live = [backend]  # the instance whose cleanup removes the kernel state (see restart_phase); [] when none is owed
     meter = memory.PhaseMeter()
     try:
         cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
         state = _full_phase(out, backend, cache, gen, meter)
         state = _partial_phase(out, backend, cache, gen, meter, state) or state
-        _weigh(out, "", cache, state, backend)
+        weigh(out, "", cache, state, backend)
         if service_counters:
             out.counter_read = counterread.measure(backend, (IPFamily.V4,), repeat)  # the state is IPv4
         floors: BenchHooks = backend
@@ -355,11 +208,10 @@ def run_sync_bench(
             out.partial_ratio = out.partial_sync_s / out.full_sync_s
         out.rss_mb = _peak_rss_mb()  # a running kproxy: the full and partial syncs
         del cache, state, backend  # the old process's cache, snapshot and backend are gone with it (``live`` has it)
-        _restart_phase(out, live, cls, config, gen, meter)
-        out.restart_rss_mb = _peak_rss_mb()
+        restart_phase(out, live, cls, config, gen, meter)
         out.memory["phases"] = {k: asdict(v) for k, v in meter.phases.items()}
     finally:
-        if mode != "fake":
+        if mode != "fake" and live:
             try:  # the namespace goes away anyway; this removes what lives outside it (a BPF cgroup hook)
                 live[-1].cleanup()
             finally:
@@ -367,25 +219,9 @@ def run_sync_bench(
     return out
 
 
-def _weigh(out: SyncBench, prefix: str, cache: ServiceCache, state: ProxyState, backend: Any) -> None:
-    """The live objects of the cache, the snapshot, the ledger and the backend (kproxy.bench.memory.breakdown),
-    into ``out.memory[prefix + "bytes"]`` and ``[prefix + "bytes_per_port"]``."""
-    ledger = getattr(backend, "ledger", None)
-    owners = [
-        memory.Owner("cache", [cache], stop=[state]),
-        memory.Owner("snapshot", [state]),
-        # the fake's "kernel" lives in the process: what it holds is not the ledger's (after a restart, the old
-        # process's ServicePorts, which the new cache's equal but do not share)
-        memory.Owner("fake_kernel", [backend.programmed] if out.mode == FAKE_MODE else []),
-        memory.Owner("ledger", [ledger] if ledger is not None else [], stop=[backend]),  # it names its backend
-        memory.Owner("backend", [backend]),
-    ]
-    figures = memory.breakdown(owners)
-    out.memory[prefix + "bytes"] = figures
-    out.memory[prefix + "bytes_per_port"] = memory.per_port(figures, len(state))
-
-
-def _full_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _State, meter: memory.PhaseMeter) -> ProxyState:
+def _full_phase(
+    out: SyncBench, backend: Any, cache: ServiceCache, gen: BenchState, meter: memory.PhaseMeter
+) -> ProxyState:
     """Absorb the whole state, the first snapshot and the full sync; the snapshot synced."""
     meter.start()
     t0 = time.perf_counter()
@@ -407,7 +243,7 @@ def _full_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _State, 
         result = backend.sync(state, changes)
     if not result.ok:
         raise BenchError(f"full sync failed: {result.error}")
-    _no_refusals(result, "full sync")
+    no_refusals(result, "full sync")
     cache.commit(changes, failed=tuple(result.failed))
     t4 = time.perf_counter()
     meter.stop("full_sync")
@@ -420,7 +256,7 @@ def _full_phase(out: SyncBench, backend: Any, cache: ServiceCache, gen: _State, 
 
 
 def _partial_phase(
-    out: SyncBench, backend: Any, cache: ServiceCache, gen: _State, meter: memory.PhaseMeter, full_state: ProxyState
+    out: SyncBench, backend: Any, cache: ServiceCache, gen: BenchState, meter: memory.PhaseMeter, full_state: ProxyState
 ) -> ProxyState | None:
     """``repeat`` partial syncs of one endpoint change each; each must write its service (and nothing else). The
     last snapshot synced."""
@@ -441,12 +277,12 @@ def _partial_phase(
             applies.append(result.timings["apply"])
         if changes.full or not changes.services:
             raise BenchError(f"partial sync {r + 1}: expected one dirty service, got {changes}")
-        _no_refusals(result, f"partial sync {r + 1}")
-        written = _written(result)
-        out.partial_writes.append(written)
+        no_refusals(result, f"partial sync {r + 1}")
+        wrote = written(result)
+        out.partial_writes.append(wrote)
         want = gen.ports_of(i)
-        if written != want:  # the moved endpoint must reach the kernel, and nothing else needs rewriting
-            raise BenchError(f"partial sync {r + 1} wrote {written} services, expected {want} ({gen.gen.__name__} {i})")
+        if wrote != want:  # the moved endpoint must reach the kernel, and nothing else needs rewriting
+            raise BenchError(f"partial sync {r + 1} wrote {wrote} services, expected {want} ({gen.gen.__name__} {i})")
         conntrack.after(state, changes)
     meter.stop("partial")
     out.conntrack_partial_s = statistics.median(conntrack.seconds)
@@ -454,54 +290,6 @@ def _partial_phase(
     out.partial_sync_s = statistics.median(out.partial_sync_runs)
     out.partial_apply_s = statistics.median(applies) if applies else None
     return state
-
-
-def _restart_phase(
-    out: SyncBench, live: list[Any], cls: Any, config: ProxyConfig, gen: _State, meter: memory.PhaseMeter
-) -> None:
-    """A restarted kproxy: the old process is gone (its sockets and descriptors closed, its memory freed; the kernel
-    state stays), and a new one builds its cache from a list, takes the first snapshot and syncs in full, adopting
-    what the kernel holds. The new backend replaces the old in ``live`` as soon as it exists (the caller cleans up
-    with ``live[-1]``)."""
-    backend = live[-1]
-    forget = getattr(backend, "forget", None)
-    if forget is not None:  # its memory must not count in the new process's
-        forget()
-    backend.close()  # the userspace mode's proxy sockets close: the new process binds them again
-    fresh = cls(config)
-    if out.mode == FAKE_MODE:  # the fake's "kernel" is its record of what it programmed: it outlives the process
-        fresh.programmed = backend.programmed
-    live[:] = [fresh]  # the old instance goes with the old process
-    del backend
-    gc.collect()
-    trim_heap()  # and its heap with it: what it freed goes back to the OS, as a new process would start without it
-    fresh.start()
-    cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
-    meter.start()
-    t0 = time.perf_counter()
-    out.restart_generate_s = gen.absorb(cache, out.services)
-    t1 = time.perf_counter()
-    meter.stop("restart_absorb")
-    meter.start()
-    t1b = time.perf_counter()
-    state, changes = cache.snapshot()
-    t2 = time.perf_counter()
-    meter.stop("restart_snapshot")
-    meter.start()
-    t2b = time.perf_counter()
-    result = fresh.sync(state, changes)
-    t3 = time.perf_counter()
-    meter.stop("restart_sync")
-    if not result.ok:
-        raise BenchError(f"restart sync failed: {result.error}")
-    _no_refusals(result, "restart sync")
-    cache.commit(changes, failed=tuple(result.failed))
-    out.restart_absorb_s = t1 - t0 - out.restart_generate_s
-    out.restart_snapshot_s, out.restart_sync_s = t2 - t1b, t3 - t2b
-    out.restart_total_s = out.restart_absorb_s + out.restart_snapshot_s + out.restart_sync_s
-    out.restart_writes = _written(result)
-    out.restart_parts = {k: round(v, 4) for k, v in result.timings.items()}
-    _weigh(out, "restart_", cache, state, fresh)
 
 
 class _ConntrackProbe:
@@ -581,7 +369,9 @@ def _remove_stale_namespaces() -> None:
 
 
 def run_in_namespace(argv: Sequence[str]) -> int:
-    """Re-execute ``python -m kproxy.bench <argv> --inside`` in a fresh namespace ``kpb-<pid>``; its exit code."""
+    """Re-execute ``python -P -m kproxy.bench <argv> --inside`` in a fresh namespace ``kpb-<pid>``; its exit code.
+    ``-P`` keeps the working directory off ``sys.path``: the kproxy run is the installed one, never a checkout that
+    happens to be the working directory (a run once mixed two commits' code)."""
     if os.geteuid() != 0:
         print("kproxy bench sync: a real backend needs root (it creates a network namespace)", file=sys.stderr)
         return 2
@@ -590,7 +380,7 @@ def run_in_namespace(argv: Sequence[str]) -> int:
     subprocess.run(["ip", "netns", "add", ns], check=True, timeout=30)
     try:
         subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True, timeout=30)
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "kproxy.bench", *argv, "--inside"]
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-P", "-m", "kproxy.bench", *argv, "--inside"]
         return subprocess.run(cmd, timeout=RUN_TIMEOUT).returncode
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=60)
@@ -640,7 +430,7 @@ def format_table(b: SyncBench) -> str:
         ),
         *counterread.table_rows(b.counter_read),
         ("peak RSS", f"{b.rss_mb:.1f} MB"),
-        ("peak RSS with the restart", "-" if b.restart_rss_mb is None else f"{b.restart_rss_mb:.1f} MB"),
+        ("peak RSS of the restart's process", "-" if b.restart_rss_mb is None else f"{b.restart_rss_mb:.1f} MB"),
     ]
     rows += _memory_rows(b.memory)
     rows += [(f"count {k}", str(v)) for k, v in sorted(b.counts.items())]
