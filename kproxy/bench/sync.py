@@ -206,7 +206,9 @@ def run_sync_bench(
             out.ratio = out.full_sync_s / out.floor_s
         if out.full_sync_s > 0:
             out.partial_ratio = out.partial_sync_s / out.full_sync_s
-        out.rss_mb = _peak_rss_mb()  # a running kproxy: the full and partial syncs
+        # a running kproxy: the full and partial syncs. The phase meter's reset of VmHWM (``clear_refs``) resets
+        # ru_maxrss with it, so the phases' own peaks count too
+        out.rss_mb = max(_peak_rss_mb(), *(p.peak_mb for p in meter.phases.values()))
         del cache, state, backend  # the old process's cache, snapshot and backend are gone with it (``live`` has it)
         restart_phase(out, live, cls, config, gen, meter)
         out.memory["phases"] = {k: asdict(v) for k, v in meter.phases.items()}
