@@ -283,10 +283,14 @@ def test_removal_deletes_every_key_and_affinity_chains_after_flushing() -> None:
 
 
 def test_adopted_skeleton_derives_slot_keys() -> None:
-    s = adopt.Service(digest="x")
-    s.entries[(render.SERVICE_IPS, "198.18.200.1 . tcp . 80")] = "goto lb-i-2"
-    s.entries[(render.SERVICE_NODEPORTS, "tcp . 30080")] = "goto npl-1-2"
-    s.firewall.append("198.18.150.1 . tcp . 80 . 203.0.113.0/24")
+    s = adopt.Service(
+        digest="x",
+        entries={
+            (render.SERVICE_IPS, "198.18.200.1 . tcp . 80"): "goto lb-i-2",
+            (render.SERVICE_NODEPORTS, "tcp . 30080"): "goto npl-1-2",
+        },
+        firewall=("198.18.150.1 . tcp . 80 . 203.0.113.0/24",),
+    )
     keys = s.keys()
     assert ("backends-tcp", "198.18.200.1 . tcp . 80 . 1") in keys
     assert ("nodeport-backends-tcp", "tcp . 30080 . 0") in keys
