@@ -145,12 +145,11 @@ class Adopted:
     reread: Callable[[], Raw] | None = None  # the entry maps' dumps again, when the background read was given up
     #: what the netlink element dumps taken in read: ``datagrams``, ``elements`` (the bench's figures)
     counts: dict[str, int] = field(default_factory=dict)
-    _dumped: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)
 
     def complete(self) -> None:
         """Take in the entry maps of a trusting adoption (its background read, or a new one when that was given
-        up) and regroup the services from every dump; a no-op otherwise. BackendError when the read fails (the
-        sync fails; the next full sync adopts again, reading everything)."""
+        up) and merge them into the services the digests gave (``_take_entries``); a no-op otherwise. BackendError
+        when the read fails (the sync fails; the next full sync adopts again, reading everything)."""
         if not self.ready() or not self.trusting:
             return
         self.trusting = False
@@ -169,8 +168,7 @@ class Adopted:
             fam = render.nft_family(self.family)
             raise BackendError(f"reading the entry maps of kproxy's {fam} table: {exc!r}") from exc
         self.parts.update(entries_wait=t1 - t0, entries_parse=time.perf_counter() - t1)
-        self.services.clear()
-        _take_services(self, {**self._dumped, **got})
+        _take_entries(self, got)
 
     def settle(self) -> None:
         """A trusting adoption whose entries nothing needed: give up their background read, which would otherwise
@@ -203,8 +201,6 @@ class Adopted:
                 self.trusting = False
             self.parts["wait"] = time.perf_counter() - t0
             if dumped is not None:
-                if self.trusting:
-                    self._dumped = dumped  # regrouped with the entries if they are needed (``complete``)
                 _take_services(self, dumped)
         return self.layout_ok
 
@@ -361,6 +357,29 @@ def _take_services(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]
         if svc is None:
             svc = services[ckey] = Service(digests_agree=False)
         svc.firewall = (*svc.firewall, key)  # a handful per service
+    out.parts["group"] = out.parts.get("group", 0.0) + time.perf_counter() - t0
+
+
+def _take_entries(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]]) -> None:
+    """A trusting adoption's entry maps, read once something needed them, into the services its digest set gave:
+    what ``_take_services`` makes of every dump at once, without keeping the digest set's dump until then (14 MB
+    at 100,000 service ports): a digest whose service has no entry disagrees, as one read with the entries does."""
+    t0 = time.perf_counter()
+    services = out.services
+    for name in ENTRY_MAPS:
+        for key, value, comment in dumped.get(name, ()):
+            ckey, _ = split_comment(comment)
+            svc = services.get(ckey)
+            if svc is None:
+                svc = services[ckey] = Service(entries={})
+            elif not isinstance(svc.entries, dict):
+                svc.entries = {}
+            entries = svc.entries
+            assert isinstance(entries, dict)
+            entries[(name, key)] = value
+    for svc in services.values():
+        if svc.digest_key is not None and not svc.entries:
+            svc.digests_agree = False
     out.parts["group"] = out.parts.get("group", 0.0) + time.perf_counter() - t0
 
 

@@ -12,6 +12,8 @@ import sys
 from concurrent.futures import Future
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kproxy.backends.nftables import adopt, counters, layout, render, setdump
 from kproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
@@ -273,3 +275,47 @@ def test_the_services_read_runs_with_a_short_thread_switch_interval() -> None:
     with pytest.raises(OSError):
         adopt._prompt(fails)
     assert sys.getswitchinterval() == before
+
+
+_svc_shape = st.tuples(
+    st.integers(0, 2),  # digest elements naming it (two: they disagree)
+    st.integers(0, 2),  # service-ips entries
+    st.integers(0, 1),  # service-nodeports entries
+    st.integers(0, 2),  # firewall-allow elements
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_svc_shape, max_size=6))
+def test_entries_taken_in_later_group_as_one_read_of_every_dump(shapes: list[tuple[int, int, int, int]]) -> None:
+    """A trusting adoption keeps no dump of the digest set: the entry maps taken in later (``complete``) are merged
+    into the services the digests gave. Whatever the kernel holds (digests twice or missing, entries without a
+    digest, firewall elements), each service ends as reading every dump at once makes it: its entries, firewall
+    keys, digest and key, and, for one with a digest, whether its digests agree."""
+    dumps: dict[str, list[tuple[str, str, str]]] = {m: [] for m in adopt.DUMPED}
+    firewall: list[tuple[str, str]] = []
+    for i, (digests, ips, nodeports, fw) in enumerate(shapes):
+        ckey = f"ns/s{i}:http/tcp"
+        for d in range(digests):
+            dumps[layout.SERVICE_DIGESTS].append((f"198.18.0.{i} . tcp . {80 + d}", "", f"{ckey} #d{i}{d}"))
+        for e in range(ips):
+            dumps[layout.SERVICE_IPS].append((f"198.18.0.{i} . tcp . {80 + e}", f"goto lb-{i}", ckey))
+        for _ in range(nodeports):
+            dumps[layout.SERVICE_NODEPORTS].append((f"tcp . {30000 + i}", f"goto np-{i}", ckey))
+        firewall += [(ckey, f"198.18.0.{i} . tcp . 80 . 203.0.{f}.0/24") for f in range(fw)]
+    dumps[layout.HAIRPIN].append(("198.18.1.2 . 198.18.1.2", "", ""))
+
+    def seen(a: adopt.Adopted) -> dict[str, tuple[object, ...]]:
+        return {
+            k: (dict(s.entries), s.firewall, s.digest, s.digest_key, s.digests_agree if s.digest else None)
+            for k, s in a.services.items()
+        }
+
+    whole = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, firewall=list(firewall))
+    adopt._take_services(whole, dumps)
+    first = {m: dumps[m] for m in (layout.SERVICE_DIGESTS, layout.HAIRPIN)}
+    later = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, firewall=list(firewall), trusting=True)
+    adopt._take_services(later, first)
+    adopt._take_entries(later, {m: dumps[m] for m in adopt.ENTRY_MAPS})
+    assert seen(later) == seen(whole)
+    assert later.hairpin == whole.hairpin
