@@ -55,7 +55,8 @@ Phases, each timed with ``time.perf_counter``:
 - ``describe_ms``: while the full sync runs, another thread asks ``describe()`` for one service again and again
   (what ``/rules?service=`` and ``kproxy show --service`` do): p50 and max milliseconds and how many answers, so
   "``/rules`` never waits for a sync" is a figure;
-- ``rss_mb``: peak resident memory of the process that ran the phases; ``counts``: the backend's sizes;
+- ``rss_mb``: peak resident memory of the running phases (absorb to the partial syncs; not the floors, which render the
+  table again); ``counts``: the backend's sizes;
 - ``memory``: where the bytes go (kproxy.bench.memory): ``phases`` gives each phase's resident set at its end, its own
   peak and the process's CPU time in it (``absorb``, ``snapshot``, ``full_sync``, ``partial``; and the restart's
   process's ``restart_absorb``, ``restart_snapshot``, ``restart_sync``); ``bytes`` the live objects after the partial
@@ -206,9 +207,9 @@ def run_sync_bench(
             out.ratio = out.full_sync_s / out.floor_s
         if out.full_sync_s > 0:
             out.partial_ratio = out.partial_sync_s / out.full_sync_s
-        # a running kproxy: the full and partial syncs. The phase meter's reset of VmHWM (``clear_refs``) resets
-        # ru_maxrss with it, so the phases' own peaks count too
-        out.rss_mb = max(_peak_rss_mb(), *(p.peak_mb for p in meter.phases.values()))
+        # a running kproxy: its phases' own peaks (the meter's reset of VmHWM, ``clear_refs``, resets ru_maxrss with
+        # it; and ru_maxrss would count the bench's floors, which render the whole table's text again)
+        out.rss_mb = max((p.peak_mb for p in meter.phases.values()), default=_peak_rss_mb())
         del cache, state, backend  # the old process's cache, snapshot and backend are gone with it (``live`` has it)
         restart_phase(out, live, cls, config, gen, meter)
         out.memory["phases"] = {k: asdict(v) for k, v in meter.phases.items()}
