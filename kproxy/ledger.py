@@ -272,6 +272,7 @@ class Ledger(Generic[F, C, A, V, S]):
                 _add(timings, k, v)
             rounds.scratch = batch.scratch
             if outcome.ok and not outcome.refused:
+                plan.adopted = batch.adopted = None  # what adoption read is done with: freed before the records grow
                 self._commit(plan, batch, ports, rounds)
                 tally.written = len(batch.deltas)  # services written or removed (0: nothing changed)
                 break
@@ -394,6 +395,7 @@ class Ledger(Generic[F, C, A, V, S]):
                 if sp is not None and not (keep and spn in keep) and not (skip and spn in skip):
                     o_sp, o_frag = (rec_services.get(spn), rec_fragments.get(spn)) if has_old else (None, None)
                     pre[spn] = self._render(plan, spn, sp, rounds, o_sp, o_frag)
+            wanted = pre  # this round wants exactly what it rendered: the loop below sets the same fragments again
         for spn, sp in plan.pairs:
             old_sp: ServicePort | None = None
             old_frag: F | None = None
@@ -515,7 +517,7 @@ class Ledger(Generic[F, C, A, V, S]):
         self,
         plan: _Plan[F, C, A],
         batch: Batch[F, C, A, S],
-        ports: Mapping[ServicePortName, ServicePort],
+        ports: dict[ServicePortName, ServicePort],
         rounds: _Rounds[F, S],
     ) -> None:
         """Record a successful batch: the kernel now holds ``batch.wanted`` (O(changes) for a partial batch)."""
@@ -524,7 +526,7 @@ class Ledger(Generic[F, C, A, V, S]):
         with rec.lock:
             if plan.full:
                 rec.full_batches += 1
-                rec.services = dict(ports)  # a full batch's ``ports`` has exactly ``wanted``'s keys
+                rec.services = ports  # the batch's own (``_batch`` made it): exactly ``wanted``'s keys, not copied
                 rec.fragments = dict_of(batch.wanted)
                 rec.failed = {spn: why for spn, why in rec.failed.items() if spn in keep or spn in skip}
             else:
