@@ -12,6 +12,8 @@ of the table (never only the installed or available ones: a mode that vanished m
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
 
 import pytest
@@ -53,3 +55,19 @@ def require_mode(
     avail = probe(mode)
     if not avail:
         missing(mode, avail.reason or "no reason given", env)
+
+
+def run_mode_cli(mode: str, args: list[str], timeout: float = 280) -> tuple[int, str]:
+    """``python -P -m kproxy.bench <args>`` for ``mode``, killed at ``timeout``: (its pid, its stdout). The mode's
+    ``missing`` when its backend is not available here; a failing exit code fails the test with its stderr."""
+    argv = [sys.executable, "-P", "-m", "kproxy.bench", *args]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    if proc.returncode == 1 and "is not available here" in stderr:
+        missing(mode, stderr.strip())
+    assert proc.returncode == 0, stderr
+    return proc.pid, stdout

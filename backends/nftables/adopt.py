@@ -334,15 +334,7 @@ def _take_services(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]
     t0 = time.perf_counter()
     services = out.services
     entries_read = layout.SERVICE_IPS in dumped
-    for name in (layout.SERVICE_IPS, layout.SERVICE_NODEPORTS):
-        for key, value, comment in dumped.get(name, ()):
-            ckey, _ = split_comment(comment)
-            svc = services.get(ckey)
-            if svc is None:
-                svc = services[ckey] = Service(entries={})
-            entries = svc.entries
-            assert isinstance(entries, dict)  # made here, never the shared empty one
-            entries[(name, key)] = value
+    _put_entries(services, dumped)
     for key, _, comment in dumped[layout.SERVICE_DIGESTS]:
         ckey, digest = split_comment(comment)
         svc = services.get(ckey)
@@ -360,12 +352,8 @@ def _take_services(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]
     out.parts["group"] = out.parts.get("group", 0.0) + time.perf_counter() - t0
 
 
-def _take_entries(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]]) -> None:
-    """A trusting adoption's entry maps, read once something needed them, into the services its digest set gave:
-    what ``_take_services`` makes of every dump at once, without keeping the digest set's dump until then (14 MB
-    at 100,000 service ports): a digest whose service has no entry disagrees, as one read with the entries does."""
-    t0 = time.perf_counter()
-    services = out.services
+def _put_entries(services: dict[str, Service], dumped: Mapping[str, list[tuple[str, str, str]]]) -> None:
+    """The entry maps' elements, each into its service's entries (a dict of its own, made at its first entry)."""
     for name in ENTRY_MAPS:
         for key, value, comment in dumped.get(name, ()):
             ckey, _ = split_comment(comment)
@@ -375,8 +363,17 @@ def _take_entries(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]]
             elif not isinstance(svc.entries, dict):
                 svc.entries = {}
             entries = svc.entries
-            assert isinstance(entries, dict)
+            assert isinstance(entries, dict)  # made here, never the shared empty one
             entries[(name, key)] = value
+
+
+def _take_entries(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]]) -> None:
+    """A trusting adoption's entry maps, read once something needed them, into the services its digest set gave:
+    what ``_take_services`` makes of every dump at once, without keeping the digest set's dump until then (14 MB
+    at 100,000 service ports): a digest whose service has no entry disagrees, as one read with the entries does."""
+    t0 = time.perf_counter()
+    services = out.services
+    _put_entries(services, dumped)
     for svc in services.values():
         if svc.digest_key is not None and not svc.entries:
             svc.digests_agree = False

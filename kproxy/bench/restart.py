@@ -37,6 +37,7 @@ from kproxy.bench.syncparts import (
     BenchState,
     SyncBench,
     bench_config,
+    listed,
     no_refusals,
     weigh,
     written,
@@ -93,16 +94,8 @@ def restarted(out: SyncBench, fresh: Any, gen: BenchState, meter: memory.PhaseMe
     fresh.start()
     before = memory.peak_mb()
     cache = ServiceCache(node_name=NODE, ip_families=(IPFamily.V4,))
-    meter.start()
-    t0 = time.perf_counter()
-    out.restart_generate_s = gen.absorb(cache, out.services)
-    t1 = time.perf_counter()
-    meter.stop("restart_absorb")
-    meter.start()
-    t1b = time.perf_counter()
-    state, changes = cache.snapshot()
-    t2 = time.perf_counter()
-    meter.stop("restart_snapshot")
+    got = listed(gen, cache, out.services, meter, "restart_")
+    state, changes = got.state, got.changes
     meter.start()
     t2b = time.perf_counter()
     result = fresh.sync(state, changes)
@@ -112,8 +105,8 @@ def restarted(out: SyncBench, fresh: Any, gen: BenchState, meter: memory.PhaseMe
         raise BenchError(f"restart sync failed: {result.error}")
     no_refusals(result, "restart sync")
     cache.commit(changes, failed=tuple(result.failed))
-    out.restart_absorb_s = t1 - t0 - out.restart_generate_s
-    out.restart_snapshot_s, out.restart_sync_s = t2 - t1b, t3 - t2b
+    out.restart_generate_s, out.restart_absorb_s = got.generate_s, got.absorb_s
+    out.restart_snapshot_s, out.restart_sync_s = got.snapshot_s, t3 - t2b
     out.restart_total_s = out.restart_absorb_s + out.restart_snapshot_s + out.restart_sync_s
     out.restart_writes = written(result)
     out.restart_parts = {k: round(v, 4) for k, v in result.timings.items()}

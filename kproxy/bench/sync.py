@@ -98,6 +98,7 @@ from kproxy.bench.syncparts import (
     BenchState,
     SyncBench,
     bench_config,
+    listed,
     no_refusals,
     weigh,
     written,
@@ -226,16 +227,9 @@ def _full_phase(
     out: SyncBench, backend: Any, cache: ServiceCache, gen: BenchState, meter: memory.PhaseMeter
 ) -> ProxyState:
     """Absorb the whole state, the first snapshot and the full sync; the snapshot synced."""
-    meter.start()
-    t0 = time.perf_counter()
-    out.generate_s = gen.absorb(cache, out.services)
-    absorbed = time.perf_counter()
-    meter.stop("absorb")
-    meter.start()
-    t1 = time.perf_counter()
-    state, changes = cache.snapshot()
-    t2 = time.perf_counter()
-    meter.stop("snapshot")
+    got = listed(gen, cache, out.services, meter, "")
+    state, changes = got.state, got.changes
+    out.generate_s, out.absorb_s, out.snapshot_s = got.generate_s, got.absorb_s, got.snapshot_s
     if len(state) != out.service_ports:
         raise BenchError(f"the cache holds {len(state)} service ports, expected {out.service_ports}: {cache.errors()}")
     if not changes.full:
@@ -252,7 +246,7 @@ def _full_phase(
     meter.stop("full_sync")
     out.describe_ms = probe.figures()
     # the full sync: its snapshot and its sync (the meter's own reads between them are left out)
-    out.absorb_s, out.snapshot_s, out.full_sync_s = absorbed - t0 - out.generate_s, t2 - t1, (t2 - t1) + (t4 - t3)
+    out.full_sync_s = got.snapshot_s + (t4 - t3)
     out.render_s = result.timings.get("render")
     out.counts = flat_counts(result)
     return state

@@ -4,6 +4,7 @@ with the run's own: the figures (``SyncBench``), the synthetic state (``BenchSta
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
@@ -12,7 +13,7 @@ from typing import Any
 from kproxy.bench import memory, mixed, synthetic
 from kproxy.cache import ServiceCache
 from kproxy.config import ProxyConfig
-from kproxy.model import ProxyState, SyncResult
+from kproxy.model import Changes, ProxyState, SyncResult
 from kproxy.proxier import FAKE_MODE
 
 NODE = "node-1"
@@ -209,3 +210,31 @@ def weigh(out: SyncBench, prefix: str, cache: ServiceCache, state: ProxyState, b
     figures = memory.breakdown(owners)
     out.memory[prefix + "bytes"] = figures
     out.memory[prefix + "bytes_per_port"] = memory.per_port(figures, len(state))
+
+
+@dataclass(slots=True)
+class Listed:
+    """A list absorbed into a new cache and its first snapshot (``listed``): the snapshot, and the seconds each took
+    (``absorb_s`` without the generator's ``generate_s``: a real process gets the objects from JSON instead)."""
+
+    state: ProxyState
+    changes: Changes
+    generate_s: float
+    absorb_s: float
+    snapshot_s: float
+
+
+def listed(gen: BenchState, cache: ServiceCache, n_services: int, meter: memory.PhaseMeter, prefix: str) -> Listed:
+    """Absorb the state's list into ``cache`` and take its first snapshot, each a phase of ``meter``
+    (``{prefix}absorb``, ``{prefix}snapshot``): what a starting and a restarted kproxy do before their first sync."""
+    meter.start()
+    t0 = time.perf_counter()
+    generate_s = gen.absorb(cache, n_services)
+    t1 = time.perf_counter()
+    meter.stop(f"{prefix}absorb")
+    meter.start()
+    t2 = time.perf_counter()
+    state, changes = cache.snapshot()
+    t3 = time.perf_counter()
+    meter.stop(f"{prefix}snapshot")
+    return Listed(state, changes, generate_s, t1 - t0 - generate_s, t3 - t2)

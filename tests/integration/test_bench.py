@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
-from modes import all_modes, missing, require_mode
+from modes import all_modes, require_mode, run_mode_cli
 
 from kproxy.bench.sync import NETNS_PREFIX, run_in_namespace
 
@@ -42,18 +41,9 @@ def test_real_backend_small(mode: str, state: str) -> None:
     backend (the first one closed: userspace binds its sockets again) wrote nothing, and the counts are the
     state's."""
     require_mode(mode)
-    argv = [sys.executable, "-m", "kproxy.bench", "bench", "sync", "--mode", mode, "--services", "100"]
-    argv += ["--endpoints", "3", "--repeat", "3", "--format", "json", "--state", state]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=280)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-    assert not _namespaces_of(proc.pid)
-    if proc.returncode == 1 and "is not available here" in stderr:
-        missing(mode, stderr.strip())
-    assert proc.returncode == 0, stderr
+    args = ["bench", "sync", "--mode", mode, "--services", "100", "--endpoints", "3", "--repeat", "3"]
+    pid, stdout = run_mode_cli(mode, [*args, "--format", "json", "--state", state])
+    assert not _namespaces_of(pid)
     doc = json.loads(stdout)
     assert doc["mode"] == mode and doc["state"] == state and doc["full_sync_s"] > 0 and doc["partial_sync_s"] > 0
     counts = doc["counts"]

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from modes import missing, require_mode
+from modes import missing, require_mode, run_mode_cli
 
 from kproxy.bench.sync import NETNS_PREFIX
 
@@ -67,19 +67,10 @@ def test_the_restart_is_a_new_process_and_leaves_nothing(mode: str) -> None:
     in another process than the phases before it, and neither the namespace nor a cgroup or record is left."""
     require_mode(mode)
     before = _orphaned_places()
-    argv = [sys.executable, "-P", "-m", "kproxy.bench", "bench", "sync", "--mode", mode, "--services", "50"]
-    argv += ["--endpoints", "3", "--repeat", "2", "--format", "json"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=280)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-    if proc.returncode == 1 and "is not available here" in stderr:
-        missing(mode, stderr.strip())
-    assert proc.returncode == 0, stderr
+    args = ["bench", "sync", "--mode", mode, "--services", "50", "--endpoints", "3", "--repeat", "2"]
+    pid, stdout = run_mode_cli(mode, [*args, "--format", "json"])
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    assert f"{NETNS_PREFIX}{proc.pid}" not in out.split()
+    assert f"{NETNS_PREFIX}{pid}" not in out.split()
     assert _orphaned_places() <= before
     doc = json.loads(stdout)
     assert doc["restart_writes"] == 0 and doc["partial_writes"] == [1, 1]
