@@ -1,17 +1,17 @@
-"""The restart phase of ``kproxy bench sync`` (kproxy.bench.sync): a new kproxy adopting the kernel state the first
-one left, which must write nothing.
+"""The restart phase of ``kproxy bench sync`` (kproxy.bench.sync): a new kproxy adopting the kernel state the first one
+left, which must write nothing.
 
-A real mode's restart runs in a new process, as a DaemonSet's restart does: ``python -P -m kproxy.bench.restart`` in
-the run's network namespace (``-P``: the working directory stays off its ``sys.path``). Run in the same process after
-dropping the old instance, it carried the earlier phases' heap (140-290 MB at 100,000 x 10: pymalloc's arenas, freed
-but kept), so its memory figures were not what a restarted kproxy pays. The child reads the run's spec as JSON on
-stdin (mode, configuration, the synthetic state and the partial syncs' changes: ``_spec``), builds a backend of the
-same class and configuration (the bpf mode finds the same pin folder and cgroup: they follow from the options and
-the namespace), restarts it (``restarted``), removes the kernel state before it exits, success or failure (the bpf
-mode's cgroup hook and pins live outside the namespace), and prints its figures as one line of JSON on stdout; logs
-and errors go to stderr, exit code 1 when it failed. The run's process merges the figures into its ``SyncBench``;
-when the child fails, dies or overruns RESTART_TIMEOUT (it is killed), the run's process removes the kernel state
-itself (``restart_phase``'s ``live``) and fails with the end of the child's stderr.
+A real mode's restart runs in a new process, as a DaemonSet's restart does: ``python -P
+-m kproxy.bench.restart`` in the run's network namespace (``-P``: the working directory stays off its ``sys.path``). Run
+in the same process after dropping the old instance, it carried the earlier phases' heap (~120 MB under bpf at 100,000 x
+10, 30 MB under nftables: pymalloc's arenas, freed but kept), so its memory figures were not what a restarted kproxy
+pays. The child reads the run's spec as JSON on stdin (mode, configuration, the synthetic state and the partial syncs'
+changes: ``_spec``), builds a backend of the same class and configuration (the bpf mode finds the same pin folder and
+cgroup: they follow from the options and the namespace), restarts it (``restarted``), removes the kernel state before it
+exits, success or failure (the bpf mode's cgroup hook and pins live outside the namespace), and prints its figures as
+one line of JSON on stdout; logs and errors go to stderr, exit code 1 when it failed. The run's process merges the
+figures into its ``SyncBench``; when the child fails, dies or overruns RESTART_TIMEOUT (it is killed), the run's process
+removes the kernel state itself (``restart_phase``'s ``live``) and fails with the end of the child's stderr.
 
 The fake's "kernel" (what it records as programmed) lives in the process: its restart stays in the process, the record
 handed to the fresh instance as a real kernel keeps its tables when the process goes. Both run ``restarted``.

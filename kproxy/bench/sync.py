@@ -65,9 +65,10 @@ Phases, each timed with ``time.perf_counter``:
   ``bytes_per_port`` / ``restart_bytes_per_port`` the same per service port.
 
 The restart runs for every mode (kproxy.bench.restart): a real mode's in a new process in the same namespace, as a
-DaemonSet's restart is (in the run's own process it carried the earlier phases' heap, 140-290 MB at 100,000 x 10,
-so its memory figures were not a restarted kproxy's); the fake's in the run's process, its "kernel" (what it records
-as programmed) handed to the fresh instance as a real kernel keeps its tables when the process goes.
+DaemonSet's restart is (in the run's own process it carried the earlier phases' heap, ~120 MB under bpf at
+100,000 x 10, so its memory figures were not a restarted kproxy's); the fake's in the run's process, its "kernel"
+(what it records as programmed) handed to the fresh instance as a real kernel keeps its tables when the process
+goes.
 
 With ``--reference upstream-nftables`` the run also times upstream kube-proxy's nftables layout for the same state
 (kproxy.bench.reference_nft, in a namespace of its own) and reports ``reference`` with ``reference_ratio`` =
