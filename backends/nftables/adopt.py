@@ -39,7 +39,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -145,6 +145,11 @@ class Adopted:
     reread: Callable[[], Raw] | None = None  # the entry maps' dumps again, when the background read was given up
     #: what the netlink element dumps taken in read: ``datagrams``, ``elements`` (the bench's figures)
     counts: dict[str, int] = field(default_factory=dict)
+    #: a trusting adoption's services that only a digest names, by comment key: ``<digest key>#<digest>`` in one
+    #: string (``_trusted``) rather than a ``Service`` and three strings (12 MB at 100,000 service ports), made
+    #: ``Service`` objects by ``complete``; every other service (firewall keys, digests that disagree) is in
+    #: ``services``
+    trusted: dict[str, str] = field(default_factory=dict)
 
     def complete(self) -> None:
         """Take in the entry maps of a trusting adoption (its background read, or a new one when that was given
@@ -153,6 +158,7 @@ class Adopted:
         if not self.ready() or not self.trusting:
             return
         self.trusting = False
+        _untrust(self)
         pending, self.entries_pending = self.entries_pending, None
         t0 = time.perf_counter()
         try:
@@ -180,7 +186,13 @@ class Adopted:
         """Whether the kernel holds something of the service with comment key ``ckey`` (its digest, entries or
         firewall elements as read so far)."""
         self.ready()
-        return ckey in self.services
+        return ckey in self.services or ckey in self.trusted
+
+    def ckeys(self) -> Iterator[str]:
+        """The comment key of every service the kernel holds something of (as read so far)."""
+        self.ready()
+        yield from self.services
+        yield from self.trusted
 
     def ready(self) -> bool:
         """Whether the table can be adopted (this layout, and its services read), after taking in the background
@@ -245,6 +257,11 @@ class Adopted:
         if self.pending is not None:
             self.ready()
         svc = self.services.get(frag.comment)
+        if svc is None and self.trusting:
+            packed = self.trusted.get(frag.comment)
+            return (
+                packed is not None and _digest_is(packed, frag.digest) and (not frag.chains or self.chains_hold(frag))
+            )
         if svc is None or not svc.digests_agree or svc.digest != frag.digest:
             return False
         if frag.chains and not self.chains_hold(frag):
@@ -330,14 +347,19 @@ def read(
 
 def _take_services(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]]) -> None:
     """The services' entries (when read: not yet in a trusting adoption), digests and firewall elements into
-    ``out.services``."""
+    ``out.services``; a trusting adoption's services that only one digest names into ``out.trusted``."""
     t0 = time.perf_counter()
-    services = out.services
+    services, trusted = out.services, out.trusted
     entries_read = layout.SERVICE_IPS in dumped
     _put_entries(services, dumped)
     for key, _, comment in dumped[layout.SERVICE_DIGESTS]:
         ckey, digest = split_comment(comment)
         svc = services.get(ckey)
+        if svc is None and out.trusting:
+            if ckey not in trusted:
+                trusted[ckey] = _trusted(key, digest)
+                continue
+            svc = services[ckey] = _service(trusted.pop(ckey))  # named twice: they disagree (below)
         if svc is None:  # a digest without entries: the service is rewritten (its digest element deleted first)
             svc = services[ckey] = Service(digests_agree=not entries_read)
         elif svc.digest_key is not None:
@@ -347,9 +369,38 @@ def _take_services(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]
     for ckey, key in out.firewall:
         svc = services.get(ckey)
         if svc is None:
-            svc = services[ckey] = Service(digests_agree=False)
+            packed = trusted.pop(ckey, None)
+            svc = services[ckey] = Service(digests_agree=False) if packed is None else _service(packed)
         svc.firewall = (*svc.firewall, key)  # a handful per service
     out.parts["group"] = out.parts.get("group", 0.0) + time.perf_counter() - t0
+
+
+def _trusted(key: str, digest: str | None) -> str:
+    """A service that only its digest element names, as ``Adopted.trusted`` keeps it: the element's key (the
+    ``render`` spelling of an address, protocol and port: never a ``#``), then ``#`` and the digest of its comment
+    when it has one."""
+    return key if digest is None else f"{key}#{digest}"
+
+
+def _digest_is(packed: str, digest: str) -> bool:
+    """Whether ``packed`` (``_trusted``) holds exactly ``digest``, without a copy: it ends with it, right after the
+    first ``#``."""
+    at = packed.find("#")
+    return at >= 0 and at == len(packed) - len(digest) - 1 and packed.endswith(digest)
+
+
+def _service(packed: str) -> Service:
+    """The ``Service`` a ``_trusted`` string stands for (its digest and the key of its digest element)."""
+    key, sep, digest = packed.partition("#")
+    return Service(digest=digest if sep else None, digest_key=key)
+
+
+def _untrust(out: Adopted) -> None:
+    """The trusted services as ``Service`` objects (before the entry maps are merged in: ``_take_entries``)."""
+    services, trusted = out.services, out.trusted
+    for ckey, packed in trusted.items():
+        services[ckey] = _service(packed)
+    trusted.clear()
 
 
 def _put_entries(services: dict[str, Service], dumped: Mapping[str, list[tuple[str, str, str]]]) -> None:
@@ -372,6 +423,7 @@ def _take_entries(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]]
     what ``_take_services`` makes of every dump at once, without keeping the digest set's dump until then (14 MB
     at 100,000 service ports): a digest whose service has no entry disagrees, as one read with the entries does."""
     t0 = time.perf_counter()
+    _untrust(out)  # done already by ``complete``
     services = out.services
     _put_entries(services, dumped)
     for svc in services.values():

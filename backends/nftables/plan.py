@@ -267,7 +267,7 @@ class _Full:
         handled = {f.comment for f in batch.wanted.values()}
         handled.update(layout.comment_key(render.service_key(spn)) for spn in self.in_batch)
         done = self.scratch.stale_done
-        if adopted.trusting and any(c not in handled and c not in done for c in adopted.services):
+        if adopted.trusting and any(c not in handled and c not in done for c in adopted.ckeys()):
             adopted.complete()  # an unwanted service: its entries are deleted, so they must be known
         for ckey, svc in adopted.services.items():
             if ckey not in handled and ckey not in done:
@@ -349,4 +349,4 @@ def entries_needed(batch: NftBatch) -> bool:
     if any(adopted.held(layout.comment_key(render.service_key(d.name))) for d in batch.deltas):
         return True
     handled = {f.comment for f in batch.wanted.values()}
-    return any(c not in handled for c in adopted.services)
+    return any(c not in handled for c in adopted.ckeys())

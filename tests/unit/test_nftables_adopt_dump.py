@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import struct
 import sys
+from collections import Counter
 from concurrent.futures import Future
 
 import pytest
@@ -232,7 +233,8 @@ def test_a_restart_trusts_the_digests_and_reads_the_entry_maps_only_for_a_change
     a = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, pending=first, trusting=True)
     a.entries_pending, a.reread, a.counts = never, reread, {"datagrams": 2, "elements": 3}
     assert a.unchanged(web) and a.unchanged(api) and a.trusting
-    assert all(not svc.entries and svc.digests_agree for svc in a.services.values())
+    # each held as its digest element's key and digest in one string, no Service made yet
+    assert a.trusted == {f.comment: f"{f.digest_key}#{f.digest}" for f in (web, api)} and not a.services
     a.settle()
     assert a.cancel.is_set() and not rereads
     # the same service with another endpoint: its digest differs, and its old keys come from the entry maps
@@ -316,6 +318,29 @@ def test_entries_taken_in_later_group_as_one_read_of_every_dump(shapes: list[tup
     first = {m: dumps[m] for m in (layout.SERVICE_DIGESTS, layout.HAIRPIN)}
     later = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, firewall=list(firewall), trusting=True)
     adopt._take_services(later, first)
+    # before the entry maps: held are the services a digest or a firewall element names; only those one digest and
+    # nothing else names are kept packed (``Adopted.trusted``)
+    named = Counter(adopt.split_comment(c)[0] for _, _, c in dumps[layout.SERVICE_DIGESTS])
+    walled = {ckey for ckey, _ in firewall}
+    assert set(later.ckeys()) == named.keys() | walled
+    assert set(later.trusted) == {k for k, n in named.items() if n == 1 and k not in walled}
     adopt._take_entries(later, {m: dumps[m] for m in adopt.ENTRY_MAPS})
+    assert not later.trusted
     assert seen(later) == seen(whole)
     assert later.hairpin == whole.hairpin
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text(st.characters(blacklist_characters="#"), max_size=12),
+    st.none() | st.text(max_size=12),
+    st.text(max_size=12),
+)
+def test_a_trusted_service_keeps_its_key_and_digest_in_one_string(key: str, digest: str | None, other: str) -> None:
+    """``Adopted.trusted``'s packing: a digest element's key (never a ``#``) and its comment's digest (any text, or
+    none) come back whole, and a digest compares equal only to itself, whatever ``#`` it holds."""
+    packed = adopt._trusted(key, digest)
+    svc = adopt._service(packed)
+    assert (svc.digest_key, svc.digest) == (key, digest)
+    for d in (other, digest or "", f"{other}#{digest}", f"{key}#{digest}"):
+        assert adopt._digest_is(packed, d) == (digest == d)
