@@ -128,7 +128,8 @@ class Applied:
     ``ok`` False and nothing refused: the family failed as a whole (a full sync follows). ``kernel_refusals``: kernel
     transactions refused in this apply (also ones the backend retried itself); ``rules``/``rules_last``/``figures``
     as ``FamilySync``'s (the last apply's stand); ``timings`` (seconds per phase) feed metrics; ``need_full`` asks for
-    a full sync soon."""
+    a full sync soon. ``leftovers``: services the kernel held that nothing wants and no delta names, which this apply
+    removed (a full sync after kproxy was down: deleted meanwhile), counted in ``FamilySync.written``."""
 
     ok: bool = True
     refused: Mapping[ServicePortName, str] = field(default_factory=_no_refusals)
@@ -139,6 +140,7 @@ class Applied:
     figures: Mapping[str, int] = field(default_factory=_no_counts)
     timings: Mapping[str, float] = field(default_factory=_no_timings)
     need_full: bool = False
+    leftovers: int = 0
 
 
 class Backend(Protocol[F, C, A, V, S]):

@@ -145,7 +145,10 @@ class FakeProxier(LedgerProxier[ServicePort, FamilyContext, Programmed, Programm
                 if d.new_fragment is not None and d.name in self.reject and d.new_fragment != d.old_fragment:
                     return Applied(ok=False, refused=MappingProxyType({d.name: self.reject[d.name]}))
             fam = batch.family.value
+            leftovers = 0
             if batch.full:
+                named = set(batch.written)
+                leftovers = sum(1 for f, s in self.programmed if f == fam and s not in batch.wanted and s not in named)
                 self.programmed = {k: v for k, v in self.programmed.items() if k[0] != fam}
                 self.programmed.update({(fam, spn): sp for spn, sp in batch.wanted.items()})
             else:
@@ -154,7 +157,7 @@ class FakeProxier(LedgerProxier[ServicePort, FamilyContext, Programmed, Programm
                         self.programmed.pop((fam, d.name), None)
                     else:
                         self.programmed[(fam, d.name)] = d.new_fragment
-            return Applied()
+            return Applied(leftovers=leftovers)
 
     def adopt(self, family: IPFamily, ctx: FamilyContext) -> Programmed:
         """What the "kernel" holds: the fake's own record, as a real backend reads its table back."""

@@ -77,6 +77,7 @@ class _Tally:
 
     def absorb(self, outcome: Applied) -> None:
         self.kernel_refusals += outcome.kernel_refusals
+        self.written += outcome.leftovers  # an earlier round's chunks may have removed some before a refusal
         if outcome.rules:
             self.rules = outcome.rules
         if outcome.rules_last:
@@ -274,7 +275,7 @@ class Ledger(Generic[F, C, A, V, S]):
             if outcome.ok and not outcome.refused:
                 plan.adopted = batch.adopted = None  # what adoption read is done with: freed before the records grow
                 self._commit(plan, batch, ports, rounds)
-                tally.written = len(batch.deltas)  # services written or removed (0: nothing changed)
+                tally.written += len(batch.deltas)  # services written or removed (0: nothing changed)
                 break
             if not outcome.refused:
                 tally.error = outcome.error or "apply failed"

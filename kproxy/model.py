@@ -469,11 +469,12 @@ def _no_counts() -> Mapping[str, int]:
 class FamilySync:
     """What the sync of one IP family did, typed, so no module parses keys.
 
-    ``full``: synced in full; ``written``: service ports written or removed by the batch that committed (0: nothing
-    changed); ``services``: service ports the kernel holds for kproxy afterwards; ``kernel_refusals``: kernel
-    transactions (restores) refused on the way, also in a sync that recovered by skipping services (upstream's
-    restore-failure counters). ``rules`` / ``rules_last``: per table, the rules the mode holds and the rules its last
-    sync wrote (upstream's ``sync_proxy_rules_iptables_total`` / ``_last`` gauges). ``figures``: the backend's own
+    ``full``: synced in full; ``written``: service ports written or removed by the batch that committed, with those a
+    full sync found in the kernel unwanted and removed (``Applied.leftovers``; 0: nothing changed); ``services``:
+    service ports the kernel holds for kproxy afterwards; ``kernel_refusals``: kernel transactions (restores) refused on
+    the way, also in a sync that recovered by skipping services (upstream's restore-failure counters). ``rules`` /
+    ``rules_last``: per table, the rules the mode holds and the rules its last sync wrote (upstream's
+    ``sync_proxy_rules_iptables_total`` / ``_last`` gauges). ``figures``: the backend's own
     counts (map writes, elements added, transactions...), for ``/rules`` and the benchmarks."""
 
     full: bool = False

@@ -78,6 +78,8 @@ class Plan:
     counting: bool = False
     #: ``sweep`` ran: the free lists were rebuilt from the index (``release`` then checks each freed id against them)
     swept: bool = False
+    #: service ports the sweep removed that nothing wants (``Applied.leftovers``)
+    leftovers: int = 0
 
     def release(self, index: FamilyIndex) -> None:
         """The plan is in the kernel: its freed ids may be handed out again (those below the next fresh id: a full
@@ -441,6 +443,11 @@ def sweep(index: FamilyIndex, wanted: Mapping[ServicePortName, Fragment], plan: 
         doomed = [k for k, st in fronts.items() if st.owner is None or st.owner not in wanted_names]
     else:
         doomed = [k for k, st in fronts.items() if st.owner is None]
+    owners = {fronts[k].owner for k in doomed}
+    # a restart's frontends are owned once claimed (``adopt.claim_all``): an unwanted one's service port is its
+    # reverse-NAT id (one per service port, read back from the maps); orphan slots (no master, id 0) are no port's
+    unowned = {fronts[k].master.rev_nat_id for k in doomed if fronts[k].owner is None} - {0}
+    plan.leftovers = len(owners - {None}) + len(unowned)
     for k in doomed:
         remove_front(plan, index, k, fronts[k])
     for bid in index.backends.unused(chain.from_iterable(st.slots for st in fronts.values())):

@@ -486,7 +486,8 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
         if adopted is not None:  # the read of the maps and its decode (inside the ledger's "render" when it compared)
             timings.update(adopted.seconds)
             adopted.seconds = {}  # once per adoption: a later refusal round does not count them again
-        return Applied(figures=MappingProxyType(self._figures(fam, index, the_plan)), timings=MappingProxyType(timings))
+        figures = MappingProxyType(self._figures(fam, index, the_plan))
+        return Applied(figures=figures, timings=MappingProxyType(timings), leftovers=the_plan.leftovers)
 
     def _write_maps(self, batch: BpfBatch, index: FamilyIndex) -> tuple[plan.Plan, list[Step], float, float]:
         """Plan the batch's map writes and execute them: (the plan, its steps, the seconds a writer thread wrote while

@@ -37,6 +37,8 @@ LARGE_CLUSTER_ENDPOINTS = 1000
 # KUBE-XLB- is the pre-1.24 name of KUBE-SVL-: never written, but swept as stale by a full sync, as upstream does,
 # so that an old kube-proxy's chains do not keep stale endpoint chains referenced
 SERVICE_CHAIN_PREFIXES = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-", "KUBE-XLB-")
+#: the chains of one service port, named by its port hash (a KUBE-SEP- chain is an endpoint's)
+PORT_CHAIN_PREFIXES = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-XLB-")
 
 # Keys of the shared chains a fragment contributes to: "table/chain".
 F_SERVICES = "filter/" + KUBE_SERVICES

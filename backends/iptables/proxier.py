@@ -23,7 +23,7 @@ import logging
 import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -40,7 +40,7 @@ from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelHooks, Option
 from kproxy.toolkit.trace import traced
 
-from . import adopt, kernel, render
+from . import adopt, kernel, layout, render
 from . import cleanup as cleanup_mod
 from . import counters as counters_mod
 from . import trace as trace_mod
@@ -93,6 +93,15 @@ class _Plan:
     stream: bool = False
     refusals: int = 0  # restores the kernel refused in this apply
     rules_written: dict[str, int] = field(default_factory=lambda: {"filter": 0, "nat": 0})
+
+
+def leftovers(stale: Iterable[str], batch: IptBatch) -> int:
+    """Service ports a full sync removed that nothing wants and no delta names (``Applied.leftovers``): the port
+    hashes of the deleted chains of a service port (``KUBE-SVC-<hash>``, its SVL, EXT, FW and XLB chains), less the
+    deltas'. A service port without endpoints has no chain of its own: its rules in the shared chains go unseen."""
+    named = {render.port_proto_hash(name) for name in batch.written}
+    ports = {c.split("-", 2)[2] for c in stale if c.startswith(layout.PORT_CHAIN_PREFIXES)}
+    return len(ports - named)
 
 
 @dataclass(slots=True)
@@ -285,7 +294,8 @@ class IptablesProxier(LedgerProxier[Fragment, Context, Adoption, KernelRules, _S
         for _try in range(MAX_DELETION_RETRIES + 1):
             done = self._round(batch, plan, frags, timings)
             if done.error is None:
-                return self._applied(batch, frags, done.payloads, plan.rules_written, plan.refusals, timings)
+                out = self._applied(batch, frags, done.payloads, plan.rules_written, plan.refusals, timings)
+                return replace(out, leftovers=leftovers(plan.stale, batch)) if batch.full else out
             failed = self._after_refusal(batch, plan, done, timings)
             if failed is not None:
                 return failed

@@ -272,6 +272,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
                 return Applied(ok=False, error="kernel state unknown: a full sync must come first", need_full=True)
             chunks = iter([plan.partial(batch, known)])
         render_s = time.perf_counter() - r0
+        stale_before = len(batch.scratch.stale_done) if batch.scratch is not None else 0
         out = kernel.apply_chunks(self.nft, chunks, lambda chunk: plan.commit(batch, known, chunk), LAST_TEXT_KEPT)
         out.timings["render_apply"] += render_s
         if batch.full and first_round and isinstance(batch.adopted, adopt_mod.Adopted):
@@ -279,13 +280,23 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
             out.timings.update({f"adopt_{k}": v for k, v in batch.adopted.parts.items()})
             out.figures.update({f"adopt_{k}": v for k, v in batch.adopted.counts.items()})
         figures, timings = out.figures, MappingProxyType(out.timings)
+        # unwanted services the kernel held (``plan.remove_unwanted``) that this apply's committed chunks removed
+        gone = len(batch.scratch.stale_done) - stale_before if batch.scratch is not None else 0
         if out.error is not None:
             chunk, res = out.error
             summary, refused = nft_tools.refused(res, chunk.tx.owner_of)
             if not refused:  # not a service's fault: read the kernel again at the full sync
                 self._kernel[fam] = Known()
             figs = MappingProxyType(figures)
-            return Applied(ok=False, refused=refused, error=summary, kernel_refusals=1, figures=figs, timings=timings)
+            return Applied(
+                ok=False,
+                refused=refused,
+                error=summary,
+                kernel_refusals=1,
+                figures=figs,
+                timings=timings,
+                leftovers=gone,
+            )
         kept = out.kept  # a partial batch's text too long to keep: its floor is not taken (nor would it be short)
         if not batch.full and kept is not None and not kernel.creates_objects(fam, kept):
             self._last_partial[fam] = [(d.name, d.old_fragment, d.new_fragment) for d in batch.deltas]
@@ -297,7 +308,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         self._counts[fam] = figures
         if fam == IPFamily.V4:
             self._relay(batch)
-        return Applied(ok=True, figures=MappingProxyType(figures), timings=timings)
+        return Applied(ok=True, figures=MappingProxyType(figures), timings=timings, leftovers=gone)
 
     def _relay(self, batch: NftBatch) -> None:
         """The localhost NodePorts' listeners follow the batch the kernel just took: a full one sets exactly the

@@ -329,6 +329,10 @@ def test_restart_adopts_without_flushing(netns: str, flavour: str) -> None:
     assert "198.18.1.66" not in v4 and "--to-destination 198.18.1.9:53" in v4
     assert any(f":{sep_b} " in text for text in p3.last_payloads(IPFamily.V4))
     assert not any(f":{render.service_chain(A)} " in text for text in p3.last_payloads(IPFamily.V4))
+    # B deleted while kproxy was down: its stale chains go, and it counts as the one service port written
+    res = proxier(netns, flavour).sync(state(SP_A, SP_D), Changes(full=True))
+    assert res.ok and res.families[IPFamily.V4].written == 1, res
+    assert f":{sep_b} " not in save(netns, flavour)
 
 
 LOCAL = ServicePortName("ns1", "local", "http", Protocol.TCP)

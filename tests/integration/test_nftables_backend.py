@@ -103,6 +103,7 @@ def test_full_partial_restart_repair_cleanup(netns: str) -> None:
             # a service deleted while kproxy was down is removed by the adopting full sync
             res = NftablesProxier(CFG, netns=netns).sync(state(a3, c, gen=4), Changes(full=True))
             assert res.ok, res.error
+            assert res.families[IPFamily.V4].written == 1  # no delta names it: it counts as written all the same
             assert "198.19.0.2" not in nft_list(netns, "list", "map", "ip", "kproxy", "service-ips")
             # someone deletes the table: noticed at the next partial sync, rebuilt
             subprocess.run(["ip", "netns", "exec", netns, "nft", "delete", "table", "ip", "kproxy"], check=True)
@@ -312,6 +313,7 @@ def test_affinity_service_removed_at_a_full_sync_and_stale_chains_swept(netns: s
         try:
             res = q.sync(state(gen=3), Changes(full=True))
             assert res.ok, res.error
+            assert res.families[IPFamily.V4].written == 1
         finally:
             q.close()
         chains = nft_list(netns, "list", "chains", "ip")

@@ -52,7 +52,9 @@ class DictMode(LedgerProxier[Frag, Ctx, Kernel, Kernel, None]):
 
     def apply(self, batch: Batch[Frag, Ctx, Kernel, None]) -> Applied:
         held = self.kernel[batch.family]
-        if batch.full:
+        leftovers = 0
+        if batch.full:  # what it held that nothing wants and no delta names (deleted while it was down)
+            leftovers = len(held.keys() - batch.wanted.keys() - set(batch.written))
             held.clear()
             held.update(batch.wanted)
         for d in batch.deltas:
@@ -60,7 +62,7 @@ class DictMode(LedgerProxier[Frag, Ctx, Kernel, Kernel, None]):
                 held.pop(d.name, None)
             else:
                 held[d.name] = d.new_fragment
-        return Applied()
+        return Applied(leftovers=leftovers)
 
     def adopt(self, family: IPFamily, ctx: Ctx) -> Kernel:
         return dict(self.kernel[family])

@@ -75,6 +75,14 @@ def test_a_restart_with_nothing_changed_writes_nothing(mode: Any) -> None:
         again.programmed = p.programmed
     res = again.sync(state(a, b), Changes(full=True))
     assert res.ok and res.full and res.families[IPFamily.V4].written == 0
+    # b deleted while it was down: no delta names it (nothing was recorded), and it counts as written all the same
+    third = type(p)()
+    if isinstance(p, DictMode):
+        third.kernel = p.kernel
+    else:
+        third.programmed = again.programmed
+    res = third.sync(state(a), Changes(full=True))
+    assert res.ok and res.families[IPFamily.V4].written == 1 and set(held(third)) == {a.name}
 
 
 def test_a_changed_context_makes_a_full_batch_and_request_full_too(mode: Any) -> None:
