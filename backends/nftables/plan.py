@@ -264,16 +264,19 @@ class _Full:
         services no longer wanted."""
         adopted, tx, batch = self.adopted, self.tx, self.batch
         assert adopted is not None
-        handled = {f.comment for f in batch.wanted.values()}
-        handled.update(layout.comment_key(render.service_key(spn)) for spn in self.in_batch)
-        done = self.scratch.stale_done
-        if adopted.trusting and any(c not in handled and c not in done for c in adopted.ckeys()):
+        unwanted: list[str] = []
+        if not adopted.all_wanted(f.comment for f in batch.wanted.values()):  # else every held one is wanted
+            handled = {f.comment for f in batch.wanted.values()}
+            handled.update(layout.comment_key(render.service_key(spn)) for spn in self.in_batch)
+            done = self.scratch.stale_done
+            unwanted = [c for c in adopted.ckeys() if c not in handled and c not in done]
+        if adopted.trusting and unwanted:
             adopted.complete()  # an unwanted service: its entries are deleted, so they must be known
-        for ckey, svc in adopted.services.items():
-            if ckey not in handled and ckey not in done:
-                keys = {**svc.keys(), **counters_mod.skeleton(svc.entries, adopted.counting())}
-                render.change_service(tx, None, None, None, old_keys=keys)
-                self.stale.add(ckey)
+        for ckey in unwanted:
+            svc = adopted.services[ckey]
+            keys = {**svc.keys(), **counters_mod.skeleton(svc.entries, adopted.counting())}
+            render.change_service(tx, None, None, None, old_keys=keys)
+            self.stale.add(ckey)
         # chains of services the deltas handle (changed or removed) are theirs to rewrite or delete
         own_chains = [c for c in adopted.chains if layout.is_service_chain(c)]
         if not own_chains and not adopted.sets:
@@ -348,5 +351,4 @@ def entries_needed(batch: NftBatch) -> bool:
         return False
     if any(adopted.held(layout.comment_key(render.service_key(d.name))) for d in batch.deltas):
         return True
-    handled = {f.comment for f in batch.wanted.values()}
-    return any(c not in handled for c in adopted.ckeys())
+    return not adopted.all_wanted(f.comment for f in batch.wanted.values())

@@ -344,3 +344,19 @@ def test_a_trusted_service_keeps_its_key_and_digest_in_one_string(key: str, dige
     assert (svc.digest_key, svc.digest) == (key, digest)
     for d in (other, digest or "", f"{other}#{digest}", f"{key}#{digest}"):
         assert adopt._digest_is(packed, d) == (digest == d)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sets(st.integers(0, 30)),
+    st.sets(st.integers(0, 30)),
+    st.sets(st.integers(0, 30)),
+)
+def test_all_wanted_counts_as_the_set_comparison_would(trusted: set[int], held: set[int], wanted: set[int]) -> None:
+    """``Adopted.all_wanted`` (a count, no set of every wanted key made) answers as ``held <= wanted`` does, the
+    kernel's services split between ``trusted`` (packed) and ``services`` as a restart's adoption leaves them."""
+    a = adopt.Adopted(IPFamily.V4, table=True, layout_ok=True, trusting=True)
+    a.trusted = {f"ns/s{i}:http/tcp": adopt._trusted(f"198.18.0.{i} . tcp . 80", "d") for i in trusted}
+    a.services = {f"ns/s{i}:http/tcp": adopt.Service() for i in held - trusted}
+    comments = [f"ns/s{i}:http/tcp" for i in sorted(wanted)]
+    assert a.all_wanted(comments) == (set(a.ckeys()) <= set(comments))
