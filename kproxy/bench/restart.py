@@ -11,7 +11,9 @@ cgroup: they follow from the options and the namespace), restarts it (``restarte
 exits, success or failure (the bpf mode's cgroup hook and pins live outside the namespace), and prints its figures as
 one line of JSON on stdout; logs and errors go to stderr, exit code 1 when it failed. The run's process merges the
 figures into its ``SyncBench``; when the child fails, dies or overruns RESTART_TIMEOUT (it is killed), the run's process
-removes the kernel state itself (``restart_phase``'s ``live``) and fails with the end of the child's stderr.
+removes the kernel state itself (``restart_phase``'s ``live``) and fails with the end of the child's stderr. When the
+run's process dies first (killed at the run's time limit), the child gets SIGTERM (``PR_SET_PDEATHSIG``), removes the
+kernel state and exits with ``ORPHANED``: nobody else is left to remove it (``_die_with_parent``).
 
 The fake's "kernel" (what it records as programmed) lives in the process: its restart stays in the process, the record
 handed to the fresh instance as a real kernel keeps its tables when the process goes. Both run ``restarted``.
@@ -19,9 +21,11 @@ handed to the fresh instance as a real kernel keeps its tables when the process 
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -52,6 +56,9 @@ MODULE = "kproxy.bench.restart"
 #: seconds: a bound on the restart's process (at 100,000 x 10 its list, snapshot and sync take 15-30 s here)
 RESTART_TIMEOUT = 1200.0
 PHASES = ("restart_absorb", "restart_snapshot", "restart_sync")
+#: the exit code of a restart's process whose run's process died before it ended (128 + SIGTERM, as a shell says)
+ORPHANED = 128 + signal.SIGTERM
+PR_SET_PDEATHSIG = 1
 
 
 def restart_phase(
@@ -118,6 +125,7 @@ def restarted(out: SyncBench, fresh: Any, gen: BenchState, meter: memory.PhaseMe
 def _spec(out: SyncBench, gen: BenchState, config: ProxyConfig) -> dict[str, Any]:
     """What the restart's process needs to build the same backend and list the same objects (``child``)."""
     return {
+        "parent": os.getpid(),  # the restart's process ends when this one dies (``_die_with_parent``)
         "mode": out.mode,
         "services": out.services,
         "endpoints": out.endpoints,
@@ -193,14 +201,42 @@ def child(spec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _die_with_parent(parent: int) -> None:
+    """SIGTERM for this process when the run's process (``parent``) dies, raised here as SystemExit(ORPHANED) so that
+    ``child``'s ``finally`` removes the kernel state (the run's process, killed, no longer can). The signal is asked
+    of the kernel (``PR_SET_PDEATHSIG``) after the handler is in place, then the parent checked: one that died before
+    the ask is seen here."""
+
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the cleanup that follows is not cut short
+        raise SystemExit(ORPHANED)
+
+    signal.signal(signal.SIGTERM, stop)
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:
+        raise SystemExit(ORPHANED)
+
+
 def main() -> int:
     """``python -m kproxy.bench.restart``: the spec on stdin, the figures on stdout (one line of JSON)."""
     spec = json.loads(sys.stdin.read())
     try:
+        _die_with_parent(int(spec["parent"]))
         figures = child(spec)
     except (BenchError, BackendError) as exc:
         print(f"kproxy bench sync: restart: {exc}", file=sys.stderr)
         return 1
+    except SystemExit as exc:
+        if exc.code == ORPHANED:  # wherever it stopped (before its backend was built, too): nobody else removes it
+            print("kproxy bench sync: restart: the run's process died: removing its kernel state", file=sys.stderr)
+            config = bench_config(spec["mode"], spec["backend_options"], spec["service_counters"])
+            leftover = backend_class(spec["mode"])(config)
+            try:
+                leftover.cleanup()
+            finally:
+                leftover.close()
+        raise
     print(json.dumps(figures))
     return 0
 

@@ -97,12 +97,62 @@ elif kind == "wrote":  # it lists the objects without the partial syncs' changes
     restart._spec = lambda *a: {**spec(*a), "variants": {}}
 elif kind == "overran":  # killed long before it can have synced
     restart.RESTART_TIMEOUT = 0.05
+elif kind == "orphaned":  # this process dies while the restart's process is inside its restart (ORPHAN, below)
+    exec(sys.argv[4])
 try:
     b = sync.run_sync_bench(mode, 50, 3, 2, options)
 except sync.BenchError as exc:
     print(json.dumps({"error": str(exc)}))
 else:
     print(json.dumps({"error": None, "bench": b.to_json(), "bound": sync.bound_failures(b)}))
+"""
+
+
+# the run's process starts the restart's process as usual, waits until it holds the backend's kernel handles (a
+# netlink socket, a BPF object: it is inside its restart), stops it, tells its pid and kills itself: what RUN_TIMEOUT
+# does to a run that overran. The child, continued, finds its parent dead.
+ORPHAN = """
+import os, signal, subprocess, time
+real = subprocess.run
+
+def handles(pid):
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    return any(x.startswith(("socket:", "anon_inode:bpf")) for x in links)
+
+def run(argv, input=None, **kw):
+    if restart.MODULE not in argv:
+        return real(argv, input=input, **kw)
+    child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    child.stdin.write(input)
+    child.stdin.close()
+    deadline = time.monotonic() + 60
+    while not handles(child.pid) and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.005)
+    os.kill(child.pid, signal.SIGSTOP)
+    print(json.dumps({"child": child.pid}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+subprocess.run = run
+"""
+
+# the test's stand-in for init: the orphaned restart's process becomes its child (PR_SET_CHILD_SUBREAPER), so its exit
+# code can be read; it is continued once its parent is dead
+REAPER = """
+import ctypes, json, os, signal, subprocess, sys
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+run = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, text=True)
+line = run.stdout.readline()
+run.wait()
+child = json.loads(line)["child"]
+signal.alarm(120)  # bounded: the child's restart is 50 x 3
+os.kill(child, signal.SIGCONT)
+_, status = os.waitpid(child, 0)
+print(json.dumps({"parent": run.returncode, "child": os.waitstatus_to_exitcode(status)}))
 """
 
 
@@ -129,6 +179,25 @@ def _left(mode: str, ns: str, opts: dict[str, str]) -> list[str]:
         left += [f"hook {d['name']}" for d in loader.ours(loader.attached(Path(opts["bpf_cgroup_path"])))]
         left += [f"record {r}" for r in [cleanup._record_path(ns)] if r.exists()]
     return left
+
+
+@pytest.mark.parametrize("mode", ["nftables", "bpf"])
+def test_a_restart_whose_run_dies_removes_the_kernel_state_itself(mode: str) -> None:
+    """The run's process is killed (as at the run's time limit) while the restart's process is inside its restart:
+    that process gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``), removes the kernel state, and exits with
+    ``ORPHANED`` instead of running on; nothing is left."""
+    from kproxy.bench.restart import ORPHANED
+
+    with _place(mode) as (ns, opts):
+        run = ["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-P", "-c", RUN, mode, "orphaned", json.dumps(opts)]
+        run.append(ORPHAN)
+        proc = subprocess.run(
+            [sys.executable, "-c", REAPER, *run], capture_output=True, text=True, timeout=280, check=False
+        )
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert doc == {"parent": -9, "child": ORPHANED}, proc.stderr
+        assert not _left(mode, ns, opts), proc.stderr
 
 
 @pytest.mark.parametrize("kind", ["ok", "refused", "overran", "wrote"])
