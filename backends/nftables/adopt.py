@@ -147,8 +147,8 @@ class Adopted:
     counts: dict[str, int] = field(default_factory=dict)
     #: a trusting adoption's services that only a digest names, by comment key: ``<digest key>#<digest>`` in one
     #: string (``_trusted``) rather than a ``Service`` and three strings (12 MB at 100,000 service ports), made
-    #: ``Service`` objects by ``complete``; every other service (firewall keys, digests that disagree) is in
-    #: ``services``
+    #: ``Service`` objects when ``complete`` takes the entry maps in; every other service (firewall keys, digests
+    #: that disagree) is in ``services``
     trusted: dict[str, str] = field(default_factory=dict)
 
     def complete(self) -> None:
@@ -158,7 +158,6 @@ class Adopted:
         if not self.ready() or not self.trusting:
             return
         self.trusting = False
-        _untrust(self)
         pending, self.entries_pending = self.entries_pending, None
         t0 = time.perf_counter()
         try:
@@ -433,7 +432,7 @@ def _take_entries(out: Adopted, dumped: Mapping[str, list[tuple[str, str, str]]]
     what ``_take_services`` makes of every dump at once, without keeping the digest set's dump until then (14 MB
     at 100,000 service ports): a digest whose service has no entry disagrees, as one read with the entries does."""
     t0 = time.perf_counter()
-    _untrust(out)  # done already by ``complete``
+    _untrust(out)
     services = out.services
     _put_entries(services, dumped)
     for svc in services.values():

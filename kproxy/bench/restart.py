@@ -43,6 +43,7 @@ from kproxy.bench.syncparts import (
     bench_config,
     listed,
     no_refusals,
+    remove_state,
     weigh,
     written,
 )
@@ -190,10 +191,7 @@ def child(spec: Mapping[str, Any]) -> dict[str, Any]:
     try:
         restarted(out, fresh, gen, meter)
     finally:
-        try:
-            fresh.cleanup()
-        finally:
-            fresh.close()
+        remove_state(fresh)
     return {
         "figures": {k: getattr(out, k) for k in RESTART_FIELDS},
         "memory": out.memory,
@@ -231,11 +229,7 @@ def main() -> int:
         if exc.code == ORPHANED:  # wherever it stopped (before its backend was built, too): nobody else removes it
             print("kproxy bench sync: restart: the run's process died: removing its kernel state", file=sys.stderr)
             config = bench_config(spec["mode"], spec["backend_options"], spec["service_counters"])
-            leftover = backend_class(spec["mode"])(config)
-            try:
-                leftover.cleanup()
-            finally:
-                leftover.close()
+            remove_state(backend_class(spec["mode"])(config))
         raise
     print(json.dumps(figures))
     return 0

@@ -101,6 +101,7 @@ from kproxy.bench.syncparts import (
     bench_config,
     listed,
     no_refusals,
+    remove_state,
     weigh,
     written,
 )
@@ -216,11 +217,8 @@ def run_sync_bench(
         restart_phase(out, live, cls, config, gen, meter)
         out.memory["phases"] = {k: asdict(v) for k, v in meter.phases.items()}
     finally:
-        if mode != "fake" and live:
-            try:  # the namespace goes away anyway; this removes what lives outside it (a BPF cgroup hook)
-                live[-1].cleanup()
-            finally:
-                live[-1].close()
+        if mode != "fake" and live:  # the namespace goes away anyway; this removes what lives outside it (BPF)
+            remove_state(live[-1])
     return out
 
 

@@ -212,6 +212,15 @@ def weigh(out: SyncBench, prefix: str, cache: ServiceCache, state: ProxyState, b
     out.memory[prefix + "bytes_per_port"] = memory.per_port(figures, len(state))
 
 
+def remove_state(backend: Any) -> None:
+    """Remove what ``backend``'s configuration keeps in the kernel (``cleanup``: a started instance's or an unstarted
+    one's), then close the instance, whatever the cleanup raised."""
+    try:
+        backend.cleanup()
+    finally:
+        backend.close()
+
+
 @dataclass(slots=True)
 class Listed:
     """A list absorbed into a new cache and its first snapshot (``listed``): the snapshot, and the seconds each took
