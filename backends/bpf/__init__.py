@@ -10,7 +10,8 @@ with BPF_F_ALLOW_MULTI, pin folder and cgroup per namespace), ``programs`` (the 
 detached programs and removed pins are put back without a compile; a restart adopts them), ``index`` (kproxy's index
 of the maps: frontends, ids and their allocators), ``plan`` (the ordered plan of map writes), ``decode`` (adoption's
 fast decoder), ``companion`` (the nftables companion table), ``sockets`` (ending connected UDP sockets to removed
-backends), ``counters`` (the per-service traffic counters of ``--service-counters``).
+backends), ``counters`` (the per-service traffic counters of ``--service-counters``), ``probe`` (whether the
+mode can run here, bcc's import tried in a child).
 C sources: ``bpf/kproxy_sock.c`` (connect4/6, sendmsg4/6, recvmsg4/6, getpeername4/6) and ``bpf/kproxy_lb.h``.
 IPv4-mapped IPv6 peers (``::ffff:a.b.c.d``, a dual-stack socket reaching an IPv4 service) are translated by the *6
 hooks with the IPv4 maps, and get a mapped backend (and a mapped frontend from getpeername) back. A frontend's slot

@@ -21,13 +21,11 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-import os
 import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -41,7 +39,7 @@ from kproxy.model import IPFamily, ProxyState, ServicePort, ServicePortName, Syn
 from kproxy.nodeaddr import FamilyContext
 from kproxy.proxier import Availability, KernelHooks, LabNodeSpec, Option
 
-from . import adopt, cleanup, companion, counters, kernel, loader, maps, plan, programs, render, sockets, trace
+from . import adopt, cleanup, companion, counters, kernel, loader, maps, plan, probe, programs, render, sockets, trace
 from .adopt import Adopted
 from .index import MAX_ID, FamilyIndex
 from .kernel import Step
@@ -150,24 +148,7 @@ class BpfProxier(LedgerProxier[Fragment, Context, Adopted, Adopted, None]):
 
     @classmethod
     def available(cls) -> Availability:
-        try:
-            import bcc  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
-        except Exception as exc:  # bcc raises OSError when libbcc is missing
-            return Availability(False, f"bcc (python3-bpfcc) is not importable: {type(exc).__name__}: {exc}")
-        if os.geteuid() != 0:
-            return Availability(False, "the bpf mode needs root (bpf(2), cgroup attachments)")
-        release = os.uname().release
-        # bcc's own order: BCC_KERNEL_SOURCE (the image's merged tree, deploy/Dockerfile), the release's build
-        # folder, the kernel's built-in archive
-        source = os.environ.get("BCC_KERNEL_SOURCE")
-        if source:
-            if not Path(source, "include", "linux", "kconfig.h").exists():
-                return Availability(False, f"BCC_KERNEL_SOURCE={source} holds no kernel headers (include/linux)")
-        elif not Path(f"/lib/modules/{release}/build").exists() and not Path("/sys/kernel/kheaders.tar.xz").exists():
-            return Availability(False, f"no kernel headers for bcc: /lib/modules/{release}/build is missing")
-        if not Path("/sys/kernel/btf/vmlinux").exists():
-            return Availability(False, "the kernel has no BTF (/sys/kernel/btf/vmlinux): too old for the bpf mode")
-        return Availability(True)
+        return probe.availability()  # bcc is imported in a child: libbcc would stay in this process (60 MB)
 
     @classmethod
     def not_applicable(cls, options: Mapping[str, Any]) -> Mapping[str, str]:

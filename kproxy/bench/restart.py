@@ -184,7 +184,7 @@ def child(spec: Mapping[str, Any]) -> dict[str, Any]:
     out.state, out.ports_every, out.udp_every = spec["state"], spec["ports_every"], spec["udp_every"]
     meter = memory.PhaseMeter()
     cls = backend_class(spec["mode"])
-    avail = cls.available()  # as ``kproxy run`` asks before it starts (the bpf mode imports bcc to answer)
+    avail = cls.available()  # as ``kproxy run`` asks before it starts (the bpf mode tries bcc's import in a child)
     if not avail:
         raise BenchError(f"mode {spec['mode']} is not available here: {avail.reason}")
     fresh = cls(config)
