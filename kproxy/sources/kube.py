@@ -13,7 +13,8 @@ Node. Each kind has one `Reflector` thread that does what client-go's reflector 
       410 Expired (ERROR event or HTTP 410)        -> relist; the replace applies deletions missed meanwhile
       connection errors / 5xx                       -> exponential back-off with jitter, then retry
 
-Requests go through the official client's API methods with `_preload_content=False` and the JSON is parsed here:
+Requests go through the official client's ApiClient (``kproxy.sources.client.list_function``: the generated API
+methods' keywords and raw response, without importing CoreV1Api's 20 MB of validators) and the JSON is parsed here:
 building the client's model classes for 10,000 objects is far too slow, and the cache wants plain dicts anyway.
 A list is streamed into the sink rather than gathered first (client-go's pager gathers it): the sink parses each
 object into its compact records and drops the dict, so only one page of raw objects is alive at a time; gathering
@@ -35,12 +36,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import kubernetes
 from kubernetes.client import ApiClient, ApiException
 
 from kproxy.gcpause import collector_paused, trim_heap
 from kproxy.sources import ObjectSink
-from kproxy.sources.client import make_api_client
+from kproxy.sources.client import list_function, make_api_client
 from kproxy.sources.selectors import proxy_label_selector
 
 log = logging.getLogger(__name__)
@@ -474,8 +474,6 @@ class KubeSource:
         self.node_name = node_name
         self._on_stop = tuple(on_stop)  # what else ends with the source (the daemon's event recorder)
         self.label_selector = proxy_label_selector(service_proxy_name)
-        core = kubernetes.client.CoreV1Api(api_client)
-        discovery = kubernetes.client.DiscoveryV1Api(api_client)
         common: dict[str, Any] = {"backoff": resync_backoff, "watch_timeout": watch_timeout, "page_size": page_size}
 
         def node_list(items: Iterable[dict[str, Any]]) -> None:
@@ -485,7 +483,7 @@ class KubeSource:
         self.reflectors: dict[str, Reflector] = {
             "services": Reflector(
                 "services",
-                core.list_service_for_all_namespaces,
+                list_function(api_client, "/api/v1/services"),
                 apply_list=sink.replace_services,
                 upsert=sink.upsert_service,
                 delete=lambda o: sink.delete_service(*_ns_name(o)),
@@ -497,7 +495,7 @@ class KubeSource:
             ),
             "endpointslices": Reflector(
                 "endpointslices",
-                discovery.list_endpoint_slice_for_all_namespaces,
+                list_function(api_client, "/apis/discovery.k8s.io/v1/endpointslices"),
                 apply_list=sink.replace_slices,
                 upsert=sink.upsert_slice,
                 delete=lambda o: sink.delete_slice(*_ns_name(o)),
@@ -509,7 +507,7 @@ class KubeSource:
             ),
             "nodes": Reflector(
                 "nodes",
-                core.list_node,
+                list_function(api_client, "/api/v1/nodes"),
                 apply_list=node_list,
                 upsert=lambda o: sink.set_node(o),
                 delete=lambda _o: sink.set_node(None),
