@@ -37,8 +37,14 @@ PTON = {
     IPFamily.V4: functools.partial(socket.inet_pton, socket.AF_INET),
     IPFamily.V6: functools.partial(socket.inet_pton, socket.AF_INET6),
 }
-#: a port as the maps hold it (network order), by number
-PORT = [i.to_bytes(2, "big") for i in range(65536)]
+
+
+@functools.cache
+def ports() -> list[bytes]:
+    """A port as the maps hold it (network order), by number: a list lookup where ``to_bytes`` is a call per
+    backend. Built at the first use, not at import: it holds 65,536 objects (3 MB), and a kproxy of every other mode
+    imports this package to remove the bpf mode's leftovers."""
+    return [i.to_bytes(2, "big") for i in range(65536)]
 
 
 def endpoint_size(family: IPFamily) -> int:
@@ -48,8 +54,8 @@ def endpoint_size(family: IPFamily) -> int:
 
 def endpoints(family: IPFamily, backends: Iterable[tuple[str, int]]) -> bytes:
     """(address, port) pairs as a ``View`` holds them: each one's address . port bytes, laid end to end."""
-    pton = PTON[family]
-    return b"".join([pton(a) + PORT[p] for a, p in backends])
+    pton, port = PTON[family], ports()
+    return b"".join([pton(a) + port[p] for a, p in backends])
 
 
 def endpoint_pairs(family: IPFamily, blob: bytes) -> tuple[tuple[str, int], ...]:

@@ -21,8 +21,9 @@ from kproxy.toolkit.keys import service_key
 from kproxy.toolkit.mappings import dict_of
 
 from . import maps
-from .index import PORT, PTON, FamilyIndex, FrontState
+from .index import PTON, FamilyIndex, FrontState
 from .index import ids as slot_ids
+from .index import ports as port_table
 from .maps import Master
 from .render import Fragment, Frontend
 
@@ -183,26 +184,25 @@ class Plan:
 
 _ID = struct.Struct("<I")
 _SLOT_VALUE = struct.Struct("<I12x")  # a slot entry: backend_id, the rest zero (see maps.slot_value)
-_SLOT = [i.to_bytes(2, "little") for i in range(65536)]
-_PORT = PORT
+_SLOTS = 65536  # a frontend's slot numbers are 16 bits
 
 
 def _key_tails(proto: int, upto: int) -> tuple[bytes, ...]:
     """The tails of a service-map key after address . port (slot in host order, protocol, padding) of ``proto`` for
     slots 0..``upto`` at least: a power of two of them, so a service's slot count picks one of 17 tables per protocol
     (a slot count is an endpoint count: all 65,536 up front would cost ~3 MB per protocol)."""
-    return _tails_upto(proto, min(max(64, 1 << upto.bit_length()), len(_SLOT)))
+    return _tails_upto(proto, min(max(64, 1 << upto.bit_length()), _SLOTS))
 
 
 @functools.lru_cache(maxsize=64)
 def _tails_upto(proto: int, size: int) -> tuple[bytes, ...]:
     end = bytes((proto, 0, 0, 0))
-    return tuple(s + end for s in _SLOT[:size])
+    return tuple(i.to_bytes(2, "little") + end for i in range(size))
 
 
 def remove_front(plan: Plan, index: FamilyIndex, key: tuple[str, int, int], st: FrontState) -> None:
     """Plan the deletion of one frontend's entries (master first) and forget it in ``index``."""
-    head = PTON[index.family](key[0]) + _PORT[key[1]]
+    head = PTON[index.family](key[0]) + port_table()[key[1]]
     tails = _key_tails(key[2], len(st.slots))
     # the master first (Cilium's order): a connect() racing the removal then finds the service whole or gone, never
     # a master counting slots already deleted
@@ -298,7 +298,7 @@ def _backend_ids(
     be_put = plan.be_put
     free = index.free_backends
     nb = index.next_backend
-    port_bytes = _PORT
+    port_bytes = port_table()
     pack_id = _ID.pack
     ids: dict[tuple[str, int], int] = {}
     for f in new.frontends:
@@ -331,7 +331,7 @@ def _plan_front(index: FamilyIndex, name: ServicePortName, f: Frontend, bids: li
     slots = _stable_slots(old_slots, bids)
     master = Master(len(slots), f.flags, f.affinity, rev)
     # key bytes: address . port (network order), then slot (host order), protocol, padding
-    head = PTON[index.family](f.address) + _PORT[f.port]
+    head = PTON[index.family](f.address) + port_table()[f.port]
     n_old = len(old_slots)
     tails = _key_tails(f.proto, max(n_old, len(slots)))
     slot_put = plan.slot_put
@@ -393,7 +393,7 @@ def _plan_new(index: FamilyIndex, name: ServicePortName, f: Frontend, plan: Plan
     nb = index.next_backend
     bids = range(nb, nb + n)
     index.next_backend = nb + n
-    port_bytes = _PORT
+    port_bytes = port_table()
     pton = PTON[index.family]
     head = pton(f.address) + port_bytes[f.port]
     tails = _key_tails(proto, n)
