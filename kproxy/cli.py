@@ -253,7 +253,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1
     cls = backend_class(config.mode)
     from kproxy.daemon import Daemon
+    from kproxy.gcpause import limit_arenas
 
+    limit_arenas()  # before the daemon's threads: each would keep a malloc arena's high-water mark of its own
     try:
         factory, event_sink = _make_source_factory(config)
         daemon = Daemon(config, cls(config), factory, event_sink=event_sink, settle_heap=True)
