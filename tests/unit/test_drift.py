@@ -13,8 +13,26 @@ import subprocess
 import sys
 import threading
 
-from kproxy.drift import Assembler, Drift, DriftWatcher, Transaction, own_pid, parse, touched
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kproxy.drift import (
+    CHAIN_MSGS,
+    NFT_MSG_NEWGEN,
+    NFTA_GEN_PROC_PID,
+    NFTA_TABLE,
+    RULE_MSGS,
+    Assembler,
+    Drift,
+    DriftWatcher,
+    Message,
+    Transaction,
+    own_pid,
+    parse,
+    touched,
+)
 from kproxy.model import IPFamily
+from kproxy.toolkit import netlink
 
 CAPTURED = {
     "add_table": (
@@ -116,3 +134,39 @@ def test_inside_the_window_an_unknown_committer_is_checked_once_the_window_close
     w.settle()
     assert [(k, f) for k, f, _ in events] == [("check", frozenset(V4))]
     w.stop()
+
+
+KINDS = (0, 3, 6, 9, 12, 2, 5, 8, 14, 28)  # NEW table/chain/rule/set/setelem, DEL table/chain/rule/setelem, DESTROYRULE
+_messages = st.lists(
+    st.tuples(
+        st.sampled_from(KINDS),
+        st.sampled_from((1, 2, 10)),  # inet, ip, ip6
+        st.sampled_from(("kproxy", "nat", "other")),
+        st.sampled_from(("KUBE-SVC-A", "KUBE-X", "OTHER")),
+    ),
+    max_size=30,
+)
+
+
+def _message(kind: int, family: int, table: str, chain: str) -> Message:
+    body = netlink.nla(NFTA_TABLE, table.encode() + b"\0")
+    if kind in RULE_MSGS:
+        body += netlink.nla(2, chain.encode() + b"\0")
+    elif kind in CHAIN_MSGS:
+        body += netlink.nla(3, chain.encode() + b"\0")
+    return Message(kind, family, 0, body)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_messages)
+def test_keeping_one_message_of_each_sort_judges_a_transaction_as_all_of_them(specs: list) -> None:  # type: ignore[type-arg]
+    """The assembler keeps the first message of each sort (deletion, family, table, chain): every mode's judgement of
+    the transaction is the one the whole list of messages gives."""
+    messages = [_message(*spec) for spec in specs]
+    newgen = Message(NFT_MSG_NEWGEN, 0, 0, netlink.nla(NFTA_GEN_PROC_PID, (42).to_bytes(4, "big")))
+    (kept,) = Assembler().feed([*messages, newgen])
+    whole = Transaction(tuple(messages), 42, "")
+    assert len(kept.messages) <= len(messages) and kept.pid == 42
+    for spec in (NFTABLES, IPTABLES, Drift(frozenset({"kproxy", "nat"}), chains=("KUBE-SVC-",))):
+        for fams in (V4, (IPFamily.V6,), (IPFamily.V4, IPFamily.V6)):
+            assert touched(spec, fams, kept) == touched(spec, fams, whole)
