@@ -139,8 +139,8 @@ class Assembler:
     Only the first message of each *sort* is kept: whether it deletes, its family, table and chain are all that
     ``touched`` reads of a message, so a later one of the same sort changes nothing in the judgement. kproxy's own
     full sync at 100,000 service ports sends a million element messages in transactions of up to 10,000 elements
-    each; a few are kept instead of every one's body (a first full sync at 100,000 with the watcher listening
-    and keeping them all ended 10 MB and peaked 6 MB above one without it)."""
+    each; a few are kept instead of every one's body. Measured on that first full sync: 449 MB at its end with
+    the watcher listening, 452 MB when it kept every message, 448 MB without a watcher (peaks 489, 491, 491)."""
 
     def __init__(self) -> None:
         self._pending: dict[tuple[bool, int, str | None, str | None], Message] = {}
