@@ -64,14 +64,13 @@ over as a memfd file so a refused element's line maps back to its service (the l
 go in one ``add element`` / ``delete element`` command per map, one element per line (thousands of small commands
 cost libnftables several times as much). A partial sync writes the dirty services' element changes (and a shared
 chain the first time a count appears, its removal with the last user). The one exception to "one transaction": a big
-full sync (over ``plan.CHUNK``, 5,000 elements) is applied as transactions of whole services, shared chains first and
-their removal last, so every service still changes atomically and every intermediate state is a consistent mix of old
-and new services (as the iptables backend's chunked restores). libnftables holds a few kB per element it parses, so
-one transaction for a big table peaks at several times the memory of chunks of 10,000 elements, with no time
-difference (docs/PERFORMANCE.md, "The nftables layout's reasons"), and chunks of 5,000 peak 15 MB lower again at
-100,000 x 10; each chunk is applied in the libnftables thread (it releases the GIL) while the next is built (``plan``,
-``kernel``). A table being replaced (another layout, or unreadable) is always one transaction.
-A full sync (start, after a failure, periodically, or when the table vanished or was
+full sync (over 10,000 elements) is applied as transactions of whole services, shared chains first and their removal
+last, so every service still changes atomically and every intermediate state is a consistent mix of old and new
+services (as the iptables backend's chunked restores). libnftables holds a few kB per element it parses, so one
+transaction for a big table peaks at several times the memory of chunks of 10,000 elements, with no time difference
+(docs/PERFORMANCE.md, "The nftables layout's reasons"); each chunk is applied in the libnftables thread (it releases
+the GIL) while the next is built (``plan``, ``kernel``). A table being replaced (another layout, or unreadable) is
+always one transaction. A full sync (start, after a failure, periodically, or when the table vanished or was
 flushed: the fixed chains' rules are checked at most once a second at the start of partial syncs) adopts first: it
 reads chain names, every chain's rules by the comment kproxy writes on each (a digest of the rule: one netlink rule
 dump, no set elements; a rule deleted, added or replaced by hand, or a flushed table, is seen and rewritten), and
