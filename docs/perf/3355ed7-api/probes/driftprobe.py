@@ -1,5 +1,5 @@
 """RSS of a first full sync at N x 10 under nftables with and without the daemon's drift watcher running.
-usage: driftprobe.py N on|off  (inside a throwaway netns)"""
+usage: driftprobe.py N on|off  (inside a throwaway netns; CHUNK=N in the environment sets the nftables chunk size)"""
 import gc, sys, threading, time
 from types import MappingProxyType
 from kproxy.bench.syncparts import BenchState, NODE, CLUSTER_CIDR
@@ -9,6 +9,10 @@ from kproxy.drift import DriftWatcher
 from kproxy.model import IPFamily
 from kproxy.proxier import backend_class
 n, on = int(sys.argv[1]), sys.argv[2] == "on"
+import os
+if os.environ.get("CHUNK"):
+    import kproxy.backends.nftables.plan as _p
+    _p.CHUNK = int(os.environ["CHUNK"])
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
