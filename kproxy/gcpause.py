@@ -144,17 +144,19 @@ class _CollectorPause:
 collector_paused = _CollectorPause()
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
+def _glibc(name: str, *argtypes: type) -> Callable[..., int] | None:
+    """glibc's ``name`` taking ``argtypes`` and returning an int; None without it (musl and others have neither
+    ``malloc_trim`` nor ``mallopt``)."""
     try:
-        fn = ctypes.CDLL(None).malloc_trim  # glibc only: musl and others have no such call
+        fn = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_size_t]
+    fn.argtypes = list(argtypes)
     fn.restype = ctypes.c_int
     return fn  # type: ignore[no-any-return]
 
 
-_MALLOC_TRIM = _malloc_trim()
+_MALLOC_TRIM = _glibc("malloc_trim", ctypes.c_size_t)
 
 
 def trim_heap() -> bool:
@@ -180,10 +182,5 @@ def limit_arenas(n: int = DAEMON_ARENAS) -> bool:
     mark: with two arenas, an nftables kproxy fed by the API server at 100,000 service ports peaked 7-11 MB lower
     (524-528 MB against 535, two runs each; docs/PERFORMANCE.md). Python's small objects are not in these arenas
     (pymalloc maps its own), so nothing is slower for it. Call it before threads start: arenas already made stay."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_ARENA_MAX, n))
+    mallopt = _glibc("mallopt", ctypes.c_int, ctypes.c_int)
+    return mallopt is not None and bool(mallopt(_M_ARENA_MAX, n))
