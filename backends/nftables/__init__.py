@@ -59,17 +59,24 @@ address or NodePort, endpoint), sharded 64 ways so that the kernel dumps them in
 counting chains at the source-NAT hooks, where a connection's first packet arrives after its DNAT (``counters``: new
 connections only, and why).
 
-Syncs: one atomic transaction per family per batch through libnftables in-process (no process per change), handed
-over as a memfd file so a refused element's line maps back to its service (the ledger retries without it). Elements
-go in one ``add element`` / ``delete element`` command per map, one element per line (thousands of small commands
-cost libnftables several times as much). A partial sync writes the dirty services' element changes (and a shared
-chain the first time a count appears, its removal with the last user). The one exception to "one transaction": a big
-full sync (over 10,000 elements) is applied as transactions of whole services, shared chains first and their removal
-last, so every service still changes atomically and every intermediate state is a consistent mix of old and new
-services (as the iptables backend's chunked restores). libnftables holds a few kB per element it parses, so one
-transaction for a big table peaks at several times the memory of chunks of 10,000 elements, with no time difference
-(docs/PERFORMANCE.md, "The nftables layout's reasons"); each chunk is applied in the libnftables thread (it releases
-the GIL) while the next is built (``plan``, ``kernel``). A table being replaced (another layout, or unreadable) is
+Syncs: one atomic transaction per family per batch. A transaction of element changes only (most partial syncs,
+every chunk of a big full sync but its first) is encoded by kproxy itself from the transaction's element lines and
+sent as one nf_tables netlink batch (``nlwrite``); anything else (chains, rules, interval sets, sets of their own)
+goes through libnftables in-process (no process per change), handed over as a memfd file so a refused element's
+line maps back to its service (the ledger retries without it). A batch the kernel refuses changed nothing, and the
+same transaction goes to libnftables, whose answer names the line. Why: at 100,000 x 10, libnftables' parse of the
+element text was ~16 of a full sync's 27 s of CPU and a few kB per element it parses; the kernel's own share is a
+few seconds (docs/PERFORMANCE.md). Elements go in one ``add element`` / ``delete element`` command per map, one
+element per line (thousands of small commands cost libnftables several times as much). A partial sync writes the
+dirty services' element changes (and a shared chain the first time a count appears, its removal with the last user).
+The one exception to "one transaction": a big full sync (over 10,000 elements) is applied as transactions of whole
+services, the fixed part and shared chains first (through libnftables) and their removal last, so every service
+still changes atomically and every intermediate state is a consistent mix of old and new services (as the iptables
+backend's chunked restores). Its chunks of 50,000 elements are netlink batches: each transaction that adds a
+``goto`` element makes the kernel walk every verdict-map element at its commit, so fewer, bigger ones cost less
+(a chunk libnftables parses stays near 10,000 elements: it holds a few kB per element). Each chunk is applied in the
+context's worker thread (``sendmsg`` and libnftables release the GIL) while the next is built (``plan``,
+``kernel``). A table being replaced (another layout, or unreadable) is
 always one transaction. A full sync (start, after a failure, periodically, or when the table vanished or was
 flushed: the fixed chains' rules are checked at most once a second at the start of partial syncs) adopts first: it
 reads chain names, every chain's rules by the comment kproxy writes on each (a digest of the rule: one netlink rule

@@ -1,5 +1,6 @@
-"""Talking to the kernel for the nftables mode: applying a batch's transactions through libnftables in-process
-(``kproxy.nftkernel``), reading the whole table back for ``verify``, and the bench's floors.
+"""Talking to the kernel for the nftables mode: applying a batch's transactions (element changes as netlink batches,
+``nlwrite``; anything else through libnftables in-process, ``kproxy.nftkernel``), reading the whole table back for
+``verify``, and the bench's floors.
 
 Each chunk of a batch is applied in libnftables' worker thread (it releases the GIL) while the next one is built; the
 first refused transaction stops the batch, and libnftables' line numbers name the services that own the refused
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ from kproxy.nftkernel import Nft, Result
 from kproxy.toolkit import nft as nft_tools
 
 from . import adopt as adopt_mod
-from . import layout, render
+from . import layout, nlwrite, render
 from .plan import Chunk
 from .render import Fragment
 
@@ -55,21 +56,33 @@ class Outcome:
         return None if self.dropped else "".join(self.texts)
 
 
-def apply_chunks(nft: Nft, chunks: Iterator[Chunk], committed: Callable[[Chunk], None], keep: int) -> Outcome:
+def apply_chunks(
+    nft: Nft,
+    chunks: Iterator[Chunk],
+    committed: Callable[[Chunk], None],
+    keep: int,
+    writer: nlwrite.Writer | None = None,
+) -> Outcome:
     """Apply ``chunks`` in order, each while the next is built; ``committed(chunk)`` after each one the kernel took.
-    Stops at the first refusal. Keeps the committed texts up to ``keep`` characters (``Outcome.committed``)."""
+    Stops at the first refusal. Keeps the committed texts up to ``keep`` characters (``Outcome.committed``). With a
+    ``writer``, a chunk of element changes only is sent as a netlink batch (``nlwrite``); one the kernel refuses is
+    applied again through libnftables, whose answer names the refused line."""
     out = Outcome()
-    added = deleted = commands = transactions = 0
-    pending: tuple[Chunk, str, Future[Result]] | None = None
+    added = deleted = commands = transactions = direct = fallbacks = 0
+    pending: tuple[Chunk, str, Future[Result] | Future[Result | None]] | None = None
     while True:
         b0 = time.perf_counter()
         nxt = next(chunks, None)
         text = nxt.tx.text() if nxt is not None else ""
+        messages = nlwrite.encode(nxt.tx) if writer is not None and nxt is not None and text else None
         out.timings["render_apply"] += time.perf_counter() - b0
         if pending is not None:
             chunk, ptext, fut = pending
             pending = None
             res = fut.result()
+            if res is None:  # the kernel refused the batch, which changed nothing: libnftables names the line
+                fallbacks += 1
+                res = nft.run(ptext)
             transactions += 1
             out.timings["apply"] += res.seconds
             if not res.ok:
@@ -83,7 +96,10 @@ def apply_chunks(nft: Nft, chunks: Iterator[Chunk], committed: Callable[[Chunk],
         added += nxt.tx.elements_added
         deleted += nxt.tx.elements_deleted
         commands += text.count("\n")
-        if text:
+        if messages and writer is not None:
+            direct += 1
+            pending = (nxt, text, writer.submit(nxt.tx.family, messages))
+        elif text:
             pending = (nxt, text, nft.submit(text))
         else:
             committed(nxt)
@@ -92,6 +108,8 @@ def apply_chunks(nft: Nft, chunks: Iterator[Chunk], committed: Callable[[Chunk],
         "elements_deleted": deleted,
         "commands": commands,
         "transactions": transactions,
+        "netlink_batches": direct,
+        "netlink_refused": fallbacks,
     }
     return out
 
@@ -127,14 +145,25 @@ def partial_floor(nft: Nft, changes: dict[IPFamily, list[Change]]) -> float | No
     return total
 
 
-def file_floor(texts: list[str], ns: str) -> float | None:
-    """Seconds ``nft -f`` takes for ``texts`` (one transaction each) in the empty namespace ``ns``."""
+def netlink_floor(netns: str, chunks: Iterable[Chunk]) -> float | None:
+    """Seconds the kernel takes for ``chunks`` sent as a full sync sends them (``apply_chunks``: element changes as
+    netlink batches, anything else through libnftables) into the empty namespace ``netns``: each chunk is built and
+    encoded untimed, then its send timed (for the few libnftables chunks, their call: the fixed part's parse is in
+    it). The floor of kproxy's own transactions, kproxy's Python left out. None when one is refused (logged)."""
+    nft = Nft(netns)
+    writer = nlwrite.Writer(nft)
     total = 0.0
-    for text in texts:
-        seconds = nft_tools.file_seconds(ns, text)
-        if seconds is None:
-            return None
-        total += seconds
+    try:
+        for chunk in chunks:
+            messages = nlwrite.encode(chunk.tx)
+            res = writer.submit(chunk.tx.family, messages).result() if messages else nft.run(chunk.tx.text())
+            if res is None or not res.ok:
+                log.warning("floor: the kernel refused a transaction: %s", res.error if res else "a netlink batch")
+                return None
+            total += res.seconds
+    finally:
+        writer.close()
+        nft.close()
     return total
 
 

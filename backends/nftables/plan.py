@@ -4,9 +4,10 @@ once each transaction commits (pure: the kernel is only read through the batch's
 A partial batch is one transaction of the dirty services' element changes, plus a shared chain the first time an
 endpoint count appears and its removal with its last user. A full batch ensures the fixed part, reconciles the
 context sets, the shared chains and the hairpin set, writes the services the adoption does not show unchanged and
-removes what nothing wants; a big one is split into chunks of whole services (``CHUNK`` elements each), shared
-chains first and their removal last, so every intermediate state is a consistent mix of old and new services. Why
-chunks, and their size: docs/PERFORMANCE.md and the package docstring.
+removes what nothing wants; a big one is split into chunks of whole services (``CHUNK`` elements each, or
+``NETLINK_CHUNK`` for the chunks written as netlink batches, ``nlwrite``), the fixed part and shared chains first and
+their removal last, so every intermediate state is a consistent mix of old and new services. Why chunks, and their
+sizes: docs/PERFORMANCE.md and the package docstring.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ from kproxy.nodeaddr import FamilyContext
 
 from . import adopt as adopt_mod
 from . import counters as counters_mod
-from . import layout, render
+from . import layout, nlwrite, render
 from .render import Fragment
 
-CHUNK = 10_000  # elements per transaction of a big full sync
+CHUNK = 10_000  # elements per transaction of a big full sync that libnftables parses
+#: elements per transaction of a big full sync written as a netlink batch (``nlwrite``): no parse to hold, and each
+#: transaction that adds a ``goto`` element makes the kernel walk every verdict-map element at its commit
+NETLINK_CHUNK = 50_000
 
 
 @dataclass(slots=True)
@@ -115,12 +119,22 @@ def commit(batch: NftBatch, known: Known, chunk: Chunk) -> None:
         sc.kernel = Known(shared=set(chunk.shared), hairpin=set(known.hairpin), context=chunk.context, known=True)
 
 
-def full_chunks(batch: NftBatch, counters: bool = False) -> Iterator[Chunk]:
+def full_chunks(batch: NftBatch, counters: bool = False, netlink: bool = False) -> Iterator[Chunk]:
     """The transactions of a full batch, built as they are asked for (see the module docstring; ``counters``: the
-    fixed part with ``--service-counters``)."""
-    f = _Full(batch, counters)
+    fixed part with ``--service-counters``). ``netlink``: transactions of element changes only are written as
+    netlink batches (``nlwrite``), so in a batch of more than ``CHUNK`` elements the fixed part and shared chains go
+    first in a transaction of their own (which libnftables parses), and chunks of plain services grow to
+    ``NETLINK_CHUNK`` elements; a service with chains, sets or firewall elements of its own starts a new chunk when
+    the one it would join is past ``CHUNK``, which keeps every transaction libnftables parses near ``CHUNK``."""
+    f = _Full(batch, counters, netlink)
     f.head()
+    if netlink and not f.replace and not f.tx.empty() and _writes_more_than(batch, CHUNK):
+        yield f.chunk()
+        f.tx, f.services = render.Transaction(batch.family), {}
     for d in batch.deltas:
+        if f.cut_before(d.old_fragment, d.new_fragment):
+            yield f.chunk()
+            f.tx, f.services = render.Transaction(batch.family), {}
         f.write(d.name, d.old_fragment, d.new_fragment)
         if f.is_full():
             yield f.chunk()
@@ -132,13 +146,24 @@ def full_chunks(batch: NftBatch, counters: bool = False) -> Iterator[Chunk]:
     yield f.chunk(last=True)
 
 
-def fresh_text(
+def _writes_more_than(batch: NftBatch, n: int) -> bool:
+    """Whether a full batch's new fragments hold more than ``n`` elements (counted until there are)."""
+    total = 0
+    for d in batch.deltas:
+        if d.new_fragment is not None:
+            total += d.new_fragment.text.count("\n") + 2  # its lines and its digest
+            if total > n:
+                return True
+    return False
+
+
+def fresh_chunks(
     family: IPFamily, context: FamilyContext, fragments: Mapping[ServicePortName, Fragment], counters: bool = False
-) -> str:
-    """The transactions that build a table holding ``fragments`` from nothing, joined into one text, as a full sync
-    into an empty namespace writes them (``full_chunks`` with an adoption that found no table). Rendered again when
-    asked (the benchmark's floor) rather than kept: the text is the table's size (70 MB at 100,000 x 10). The
-    batch's state is empty: planning reads the fragments and the context, never the services they came from."""
+) -> Iterator[Chunk]:
+    """The transactions that build a table holding ``fragments`` from nothing, as a full sync into an empty namespace
+    writes them (``full_chunks`` with an adoption that found no table). Rendered again when asked (the benchmark's
+    floor) rather than kept: they are the table's size (70 MB of text at 100,000 x 10). The batch's state is empty:
+    planning reads the fragments and the context, never the services they came from."""
     batch: NftBatch = Batch(
         family=family,
         full=True,
@@ -149,14 +174,21 @@ def fresh_text(
         state=ProxyState(services={}, node=NodeInfo("")),
         adopted=adopt_mod.Adopted(family),
     )
-    return "".join(chunk.tx.text() for chunk in full_chunks(batch, counters))
+    return full_chunks(batch, counters, netlink=True)
+
+
+def fresh_text(
+    family: IPFamily, context: FamilyContext, fragments: Mapping[ServicePortName, Fragment], counters: bool = False
+) -> str:
+    """``fresh_chunks``' transactions joined into one text."""
+    return "".join(chunk.tx.text() for chunk in fresh_chunks(family, context, fragments, counters))
 
 
 class _Full:
     """The state of one full batch's planning across its chunks."""
 
-    def __init__(self, batch: NftBatch, counters: bool = False) -> None:
-        self.batch, self.counters = batch, counters
+    def __init__(self, batch: NftBatch, counters: bool = False, netlink: bool = False) -> None:
+        self.batch, self.counters, self.netlink = batch, counters, netlink
         self.scratch = scratch(batch)
         self.adopted = batch.adopted
         self.tx = render.Transaction(batch.family)
@@ -226,7 +258,16 @@ class _Full:
         )
 
     def is_full(self) -> bool:
-        return not self.replace and self.tx.elements_added + self.tx.elements_deleted >= CHUNK
+        if self.replace:
+            return False
+        n = self.tx.elements_added + self.tx.elements_deleted
+        return n >= CHUNK and (n >= NETLINK_CHUNK or not self.netlink or not nlwrite.writes(self.tx))
+
+    def cut_before(self, old: Fragment | None, new: Fragment | None) -> bool:
+        """Whether a service whose change libnftables must parse would join a big netlink-written chunk."""
+        if not self.netlink or self.replace or self.tx.elements_added + self.tx.elements_deleted < CHUNK:
+            return False
+        return not (nlwrite.plain(old) and nlwrite.plain(new)) and nlwrite.writes(self.tx)
 
     def write(self, name: ServicePortName, old: Fragment | None, new: Fragment | None) -> None:
         """One service's change, from what the kernel is known to hold for it."""

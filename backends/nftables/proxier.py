@@ -14,6 +14,7 @@ no service owns fails the family (a full sync with adoption follows).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -39,7 +40,7 @@ from kproxy.toolkit.verify import Findings
 from . import adopt as adopt_mod
 from . import cleanup as cleanup_mod
 from . import counters as counters_mod
-from . import kernel, layout, plan, render
+from . import kernel, layout, nlwrite, plan, render
 from . import trace as trace_mod
 from .kernel import TableView
 from .localhost import LocalhostRelay
@@ -65,6 +66,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
     def __init__(self, config: ProxyConfig, *, netns: str | None = None) -> None:
         super().__init__(config, netns=netns)
         self._nft = nft_tools.OwnContext(netns)
+        self._writer: nlwrite.Writer | None = None
         self._metrics: dict[str, Any] = {}
         self._kernel: dict[IPFamily, Known] = {f: Known() for f in self.families}
         self._last_text: dict[IPFamily, str] = {}  # the last transaction, when at most LAST_TEXT_KEPT long
@@ -92,6 +94,16 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
     def nft(self) -> Nft:
         return self._nft.get()
 
+    @property
+    def writer(self) -> nlwrite.Writer:
+        """The netlink writer of element-only transactions (``nlwrite``), on the current libnftables context."""
+        nft = self.nft
+        if self._writer is None or self._writer.nft is not nft:
+            if self._writer is not None:
+                self._writer.close()
+            self._writer = nlwrite.Writer(nft)
+        return self._writer
+
     def start(self) -> None:
         # the netlink rule reads (adoption, the check before partial syncs) import pyroute2's nftables part: ~0.1 s
         # once, paid here rather than inside the first sync that checks
@@ -99,6 +111,9 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
 
     def close(self) -> None:
         self.localhost.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         self._nft.close()
 
     def cleanup(self) -> None:
@@ -266,14 +281,16 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
                 batch.adopted.ready()  # its services' read, if still running; a failed one replaces the table
                 if batch.adopted.trusting and not plan.entries_needed(batch):
                     batch.adopted.settle()  # nothing changed or went: the entry maps' read is given up
-            chunks = plan.full_chunks(batch, self.counting)
+            chunks = plan.full_chunks(batch, self.counting, netlink=True)
         else:
             if not known.known:
                 return Applied(ok=False, error="kernel state unknown: a full sync must come first", need_full=True)
             chunks = iter([plan.partial(batch, known)])
         render_s = time.perf_counter() - r0
         stale_before = len(batch.scratch.stale_done) if batch.scratch is not None else 0
-        out = kernel.apply_chunks(self.nft, chunks, lambda chunk: plan.commit(batch, known, chunk), LAST_TEXT_KEPT)
+        out = kernel.apply_chunks(
+            self.nft, chunks, lambda chunk: plan.commit(batch, known, chunk), LAST_TEXT_KEPT, self.writer
+        )
         out.timings["render_apply"] += render_s
         if batch.full and first_round and isinstance(batch.adopted, adopt_mod.Adopted):
             # where adoption's read went (``adopt.read``), once per sync: the ledger adds up its rounds' timings
@@ -355,8 +372,12 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         return {"floor_s": seconds}
 
     def measure_floor(self, scratch: str) -> float | None:
-        """Seconds ``nft -f`` takes for the transaction that builds the table as it is now from nothing, as a full
-        sync into an empty namespace writes it (``fresh_transaction``), into the bench's empty namespace
-        ``scratch``."""
-        texts = [t for t in map(self.fresh_transaction, self.families) if t]
-        return kernel.file_floor(texts, scratch) if texts else None
+        """Seconds the kernel takes for the transactions that build the table as it is now from nothing, sent as a
+        full sync into an empty namespace sends them (``plan.fresh_chunks``, ``kernel.netlink_floor``), into the
+        bench's empty namespace ``scratch``."""
+        chunks = []
+        for fam in self.families:
+            context, fragments = self.applied(fam)
+            if context is not None:
+                chunks.append(plan.fresh_chunks(fam, context, fragments, self.counting))
+        return kernel.netlink_floor(scratch, itertools.chain.from_iterable(chunks)) if chunks else None

@@ -236,12 +236,18 @@ def test_big_full_sync_in_chunks_of_whole_services(netns: str, monkeypatch: pyte
     from kproxy.backends.nftables import plan
 
     monkeypatch.setattr(plan, "CHUNK", 40)
+    monkeypatch.setattr(plan, "NETLINK_CHUNK", 60)
     sps = [sp(f"s{i:03d}", f"198.19.1.{i}", tuple(f"198.18.2.{i % 200 + j}" for j in range(3))) for i in range(60)]
     p = NftablesProxier(CFG, netns=netns)
     try:
         res = p.sync(state(*sps), Changes(full=True))
         assert res.ok, res.error
-        assert res.family(IPFamily.V4).figures["transactions"] > 5
+        figures = res.family(IPFamily.V4).figures
+        assert figures["transactions"] > 5
+        # the fixed part and shared chains through libnftables, every chunk of services as a netlink batch
+        assert figures["netlink_batches"] == figures["transactions"] - 1 and figures["netlink_refused"] == 0
+        report = p.verify(state(*sps))
+        assert report["drift"] == 0 and not report["errors"] and not report["extra"], report
         listing = nft_list(netns, "list", "map", "ip", "kproxy", "service-ips")
         assert all(f"198.19.1.{i} . tcp . 80" in listing for i in range(60))
         assert listing.count("goto lb-i-3") == 60
@@ -268,6 +274,7 @@ def test_the_floor_renders_the_fresh_transaction_again(netns: str, monkeypatch: 
     from kproxy.backends.nftables import proxier as proxier_mod
 
     monkeypatch.setattr(plan, "CHUNK", 40)
+    monkeypatch.setattr(plan, "NETLINK_CHUNK", 60)
     sps = [sp(f"s{i:03d}", f"198.19.1.{i}", tuple(f"198.18.2.{i % 200 + j}" for j in range(3))) for i in range(30)]
     p = NftablesProxier(CFG, netns=netns)
     try:
@@ -411,6 +418,7 @@ def test_a_refusal_in_a_later_chunk_keeps_what_earlier_chunks_committed(
     from kproxy.backends.nftables import plan
 
     monkeypatch.setattr(plan, "CHUNK", 40)
+    monkeypatch.setattr(plan, "NETLINK_CHUNK", 60)
     sps = [sp(f"s{i:03d}", f"198.19.1.{i}", tuple(f"198.18.2.{i % 200 + j}" for j in range(3))) for i in range(60)]
     bad = sps[45].name
     p = NftablesProxier(CFG, netns=netns)
