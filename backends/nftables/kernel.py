@@ -35,7 +35,7 @@ class Outcome:
     committed)."""
 
     texts: list[str] = field(default_factory=list)
-    size: int = 0  # characters committed, kept or not
+    size: int = 0  # characters committed, kept or not (a netlink batch's text is not made once none is kept)
     dropped: bool = False  # the committed texts did not fit in ``keep``: none is kept
     figures: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=lambda: {"render_apply": 0.0, "apply": 0.0})
@@ -73,8 +73,9 @@ def apply_chunks(
     while True:
         b0 = time.perf_counter()
         nxt = next(chunks, None)
-        text = nxt.tx.text() if nxt is not None else ""
-        messages = nlwrite.encode(nxt.tx) if writer is not None and nxt is not None and text else None
+        messages = nlwrite.encode(nxt.tx) if writer is not None and nxt is not None else None
+        # a netlink batch's text is made only if libnftables must take it, or while it may be kept (``committed``)
+        text = "" if nxt is None or messages else nxt.tx.text()
         out.timings["render_apply"] += time.perf_counter() - b0
         if pending is not None:
             chunk, ptext, fut = pending
@@ -82,6 +83,7 @@ def apply_chunks(
             res = fut.result()
             if res is None:  # the kernel refused the batch, which changed nothing: libnftables names the line
                 fallbacks += 1
+                ptext = ptext or chunk.tx.text()
                 res = nft.run(ptext)
             transactions += 1
             out.timings["apply"] += res.seconds
@@ -89,16 +91,17 @@ def apply_chunks(
                 out.error = (chunk, res)
                 break
             committed(chunk)
-            out.committed(ptext, keep)
+            out.committed(ptext or ("" if out.dropped else chunk.tx.text()), keep)
             del chunk, ptext
         if nxt is None:
             break
         added += nxt.tx.elements_added
         deleted += nxt.tx.elements_deleted
-        commands += text.count("\n")
+        commands += nxt.tx.line_count()
         if messages and writer is not None:
             direct += 1
-            pending = (nxt, text, writer.submit(nxt.tx.family, messages))
+            pending = (nxt, "", writer.submit(nxt.tx.family, messages))
+            messages = None  # the batch holds its bytes
         elif text:
             pending = (nxt, text, nft.submit(text))
         else:
@@ -123,25 +126,28 @@ def creates_objects(family: IPFamily, text: str) -> bool:
 Change = tuple[ServicePortName, Fragment | None, Fragment | None]
 
 
-def partial_floor(nft: Nft, changes: dict[IPFamily, list[Change]]) -> float | None:
-    """The kernel's own time (libnftables in-process) to take the last partial sync's element changes again: each
-    change is first undone (untimed), then the same transaction is run and timed. None when undoing or replaying
-    failed (logged)."""
+def partial_floor(
+    nft: Nft, changes: dict[IPFamily, list[Change]], writer: nlwrite.Writer | None = None
+) -> float | None:
+    """The kernel's own time to take the last partial sync's element changes again, sent as the sync sent them (a
+    netlink batch through ``writer`` when it holds element changes only, else libnftables in-process): each change
+    is first undone (untimed), then the same transaction is sent and timed. None when undoing or replaying failed
+    (logged)."""
     total = 0.0
     for fam, done in changes.items():
         undo, redo = render.Transaction(fam), render.Transaction(fam)
         for spn, old, new in done:
             render.change_service(undo, spn, new, old)
             render.change_service(redo, spn, old, new)
-        res = nft.run(undo.text())
-        if not res.ok:
-            log.warning("partial floor: undoing the last change failed: %s", nft_tools.summary(res.error))
-            return None
-        res = nft.run(redo.text())
-        if not res.ok:
-            log.warning("partial floor: replaying the last change failed: %s", nft_tools.summary(res.error))
-            return None
-        total += res.seconds
+        for what, tx in (("undoing", undo), ("replaying", redo)):
+            messages = nlwrite.encode(tx) if writer is not None else None
+            res = writer.submit(fam, messages).result() if writer is not None and messages else nft.run(tx.text())
+            if res is None or not res.ok:
+                error = nft_tools.summary(res.error) if res is not None else "the kernel refused the netlink batch"
+                log.warning("partial floor: %s the last change failed: %s", what, error)
+                return None
+            seconds = res.seconds  # the replay's, once the loop is done
+        total += seconds
     return total
 
 

@@ -35,7 +35,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 
 from kproxy.model import IPFamily
@@ -276,6 +276,23 @@ def element(shape: Shape, line: str, *, key_only: bool = False) -> bytes:
     return netlink.NLA_HDR.pack(4 + len(out), _LIST_ELEM | _NESTED) + out
 
 
+def _elements(shape: Shape, lines: Iterable[str], *, key_only: bool) -> Iterator[bytes]:
+    """``element`` of each line, made as the messages take them (no list of a chunk's elements); a slot's (no
+    comment, data of a fixed size: most of a full sync's elements) without a call per element."""
+    if key_only or not shape.value:
+        for line in lines:
+            yield element(shape, line, key_only=key_only)
+        return
+    head = shape.plain_head + shape.key_head
+    value_head, pack_key, pack_value = shape.value_head, shape.pack_key, shape.pack_value
+    for line in lines:
+        key, _, value = line.partition(" : ")
+        if '"' in key:
+            yield element(shape, line)
+        else:  # no value: its first field fails
+            yield head + pack_key(key) + value_head + pack_value(value)
+
+
 def _messages(flags: int, head: bytes, elements: Iterable[bytes]) -> Iterable[tuple[int, bytes]]:
     """(flags, attributes) of the messages carrying ``elements``, each list under ``_MESSAGE_MAX`` bytes."""
     batch: list[bytes] = []
@@ -320,8 +337,7 @@ def encode(tx: Transaction) -> list[tuple[int, int, bytes]] | None:
                 if not group.texts:
                     continue
                 head = table + netlink.nla(_LIST_SET, name.encode() + b"\0")
-                key_only = msg == _DELSETELEM
-                els = [element(shape, line, key_only=key_only) for line in group.texts]
+                els = _elements(shape, group.texts, key_only=msg == _DELSETELEM)
                 out.extend((msg, f, body) for f, body in _messages(flags, head, els))
     except (ValueError, KeyError, OSError, OverflowError):
         return None

@@ -320,7 +320,7 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         else:
             self._last_partial.pop(fam, None)
         known.known = True
-        self._last_text[fam] = kept if kept is not None else f"# not kept: {out.size} characters\n"
+        self._last_text[fam] = kept if kept is not None else f"# not kept: over {LAST_TEXT_KEPT} characters\n"
         figures["shared_chains"] = len(known.shared)
         self._counts[fam] = figures
         if fam == IPFamily.V4:
@@ -359,12 +359,12 @@ class NftablesProxier(LedgerProxier[Fragment, FamilyContext, adopt_mod.Adopted, 
         return traced(self.applied, trace_mod.trace, src, proto, dst, dport, src_local=src_local, dst_local=dst_local)
 
     def measure_partial_floor(self) -> dict[str, float] | None:
-        """The kernel's own time (libnftables in-process, the most direct means) to take the last partial sync's
-        element changes again (``kernel.partial_floor``). Benchmarks only. None when the last batch of every family
+        """The kernel's own time to take the last partial sync's element changes again, sent as the sync sent them
+        (``kernel.partial_floor``). Benchmarks only. None when the last batch of every family
         created or removed chains (not replayable)."""
         if not self._last_partial:
             return None
-        seconds = kernel.partial_floor(self.nft, self._last_partial)
+        seconds = kernel.partial_floor(self.nft, self._last_partial, self.writer)
         if seconds is None:
             for fam in self._last_partial:
                 self._kernel[fam] = Known()  # the replay may have left the change half undone

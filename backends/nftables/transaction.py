@@ -99,6 +99,11 @@ class Transaction:
         parts += [line + "\n" for line, _ in self.tail]
         return "".join(parts)
 
+    def line_count(self) -> int:
+        """The lines of ``text()``, without making it."""
+        groups = sum(len(g.texts) + 2 for g in (*self.deletes.values(), *self.adds.values()) if g.texts)
+        return len(self.head) + len(self.declare) + len(self.fill) + groups + len(self.tail)
+
     def owner_of(self, lineno: int) -> Owner:
         """The service owning 1-based line ``lineno`` of ``text()``."""
         lines = self.lines()

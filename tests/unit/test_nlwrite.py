@@ -101,3 +101,13 @@ def test_the_slot_index_is_in_host_byte_order_and_the_port_in_network_order() ->
     )
     data = bytes([198, 18, 0, 2]) + (5353).to_bytes(2, "big") + b"\0\0"
     assert key in el and data in el
+
+
+def test_line_count_is_the_texts_without_making_it() -> None:
+    tx = tx_with(SLOTS, "198.19.0.1 . tcp . 80 . 0 : 198.18.0.1 . 8080")
+    assert tx.line_count() == tx.text().count("\n") == 3
+    tx.head.append("add table ip kproxy")
+    tx.add_shared_chain("lb-i-2")
+    tx.delete_keys([(layout.SERVICE_DIGESTS, "198.19.0.1 . tcp . 80"), (layout.HAIRPIN, "1.1.1.1 . 1.1.1.1")], OWNER)
+    tx.delete_chain("lb-i-3", None)
+    assert tx.line_count() == tx.text().count("\n") == len(tx.lines())
