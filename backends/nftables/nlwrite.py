@@ -31,6 +31,7 @@ Decisions:
 from __future__ import annotations
 
 import functools
+import logging
 import socket
 import struct
 import sys
@@ -62,6 +63,8 @@ _SO_SNDBUFFORCE, _SO_RCVBUFFORCE = 32, 33  # asm-generic/socket.h; not in Python
 _MESSAGE_MAX = 60_000  # bytes of elements per message: the element list's attribute length is a u16
 _VERDICT_CODES = {"drop": 0, "accept": 1, "continue": -1, "return": -5, "jump": -3, "goto": -4}
 _PROTOCOLS = {"tcp": 6, "udp": 17, "sctp": 132}
+
+log = logging.getLogger(__name__)
 
 _HDR = netlink.NLA_HDR.pack
 _PAD = (b"\0", b"\0\0", b"\0\0\0", b"\0\0\0\0")  # an attribute's NUL and padding: 1 to 4 bytes
@@ -270,7 +273,7 @@ def element(shape: Shape, line: str, *, key_only: bool = False) -> bytes:
     if csep:
         text = comment[:-1].encode() if comment.endswith('"') else b""
         n = len(text) + 1  # libnftnl's record: type, length, the comment and its NUL
-        if n == 1 or n > 128 or b'"' in text:
+        if n == 1 or n > 129 or b'"' in text:  # nft allows 128 characters
             raise ValueError(f"comment of {line!r}")
         out += _HDR(6 + n, _ELEM_USERDATA) + bytes((_UDATA_COMMENT, n)) + text + _PAD[-(2 + n) % 4]
     return netlink.NLA_HDR.pack(4 + len(out), _LIST_ELEM | _NESTED) + out
@@ -375,33 +378,39 @@ class Writer:
         self._sndbuf = 0
 
     def submit(self, family: IPFamily, messages: list[tuple[int, int, bytes]]) -> Future[Result | None]:
-        """Send one transaction in the context's worker; its Future gives a ``Result``, or None when the kernel
-        refused it (nothing was applied: the caller applies its text through libnftables, which names the line)."""
+        """Send one transaction in the context's worker; its Future gives a ``Result``, or None when it was not
+        applied and libnftables should try it (the kernel refused it, or it could not be sent: the caller applies
+        its text through libnftables, which names a refused line)."""
         seq = self._seq
-        self._seq = (seq + len(messages) + 2) & 0x3FFFFFFF
+        last = seq + len(messages) + 1  # its BATCH_END
+        self._seq = (last + 1) & 0x3FFFFFFF
         data = batch(family, messages, seq)
-        return self.nft.later(lambda: self._send(data, seq + len(messages)))
+        return self.nft.later(lambda: self._send(data, seq, last - 1))
 
     def _socket(self, size: int) -> socket.socket:
         if self._sock is None:
-            sock = netlink.netfilter_socket()
-            sock.setsockopt(_SOL_NETLINK, _NETLINK_CAP_ACK, 1)
-            sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 1 << 20)
-            self._sock = sock
+            self._sock = netlink.netfilter_socket()
+            self._sock.setsockopt(_SOL_NETLINK, _NETLINK_CAP_ACK, 1)
+            _buffer(self._sock, _SO_RCVBUFFORCE, socket.SO_RCVBUF, 1 << 20)
         if size + 65536 > self._sndbuf:
             self._sndbuf = max(size + 65536, 1 << 20)
-            self._sock.setsockopt(socket.SOL_SOCKET, _SO_SNDBUFFORCE, self._sndbuf)
+            _buffer(self._sock, _SO_SNDBUFFORCE, socket.SO_SNDBUF, self._sndbuf)
         return self._sock
 
-    def _send(self, data: bytes, last: int) -> Result | None:
+    def _send(self, data: bytes, first: int, last: int) -> Result | None:
+        """Send one batch whose messages are numbered ``first`` to ``last`` (the last element message)."""
         t0 = time.perf_counter()
         try:
             sock = self._socket(len(data))
+            _answers(sock, range(0))  # anything an earlier batch left unread is not this one's
             sock.send(data)
-        except OSError:
-            return None  # not taken (no datagram this big, no capability): libnftables tries
-        errors, acked = _answers(sock, last)
+        except OSError as exc:  # not sent (a datagram over the send buffer): libnftables tries
+            log.warning("netlink batch of %d bytes not sent (%s): libnftables takes it", len(data), exc)
+            return None
+        errors, acked, lost = _answers(sock, range(first, last + 2), last)
         seconds = time.perf_counter() - t0
+        if lost:  # a lost answer may have been a refusal: an acknowledgement does not say it committed
+            return Result(1, "", "netlink batch: answers lost (ENOBUFS); the table's state is unknown", seconds)
         if errors:
             return None
         if not acked:
@@ -414,20 +423,31 @@ class Writer:
             self._sock = None
 
 
-def _answers(sock: socket.socket, last: int) -> tuple[list[int], bool]:
-    """The errors the kernel answered and whether message ``last`` was acknowledged: everything is queued by the
-    time ``send`` returns."""
+def _buffer(sock: socket.socket, forced: int, plain: int, size: int) -> None:
+    """Set a socket buffer over the system's maximum (``*BUFFORCE``: CAP_NET_ADMIN in the initial user namespace),
+    else as far as the maximum allows (a bigger batch is then not sent, and libnftables takes it)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, forced, size)
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, plain, size)
+
+
+def _answers(sock: socket.socket, seqs: range, last: int = -1) -> tuple[list[int], bool, bool]:
+    """What the kernel answered a batch numbered ``seqs``, all queued by the time ``send`` returned: the errors,
+    whether message ``last`` was acknowledged, and whether answers were lost (ENOBUFS, reported before what is still
+    queued). Answers outside ``seqs`` are read and dropped."""
     errors: list[int] = []
-    acked = False
+    acked = lost = False
     while True:
         try:
             data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
         except BlockingIOError:
-            return errors, acked
-        except OSError:  # ENOBUFS: answers were lost
-            return errors, False
+            return errors, acked, lost
+        except OSError:  # ENOBUFS: some answers were dropped; read on
+            lost = True
+            continue
         for h in netlink.headers(data):
-            if h.type != netlink.NLMSG_ERROR or h.length < netlink.NLMSG_HDR.size + 4:
+            if h.type != netlink.NLMSG_ERROR or h.length < netlink.NLMSG_HDR.size + 4 or h.seq not in seqs:
                 continue
             (err,) = struct.unpack_from("=i", data, h.at + netlink.NLMSG_HDR.size)
             if err:

@@ -139,6 +139,9 @@ def full_chunks(batch: NftBatch, counters: bool = False, netlink: bool = False) 
         if f.is_full():
             yield f.chunk()
             f.tx, f.services = render.Transaction(batch.family), {}
+    if f.cut_before(None, None, removals=True):  # chain removals are libnftables': not in a big netlink chunk
+        yield f.chunk()
+        f.tx, f.services = render.Transaction(batch.family), {}
     if f.adopted is not None:
         f.remove_unwanted()
     shared_changes(f.tx, f.both_shared, f.refs)
@@ -263,11 +266,13 @@ class _Full:
         n = self.tx.elements_added + self.tx.elements_deleted
         return n >= CHUNK and (n >= NETLINK_CHUNK or not self.netlink or not nlwrite.writes(self.tx))
 
-    def cut_before(self, old: Fragment | None, new: Fragment | None) -> bool:
-        """Whether a service whose change libnftables must parse would join a big netlink-written chunk."""
+    def cut_before(self, old: Fragment | None, new: Fragment | None, *, removals: bool = False) -> bool:
+        """Whether a service whose change libnftables must parse (or the last chunk's removals) would join a big
+        netlink-written chunk. A service rewritten from the kernel's skeleton after a restart is judged by its
+        fragments only (its kernel-held chains are not looked up here)."""
         if not self.netlink or self.replace or self.tx.elements_added + self.tx.elements_deleted < CHUNK:
             return False
-        return not (nlwrite.plain(old) and nlwrite.plain(new)) and nlwrite.writes(self.tx)
+        return (removals or not (nlwrite.plain(old) and nlwrite.plain(new))) and nlwrite.writes(self.tx)
 
     def write(self, name: ServicePortName, old: Fragment | None, new: Fragment | None) -> None:
         """One service's change, from what the kernel is known to hold for it."""

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from types import MappingProxyType
+from typing import Any
 
 import pytest
 
@@ -440,5 +441,49 @@ def test_a_refusal_in_a_later_chunk_keeps_what_earlier_chunks_committed(
         assert sum(f"198.19.1.{i} . tcp . 80" in listing for i in range(60)) == 59
         assert "198.19.1.45 . tcp . 80" not in listing
         assert res.family(IPFamily.V4).kernel_refusals == 1
+    finally:
+        p.close()
+
+
+def element_lines(text: str) -> int:
+    """The element lines of an nft text (inside ``add element`` / ``delete element`` blocks)."""
+    commands = ("add ", "delete ", "flush ", "}", "table ", "#")
+    return sum(1 for line in text.splitlines() if line and not line.startswith(commands))
+
+
+@pytest.mark.parametrize("services", [70, 76, 82])
+def test_what_libnftables_parses_stays_near_chunk_when_batches_grow(
+    netns: str, monkeypatch: pytest.MonkeyPatch, services: int
+) -> None:
+    """Netlink-written chunks grow to NETLINK_CHUNK, but a transaction libnftables parses stays near CHUNK: a full
+    resync that removes a shared chain (``lb-i-3``: every service drops to two endpoints) cuts the services' last
+    chunk before the removal instead of adding the removal to it, and every chunk of services is a netlink batch."""
+    from kproxy.backends.nftables import plan
+
+    monkeypatch.setattr(plan, "CHUNK", 40)
+    monkeypatch.setattr(plan, "NETLINK_CHUNK", 100)
+    three = [
+        sp(f"s{i:03d}", f"198.19.1.{i}", tuple(f"198.18.2.{i % 200 + j}" for j in range(3))) for i in range(services)
+    ]
+    two = [sp(f"s{i:03d}", s.cluster_ip, tuple(e.ip for e in s.cluster_endpoints[:2])) for i, s in enumerate(three)]
+    p = NftablesProxier(CFG, netns=netns)
+    try:
+        assert p.sync(state(*three), Changes(full=True)).ok
+        parsed: list[str] = []
+        real = p.nft.submit
+
+        def submit(text: str, **kw: Any) -> Any:
+            parsed.append(text)
+            return real(text, **kw)
+
+        monkeypatch.setattr(p.nft, "submit", submit)
+        res = p.sync(state(*two, gen=2), Changes(full=True))
+        assert res.ok, res.error
+        figures = res.family(IPFamily.V4).figures
+        assert figures["netlink_batches"] >= 2 and figures["netlink_refused"] == 0
+        assert any("delete chain ip kproxy lb-i-3" in t for t in parsed)
+        assert all(element_lines(t) < plan.CHUNK for t in parsed), [element_lines(t) for t in parsed]
+        report = p.verify(state(*two, gen=2))
+        assert report["drift"] == 0 and not report["errors"] and not report["extra"], report
     finally:
         p.close()

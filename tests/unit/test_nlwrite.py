@@ -4,6 +4,8 @@ in ``tests/integration/test_nftables_netlink_writes.py``."""
 
 from __future__ import annotations
 
+import socket
+import struct
 import sys
 
 import pytest
@@ -41,7 +43,7 @@ def tx_with(name: str, line: str, family: IPFamily = IPFamily.V4) -> Transaction
         (layout.SERVICE_IPS, '198.19.0.1 . tcp . 80 comment "x" : goto'),  # a goto without its chain
         (layout.SERVICE_IPS, '198.19.0.1 . tcp . 80 comment "x" : queue'),  # a verdict the layout never writes
         (layout.SERVICE_IPS, '198.19.0.1 . tcp . 80 comment "a"b" : drop'),  # a quote inside the comment
-        (layout.SERVICE_IPS, f'198.19.0.1 . tcp . 80 comment "{"c" * 128}" : drop'),  # longer than nft allows
+        (layout.SERVICE_IPS, f'198.19.0.1 . tcp . 80 comment "{"c" * 129}" : drop'),  # longer than nft allows
         (layout.FIREWALL, "198.19.0.1 . tcp . 80 . 10.0.0.0/8"),  # an interval set: libnftables' to write
         (layout.LOCAL_CIDRS, "10.0.0.0/8"),
         ("no-such-map", "198.19.0.1"),
@@ -111,3 +113,23 @@ def test_line_count_is_the_texts_without_making_it() -> None:
     tx.delete_keys([(layout.SERVICE_DIGESTS, "198.19.0.1 . tcp . 80"), (layout.HAIRPIN, "1.1.1.1 . 1.1.1.1")], OWNER)
     tx.delete_chain("lb-i-3", None)
     assert tx.line_count() == tx.text().count("\n") == len(tx.lines())
+
+
+def answer(seq: int, err: int) -> bytes:
+    """An NLMSG_ERROR as the kernel queues it with NETLINK_CAP_ACK: the error and the original header."""
+    original = netlink.NLMSG_HDR.pack(16, netlink.nft_type(12), 0, seq, 0)
+    body = struct.pack("=i", err) + original
+    return netlink.NLMSG_HDR.pack(16 + len(body), netlink.NLMSG_ERROR, 0, seq, 0) + body
+
+
+def test_answers_count_only_their_own_batch() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with a, b:
+        b.send(answer(7, -1))  # an earlier batch's refusal, left unread
+        b.send(answer(12, 0) + answer(11, -17))  # this batch (10..13): its last message's ack, and a refusal
+        errors, acked, lost = nlwrite._answers(a, range(10, 14), 12)
+        assert (errors, acked, lost) == ([-17], True, False)
+        b.send(answer(21, 0))
+        assert nlwrite._answers(a, range(20, 23), 21) == ([], True, False)
+        b.send(answer(31, 0))  # acknowledged, but not the last message
+        assert nlwrite._answers(a, range(30, 34), 32) == ([], False, False)
