@@ -21,8 +21,10 @@ Decisions:
   libnftables the same way, before anything is sent.
 - **Acknowledgements**: nfnetlink processes a batch in the sender's ``sendmsg``, so every answer is queued on the
   socket before ``send`` returns; only the last message asks for an acknowledgement (a refused message is always
-  answered), and ``NETLINK_CAP_ACK`` keeps each answer to its header. A batch with no answer for its last message
-  leaves the kernel's state unknown: an error the caller treats as such (no fallback, a full sync follows).
+  answered), and ``NETLINK_CAP_ACK`` keeps each answer to its header. Only answers numbered within the batch count,
+  and whatever an earlier batch left unread is drained first. A batch with no answer for its last message, or whose
+  answers were partly lost (ENOBUFS), leaves the kernel's state unknown: an error the caller treats as such (no
+  fallback, a full sync follows).
 - **Sizes**: an element list is one attribute, whose length is 16 bits, so a message carries at most ~64 KB of
   elements; a transaction is one datagram, so the socket's send buffer is raised (``SO_SNDBUFFORCE``, kproxy has
   ``CAP_NET_ADMIN``) to the batch's size.
