@@ -12,6 +12,7 @@ sizes: docs/PERFORMANCE.md and the package docstring.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -131,7 +132,10 @@ def full_chunks(batch: NftBatch, counters: bool = False, netlink: bool = False) 
     if netlink and not f.replace and not f.tx.empty() and _writes_more_than(batch, CHUNK):
         yield f.chunk()
         f.tx, f.services = render.Transaction(batch.family), {}
-    for d in batch.deltas:
+    # services that go first: one added in this batch may take an address a removed one still holds, and chunks
+    # are separate transactions (a partial batch is one, its deletes first)
+    gone = [d for d in batch.deltas if d.new_fragment is None]
+    for d in itertools.chain(gone, (d for d in batch.deltas if d.new_fragment is not None)):
         if f.cut_before(d.old_fragment, d.new_fragment):
             yield f.chunk()
             f.tx, f.services = render.Transaction(batch.family), {}

@@ -487,3 +487,28 @@ def test_what_libnftables_parses_stays_near_chunk_when_batches_grow(
         assert report["drift"] == 0 and not report["errors"] and not report["extra"], report
     finally:
         p.close()
+
+
+def test_a_chunked_full_sync_removes_services_before_it_adds_their_addresses(
+    netns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every service renamed at once, each keeping its ClusterIP, in a full sync of many chunks: the old names'
+    removals go first, so no new name's entry meets the old one's in the kernel (chunks are separate transactions)."""
+    from kproxy.backends.nftables import plan
+
+    monkeypatch.setattr(plan, "CHUNK", 40)
+    monkeypatch.setattr(plan, "NETLINK_CHUNK", 60)
+    old = [sp(f"s{i:03d}", f"198.19.1.{i}", tuple(f"198.18.2.{i % 200 + j}" for j in range(3))) for i in range(70)]
+    new = [sp(f"t{i:03d}", s.cluster_ip, tuple(e.ip for e in s.cluster_endpoints[:2])) for i, s in enumerate(old)]
+    p = NftablesProxier(CFG, netns=netns)
+    try:
+        assert p.sync(state(*old), Changes(full=True)).ok
+        res = p.sync(state(*new, gen=2), Changes(full=True))
+        assert res.ok, res.error
+        assert res.family(IPFamily.V4).figures["transactions"] > 3
+        report = p.verify(state(*new, gen=2))
+        assert report["drift"] == 0 and not report["errors"] and not report["extra"], report
+        listing = nft_list(netns, "list", "map", "ip", "kproxy", "service-ips")
+        assert "ns1/t069:p/TCP" in listing and "ns1/s000:p/TCP" not in listing
+    finally:
+        p.close()
