@@ -1,5 +1,8 @@
-"""First full sync at N x 10 under nftables; prints the sync's seconds and CPU split.
-usage: fullsync.py N (inside a throwaway netns)"""
+"""First full sync at N x 10 under nftables; prints the sync's seconds, CPU split, timings and figures.
+usage: fullsync.py N [OUT]   (inside a throwaway netns)
+- OUT: also write the transaction that builds the table from nothing (the old `nft -f` floor's input) to OUT;
+- CHUNK=N in the environment sets the libnftables chunk size; VERIFY=1 reads the table back;
+- /tmp/kpt-sync-start holds the pid while the sync runs (for `perf record -p`), /tmp/kpt-sync-end marks its end."""
 import os, sys, time
 from kproxy.bench.syncparts import BenchState, NODE, CLUSTER_CIDR
 from kproxy.cache import ServiceCache
@@ -24,8 +27,12 @@ t1 = time.perf_counter(); c1 = os.times()
 print("timings", {k: round(v, 2) for k, v in r.timings.items()})
 print(f"sync ok={r.ok} wall={t1-t0:.2f} user={c1.user-c0.user:.2f} sys={c1.system-c0.system:.2f}", flush=True)
 open("/tmp/kpt-sync-end", "w").write("1")
-print("figures", {k: v for k, v in be.describe_last().items()} if hasattr(be, "describe_last") else be._counts)
+print("figures", be._counts)
+if len(sys.argv) > 2:
+    text = be.fresh_transaction(IPFamily.V4)
+    open(sys.argv[2], "w").write(text)
+    print("fresh text", len(text), "characters", text.count("\n"), "lines")
 if os.environ.get("VERIFY"):
     t0 = time.perf_counter(); rep = be.verify(state)
-    print("verify", time.perf_counter() - t0, rep.ok if hasattr(rep, "ok") else rep, str(rep)[:500])
+    print("verify", round(time.perf_counter() - t0, 2), rep)
 be.cleanup(); be.close()
