@@ -70,8 +70,9 @@ few seconds (docs/PERFORMANCE.md). Elements go in one ``add element`` / ``delete
 element per line (thousands of small commands cost libnftables several times as much). A partial sync writes the
 dirty services' element changes (and a shared chain the first time a count appears, its removal with the last user).
 The one exception to "one transaction": a big full sync (over 10,000 elements) is applied as transactions of whole
-services, the fixed part and shared chains first (through libnftables) and their removal last, so every service
-still changes atomically and every intermediate state is a consistent mix of old and new services (as the iptables
+services, the fixed part and shared chains first (through libnftables), then the services that go (one added in the
+same batch may take an address a removed one holds), and the shared chains' removal last, so every service still
+changes atomically and every intermediate state is a consistent mix of old and new services (as the iptables
 backend's chunked restores). Its chunks of 50,000 elements are netlink batches: each transaction that adds a
 ``goto`` element makes the kernel walk every verdict-map element at its commit, so fewer, bigger ones cost less
 (a chunk libnftables parses stays near 10,000 elements: it holds a few kB per element). Each chunk is applied in the

@@ -5,8 +5,9 @@ A partial batch is one transaction of the dirty services' element changes, plus 
 endpoint count appears and its removal with its last user. A full batch ensures the fixed part, reconciles the
 context sets, the shared chains and the hairpin set, writes the services the adoption does not show unchanged and
 removes what nothing wants; a big one is split into chunks of whole services (``CHUNK`` elements each, or
-``NETLINK_CHUNK`` for the chunks written as netlink batches, ``nlwrite``), the fixed part and shared chains first and
-their removal last, so every intermediate state is a consistent mix of old and new services. Why chunks, and their
+``NETLINK_CHUNK`` for the chunks written as netlink batches, ``nlwrite``), the fixed part and shared chains first, then
+the services that go, and the chains' removal last, so every intermediate state is a consistent mix of old and new
+services. Why chunks, and their
 sizes: docs/PERFORMANCE.md and the package docstring.
 """
 
