@@ -126,6 +126,15 @@ def creates_objects(family: IPFamily, text: str) -> bool:
 Change = tuple[ServicePortName, Fragment | None, Fragment | None]
 
 
+def _send_now(nft: Nft, writer: nlwrite.Writer | None, tx: render.Transaction) -> Result | None:
+    """``tx`` sent as ``apply_chunks`` sends it (a netlink batch when ``nlwrite`` encodes it, else libnftables) and
+    waited for, encoded before the timed send; None when the kernel refused the batch."""
+    messages = nlwrite.encode(tx) if writer is not None else None
+    if writer is not None and messages:
+        return writer.submit(tx.family, messages).result()
+    return nft.run(tx.text())
+
+
 def partial_floor(
     nft: Nft, changes: dict[IPFamily, list[Change]], writer: nlwrite.Writer | None = None
 ) -> float | None:
@@ -140,8 +149,7 @@ def partial_floor(
             render.change_service(undo, spn, new, old)
             render.change_service(redo, spn, old, new)
         for what, tx in (("undoing", undo), ("replaying", redo)):
-            messages = nlwrite.encode(tx) if writer is not None else None
-            res = writer.submit(fam, messages).result() if writer is not None and messages else nft.run(tx.text())
+            res = _send_now(nft, writer, tx)
             if res is None or not res.ok:
                 error = nft_tools.summary(res.error) if res is not None else "the kernel refused the netlink batch"
                 log.warning("partial floor: %s the last change failed: %s", what, error)
@@ -161,8 +169,7 @@ def netlink_floor(netns: str, chunks: Iterable[Chunk]) -> float | None:
     total = 0.0
     try:
         for chunk in chunks:
-            messages = nlwrite.encode(chunk.tx)
-            res = writer.submit(chunk.tx.family, messages).result() if messages else nft.run(chunk.tx.text())
+            res = _send_now(nft, writer, chunk.tx)
             if res is None or not res.ok:
                 log.warning("floor: the kernel refused a transaction: %s", res.error if res else "a netlink batch")
                 return None

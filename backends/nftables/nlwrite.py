@@ -51,19 +51,23 @@ from .transaction import Transaction
 
 # nfnetlink and nf_tables numbers (include/uapi/linux/netfilter/nfnetlink.h, nf_tables.h, netlink.h)
 _BATCH_BEGIN, _BATCH_END = 0x10, 0x11  # NFNL_MSG_BATCH_*
-_NEWSETELEM, _DELSETELEM = 12, 14  # NFT_MSG_*
+_NEWSETELEM, _DELSETELEM = netlink.NFT_MSG_NEWSETELEM, netlink.NFT_MSG_DELSETELEM
 _NLM_F_ACK, _NLM_F_CREATE = 0x4, 0x400
-_LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3  # NFTA_SET_ELEM_LIST_*
-_LIST_ELEM = 1  # NFTA_LIST_ELEM
-_ELEM_KEY, _ELEM_DATA, _ELEM_USERDATA = 1, 2, 6  # NFTA_SET_ELEM_*
-_DATA_VALUE, _DATA_VERDICT = 1, 2  # NFTA_DATA_*
-_VERDICT_CODE, _VERDICT_CHAIN = 1, 2  # NFTA_VERDICT_*
-_NESTED = 0x8000  # NLA_F_NESTED, as libmnl sets it on every nest
-_UDATA_COMMENT = 0  # NFTNL_UDATA_SET_ELEM_COMMENT
+_LIST_TABLE, _LIST_SET = netlink.NFTA_SET_ELEM_LIST_TABLE, netlink.NFTA_SET_ELEM_LIST_SET
+_LIST_ELEMENTS, _LIST_ELEM = netlink.NFTA_SET_ELEM_LIST_ELEMENTS, netlink.NFTA_LIST_ELEM
+_ELEM_KEY, _ELEM_DATA, _ELEM_USERDATA = (
+    netlink.NFTA_SET_ELEM_KEY,
+    netlink.NFTA_SET_ELEM_DATA,
+    netlink.NFTA_SET_ELEM_USERDATA,
+)
+_DATA_VALUE, _DATA_VERDICT = netlink.NFTA_DATA_VALUE, netlink.NFTA_DATA_VERDICT
+_VERDICT_CODE, _VERDICT_CHAIN = netlink.NFTA_VERDICT_CODE, netlink.NFTA_VERDICT_CHAIN
+_NESTED = netlink.NLA_F_NESTED
+_UDATA_COMMENT = netlink.NFTNL_UDATA_SET_ELEM_COMMENT
 _SOL_NETLINK, _NETLINK_CAP_ACK = 270, 10
 _SO_SNDBUFFORCE, _SO_RCVBUFFORCE = 32, 33  # asm-generic/socket.h; not in Python's socket module
 _MESSAGE_MAX = 60_000  # bytes of elements per message: the element list's attribute length is a u16
-_VERDICT_CODES = {"drop": 0, "accept": 1, "continue": -1, "return": -5, "jump": -3, "goto": -4}
+_VERDICT_CODES = {word: code for code, word in netlink.VERDICTS.items()}
 _PROTOCOLS = {"tcp": 6, "udp": 17, "sctp": 132}
 
 log = logging.getLogger(__name__)
@@ -259,8 +263,6 @@ def element(shape: Shape, line: str, *, key_only: bool = False) -> bytes:
     head, sep, value = line.partition(" : ")
     if key_only:
         return shape.key_only_head + shape.key_head + shape.pack_key(head)
-    if shape.value and '"' not in head:  # a slot: no comment, data of a fixed size (no value: its field fails)
-        return shape.plain_head + shape.key_head + shape.pack_key(head) + shape.value_head + shape.pack_value(value)
     key, csep, comment = head.partition(' comment "')
     out = shape.key_head + shape.pack_key(key)
     if shape.value is None:

@@ -38,17 +38,26 @@ from kproxy.toolkit import netlink
 
 from . import layout
 
-# nf_tables' set-element messages and attributes (linux/netfilter/nf_tables.h)
-_GETSETELEM, _NEWSETELEM = 13, 12  # NFT_MSG_*
+# nf_tables' set-element messages and attributes (shared with the writer: ``kproxy.toolkit.netlink``)
+_GETSETELEM, _NEWSETELEM = netlink.NFT_MSG_GETSETELEM, netlink.NFT_MSG_NEWSETELEM
 _NEWSETELEM_TYPE = netlink.nft_type(_NEWSETELEM)
-_LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3  # NFTA_SET_ELEM_LIST_*
-_LIST_ELEM = 1  # NFTA_LIST_ELEM
-_ELEM_KEY, _ELEM_DATA, _ELEM_USERDATA, _ELEM_EXPR, _ELEM_EXPRESSIONS = 1, 2, 6, 7, 11  # NFTA_SET_ELEM_*
-_DATA_VERDICT, _VERDICT_CODE, _VERDICT_CHAIN = 2, 1, 2  # NFTA_DATA_VERDICT, NFTA_VERDICT_*
-#: verdict codes (linux/netfilter.h, nf_tables.h) as nft spells them; jump and goto name their chain
-_VERDICTS = {0: "drop", 1: "accept", -1: "continue", -2: "break", -3: "jump", -4: "goto", -5: "return"}
-_UDATA_COMMENT = 0  # NFTNL_UDATA_SET_ELEM_COMMENT: libnftnl's user data is (type u8, length u8, value) records
-_DATA_VALUE, _EXPR_NAME, _EXPR_DATA, _COUNTER_BYTES, _COUNTER_PACKETS = 1, 1, 2, 1, 2
+_LIST_TABLE, _LIST_SET = netlink.NFTA_SET_ELEM_LIST_TABLE, netlink.NFTA_SET_ELEM_LIST_SET
+_LIST_ELEMENTS, _LIST_ELEM = netlink.NFTA_SET_ELEM_LIST_ELEMENTS, netlink.NFTA_LIST_ELEM
+_ELEM_KEY, _ELEM_DATA, _ELEM_USERDATA = (
+    netlink.NFTA_SET_ELEM_KEY,
+    netlink.NFTA_SET_ELEM_DATA,
+    netlink.NFTA_SET_ELEM_USERDATA,
+)
+_ELEM_EXPR, _ELEM_EXPRESSIONS = 7, 11  # NFTA_SET_ELEM_EXPR, NFTA_SET_ELEM_EXPRESSIONS
+_DATA_VERDICT, _VERDICT_CODE, _VERDICT_CHAIN = (
+    netlink.NFTA_DATA_VERDICT,
+    netlink.NFTA_VERDICT_CODE,
+    netlink.NFTA_VERDICT_CHAIN,
+)
+_VERDICTS = netlink.VERDICTS
+_UDATA_COMMENT = netlink.NFTNL_UDATA_SET_ELEM_COMMENT
+_DATA_VALUE = netlink.NFTA_DATA_VALUE
+_EXPR_NAME, _EXPR_DATA, _COUNTER_BYTES, _COUNTER_PACKETS = 1, 2, 1, 2
 _RECV = 1 << 16  # a dump's datagram is at most ~32 KB (the kernel's cap on its continuation buffers)
 _TIMEOUT_S = 30.0
 

@@ -1,6 +1,7 @@
 """Netlink as nf_tables speaks it, for the two raw ``NETLINK_NETFILTER`` readers (the drift watcher's notification
-listener, ``kproxy.drift``, and the nftables mode's set element dumps, ``setdump``): the header structs, the
-constants both use, the walk over a datagram's messages and over a payload's attributes, and their encoders.
+listener, ``kproxy.drift``, and the nftables mode's set element dumps, ``setdump``) and its one writer (the
+nftables mode's element batches, ``nlwrite``): the header structs, the constants they share, the walk over a
+datagram's messages and over a payload's attributes, and their encoders.
 
 Decisions:
 
@@ -30,6 +31,19 @@ NFGEN_HDR = struct.Struct("=BBH")  # family, version, res_id (big endian)
 NLA_HDR = struct.Struct("=HH")  # len, type
 NFNL_HDRLEN = NLMSG_HDR.size + NFGEN_HDR.size  # where an nf_tables message's attributes start
 NLA_TYPE_MASK = 0x3FFF  # the type without NLA_F_NESTED and NLA_F_NET_BYTEORDER
+NLA_F_NESTED = 0x8000  # libmnl sets it on every nest
+
+# nf_tables' set-element messages and attributes (linux/netfilter/nf_tables.h), read by the element dumps
+# (``setdump``) and written by the nftables mode's netlink writer (``nlwrite``)
+NFT_MSG_NEWSETELEM, NFT_MSG_GETSETELEM, NFT_MSG_DELSETELEM = 12, 13, 14
+NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET, NFTA_SET_ELEM_LIST_ELEMENTS = 1, 2, 3
+NFTA_LIST_ELEM = 1
+NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_DATA, NFTA_SET_ELEM_USERDATA = 1, 2, 6
+NFTA_DATA_VALUE, NFTA_DATA_VERDICT = 1, 2
+NFTA_VERDICT_CODE, NFTA_VERDICT_CHAIN = 1, 2
+NFTNL_UDATA_SET_ELEM_COMMENT = 0  # libnftnl's user data is (type u8, length u8, value) records
+#: verdict codes (linux/netfilter.h, nf_tables.h) as nft spells them; jump and goto name their chain
+VERDICTS = {0: "drop", 1: "accept", -1: "continue", -2: "break", -3: "jump", -4: "goto", -5: "return"}
 
 
 def align(n: int) -> int:
